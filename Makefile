@@ -1,0 +1,27 @@
+# kubeproxy: the two commands that matter are `make run` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+
+.PHONY: setup run test lint typecheck unit clean
+
+setup:
+	@./scripts/setup.sh
+
+# Program a network namespace from the bundled example cluster and show a real
+# connection through a ClusterIP.
+run: setup
+	$(PY) -m kubeproxy.cmd.demo examples/cluster
+
+lint: setup
+	$(VENV)/bin/ruff check kubeproxy tests bench
+	$(VENV)/bin/ruff format --check kubeproxy tests bench
+
+typecheck: setup
+	$(VENV)/bin/mypy
+
+test: setup lint typecheck
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

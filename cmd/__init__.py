@@ -1,0 +1,1 @@
+"""Entry points: flag and config parsing, wiring a source, a backend and servers."""

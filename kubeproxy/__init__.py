@@ -1,0 +1,1 @@
+"""kubeproxy: Kubernetes service proxying for Linux, as a reusable core plus renderers."""

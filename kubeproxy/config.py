@@ -1,0 +1,112 @@
+"""Settings a proxier needs, independent of where they came from (flags, config file, tests).
+
+These are the proxier-facing part of upstream's KubeProxyConfiguration: field meanings and
+defaults follow upstream. Decoding the configuration file lives elsewhere; this module only
+holds validated values.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from kubeproxy.objects import IPFamily, IPNetwork
+
+__all__ = [
+    "LocalDetectMode",
+    "LocalDetector",
+    "ProxierConfig",
+]
+
+
+class LocalDetectMode(StrEnum):
+    """How a proxier tells traffic from local pods apart from other traffic."""
+
+    NONE = "None"
+    CLUSTER_CIDR = "ClusterCIDR"
+    NODE_CIDR = "NodeCIDR"
+    BRIDGE_INTERFACE = "BridgeInterface"
+    INTERFACE_NAME_PREFIX = "InterfaceNamePrefix"
+
+
+@dataclass(frozen=True, slots=True)
+class LocalDetector:
+    """The local-traffic detector: by source CIDR, by input interface, or none.
+
+    ``cidrs`` serves the two CIDR modes (for NodeCIDR they are filled from the Node's
+    pod CIDRs); ``interface`` is the bridge name or the interface-name prefix.
+    """
+
+    mode: LocalDetectMode = LocalDetectMode.NONE
+    cidrs: tuple[IPNetwork, ...] = ()
+    interface: str = ""
+
+    def for_family(self, family: IPFamily) -> LocalDetector:
+        """The detector as the proxier of one family sees it.
+
+        A CIDR mode without a CIDR of this family detects nothing (upstream logs this and
+        runs without detection for that family).
+        """
+        if self.mode in (LocalDetectMode.CLUSTER_CIDR, LocalDetectMode.NODE_CIDR):
+            mine = tuple(c for c in self.cidrs if c.version == family.version)
+            if not mine:
+                return LocalDetector()
+            return LocalDetector(self.mode, mine[:1])
+        return self
+
+    @property
+    def implemented(self) -> bool:
+        """Whether this detector can tell local traffic at all."""
+        if self.mode in (LocalDetectMode.CLUSTER_CIDR, LocalDetectMode.NODE_CIDR):
+            return bool(self.cidrs)
+        if self.mode in (LocalDetectMode.BRIDGE_INTERFACE, LocalDetectMode.INTERFACE_NAME_PREFIX):
+            return bool(self.interface)
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class ProxierConfig:
+    """Everything a proxier of one node needs besides the objects it proxies.
+
+    ``node_port_addresses`` holds CIDRs and the keywords ``primary``, ``localhost`` and
+    ``all`` as upstream's ``nodePortAddresses``; empty means the backend's default
+    (``primary`` for nftables, all addresses for iptables and ipvs). ``service_cidrs``
+    is the fallback used to drop traffic to unallocated service IPs when the API offers
+    no ServiceCIDR objects. Periods are in seconds.
+    """
+
+    node_name: str
+    masquerade_all: bool = False
+    masquerade_bit: int = 14
+    local_detector: LocalDetector = field(default_factory=LocalDetector)
+    node_port_addresses: tuple[str, ...] = ()
+    service_cidrs: tuple[IPNetwork, ...] = ()
+    sync_period: float = 30.0
+    min_sync_period: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.masquerade_bit <= 31:
+            raise ValueError(f"masqueradeBit: must be in [0, 31], got {self.masquerade_bit}")
+        if self.sync_period <= 0:
+            raise ValueError(f"syncPeriod: must be greater than 0, got {self.sync_period}")
+        if not 0 <= self.min_sync_period <= self.sync_period:
+            raise ValueError(
+                "minSyncPeriod: must be between 0 and syncPeriod "
+                f"({self.sync_period}s), got {self.min_sync_period}"
+            )
+        for entry in self.node_port_addresses:
+            if entry in ("primary", "localhost", "all"):
+                continue
+            try:
+                ipaddress.ip_network(entry, strict=False)
+            except ValueError:
+                raise ValueError(
+                    f"nodePortAddresses: {entry!r} is neither a CIDR nor one of "
+                    "primary, localhost, all"
+                ) from None
+
+    @property
+    def masquerade_mark(self) -> int:
+        """The packet-mark bit that asks for masquerading (``1 << masqueradeBit``)."""
+        return 1 << self.masquerade_bit

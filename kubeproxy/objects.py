@@ -1,0 +1,216 @@
+"""Plain-data views of Services, endpoints and the node, as the proxy core hands them out.
+
+Everything here is a frozen, slotted dataclass built from an already validated Kubernetes
+object (see :mod:`kubeproxy.parse`). Backends read these; nothing here talks to the kernel.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TypeAlias
+
+IPAddress: TypeAlias = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork: TypeAlias = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+__all__ = [
+    "CategorizedEndpoints",
+    "Endpoint",
+    "IPAddress",
+    "IPFamily",
+    "IPNetwork",
+    "NamespacedName",
+    "NodeInfo",
+    "Protocol",
+    "ServicePort",
+    "ServicePortName",
+    "endpoint_string",
+]
+
+
+class IPFamily(StrEnum):
+    """An IP family, spelled as Kubernetes spells it (`ipFamilies`, `addressType`)."""
+
+    IPV4 = "IPv4"
+    IPV6 = "IPv6"
+
+    @property
+    def version(self) -> int:
+        """4 or 6, as :attr:`ipaddress.IPv4Address.version` says."""
+        return 4 if self is IPFamily.IPV4 else 6
+
+    @property
+    def other(self) -> IPFamily:
+        """The other family (for dual-stack fan-out)."""
+        return IPFamily.IPV6 if self is IPFamily.IPV4 else IPFamily.IPV4
+
+    @classmethod
+    def of(cls, address: IPAddress | IPNetwork) -> IPFamily:
+        """The family of an address or network."""
+        return cls.IPV4 if address.version == 4 else cls.IPV6
+
+
+class Protocol(StrEnum):
+    """A Service port's protocol."""
+
+    TCP = "TCP"
+    UDP = "UDP"
+    SCTP = "SCTP"
+
+    @property
+    def lower(self) -> str:
+        """The protocol as the kernel tools spell it (`tcp`, `udp`, `sctp`)."""
+        return self.value.lower()
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class NamespacedName:
+    """The identity of a namespaced object."""
+
+    namespace: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class ServicePortName:
+    """The key of every per-port map: a Service, one of its port names, and the protocol.
+
+    Printed like upstream: ``ns/name:port`` or ``ns/name`` when the port is unnamed.
+    """
+
+    service: NamespacedName
+    port: str
+    protocol: Protocol
+
+    def __str__(self) -> str:
+        if self.port:
+            return f"{self.service}:{self.port}"
+        return str(self.service)
+
+
+def endpoint_string(ip: IPAddress, port: int) -> str:
+    """``IP:port``, with IPv6 addresses bracketed: the identity of an endpoint."""
+    if ip.version == 6:
+        return f"[{ip}]:{port}"
+    return f"{ip}:{port}"
+
+
+@dataclass(frozen=True, slots=True)
+class ServicePort:
+    """One port of a Service, seen by the proxier of one IP family.
+
+    Only addresses of that family appear. ``session_affinity_seconds`` is 0 when the
+    Service has no ClientIP affinity. ``health_check_node_port`` is 0 unless the Service
+    is a LoadBalancer with ``externalTrafficPolicy: Local``.
+    """
+
+    name: ServicePortName
+    cluster_ip: IPAddress
+    port: int
+    protocol: Protocol
+    node_port: int = 0
+    external_ips: tuple[IPAddress, ...] = ()
+    load_balancer_vips: tuple[IPAddress, ...] = ()
+    load_balancer_source_ranges: tuple[IPNetwork, ...] = ()
+    session_affinity_seconds: int = 0
+    internal_policy_local: bool = False
+    external_policy_local: bool = False
+    health_check_node_port: int = 0
+
+    def __str__(self) -> str:
+        return f"{endpoint_string(self.cluster_ip, self.port)}/{self.protocol.value}"
+
+    @property
+    def session_affinity(self) -> bool:
+        """Whether ClientIP session affinity is on."""
+        return self.session_affinity_seconds > 0
+
+    @property
+    def externally_accessible(self) -> bool:
+        """Reachable from outside the cluster: a NodePort, a load-balancer VIP or an external IP."""
+        return bool(self.node_port or self.load_balancer_vips or self.external_ips)
+
+    @property
+    def uses_cluster_endpoints(self) -> bool:
+        """Whether any path to this port uses cluster-wide endpoints.
+
+        True unless internal traffic is Local and nothing external reaches the port:
+        ``externalTrafficPolicy: Local`` still sends in-cluster traffic to external
+        destinations to every endpoint (the pod and host short-circuit).
+        """
+        return not self.internal_policy_local or self.externally_accessible
+
+    @property
+    def uses_local_endpoints(self) -> bool:
+        """Whether any path to this port uses node-local endpoints only."""
+        return self.internal_policy_local or (
+            self.external_policy_local and self.externally_accessible
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One backend of a Service port, merged from the Service's EndpointSlices."""
+
+    ip: IPAddress
+    port: int
+    is_local: bool = False
+    ready: bool = True
+    serving: bool = True
+    terminating: bool = False
+    zone_hints: frozenset[str] = frozenset()
+    node_hints: frozenset[str] = frozenset()
+    key: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        # The IP:port string is the endpoint's identity everywhere (sorting, dedup,
+        # rule names); compute it once.
+        object.__setattr__(self, "key", endpoint_string(self.ip, self.port))
+
+    def __str__(self) -> str:
+        return self.key
+
+
+@dataclass(frozen=True, slots=True)
+class CategorizedEndpoints:
+    """The endpoints of one Service port after traffic policy and topology.
+
+    ``cluster`` serves traffic under the Cluster policy (topology-filtered, or the
+    serving-terminating fallback); ``local`` serves traffic under a Local policy;
+    ``all_reachable`` is every endpoint some path may reach; ``has_any`` says whether the
+    Service has any usable endpoint anywhere (no: REJECT; yes but none local under a Local
+    policy: DROP).
+    """
+
+    cluster: tuple[Endpoint, ...] = ()
+    local: tuple[Endpoint, ...] = ()
+    all_reachable: tuple[Endpoint, ...] = ()
+    has_any: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """What the proxy knows of its own Node.
+
+    ``addresses`` are the node's host IPs (primary first); ``pod_cidrs`` its
+    ``spec.podCIDRs``; ``zone`` the ``topology.kubernetes.io/zone`` label.
+    """
+
+    name: str
+    zone: str = ""
+    addresses: tuple[IPAddress, ...] = ()
+    pod_cidrs: tuple[IPNetwork, ...] = ()
+    deleting: bool = False
+    to_be_deleted_taint: bool = False
+
+    def addresses_of(self, family: IPFamily) -> tuple[IPAddress, ...]:
+        """The node's host IPs of one family, primary first."""
+        return tuple(a for a in self.addresses if a.version == family.version)
+
+    def pod_cidrs_of(self, family: IPFamily) -> tuple[IPNetwork, ...]:
+        """The node's pod CIDRs of one family."""
+        return tuple(c for c in self.pod_cidrs if c.version == family.version)

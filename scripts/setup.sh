@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Sets up a fresh Debian machine (as root) for running and testing kubeproxy:
+# the kernel tools the backends drive, then a virtualenv with the package installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+APT_PACKAGES="nftables libnftables1 iptables conntrack ipset iproute2 socat curl procps"
+
+missing=""
+for pkg in $APT_PACKAGES; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing="$missing $pkg"
+done
+if [ -n "$missing" ]; then
+    if [ "$(id -u)" != 0 ]; then
+        echo "setup: need root to install:$missing" >&2
+        exit 1
+    fi
+    echo "setup: installing apt packages:$missing"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
+fi
+
+PYTHON=${PYTHON:-python3}
+if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+    echo "setup: kubeproxy needs Python 3.11 or newer ($PYTHON is older)" >&2
+    exit 1
+fi
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV"
+fi
+stamp="$VENV/.installed-$(sha256sum pyproject.toml | cut -c1-16)"
+if [ ! -e "$stamp" ]; then
+    "$VENV/bin/pip" install -q --upgrade pip
+    "$VENV/bin/pip" install -q -e '.[dev]'
+    rm -f "$VENV"/.installed-*
+    touch "$stamp"
+fi
+echo "setup: ready ($VENV)"
