@@ -1,0 +1,241 @@
+"""BoundedFrequencyRunner timing rules, driven by a fake clock (no real sleeping)."""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+
+from kubeproxy.runner import BoundedFrequencyRunner, MonotonicClock, RunFailed
+
+
+class FakeClock:
+    """A clock whose time only moves inside wait(), running scheduled actions on the way."""
+
+    def __init__(self, stop: threading.Event) -> None:
+        self.t = 0.0
+        self.stop = stop
+        self._actions: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = 0
+        self.waits: list[tuple[float, float]] = []
+
+    def now(self) -> float:
+        return self.t
+
+    def at(self, when: float, action: Callable[[], None]) -> None:
+        self._seq += 1
+        heapq.heappush(self._actions, (when, self._seq, action))
+
+    def wait(self, event: threading.Event, timeout: float) -> bool:
+        self.waits.append((self.t, timeout))
+        deadline = self.t + timeout
+        while True:
+            # The runner turns `stop` into a wake-up from a helper thread; the fake sees
+            # it directly so the test stays deterministic.
+            if event.is_set() or self.stop.is_set():
+                return True
+            if not self._actions or self._actions[0][0] > deadline:
+                assert deadline < 1e6, "runner would wait forever"
+                self.t = deadline
+                return event.is_set()
+            when, _, action = heapq.heappop(self._actions)
+            self.t = max(self.t, when)
+            action()
+
+
+class Harness:
+    def __init__(
+        self,
+        min_interval: float = 1.0,
+        retry_interval: float = 5.0,
+        max_interval: float = 10.0,
+    ) -> None:
+        self.stop = threading.Event()
+        self.clock = FakeClock(self.stop)
+        self.runs: list[float] = []
+        self.behaviour: list[Callable[[], None]] = []
+        self.runner = BoundedFrequencyRunner(
+            "test-runner",
+            self._fn,
+            min_interval,
+            retry_interval,
+            max_interval,
+            clock=self.clock,
+        )
+
+    def _fn(self) -> None:
+        self.runs.append(self.clock.t)
+        if self.behaviour:
+            self.behaviour.pop(0)()
+
+    def loop_until(self, end: float) -> list[float]:
+        self.clock.at(end, self.stop.set)
+        self.runner.loop(self.stop)
+        return self.runs
+
+
+def fail() -> None:
+    raise RuntimeError("kernel said no")
+
+
+def test_without_requests_runs_every_max_interval() -> None:
+    h = Harness()
+    assert h.loop_until(35) == [10, 20, 30]
+
+
+def test_request_before_loop_runs_at_once() -> None:
+    h = Harness()
+    h.runner.run()
+    assert h.loop_until(25) == [0, 10, 20]
+
+
+def test_requests_coalesce_and_wait_min_interval() -> None:
+    h = Harness()
+    h.runner.run()
+    for t in (0.2, 0.5, 0.7):
+        h.clock.at(t, h.runner.run)
+    # One run for the three requests, held back to the end of the min interval; the
+    # periodic run then counts from that run.
+    assert h.loop_until(12) == [0, 1, 11]
+
+
+def test_request_after_min_interval_runs_immediately() -> None:
+    h = Harness()
+    h.runner.run()
+    h.clock.at(3, h.runner.run)
+    h.clock.at(3.5, h.runner.run)
+    assert h.loop_until(14.5) == [0, 3, 4, 14]
+
+
+def test_failure_retries_after_retry_interval(caplog: pytest.LogCaptureFixture) -> None:
+    h = Harness()
+    h.behaviour = [fail]
+    h.runner.run()
+    with caplog.at_level(logging.ERROR, logger="kubeproxy.runner"):
+        assert h.loop_until(16) == [0, 5, 15]
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1
+    assert "test-runner" in errors[0].getMessage()
+    assert "kernel said no" in errors[0].getMessage()
+    assert errors[0].exc_info is not None
+
+
+def test_retry_is_capped_by_max_interval() -> None:
+    h = Harness(retry_interval=30)
+    h.behaviour = [fail]
+    h.runner.run()
+    assert h.loop_until(21) == [0, 10, 20]
+
+
+def test_retry_shorter_than_min_interval_waits_min_interval() -> None:
+    h = Harness(min_interval=2, retry_interval=0.5)
+    h.behaviour = [fail, fail]
+    h.runner.run()
+    assert h.loop_until(13) == [0, 2, 4]
+
+
+def test_repeated_failures_never_stop_the_loop() -> None:
+    h = Harness()
+    h.behaviour = [fail] * 5
+    h.runner.run()
+    assert h.loop_until(31) == [0, 5, 10, 15, 20, 25]
+
+
+def test_run_failed_logs_one_short_line(caplog: pytest.LogCaptureFixture) -> None:
+    def already_logged() -> None:
+        raise RunFailed("sync failed")
+
+    h = Harness()
+    h.behaviour = [already_logged]
+    h.runner.run()
+    with caplog.at_level(logging.ERROR, logger="kubeproxy.runner"):
+        assert h.loop_until(6) == [0, 5]
+    (record,) = caplog.records
+    assert not record.exc_info
+    assert "sync failed" in record.getMessage()
+
+
+def test_request_during_run_triggers_next_run_after_min_interval() -> None:
+    h = Harness()
+
+    def long_run_with_request() -> None:
+        h.clock.t += 0.5  # fn takes half a second
+        h.runner.run()
+
+    h.behaviour = [long_run_with_request]
+    h.runner.run()
+    # The run ends at 0.5, the min interval counts from there.
+    assert h.loop_until(5) == [0, 1.5]
+
+
+def test_long_run_delays_periodic_run() -> None:
+    h = Harness()
+
+    def slow() -> None:
+        h.clock.t += 4
+
+    h.behaviour = [slow]
+    assert h.loop_until(30) == [10, 24]
+
+
+def test_stop_during_min_interval_returns_at_once() -> None:
+    h = Harness(min_interval=5)
+    h.runner.run()
+    h.clock.at(5.5, h.runner.run)
+    runs = h.loop_until(0.3)
+    assert runs == [0]
+    assert h.clock.t == 0.3
+
+
+def test_stop_while_idle_returns_at_once() -> None:
+    h = Harness()
+    assert h.loop_until(4) == []
+    assert h.clock.t == 4
+
+
+def test_zero_min_interval() -> None:
+    h = Harness(min_interval=0)
+    h.runner.run()
+    h.clock.at(0.1, h.runner.run)
+    assert h.loop_until(5) == [0, 0.1]
+
+
+@pytest.mark.parametrize(
+    ("min_interval", "retry", "max_interval"),
+    [(2, 1, 1), (-1, 1, 1), (0, 0, 1), (0, 1, 0)],
+)
+def test_invalid_intervals(min_interval: float, retry: float, max_interval: float) -> None:
+    with pytest.raises(ValueError):
+        BoundedFrequencyRunner("bad", lambda: None, min_interval, retry, max_interval)
+
+
+def test_real_clock_runs_on_request_and_stops_promptly() -> None:
+    ran = threading.Event()
+    count = 0
+
+    def fn() -> None:
+        nonlocal count
+        count += 1
+        ran.set()
+
+    runner = BoundedFrequencyRunner("real", fn, 0.05, 60, 3600, clock=MonotonicClock())
+    stop = threading.Event()
+    thread = threading.Thread(target=runner.loop, args=(stop,))
+    thread.start()
+    try:
+        runner.run()
+        assert ran.wait(5), "runner did not run on request"
+        ran.clear()
+        runner.run()
+        assert ran.wait(5), "runner did not run a second time"
+    finally:
+        started = time.monotonic()
+        stop.set()
+        thread.join(5)
+    assert not thread.is_alive()
+    assert time.monotonic() - started < 1
+    assert count == 2
