@@ -1,0 +1,98 @@
+"""Host address listing: the netlink executor in a namespace of ours, and its fake."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import uuid
+from collections.abc import Iterator
+from ipaddress import ip_address
+from pathlib import Path
+
+import pytest
+
+from kubeproxy.netlink import (
+    FakeHostAddresses,
+    HostAddresses,
+    NetnsNotFoundError,
+    check_netns,
+)
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+@pytest.fixture
+def netns() -> Iterator[str]:
+    name = f"kpxp-{uuid.uuid4().hex[:8]}"
+    ip("netns", "add", name)
+    try:
+        ip("-n", name, "link", "set", "lo", "up")
+        ip("-n", name, "link", "add", "kpxp-br0", "type", "bridge")
+        ip("-n", name, "addr", "add", "10.77.0.1/24", "dev", "kpxp-br0")
+        ip("-n", name, "addr", "add", "10.77.1.1/32", "dev", "kpxp-br0")
+        ip("-n", name, "addr", "add", "fd77::1/64", "dev", "kpxp-br0", "nodad")
+        ip("-n", name, "link", "set", "kpxp-br0", "up")
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "delete", name], check=False, capture_output=True)
+
+
+@pytest.mark.kernel
+def test_lists_addresses_of_a_namespace(netns: str) -> None:
+    found = HostAddresses().list_addresses(netns)
+    expected = {ip_address(a) for a in ("127.0.0.1", "::1", "10.77.0.1", "10.77.1.1", "fd77::1")}
+    assert expected <= set(found)
+    # Only link-local IPv6 addresses may come on top (the bridge's fe80::).
+    assert all(a.is_link_local for a in set(found) - expected)
+    assert found == sorted(set(found), key=lambda a: (a.version, int(a)))
+
+
+@pytest.mark.kernel
+def test_lists_from_another_thread(netns: str) -> None:
+    results: list[object] = []
+    thread = threading.Thread(target=lambda: results.append(HostAddresses().list_addresses(netns)))
+    thread.start()
+    thread.join(30)
+    assert results and ip_address("10.77.0.1") in results[0]  # type: ignore[operator]
+
+
+@pytest.mark.kernel
+def test_missing_namespace_raises_and_is_not_created() -> None:
+    name = f"kpxp-missing-{uuid.uuid4().hex[:6]}"
+    with pytest.raises(NetnsNotFoundError, match=name):
+        HostAddresses().list_addresses(name)
+    assert not os.path.exists(f"/run/netns/{name}")
+
+
+def test_missing_namespace_checked_in_given_directory(tmp_path: Path) -> None:
+    (tmp_path / "kpxp-there").touch()
+    check_netns("kpxp-there", tmp_path)
+    with pytest.raises(NetnsNotFoundError):
+        HostAddresses(netns_dir=tmp_path).list_addresses("kpxp-absent")
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "a/b", "../etc"])
+def test_invalid_namespace_names(name: str) -> None:
+    with pytest.raises(ValueError):
+        check_netns(name)
+
+
+def test_fake_lists_sorted_unique_per_namespace() -> None:
+    fake = FakeHostAddresses(
+        [ip_address("fd00::1"), ip_address("10.0.0.2"), ip_address("10.0.0.1")],
+        namespaces={"kpxp-x": [ip_address("192.0.2.1"), ip_address("192.0.2.1")]},
+    )
+    assert fake.list_addresses() == [
+        ip_address("10.0.0.1"),
+        ip_address("10.0.0.2"),
+        ip_address("fd00::1"),
+    ]
+    assert fake.list_addresses("kpxp-x") == [ip_address("192.0.2.1")]
+    with pytest.raises(NetnsNotFoundError):
+        fake.list_addresses("kpxp-y")
+    fake.set_addresses([ip_address("10.9.9.9")])
+    assert fake.list_addresses() == [ip_address("10.9.9.9")]
+    assert fake.calls == 4
