@@ -2,6 +2,9 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+# The top-level cmd/ folder would shadow the standard library's `cmd` if the working
+# directory were put on sys.path (python -m does that); never let it be.
+export PYTHONSAFEPATH := 1
 
 .PHONY: setup run test lint typecheck unit clean
 
@@ -21,7 +24,7 @@ typecheck: setup
 	$(VENV)/bin/mypy
 
 test: setup lint typecheck
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -58,8 +58,10 @@ class Protocol(StrEnum):
     UDP = "UDP"
     SCTP = "SCTP"
 
+    # A property shadowing str.lower keeps rule-building code short (`proto.lower`); calling
+    # `Protocol.TCP.lower()` is therefore an error, use `.lower` without parentheses.
     @property
-    def lower(self) -> str:
+    def lower(self) -> str:  # type: ignore[override]
         """The protocol as the kernel tools spell it (`tcp`, `udp`, `sctp`)."""
         return self.value.lower()
 

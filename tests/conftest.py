@@ -15,6 +15,10 @@ import pytest
 LEGITIMATE_SKIP = "kernel lacks"
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
+# Child Pythons started by tests run from the repository root; the top-level cmd/ folder
+# must not shadow the standard library's `cmd` there.
+os.environ["PYTHONSAFEPATH"] = "1"
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Kernel tests need root; outside CI they skip without it, in CI they fail."""
