@@ -1,0 +1,318 @@
+"""EndpointSlice change tracking: pending slices per Service, merged into endpoints per port.
+
+Handlers call :meth:`EndpointsChangeTracker.update` for every EndpointSlice event; the
+tracker keeps the applied and the pending version of every slice, by Service and slice
+name, and says whether the event needs a sync. :meth:`EndpointsMap.apply` folds the
+pending slices in, re-merges the slices of each changed Service and reports what changed.
+Semantics follow upstream's ``EndpointSliceCache`` / ``EndpointsChangeTracker``:
+
+* merging: every slice of a Service, every port of the slice, every endpoint with an
+  address, keyed by :class:`ServicePortName` (Service, port name, protocol); an
+  ``IP:port`` present in several slices keeps the non-terminating copy; each port's
+  endpoints are sorted by their ``IP:port`` string;
+* change detection per slice: an event changes something iff the slice's parsed content
+  differs from its pending version, or, with nothing pending, from its applied version;
+  removing a slice the tracker never saw changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+
+from kubeproxy.handlers import KubeObject
+from kubeproxy.objects import (
+    Endpoint,
+    IPAddress,
+    IPFamily,
+    NamespacedName,
+    Protocol,
+    ServicePortName,
+)
+from kubeproxy.parse import (
+    InvalidObject,
+    ParsedEndpointSlice,
+    endpoint_slice_key,
+    endpoint_with_port,
+    parse_endpoint_slice,
+)
+
+__all__ = [
+    "ANNOTATION_LAST_CHANGE_TRIGGER_TIME",
+    "EndpointsChangeTracker",
+    "EndpointsMap",
+    "EndpointsUpdateResult",
+    "merge_endpoint_slices",
+]
+
+logger = logging.getLogger(__name__)
+
+ANNOTATION_LAST_CHANGE_TRIGGER_TIME = "endpoints.kubernetes.io/last-change-trigger-time"
+"""When the change a slice reflects happened (RFC 3339), for the programming-latency metric."""
+
+_EndpointsByPort = dict[ServicePortName, tuple[Endpoint, ...]]
+_NO_ENDPOINTS: Mapping[ServicePortName, tuple[Endpoint, ...]] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointsUpdateResult:
+    """What one :meth:`EndpointsMap.apply` changed.
+
+    ``updated_services``: Services whose merged endpoints differ from before.
+    ``stale_endpoints``: (port, endpoint) pairs of UDP ports whose ``IP:port`` was there
+    before and is gone now, sorted. ``conntrack_cleanup_required``: some updated Service
+    has a UDP port before or after. ``last_change_trigger_times``: per Service, the
+    trigger times (unix seconds) of the slice changes consumed, newer than the tracker.
+    """
+
+    updated_services: frozenset[NamespacedName]
+    stale_endpoints: tuple[tuple[ServicePortName, Endpoint], ...]
+    conntrack_cleanup_required: bool
+    last_change_trigger_times: dict[NamespacedName, list[float]]
+
+
+def _endpoint_key(endpoint: Endpoint) -> str:
+    return endpoint.key
+
+
+def merge_endpoint_slices(
+    service: NamespacedName, slices: Iterable[ParsedEndpointSlice]
+) -> dict[ServicePortName, tuple[Endpoint, ...]]:
+    """The endpoints of each port of ``service``, merged from its slices.
+
+    Slices are visited in the order given (the tracker passes them sorted by name, so a
+    duplicate ``IP:port`` resolves the same way every time); of duplicates the first
+    non-terminating one wins. Ports without endpoints are left out.
+    """
+    by_port: dict[ServicePortName, dict[str, Endpoint]] = {}
+    for parsed in slices:
+        if not parsed.endpoints:
+            continue
+        for port_name, number, protocol in parsed.ports:
+            name = ServicePortName(service, port_name, protocol)
+            merged = by_port.get(name)
+            if merged is None:
+                merged = by_port[name] = {}
+            for endpoint in parsed.endpoints:
+                if endpoint.port != number:
+                    endpoint = endpoint_with_port(endpoint, number)
+                seen = merged.get(endpoint.key)
+                # A pod moving between slices, or a new pod reusing a terminating pod's
+                # IP, shows up twice for a while; the live one is the one to use.
+                if seen is None or (seen.terminating and not endpoint.terminating):
+                    merged[endpoint.key] = endpoint
+    return {
+        name: tuple(sorted(merged.values(), key=_endpoint_key)) for name, merged in by_port.items()
+    }
+
+
+def _parse_trigger_time(value: object) -> float | None:
+    if not isinstance(value, str):
+        return None
+    try:
+        moment = datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    if moment.tzinfo is None:
+        return None
+    return moment.timestamp()
+
+
+@dataclass(slots=True)
+class _ServiceChange:
+    previous: Mapping[ServicePortName, tuple[Endpoint, ...]]
+    current: _EndpointsByPort
+
+
+class EndpointsChangeTracker:
+    """Applied and pending EndpointSlices of one IP family, by Service and slice name.
+
+    Slices of another address type (the other family, FQDN) are ignored. An invalid slice
+    is logged once per event (the :class:`~kubeproxy.parse.InvalidObject` text, at
+    warning level), counted in :attr:`invalid_objects`, and otherwise ignored: an update
+    that makes a slice invalid keeps the slice's last valid content in place (deleting
+    the slice still removes it; a deletion needs only the slice's name and Service).
+
+    :meth:`update` may be called from other threads than :meth:`EndpointsMap.apply`.
+    """
+
+    def __init__(
+        self, family: IPFamily, node_name: str, *, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.family = family
+        self.node_name = node_name
+        self.total_changes = 0
+        """Slice events of this family received, for metrics."""
+        self.invalid_objects = 0
+        """Slices skipped as invalid, for metrics."""
+        self._start_time = clock()
+        self._lock = threading.Lock()
+        self._applied: dict[NamespacedName, dict[str, ParsedEndpointSlice]] = {}
+        # slice name -> new content, or None for a removal.
+        self._pending: dict[NamespacedName, dict[str, ParsedEndpointSlice | None]] = {}
+        self._pending_slices = 0
+        self._trigger_times: dict[NamespacedName, list[float]] = {}
+        # The merged form of `_applied`, so a change needs to merge only the new state.
+        self._merged: dict[NamespacedName, _EndpointsByPort] = {}
+
+    @property
+    def pending_count(self) -> int:
+        """How many slices have a pending change."""
+        return self._pending_slices
+
+    def update(self, slice_: KubeObject, remove: bool) -> bool:
+        """Record an EndpointSlice add or update, or its removal (``remove``).
+
+        Returns whether this event needs a sync (as upstream; unlike
+        :meth:`ServiceChangeTracker.update`).
+        """
+        parsed: ParsedEndpointSlice | None = None
+        try:
+            if remove:
+                if not isinstance(slice_, Mapping) or slice_.get("addressType") != self.family:
+                    return False
+                service, name = endpoint_slice_key(slice_)
+            else:
+                parsed = parse_endpoint_slice(slice_, self.family, self.node_name)
+                if parsed is None:
+                    return False
+                service, name = parsed.service, parsed.name
+        except InvalidObject as err:
+            logger.warning("%s", err)
+            with self._lock:
+                self.invalid_objects += 1
+            return False
+
+        with self._lock:
+            self.total_changes += 1
+            applied = self._applied.get(service, {}).get(name)
+            pending = self._pending.get(service)
+            if pending is not None and name in pending:
+                changed = pending[name] != parsed
+            else:
+                changed = applied != parsed
+            if not changed:
+                return False
+            self._set_pending(service, name, parsed, applied)
+            if remove:
+                # A deletion carries the time of the slice's last update, not of this
+                # change: no latency sample for it.
+                self._trigger_times.pop(service, None)
+            else:
+                annotations = slice_.get("metadata", {}).get("annotations")
+                if isinstance(annotations, Mapping):
+                    moment = _parse_trigger_time(
+                        annotations.get(ANNOTATION_LAST_CHANGE_TRIGGER_TIME)
+                    )
+                    if moment is not None and moment > self._start_time:
+                        self._trigger_times.setdefault(service, []).append(moment)
+            return True
+
+    def _set_pending(
+        self,
+        service: NamespacedName,
+        name: str,
+        parsed: ParsedEndpointSlice | None,
+        applied: ParsedEndpointSlice | None,
+    ) -> None:
+        pending = self._pending.get(service)
+        if parsed == applied:
+            # Back to what is applied: nothing left to do for this slice.
+            if pending is not None and name in pending:
+                del pending[name]
+                self._pending_slices -= 1
+                if not pending:
+                    del self._pending[service]
+            return
+        if pending is None:
+            pending = self._pending[service] = {}
+        if name not in pending:
+            self._pending_slices += 1
+        pending[name] = parsed
+
+    def _checkout(
+        self,
+    ) -> tuple[dict[NamespacedName, _ServiceChange], dict[NamespacedName, list[float]]]:
+        with self._lock:
+            pending, self._pending = self._pending, {}
+            self._pending_slices = 0
+            trigger_times, self._trigger_times = self._trigger_times, {}
+        changes: dict[NamespacedName, _ServiceChange] = {}
+        for service, slices in pending.items():
+            applied = self._applied.setdefault(service, {})
+            for name, parsed in slices.items():
+                if parsed is None:
+                    applied.pop(name, None)
+                else:
+                    applied[name] = parsed
+            previous = self._merged.pop(service, _NO_ENDPOINTS)
+            if applied:
+                current = merge_endpoint_slices(service, (applied[n] for n in sorted(applied)))
+            else:
+                del self._applied[service]
+                current = {}
+            if current:
+                self._merged[service] = current
+            changes[service] = _ServiceChange(previous, current)
+        return changes, trigger_times
+
+
+class EndpointsMap(dict[ServicePortName, tuple[Endpoint, ...]]):
+    """The merged endpoints of every Service port of one family, as of the last
+    :meth:`apply`. Ports without endpoints are absent.
+
+    Change it only through :meth:`apply`: the map keeps the number of local ready IPs
+    per Service alongside, for the health-check server.
+    """
+
+    __slots__ = ("_local_ready",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._local_ready: dict[NamespacedName, int] = {}
+
+    def apply(self, tracker: EndpointsChangeTracker) -> EndpointsUpdateResult:
+        """Fold the tracker's pending slices into this map, consuming them."""
+        changes, trigger_times = tracker._checkout()
+        updated: list[NamespacedName] = []
+        stale: list[tuple[ServicePortName, Endpoint]] = []
+        conntrack_cleanup = False
+        for service, change in changes.items():
+            previous, current = change.previous, change.current
+            if previous == current:
+                continue
+            updated.append(service)
+            for name in previous:
+                self.pop(name, None)
+            self.update(current)
+            for name, endpoints in previous.items():
+                if name.protocol is not Protocol.UDP:
+                    continue
+                conntrack_cleanup = True
+                still = current.get(name, ())
+                kept = {endpoint.key for endpoint in still}
+                stale.extend((name, e) for e in endpoints if e.key not in kept)
+            if not conntrack_cleanup:
+                conntrack_cleanup = any(name.protocol is Protocol.UDP for name in current)
+            local_ips: set[IPAddress] = set()
+            for endpoints in current.values():
+                local_ips.update(e.ip for e in endpoints if e.is_local and e.ready)
+            if local_ips:
+                self._local_ready[service] = len(local_ips)
+            else:
+                self._local_ready.pop(service, None)
+        stale.sort(key=lambda pair: (pair[0], pair[1].key))
+        return EndpointsUpdateResult(
+            updated_services=frozenset(updated),
+            stale_endpoints=tuple(stale),
+            conntrack_cleanup_required=conntrack_cleanup,
+            last_change_trigger_times=trigger_times,
+        )
+
+    def local_ready_endpoints(self) -> dict[NamespacedName, int]:
+        """Per Service, how many distinct local IPs are ready (terminating ones are not)."""
+        return dict(self._local_ready)

@@ -1,0 +1,211 @@
+"""Service change tracking: collapse pending Service changes, then apply them to a map.
+
+Handlers call :meth:`ServiceChangeTracker.update` for every add, update and delete; the
+tracker keeps at most one pending change per Service (its ports before the first pending
+change, and the latest ports), and forgets a change that nets out to nothing. At sync
+time :meth:`ServicePortMap.apply` folds the pending changes into the map of every proxied
+Service port and reports what changed. Upstream's ``ServiceChangeTracker`` and
+``ServicePortMap`` behave the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from kubeproxy.handlers import KubeObject
+from kubeproxy.objects import (
+    IPAddress,
+    IPFamily,
+    NamespacedName,
+    Protocol,
+    ServicePort,
+    ServicePortName,
+)
+from kubeproxy.parse import InvalidObject, parse_service, service_key
+
+__all__ = ["ServiceChangeTracker", "ServicePortMap", "ServiceUpdateResult"]
+
+logger = logging.getLogger(__name__)
+
+_Ports = Mapping[ServicePortName, ServicePort]
+_NO_PORTS: _Ports = {}
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceUpdateResult:
+    """What one :meth:`ServicePortMap.apply` changed.
+
+    ``updated_services`` are the Services whose ports differ from before; a UDP cluster
+    IP is in ``deleted_udp_cluster_ips`` when some UDP port used it before and none does
+    now (its conntrack entries are stale).
+    """
+
+    updated_services: frozenset[NamespacedName]
+    deleted_udp_cluster_ips: frozenset[IPAddress]
+
+
+@dataclass(slots=True)
+class _PendingChange:
+    previous: _Ports
+    current: _Ports
+
+
+class ServiceChangeTracker:
+    """Pending Service changes of one IP family, collapsed per Service.
+
+    Invalid objects: a Service the proxy cannot use is logged once per event (the
+    :class:`~kubeproxy.parse.InvalidObject` text, at warning level), counted in
+    :attr:`invalid_objects`, and otherwise ignored. An update that makes a known Service
+    invalid therefore keeps its last valid ports in place: the kernel keeps serving the
+    last good rules rather than dropping a Service because of, say, a typo in one
+    external IP; deleting the Service still removes them.
+
+    The "before" side of a pending change is the tracker's own record of the Service's
+    ports (the result of the last valid event), not a re-conversion of the ``previous``
+    object the caller passes: for a consistent event stream the two are the same, and the
+    record stays correct when ``previous`` is invalid or an event was missed. The caller's
+    ``previous`` is only used for its name on deletion.
+
+    :meth:`update` may be called from other threads than :meth:`ServicePortMap.apply`.
+    """
+
+    def __init__(self, family: IPFamily) -> None:
+        self.family = family
+        self.total_changes = 0
+        """Events received (every :meth:`update` carrying an object), for metrics."""
+        self.invalid_objects = 0
+        """Objects skipped as invalid, for metrics."""
+        self._lock = threading.Lock()
+        self._pending: dict[NamespacedName, _PendingChange] = {}
+        # The ports of every known Service after all events so far (applied or pending).
+        self._known: dict[NamespacedName, _Ports] = {}
+
+    @property
+    def pending_count(self) -> int:
+        """How many Services have a pending change."""
+        return len(self._pending)
+
+    def update(self, previous: KubeObject | None, current: KubeObject | None) -> bool:
+        """Record an add (``previous`` None), update, or delete (``current`` None).
+
+        Returns whether any change is pending at all (not whether this call changed
+        something), as upstream.
+        """
+        if previous is None and current is None:
+            return bool(self._pending)
+        subject = current if current is not None else previous
+        assert subject is not None
+        with self._lock:
+            self.total_changes += 1
+        try:
+            key = service_key(subject)
+            ports = _NO_PORTS if current is None else parse_service(current, self.family)
+        except InvalidObject as err:
+            self._skip(err)
+            return bool(self._pending)
+        renamed_from: NamespacedName | None = None
+        if previous is not None and current is not None:
+            try:
+                renamed_from = service_key(previous)
+            except InvalidObject:
+                renamed_from = None
+            if renamed_from == key:
+                renamed_from = None
+        with self._lock:
+            if renamed_from is not None:
+                # Names are immutable in Kubernetes; treat a rename as delete plus add.
+                self._record(renamed_from, _NO_PORTS)
+            self._record(key, ports)
+            return bool(self._pending)
+
+    def _skip(self, err: InvalidObject) -> None:
+        logger.warning("%s", err)
+        with self._lock:
+            self.invalid_objects += 1
+
+    def _record(self, key: NamespacedName, ports: _Ports) -> None:
+        pending = self._pending.get(key)
+        if pending is None:
+            before = self._known.get(key, _NO_PORTS)
+            if before != ports:
+                self._pending[key] = _PendingChange(before, ports)
+        elif pending.previous == ports:
+            del self._pending[key]
+        else:
+            pending.current = ports
+        if ports:
+            self._known[key] = ports
+        else:
+            self._known.pop(key, None)
+
+    def _checkout(self) -> dict[NamespacedName, _PendingChange]:
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        return pending
+
+
+class ServicePortMap(dict[ServicePortName, ServicePort]):
+    """Every proxied Service port of one family, as of the last :meth:`apply`.
+
+    Change it only through :meth:`apply`: the map keeps a count of UDP ports per cluster
+    IP alongside to report deleted UDP cluster IPs without scanning everything.
+    """
+
+    __slots__ = ("_udp_ports_by_ip",)
+
+    def __init__(self, ports: Mapping[ServicePortName, ServicePort] | None = None) -> None:
+        super().__init__()
+        self._udp_ports_by_ip: dict[IPAddress, int] = {}
+        if ports:
+            self._insert(ports.items())
+
+    def _insert(self, ports: Iterable[tuple[ServicePortName, ServicePort]]) -> None:
+        for name, port in ports:
+            old = self.get(name)
+            if old is not None:
+                self._forget(old)
+            self[name] = port
+            if port.protocol is Protocol.UDP:
+                ip = port.cluster_ip
+                self._udp_ports_by_ip[ip] = self._udp_ports_by_ip.get(ip, 0) + 1
+
+    def _forget(self, port: ServicePort) -> None:
+        if port.protocol is Protocol.UDP:
+            ip = port.cluster_ip
+            left = self._udp_ports_by_ip[ip] - 1
+            if left:
+                self._udp_ports_by_ip[ip] = left
+            else:
+                del self._udp_ports_by_ip[ip]
+
+    def apply(self, tracker: ServiceChangeTracker) -> ServiceUpdateResult:
+        """Fold the tracker's pending changes into this map, consuming them."""
+        changes = tracker._checkout()
+        maybe_deleted: set[IPAddress] = set()
+        for change in changes.values():
+            for name in change.previous:
+                old = self.pop(name, None)
+                if old is None:
+                    logger.error("Service port %s to remove is not in the map", name)
+                    continue
+                self._forget(old)
+                if old.protocol is Protocol.UDP:
+                    maybe_deleted.add(old.cluster_ip)
+            self._insert(change.current.items())
+        deleted = frozenset(ip for ip in maybe_deleted if ip not in self._udp_ports_by_ip)
+        return ServiceUpdateResult(frozenset(changes), deleted)
+
+    def health_check_node_ports(self) -> dict[NamespacedName, int]:
+        """The health-check node port of every Service that has one."""
+        return {
+            port.name.service: port.health_check_node_port
+            for port in self.values()
+            if port.health_check_node_port
+        }
+
+    def udp_cluster_ips(self) -> frozenset[IPAddress]:
+        """Every cluster IP some UDP port uses."""
+        return frozenset(self._udp_ports_by_ip)
