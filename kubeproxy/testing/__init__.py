@@ -1,0 +1,91 @@
+"""kubeproxy.testing: prove a backend with real packets, from flow-case files.
+
+A flow case (format: ``flowcases/FORMAT.md``; examples: ``flowcases/examples/``) lists
+Services and EndpointSlices and, after each sync, where new connections must end up: a
+set of endpoints (every one reached, nothing else), ``DROP``, ``REJECT``, or untouched,
+with or without masquerade and session affinity. The kit builds the scene in network
+namespaces it creates (the standard test node with a pod bridge, one namespace per
+endpoint and per pod client, an outside network with external clients and a catch-all
+listener), feeds the objects through the core (:class:`kubeproxy.proxier.Proxier`) into
+your backend running for the node namespace, syncs, sends the traffic and judges it. It
+removes everything it created, also on failure, Ctrl-C and SIGTERM. It needs root.
+
+Your backend plugs in through its :class:`~kubeproxy.backend.BackendFactory`:
+``factory(family, config, *, netns=NAME) -> Backend``, where ``netns`` is the node
+namespace (as ``ip netns`` names it) the backend must program.
+
+From the command line::
+
+    python -m kubeproxy.testing.flowcases --backend nftables flowcases/examples/*.yaml
+    python -m kubeproxy.testing.flowcases --backend my_proxy.backend:factory my-cases.yaml
+
+``--backend`` takes a name registered in the ``kubeproxy.backends`` entry-point group
+(``[project.entry-points."kubeproxy.backends"] mine = "my_proxy.backend:factory"``) or a
+``module:attribute``. It prints one line per flow (``PASS``/``FAIL``/``SKIP``, the flow
+id, what was seen) and ``N passed, N failed, N skipped``; the exit status is 0 only when
+nothing failed. ``--timeout`` sets how long an attempt waits (what a DROP costs, 1 s).
+
+From pytest, one test per flow::
+
+    import pytest
+    from kubeproxy.testing.pytest import flow_test
+    from my_proxy.backend import factory
+
+    test_flows = flow_test(
+        ["flowcases/examples/*.yaml", "tests/my-cases/*.yaml"],
+        backend=factory,              # or "my_proxy.backend:factory", or "nftables"
+        marks=[pytest.mark.kernel],   # optional
+    )
+
+Relative paths are taken from the current directory unless ``base=`` says otherwise.
+The first test of a case runs the whole case; the others read its results, so a file of
+about twenty flows takes a few seconds. For other uses, :func:`run_file` and
+:func:`run_case` return :class:`FlowResult` objects, and :func:`load_case_file` parses a
+file (unknown keys and actions become warnings, never errors).
+
+Notes: SCTP flows are reported as skipped (this kernel has no SCTP sockets). Namespaces
+are named ``kpxf-<run id>-...``; the node's pod bridge is ``kpxfbr0`` and pod veths on
+the node start with ``kpxfpod`` (for the BridgeInterface and InterfaceNamePrefix
+local-traffic detectors). ``family: DualStack`` (our extension) runs an IPv4 and an IPv6
+proxier together.
+"""
+
+from kubeproxy.testing.cases import (
+    Case,
+    CaseFile,
+    CaseFormatError,
+    Flow,
+    FlowCaseWarning,
+    load_case_file,
+    parse_case_file,
+)
+from kubeproxy.testing.node import STANDARD_NODE
+from kubeproxy.testing.runner import (
+    BackendNotFound,
+    FlowResult,
+    RunOptions,
+    Status,
+    resolve_backend,
+    run_case,
+    run_file,
+    run_files,
+)
+
+__all__ = [
+    "STANDARD_NODE",
+    "BackendNotFound",
+    "Case",
+    "CaseFile",
+    "CaseFormatError",
+    "Flow",
+    "FlowCaseWarning",
+    "FlowResult",
+    "RunOptions",
+    "Status",
+    "load_case_file",
+    "parse_case_file",
+    "resolve_backend",
+    "run_case",
+    "run_file",
+    "run_files",
+]

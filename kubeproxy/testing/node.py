@@ -1,0 +1,87 @@
+"""The standard test node of ``flowcases/FORMAT.md`` and the proxier settings derived from it."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+from typing import Final
+
+from kubeproxy.config import LocalDetectMode, LocalDetector, ProxierConfig
+from kubeproxy.objects import IPAddress, IPFamily, IPNetwork, NodeInfo
+from kubeproxy.testing.cases import ProxierOverrides
+
+__all__ = [
+    "STANDARD_NODE",
+    "StandardNode",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class StandardNode:
+    """The node every flow case runs on unless overridden (see FORMAT.md's table).
+
+    ``interfaces`` are the node addresses with their prefix, primary first per family.
+    """
+
+    name: str
+    interfaces: tuple[ipaddress.IPv4Interface | ipaddress.IPv6Interface, ...]
+    pod_cidrs: tuple[IPNetwork, ...]
+    service_cidrs: tuple[IPNetwork, ...]
+    node_port_addresses: tuple[str, ...]
+
+    @property
+    def addresses(self) -> tuple[IPAddress, ...]:
+        """All node addresses, IPv4 first, primary first per family."""
+        return tuple(interface.ip for interface in self.interfaces)
+
+    def addresses_of(self, family: IPFamily) -> tuple[IPAddress, ...]:
+        """The node addresses of one family, primary first."""
+        return tuple(a for a in self.addresses if a.version == family.version)
+
+    def pod_cidr(self, family: IPFamily) -> IPNetwork:
+        """The pod network (cluster CIDR) of one family."""
+        return next(c for c in self.pod_cidrs if c.version == family.version)
+
+    def node_info(self) -> NodeInfo:
+        """The :class:`NodeInfo` the proxiers get."""
+        return NodeInfo(name=self.name, addresses=self.addresses)
+
+    def proxier_config(self, overrides: ProxierOverrides) -> ProxierConfig:
+        """The proxier configuration of this node with a case's ``proxierOverrides``.
+
+        The same configuration serves both families; each proxier keeps its own family's
+        CIDRs and addresses.
+        """
+        if overrides.local_detector_none:
+            detector = LocalDetector(LocalDetectMode.NONE)
+        else:
+            detector = LocalDetector(LocalDetectMode.CLUSTER_CIDR, self.pod_cidrs)
+        node_port_addresses = self.node_port_addresses
+        if overrides.node_port_addresses is not None:
+            node_port_addresses = overrides.node_port_addresses
+        return ProxierConfig(
+            node_name=self.name,
+            masquerade_all=bool(overrides.masquerade_all),
+            local_detector=detector,
+            node_port_addresses=node_port_addresses,
+            service_cidrs=self.service_cidrs,
+        )
+
+
+STANDARD_NODE: Final = StandardNode(
+    name="test-node",
+    interfaces=(
+        ipaddress.IPv4Interface("192.168.0.2/24"),
+        ipaddress.IPv4Interface("192.168.1.2/24"),
+        ipaddress.IPv4Interface("192.168.99.11/24"),
+        ipaddress.IPv6Interface("2001:db8::1/64"),
+        ipaddress.IPv6Interface("2001:db8:1::2/64"),
+    ),
+    pod_cidrs=(ipaddress.IPv4Network("10.0.0.0/8"), ipaddress.IPv6Network("fd00:10::/64")),
+    service_cidrs=(
+        ipaddress.IPv4Network("172.30.0.0/16"),
+        ipaddress.IPv6Network("fd00:10:96::/112"),
+    ),
+    node_port_addresses=("192.168.0.2/32", "2001:db8::1/128"),
+)
+"""The standard test node of FORMAT.md."""

@@ -1,0 +1,390 @@
+"""Run flow cases against a backend: scene, core, backend, packets, verdicts.
+
+For each case the runner builds the scene (:mod:`kubeproxy.testing.scene`), creates the
+backend(s) for the node namespace through their factory, and feeds every step's objects
+through the core (:class:`kubeproxy.proxier.Proxier`, or a
+:class:`~kubeproxy.proxier.DualStackProxier` for ``family: DualStack``). At each sync
+step it syncs, then probes every flow of the step in parallel and judges it
+(:mod:`kubeproxy.testing.traffic`). Everything it created is removed when the case ends,
+whatever happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import importlib.metadata
+import logging
+import socket
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Final, Protocol, cast
+
+from kubeproxy.backend import Backend, BackendFactory
+from kubeproxy.objects import NamespacedName
+from kubeproxy.objects import Protocol as L4Protocol
+from kubeproxy.testing.cases import Case, CaseFile, Flow, Step, StepAction, load_case_file
+from kubeproxy.testing.node import STANDARD_NODE, StandardNode
+from kubeproxy.testing.scene import Scene, SceneError, plan_scene
+from kubeproxy.testing.traffic import ClientPorts, Prober, Verdict, judge, probe_flow
+
+__all__ = [
+    "BACKEND_GROUP",
+    "BackendNotFound",
+    "FlowResult",
+    "RunOptions",
+    "Status",
+    "flow_id",
+    "resolve_backend",
+    "run_case",
+    "run_file",
+    "run_files",
+    "sctp_skip_reason",
+]
+
+logger = logging.getLogger(__name__)
+
+BACKEND_GROUP: Final = "kubeproxy.backends"
+"""The entry-point group backends register their factory under."""
+
+
+class BackendNotFound(LookupError):
+    """A ``--backend`` name or ``module:attribute`` that names no backend factory."""
+
+
+class Status(StrEnum):
+    """A flow's result."""
+
+    PASS = "PASS"
+    FAIL = "FAIL"
+    SKIP = "SKIP"
+
+
+@dataclass(frozen=True, slots=True)
+class FlowResult:
+    """The result of one flow: ``id`` is ``<test>/<case>/sync<N>/<flow name>``."""
+
+    id: str
+    flow: Flow
+    status: Status
+    detail: str
+
+    def line(self) -> str:
+        """The one-line report: ``PASS <id>: <what was seen>``."""
+        return f"{self.status.value} {self.id}: {self.detail}"
+
+
+@dataclass(frozen=True, slots=True)
+class RunOptions:
+    """Knobs of a run.
+
+    ``timeout`` is how long an attempt waits for an answer (what a DROP costs);
+    ``run_id`` names the run's namespaces (random when empty); ``node`` is the test node.
+    """
+
+    timeout: float = 1.0
+    run_id: str | None = None
+    node: StandardNode = field(default=STANDARD_NODE)
+    parallel: int = 128
+
+
+class _Handler(Protocol):
+    """The part of the proxier API the runner drives (Proxier and DualStackProxier)."""
+
+    def on_service_add(self, service: Mapping[str, Any]) -> None: ...
+    def on_service_update(self, old: Mapping[str, Any], new: Mapping[str, Any]) -> None: ...
+    def on_service_delete(self, service: Mapping[str, Any]) -> None: ...
+    def on_services_synced(self) -> None: ...
+    def on_endpoint_slice_add(self, slice_: Mapping[str, Any]) -> None: ...
+    def on_endpoint_slice_update(self, old: Mapping[str, Any], new: Mapping[str, Any]) -> None: ...
+    def on_endpoint_slice_delete(self, slice_: Mapping[str, Any]) -> None: ...
+    def on_endpoint_slices_synced(self) -> None: ...
+    def sync_now(self) -> bool: ...
+
+
+def flow_id(case_file: CaseFile, case: Case, step: Step, flow: Flow) -> str:
+    """The stable identifier of a flow (CLI lines, pytest ids)."""
+    return f"{case_file.test}/{case.name}/sync{step.sync_number}/{flow.name}"
+
+
+def resolve_backend(spec: str | BackendFactory) -> BackendFactory:
+    """A backend factory from an entry-point name, ``module:attribute``, or a factory."""
+    if not isinstance(spec, str):
+        return spec
+    if ":" in spec:
+        module_name, _, attribute = spec.partition(":")
+        try:
+            target: Any = importlib.import_module(module_name)
+            for part in attribute.split("."):
+                target = getattr(target, part)
+        except (ImportError, AttributeError) as err:
+            raise BackendNotFound(f"backend {spec!r}: {err}") from None
+        if not callable(target):
+            raise BackendNotFound(f"backend {spec!r} is not callable")
+        return cast(BackendFactory, target)
+    entry_points = importlib.metadata.entry_points(group=BACKEND_GROUP)
+    for entry_point in entry_points:
+        if entry_point.name == spec:
+            try:
+                return cast(BackendFactory, entry_point.load())
+            except Exception as err:
+                raise BackendNotFound(f"backend {spec!r} failed to load: {err}") from None
+    known = ", ".join(sorted(ep.name for ep in entry_points)) or "none"
+    raise BackendNotFound(f"no backend {spec!r} (registered: {known}; or use module:attribute)")
+
+
+def sctp_skip_reason() -> str:
+    """Why SCTP flows are skipped on this machine (starts with "kernel lacks" when it does)."""
+    try:
+        probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_SCTP)
+    except OSError as err:
+        return f"kernel lacks SCTP sockets ({err.strerror}); SCTP flows are not probed"
+    probe.close()
+    return "SCTP flows are not probed: the runner sends TCP and UDP only"
+
+
+class _LogCapture(logging.Handler):
+    """Keeps what the core and the backend log while a step runs (shown with failures)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.name.startswith("kubeproxy.testing"):
+            return
+        with contextlib.suppress(Exception):
+            message = " ".join(record.getMessage().split())
+            if len(message) > 300:
+                message = message[:297] + "..."
+            if message not in self.messages:
+                self.messages.append(message)
+
+
+@contextlib.contextmanager
+def _captured_logs() -> Iterator[_LogCapture]:
+    capture = _LogCapture()
+    # On the root logger: an out-of-tree backend logs under its own name, not ours.
+    root = logging.getLogger()
+    root.addHandler(capture)
+    try:
+        yield capture
+    finally:
+        root.removeHandler(capture)
+
+
+class _ObjectStore:
+    """The objects applied so far, by kind and namespace/name (apply = add or update)."""
+
+    def __init__(self) -> None:
+        self.services: dict[NamespacedName, Mapping[str, Any]] = {}
+        self.slices: dict[NamespacedName, Mapping[str, Any]] = {}
+
+
+def _key(manifest: Mapping[str, Any]) -> NamespacedName:
+    metadata = manifest["metadata"]
+    return NamespacedName(metadata.get("namespace", "default"), metadata["name"])
+
+
+def _apply(handler: _Handler, store: _ObjectStore, step: Step) -> list[str]:
+    for service in step.services:
+        key = _key(service)
+        old = store.services.get(key)
+        if old is None:
+            handler.on_service_add(service)
+        else:
+            handler.on_service_update(old, service)
+        store.services[key] = service
+    for slice_ in step.endpoint_slices:
+        key = _key(slice_)
+        old = store.slices.get(key)
+        if old is None:
+            handler.on_endpoint_slice_add(slice_)
+        else:
+            handler.on_endpoint_slice_update(old, slice_)
+        store.slices[key] = slice_
+    return []
+
+
+def _delete(handler: _Handler, store: _ObjectStore, step: Step) -> list[str]:
+    notes = []
+    for key in step.deleted_services:
+        old = store.services.pop(key, None)
+        if old is None:
+            notes.append(f"step {step.index}: delete of Service {key}, which was never applied")
+        else:
+            handler.on_service_delete(old)
+    for key in step.deleted_endpoint_slices:
+        old = store.slices.pop(key, None)
+        if old is None:
+            notes.append(
+                f"step {step.index}: delete of EndpointSlice {key}, which was never applied"
+            )
+        else:
+            handler.on_endpoint_slice_delete(old)
+    return notes
+
+
+def _make_handler(
+    case: Case,
+    factory: BackendFactory,
+    node: StandardNode,
+    netns: str,
+    backends: list[Backend],
+) -> _Handler:
+    from kubeproxy.proxier import DualStackProxier, Proxier
+
+    config = node.proxier_config(case.overrides)
+    info = node.node_info()
+
+    def addresses() -> Sequence[Any]:
+        return node.addresses
+
+    proxiers = []
+    for family in case.family.families:
+        backend = factory(family, config, netns=netns)
+        backends.append(backend)
+        proxiers.append(Proxier(family, config, backend, node=info, host_addresses=addresses))
+    if len(proxiers) == 2:
+        return cast(_Handler, DualStackProxier(proxiers[0], proxiers[1]))
+    return cast(_Handler, proxiers[0])
+
+
+async def _check_flows(
+    scene: Scene, flows: Sequence[Flow], ports: ClientPorts, options: RunOptions
+) -> list[Verdict]:
+    prober = Prober(ports, timeout=options.timeout, parallel=options.parallel)
+
+    async def check(flow: Flow) -> Verdict:
+        try:
+            namespace = scene.fd(scene.client_namespace(flow.source_ip))
+            return judge(flow, await probe_flow(prober, namespace, flow))
+        except Exception as err:  # one broken probe must not hide the other flows
+            logger.exception("probing %s", flow)
+            return Verdict(False, f"the runner failed to probe this flow: {err!r}")
+
+    return list(await asyncio.gather(*(check(flow) for flow in flows)))
+
+
+def run_case(
+    case_file: CaseFile,
+    case: Case,
+    backend: str | BackendFactory,
+    options: RunOptions | None = None,
+) -> list[FlowResult]:
+    """Run one case; return a result for every flow of it, in file order."""
+    options = options or RunOptions()
+    results: dict[str, FlowResult] = {}
+    ordered = [(flow_id(case_file, case, step, flow), step, flow) for step, flow in case.flows]
+    sctp_reason = ""
+
+    def settle(step: Step, flow: Flow, status: Status, detail: str) -> None:
+        identifier = flow_id(case_file, case, step, flow)
+        results.setdefault(identifier, FlowResult(identifier, flow, status, detail))
+
+    def fail_rest(reason: str) -> None:
+        for _, step, flow in ordered:
+            settle(step, flow, Status.FAIL, reason)
+
+    for _, step, flow in ordered:
+        if flow.protocol is L4Protocol.SCTP:
+            sctp_reason = sctp_reason or sctp_skip_reason()
+            settle(step, flow, Status.SKIP, sctp_reason)
+    try:
+        factory = resolve_backend(backend)
+        plan = plan_scene(case, options.node)
+        with Scene(plan, run_id=options.run_id) as scene:
+            _run_steps(case_file, case, factory, scene, options, settle)
+    except (BackendNotFound, SceneError) as err:
+        fail_rest(str(err))
+    finally:
+        # A flow not reached (an interrupt, a crash) is a failure, never a silent pass.
+        fail_rest("not run: the case stopped before this flow")
+    return [results[identifier] for identifier, _, _ in ordered]
+
+
+def _run_steps(
+    case_file: CaseFile,
+    case: Case,
+    factory: BackendFactory,
+    scene: Scene,
+    options: RunOptions,
+    settle: Callable[[Step, Flow, Status, str], None],
+) -> None:
+    backends: list[Backend] = []
+    try:
+        try:
+            handler = _make_handler(case, factory, options.node, scene.node_ns, backends)
+        except Exception as err:
+            logger.debug("creating the backend", exc_info=True)
+            for step, flow in case.flows:
+                settle(step, flow, Status.FAIL, f"the backend could not be created: {err}")
+            return
+        store = _ObjectStore()
+        ports = ClientPorts(avoid=scene.plan.ports)
+        initialized = False
+        for step in case.steps:
+            with _captured_logs() as logs:
+                if step.action is StepAction.APPLY:
+                    notes = _apply(handler, store, step)
+                elif step.action is StepAction.DELETE:
+                    notes = _delete(handler, store, step)
+                else:
+                    notes = []
+                    if not initialized:
+                        handler.on_services_synced()
+                        handler.on_endpoint_slices_synced()
+                        initialized = True
+                    ok = handler.sync_now()
+            for note in notes:
+                logger.warning("%s: %s", case_file.source, note)
+            if step.action is not StepAction.SYNC:
+                continue
+            said = f" (logged: {' | '.join(logs.messages[-3:])})" if logs.messages else ""
+            flows = [flow for flow in step.flows if flow.protocol is not L4Protocol.SCTP]
+            if not ok:
+                for flow in flows:
+                    settle(step, flow, Status.FAIL, f"sync failed{said}")
+                continue
+            verdicts = asyncio.run(_check_flows(scene, flows, ports, options))
+            for flow, verdict in zip(flows, verdicts, strict=True):
+                if verdict.passed:
+                    settle(step, flow, Status.PASS, verdict.detail)
+                else:
+                    settle(step, flow, Status.FAIL, verdict.detail + said)
+    finally:
+        for backend in backends:
+            try:
+                backend.cleanup()
+            except Exception:
+                logger.exception("backend cleanup in %s", scene.node_ns)
+
+
+def run_file(
+    case_file: CaseFile | str | Path,
+    backend: str | BackendFactory,
+    options: RunOptions | None = None,
+) -> list[FlowResult]:
+    """Run every case of a file (a path or a parsed :class:`CaseFile`)."""
+    if not isinstance(case_file, CaseFile):
+        case_file = load_case_file(case_file)
+    results: list[FlowResult] = []
+    for case in case_file.cases:
+        results.extend(run_case(case_file, case, backend, options))
+    return results
+
+
+def run_files(
+    paths: Sequence[str | Path],
+    backend: str | BackendFactory,
+    options: RunOptions | None = None,
+) -> list[FlowResult]:
+    """Run every case of several files, in order."""
+    factory = resolve_backend(backend)
+    results: list[FlowResult] = []
+    for path in paths:
+        results.extend(run_file(path, factory, options))
+    return results

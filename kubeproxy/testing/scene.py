@@ -1,0 +1,495 @@
+"""The scene of a flow case: the node, its pods, endpoints and the outside, in namespaces.
+
+Topology (namespaces are named ``kpxf-<run id>-...``; every interface lives inside the
+run's own namespaces, none in the namespace the runner started in)::
+
+    pod clients, endpoints                node
+    (one netns per IP) --veth-- kpxfbr0 (pod bridge)
+                                kpxfext (node addresses) --veth-- "ext": external clients
+                                kpxfwld (default route)  --veth-- "wld": catch-all listeners
+
+* The node namespace has forwarding on, ``bridge-nf-call-ip{,6}tables=1`` (pods on one
+  bridge reach each other through the node's netfilter hooks), the pod bridge holding an
+  address of the pod network that no flow uses (so a masquerade always shows), hairpin
+  mode on every bridge port, the node addresses on the link to the external clients
+  (without prefix routes), ICMP rate limits off (REJECT answers must not be thinned out
+  into silence), and a default route to the "world" (node-local clients need a route to
+  a Service IP before the output-hook DNAT can change it).
+* Each endpoint IP (and each pod client IP) is a namespace behind the bridge, answering
+  on every port the case uses; an IP outside the pod network gets a host route.
+* An endpoint IP that is a node address listens on the node itself.
+* External clients sit in one namespace routed to the node; the node routes their
+  addresses back to it.
+* The world namespace, through a policy route that makes every address arriving from the
+  node local, answers anything: whatever the node forwards unchanged is answered as "the
+  original destination", whatever it DNATs to an address nobody else owns is answered
+  under that address. Replies come back through the node, so its conntrack sees both
+  directions. Only a real drop stays silent.
+
+:class:`Scene` builds it, hands out the namespace to send each flow from, and removes
+everything it created on :meth:`Scene.close` (also from ``finally`` blocks, on SIGINT and
+SIGTERM through the callers, and at interpreter exit as a last resort).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ipaddress
+import logging
+import os
+import secrets
+import signal
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Final
+
+from kubeproxy.objects import IPAddress, IPFamily, Protocol
+from kubeproxy.testing.cases import Case, OutputKind, StepAction
+from kubeproxy.testing.netns import (
+    CommandRunner,
+    NamespaceError,
+    SubprocessRunner,
+    add_namespaces,
+    delete_namespaces,
+    open_namespace,
+    write_sysctl,
+)
+from kubeproxy.testing.node import STANDARD_NODE, StandardNode
+from kubeproxy.testing.traffic import ListenerServer, make_listener
+
+__all__ = [
+    "BRIDGE_INTERFACE",
+    "EXTERNAL_INTERFACE",
+    "NAME_PREFIX",
+    "POD_INTERFACE_PREFIX",
+    "WORLD_INTERFACE",
+    "Role",
+    "Scene",
+    "SceneError",
+    "ScenePlan",
+    "plan_scene",
+]
+
+logger = logging.getLogger(__name__)
+
+NAME_PREFIX: Final = "kpxf-"
+"""Every namespace (and the listener thread) of a run is named ``kpxf-<run id>-...``."""
+BRIDGE_INTERFACE: Final = "kpxfbr0"
+"""The node's pod bridge (for a BridgeInterface local-traffic detector)."""
+POD_INTERFACE_PREFIX: Final = "kpxfpod"
+"""The node-side name prefix of every pod veth (for an InterfaceNamePrefix detector)."""
+EXTERNAL_INTERFACE: Final = "kpxfext"
+"""The node's link to the external clients; it holds the node addresses."""
+WORLD_INTERFACE: Final = "kpxfwld"
+"""The node's default route: the link to the catch-all world."""
+
+_BRIDGE_MAC: Final = "02:6b:70:78:66:01"
+_NODE_WORLD_V4: Final = ipaddress.IPv4Interface("169.254.255.1/30")
+_WORLD_V4: Final = ipaddress.IPv4Interface("169.254.255.2/30")
+_NODE_LINK_LOCAL_V6: Final = ipaddress.IPv6Address("fe80::1")
+_PEER_LINK_LOCAL_V6: Final = ipaddress.IPv6Address("fe80::2")
+_CATCH_ALL_TABLE: Final = 100
+
+_COMMON_SYSCTLS: Final = (
+    ("net.ipv6.conf.all.accept_dad", "0"),
+    ("net.ipv6.conf.default.accept_dad", "0"),
+    ("net.ipv6.conf.all.accept_redirects", "0"),
+    ("net.ipv6.conf.default.accept_redirects", "0"),
+    ("net.ipv4.conf.all.accept_redirects", "0"),
+    ("net.ipv4.conf.default.accept_redirects", "0"),
+    ("net.ipv4.conf.all.rp_filter", "0"),
+    ("net.ipv4.conf.default.rp_filter", "0"),
+    # REJECT answers with ICMP errors; the kernel's rate limits (a burst of 6 per
+    # destination, 50 in all) would turn the later ones of a run into silent drops.
+    ("net.ipv4.icmp_ratemask", "0"),
+    ("net.ipv4.icmp_ratelimit", "0"),
+    ("net.ipv6.icmp.ratemask", ""),
+    ("net.ipv6.icmp.ratelimit", "0"),
+)
+_NODE_SYSCTLS: Final = (
+    ("net.ipv4.ip_forward", "1"),
+    ("net.ipv6.conf.all.forwarding", "1"),
+    ("net.ipv4.conf.all.send_redirects", "0"),
+    ("net.ipv4.conf.default.send_redirects", "0"),
+    ("net.bridge.bridge-nf-call-iptables", "1"),
+    ("net.bridge.bridge-nf-call-ip6tables", "1"),
+)
+
+
+class SceneError(RuntimeError):
+    """The scene could not be built (the message says which step failed)."""
+
+
+class Role(StrEnum):
+    """Where a flow's source lives."""
+
+    NODE = "node"
+    ENDPOINT = "endpoint"
+    POD = "pod"
+    EXTERNAL = "external"
+
+
+@dataclass(frozen=True, slots=True)
+class ScenePlan:
+    """What a case needs in its scene, computed from the case alone.
+
+    ``endpoints`` and ``pods`` get a namespace each behind the bridge; ``external`` are
+    the outside's client addresses; ``node_extra`` are loopback destinations the node
+    listens on; ``ports`` is every port a listener answers on (TCP and UDP).
+    """
+
+    node: StandardNode
+    bridge_addresses: tuple[ipaddress.IPv4Interface | ipaddress.IPv6Interface, ...]
+    endpoints: tuple[IPAddress, ...]
+    pods: tuple[IPAddress, ...]
+    external: tuple[IPAddress, ...]
+    node_extra: tuple[IPAddress, ...]
+    ports: tuple[int, ...]
+
+    def role_of(self, source: IPAddress) -> Role:
+        """Where a flow from ``source`` is sent from."""
+        if source in self.node.addresses or source.is_loopback:
+            return Role.NODE
+        if source in self.endpoints:
+            return Role.ENDPOINT
+        if source in self.pods:
+            return Role.POD
+        return Role.EXTERNAL
+
+
+def _nodad(address: IPAddress) -> str:
+    # Duplicate address detection would keep a new IPv6 address unusable for a while.
+    return " nodad" if address.version == 6 else ""
+
+
+def _usable(address: IPAddress) -> bool:
+    return not (
+        address.is_loopback
+        or address.is_multicast
+        or address.is_unspecified
+        or address.is_link_local
+        or address.is_reserved
+    )
+
+
+def _slice_addresses(slice_: Mapping[str, Any]) -> Iterator[IPAddress]:
+    for endpoint in slice_.get("endpoints") or ():
+        if not isinstance(endpoint, Mapping):
+            continue
+        for text in endpoint.get("addresses") or ():
+            # The core rejects what is not an IP; the scene only skips it.
+            with contextlib.suppress(ValueError, TypeError):
+                address = ipaddress.ip_address(text)
+                if _usable(address):
+                    yield address
+
+
+def _slice_ports(slice_: Mapping[str, Any]) -> Iterator[int]:
+    for port in slice_.get("ports") or ():
+        if isinstance(port, Mapping):
+            number = port.get("port")
+            if isinstance(number, int) and not isinstance(number, bool) and 0 < number < 65536:
+                yield number
+
+
+def plan_scene(case: Case, node: StandardNode = STANDARD_NODE) -> ScenePlan:
+    """Work out the scene a case needs: its endpoints, clients and ports."""
+    endpoints: dict[IPAddress, None] = {}
+    ports: set[int] = set()
+    for step in case.steps:
+        if step.action is not StepAction.APPLY:
+            continue
+        for slice_ in step.endpoint_slices:
+            endpoints.update(dict.fromkeys(_slice_addresses(slice_)))
+            ports.update(_slice_ports(slice_))
+    flows = [flow for _, flow in case.flows]
+    for flow in flows:
+        ports.add(flow.dest_port)
+        if flow.output.kind is OutputKind.ENDPOINTS:
+            for address, port in flow.output.endpoints:
+                ports.add(port)
+                if _usable(address):
+                    endpoints.setdefault(address)
+    node_addresses = set(node.addresses)
+    endpoint_ips = tuple(a for a in endpoints if a not in node_addresses)
+    pods: dict[IPAddress, None] = {}
+    external: dict[IPAddress, None] = {}
+    node_extra: dict[IPAddress, None] = {}
+    for flow in flows:
+        source = flow.source_ip
+        if source in node_addresses or source in endpoints or source.is_loopback:
+            pass
+        elif source in node.pod_cidr(IPFamily.of(source)):
+            pods.setdefault(source)
+        else:
+            external.setdefault(source)
+        if flow.dest_ip.is_loopback:
+            node_extra.setdefault(flow.dest_ip)
+    used = set(endpoints) | set(pods) | set(external) | {f.dest_ip for f in flows}
+    bridge = []
+    for family in (IPFamily.IPV4, IPFamily.IPV6):
+        cidr = node.pod_cidr(family)
+        address = next(a for a in cidr.hosts() if a not in used and a not in node_addresses)
+        bridge.append(ipaddress.ip_interface(f"{address}/{cidr.prefixlen}"))
+    return ScenePlan(
+        node=node,
+        bridge_addresses=tuple(bridge),
+        endpoints=endpoint_ips,
+        pods=tuple(pods),
+        external=tuple(external),
+        node_extra=tuple(node_extra),
+        ports=tuple(sorted(ports)),
+    )
+
+
+# Scenes still open, closed at interpreter exit if a caller could not (an exception in
+# a thread, an abandoned generator). This is the one piece of process-wide state: a
+# namespace outlives the process that made it, so someone must own the last resort.
+_OPEN_SCENES: set[Scene] = set()
+_OPEN_LOCK = threading.Lock()
+
+
+@atexit.register
+def _close_leftovers() -> None:
+    with _OPEN_LOCK:
+        scenes = list(_OPEN_SCENES)
+    for scene in scenes:
+        scene.close()
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM while cleaning up (they are delivered right after)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+class Scene:
+    """The namespaces, links and listeners of one case; a context manager.
+
+    ``run_id`` (random by default) is part of every name, so parallel runs do not
+    collide and a leak check can look for it.
+    """
+
+    def __init__(
+        self,
+        plan: ScenePlan,
+        *,
+        run_id: str | None = None,
+        run: CommandRunner | None = None,
+    ) -> None:
+        self.plan = plan
+        self.run_id = run_id or secrets.token_hex(3)
+        if not self.run_id.isalnum() or len(self.run_id) > 12:
+            raise SceneError(f"run id {self.run_id!r}: use up to 12 letters and digits")
+        self._run = run or SubprocessRunner()
+        base = f"{NAME_PREFIX}{self.run_id}"
+        self.node_ns = f"{base}-node"
+        self.outside_ns = f"{base}-ext"
+        self.world_ns = f"{base}-wld"
+        self.endpoint_ns = {ip: f"{base}-ep{i}" for i, ip in enumerate(plan.endpoints)}
+        self.pod_ns = {ip: f"{base}-pod{i}" for i, ip in enumerate(plan.pods)}
+        self._created: list[str] = []
+        self._fds: dict[str, int] = {}
+        self.listeners = ListenerServer(f"{base}-listeners")
+        self._closed = False
+
+    @property
+    def namespaces(self) -> list[str]:
+        """Every namespace name of this scene."""
+        return [
+            self.node_ns,
+            self.outside_ns,
+            self.world_ns,
+            *self.endpoint_ns.values(),
+            *self.pod_ns.values(),
+        ]
+
+    def __enter__(self) -> Scene:
+        self.build()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def fd(self, namespace: str) -> int:
+        """The open file descriptor of one of this scene's namespaces."""
+        return self._fds[namespace]
+
+    def client_namespace(self, source: IPAddress) -> str:
+        """The namespace a flow from ``source`` is sent from."""
+        role = self.plan.role_of(source)
+        if role is Role.NODE:
+            return self.node_ns
+        if role is Role.ENDPOINT:
+            return self.endpoint_ns[source]
+        if role is Role.POD:
+            return self.pod_ns[source]
+        return self.outside_ns
+
+    def build(self) -> None:
+        """Create everything; on any failure remove what was made and raise SceneError."""
+        with _OPEN_LOCK:
+            _OPEN_SCENES.add(self)
+        try:
+            self._build()
+        except BaseException as err:
+            self.close()
+            if isinstance(err, (NamespaceError, OSError)):
+                raise SceneError(f"building the scene failed: {err}") from err
+            raise
+
+    def _build(self) -> None:
+        names = self.namespaces
+        # Registered before creation: a half-made batch must be cleaned up too.
+        self._created = list(names)
+        add_namespaces(self._run, names)
+        for name in names:
+            self._fds[name] = open_namespace(name)
+            write_sysctl(self._fds[name], _COMMON_SYSCTLS)
+        write_sysctl(self._fds[self.node_ns], _NODE_SYSCTLS)
+        self._batch(self.node_ns, self._node_commands())
+        self._batch(self.outside_ns, self._outside_commands())
+        self._batch(self.world_ns, self._world_commands())
+        for ip, name in (*self.endpoint_ns.items(), *self.pod_ns.items()):
+            self._batch(name, self._pod_commands(ip))
+        self._start_listeners()
+
+    def _batch(self, namespace: str, commands: Iterable[str]) -> None:
+        # ``ip -batch`` takes no per-line options; the few commands whose family cannot
+        # be told from an address (rules) are marked "-6 " and run in a second batch.
+        lines = list(commands)
+        plain = [c for c in lines if not c.startswith("-6 ")]
+        inet6 = [c[3:] for c in lines if c.startswith("-6 ")]
+        for options, batch in (([], plain), (["-6"], inet6)):
+            if batch:
+                self._run(
+                    ["ip", "-n", namespace, *options, "-batch", "-"],
+                    stdin="".join(f"{c}\n" for c in batch),
+                )
+
+    def _node_commands(self) -> Iterator[str]:
+        plan = self.plan
+        yield "link set lo up"
+        yield (
+            f"link add {BRIDGE_INTERFACE} address {_BRIDGE_MAC} type bridge"
+            " stp_state 0 forward_delay 0 mcast_snooping 0"
+        )
+        for interface in plan.bridge_addresses:
+            yield f"addr add {interface} dev {BRIDGE_INTERFACE}{_nodad(interface.ip)}"
+        yield f"link set {BRIDGE_INTERFACE} up"
+        pods = (*self.endpoint_ns.items(), *self.pod_ns.items())
+        for index, (ip, name) in enumerate(pods):
+            veth = f"{POD_INTERFACE_PREFIX}{index}"
+            yield f"link add {veth} type veth peer name eth0 netns {name}"
+            yield f"link set {veth} master {BRIDGE_INTERFACE}"
+            yield f"link set {veth} type bridge_slave hairpin on"
+            yield f"link set {veth} up"
+            if ip not in plan.node.pod_cidr(IPFamily.of(ip)):
+                yield f"route add {ip}/{ip.max_prefixlen} dev {BRIDGE_INTERFACE}"
+        yield f"link add {EXTERNAL_INTERFACE} type veth peer name eth0 netns {self.outside_ns}"
+        for interface in plan.node.interfaces:
+            # Without prefix routes: an address of a node subnet that is not the node's
+            # is not on this link either; it goes to the world like everything else.
+            flags = f"noprefixroute{_nodad(interface.ip)}"
+            yield f"addr add {interface} dev {EXTERNAL_INTERFACE} {flags}"
+        yield f"addr add {_NODE_LINK_LOCAL_V6}/64 dev {EXTERNAL_INTERFACE} nodad"
+        yield f"link set {EXTERNAL_INTERFACE} up"
+        for ip in plan.external:
+            yield f"route add {ip}/{ip.max_prefixlen} dev {EXTERNAL_INTERFACE}"
+        yield f"link add {WORLD_INTERFACE} type veth peer name eth0 netns {self.world_ns}"
+        yield f"addr add {_NODE_WORLD_V4} dev {WORLD_INTERFACE}"
+        yield f"addr add {_NODE_LINK_LOCAL_V6}/64 dev {WORLD_INTERFACE} nodad"
+        yield f"link set {WORLD_INTERFACE} up"
+        yield f"route add default via {_WORLD_V4.ip} dev {WORLD_INTERFACE}"
+        yield f"route add default via {_PEER_LINK_LOCAL_V6} dev {WORLD_INTERFACE}"
+
+    def _outside_commands(self) -> Iterator[str]:
+        plan = self.plan
+        yield "link set lo up"
+        yield f"addr add {_PEER_LINK_LOCAL_V6}/64 dev eth0 nodad"
+        for ip in plan.external:
+            yield f"addr add {ip}/{ip.max_prefixlen} dev eth0{_nodad(ip)}"
+        yield "link set eth0 up"
+        primary_v4 = plan.node.addresses_of(IPFamily.IPV4)[0]
+        yield f"route add {primary_v4}/32 dev eth0 scope link"
+        yield f"route add default via {primary_v4} dev eth0"
+        yield f"route add default via {_NODE_LINK_LOCAL_V6} dev eth0"
+
+    def _world_commands(self) -> Iterator[str]:
+        yield "link set lo up"
+        yield f"addr add {_WORLD_V4} dev eth0"
+        yield f"addr add {_PEER_LINK_LOCAL_V6}/64 dev eth0 nodad"
+        yield "link set eth0 up"
+        yield f"route add default via {_NODE_WORLD_V4.ip} dev eth0"
+        yield f"route add default via {_NODE_LINK_LOCAL_V6} dev eth0"
+        # Everything the node sends here is local: the catch-all listeners answer it.
+        # Replies (from lo) use the main table and go back through the node.
+        for prefix, everything in (("", "0.0.0.0/0"), ("-6 ", "::/0")):
+            yield f"route add local {everything} dev lo table {_CATCH_ALL_TABLE}"
+            yield f"{prefix}rule add iif eth0 lookup {_CATCH_ALL_TABLE} pref 100"
+
+    def _pod_commands(self, ip: IPAddress) -> Iterator[str]:
+        family = IPFamily.of(ip)
+        cidr = self.plan.node.pod_cidr(family)
+        gateway = next(b.ip for b in self.plan.bridge_addresses if b.version == ip.version)
+        yield "link set lo up"
+        yield "link set eth0 up"
+        if ip in cidr:
+            yield f"addr add {ip}/{cidr.prefixlen} dev eth0{_nodad(ip)}"
+        else:
+            yield f"addr add {ip}/{ip.max_prefixlen} dev eth0{_nodad(ip)}"
+            yield f"route add {gateway}/{gateway.max_prefixlen} dev eth0 scope link"
+        yield f"route add default via {gateway} dev eth0"
+
+    def _start_listeners(self) -> None:
+        plan = self.plan
+        where: list[tuple[str, IPAddress | None, int, bool]] = []
+        for address in (*plan.node.addresses, *plan.node_extra):
+            where.append((self.node_ns, address, 4, False))
+        for address, name in (*self.endpoint_ns.items(), *self.pod_ns.items()):
+            where.append((name, address, 4, False))
+        where.append((self.world_ns, None, 4, True))
+        where.append((self.world_ns, None, 6, True))
+        for namespace, bind, version, transparent in where:
+            fd = self._fds[namespace]
+            for port in plan.ports:
+                for protocol in (Protocol.TCP, Protocol.UDP):
+                    sock = make_listener(
+                        fd, bind, port, protocol, version=version, transparent=transparent
+                    )
+                    self.listeners.add(sock)
+        self.listeners.start()
+
+    def close(self) -> None:
+        """Remove everything this scene created; safe to call more than once."""
+        if self._closed:
+            return
+        with _signals_deferred():
+            self._closed = True
+            try:
+                self.listeners.close()
+            except Exception:
+                logger.exception("closing the listeners of %s", self.run_id)
+            for fd in self._fds.values():
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._fds.clear()
+            try:
+                left = delete_namespaces(self._run, self._created)
+            except NamespaceError as err:
+                left = list(self._created)
+                logger.error("deleting namespaces of run %s: %s", self.run_id, err)
+            if left:
+                logger.error("namespaces left behind by run %s: %s", self.run_id, ", ".join(left))
+            with _OPEN_LOCK:
+                _OPEN_SCENES.discard(self)
