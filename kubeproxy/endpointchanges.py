@@ -237,24 +237,29 @@ class EndpointsChangeTracker:
     def _checkout(
         self,
     ) -> tuple[dict[NamespacedName, _ServiceChange], dict[NamespacedName, list[float]]]:
+        # Folding pending into applied happens under the lock: update() compares new
+        # content with the applied one, and must not see a half-folded state.
+        applied_now: dict[NamespacedName, list[ParsedEndpointSlice]] = {}
         with self._lock:
             pending, self._pending = self._pending, {}
             self._pending_slices = 0
             trigger_times, self._trigger_times = self._trigger_times, {}
-        changes: dict[NamespacedName, _ServiceChange] = {}
-        for service, slices in pending.items():
-            applied = self._applied.setdefault(service, {})
-            for name, parsed in slices.items():
-                if parsed is None:
-                    applied.pop(name, None)
+            for service, slices in pending.items():
+                applied = self._applied.setdefault(service, {})
+                for name, parsed in slices.items():
+                    if parsed is None:
+                        applied.pop(name, None)
+                    else:
+                        applied[name] = parsed
+                if applied:
+                    applied_now[service] = [applied[n] for n in sorted(applied)]
                 else:
-                    applied[name] = parsed
+                    del self._applied[service]
+        changes: dict[NamespacedName, _ServiceChange] = {}
+        for service in pending:
             previous = self._merged.pop(service, _NO_ENDPOINTS)
-            if applied:
-                current = merge_endpoint_slices(service, (applied[n] for n in sorted(applied)))
-            else:
-                del self._applied[service]
-                current = {}
+            slices_now = applied_now.get(service)
+            current = merge_endpoint_slices(service, slices_now) if slices_now else {}
             if current:
                 self._merged[service] = current
             changes[service] = _ServiceChange(previous, current)

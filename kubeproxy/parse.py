@@ -90,6 +90,9 @@ class InvalidObject(ValueError):
         self.name = name
         self.reason = reason
 
+    def __reduce__(self) -> tuple[type[InvalidObject], tuple[str, str, str]]:
+        return (InvalidObject, (self.kind, self.name, self.reason))
+
 
 # ---------------------------------------------------------------------------------------
 # Addresses
@@ -119,7 +122,8 @@ def _parse_ip_text(text: str) -> tuple[IPAddress, str | None]:
         return (mapped, None) if mapped is not None else (address, None)
     try:
         # inet_pton takes strict dotted-quad only (no leading zeros), the canonical form.
-        return ipaddress.IPv4Address(socket.inet_pton(socket.AF_INET, text)), text
+        packed = socket.inet_pton(socket.AF_INET, text)
+        return ipaddress.IPv4Address(int.from_bytes(packed, "big")), text
     except (OSError, ValueError):
         pass
     match = _SLOPPY_IPV4.fullmatch(text)
@@ -351,7 +355,7 @@ def parse_service(obj: KubeObject, family: IPFamily) -> dict[ServicePortName, Se
         return {}
     spec = context.mapping(obj.get("spec"), "spec")
     service_type = spec.get("type") or "ClusterIP"
-    if service_type not in _SERVICE_TYPES:
+    if not isinstance(service_type, str) or service_type not in _SERVICE_TYPES:
         raise context.error(f"spec.type: unknown type {_show(service_type)}")
     if service_type == "ExternalName":
         return {}
@@ -378,8 +382,8 @@ def parse_service(obj: KubeObject, family: IPFamily) -> dict[ServicePortName, Se
         service_type == "ClusterIP"
         and bool(context.sequence(spec.get("externalIPs"), "spec.externalIPs"))
     )
-    external_local = externally_accessible and _policy_is_local(
-        context, spec, "externalTrafficPolicy"
+    external_local = (
+        _policy_is_local(context, spec, "externalTrafficPolicy") and externally_accessible
     )
     health_check_node_port = 0
     raw_hcnp = spec.get("healthCheckNodePort")
@@ -805,11 +809,14 @@ def parse_node(obj: KubeObject) -> NodeInfo:
     by_type: dict[str, list[IPAddress]] = {"InternalIP": [], "ExternalIP": []}
     raw_addresses = status.get("addresses")
     for entry in raw_addresses if isinstance(raw_addresses, list) else ():
-        if not isinstance(entry, Mapping) or entry.get("type") not in by_type:
+        if not isinstance(entry, Mapping):
+            continue
+        kind = entry.get("type")
+        if not isinstance(kind, str) or kind not in by_type:
             continue
         text = entry.get("address")
         try:
-            by_type[entry["type"]].append(parse_ip(text if isinstance(text, str) else repr(text)))
+            by_type[kind].append(parse_ip(text if isinstance(text, str) else repr(text)))
         except ValueError as err:
             logger.warning("Node %s: ignoring address: %s", name, err)
     addresses = tuple(dict.fromkeys(by_type["InternalIP"] + by_type["ExternalIP"]))

@@ -6,11 +6,14 @@ import copy
 import dataclasses
 import ipaddress
 import logging
+import pickle
 from collections.abc import Callable
 from types import MappingProxyType
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kubeproxy.objects import (
     Endpoint,
@@ -552,6 +555,22 @@ def test_garbage_is_reported_not_crashed_on() -> None:
             parse_service(garbage, V4)
 
 
+def test_invalid_object_pickles() -> None:
+    err = InvalidObject("Service", "ns/web", "bad")
+    clone = pickle.loads(pickle.dumps(err))
+    assert (str(clone), clone.kind, clone.name, clone.reason) == (
+        "Service ns/web: bad",
+        "Service",
+        "ns/web",
+        "bad",
+    )
+
+
+def test_external_traffic_policy_is_checked_for_every_type() -> None:
+    with pytest.raises(InvalidObject, match="externalTrafficPolicy"):
+        parse_service(service(externalTrafficPolicy="Nope"), V4)
+
+
 def test_service_key() -> None:
     assert service_key(service()) == KEY
     with pytest.raises(InvalidObject, match=r"^Service ns/<none>: metadata\.name is missing$"):
@@ -927,3 +946,96 @@ def test_describe(obj: Any, expected: str) -> None:
 
 def test_describe_with_kind() -> None:
     assert describe({"metadata": {"namespace": "ns", "name": "x"}}, "Service") == "Service ns/x"
+
+
+# ---------------------------------------------------------------------------------------
+# Robustness: whatever garbage sits anywhere in an object, parsing either succeeds or
+# raises InvalidObject; it never crashes with anything else.
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=8)
+    | st.sampled_from(["", "None", "10.0.0.1", "fd00::1", "Local", "UDP", "IPv4", "ClientIP"]),
+    lambda children: (
+        st.lists(children, max_size=3)
+        | st.dictionaries(
+            st.sampled_from(["name", "port", "ip", "ready", "x"]), children, max_size=3
+        )
+    ),
+    max_leaves=6,
+)
+
+
+def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    found = [prefix] if prefix else []
+    if isinstance(value, dict):
+        for key, child in value.items():
+            found += _paths(child, (*prefix, key))
+    elif isinstance(value, list):
+        for index, child in enumerate(value):
+            found += _paths(child, (*prefix, index))
+    return found
+
+
+def _replace(value: Any, path: tuple[Any, ...], new: Any) -> Any:
+    clone = copy.deepcopy(value)
+    target = clone
+    for part in path[:-1]:
+        target = target[part]
+    target[path[-1]] = new
+    return clone
+
+
+FULL_SERVICE = service(
+    type="LoadBalancer",
+    clusterIPs=["10.96.0.10", "fd00::10"],
+    externalIPs=["1.2.3.4"],
+    loadBalancerSourceRanges=["10.0.0.0/8"],
+    sessionAffinity="ClientIP",
+    sessionAffinityConfig={"clientIP": {"timeoutSeconds": 60}},
+    externalTrafficPolicy="Local",
+    internalTrafficPolicy="Cluster",
+    healthCheckNodePort=32000,
+    ports=[{"name": "http", "port": 80, "nodePort": 30080, "protocol": "TCP"}],
+)
+FULL_SERVICE["metadata"]["labels"] = {"app": "web"}
+FULL_SERVICE["status"] = {"loadBalancer": {"ingress": [{"ip": "192.0.2.1", "ipMode": "VIP"}]}}
+FULL_SLICE = endpoint_slice(
+    [
+        {
+            "addresses": ["10.0.0.1"],
+            "conditions": {"ready": True, "serving": True, "terminating": False},
+            "nodeName": "n",
+            "hints": {"forZones": [{"name": "z"}], "forNodes": [{"name": "n"}]},
+        }
+    ]
+)
+FULL_NODE = {
+    "metadata": {"name": "n", "labels": {"topology.kubernetes.io/zone": "z"}},
+    "spec": {"podCIDRs": ["10.244.0.0/24"], "taints": [{"key": "k"}]},
+    "status": {"addresses": [{"type": "InternalIP", "address": "10.0.0.5"}]},
+}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data(), json_values)
+def test_garbage_anywhere_is_an_invalid_object_or_fine(data: st.DataObject, junk: Any) -> None:
+    for original in (FULL_SERVICE, FULL_SLICE, FULL_NODE):
+        path = data.draw(st.sampled_from(_paths(original)))
+        mangled = _replace(original, path, junk)
+        try:
+            if original is FULL_SERVICE:
+                for family in (V4, V6):
+                    parse_service(mangled, family)
+                service_key(mangled)
+            elif original is FULL_SLICE:
+                for family in (V4, V6):
+                    parse_endpoint_slice(mangled, family, "n")
+            else:
+                parse_node(mangled)
+        except InvalidObject as err:
+            assert str(err).count("\n") == 0
+        describe(mangled)
