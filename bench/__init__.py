@@ -1,0 +1,1 @@
+"""Benchmarks of kubeproxy's backends and of upstream's rule structures (pytest-benchmark)."""

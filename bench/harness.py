@@ -1,0 +1,210 @@
+"""Driving the measured subjects: our proxy in a child process, and ``nft -f`` of a file.
+
+Both run inside a benchmark namespace (``ip netns exec``), so whatever they do, they do
+it there and never in the host namespace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import select
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from bench.netns import in_netns
+
+__all__ = ["ApplyResult", "ProxyProcess", "apply_nft_file", "proxy_process", "python_module"]
+
+REPO = Path(__file__).resolve().parents[1]
+_KB_PER_MB = 1024
+
+
+def python_module(module: str, *args: str) -> list[str]:
+    """The argument list that runs ``python -m module args`` with ``bench`` importable.
+
+    The repository root goes at the END of ``sys.path`` (and ``-P`` keeps the working
+    directory off it): its top-level ``cmd/`` must never shadow the standard library's.
+    """
+    bootstrap = (
+        f"import runpy, sys; sys.path.append({str(REPO)!r}); "
+        f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"
+    )
+    return [sys.executable, "-P", "-c", bootstrap, *args]
+
+
+class ProxyProcessError(RuntimeError):
+    """The proxy child failed, answered garbage, or took too long."""
+
+
+class ProxyProcess:
+    """A running ``bench.proxyproc`` child (see that module for the protocol)."""
+
+    def __init__(self, process: subprocess.Popen[str], stderr_path: Path) -> None:
+        self._process = process
+        self._stderr_path = stderr_path
+        self.ready: dict[str, Any] = {}
+
+    def _stdout(self) -> IO[str]:
+        stream = self._process.stdout
+        if stream is None:
+            raise ProxyProcessError("proxy child has no stdout")
+        return stream
+
+    def _read(self, timeout_s: float) -> dict[str, Any]:
+        stream = self._stdout()
+        readable, _, _ = select.select([stream], [], [], timeout_s)
+        if not readable:
+            raise ProxyProcessError(f"proxy child silent for {timeout_s:.0f} s{self._stderr()}")
+        line = stream.readline()
+        if not line:
+            raise ProxyProcessError(f"proxy child exited{self._stderr()}")
+        message: dict[str, Any] = json.loads(line)
+        if message.get("event") == "error":
+            raise ProxyProcessError(f"proxy child: {message.get('error')}")
+        return message
+
+    def _stderr(self) -> str:
+        try:
+            tail = self._stderr_path.read_text()[-3000:]
+        except OSError:
+            return ""
+        return f"; its stderr ends with:\n{tail}" if tail else ""
+
+    def wait_ready(self, timeout_s: float) -> dict[str, Any]:
+        """Wait for the child's ready line (it builds the synthetic cluster first)."""
+        self.ready = self._read(timeout_s)
+        return self.ready
+
+    def request(self, op: str, timeout_s: float = 900.0) -> dict[str, Any]:
+        """Send one command and return the child's answer."""
+        stdin = self._process.stdin
+        if stdin is None:
+            raise ProxyProcessError("proxy child has no stdin")
+        stdin.write(json.dumps({"op": op}) + "\n")
+        stdin.flush()
+        answer = self._read(timeout_s)
+        if answer.get("ok") is False:
+            raise ProxyProcessError(f"proxy child: {op} sync failed{self._stderr()}")
+        return answer
+
+    def stderr_tail(self) -> str:
+        """The last lines the child logged (for failure messages)."""
+        return self._stderr()
+
+
+@contextmanager
+def proxy_process(
+    netns: str,
+    services: int,
+    endpoints: int = 10,
+    *,
+    affinity_seconds: int = 0,
+    extras: Sequence[tuple[int, int]] = (),
+    backend: str = "nftables",
+    node_ip: str | None = None,
+    ready_timeout_s: float = 600.0,
+) -> Iterator[ProxyProcess]:
+    """Start our proxy in ``netns`` with a synthetic cluster; stop it on exit.
+
+    ``extras`` adds Services ``(index, endpoint count)`` on top of the ``services`` ones.
+    """
+    argv = ["--netns", netns, "--backend", backend]
+    argv += ["--services", str(services), "--endpoints", str(endpoints)]
+    argv += ["--affinity-seconds", str(affinity_seconds)]
+    for index, count in extras:
+        argv += ["--extra", f"{index}:{count}"]
+    if node_ip:
+        argv += ["--node-ip", node_ip]
+    stderr_path = Path(f"/tmp/kpxb-proxyproc-{os.getpid()}-{time.monotonic_ns()}.log")
+    with stderr_path.open("w") as stderr:
+        process = subprocess.Popen(
+            in_netns(netns, python_module("bench.proxyproc", *argv)),
+            cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
+    child = ProxyProcess(process, stderr_path)
+    try:
+        child.wait_ready(ready_timeout_s)
+        yield child
+    finally:
+        if process.stdin is not None and process.poll() is None:
+            try:
+                process.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                process.stdin.close()
+            except OSError:
+                pass
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
+        stderr_path.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyResult:
+    """One ``nft -f`` run: wall time, the nft process's peak memory, outcome."""
+
+    seconds: float
+    peak_rss_mb: float
+    ok: bool
+    timed_out: bool
+    stderr: str
+
+
+def apply_nft_file(netns: str, path: Path, *, timeout_s: float = 1800.0) -> ApplyResult:
+    """Run ``nft -f path`` in ``netns``; measure its wall time and peak RSS (wait4).
+
+    ``ip netns exec`` execs nft in place, so the child's own rusage is nft's. After
+    ``timeout_s`` the process is killed and the result says so.
+    """
+    with tempfile.TemporaryFile("w+") as errors:
+        start = time.perf_counter()
+        process = subprocess.Popen(
+            in_netns(netns, ["nft", "-f", str(path)]),
+            stdout=subprocess.DEVNULL,
+            stderr=errors,
+        )
+        seconds, status, usage, timed_out = _wait_with_usage(process, start, timeout_s)
+        errors.seek(0)
+        stderr = errors.read()
+    process.returncode = os.waitstatus_to_exitcode(status)
+    return ApplyResult(
+        seconds=seconds,
+        peak_rss_mb=usage.ru_maxrss / _KB_PER_MB,
+        ok=process.returncode == 0 and not timed_out,
+        timed_out=timed_out,
+        stderr=stderr[-2000:],
+    )
+
+
+def _wait_with_usage(
+    process: subprocess.Popen[bytes], start: float, timeout_s: float
+) -> tuple[float, int, resource.struct_rusage, bool]:
+    deadline = start + timeout_s
+    timed_out = False
+    while True:
+        pid, status, usage = os.wait4(process.pid, os.WNOHANG)
+        if pid:
+            break
+        if time.perf_counter() > deadline:
+            process.kill()
+            timed_out = True
+            pid, status, usage = os.wait4(process.pid, 0)
+            break
+        time.sleep(0.005)
+    return time.perf_counter() - start, status, usage, timed_out

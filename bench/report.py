@@ -1,0 +1,448 @@
+"""Benchmark results: records, machine information, the JSON file and the Markdown summary.
+
+A run collects flat records (one dict per measurement, ``kind`` says which), then writes
+``bench/results/<date>-<host>.json`` (machine info, command, records, target checks) and
+``bench/results/latest.md``. Records are plain JSON so later tools (plots, other backends)
+read them without importing this module.
+
+Record kinds and their fields (every record also has ``subject``: ``kubeproxy-nftables``
+for our proxy, ``upstream-nft`` for upstream's structure applied with ``nft -f``):
+
+* ``cold``: ``services``, ``endpoints``, ``affinity``, ``seconds`` (end to end),
+  ``feed_s``, ``sync_s``, ``peak_rss_mb`` (the process), ``peak_children_rss_mb``, ``ok``;
+* ``upstream_cold``: ``services``, ``endpoints``, ``affinity``, ``seconds``, ``lines``,
+  ``peak_rss_mb`` (the nft process), ``ok``, ``timed_out``;
+* ``incremental``: ``services``, ``op`` (endpoint/add/remove), ``rounds``,
+  ``median_ms``, ``p90_ms``, ``max_ms``, ``ok``;
+* ``dataplane``: ``services`` (installed), ``case`` (direct, service-10, service-2,
+  service-1000), ``p50_us``, ``p90_us``, ``p99_us``, ``mean_us``, ``count``, ``failures``,
+  ``overhead_us`` (p50 minus the direct case's p50 in the same topology).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import socket
+import subprocess
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "OURS",
+    "UPSTREAM",
+    "Results",
+    "TargetCheck",
+    "evaluate_targets",
+    "machine_info",
+    "render_markdown",
+]
+
+OURS = "kubeproxy-nftables"
+UPSTREAM = "upstream-nft"
+
+Record = dict[str, Any]
+
+# Criteria for the targets the issue states in words.
+LINEAR_EXPONENT_MAX = 1.2  # time ~ services^k with k fitted on log-log, 1k..30k
+INDEPENDENT_RATIO_MAX = 1.5  # incremental median at the largest size / at the smallest
+FLAT_RATIO_MAX = 1.25  # first-connection p50, most Services / fewest; 1000 eps / 2 eps
+FLAT_SLACK_US = 5.0  # ... or within this many microseconds (timer and scheduling noise)
+
+
+def _run(argv: Sequence[str]) -> str:
+    try:
+        result = subprocess.run(list(argv), capture_output=True, text=True, check=False)
+    except OSError:
+        return ""
+    return result.stdout.strip()
+
+
+def machine_info() -> dict[str, Any]:
+    """Where the figures come from: cores, kernel, nft, Python, memory, commit, date."""
+    meminfo = Path("/proc/meminfo")
+    total_kb = 0
+    if meminfo.exists():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                total_kb = int(line.split()[1])
+    repo = Path(__file__).resolve().parents[1]
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "nproc": os.cpu_count(),
+        "kernel": platform.release(),
+        "nft": _run(["nft", "--version"]),
+        "python": platform.python_version(),
+        "memory_gb": round(total_kb / 1024 / 1024, 1),
+        "commit": _run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"]),
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class TargetCheck:
+    """One performance target: what was asked, what was measured, and whether it holds.
+
+    ``holds`` is None when the run did not measure what the target needs.
+    """
+
+    target: str
+    measured: str
+    holds: bool | None
+
+
+def _find(records: Iterable[Record], **match: Any) -> list[Record]:
+    return [r for r in records if all(r.get(k) == v for k, v in match.items())]
+
+
+def _one(records: Iterable[Record], **match: Any) -> Record | None:
+    found = _find(records, **match)
+    return found[-1] if found else None
+
+
+def _cold(records: Sequence[Record], services: int, affinity: bool = False) -> Record | None:
+    return _one(
+        records, kind="cold", subject=OURS, services=services, endpoints=10, affinity=affinity
+    )
+
+
+def _fit_exponent(points: Sequence[tuple[float, float]]) -> float:
+    """Least-squares slope of log(time) over log(size)."""
+    xs = [math.log(x) for x, _ in points]
+    ys = [math.log(y) for _, y in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    den = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / den
+
+
+def _cold_targets(records: Sequence[Record]) -> list[TargetCheck]:
+    checks = []
+    r10k = _cold(records, 10_000)
+    checks.append(
+        TargetCheck(
+            "cold full sync 10k x 10 <= 10 s",
+            f"{r10k['seconds']:.2f} s" if r10k else "not measured",
+            (r10k["ok"] and r10k["seconds"] <= 10.0) if r10k else None,
+        )
+    )
+    r30k = _cold(records, 30_000)
+    if r30k:
+        peak = r30k["peak_rss_mb"] + r30k["peak_children_rss_mb"]
+        measured = f"{r30k['seconds']:.2f} s, peak {peak:.0f} MB"
+        holds: bool | None = r30k["ok"] and r30k["seconds"] <= 45.0 and peak <= 1536
+    else:
+        measured, holds = "not measured", None
+    checks.append(TargetCheck("cold full sync 30k x 10 <= 45 s, <= 1.5 GB peak", measured, holds))
+
+    ours5k, theirs5k = (
+        _cold(records, 5_000),
+        _one(records, kind="upstream_cold", services=5_000, endpoints=10, affinity=False),
+    )
+    if ours5k and theirs5k and theirs5k["ok"]:
+        ratio = theirs5k["seconds"] / ours5k["seconds"]
+        checks.append(
+            TargetCheck(
+                "5k x 10: >= 10x faster than upstream's structure (same run)",
+                f"{ours5k['seconds']:.2f} s vs {theirs5k['seconds']:.1f} s: {ratio:.1f}x",
+                ours5k["ok"] and ratio >= 10.0,
+            )
+        )
+    else:
+        checks.append(
+            TargetCheck("5k x 10: >= 10x faster than upstream's structure", "not measured", None)
+        )
+
+    sizes = sorted(
+        (r["services"], r["seconds"])
+        for r in _find(records, kind="cold", subject=OURS, endpoints=10, affinity=False)
+        if r["ok"]
+    )
+    if len(sizes) >= 3 and sizes[0][0] <= 1_000 and sizes[-1][0] >= 30_000:
+        k = _fit_exponent(sizes)
+        per = ", ".join(f"{n // 1000}k {1e6 * t / n:.0f} us" for n, t in sizes)
+        checks.append(
+            TargetCheck(
+                f"growth close to linear 1k..30k (fitted exponent <= {LINEAR_EXPONENT_MAX})",
+                f"exponent {k:.2f}; per Service {per}",
+                k <= LINEAR_EXPONENT_MAX,
+            )
+        )
+    else:
+        checks.append(TargetCheck("growth close to linear 1k..30k", "not measured", None))
+
+    pairs = [
+        (n, plain, aff)
+        for n in (1_000, 5_000, 10_000, 30_000)
+        if (plain := _cold(records, n)) and (aff := _cold(records, n, affinity=True))
+    ]
+    if pairs:
+        ratios = [aff["seconds"] / plain["seconds"] for _, plain, aff in pairs]
+        checks.append(
+            TargetCheck(
+                "cold sync with session affinity within 2x of without",
+                ", ".join(
+                    f"{n // 1000}k {aff['seconds']:.2f} s ({r:.2f}x)"
+                    for (n, _, aff), r in zip(pairs, ratios, strict=True)
+                ),
+                all(aff["ok"] for _, _, aff in pairs) and max(ratios) <= 2.0,
+            )
+        )
+    else:
+        checks.append(TargetCheck("cold sync with affinity within 2x", "not measured", None))
+    return checks
+
+
+def _incremental_targets(records: Sequence[Record]) -> list[TargetCheck]:
+    checks = []
+    at10k = _find(records, kind="incremental", subject=OURS, services=10_000)
+    if at10k:
+        worst = max(r["median_ms"] for r in at10k)
+        checks.append(
+            TargetCheck(
+                "incremental sync at 10k <= 50 ms (median per operation)",
+                ", ".join(f"{r['op']} {r['median_ms']:.1f} ms" for r in at10k),
+                all(r["ok"] for r in at10k) and worst <= 50.0,
+            )
+        )
+    else:
+        checks.append(TargetCheck("incremental sync at 10k <= 50 ms", "not measured", None))
+    sizes = sorted({r["services"] for r in _find(records, kind="incremental", subject=OURS)})
+    if len(sizes) >= 2:
+        low, high = sizes[0], sizes[-1]
+        parts, ratios = [], []
+        for op in ("endpoint", "add", "remove"):
+            a = _one(records, kind="incremental", subject=OURS, services=low, op=op)
+            b = _one(records, kind="incremental", subject=OURS, services=high, op=op)
+            if a and b:
+                ratios.append(b["median_ms"] / a["median_ms"])
+                parts.append(f"{op} {ratios[-1]:.2f}x")
+        checks.append(
+            TargetCheck(
+                f"incremental independent of total ({high // 1000}k vs {low // 1000}k, "
+                f"<= {INDEPENDENT_RATIO_MAX}x)",
+                ", ".join(parts),
+                bool(ratios) and max(ratios) <= INDEPENDENT_RATIO_MAX,
+            )
+        )
+    else:
+        checks.append(TargetCheck("incremental independent of total", "not measured", None))
+    return checks
+
+
+def _flat(small: Record, big: Record) -> bool:
+    """Whether ``big`` costs about what ``small`` does per new connection.
+
+    Either p50 within ``FLAT_RATIO_MAX``, or the rules' overhead (p50 over the bare
+    endpoint's p50, measured in the same topology) within ``FLAT_SLACK_US``: p50s of
+    separate topologies differ by a few microseconds even with the same rules.
+    """
+    return bool(
+        big["p50_us"] <= small["p50_us"] * FLAT_RATIO_MAX
+        or big["overhead_us"] - small["overhead_us"] <= FLAT_SLACK_US
+    )
+
+
+def _dataplane_targets(records: Sequence[Record]) -> list[TargetCheck]:
+    checks = []
+    svc = sorted(
+        _find(records, kind="dataplane", subject=OURS, case="service-10"),
+        key=lambda r: r["services"],
+    )
+    if len(svc) >= 2:
+        checks.append(
+            TargetCheck(
+                "first-connection cost flat in the number of Services (p50; rules' overhead)",
+                ", ".join(
+                    f"{_size(r['services'])} {r['p50_us']:.1f} us ({r['overhead_us']:+.1f})"
+                    for r in svc
+                ),
+                all(_flat(svc[0], r) for r in svc[1:]),
+            )
+        )
+    else:
+        checks.append(TargetCheck("first-connection cost flat in Services", "not measured", None))
+    widths = []
+    for n in sorted({r["services"] for r in _find(records, kind="dataplane", subject=OURS)}):
+        two = _one(records, kind="dataplane", subject=OURS, services=n, case="service-2")
+        wide = _one(records, kind="dataplane", subject=OURS, services=n, case="service-1000")
+        if two and wide:
+            widths.append((n, two, wide))
+    if widths:
+        checks.append(
+            TargetCheck(
+                "1000 endpoints cost about the same per new connection as 2 (p50)",
+                ", ".join(
+                    f"{_size(n)}: {a['p50_us']:.1f} vs {b['p50_us']:.1f} us" for n, a, b in widths
+                ),
+                all(_flat(a, b) for _, a, b in widths),
+            )
+        )
+    else:
+        checks.append(TargetCheck("1000 endpoints cost about the same as 2", "not measured", None))
+    return checks
+
+
+def evaluate_targets(records: Sequence[Record]) -> list[TargetCheck]:
+    """Check every target of the issue against the records of one run."""
+    return _cold_targets(records) + _incremental_targets(records) + _dataplane_targets(records)
+
+
+def _verdict(holds: bool | None) -> str:
+    return {True: "holds", False: "**missed**", None: "-"}[holds]
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines
+
+
+_CASE_ORDER = {"direct": 0, "service-10": 1, "service-2": 2, "service-1000": 3}
+
+
+def _size(n: int) -> str:
+    return f"{n // 1000}k" if n % 1000 == 0 else str(n)
+
+
+def render_markdown(run: dict[str, Any]) -> str:
+    """The Markdown summary of one run (what ``latest.md`` holds)."""
+    machine, records = run["machine"], run["records"]
+    out = [
+        "# Benchmark results",
+        "",
+        f"Command: `{run['command']}`  ",
+        f"Date: {machine['date']}; {machine['nproc']} cores, kernel {machine['kernel']}, "
+        f"{machine['nft']}, Python {machine['python']}, {machine['memory_gb']} GB, "
+        f"commit {machine['commit']}; run took {run['duration_s'] / 60:.1f} min.",
+        "",
+        "## Targets",
+        "",
+    ]
+    out += _table(
+        ("target", "measured", "verdict"),
+        ((c.target, c.measured, _verdict(c.holds)) for c in evaluate_targets(records)),
+    )
+    cold = sorted(
+        (r for r in records if r["kind"] in ("cold", "upstream_cold")),
+        key=lambda r: (r["services"], r["affinity"], r["subject"]),
+    )
+    if cold:
+        out += ["", "## Cold full sync (N Services x 10 endpoints, fresh namespace)", ""]
+        out += _table(
+            ("subject", "Services", "affinity", "seconds", "peak RSS", "details"),
+            (
+                (
+                    r["subject"],
+                    _size(r["services"]),
+                    "yes" if r["affinity"] else "no",
+                    f"{r['seconds']:.2f}"
+                    + ("" if r["ok"] else " (FAILED)")
+                    + (" (timed out)" if r.get("timed_out") else ""),
+                    f"{r['peak_rss_mb'] + r.get('peak_children_rss_mb', 0):.0f} MB",
+                    (
+                        f"feed {r['feed_s']:.2f} s + sync {r['sync_s']:.2f} s"
+                        if r["kind"] == "cold"
+                        else f"nft -f, {r['lines']} lines"
+                    ),
+                )
+                for r in cold
+            ),
+        )
+    incremental = sorted(_find(records, kind="incremental"), key=lambda r: (r["services"], r["op"]))
+    if incremental:
+        out += ["", "## Incremental sync (one change, then sync; per operation)", ""]
+        out += _table(
+            ("subject", "Services", "operation", "rounds", "median ms", "p90 ms", "max ms"),
+            (
+                (
+                    r["subject"],
+                    _size(r["services"]),
+                    r["op"],
+                    str(r["rounds"]),
+                    f"{r['median_ms']:.1f}",
+                    f"{r['p90_ms']:.1f}",
+                    f"{r['max_ms']:.1f}",
+                )
+                for r in incremental
+            ),
+        )
+    dataplane = sorted(
+        _find(records, kind="dataplane"),
+        key=lambda r: (r["subject"], r["services"], _CASE_ORDER.get(r["case"], 99), r["case"]),
+    )
+    if dataplane:
+        out += ["", "## First-connection latency (TCP connect through the node, microseconds)", ""]
+        out += _table(
+            (
+                "subject",
+                "Services installed",
+                "target",
+                "p50",
+                "p90",
+                "p99",
+                "p50 - direct",
+                "connections",
+            ),
+            (
+                (
+                    r["subject"],
+                    _size(r["services"]),
+                    r["case"],
+                    f"{r['p50_us']:.1f}",
+                    f"{r['p90_us']:.1f}",
+                    f"{r['p99_us']:.1f}",
+                    f"{r['overhead_us']:+.1f}",
+                    f"{r['count']}" + (f" ({r['failures']} failed)" if r["failures"] else ""),
+                )
+                for r in dataplane
+            ),
+        )
+    out += [
+        "",
+        "`direct`: straight to an endpoint address (no DNAT); `service-N`: a ClusterIP "
+        "whose Service has N endpoints.",
+        "",
+    ]
+    return "\n".join(out)
+
+
+class Results:
+    """The records of one benchmark run, written out at its end."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+        self.records: list[Record] = []
+        self._started = datetime.datetime.now(datetime.UTC)
+
+    def add(self, kind: str, subject: str, **fields: Any) -> Record:
+        """Add a record and return it."""
+        record: Record = {"kind": kind, "subject": subject, **fields}
+        self.records.append(record)
+        return record
+
+    def as_run(self) -> dict[str, Any]:
+        """The whole run as one JSON-ready dict."""
+        duration = (datetime.datetime.now(datetime.UTC) - self._started).total_seconds()
+        return {
+            "command": self.command,
+            "machine": machine_info(),
+            "duration_s": duration,
+            "records": self.records,
+            "targets": [asdict(c) for c in evaluate_targets(self.records)],
+        }
+
+    def write(self, directory: Path) -> tuple[Path, Path]:
+        """Write ``<date>-<host>.json`` and ``latest.md`` into ``directory``."""
+        directory.mkdir(parents=True, exist_ok=True)
+        run = self.as_run()
+        stamp = self._started.strftime("%Y%m%dT%H%M%SZ")
+        json_path = directory / f"{stamp}-{run['machine']['host']}.json"
+        json_path.write_text(json.dumps(run, indent=1) + "\n")
+        md_path = directory / "latest.md"
+        md_path.write_text(render_markdown(run))
+        return json_path, md_path

@@ -1,0 +1,288 @@
+"""Upstream kube-proxy's nftables rule structure, as the `nft -f` input of a cold full sync.
+
+Written from the facts in ``reference/upstream-backends.md`` (sections 1.2 to 1.8), not from
+upstream's code: the table, the base and fixed chains with their rules, the sets and maps,
+and per Service port a ``service-<hash>-ns/name/proto/port`` chain dispatching with an
+anonymous ``numgen random mod N vmap { ... }`` to one ``endpoint-<hash>-...`` chain per
+endpoint (hairpin masquerade, then DNAT), plus the map elements. With session affinity,
+every endpoint also gets its own dynamic ``affinity-<hash>-...`` set.
+
+Operations come in the order upstream queues them on its first full sync after start:
+table, the one-time add+delete of every base chain, base chains, fixed chains (add+flush,
+rules), sets and maps, then per Service port its chains (add+flush, rules) and elements.
+The benchmark applies the text with ``nft -f`` into a fresh namespace, as upstream's
+knftables does (``nft -f -``), to compare with our own structure on the same Services.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import ipaddress
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.synthetic import NODE_IP, POD_CIDR, SERVICE_CIDR, SyntheticService
+
+__all__ = [
+    "UpstreamOptions",
+    "endpoint_chain_base",
+    "hash_and_truncate",
+    "service_chain_base",
+    "upstream_ruleset",
+    "write_upstream_ruleset",
+]
+
+TABLE = "ip kube-proxy"
+_NAME_MAX = 240  # knftables.NameLengthMax (256) minus the longest chain prefix (16)
+
+# name, type, hook, numeric priority (knftables prints priorities as numbers)
+_BASE_CHAINS = (
+    ("filter-prerouting-pre-dnat", "filter", "prerouting", -110),
+    ("filter-output-pre-dnat", "filter", "output", -110),
+    ("filter-input", "filter", "input", 0),
+    ("filter-forward", "filter", "forward", 0),
+    ("filter-output", "filter", "output", 0),
+    ("nat-prerouting", "nat", "prerouting", -100),
+    ("nat-output", "nat", "output", -100),
+    ("nat-postrouting", "nat", "postrouting", 100),
+)
+
+# Jump rules in upstream's order (nftablesJumpChains): (base chain, rule).
+_JUMPS = (
+    ("filter-input", "ct state new jump nodeport-endpoints-check"),
+    ("filter-input", "ct state new jump service-endpoints-check"),
+    ("filter-forward", "ct state new jump service-endpoints-check"),
+    ("filter-output", "ct state new jump service-endpoints-check"),
+    ("filter-prerouting-pre-dnat", "ct state new jump firewall-check"),
+    ("filter-output-pre-dnat", "ct state new jump firewall-check"),
+    ("nat-output", "jump services"),
+    ("nat-prerouting", "jump services"),
+    ("nat-postrouting", "jump masquerading"),
+    ("filter-forward", "ct state new jump cluster-ips-check"),
+    ("filter-output", "ct state new jump cluster-ips-check"),
+)
+
+_FIXED_CHAINS = (
+    "nodeport-endpoints-check",
+    "service-endpoints-check",
+    "firewall-check",
+    "services",
+    "masquerading",
+    "cluster-ips-check",
+    "mark-for-masquerade",
+    "reject-chain",
+)
+
+_SETS = (
+    ("set", "cluster-ips", "ipv4_addr", "Active ClusterIPs"),
+    ("set", "nodeport-ips", "ipv4_addr", "IPs that accept NodePort traffic"),
+    (
+        "map",
+        "service-ips",
+        "ipv4_addr . inet_proto . inet_service : verdict",
+        "ClusterIP, ExternalIP and LoadBalancer IP traffic",
+    ),
+    ("map", "service-nodeports", "inet_proto . inet_service : verdict", "NodePort traffic"),
+    (
+        "map",
+        "firewall-ips",
+        "ipv4_addr . inet_proto . inet_service : verdict",
+        "destinations that are subject to LoadBalancerSourceRanges",
+    ),
+    (
+        "map",
+        "no-endpoint-services",
+        "ipv4_addr . inet_proto . inet_service : verdict",
+        "vmap to drop or reject packets to services with no endpoints",
+    ),
+    (
+        "map",
+        "no-endpoint-nodeports",
+        "inet_proto . inet_service : verdict",
+        "vmap to drop or reject packets to service nodeports with no endpoints",
+    ),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamOptions:
+    """The proxier settings that shape upstream's ruleset.
+
+    ``cluster_cidr`` is the ClusterCIDR local-traffic detector (None: no detector);
+    ``node_ips`` fill ``nodeport-ips`` (upstream's default ``primary``: the node's IP).
+    """
+
+    masquerade_mark: int = 0x4000
+    masquerade_all: bool = False
+    cluster_cidr: ipaddress.IPv4Network | None = POD_CIDR
+    service_cidrs: tuple[ipaddress.IPv4Network, ...] = (SERVICE_CIDR,)
+    node_ips: tuple[ipaddress.IPv4Address, ...] = (NODE_IP,)
+
+
+def hash_and_truncate(name: str) -> str:
+    """``base32(sha256(name))[:8] + "-" + name``, cut to 240 characters with ``...``."""
+    digest = base64.b32encode(hashlib.sha256(name.encode()).digest()).decode()[:8]
+    base = f"{digest}-{name}"
+    if len(base) > _NAME_MAX:
+        base = base[: _NAME_MAX - 3] + "..."
+    return base
+
+
+def service_chain_base(service: SyntheticService) -> str:
+    """The hashed base name of a Service port's chains (``service-<base>`` and friends)."""
+    return hash_and_truncate(service.port_identity)
+
+
+def endpoint_chain_base(service: SyntheticService, endpoint: ipaddress.IPv4Address) -> str:
+    """The hashed base name of an endpoint's chain and affinity set."""
+    return hash_and_truncate(f"{service.port_identity}__{endpoint}/{service.target_port}")
+
+
+def _mark(options: UpstreamOptions) -> str:
+    return f"{options.masquerade_mark:#08x}"
+
+
+def _preamble(options: UpstreamOptions) -> Iterator[str]:
+    yield f'add table {TABLE} {{ comment "rules for kube-proxy" ; }}'
+    # First sync after start: upstream adds and deletes every base chain once, so that a
+    # chain left by an older version with another priority is recreated.
+    for name, _type, _hook, _prio in _BASE_CHAINS:
+        yield f"add chain {TABLE} {name}"
+        yield f"delete chain {TABLE} {name}"
+    for name, chain_type, hook, priority in _BASE_CHAINS:
+        yield (
+            f"add chain {TABLE} {name} {{ type {chain_type} hook {hook} priority {priority} ; }}"
+        )
+        yield f"flush chain {TABLE} {name}"
+    for name in _FIXED_CHAINS:
+        if name == "reject-chain":
+            yield (
+                f"add chain {TABLE} {name} "
+                '{ comment "helper for @no-endpoint-services / @no-endpoint-nodeports" ; }'
+            )
+        else:
+            yield f"add chain {TABLE} {name}"
+        yield f"flush chain {TABLE} {name}"
+    for kind, name, key_type, comment in _SETS:
+        yield f'add {kind} {TABLE} {name} {{ type {key_type} ; comment "{comment}" ; }}'
+    yield f"flush set {TABLE} nodeport-ips"
+    for ip in options.node_ips:
+        yield f"add element {TABLE} nodeport-ips {{ {ip} }}"
+    for chain, rule in _JUMPS:
+        yield f"add rule {TABLE} {chain} {rule}"
+    mark = _mark(options)
+    fixed_rules = (
+        ("services", "ip daddr . meta l4proto . th dport vmap @service-ips"),
+        (
+            "services",
+            "ip daddr @nodeport-ips meta l4proto . th dport vmap @service-nodeports",
+        ),
+        (
+            "service-endpoints-check",
+            "ip daddr . meta l4proto . th dport vmap @no-endpoint-services",
+        ),
+        (
+            "nodeport-endpoints-check",
+            "ip daddr @nodeport-ips meta l4proto . th dport vmap @no-endpoint-nodeports",
+        ),
+        ("firewall-check", "ip daddr . meta l4proto . th dport vmap @firewall-ips"),
+        (
+            "cluster-ips-check",
+            'ip daddr @cluster-ips reject comment "Reject traffic to invalid ports of ClusterIPs"',
+        ),
+        ("reject-chain", "reject"),
+        ("mark-for-masquerade", f"mark set mark or {mark}"),
+        ("masquerading", f"mark and {mark} == 0 return"),
+        ("masquerading", f"mark set mark xor {mark}"),
+        ("masquerading", "masquerade fully-random"),
+    )
+    for chain, rule in fixed_rules:
+        yield f"add rule {TABLE} {chain} {rule}"
+    if options.service_cidrs:
+        cidrs = ",".join(str(c) for c in options.service_cidrs)
+        yield (
+            f"add rule {TABLE} cluster-ips-check ip daddr {{ {cidrs} }} drop "
+            'comment "Drop traffic to unallocated ClusterIPs"'
+        )
+
+
+def _service(service: SyntheticService, options: UpstreamOptions) -> Iterator[str]:
+    base = service_chain_base(service)
+    chain = f"service-{base}"
+    # The EndpointsMap order: endpoints sorted by their "IP:port" string.
+    endpoints = sorted(service.endpoints, key=lambda ip: f"{ip}:{service.target_port}")
+    ep_bases = [endpoint_chain_base(service, ip) for ip in endpoints]
+    proto = service.protocol.lower()
+    if endpoints:
+        # Every chain and set of the port exists before a rule refers to it.
+        for name in (chain, *(f"endpoint-{b}" for b in ep_bases)):
+            yield f"add chain {TABLE} {name}"
+            yield f"flush chain {TABLE} {name}"
+        if service.affinity_seconds:
+            for ep_base in ep_bases:
+                yield (
+                    f"add set {TABLE} affinity-{ep_base} {{ type ipv4_addr ; "
+                    f"flags dynamic,timeout ; timeout {service.affinity_seconds}s ; }}"
+                )
+        yield from _service_rules(service, chain, ep_bases, options)
+        for ip, ep_base in zip(endpoints, ep_bases, strict=True):
+            ep_chain = f"endpoint-{ep_base}"
+            yield f"add rule {TABLE} {ep_chain} ip saddr {ip} jump mark-for-masquerade"
+            if service.affinity_seconds:
+                yield f"add rule {TABLE} {ep_chain} update @affinity-{ep_base} {{ ip saddr }}"
+            yield (
+                f"add rule {TABLE} {ep_chain} "
+                f"meta l4proto {proto} dnat to {ip}:{service.target_port}"
+            )
+    yield f"add element {TABLE} cluster-ips {{ {service.cluster_ip} }}"
+    key = f"{service.cluster_ip} . {proto} . {service.port}"
+    if endpoints:
+        yield f"add element {TABLE} service-ips {{ {key} : goto {chain} }}"
+    else:
+        yield (
+            f'add element {TABLE} no-endpoint-services {{ {key} comment "{service.port_label}" '
+            ": goto reject-chain }"
+        )
+
+
+def _service_rules(
+    service: SyntheticService, chain: str, ep_bases: Sequence[str], options: UpstreamOptions
+) -> Iterator[str]:
+    prefix = f"add rule {TABLE} {chain}"
+    if options.masquerade_all:
+        yield f"{prefix} ip daddr {service.cluster_ip} jump mark-for-masquerade"
+    elif options.cluster_cidr is not None:
+        yield (
+            f"{prefix} ip daddr {service.cluster_ip} "
+            f"ip saddr != {options.cluster_cidr} jump mark-for-masquerade"
+        )
+    if service.affinity_seconds:
+        for ep_base in ep_bases:
+            yield f"{prefix} ip saddr @affinity-{ep_base} goto endpoint-{ep_base}"
+    entries = " , ".join(f"{k} : goto endpoint-{b}" for k, b in enumerate(ep_bases))
+    yield f"{prefix} numgen random mod {len(ep_bases)} vmap {{ {entries} }}"
+
+
+def upstream_ruleset(
+    services: Iterable[SyntheticService], options: UpstreamOptions | None = None
+) -> Iterator[str]:
+    """The lines of upstream's cold full-sync transaction for ``services`` (no newlines)."""
+    opts = options or UpstreamOptions()
+    yield from _preamble(opts)
+    for service in services:
+        yield from _service(service, opts)
+
+
+def write_upstream_ruleset(
+    path: Path, services: Sequence[SyntheticService], options: UpstreamOptions | None = None
+) -> int:
+    """Write the ruleset to ``path`` for ``nft -f``; returns the number of lines."""
+    count = 0
+    with path.open("w") as out:
+        for line in upstream_ruleset(services, options):
+            out.write(line)
+            out.write("\n")
+            count += 1
+    return count
