@@ -272,11 +272,16 @@ def leftovers(run_id: str) -> list[str]:
     return found
 
 
+RUN_IDS: list[str] = []
+"""Every run id this module used (checked once more when the module ends)."""
+
+
 @pytest.fixture
 def run_id() -> Iterator[str]:
     """A fresh run id; after the test nothing of the run may remain."""
     before = netns_fds()
     identifier = "t" + secrets.token_hex(4)
+    RUN_IDS.append(identifier)
     yield identifier
     assert leftovers(identifier) == []
     assert netns_fds() == before
@@ -294,6 +299,7 @@ def _outcome_ids() -> list[str]:
 def outcomes() -> dict[str, FlowResult]:
     before = netns_fds()
     identifier = "o" + secrets.token_hex(4)
+    RUN_IDS.append(identifier)
     started = time.monotonic()
     results = run_file(OUTCOMES, factory, RunOptions(run_id=identifier))
     elapsed = time.monotonic() - started
@@ -383,6 +389,17 @@ def test_a_backend_that_cannot_be_created_fails_every_flow(run_id: str) -> None:
 
 
 @pytest.mark.kernel
+def test_a_backend_the_kernel_cannot_run_skips_every_flow(run_id: str) -> None:
+    def no_ipvs(family: IPFamily, config: ProxierConfig, *, netns: str | None = None) -> Backend:
+        raise OSError("kernel lacks IP_VS (no ip_vs genetlink family)")
+
+    parsed = load_case_file(CASES / "cli-fail.yaml")
+    (result,) = run_case(parsed, parsed.cases[0], no_ipvs, RunOptions(run_id=run_id))
+    assert result.status is Status.SKIP
+    assert "kernel lacks IP_VS" in result.detail
+
+
+@pytest.mark.kernel
 def test_an_interrupt_removes_everything(run_id: str) -> None:
     parsed = load_case_file(CASES / "interrupt.yaml")
     with pytest.raises(KeyboardInterrupt):
@@ -444,21 +461,26 @@ def test_cli_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert "--timeout must be positive" in capsys.readouterr().err
 
 
+API_SCRIPT = """
+import sys
+from kubeproxy.testing import RunOptions, run_file
+run_file(sys.argv[1], "flowcase_standin:factory", RunOptions(timeout=20, run_id=sys.argv[2]))
+"""
+
+
 @pytest.mark.kernel
-def test_cli_sigterm_removes_everything(run_id: str) -> None:
+@pytest.mark.parametrize("how", ["cli", "api"])
+def test_sigterm_removes_everything(run_id: str, how: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(TESTS), "PYTHONSAFEPATH": "1"}
-    command = [
-        sys.executable,
-        "-m",
-        "kubeproxy.testing.flowcases",
-        "--backend",
-        "flowcase_standin:factory",
-        "--timeout",
-        "20",
-        "--run-id",
-        run_id,
-        str(CASES / "slow-drop.yaml"),
-    ]
+    slow = str(CASES / "slow-drop.yaml")
+    if how == "cli":
+        command = [
+            *(sys.executable, "-m", "kubeproxy.testing.flowcases"),
+            *("--backend", "flowcase_standin:factory", "--timeout", "20"),
+            *("--run-id", run_id, slow),
+        ]
+    else:
+        command = [sys.executable, "-c", API_SCRIPT, slow, run_id]
     started = time.monotonic()
     with subprocess.Popen(
         command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -476,9 +498,15 @@ def test_cli_sigterm_removes_everything(run_id: str) -> None:
         finally:
             if proc.poll() is None:
                 proc.kill()
-    assert proc.returncode == 130, out + err
-    assert "interrupted" in err
-    assert "passed" not in out
+    if how == "cli":
+        assert proc.returncode == 130, out + err
+        assert "interrupted" in err
+        assert "passed" not in out
+    else:
+        # The library turns SIGTERM into KeyboardInterrupt; Python reports it by dying
+        # of SIGINT once every finally block has run.
+        assert proc.returncode == -signal.SIGINT, out + err
+        assert "KeyboardInterrupt" in err
     assert time.monotonic() - started < 15
 
 
@@ -543,11 +571,21 @@ def test_flow_test_is_parametrised_per_flow() -> None:
 
 # The kit used as an out-of-tree backend would use it: one test per flow (the file's
 # deliberate unknown keys are checked above, not warned about again here).
+STANDIN_FLOWS_RUN = "m" + secrets.token_hex(4)
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", FlowCaseWarning)
     test_standin_flows = flow_test(
         ["cli-pass.yaml"],
         backend="tests.flowcase_standin:factory",
+        options=RunOptions(run_id=STANDIN_FLOWS_RUN),
         base=CASES,
         marks=[pytest.mark.kernel],
     )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def nothing_left_after_the_module() -> Iterator[None]:
+    """After every test of this module: no namespace, veth, thread or process remains."""
+    yield
+    for identifier in (*RUN_IDS, STANDIN_FLOWS_RUN):
+        assert leftovers(identifier) == []

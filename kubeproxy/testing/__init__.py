@@ -43,11 +43,19 @@ about twenty flows takes a few seconds. For other uses, :func:`run_file` and
 :func:`run_case` return :class:`FlowResult` objects, and :func:`load_case_file` parses a
 file (unknown keys and actions become warnings, never errors).
 
-Notes: SCTP flows are reported as skipped (this kernel has no SCTP sockets). Namespaces
-are named ``kpxf-<run id>-...``; the node's pod bridge is ``kpxfbr0`` and pod veths on
-the node start with ``kpxfpod`` (for the BridgeInterface and InterfaceNamePrefix
-local-traffic detectors). ``family: DualStack`` (our extension) runs an IPv4 and an IPv6
-proxier together.
+Verdicts: a flow passes only when packets showed it. It fails when the sync fails
+(``sync_now()`` returned False), when the factory raised, or when the kernel did
+something else; it is skipped when this machine cannot check it: SCTP flows (this kernel
+has no SCTP sockets), and every flow of a case whose factory raised an error saying
+``kernel lacks ...`` (an ipvs backend without IP_VS, say).
+
+Notes: namespaces are named ``kpxf-<run id>-...``; the node's pod bridge is ``kpxfbr0``
+and pod veths on the node start with ``kpxfpod`` (for the BridgeInterface and
+InterfaceNamePrefix local-traffic detectors); the node's default route leads to a
+namespace that answers any address, so traffic the proxy leaves alone is seen arriving
+and only a real drop stays silent. ``family: DualStack`` (our extension) runs an IPv4 and
+an IPv6 proxier together. While a case runs in the main thread, SIGTERM (if it still has
+its default action) unwinds like Ctrl-C, so the namespaces are removed.
 """
 
 from kubeproxy.testing.cases import (

@@ -7,6 +7,11 @@ through the core (:class:`kubeproxy.proxier.Proxier`, or a
 step it syncs, then probes every flow of the step in parallel and judges it
 (:mod:`kubeproxy.testing.traffic`). Everything it created is removed when the case ends,
 whatever happened.
+
+A flow FAILs when the sync fails, when the backend cannot be created, or when the
+packets do something else than the flow says; it is SKIPped when it needs what this
+machine lacks (SCTP sockets, or a backend whose factory raises an error saying
+``kernel lacks ...``); it never passes without packets having shown it.
 """
 
 from __future__ import annotations
@@ -14,13 +19,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
-import importlib.metadata
 import logging
+import signal
 import socket
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
+from types import FrameType
 from typing import Any, Final, Protocol, cast
 
 from kubeproxy.backend import Backend, BackendFactory
@@ -33,6 +40,7 @@ from kubeproxy.testing.traffic import ClientPorts, Prober, Verdict, judge, probe
 
 __all__ = [
     "BACKEND_GROUP",
+    "KERNEL_LACKS",
     "BackendNotFound",
     "FlowResult",
     "RunOptions",
@@ -49,6 +57,8 @@ logger = logging.getLogger(__name__)
 
 BACKEND_GROUP: Final = "kubeproxy.backends"
 """The entry-point group backends register their factory under."""
+KERNEL_LACKS: Final = "kernel lacks"
+"""A factory error containing this (``kernel lacks IP_VS``) skips the case's flows."""
 
 
 class BackendNotFound(LookupError):
@@ -125,7 +135,10 @@ def resolve_backend(spec: str | BackendFactory) -> BackendFactory:
         if not callable(target):
             raise BackendNotFound(f"backend {spec!r} is not callable")
         return cast(BackendFactory, target)
-    entry_points = importlib.metadata.entry_points(group=BACKEND_GROUP)
+    # Imported here: importlib.metadata costs a noticeable part of a second to import.
+    from importlib.metadata import entry_points as find_entry_points
+
+    entry_points = find_entry_points(group=BACKEND_GROUP)
     for entry_point in entry_points:
         if entry_point.name == spec:
             try:
@@ -174,6 +187,31 @@ def _captured_logs() -> Iterator[_LogCapture]:
         yield capture
     finally:
         root.removeHandler(capture)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """While a scene exists, let SIGTERM unwind like Ctrl-C so ``finally`` cleans up.
+
+    Only when SIGTERM still has its default action (which would kill the process and
+    leave the namespaces behind) and only in the main thread, where Python handles
+    signals; a caller's own handler is left alone.
+    """
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 class _ObjectStore:
@@ -296,7 +334,7 @@ def run_case(
     try:
         factory = resolve_backend(backend)
         plan = plan_scene(case, options.node)
-        with Scene(plan, run_id=options.run_id) as scene:
+        with _sigterm_interrupts(), Scene(plan, run_id=options.run_id) as scene:
             _run_steps(case_file, case, factory, scene, options, settle)
     except (BackendNotFound, SceneError) as err:
         fail_rest(str(err))
@@ -320,8 +358,11 @@ def _run_steps(
             handler = _make_handler(case, factory, options.node, scene.node_ns, backends)
         except Exception as err:
             logger.debug("creating the backend", exc_info=True)
+            # A backend that says the kernel lacks what it needs (ipvs without IP_VS)
+            # cannot be judged here: its flows are skipped, with its words.
+            status = Status.SKIP if KERNEL_LACKS in str(err) else Status.FAIL
             for step, flow in case.flows:
-                settle(step, flow, Status.FAIL, f"the backend could not be created: {err}")
+                settle(step, flow, status, f"the backend could not be created: {err}")
             return
         store = _ObjectStore()
         ports = ClientPorts(avoid=scene.plan.ports)

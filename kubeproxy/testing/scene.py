@@ -92,6 +92,8 @@ _WORLD_V4: Final = ipaddress.IPv4Interface("169.254.255.2/30")
 _NODE_LINK_LOCAL_V6: Final = ipaddress.IPv6Address("fe80::1")
 _PEER_LINK_LOCAL_V6: Final = ipaddress.IPv6Address("fe80::2")
 _CATCH_ALL_TABLE: Final = 100
+_NODE_DEVICES: Final = (BRIDGE_INTERFACE, EXTERNAL_INTERFACE, WORLD_INTERFACE)
+_NEIGHBOUR_QUEUE_BYTES: Final = "4194304"
 
 _COMMON_SYSCTLS: Final = (
     ("net.ipv6.conf.all.accept_dad", "0"),
@@ -362,6 +364,19 @@ class Scene:
         self._batch(self.world_ns, self._world_commands())
         for ip, name in (*self.endpoint_ns.items(), *self.pod_ns.items()):
             self._batch(name, self._pod_commands(ip))
+        # Many parallel first packets may wait for one neighbour resolution; the default
+        # queue (about a hundred packets) would drop the rest and cost a 1 s
+        # retransmission. Only per-device settings exist outside the initial namespace.
+        for name in names:
+            devices = _NODE_DEVICES if name == self.node_ns else ("eth0",)
+            write_sysctl(
+                self._fds[name],
+                [
+                    (f"net.{family}.neigh.{device}.unres_qlen_bytes", _NEIGHBOUR_QUEUE_BYTES)
+                    for device in devices
+                    for family in ("ipv4", "ipv6")
+                ],
+            )
         self._start_listeners()
 
     def _batch(self, namespace: str, commands: Iterable[str]) -> None:
