@@ -77,6 +77,10 @@ RULES: Final[dict[str, dict[IPFamily, str]]] = {
         ),
     },
     "drop": {IPFamily.IPV4: _filter("ip daddr 172.30.2.1", "drop")},
+    # A DNAT to a pod IP that nothing owns (a stale endpoint).
+    "ghost": {
+        IPFamily.IPV4: _dispatch("ip daddr 172.30.4.4 tcp dport 80", "dnat to 10.180.9.9:8080")
+    },
     "reject": {
         IPFamily.IPV4: (
             _filter("ip daddr 172.30.3.1", "reject")

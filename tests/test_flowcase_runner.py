@@ -331,6 +331,7 @@ DETAILS = {
     "ipv4/sync1/fail: left alone expected but DNATed": "unlisted 10.180.",
     "ipv4/sync1/fail: DROP expected but left alone": "expected DROP but 3 connection(s)",
     "ipv4/sync1/fail: REJECT expected but left alone": "expected REJECT but 3 connection(s)",
+    "ipv4/sync1/fail: a DNAT to a pod nobody has is not a DROP": "10.180.9.9:8080 (saw client",
     "ipv4/sync1/skip: sctp": "kernel lacks SCTP",
     "ipv4/sync2/pass: a deleted Service's IP is left alone": "reached 172.30.2.1:80",
     "ipv6/sync1/pass: node to cluster IP is masqueraded": "masqueraded to fd00:10::1",

@@ -16,7 +16,9 @@ run's own namespaces, none in the namespace the runner started in)::
   into silence), and a default route to the "world" (node-local clients need a route to
   a Service IP before the output-hook DNAT can change it).
 * Each endpoint IP (and each pod client IP) is a namespace behind the bridge, answering
-  on every port the case uses; an IP outside the pod network gets a host route.
+  on every port the case uses; the node reaches each by a host route (the rest of the
+  pod network goes to the world, so a DNAT to a pod that does not exist is answered
+  there instead of vanishing like a DROP).
 * An endpoint IP that is a node address listens on the node itself.
 * External clients sit in one namespace routed to the node; the node routes their
   addresses back to it.
@@ -399,8 +401,13 @@ class Scene:
             f"link add {BRIDGE_INTERFACE} address {_BRIDGE_MAC} type bridge"
             " stp_state 0 forward_delay 0 mcast_snooping 0"
         )
+        # No prefix route for the pod network: the node reaches each pod by a host route,
+        # and an address of the pod network that no namespace owns goes to the world
+        # (which answers under that address). Otherwise a DNAT to a pod that does not
+        # exist would die in neighbour resolution and look exactly like a DROP.
         for interface in plan.bridge_addresses:
-            yield f"addr add {interface} dev {BRIDGE_INTERFACE}{_nodad(interface.ip)}"
+            flags = f"noprefixroute{_nodad(interface.ip)}"
+            yield f"addr add {interface} dev {BRIDGE_INTERFACE} {flags}"
         yield f"link set {BRIDGE_INTERFACE} up"
         pods = (*self.endpoint_ns.items(), *self.pod_ns.items())
         for index, (ip, name) in enumerate(pods):
@@ -409,8 +416,7 @@ class Scene:
             yield f"link set {veth} master {BRIDGE_INTERFACE}"
             yield f"link set {veth} type bridge_slave hairpin on"
             yield f"link set {veth} up"
-            if ip not in plan.node.pod_cidr(IPFamily.of(ip)):
-                yield f"route add {ip}/{ip.max_prefixlen} dev {BRIDGE_INTERFACE}"
+            yield f"route add {ip}/{ip.max_prefixlen} dev {BRIDGE_INTERFACE}"
         yield f"link add {EXTERNAL_INTERFACE} type veth peer name eth0 netns {self.outside_ns}"
         for interface in plan.node.interfaces:
             # Without prefix routes: an address of a node subnet that is not the node's
