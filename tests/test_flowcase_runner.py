@@ -401,6 +401,20 @@ def test_a_backend_the_kernel_cannot_run_skips_every_flow(run_id: str) -> None:
 
 
 @pytest.mark.kernel
+def test_a_run_never_touches_namespaces_it_did_not_make(run_id: str) -> None:
+    foreign = f"kpxf-{run_id}-node"
+    subprocess.run(["ip", "netns", "add", foreign], check=True)
+    try:
+        parsed = load_case_file(CASES / "cli-fail.yaml")
+        (result,) = run_case(parsed, parsed.cases[0], factory, RunOptions(run_id=run_id))
+        assert result.status is Status.FAIL
+        assert f"namespaces exist already: {foreign}" in result.detail
+        assert foreign in _namespaces()
+    finally:
+        subprocess.run(["ip", "netns", "delete", foreign], check=True)
+
+
+@pytest.mark.kernel
 def test_an_interrupt_removes_everything(run_id: str) -> None:
     parsed = load_case_file(CASES / "interrupt.yaml")
     with pytest.raises(KeyboardInterrupt):

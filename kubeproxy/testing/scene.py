@@ -56,6 +56,7 @@ from kubeproxy.testing.netns import (
     SubprocessRunner,
     add_namespaces,
     delete_namespaces,
+    list_namespaces,
     open_namespace,
     write_sysctl,
 )
@@ -354,6 +355,10 @@ class Scene:
 
     def _build(self) -> None:
         names = self.namespaces
+        taken = sorted(set(list_namespaces(self._run)) & set(names))
+        if taken:
+            # Someone else's (the same explicit run id twice?): never touch it.
+            raise SceneError(f"namespaces exist already: {', '.join(taken)}")
         # Registered before creation: a half-made batch must be cleaned up too.
         self._created = list(names)
         add_namespaces(self._run, names)
