@@ -204,6 +204,52 @@ def test_a_service_invalid_from_the_start(caplog: pytest.LogCaptureFixture) -> N
 
 
 @pytest.mark.parametrize(
+    ("broken", "reason"),
+    [
+        (service(cluster_ip="10.96.0.256"), "spec.clusterIP: invalid IP address '10.96.0.256'"),
+        (service(externalIPs=["fd00::1", "1.2.3"]), "spec.externalIPs[1]: invalid IP address"),
+        (service(ports=[{"port": 65536}]), "spec.ports[0].port: 65536 is out of range"),
+        (service(ports=[{"port": 80, "nodePort": 70000}]), "nodePort: 70000 is out of range"),
+        (service(ports=[{"port": 80, "protocol": "ICMP"}]), "unknown protocol 'ICMP'"),
+        (
+            service(ports=[{"name": "a", "port": 80}, {"name": "a", "port": 81}]),
+            "duplicate port a/TCP",
+        ),
+        (service(name="Bad_Name"), "metadata.name 'Bad_Name' is not a valid DNS-1123 label"),
+        (
+            service(loadBalancerSourceRanges=["10.0.0.0/40"]),
+            "loadBalancerSourceRanges[0]: invalid CIDR",
+        ),
+        (
+            service(
+                sessionAffinity="ClientIP",
+                sessionAffinityConfig={"clientIP": {"timeoutSeconds": 0}},
+            ),
+            "timeoutSeconds: 0 is out of range",
+        ),
+    ],
+)
+def test_each_malformed_service_is_one_log_line_and_others_still_apply(
+    broken: dict[str, Any], reason: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    tracker = ServiceChangeTracker(V4)
+    ports = ServicePortMap()
+    good = service("dns", "10.96.0.53", ports=udp(53))
+    with caplog.at_level(logging.DEBUG, logger="kubeproxy"):
+        tracker.update(None, broken)
+        tracker.update(None, good)
+        result = ports.apply(tracker)
+    assert len(caplog.records) == 1, caplog.text
+    record = caplog.records[0]
+    assert record.levelno == logging.WARNING
+    name = broken["metadata"]["name"]
+    assert record.getMessage().startswith(f"Service ns/{name}: ")
+    assert reason in record.getMessage()
+    assert result.updated_services == {DNS}
+    assert dict(ports) == parse_service(good, V4)
+
+
+@pytest.mark.parametrize(
     "obj",
     [
         {"metadata": {"namespace": "ns"}, "spec": {}},
