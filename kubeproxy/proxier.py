@@ -12,6 +12,12 @@ Syncs are requested with :meth:`Proxier.sync` and run by a
 with :meth:`Proxier.sync_now`. Nothing is synced before the source has delivered both its
 initial Services and EndpointSlices.
 
+What happens around a sync plugs in from outside: a :class:`SyncObserver` (several through
+:class:`ObserverGroup`) hears about queued and finished syncs; :class:`SyncHook` callables
+run after each successful sync (health-check servers, gauges computed from the synced
+state), and an optional conntrack hook runs after a successful sync that changed UDP
+endpoints.
+
 :class:`DualStackProxier` fans one source out to an IPv4 and an IPv6 proxier.
 """
 
@@ -51,7 +57,9 @@ __all__ = [
     "FULL_SYNC_PERIOD",
     "DualStackProxier",
     "NullObserver",
+    "ObserverGroup",
     "Proxier",
+    "SyncHook",
     "SyncObserver",
 ]
 
@@ -108,6 +116,59 @@ class NullObserver:
 
     def endpoints_trigger_times(self, family: IPFamily, times: list[float]) -> None:
         """Ignore."""
+
+
+class ObserverGroup:
+    """A :class:`SyncObserver` that passes every event to several observers, in order.
+
+    One observer failing does not keep the event from the others (the failure is logged).
+    """
+
+    def __init__(self, observers: Iterable[SyncObserver]) -> None:
+        self.observers: tuple[SyncObserver, ...] = tuple(observers)
+
+    def sync_queued(self, family: IPFamily) -> None:
+        """Tell every observer."""
+        for observer in self.observers:
+            _notify(observer.sync_queued, family)
+
+    def sync_finished(
+        self,
+        family: IPFamily,
+        full: bool,
+        duration: float,
+        error: BaseException | None,
+        snapshot_sizes: tuple[int, int],
+    ) -> None:
+        """Tell every observer."""
+        for observer in self.observers:
+            _notify(observer.sync_finished, family, full, duration, error, snapshot_sizes)
+
+    def endpoints_trigger_times(self, family: IPFamily, times: list[float]) -> None:
+        """Tell every observer."""
+        for observer in self.observers:
+            _notify(observer.endpoints_trigger_times, family, times)
+
+
+class SyncHook(typing.Protocol):
+    """Work to do after a successful sync, in the sync thread, while syncs are held off.
+
+    ``snapshot`` is what the backend was given (valid only during the call); ``changes``
+    what changed. The hook may call the proxier's read methods
+    (:meth:`Proxier.health_check_node_ports`, :meth:`Proxier.local_ready_endpoints`,
+    :meth:`Proxier.ports_of`), not :meth:`Proxier.sync_now`. Exceptions are logged.
+    """
+
+    def __call__(self, proxier: Proxier, snapshot: ProxySnapshot, changes: SyncChanges) -> None:
+        """Run after a successful sync."""
+        ...
+
+
+def _notify(callback: Callable[..., None], *args: Any) -> None:
+    try:
+        callback(*args)
+    except Exception:  # metrics and health must never break proxying
+        logger.exception("sync observer or hook %r failed", callback)
 
 
 class _IndexedServicePortMap(ServicePortMap):
@@ -216,6 +277,10 @@ class Proxier:
     EndpointSlice tracker's clock for trigger times. ``full_sync_period`` is both the
     longest time between syncs and between full syncs. ``runner_clock`` drives the sync
     loop (tests pass a fake one).
+
+    ``after_sync`` hooks run after every successful sync; ``conntrack`` runs after a
+    successful sync whose changes say ``conntrack_cleanup_required`` (stale UDP flows),
+    before the ``after_sync`` hooks.
     """
 
     def __init__(
@@ -231,6 +296,8 @@ class Proxier:
         observer: SyncObserver | None = None,
         full_sync_period: float = FULL_SYNC_PERIOD,
         runner_clock: Clock | None = None,
+        conntrack: SyncHook | None = None,
+        after_sync: Sequence[SyncHook] = (),
     ) -> None:
         if backend.family != family:
             raise ValueError(f"backend for {backend.family} given to the {family} proxier")
@@ -240,6 +307,8 @@ class Proxier:
         self._host_addresses = host_addresses
         self._clock = clock
         self._observer: SyncObserver = observer if observer is not None else NullObserver()
+        self._conntrack = conntrack
+        self._after_sync = tuple(after_sync)
         self.full_sync_period = full_sync_period
 
         self._service_changes = ServiceChangeTracker(family)
@@ -264,8 +333,9 @@ class Proxier:
         self._services_synced = False
         self._endpoint_slices_synced = False
 
-        # Sync state, owned by whoever holds the sync lock.
-        self._sync_lock = threading.Lock()
+        # Sync state, owned by whoever holds the sync lock. Re-entrant so that hooks run
+        # under it may call the locking read methods.
+        self._sync_lock = threading.RLock()
         self._needs_full = True
         self._last_full_sync: float | None = None
         self._attempted_full = False
@@ -347,6 +417,11 @@ class Proxier:
         """Distinct local ready endpoint IPs per Service, as of the last sync."""
         with self._sync_lock:
             return self._endpoints.local_ready_endpoints()
+
+    def ports_of(self, service: NamespacedName) -> frozenset[ServicePortName]:
+        """The port names of one Service as of the last sync (empty if it has none)."""
+        with self._sync_lock:
+            return self._categorized_ports.get(service, frozenset())
 
     # ProxyHandler
 
@@ -478,8 +553,9 @@ class Proxier:
         start = self._clock()
         self._attempted_full = False
         error: BaseException | None = None
+        synced: tuple[ProxySnapshot, SyncChanges] | None = None
         try:
-            self._apply_and_sync(start)
+            synced = self._apply_and_sync(start)
         except SyncError as err:
             error = err
             logger.error("%s sync failed; the next sync will be full: %s", self._family, err)
@@ -502,10 +578,16 @@ class Proxier:
                 "full" if full else "partial",
                 duration * 1000,
             )
+        if synced is not None:
+            snapshot, changes = synced
+            if self._conntrack is not None and changes.conntrack_cleanup_required:
+                self._notify(self._conntrack, self, snapshot, changes)
+            for hook in self._after_sync:
+                self._notify(hook, self, snapshot, changes)
         return error is None
 
-    def _apply_and_sync(self, start: float) -> None:
-        """Fold in pending changes and call the backend."""
+    def _apply_and_sync(self, start: float) -> tuple[ProxySnapshot, SyncChanges]:
+        """Fold in pending changes and call the backend; return what it was given."""
         try:
             service_result = self._services.apply(self._service_changes)
             endpoints_result = self._endpoints.apply(self._endpoint_changes)
@@ -582,6 +664,7 @@ class Proxier:
         self._pending_deleted_udp_ips = set()
         self._pending_stale_udp = []
         self._pending_conntrack_cleanup = False
+        return snapshot, changes
 
     def _recategorize_everything(self, node: NodeInfo) -> None:
         ports_by_service = self._services.ports_by_service
@@ -653,10 +736,7 @@ class Proxier:
 
     @staticmethod
     def _notify(callback: Callable[..., None], *args: Any) -> None:
-        try:
-            callback(*args)
-        except Exception:  # metrics must never break proxying
-            logger.exception("sync observer failed")
+        _notify(callback, *args)
 
 
 class DualStackProxier:
