@@ -1,0 +1,926 @@
+"""Health: the proxy's own health state, its ``/healthz`` and ``/livez`` server, and the
+per-Service health-check servers that load balancers probe.
+
+Semantics follow upstream kube-proxy (``pkg/proxy/healthcheck``, 1.33+):
+
+* :class:`ProxyHealth` keeps, per IP family, when the proxier last synced successfully
+  and since when an un-synced change has been waiting. The proxy is healthy when no
+  family that has synced at least once has had a change waiting for ``health_timeout``
+  (upstream: twice ``syncPeriod``). The node is *eligible* unless it is being deleted or
+  carries the cluster autoscaler's ``ToBeDeletedByClusterAutoscaler`` taint (or is not
+  known yet).
+* :class:`ProxyHealthServer` serves ``/healthz`` (200 iff healthy and the node eligible)
+  and ``/livez`` (200 iff healthy) with upstream's JSON body and headers.
+* :class:`ServiceHealthServer` opens one listener per ``healthCheckNodePort`` (Services
+  of type LoadBalancer with ``externalTrafficPolicy: Local``) and answers 200 when the
+  Service has local ready endpoints and the proxy is healthy, 503 otherwise.
+* :class:`HealthObserver` ties them to a :class:`~kubeproxy.proxier.Proxier`: it is a
+  :class:`~kubeproxy.proxier.SyncObserver` (queued / finished syncs) and its
+  :meth:`HealthObserver.after_sync` is a :class:`~kubeproxy.proxier.SyncHook`.
+
+:class:`BackgroundServer` is the small HTTP server both this module and
+:mod:`kubeproxy.metrics` use: bound to ``host:port``, retried every few seconds when the
+address is taken, or failing at once with ``hard_fail`` (upstream's
+``bindAddressHardFail``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import functools
+import ipaddress
+import json
+import logging
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from socketserver import BaseServer, TCPServer
+from typing import TYPE_CHECKING, Any, Final, Protocol
+
+from kubeproxy.objects import IPAddress, IPFamily, NamespacedName, NodeInfo
+
+if TYPE_CHECKING:
+    from kubeproxy.backend import ProxySnapshot, SyncChanges
+    from kubeproxy.proxier import Proxier
+
+__all__ = [
+    "DEFAULT_HEALTHZ_ADDRESS",
+    "BackgroundServer",
+    "FamilyHealth",
+    "HealthMetrics",
+    "HealthObserver",
+    "HealthStatus",
+    "ListenErrorCallback",
+    "ProxyHealth",
+    "ProxyHealthServer",
+    "Response",
+    "Route",
+    "ServerBindError",
+    "ServiceHealthServer",
+    "format_time",
+    "parse_bind_address",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HEALTHZ_ADDRESS: Final = "0.0.0.0:10256"
+"""Upstream's default ``healthzBindAddress``."""
+
+_RETRY_INTERVAL: Final = 5.0
+_NO_IPV6: Final = (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL, errno.EPROTONOSUPPORT)
+_JSON_HEADERS: Final = {"Content-Type": "application/json", "X-Content-Type-Options": "nosniff"}
+
+
+# --- time format ----------------------------------------------------------------------
+
+
+def format_time(moment: float | None) -> str:
+    """A wall-clock time (unix seconds) as Go's JSON encoding writes a ``time.Time``.
+
+    RFC 3339 in UTC with the fraction trimmed of trailing zeros (``RFC3339Nano``);
+    ``None`` is Go's zero time, ``0001-01-01T00:00:00Z``.
+    """
+    if moment is None:
+        return "0001-01-01T00:00:00Z"
+    when = datetime.fromtimestamp(moment, UTC)
+    text = when.strftime("%Y-%m-%dT%H:%M:%S")
+    fraction = f"{when.microsecond:06d}".rstrip("0")
+    if fraction:
+        text += "." + fraction
+    return text + "Z"
+
+
+# --- health state ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FamilyHealth:
+    """The health of one IP family's proxier (``status[family]`` in the JSON body)."""
+
+    last_updated: float
+    healthy: bool
+
+
+@dataclass(frozen=True, slots=True)
+class HealthStatus:
+    """What :meth:`ProxyHealth.health` found.
+
+    ``last_updated`` is the latest successful sync of any family (None before the
+    first); ``status`` has an entry per family that has synced at least once.
+    """
+
+    last_updated: float | None
+    current_time: float
+    healthy: bool
+    status: Mapping[IPFamily, FamilyHealth] = field(default_factory=dict)
+
+    def to_json(self, *, last_updated: float | None, node_eligible: bool | None) -> str:
+        """The compact JSON body upstream sends (keys in upstream's order).
+
+        ``last_updated`` is the top-level value to report (upstream reports the current
+        time on a 200); ``node_eligible`` is left out when None (``/livez``).
+        """
+        body: dict[str, Any] = {
+            "lastUpdated": format_time(last_updated),
+            "currentTime": format_time(self.current_time),
+        }
+        if node_eligible is not None:
+            body["nodeEligible"] = node_eligible
+        body["healthy"] = self.healthy
+        if self.status:
+            body["status"] = {
+                family.value: {
+                    "lastUpdated": format_time(state.last_updated),
+                    "healthy": state.healthy,
+                }
+                for family, state in sorted(self.status.items())
+            }
+        return json.dumps(body, separators=(",", ":"))
+
+
+class ProxyHealth:
+    """Per-family sync timestamps and the node's eligibility; thread-safe.
+
+    ``clock`` returns wall-clock seconds (it also stamps the reported times).
+    ``node`` is the node as known at start; None means unknown, which makes the node
+    ineligible (as upstream's newest code) until :meth:`set_node` is called.
+    """
+
+    def __init__(
+        self,
+        health_timeout: float,
+        clock: Callable[[], float] = time.time,
+        *,
+        node: NodeInfo | None = None,
+    ) -> None:
+        if health_timeout <= 0:
+            raise ValueError(f"health timeout must be positive, got {health_timeout}")
+        self.health_timeout = health_timeout
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._last_updated: dict[IPFamily, float] = {}
+        self._oldest_queued: dict[IPFamily, float] = {}
+        self._node = node
+
+    def queued_update(self, family: IPFamily) -> None:
+        """A change for ``family`` is waiting for a sync (keeps the oldest such time)."""
+        with self._lock:
+            self._oldest_queued.setdefault(family, self.clock())
+
+    def updated(self, family: IPFamily) -> None:
+        """``family`` synced successfully: nothing is waiting any more."""
+        with self._lock:
+            self._oldest_queued.pop(family, None)
+            self._last_updated[family] = self.clock()
+
+    def set_node(self, node: NodeInfo | None) -> None:
+        """The node as last seen (None: not known)."""
+        with self._lock:
+            self._node = node
+
+    def node_eligible(self) -> bool:
+        """False when the node is unknown, being deleted, or tainted for deletion."""
+        with self._lock:
+            node = self._node
+        return node is not None and not node.deleting and not node.to_be_deleted_taint
+
+    def health(self) -> HealthStatus:
+        """The health now: unhealthy if a synced family has had a change waiting too long.
+
+        Families that never synced do not count (the proxy is healthy while starting).
+        """
+        with self._lock:
+            now = self.clock()
+            status: dict[IPFamily, FamilyHealth] = {}
+            healthy = True
+            for family, last in self._last_updated.items():
+                queued = self._oldest_queued.get(family)
+                family_healthy = queued is None or now - queued < self.health_timeout
+                healthy = healthy and family_healthy
+                status[family] = FamilyHealth(last, family_healthy)
+            last_updated = max(self._last_updated.values(), default=None)
+        return HealthStatus(last_updated, now, healthy, status)
+
+    def healthy(self) -> bool:
+        """Shorthand for ``health().healthy``."""
+        return self.health().healthy
+
+
+class HealthMetrics(Protocol):
+    """Counts health responses (``kubeproxy_proxy_healthz_total`` / ``..._livez_total``)."""
+
+    def healthz_response(self, code: int) -> None:
+        """A ``/healthz`` answer with status ``code`` was sent."""
+        ...
+
+    def livez_response(self, code: int) -> None:
+        """A ``/livez`` answer with status ``code`` was sent."""
+        ...
+
+
+# --- a small HTTP server --------------------------------------------------------------
+
+Response = tuple[int, Mapping[str, str], bytes]
+"""An HTTP answer: status code, headers, body."""
+
+Route = Callable[[], Response]
+"""Produces the answer for one path."""
+
+_NOT_FOUND: Final[Response] = (
+    404,
+    {"Content-Type": "text/plain; charset=utf-8", "X-Content-Type-Options": "nosniff"},
+    b"404 page not found\n",
+)
+
+
+class ServerBindError(OSError):
+    """A server could not bind its address (raised only with ``hard_fail``)."""
+
+
+def parse_bind_address(address: str) -> tuple[str, int]:
+    """Split ``host:port`` (``[v6]:port``; empty host = every address) and validate it.
+
+    The host must be an IP literal or empty; raises ValueError otherwise.
+    """
+    host, sep, port_text = address.rpartition(":")
+    if not sep:
+        raise ValueError(f"bind address {address!r}: want host:port")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if host:
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise ValueError(f"bind address {address!r}: {host!r} is not an IP address") from None
+    try:
+        port = int(port_text, 10)
+    except ValueError:
+        raise ValueError(f"bind address {address!r}: bad port {port_text!r}") from None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"bind address {address!r}: port out of range")
+    return host, port
+
+
+def _is_wildcard(host: str) -> bool:
+    return host in ("", "0.0.0.0", "::")
+
+
+def _send(handler: BaseHTTPRequestHandler, response: Response, *, head: bool = False) -> None:
+    code, headers, body = response
+    handler.log_request(code)
+    handler.send_response_only(code)
+    handler.send_header("Date", handler.date_time_string())
+    for name, value in headers.items():
+        handler.send_header(name, value)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    if not head:
+        handler.wfile.write(body)
+
+
+class _RoutingHandler(BaseHTTPRequestHandler):
+    """Answers GET and HEAD from the server's routes (exact paths, query ignored)."""
+
+    protocol_version = "HTTP/1.1"
+    timeout = 30
+    server: _RoutedServer
+
+    def _answer(self, head: bool) -> None:
+        route = self.server.routes.get(self.path.partition("?")[0])
+        try:
+            response = route() if route is not None else _NOT_FOUND
+        except Exception:  # a broken route must not kill the server
+            logger.exception("%s: answering %s failed", self.server.label, self.path)
+            response = (500, {"Content-Type": "text/plain; charset=utf-8"}, b"internal error\n")
+        _send(self, response, head=head)
+
+    def do_GET(self) -> None:
+        """Answer a GET."""
+        self._answer(head=False)
+
+    def do_HEAD(self) -> None:
+        """Answer a HEAD (headers only)."""
+        self._answer(head=True)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Log requests at debug level instead of printing them."""
+        logger.debug("%s: %s", self.server.label, format % args)
+
+
+class _RoutedServer(ThreadingHTTPServer):
+    """A threading HTTP server carrying its routes; dual-stack on a wildcard host."""
+
+    daemon_threads = True
+
+    def __init__(
+        self,
+        label: str,
+        host: str,
+        port: int,
+        routes: Mapping[str, Route],
+        *,
+        dual_stack: bool = True,
+    ) -> None:
+        self.label = label
+        self.routes = routes
+        self._dual_stack = dual_stack and _is_wildcard(host) and socket.has_ipv6
+        if self._dual_stack:
+            self.address_family = socket.AF_INET6
+            host = "::"
+        elif _is_wildcard(host):
+            self.address_family = socket.AF_INET
+            host = "0.0.0.0"
+        elif ":" in host:
+            self.address_family = socket.AF_INET6
+        else:
+            self.address_family = socket.AF_INET
+        super().__init__((host, port), _RoutingHandler)
+
+    def server_bind(self) -> None:
+        """Bind without the reverse DNS lookup HTTPServer does."""
+        if self._dual_stack:
+            self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        TCPServer.server_bind(self)
+        self.server_name = str(self.server_address[0])
+        self.server_port = int(self.server_address[1])
+
+
+class BackgroundServer:
+    """An HTTP server on ``host:port`` serving ``routes`` from a thread of its own.
+
+    A wildcard host (empty, ``0.0.0.0`` or ``::``) accepts IPv4 and IPv6, as Go does.
+    An empty ``address`` disables the server. When the address cannot be bound,
+    :meth:`start` raises :class:`ServerBindError` with ``hard_fail``; otherwise it logs
+    and keeps retrying every ``retry_interval`` seconds until it binds or is stopped.
+    """
+
+    def __init__(
+        self,
+        label: str,
+        address: str,
+        routes: Mapping[str, Route],
+        *,
+        hard_fail: bool = False,
+        retry_interval: float = _RETRY_INTERVAL,
+    ) -> None:
+        self.label = label
+        self.address = address
+        self.host, self.requested_port = parse_bind_address(address) if address else ("", 0)
+        self.routes = dict(routes)
+        self.hard_fail = hard_fail
+        self.retry_interval = retry_interval
+        self._lock = threading.Lock()
+        self._server: _RoutedServer | None = None
+        self._threads: list[threading.Thread] = []
+        self._stop = threading.Event()
+        self._bound = threading.Event()
+
+    @property
+    def enabled(self) -> bool:
+        """False when the address is empty."""
+        return bool(self.address)
+
+    @property
+    def port(self) -> int | None:
+        """The port actually bound (useful with port 0), or None while not bound."""
+        with self._lock:
+            return None if self._server is None else self._server.server_port
+
+    def wait_bound(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the server to be bound."""
+        return self._bound.wait(timeout)
+
+    def start(self) -> None:
+        """Bind and serve in the background (see the class docstring for failures)."""
+        if not self.enabled:
+            logger.info("%s server disabled (no bind address)", self.label)
+            return
+        self._stop.clear()
+        error = self._try_bind()
+        if error is None:
+            return
+        if self.hard_fail:
+            raise ServerBindError(
+                error.errno, f"{self.label} server cannot bind {self.address}: {error}"
+            )
+        logger.error(
+            "%s server cannot bind %s (%s); retrying every %gs",
+            self.label,
+            self.address,
+            error,
+            self.retry_interval,
+        )
+        thread = threading.Thread(target=self._retry, name=f"{self.label}-bind-retry", daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def _try_bind(self) -> OSError | None:
+        try:
+            server = _RoutedServer(self.label, self.host, self.requested_port, self.routes)
+        except OSError as err:
+            if not (_is_wildcard(self.host) and err.errno in _NO_IPV6):
+                return err
+            # IPv6 disabled on this host: the wildcard means every IPv4 address.
+            try:
+                server = _RoutedServer(
+                    self.label, self.host, self.requested_port, self.routes, dual_stack=False
+                )
+            except OSError as ipv4_err:
+                return ipv4_err
+        thread = threading.Thread(
+            target=server.serve_forever, args=(0.25,), name=self.label, daemon=True
+        )
+        with self._lock:
+            if self._stop.is_set():
+                server.server_close()
+                return None
+            self._server = server
+            self._threads.append(thread)
+        thread.start()
+        self._bound.set()
+        logger.info("%s server listening on %s", self.label, self.address)
+        return None
+
+    def _retry(self) -> None:
+        while not self._stop.wait(self.retry_interval):
+            error = self._try_bind()
+            if error is None:
+                return
+            logger.debug("%s server still cannot bind %s: %s", self.label, self.address, error)
+
+    def stop(self) -> None:
+        """Stop serving and release the port."""
+        self._stop.set()
+        with self._lock:
+            server, self._server = self._server, None
+            threads, self._threads = self._threads, []
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        for thread in threads:
+            thread.join(timeout=5)
+        self._bound.clear()
+
+
+# --- /healthz and /livez --------------------------------------------------------------
+
+
+class ProxyHealthServer:
+    """``/healthz`` and ``/livez`` on the healthz address (default ``0.0.0.0:10256``).
+
+    ``/healthz``: 200 when healthy and the node is eligible, else 503. ``/livez``: 200
+    when healthy, else 503. Both send compact JSON (``lastUpdated``, ``currentTime``,
+    [``nodeEligible``,] ``healthy``, ``status`` per family) with ``Content-Type:
+    application/json`` and ``X-Content-Type-Options: nosniff``; on a 200 ``lastUpdated``
+    is the current time (upstream keeps this for old probes). Each answer is counted in
+    ``metrics`` when given. Call :meth:`start` and :meth:`stop`.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        health: ProxyHealth,
+        metrics: HealthMetrics | None = None,
+        *,
+        hard_fail: bool = False,
+        retry_interval: float = _RETRY_INTERVAL,
+    ) -> None:
+        self.health = health
+        self.metrics = metrics
+        self.server = BackgroundServer(
+            "healthz",
+            address,
+            {"/healthz": self.healthz, "/livez": self.livez},
+            hard_fail=hard_fail,
+            retry_interval=retry_interval,
+        )
+
+    @property
+    def port(self) -> int | None:
+        """The bound port, or None while not bound."""
+        return self.server.port
+
+    def start(self) -> None:
+        """Start serving (raises :class:`ServerBindError` with ``hard_fail``)."""
+        self.server.start()
+
+    def stop(self) -> None:
+        """Stop serving."""
+        self.server.stop()
+
+    def healthz(self) -> Response:
+        """The ``/healthz`` answer."""
+        status = self.health.health()
+        eligible = self.health.node_eligible()
+        code = 200 if status.healthy and eligible else 503
+        if self.metrics is not None:
+            self.metrics.healthz_response(code)
+        reported = status.current_time if code == 200 else status.last_updated
+        body = status.to_json(last_updated=reported, node_eligible=eligible)
+        return code, _JSON_HEADERS, body.encode()
+
+    def livez(self) -> Response:
+        """The ``/livez`` answer."""
+        status = self.health.health()
+        code = 200 if status.healthy else 503
+        if self.metrics is not None:
+            self.metrics.livez_response(code)
+        reported = status.current_time if code == 200 else status.last_updated
+        body = status.to_json(last_updated=reported, node_eligible=None)
+        return code, _JSON_HEADERS, body.encode()
+
+
+# --- per-Service health checks --------------------------------------------------------
+
+
+class _AcceptLoop:
+    """One thread accepting on many listening sockets; each connection gets a thread.
+
+    A thread per listener would wake up hundreds of times a second with many
+    LoadBalancer Services; one epoll set costs nothing while idle.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def add(self, sock: socket.socket, on_accept: Callable[[socket.socket], None]) -> None:
+        """Start accepting on ``sock`` (non-blocking, listening)."""
+        self._selector.register(sock, selectors.EVENT_READ, on_accept)
+
+    def remove(self, sock: socket.socket) -> None:
+        """Stop accepting on ``sock`` and close it."""
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(sock)
+        sock.close()
+
+    def close(self) -> None:
+        """Stop the loop (listeners still registered are closed)."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+        self._thread.join(timeout=5)
+        for key in list(self._selector.get_map().values()):
+            if key.data is not None:
+                self.remove(key.fileobj)  # type: ignore[arg-type]
+        self._selector.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def _run(self) -> None:
+        while not self._closed:
+            try:
+                ready = self._selector.select()
+            except OSError as err:
+                logger.error("health-check accept loop: %s", err)
+                time.sleep(0.1)
+                continue
+            for key, _ in ready:
+                if key.data is None:
+                    with contextlib.suppress(OSError):
+                        self._wake_r.recv(64)
+                    continue
+                listener: socket.socket = key.fileobj  # type: ignore[assignment]
+                try:
+                    conn, _ = listener.accept()
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:  # closed under us by remove()
+                    continue
+                key.data(conn)
+
+
+class _ServiceHandler(BaseHTTPRequestHandler):
+    """Answers a load balancer's probe for one Service."""
+
+    protocol_version = "HTTP/1.1"
+    timeout = 30
+    server: _ServiceContext
+
+    def _answer(self, head: bool) -> None:
+        _send(self, self.server.owner.answer(self.server.service), head=head)
+
+    def do_GET(self) -> None:
+        """Answer a GET."""
+        self._answer(head=False)
+
+    def do_HEAD(self) -> None:
+        """Answer a HEAD."""
+        self._answer(head=True)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Log probes at debug level."""
+        logger.debug("health check %s: %s", self.server.service, format % args)
+
+
+class _ServiceContext(BaseServer):
+    """What a probe handler needs to know: its Service and the server that owns it."""
+
+    def __init__(self, owner: ServiceHealthServer, service: NamespacedName) -> None:
+        # Not a real server: the handler only reads these two attributes.
+        self.owner = owner
+        self.service = service
+
+
+@dataclass(slots=True)
+class _Listener:
+    port: int
+    sockets: list[socket.socket]
+    endpoints: int = 0
+
+
+ListenErrorCallback = Callable[[NamespacedName, int, str], None]
+"""Told (Service, port, message) when a health-check port cannot be opened."""
+
+
+class ServiceHealthServer:
+    """Health-check listeners of one IP family, one per Service with a health-check port.
+
+    ``addresses`` are the node addresses to listen on; None listens on the family's
+    wildcard address (IPv6 sockets are IPv6-only, so an IPv4 and an IPv6 server can
+    share port numbers). An answer is 200 when the Service has local ready endpoints
+    and ``health`` says the proxy is healthy, else 503, with upstream's tab-indented
+    JSON body and the ``X-Load-Balancing-Endpoint-Weight`` header.
+
+    A port that cannot be opened is logged, reported to ``on_listen_error`` (the binary
+    posts a ``FailedToStartServiceHealthcheck`` event) and retried at the next
+    :meth:`sync_services`.
+    """
+
+    def __init__(
+        self,
+        family: IPFamily,
+        health: ProxyHealth,
+        *,
+        addresses: Sequence[IPAddress] | None = None,
+        node_name: str = "",
+        on_listen_error: ListenErrorCallback | None = None,
+    ) -> None:
+        self.family = family
+        self.health = health
+        self.node_name = node_name
+        self.on_listen_error = on_listen_error
+        self._addresses = self._checked(addresses)
+        self._lock = threading.Lock()
+        self._listeners: dict[NamespacedName, _Listener] = {}
+        self._loop: _AcceptLoop | None = None
+
+    def _checked(self, addresses: Sequence[IPAddress] | None) -> tuple[IPAddress, ...] | None:
+        if addresses is None:
+            return None
+        wrong = [a for a in addresses if a.version != self.family.version]
+        if wrong:
+            raise ValueError(f"{self.family} health-check server given {wrong}")
+        return tuple(dict.fromkeys(addresses))
+
+    @property
+    def addresses(self) -> tuple[IPAddress, ...] | None:
+        """Where listeners bind (None: the family's wildcard)."""
+        return self._addresses
+
+    def set_addresses(self, addresses: Sequence[IPAddress] | None) -> None:
+        """Listen elsewhere from now on: open listeners are closed if the set changed.
+
+        They are opened again on the new addresses by the next :meth:`sync_services`.
+        """
+        checked = self._checked(addresses)
+        with self._lock:
+            if checked == self._addresses:
+                return
+            logger.info(
+                "%s health checks move from %s to %s",
+                self.family,
+                self._describe(self._addresses),
+                self._describe(checked),
+            )
+            self._addresses = checked
+            for listener in self._listeners.values():
+                self._close(listener)
+            self._listeners.clear()
+
+    @staticmethod
+    def _describe(addresses: tuple[IPAddress, ...] | None) -> str:
+        if addresses is None:
+            return "all addresses"
+        return ", ".join(map(str, addresses)) or "no address"
+
+    def sync_services(self, services: Mapping[NamespacedName, int]) -> None:
+        """Make the listeners match ``services`` (Service -> health-check port).
+
+        Listeners of vanished Services or changed ports close; new ones open.
+        """
+        failures: list[tuple[NamespacedName, int, str]] = []
+        with self._lock:
+            for name in list(self._listeners):
+                listener = self._listeners[name]
+                if services.get(name) != listener.port:
+                    logger.info("Closing health check for %s on port %d", name, listener.port)
+                    self._close(listener)
+                    del self._listeners[name]
+            for name, port in services.items():
+                if name in self._listeners:
+                    continue
+                try:
+                    sockets = self._open(name, port)
+                except OSError as err:
+                    message = (
+                        f"node {self.node_name} failed to start healthcheck "
+                        f'"{name}" on port {port}: {err}'
+                    )
+                    logger.error("%s", message)
+                    failures.append((name, port, message))
+                    continue
+                logger.info("Opened health check for %s on port %d", name, port)
+                self._listeners[name] = _Listener(port, sockets)
+        if self.on_listen_error is not None:
+            for name, port, message in failures:
+                try:
+                    self.on_listen_error(name, port, message)
+                except Exception:
+                    logger.exception("health-check listen-error callback failed")
+
+    def sync_endpoints(self, endpoints: Mapping[NamespacedName, int]) -> None:
+        """Set the local ready endpoint count of every Service (absent: 0)."""
+        with self._lock:
+            for name, listener in self._listeners.items():
+                listener.endpoints = endpoints.get(name, 0)
+
+    def listening(self) -> dict[NamespacedName, list[tuple[str, int]]]:
+        """The bound socket addresses (host, port) of every open health check."""
+        with self._lock:
+            return {
+                name: [sock.getsockname()[:2] for sock in listener.sockets]
+                for name, listener in self._listeners.items()
+            }
+
+    def close(self) -> None:
+        """Close every listener and stop accepting."""
+        with self._lock:
+            for listener in self._listeners.values():
+                self._close(listener)
+            self._listeners.clear()
+            loop, self._loop = self._loop, None
+        if loop is not None:
+            loop.close()
+
+    def answer(self, service: NamespacedName) -> Response:
+        """The answer to a probe for ``service``."""
+        with self._lock:
+            listener = self._listeners.get(service)
+            count = None if listener is None else listener.endpoints
+        if count is None:
+            # Closed between accept and request: upstream answers with nothing.
+            logger.error("Received a request for closed health check %s", service)
+            return 200, {}, b""
+        healthy = self.health.healthy()
+        body = (
+            "{\n"
+            '\t"service": {\n'
+            f'\t\t"namespace": {json.dumps(service.namespace)},\n'
+            f'\t\t"name": {json.dumps(service.name)}\n'
+            "\t},\n"
+            f'\t"localEndpoints": {count},\n'
+            f'\t"serviceProxyHealthy": {"true" if healthy else "false"}\n'
+            "}"
+        )
+        headers = {**_JSON_HEADERS, "X-Load-Balancing-Endpoint-Weight": str(count)}
+        return (200 if count > 0 and healthy else 503), headers, body.encode()
+
+    def _open(self, name: NamespacedName, port: int) -> list[socket.socket]:
+        if not 0 <= port <= 65535:
+            raise OSError(f"port {port} out of range")
+        if self._loop is None:
+            self._loop = _AcceptLoop(f"health-checks-{self.family.value}")
+        loop = self._loop
+        hosts = (
+            [self._wildcard()]
+            if self._addresses is None
+            else [str(address) for address in self._addresses]
+        )
+        sockets: list[socket.socket] = []
+        try:
+            for host in hosts:
+                sockets.append(self._listen(host, port))
+        except OSError:
+            for sock in sockets:
+                sock.close()
+            raise
+        for sock in sockets:
+            loop.add(sock, functools.partial(self._accepted, name=name))
+        return sockets
+
+    def _wildcard(self) -> str:
+        return "0.0.0.0" if self.family is IPFamily.IPV4 else "::"
+
+    def _listen(self, host: str, port: int) -> socket.socket:
+        family = socket.AF_INET if self.family is IPFamily.IPV4 else socket.AF_INET6
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind((host, port))
+            sock.listen(64)
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
+    def _close(self, listener: _Listener) -> None:
+        for sock in listener.sockets:
+            if self._loop is not None:
+                self._loop.remove(sock)
+            else:
+                sock.close()
+
+    def _accepted(self, conn: socket.socket, name: NamespacedName) -> None:
+        thread = threading.Thread(
+            target=self._serve, args=(conn, name), name=f"health-check-{name}", daemon=True
+        )
+        thread.start()
+
+    def _serve(self, conn: socket.socket, name: NamespacedName) -> None:
+        conn.setblocking(True)
+        try:
+            peer = conn.getpeername()
+            _ServiceHandler(conn, peer, _ServiceContext(self, name))
+        except OSError as err:
+            logger.debug("health check %s: connection failed: %s", name, err)
+        except Exception:
+            logger.exception("health check %s: handler failed", name)
+        finally:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+            conn.close()
+
+
+# --- wiring to the proxier ------------------------------------------------------------
+
+
+class HealthObserver:
+    """Feeds :class:`ProxyHealth` and the per-family :class:`ServiceHealthServer`\\ s.
+
+    As a :class:`~kubeproxy.proxier.SyncObserver`: a queued sync marks a change as
+    waiting, a successful sync marks the family as updated. Give :meth:`after_sync` to
+    the proxier as a :class:`~kubeproxy.proxier.SyncHook`: after each successful sync
+    it records the node (for eligibility), moves the family's Service health server to
+    the resolved ``nodePortAddresses`` (all addresses when they match all), and syncs
+    its Services and local endpoint counts.
+    """
+
+    def __init__(
+        self,
+        health: ProxyHealth,
+        service_health: Mapping[IPFamily, ServiceHealthServer] | None = None,
+    ) -> None:
+        self.health = health
+        self.service_health: dict[IPFamily, ServiceHealthServer] = dict(service_health or {})
+
+    def sync_queued(self, family: IPFamily) -> None:
+        """A change waits for ``family``."""
+        self.health.queued_update(family)
+
+    def sync_finished(
+        self,
+        family: IPFamily,
+        full: bool,
+        duration: float,
+        error: BaseException | None,
+        snapshot_sizes: tuple[int, int],
+    ) -> None:
+        """A successful sync makes ``family`` up to date."""
+        if error is None:
+            self.health.updated(family)
+
+    def endpoints_trigger_times(self, family: IPFamily, times: list[float]) -> None:
+        """Not used for health."""
+
+    def after_sync(self, proxier: Proxier, snapshot: ProxySnapshot, changes: SyncChanges) -> None:
+        """Update node eligibility and the family's Service health checks."""
+        self.health.set_node(snapshot.node)
+        server = self.service_health.get(snapshot.family)
+        if server is None:
+            return
+        node_ports = snapshot.node_port_addresses
+        server.set_addresses(None if node_ports.match_all else node_ports.addresses)
+        server.sync_services(proxier.health_check_node_ports())
+        server.sync_endpoints(proxier.local_ready_endpoints())
+
+    def close(self) -> None:
+        """Close every Service health server."""
+        for server in self.service_health.values():
+            server.close()

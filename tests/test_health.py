@@ -1,0 +1,628 @@
+"""Health: ProxyHealth rules (fake clock), /healthz and /livez over real HTTP on
+127.0.0.1 (codes, headers, exact JSON), the per-Service health-check listeners (codes,
+body, headers, opening/closing/moving, bind failures), and the HealthObserver wired to a
+real Proxier. A kernel test checks wildcard IPv4 and IPv6 listeners sharing a port inside
+a network namespace of our own."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import http.client
+import ipaddress
+import json
+import os
+import socket
+import subprocess
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import pytest
+
+import kubeproxy.health as health_module
+from kubeproxy.backend import ProxySnapshot, SyncChanges, SyncError
+from kubeproxy.config import ProxierConfig
+from kubeproxy.health import (
+    HealthObserver,
+    ProxyHealth,
+    ProxyHealthServer,
+    ServiceHealthServer,
+    format_time,
+)
+from kubeproxy.metrics import ProxyMetrics
+from kubeproxy.objects import IPAddress, IPFamily, NamespacedName, NodeInfo
+from kubeproxy.proxier import ObserverGroup, Proxier
+
+V4 = IPFamily.IPV4
+V6 = IPFamily.IPV6
+NODE = "node-a"
+T0 = 1_767_323_045.0  # 2026-01-02T03:04:05Z
+LOCALHOST = ipaddress.IPv4Address("127.0.0.1")
+
+
+class Clock:
+    def __init__(self, now: float = T0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def get(host: str, port: int, path: str = "/") -> tuple[int, dict[str, str], bytes]:
+    connection = http.client.HTTPConnection(host, port, timeout=5)
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+    finally:
+        connection.close()
+
+
+def nn(name: str) -> NamespacedName:
+    return NamespacedName("demo", name)
+
+
+# --- time format and health rules -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("moment", "text"),
+    [
+        (None, "0001-01-01T00:00:00Z"),
+        (0.0, "1970-01-01T00:00:00Z"),
+        (T0, "2026-01-02T03:04:05Z"),
+        (T0 + 0.5, "2026-01-02T03:04:05.5Z"),
+        (T0 + 0.000125, "2026-01-02T03:04:05.000125Z"),
+    ],
+)
+def test_format_time_is_go_rfc3339nano(moment: float | None, text: str) -> None:
+    assert format_time(moment) == text
+
+
+def test_health_follows_queued_and_updated_per_family() -> None:
+    clock = Clock()
+    health = ProxyHealth(60.0, clock, node=NodeInfo(NODE))
+    # Nothing synced yet: healthy, even with a change queued for ages.
+    health.queued_update(V4)
+    clock.now += 600
+    status = health.health()
+    assert status.healthy and status.last_updated is None and not status.status
+
+    health.updated(V4)
+    assert health.health().status == {V4: health.health().status[V4]}
+    assert health.health().status[V4].last_updated == clock.now
+
+    # A change queued less than the timeout ago is fine; the oldest queue time counts.
+    clock.now += 10
+    health.queued_update(V4)
+    clock.now += 30
+    health.queued_update(V4)
+    clock.now += 29.9
+    assert health.healthy()
+    clock.now += 0.1
+    status = health.health()
+    assert not status.healthy
+    assert not status.status[V4].healthy
+    assert status.current_time == clock.now
+
+    # IPv6 syncs fine, but one unhealthy family makes the proxy unhealthy.
+    health.updated(V6)
+    assert not health.healthy()
+    assert health.health().status[V6].healthy
+    health.updated(V4)
+    status = health.health()
+    assert status.healthy
+    assert status.last_updated == clock.now
+
+
+def test_node_eligibility() -> None:
+    health = ProxyHealth(60.0, Clock())
+    assert not health.node_eligible()  # not known yet
+    health.set_node(NodeInfo(NODE))
+    assert health.node_eligible()
+    health.set_node(NodeInfo(NODE, deleting=True))
+    assert not health.node_eligible()
+    health.set_node(NodeInfo(NODE, to_be_deleted_taint=True))
+    assert not health.node_eligible()
+    with pytest.raises(ValueError):
+        ProxyHealth(0, Clock())
+
+
+# --- /healthz and /livez --------------------------------------------------------------
+
+
+@pytest.fixture
+def proxy_health() -> Iterator[tuple[ProxyHealth, Clock, ProxyMetrics, ProxyHealthServer]]:
+    clock = Clock()
+    health = ProxyHealth(60.0, clock, node=NodeInfo(NODE))
+    metrics = ProxyMetrics(process_metrics=False)
+    server = ProxyHealthServer("127.0.0.1:0", health, metrics)
+    server.start()
+    try:
+        yield health, clock, metrics, server
+    finally:
+        server.stop()
+
+
+def counted(metrics: ProxyMetrics, name: str, code: str) -> float:
+    line = f'kubeproxy_proxy_{name}_total{{code="{code}"}} '
+    for text in metrics.expose().decode().splitlines():
+        if text.startswith(line):
+            return float(text[len(line) :])
+    return 0.0
+
+
+def test_healthz_and_livez_bodies_codes_and_headers(
+    proxy_health: tuple[ProxyHealth, Clock, ProxyMetrics, ProxyHealthServer],
+) -> None:
+    health, clock, metrics, server = proxy_health
+    assert server.port
+    port = server.port
+
+    # Starting up: healthy, no family yet; lastUpdated reported as now on a 200.
+    status, headers, body = get("127.0.0.1", port, "/healthz")
+    assert status == 200
+    assert headers["content-type"] == "application/json"
+    assert headers["x-content-type-options"] == "nosniff"
+    assert body == (
+        b'{"lastUpdated":"2026-01-02T03:04:05Z","currentTime":"2026-01-02T03:04:05Z",'
+        b'"nodeEligible":true,"healthy":true}'
+    )
+
+    health.updated(V4)
+    health.updated(V6)
+    clock.now += 5
+    health.queued_update(V4)
+    clock.now += 60.25
+    status, headers, body = get("127.0.0.1", port, "/healthz")
+    assert status == 503
+    assert headers["content-type"] == "application/json"
+    assert json.loads(body) == {
+        "lastUpdated": "2026-01-02T03:04:05Z",
+        "currentTime": "2026-01-02T03:05:10.25Z",
+        "nodeEligible": True,
+        "healthy": False,
+        "status": {
+            "IPv4": {"lastUpdated": "2026-01-02T03:04:05Z", "healthy": False},
+            "IPv6": {"lastUpdated": "2026-01-02T03:04:05Z", "healthy": True},
+        },
+    }
+    assert list(json.loads(body)) == [
+        "lastUpdated",
+        "currentTime",
+        "nodeEligible",
+        "healthy",
+        "status",
+    ]
+    status, _, body = get("127.0.0.1", port, "/livez")
+    assert status == 503
+    assert "nodeEligible" not in json.loads(body)
+
+    health.updated(V4)
+    status, _, body = get("127.0.0.1", port, "/livez")
+    assert status == 200
+    assert body == (
+        b'{"lastUpdated":"2026-01-02T03:05:10.25Z","currentTime":"2026-01-02T03:05:10.25Z",'
+        b'"healthy":true,"status":{"IPv4":{"lastUpdated":"2026-01-02T03:05:10.25Z",'
+        b'"healthy":true},"IPv6":{"lastUpdated":"2026-01-02T03:04:05Z","healthy":true}}}'
+    )
+
+    # A node being deleted fails /healthz but not /livez.
+    health.set_node(NodeInfo(NODE, to_be_deleted_taint=True))
+    status, _, body = get("127.0.0.1", port, "/healthz")
+    assert status == 503
+    assert json.loads(body)["nodeEligible"] is False
+    assert json.loads(body)["healthy"] is True
+    assert get("127.0.0.1", port, "/livez")[0] == 200
+    assert get("127.0.0.1", port, "/other")[0] == 404
+
+    assert counted(metrics, "healthz", "200") == 1
+    assert counted(metrics, "healthz", "503") == 2
+    assert counted(metrics, "livez", "200") == 2
+    assert counted(metrics, "livez", "503") == 1
+
+
+def test_health_server_on_ipv6_loopback() -> None:
+    health = ProxyHealth(60.0, Clock(), node=NodeInfo(NODE))
+    server = ProxyHealthServer("[::1]:0", health)
+    server.start()
+    try:
+        assert server.port
+        assert get("::1", server.port, "/livez")[0] == 200
+    finally:
+        server.stop()
+
+
+# --- per-Service health checks --------------------------------------------------------
+
+
+class ListenErrors:
+    def __init__(self) -> None:
+        self.seen: list[tuple[NamespacedName, int, str]] = []
+
+    def __call__(self, service: NamespacedName, port: int, message: str) -> None:
+        self.seen.append((service, port, message))
+
+
+@pytest.fixture
+def service_health() -> Iterator[tuple[ServiceHealthServer, ProxyHealth, Clock, ListenErrors]]:
+    clock = Clock()
+    health = ProxyHealth(60.0, clock, node=NodeInfo(NODE))
+    errors = ListenErrors()
+    server = ServiceHealthServer(
+        V4, health, addresses=[LOCALHOST], node_name=NODE, on_listen_error=errors
+    )
+    try:
+        yield server, health, clock, errors
+    finally:
+        server.close()
+
+
+def expected_body(name: str, count: int, healthy: bool) -> bytes:
+    return (
+        "{\n"
+        '\t"service": {\n'
+        '\t\t"namespace": "demo",\n'
+        f'\t\t"name": "{name}"\n'
+        "\t},\n"
+        f'\t"localEndpoints": {count},\n'
+        f'\t"serviceProxyHealthy": {"true" if healthy else "false"}\n'
+        "}"
+    ).encode()
+
+
+def test_service_health_answers(
+    service_health: tuple[ServiceHealthServer, ProxyHealth, Clock, ListenErrors],
+) -> None:
+    server, health, clock, errors = service_health
+    web, db = free_port(), free_port()
+    server.sync_services({nn("web"): web, nn("db"): db})
+    server.sync_endpoints({nn("web"): 2, nn("other"): 5})
+    assert server.listening() == {nn("web"): [("127.0.0.1", web)], nn("db"): [("127.0.0.1", db)]}
+
+    status, headers, body = get("127.0.0.1", web)
+    assert status == 200
+    assert headers["content-type"] == "application/json"
+    assert headers["x-content-type-options"] == "nosniff"
+    assert headers["x-load-balancing-endpoint-weight"] == "2"
+    assert body == expected_body("web", 2, True)
+    status, headers, body = get("127.0.0.1", db, "/any/path")
+    assert status == 503
+    assert headers["x-load-balancing-endpoint-weight"] == "0"
+    assert body == expected_body("db", 0, True)
+
+    # An unhealthy proxy fails every health check, endpoints or not.
+    health.updated(V4)
+    health.queued_update(V4)
+    clock.now += 61
+    status, _, body = get("127.0.0.1", web)
+    assert status == 503
+    assert body == expected_body("web", 2, False)
+    health.updated(V4)
+
+    # Endpoints absent from the map count as zero.
+    server.sync_endpoints({})
+    assert get("127.0.0.1", web)[0] == 503
+    assert errors.seen == []
+
+
+def test_service_health_listeners_open_close_and_move(
+    service_health: tuple[ServiceHealthServer, ProxyHealth, Clock, ListenErrors],
+) -> None:
+    server, _, _, _ = service_health
+    first, second = free_port(), free_port()
+    server.sync_services({nn("web"): first})
+    server.sync_endpoints({nn("web"): 1})
+    assert get("127.0.0.1", first)[0] == 200
+
+    # A new port closes the old listener and opens the new one (count starts at 0).
+    server.sync_services({nn("web"): second})
+    with pytest.raises(ConnectionRefusedError):
+        get("127.0.0.1", first)
+    assert get("127.0.0.1", second)[0] == 503
+    server.sync_endpoints({nn("web"): 1})
+    assert get("127.0.0.1", second)[0] == 200
+
+    # Unchanged entries keep their listener and count.
+    server.sync_services({nn("web"): second})
+    assert get("127.0.0.1", second)[0] == 200
+
+    # Moving to no address closes everything; moving back reopens at the next sync.
+    server.set_addresses([])
+    server.sync_services({nn("web"): second})
+    assert server.listening() == {nn("web"): []}
+    with pytest.raises(ConnectionRefusedError):
+        get("127.0.0.1", second)
+    server.set_addresses([LOCALHOST])
+    server.sync_services({nn("web"): second})
+    assert get("127.0.0.1", second)[0] == 503
+
+    server.sync_services({})
+    assert server.listening() == {}
+    with pytest.raises(ConnectionRefusedError):
+        get("127.0.0.1", second)
+    with pytest.raises(ValueError):
+        server.set_addresses([ipaddress.IPv6Address("::1")])
+
+
+def test_service_health_bind_failure_is_reported_and_retried(
+    service_health: tuple[ServiceHealthServer, ProxyHealth, Clock, ListenErrors],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    server, _, _, errors = service_health
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", 0))
+    blocker.listen()
+    port = blocker.getsockname()[1]
+    good = free_port()
+    try:
+        server.sync_services({nn("web"): port, nn("db"): good})
+        assert set(server.listening()) == {nn("db")}
+        assert len(errors.seen) == 1
+        service, failed_port, message = errors.seen[0]
+        assert (service, failed_port) == (nn("web"), port)
+        assert message.startswith(
+            f'node {NODE} failed to start healthcheck "demo/web" on port {port}:'
+        )
+        assert "failed to start healthcheck" in caplog.text
+        server.sync_services({nn("web"): port, nn("db"): good})
+        assert len(errors.seen) == 2  # retried at every sync
+    finally:
+        blocker.close()
+    server.sync_services({nn("web"): port, nn("db"): good})
+    assert set(server.listening()) == {nn("web"), nn("db")}
+    assert get("127.0.0.1", port)[0] == 503
+    assert len(errors.seen) == 2
+
+
+def test_service_health_serves_concurrent_probes(
+    service_health: tuple[ServiceHealthServer, ProxyHealth, Clock, ListenErrors],
+) -> None:
+    server, _, _, _ = service_health
+    ports = {nn(f"svc-{i}"): free_port() for i in range(20)}
+    server.sync_services(ports)
+    server.sync_endpoints({name: 1 for name in ports})
+    results: list[int] = []
+    lock = threading.Lock()
+
+    def probe(port: int) -> None:
+        status = get("127.0.0.1", port)[0]
+        with lock:
+            results.append(status)
+
+    threads = [threading.Thread(target=probe, args=(p,)) for p in ports.values() for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert results == [200] * 60
+
+
+# --- wired to a proxier ---------------------------------------------------------------
+
+
+class Backend:
+    def __init__(self) -> None:
+        self.failures: list[BaseException] = []
+
+    @property
+    def family(self) -> IPFamily:
+        return V4
+
+    def sync(self, snapshot: ProxySnapshot, changes: SyncChanges) -> None:
+        if self.failures:
+            raise self.failures.pop(0)
+
+    def cleanup(self) -> None:
+        pass
+
+
+def lb_service(hcnp: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "lb", "namespace": "demo"},
+        "spec": {
+            "type": "LoadBalancer",
+            "clusterIP": "172.30.0.20",
+            "externalTrafficPolicy": "Local",
+            "healthCheckNodePort": hcnp,
+            "ports": [{"name": "http", "port": 80, "protocol": "TCP", "nodePort": 30080}],
+        },
+    }
+
+
+def lb_slice(endpoints: Sequence[tuple[str, str, bool]]) -> dict[str, Any]:
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": "lb-1",
+            "namespace": "demo",
+            "labels": {"kubernetes.io/service-name": "lb"},
+        },
+        "addressType": "IPv4",
+        "endpoints": [
+            {
+                "addresses": [ip],
+                "nodeName": node,
+                "conditions": {"ready": ready, "serving": ready, "terminating": False},
+            }
+            for ip, node, ready in endpoints
+        ],
+        "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+    }
+
+
+def test_health_observer_drives_health_and_service_checks() -> None:
+    clock = Clock()
+    health = ProxyHealth(60.0, clock)
+    service_health = ServiceHealthServer(V4, health, node_name=NODE)
+    observer = HealthObserver(health, {V4: service_health})
+    backend = Backend()
+    proxier = Proxier(
+        V4,
+        ProxierConfig(node_name=NODE, node_port_addresses=("localhost",)),
+        backend,
+        host_addresses=lambda: [LOCALHOST, ipaddress.IPv4Address("192.0.2.1")],
+        observer=ObserverGroup([observer]),
+        after_sync=[observer.after_sync],
+        wall_clock=lambda: 0.0,
+    )
+    port = free_port()
+    try:
+        proxier.on_service_add(lb_service(port))
+        proxier.on_endpoint_slice_add(
+            lb_slice(
+                [
+                    ("10.244.0.5", NODE, True),
+                    ("10.244.0.6", NODE, True),
+                    ("10.244.1.5", "node-b", True),
+                ]
+            )
+        )
+        assert not health.node_eligible()
+        proxier.on_services_synced()
+        proxier.on_endpoint_slices_synced()
+        # The node is known after the sync; health checks listen on localhost only.
+        assert health.node_eligible()
+        assert service_health.addresses == (LOCALHOST,)
+        status, headers, body = get("127.0.0.1", port)
+        assert status == 200
+        assert headers["x-load-balancing-endpoint-weight"] == "2"
+        assert body == expected_body("lb", 2, True)
+
+        proxier.on_endpoint_slice_update(
+            lb_slice([]), lb_slice([("10.244.0.5", NODE, False), ("10.244.1.5", "node-b", True)])
+        )
+        assert proxier.sync_now()
+        assert get("127.0.0.1", port)[2] == expected_body("lb", 0, True)
+
+        # A change waits while syncs fail: after the timeout the proxy is unhealthy.
+        proxier.sync()  # queued (the runner is not running)
+        backend.failures.append(SyncError("refused"))
+        assert not proxier.sync_now()
+        clock.now += 61
+        assert not health.healthy()
+        assert proxier.sync_now()
+        assert health.healthy()
+
+        proxier.on_service_delete(lb_service(port))
+        assert proxier.sync_now()
+        with pytest.raises(ConnectionRefusedError):
+            get("127.0.0.1", port)
+    finally:
+        observer.close()
+
+
+# --- kernel: wildcard listeners in a namespace of our own -----------------------------
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+@contextlib.contextmanager
+def entered(namespace: str) -> Iterator[None]:
+    target = os.open(f"/run/netns/{namespace}", os.O_RDONLY)
+    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    try:
+        assert _libc.setns(target, 0x40000000) == 0
+        try:
+            yield
+        finally:
+            assert _libc.setns(home, 0x40000000) == 0
+    finally:
+        os.close(target)
+        os.close(home)
+
+
+@pytest.fixture
+def namespace() -> Iterator[str]:
+    name = f"kpxm-h{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+def in_namespace(namespace: str, action: Callable[[], Any]) -> Any:
+    with entered(namespace):
+        return action()
+
+
+@pytest.mark.kernel
+def test_wildcard_listeners_of_both_families_share_ports(namespace: str) -> None:
+    health = ProxyHealth(60.0, Clock(), node=NodeInfo(NODE))
+    ipv4 = ServiceHealthServer(V4, health)
+    ipv6 = ServiceHealthServer(V6, health)
+    port = 30111
+    try:
+        in_namespace(namespace, lambda: ipv4.sync_services({nn("web"): port}))
+        in_namespace(namespace, lambda: ipv6.sync_services({nn("web"): port}))
+        ipv4.sync_endpoints({nn("web"): 1})
+        ipv6.sync_endpoints({nn("web"): 3})
+        assert ipv4.listening() == {nn("web"): [("0.0.0.0", port)]}
+        assert ipv6.listening() == {nn("web"): [("::", port)]}
+
+        def probe(host: str) -> tuple[int, dict[str, str], bytes]:
+            return in_namespace(namespace, lambda: get(host, port))  # type: ignore[no-any-return]
+
+        assert probe("127.0.0.1")[1]["x-load-balancing-endpoint-weight"] == "1"
+        assert probe("::1")[1]["x-load-balancing-endpoint-weight"] == "3"
+        addresses: list[IPAddress] = [ipaddress.IPv6Address("::1")]
+        in_namespace(namespace, lambda: ipv6.set_addresses(addresses))
+        in_namespace(namespace, lambda: ipv6.sync_services({nn("web"): port}))
+        assert ipv6.listening() == {nn("web"): [("::1", port)]}
+        assert probe("::1")[0] == 503
+    finally:
+        ipv4.close()
+        ipv6.close()
+
+
+@pytest.mark.kernel
+def test_wildcard_health_address_is_dual_stack(namespace: str) -> None:
+    health = ProxyHealth(60.0, Clock(), node=NodeInfo(NODE))
+    server = ProxyHealthServer("0.0.0.0:0", health)
+    in_namespace(namespace, server.start)
+    try:
+        port = server.port
+        assert port
+        assert in_namespace(namespace, lambda: get("127.0.0.1", port, "/healthz"))[0] == 200
+        assert in_namespace(namespace, lambda: get("::1", port, "/livez"))[0] == 200
+    finally:
+        server.stop()
+
+
+@pytest.mark.kernel
+def test_wildcard_falls_back_to_ipv4_when_ipv6_is_missing(
+    namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = health_module._RoutedServer
+
+    class WithoutIPv6(real):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, dual_stack: bool = True) -> None:
+            if dual_stack:
+                raise OSError(errno.EAFNOSUPPORT, os.strerror(errno.EAFNOSUPPORT))
+            super().__init__(*args, dual_stack=False)
+
+    monkeypatch.setattr(health_module, "_RoutedServer", WithoutIPv6)
+    server = ProxyHealthServer("0.0.0.0:0", ProxyHealth(60.0, Clock(), node=NodeInfo(NODE)))
+    in_namespace(namespace, server.start)
+    try:
+        port = server.port
+        assert port
+        assert in_namespace(namespace, lambda: get("127.0.0.1", port, "/healthz"))[0] == 200
+        with pytest.raises(ConnectionRefusedError):
+            in_namespace(namespace, lambda: get("::1", port, "/healthz"))
+    finally:
+        server.stop()
