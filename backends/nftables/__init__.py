@@ -1,0 +1,72 @@
+"""The nftables backend: upstream kube-proxy's nftables behaviour, with rules that scale.
+
+Public API:
+
+* :func:`create_backend` - the ``kubeproxy.backends`` entry point: a backend for one
+  family, programming the current network namespace or ``netns`` through libnftables;
+* :class:`NftablesBackend` - the backend itself; give it ``executor=FakeNft()`` for a dry
+  run (the fake starts empty, so the first sync is a cold one) and read the fake's
+  transactions (see :func:`render_transactions`);
+* :func:`cleanup` - delete our two tables (``ip kube-proxy``, ``ip6 kube-proxy``) and
+  nothing else.
+
+The rule structure and its reasons are in this package's README.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kubeproxy.backends.nftables.objects import Family, NftError, Table, is_not_found
+from kubeproxy.backends.nftables.proxier import NftablesBackend
+from kubeproxy.backends.nftables.structure import TABLE
+from kubeproxy.backends.nftables.transaction import Transaction
+from kubeproxy.config import ProxierConfig
+from kubeproxy.objects import IPFamily
+
+__all__ = [
+    "TABLE",
+    "NftablesBackend",
+    "cleanup",
+    "create_backend",
+    "render_transactions",
+]
+
+
+def create_backend(
+    family: IPFamily, config: ProxierConfig, *, netns: str | None = None
+) -> NftablesBackend:
+    """A backend for ``family`` writing through libnftables (in ``netns`` if given).
+
+    Raises :class:`NftError` (from the support check) when nftables mode cannot run here.
+    """
+    from kubeproxy.backends.nftables.exec import LibNftables
+
+    return NftablesBackend(family, config, executor=LibNftables(netns=netns))
+
+
+def cleanup(netns: str | None = None) -> None:
+    """Delete ``table ip kube-proxy`` and ``table ip6 kube-proxy`` (missing ones are fine).
+
+    Never touches any other table. Raises :class:`NftError` if a deletion fails for
+    another reason than the table being absent.
+    """
+    from kubeproxy.backends.nftables.exec import LibNftables
+
+    executor = LibNftables(netns=netns)
+    for family in (Family.IP, Family.IP6):
+        tx = Transaction(family, TABLE)
+        tx.delete(Table())
+        try:
+            executor.run(tx)
+        except NftError as err:
+            if not is_not_found(err):
+                raise
+
+
+def render_transactions(transactions: Iterable[Transaction]) -> str:
+    """The ``nft -f`` text of transactions (e.g. a dry run's), separated by a comment line."""
+    parts = []
+    for number, tx in enumerate(transactions, 1):
+        parts.append(f"# transaction {number}: {tx.num_operations} operations\n{tx.render()}")
+    return "".join(parts)

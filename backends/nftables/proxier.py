@@ -1,0 +1,697 @@
+"""NftablesBackend: keeps the kube-proxy tables in step with the core's snapshots.
+
+The backend remembers what it last applied (per-service chain names, the elements of every
+set and map, reference counts of shared set elements) and sends only differences:
+
+* a **full sync** lists chain names and the elements of the sets and maps once, renders
+  every Service port and diffs; chains that already exist under their content-hashed name
+  are reused without reading their rules back;
+* an **incremental sync** renders only the ports of the changed Services and never lists;
+* chains no longer wanted are remembered as *stale* and deleted by a separate transaction
+  at the start of a sync at least a second later (older kernels still see a chain as in
+  use right after the map element that pointed at it went away).
+
+Large syncs are split into ordered transactions of at most ``ports_per_transaction``
+Service ports (chains before the elements that jump to them), which bounds the memory of
+libnftables and the time the kernel holds its commit lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from kubeproxy.backend import ProxySnapshot, SyncChanges, SyncError
+from kubeproxy.backends.nftables.exec import NftExecutor, check_support
+from kubeproxy.backends.nftables.naming import ChainPrefix, is_service_chain
+from kubeproxy.backends.nftables.objects import (
+    Chain,
+    Family,
+    Map,
+    NftError,
+    Set,
+    Table,
+    is_not_found,
+)
+from kubeproxy.backends.nftables.services import Key, PortRules, RenderContext, render_port
+from kubeproxy.backends.nftables.structure import (
+    TABLE,
+    TABLE_COMMENT,
+    FixedStructure,
+    Names,
+    fixed_structure,
+    tokens_for,
+)
+from kubeproxy.backends.nftables.transaction import Transaction
+from kubeproxy.config import ProxierConfig
+from kubeproxy.objects import (
+    CategorizedEndpoints,
+    IPFamily,
+    NamespacedName,
+    ServicePort,
+    ServicePortName,
+)
+
+__all__ = ["NftablesBackend"]
+
+log = logging.getLogger(__name__)
+
+STALE_CHAIN_DELAY = 1.0
+"""Seconds between dropping the last reference to a chain and deleting it."""
+
+_EMPTY = CategorizedEndpoints()
+_FAMILIES = {IPFamily.IPV4: Family.IP, IPFamily.IPV6: Family.IP6}
+_VALUE_NONE: tuple[str, ...] = ()
+# The containers whose elements a full sync reads back and diffs. The affinity map is
+# filled by packets, and nodeport-ips belongs to the fixed structure (diffed the same way).
+_DIFFED = (
+    Names.CLUSTER_IPS,
+    Names.NODEPORT_IPS,
+    Names.SERVICE_IPS,
+    Names.SERVICE_NODEPORTS,
+    Names.FIREWALL_IPS,
+    Names.NO_ENDPOINT_SERVICES,
+    Names.NO_ENDPOINT_NODEPORTS,
+    Names.HAIRPIN_ENDPOINTS,
+)
+_SHARED_SETS = (Names.CLUSTER_IPS, Names.HAIRPIN_ENDPOINTS)
+# Delete referring chains before the chains they jump to.
+_DELETE_RANK = {
+    ChainPrefix.EXTERNAL: 0,
+    ChainPrefix.FIREWALL: 0,
+    ChainPrefix.SERVICE: 1,
+    ChainPrefix.LOCAL: 1,
+    ChainPrefix.GROUP: 2,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class _Affinity:
+    """What the affinity cleanup needs to know about one port with ClientIP affinity."""
+
+    frontends: frozenset[Key]
+    """``(ip, proto, port)`` of the cluster IP, external IPs and load-balancer VIPs."""
+    node_port: Key | None
+    endpoints: frozenset[Key]
+    """``(ip, port)`` of every endpoint the port's chains may choose."""
+
+
+@dataclass(frozen=True, slots=True)
+class _PortState:
+    """What one programmed Service port has in the kernel."""
+
+    chains: tuple[str, ...]
+    elements: tuple[tuple[str, Key, tuple[str, ...]], ...]
+    set_elements: tuple[tuple[str, Key], ...]
+    affinity: _Affinity | None
+
+
+def _affinity_of(port: ServicePort, eps: CategorizedEndpoints) -> _Affinity | None:
+    if not port.session_affinity:
+        return None
+    proto = port.protocol.lower
+    text = str(port.port)
+    frontends = frozenset(
+        (str(ip), proto, text)
+        for ip in (port.cluster_ip, *port.external_ips, *port.load_balancer_vips)
+    )
+    node_port = (proto, str(port.node_port)) if port.node_port else None
+    endpoints = frozenset((str(ep.ip), str(ep.port)) for ep in (*eps.cluster, *eps.local))
+    return _Affinity(frontends, node_port, endpoints)
+
+
+def _keeps(old: _Affinity, new: _Affinity | None) -> bool:
+    """Whether every affinity entry valid under ``old`` is still valid under ``new``."""
+    return (
+        new is not None
+        and old.endpoints <= new.endpoints
+        and old.frontends <= new.frontends
+        and old.node_port == new.node_port
+    )
+
+
+class _Batches:
+    """Transactions of a sync, committed in order, each of bounded size."""
+
+    def __init__(self, backend: NftablesBackend) -> None:
+        self._backend = backend
+        self.tx = backend._new_transaction()
+        self._ports = 0
+        self.operations = 0
+        self.transactions = 0
+
+    def port_done(self) -> None:
+        self._ports += 1
+        if self._ports >= self._backend.ports_per_transaction:
+            self.commit()
+
+    def commit(self) -> None:
+        tx = self.tx
+        if tx.num_operations:
+            self._backend._run(tx)
+            self.operations += tx.num_operations
+            self.transactions += 1
+        self.tx = self._backend._new_transaction()
+        self._ports = 0
+
+
+class NftablesBackend:
+    """The nftables backend of one IP family (see the module documentation).
+
+    ``executor`` runs transactions and lists (``LibNftables`` in production, ``FakeNft``
+    in tests and for dry runs); ``clock`` is a monotonic clock in seconds. Attributes for
+    metrics: :attr:`sync_failures`, :attr:`stale_chain_failures`; for tests and logs:
+    :attr:`last_operations`, :attr:`last_transactions`, :attr:`last_sync_full`.
+    """
+
+    def __init__(
+        self,
+        family: IPFamily,
+        config: ProxierConfig,
+        *,
+        executor: NftExecutor,
+        clock: Callable[[], float] = time.monotonic,
+        ports_per_transaction: int = 2000,
+        support_check: bool = True,
+    ) -> None:
+        if ports_per_transaction < 1:
+            raise ValueError("ports_per_transaction must be at least 1")
+        self._family = family
+        self._nft_family = _FAMILIES[family]
+        self._config = config
+        self._executor = executor
+        self._clock = clock
+        self.ports_per_transaction = ports_per_transaction
+        self.sync_failures = 0
+        self.stale_chain_failures = 0
+        self.affinity_cleanup_failures = 0
+        self.last_operations = 0
+        self.last_transactions = 0
+        self.last_sync_full = False
+        if support_check:
+            check_support(executor, self._nft_family)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._need_full = True
+        self._fixed: FixedStructure | None = None
+        self._fixed_inputs: object = None
+        self._ctx: RenderContext | None = None
+        self._ctx_inputs: object = None
+        self._ports: dict[ServicePortName, _PortState] = {}
+        # Every port of the last snapshot, programmed or not, by Service.
+        self._by_service: dict[NamespacedName, set[ServicePortName]] = {}
+        self._wants: dict[ServicePortName, frozenset[Key]] = {}
+        self._claimant: dict[Key, ServicePortName] = {}
+        self._contested: dict[Key, set[ServicePortName]] = {}
+        self._skipped: dict[ServicePortName, str] = {}
+        self._invalid: dict[ServicePortName, str] = {}
+        self._set_refs: dict[str, dict[Key, int]] = {name: {} for name in _SHARED_SETS}
+        self._elements: dict[str, dict[Key, tuple[str, ...]]] = {name: {} for name in _DIFFED}
+        self._chains: set[str] = set()
+        self._stale: dict[str, float] = {}
+        self._affinity_losses: list[_Affinity] = []
+
+    # Backend protocol -----------------------------------------------------------------------
+
+    @property
+    def family(self) -> IPFamily:
+        """The IP family this backend programs."""
+        return self._family
+
+    def sync(self, snapshot: ProxySnapshot, changes: SyncChanges) -> None:
+        """Make the kernel match ``snapshot`` (see the module documentation).
+
+        Raises :class:`~kubeproxy.backend.SyncError` when nft refused a transaction; the
+        rules of every committed transaction stay, and the next sync is a full one.
+        """
+        if snapshot.family is not self._family:
+            raise ValueError(f"snapshot of {snapshot.family} given to the {self._family} backend")
+        now = self._clock()
+        self._delete_stale_chains(now)
+        full = changes.full or self._need_full
+        self.last_sync_full = full
+        try:
+            if full:
+                batches = self._full_sync(snapshot, now)
+            else:
+                batches = self._partial_sync(snapshot, changes, now)
+        except NftError as err:
+            self.sync_failures += 1
+            self._need_full = True
+            # Our model of the kernel is unreliable now; the next full sync re-lists.
+            self._stale.clear()
+            self._affinity_losses = []
+            raise SyncError(f"nftables {self._nft_family} sync failed: {err}") from err
+        self._need_full = False
+        self.last_operations = batches.operations
+        self.last_transactions = batches.transactions
+        self._clean_affinity(full)
+
+    def cleanup(self) -> None:
+        """Delete our table (a missing table is fine) and forget all state."""
+        tx = self._new_transaction()
+        tx.delete(Table())
+        try:
+            self._executor.run(tx)
+        except NftError as err:
+            if not is_not_found(err):
+                raise
+        self._reset()
+
+    # Syncs -------------------------------------------------------------------------------------
+
+    def _new_transaction(self) -> Transaction:
+        return Transaction(self._nft_family, TABLE)
+
+    def _run(self, tx: Transaction) -> None:
+        if tx.error is not None:
+            raise tx.error
+        self._executor.run(tx)
+
+    def _full_sync(self, snapshot: ProxySnapshot, now: float) -> _Batches:
+        self._read_kernel()
+        self._ports = {}
+        self._by_service = {}
+        self._wants = {}
+        self._claimant = {}
+        self._contested = {}
+        self._set_refs = {name: {} for name in _SHARED_SETS}
+        fixed = self._fixed_for(snapshot)
+        ctx = self._context_for(snapshot)
+        batches = _Batches(self)
+        self._write_fixed(batches.tx, fixed)
+        self._fixed = fixed
+        self._ctx = ctx
+        self._process(snapshot, snapshot.services.keys(), batches, ctx, now)
+        # Whatever the kernel holds beyond what every port wants goes now.
+        tx = batches.tx
+        wanted_chains: set[str] = set()
+        for state in self._ports.values():
+            wanted_chains.update(state.chains)
+        for name in list(self._chains):
+            if name not in wanted_chains and name not in self._stale:
+                self._stale[name] = now
+        wanted: dict[str, set[Key]] = {name: set() for name in _DIFFED}
+        for state in self._ports.values():
+            for container, key, _value in state.elements:
+                wanted[container].add(key)
+        for container, refs in self._set_refs.items():
+            wanted[container].update(k for k, n in refs.items() if n > 0)
+        wanted[Names.NODEPORT_IPS].update((ip,) for ip in fixed.nodeport_ips)
+        for container, present in self._elements.items():
+            for key in [k for k in present if k not in wanted[container]]:
+                tx.delete_element(container, key)
+                del present[key]
+        batches.commit()
+        return batches
+
+    def _partial_sync(self, snapshot: ProxySnapshot, changes: SyncChanges, now: float) -> _Batches:
+        fixed = self._fixed_for(snapshot)
+        ctx = self._context_for(snapshot)
+        batches = _Batches(self)
+        if self._fixed is None or fixed.fingerprint != self._fixed.fingerprint:
+            self._write_fixed(batches.tx, fixed)
+            self._fixed = fixed
+        ports: set[ServicePortName] = set()
+        if ctx != self._ctx:
+            # Masquerading or detection changed: every port's chains change.
+            ports.update(self._wants)
+            ports.update(self._invalid)
+            ports.update(snapshot.services.keys())
+            self._ctx = ctx
+        elif changes.changed_services:
+            changed = changes.changed_services
+            for service in changed:
+                ports.update(self._by_service.get(service, ()))
+            ports.update(name for name in snapshot.services if name.service in changed)
+        if ports:
+            self._process(snapshot, ports, batches, ctx, now)
+        batches.commit()
+        return batches
+
+    def _read_kernel(self) -> None:
+        """Load chain names and elements from the kernel (full syncs only)."""
+        ex = self._executor
+        fam = self._nft_family
+        self._elements = {name: {} for name in _DIFFED}
+        if not ex.table_exists(fam, TABLE):
+            self._chains = set()
+            self._stale.clear()
+            return
+        self._chains = {name for name in ex.list_chains(fam, TABLE) if is_service_chain(name)}
+        for name in list(self._stale):
+            if name not in self._chains:
+                del self._stale[name]
+        for container in _DIFFED:
+            try:
+                listed = ex.list_elements(fam, TABLE, container)
+            except NftError as err:
+                if is_not_found(err):
+                    continue
+                raise
+            self._elements[container] = {el.key: el.value for el in listed}
+
+    def _write_fixed(self, tx: Transaction, fixed: FixedStructure) -> None:
+        """Queue the table, sets, maps and fixed chains (rules replaced atomically)."""
+        tx.add(Table(comment=TABLE_COMMENT))
+        for spec in fixed.containers:
+            if spec.is_map:
+                tx.add(Map(spec.name, spec.type, spec.flags, spec.timeout, spec.size, spec.comment))
+            else:
+                tx.add(Set(spec.name, spec.type, spec.flags, spec.timeout, spec.size, spec.comment))
+        for chain in fixed.chains:
+            tx.add(Chain(chain.name, chain.type, chain.hook, chain.priority, comment=chain.comment))
+        for chain in fixed.chains:
+            tx.flush(Chain(chain.name))
+        for chain in fixed.chains:
+            for rule in chain.rules:
+                tx.add_rule(chain.name, rule)
+        present = self._elements[Names.NODEPORT_IPS]
+        wanted = {(ip,) for ip in fixed.nodeport_ips}
+        for key in [k for k in present if k not in wanted]:
+            tx.delete_element(Names.NODEPORT_IPS, key)
+            del present[key]
+        for key in sorted(wanted - present.keys()):
+            tx.add_element(Names.NODEPORT_IPS, key)
+            present[key] = _VALUE_NONE
+
+    def _fixed_for(self, snapshot: ProxySnapshot) -> FixedStructure:
+        cidrs = snapshot.service_cidrs or self._config.service_cidrs
+        inputs = (self._config.masquerade_mark, snapshot.node_port_addresses, tuple(cidrs))
+        if self._fixed_inputs != inputs or self._fixed is None:
+            structure = fixed_structure(
+                self._family, self._config.masquerade_mark, snapshot.node_port_addresses, cidrs
+            )
+            self._fixed_inputs = inputs
+            return structure
+        return self._fixed
+
+    def _context_for(self, snapshot: ProxySnapshot) -> RenderContext:
+        detector = snapshot.local_detector.for_family(self._family)
+        addresses = snapshot.node.addresses_of(self._family)
+        inputs = (detector, self._config.masquerade_all, addresses)
+        if self._ctx is not None and self._ctx_inputs == inputs:
+            return self._ctx
+        try:
+            ctx = RenderContext.build(
+                tokens_for(self._family),
+                detector,
+                masquerade_all=self._config.masquerade_all,
+                node_addresses=addresses,
+            )
+        except ValueError as err:
+            log.error("ignoring the local-traffic detector: %s", err)
+            ctx = RenderContext.build(
+                tokens_for(self._family),
+                type(detector)(),
+                masquerade_all=self._config.masquerade_all,
+                node_addresses=addresses,
+            )
+        self._ctx_inputs = inputs
+        return ctx
+
+    # Per-port work ------------------------------------------------------------------------------
+
+    def _process(
+        self,
+        snapshot: ProxySnapshot,
+        names: Iterable[ServicePortName],
+        batches: _Batches,
+        ctx: RenderContext,
+        now: float,
+    ) -> None:
+        """Render ``names``, resolve key conflicts, and queue the differences.
+
+        Additions go into the current (possibly a new) transaction right after the port's
+        chains; deletions of keys and shared set elements nobody wants any more go last.
+        """
+        renders: dict[ServicePortName, PortRules | None] = {}
+        for name in names:
+            self._release(name)
+            renders[name] = rules = self._render(snapshot, name, ctx)
+            if rules is not None:
+                self._claim(name, rules.claims)
+        if self._contested or self._skipped:
+            for name in self._resolve_conflicts():
+                if name not in renders:
+                    renders[name] = self._render(snapshot, name, ctx)
+        dropped: list[tuple[str, Key]] = []
+        services = snapshot.services
+        added: list[tuple[tuple[str, Key, tuple[str, ...]], ...]] = []
+        for name in sorted(renders):
+            rules = None if name in self._skipped else renders[name]
+            old = self._ports.pop(name, None)
+            new_chains: tuple[str, ...] = ()
+            if rules is not None:
+                new_chains = self._queue_port(batches.tx, rules)
+                service = services[name]
+                self._ports[name] = _PortState(
+                    new_chains,
+                    rules.elements,
+                    rules.set_elements,
+                    _affinity_of(service, snapshot.categorized.get(name, _EMPTY)),
+                )
+                added.append(rules.elements)
+            if name in services:
+                self._by_service.setdefault(name.service, set()).add(name)
+            else:
+                ports = self._by_service.get(name.service)
+                if ports is not None:
+                    ports.discard(name)
+                    if not ports:
+                        del self._by_service[name.service]
+            if old is not None:
+                self._forget_port(old, new_chains, now, dropped)
+                if old.affinity is not None:
+                    state = self._ports.get(name)
+                    if state is None or not _keeps(old.affinity, state.affinity):
+                        self._affinity_losses.append(old.affinity)
+            batches.port_done()
+        if not dropped:
+            return
+        tx = batches.tx
+        elements = self._elements
+        refs = self._set_refs
+        # A key an old state had may have moved to another port in this sync.
+        kept = {(c, k) for group in added for c, k, _v in group}
+        for container, key in dropped:
+            present = elements[container]
+            if key not in present:
+                continue
+            counts = refs.get(container)
+            if counts is not None:
+                if counts.get(key, 0) > 0:
+                    continue
+            elif (container, key) in kept:
+                continue
+            tx.delete_element(container, key)
+            del present[key]
+
+    def _render(
+        self, snapshot: ProxySnapshot, name: ServicePortName, ctx: RenderContext
+    ) -> PortRules | None:
+        service = snapshot.services.get(name)
+        if service is None:
+            self._invalid.pop(name, None)
+            return None
+        try:
+            rules = render_port(ctx, service, snapshot.categorized.get(name, _EMPTY))
+        except ValueError as err:
+            reason = str(err)
+            if self._invalid.get(name) != reason:
+                log.error("skipping service port %s: %s", name, reason)
+            self._invalid[name] = reason
+            return None
+        self._invalid.pop(name, None)
+        return rules
+
+    def _queue_port(self, tx: Transaction, rules: PortRules) -> tuple[str, ...]:
+        """Queue the chains and elements of a port that the kernel lacks; return its chains."""
+        chains = self._chains
+        stale = self._stale
+        for chain in rules.chains:
+            name = chain.name
+            if name in chains:
+                stale.pop(name, None)
+                continue
+            tx.add(Chain(name))
+            for rule in chain.rules:
+                tx.add_rule(name, rule)
+            chains.add(name)
+        elements = self._elements
+        for container, key, value in rules.elements:
+            present = elements[container]
+            current = present.get(key)
+            if current == value:
+                continue
+            if current is not None:
+                tx.delete_element(container, key)
+            tx.add_element(container, key, value, True)
+            present[key] = value
+        refs = self._set_refs
+        for container, key in rules.set_elements:
+            counts = refs[container]
+            counts[key] = counts.get(key, 0) + 1
+            present = elements[container]
+            if key not in present:
+                tx.add_element(container, key)
+                present[key] = _VALUE_NONE
+        return tuple(chain.name for chain in rules.chains)
+
+    def _forget_port(
+        self,
+        old: _PortState,
+        new_chains: tuple[str, ...],
+        now: float,
+        dropped: list[tuple[str, Key]],
+    ) -> None:
+        """Mark the old state's chains stale and collect its keys for deletion."""
+        for name in old.chains:
+            if name not in new_chains and name in self._chains:
+                self._stale.setdefault(name, now)
+        refs = self._set_refs
+        for container, key in old.set_elements:
+            counts = refs[container]
+            left = counts.get(key, 0) - 1
+            if left > 0:
+                counts[key] = left
+            else:
+                counts.pop(key, None)
+                dropped.append((container, key))
+        dropped.extend((container, key) for container, key, _value in old.elements)
+
+    # Conflicts ----------------------------------------------------------------------------------
+
+    def _claim(self, name: ServicePortName, keys: frozenset[Key]) -> None:
+        self._wants[name] = keys
+        claimant = self._claimant
+        for key in keys:
+            other = claimant.setdefault(key, name)
+            if other != name:
+                self._contested.setdefault(key, {other}).add(name)
+
+    def _release(self, name: ServicePortName) -> None:
+        keys = self._wants.pop(name, None)
+        if not keys:
+            return
+        claimant = self._claimant
+        contested = self._contested
+        for key in keys:
+            rivals = contested.get(key)
+            if rivals is None:
+                if claimant.get(key) == name:
+                    del claimant[key]
+                continue
+            rivals.discard(name)
+            claimant[key] = next(iter(rivals))
+            if len(rivals) == 1:
+                del contested[key]
+
+    def _resolve_conflicts(self) -> list[ServicePortName]:
+        """Decide which contested ports are skipped; return the ports whose fate changed.
+
+        The first port in :class:`ServicePortName` order that claims a key keeps it; a port
+        that loses any key is skipped entirely. Ports with no contested key never lose.
+        """
+        candidates: set[ServicePortName] = set(self._skipped)
+        for rivals in self._contested.values():
+            candidates.update(rivals)
+        owner: dict[Key, ServicePortName] = {}
+        skipped: dict[ServicePortName, str] = {}
+        for name in sorted(candidates):
+            keys = self._wants.get(name)
+            if keys is None:
+                continue
+            clash = sorted(k for k in keys if k in owner)
+            if clash:
+                key = clash[0]
+                skipped[name] = f"{' . '.join(key)} is already used by service port {owner[key]}"
+                continue
+            for key in keys:
+                if key in self._contested:
+                    owner[key] = name
+        changed = [n for n in self._skipped if n not in skipped]
+        for name, reason in skipped.items():
+            if self._skipped.get(name) != reason:
+                log.error("skipping service port %s: %s", name, reason)
+                changed.append(name)
+        self._skipped = skipped
+        return changed
+
+    # Stale chains and affinity ----------------------------------------------------------------
+
+    def _delete_stale_chains(self, now: float) -> None:
+        due = [name for name, since in self._stale.items() if now - since >= STALE_CHAIN_DELAY]
+        if not due:
+            return
+        due.sort(key=lambda n: (_DELETE_RANK.get(n.partition("-")[0], 3), n))
+        tx = self._new_transaction()
+        for name in due:
+            tx.delete(Chain(name))
+        try:
+            self._run(tx)
+        except NftError as err:
+            self.stale_chain_failures += 1
+            self._need_full = True
+            log.error("deleting %d stale chains failed (a full sync follows): %s", len(due), err)
+            return
+        for name in due:
+            del self._stale[name]
+            self._chains.discard(name)
+
+    def _clean_affinity(self, full: bool) -> None:
+        """Best effort: delete affinity entries that point at endpoints no longer in use.
+
+        After a full sync every entry is checked; after an incremental one only entries of
+        the frontends of ports that lost endpoints, changed frontends or lost affinity.
+        """
+        losses = self._affinity_losses
+        self._affinity_losses = []
+        if not full and not losses:
+            return
+        current: dict[Key, set[Key]] = {}
+        current_node_ports: dict[Key, set[Key]] = {}
+        for state in self._ports.values():
+            aff = state.affinity
+            if aff is None:
+                continue
+            for frontend in aff.frontends:
+                current.setdefault(frontend, set()).update(aff.endpoints)
+            if aff.node_port is not None:
+                current_node_ports.setdefault(aff.node_port, set()).update(aff.endpoints)
+        scope: set[Key] = set()
+        scope_node_ports: set[Key] = set()
+        for aff in losses:
+            scope.update(aff.frontends)
+            if aff.node_port is not None:
+                scope_node_ports.add(aff.node_port)
+        try:
+            entries = self._executor.list_elements(self._nft_family, TABLE, Names.AFFINITY)
+        except NftError as err:
+            self.affinity_cleanup_failures += 1
+            log.warning("listing session affinity entries failed: %s", err)
+            return
+        tx = self._new_transaction()
+        for entry in entries:
+            if len(entry.key) != 4:
+                continue
+            frontend = entry.key[1:]
+            node_port = entry.key[2:]
+            allowed = current.get(frontend)
+            if allowed is None:
+                allowed = current_node_ports.get(node_port)
+            if not full and frontend not in scope and node_port not in scope_node_ports:
+                continue
+            if allowed is None or entry.value not in allowed:
+                tx.delete_element(Names.AFFINITY, entry.key)
+        if not tx.num_operations:
+            return
+        try:
+            self._run(tx)
+        except NftError as err:
+            # An entry may have timed out meanwhile; the next cleanup catches up.
+            self.affinity_cleanup_failures += 1
+            log.warning("deleting %d stale session affinity entries failed: %s", len(tx), err)

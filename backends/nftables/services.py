@@ -1,0 +1,355 @@
+"""The desired chains and map elements of one Service port (pure functions).
+
+Behaviour follows upstream kube-proxy's nftables mode; the structure does not (see the
+package README): no endpoint chains, no per-service anonymous sets, one shared affinity
+map, endpoint choice by a cascade of plain ``numgen`` rules (two levels above
+:data:`CASCADE_MAX` endpoints).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kubeproxy.backends.nftables.naming import ChainPrefix, chain_name, port_identity
+from kubeproxy.backends.nftables.structure import FamilyTokens, Names
+from kubeproxy.config import LocalDetectMode, LocalDetector
+from kubeproxy.objects import (
+    CategorizedEndpoints,
+    Endpoint,
+    IPAddress,
+    ServicePort,
+)
+
+__all__ = [
+    "CASCADE_MAX",
+    "MAX_AFFINITY_SECONDS",
+    "ChainSpec",
+    "InvalidPort",
+    "Key",
+    "PortRules",
+    "RenderContext",
+    "render_port",
+]
+
+CASCADE_MAX = 16
+"""Most endpoints chosen by one flat cascade; more are split into ``group-`` chains."""
+MAX_AFFINITY_SECONDS = 86400
+"""Upper bound of ``sessionAffinityConfig.clientIP.timeoutSeconds`` (as the API)."""
+
+Key = tuple[str, ...]
+"""A set or map key, one string per concatenated field (``("10.0.0.1", "tcp", "80")``)."""
+
+_INTERFACE = re.compile(r"[A-Za-z0-9_.@+-]{1,15}")
+_MASQ_JUMP = f"jump {Names.MARK_FOR_MASQUERADE}"
+_REJECT = f"goto {Names.REJECT_CHAIN}"
+_DROP = "drop"
+
+
+class InvalidPort(ValueError):
+    """A Service port that cannot be rendered (bad name, port or address)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChainSpec:
+    """A per-service chain: its content-hashed name and its rules, in order."""
+
+    name: str
+    rules: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PortRules:
+    """Everything one Service port puts into the table.
+
+    ``chains`` are in creation order (a chain comes after every chain it jumps to).
+    ``elements`` are map elements ``(map, key, value)`` whose keys this port owns (the
+    value is a one-part tuple such as ``("goto service-...",)``);
+    ``set_elements`` are set elements ``(set, key)`` that ports may share (``cluster-ips``
+    for the ports of one Service, ``hairpin-endpoints`` for endpoints in several Services).
+    ``claims`` are the keys no other port may also use (service IP . proto . port, and
+    proto . NodePort).
+    """
+
+    chains: tuple[ChainSpec, ...]
+    elements: tuple[tuple[str, Key, tuple[str, ...]], ...]
+    set_elements: tuple[tuple[str, Key], ...]
+    claims: frozenset[Key]
+
+
+@dataclass(frozen=True, slots=True)
+class RenderContext:
+    """What rendering needs besides the port: family words, masquerading and detection.
+
+    ``masquerade_match`` is the condition (after ``<ip> daddr <clusterIP>``) under which
+    cluster-IP traffic is masqueraded (``""`` for masqueradeAll, ``None`` for never);
+    ``local_match`` tells traffic from local pods (``None``: no detector).
+    """
+
+    tokens: FamilyTokens
+    masquerade_match: str | None
+    local_match: str | None
+    node_addresses: tuple[IPAddress, ...] = ()
+
+    @classmethod
+    def build(
+        cls,
+        tokens: FamilyTokens,
+        detector: LocalDetector,
+        *,
+        masquerade_all: bool,
+        node_addresses: Sequence[IPAddress] = (),
+    ) -> RenderContext:
+        """The context for a detector (already for this family) and the masquerade flag.
+
+        Raises :class:`ValueError` for an interface name nft could not take literally.
+        """
+        ip = tokens.table_family
+        masq: str | None
+        local: str | None
+        mode = detector.mode
+        if mode in (LocalDetectMode.CLUSTER_CIDR, LocalDetectMode.NODE_CIDR) and detector.cidrs:
+            cidr = detector.cidrs[0]
+            if cidr.version != tokens.family.version:
+                raise ValueError(f"local detector CIDR {cidr} is not {tokens.family}")
+            masq, local = f"{ip} saddr != {cidr}", f"{ip} saddr {cidr}"
+        elif (
+            mode in (LocalDetectMode.BRIDGE_INTERFACE, LocalDetectMode.INTERFACE_NAME_PREFIX)
+            and detector.interface
+        ):
+            if _INTERFACE.fullmatch(detector.interface) is None:
+                raise ValueError(f"local detector interface {detector.interface!r} is not valid")
+            pattern = detector.interface
+            if mode is LocalDetectMode.INTERFACE_NAME_PREFIX:
+                pattern += "*"
+            masq, local = f'iifname != "{pattern}"', f'iifname "{pattern}"'
+        else:
+            masq, local = None, None
+        if masquerade_all:
+            masq = ""
+        addresses = tuple(a for a in node_addresses if a.version == tokens.family.version)
+        return cls(tokens, masq, local, addresses)
+
+
+def _check_port(what: str, value: int, *, zero_ok: bool = False) -> None:
+    low = 0 if zero_ok else 1
+    if not low <= value <= 65535:
+        raise InvalidPort(f"{what} {value} is out of range")
+
+
+def _check_family(ctx: RenderContext, what: str, ip: IPAddress) -> None:
+    if ip.version != ctx.tokens.family.version:
+        raise InvalidPort(f"{what} {ip} is not {ctx.tokens.family}")
+
+
+class _Renderer:
+    """Renders one port; a class only to share the per-port words between helpers."""
+
+    __slots__ = ("affinity_update", "chains", "ctx", "identity", "ip", "port", "proto")
+
+    def __init__(self, ctx: RenderContext, port: ServicePort, identity: str) -> None:
+        self.ctx = ctx
+        self.port = port
+        self.identity = identity
+        self.ip = ctx.tokens.table_family
+        self.proto = port.protocol.lower
+        self.chains: list[ChainSpec] = []
+        self.affinity_update = ""
+        if port.session_affinity:
+            ip = self.ip
+            self.affinity_update = (
+                f"update @{Names.AFFINITY} {{ {ip} saddr . {ip} daddr . meta l4proto . th dport "
+                f"timeout {port.session_affinity_seconds}s : "
+            )
+
+    def _add(self, prefix: str, rules: list[str], group: int | None = None) -> str:
+        name = chain_name(prefix, self.identity, rules, group)
+        self.chains.append(ChainSpec(name, tuple(rules)))
+        return name
+
+    def _endpoint_rules(self, endpoints: Sequence[Endpoint]) -> list[str]:
+        proto = self.proto
+        tokens = self.ctx.tokens
+        update = self.affinity_update
+        rules = []
+        for ep in endpoints:
+            target = tokens.dnat_target(ep.ip, ep.port)
+            if update:
+                rules.append(
+                    f"{update}{ep.ip} . {ep.port} }} meta l4proto {proto} dnat to {target}"
+                )
+            else:
+                rules.append(f"meta l4proto {proto} dnat to {target}")
+        return rules
+
+    @staticmethod
+    def _cascade(choices: list[str]) -> list[str]:
+        # Rule k matches with probability 1/(N-k) among what is left: uniform overall,
+        # like iptables' statistic cascade.
+        count = len(choices)
+        rules = [f"numgen random mod {count - k} 0 {choice}" for k, choice in enumerate(choices)]
+        rules[-1] = choices[-1]
+        return rules
+
+    def dispatch(self, prefix: str, endpoints: Sequence[Endpoint], masquerade: bool) -> str:
+        """A ``service-`` or ``local-`` chain (and its group chains); returns its name."""
+        ip = self.ip
+        rules: list[str] = []
+        masq = self.ctx.masquerade_match
+        if masquerade and masq is not None:
+            cip = self.port.cluster_ip
+            cond = f"{ip} daddr {cip} {masq} " if masq else f"{ip} daddr {cip} "
+            rules.append(cond + _MASQ_JUMP)
+        if self.port.session_affinity:
+            rules.append(
+                f"meta l4proto {self.proto} dnat to {ip} saddr . {ip} daddr . "
+                f"meta l4proto . th dport map @{Names.AFFINITY}"
+            )
+        ordered = sorted(endpoints, key=_endpoint_key)
+        choices = self._endpoint_rules(ordered)
+        if len(choices) <= CASCADE_MAX:
+            rules.extend(self._cascade(choices))
+        else:
+            rules.extend(self._groups(prefix, choices))
+        return self._add(prefix, rules)
+
+    def _groups(self, prefix: str, choices: list[str]) -> list[str]:
+        count = len(choices)
+        groups = math.isqrt(count - 1) + 1  # ceil(sqrt(count))
+        base, extra = divmod(count, groups)
+        # Service and local dispatch of one port may both have groups; keep them apart.
+        offset = 0 if prefix == ChainPrefix.SERVICE else groups
+        rules: list[str] = []
+        remaining = count
+        start = 0
+        for g in range(groups):
+            size = base + (1 if g < extra else 0)
+            group = self._add(
+                ChainPrefix.GROUP, self._cascade(choices[start : start + size]), offset + g
+            )
+            start += size
+            if g == groups - 1:
+                rules.append(f"goto {group}")
+            else:
+                rules.append(f"numgen random mod {remaining} < {size} goto {group}")
+            remaining -= size
+        return rules
+
+
+def _endpoint_key(ep: Endpoint) -> str:
+    return ep.key
+
+
+def render_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) -> PortRules:
+    """The chains and elements of one Service port.
+
+    ``eps`` is the core's categorisation; policy decisions are read from it and from the
+    port's flags, never re-derived. Raises :class:`InvalidPort` (or its parent
+    :class:`ValueError`) when the port cannot be rendered safely.
+    """
+    identity = port_identity(port.name)
+    _check_port("port", port.port)
+    _check_port("nodePort", port.node_port, zero_ok=True)
+    if port.session_affinity_seconds > MAX_AFFINITY_SECONDS:
+        raise InvalidPort(f"session affinity timeout {port.session_affinity_seconds}s is too long")
+    _check_family(ctx, "cluster IP", port.cluster_ip)
+    for service_ip in (*port.external_ips, *port.load_balancer_vips):
+        _check_family(ctx, "service IP", service_ip)
+    for ep in (*eps.cluster, *eps.local, *eps.all_reachable):
+        _check_family(ctx, "endpoint", ep.ip)
+        _check_port("endpoint port", ep.port)
+
+    r = _Renderer(ctx, port, identity)
+    ip = r.ip
+    proto = r.proto
+    port_text = str(port.port)
+    cip = str(port.cluster_ip)
+
+    cluster_chain = None
+    local_chain = None
+    if port.uses_cluster_endpoints and eps.cluster:
+        cluster_chain = r.dispatch(
+            ChainPrefix.SERVICE, eps.cluster, masquerade=not port.internal_policy_local
+        )
+    if port.uses_local_endpoints and eps.local:
+        local_chain = r.dispatch(
+            ChainPrefix.LOCAL, eps.local, masquerade=port.internal_policy_local
+        )
+    internal_chain = local_chain if port.internal_policy_local else cluster_chain
+    external_chain = None
+    external_target = local_chain if port.external_policy_local else cluster_chain
+    no_endpoint = _DROP if eps.has_any else _REJECT
+
+    if eps.has_any and port.externally_accessible:
+        rules: list[str] = []
+        if not port.external_policy_local:
+            rules.append(_MASQ_JUMP)
+        else:
+            if ctx.local_match is not None and cluster_chain is not None:
+                rules.append(f"{ctx.local_match} goto {cluster_chain}")
+            rules.append(f"fib saddr type local {_MASQ_JUMP}")
+            if cluster_chain is not None:
+                rules.append(f"fib saddr type local goto {cluster_chain}")
+        if external_target is not None:
+            rules.append(f"goto {external_target}")
+        external_chain = r._add(ChainPrefix.EXTERNAL, rules)
+
+    firewall_chain = None
+    if port.load_balancer_vips and port.load_balancer_source_ranges:
+        rules = [f"{ip} saddr {cidr} return" for cidr in port.load_balancer_source_ranges]
+        if any(a in cidr for a in ctx.node_addresses for cidr in port.load_balancer_source_ranges):
+            rules.extend(f"{ip} saddr {vip} return" for vip in port.load_balancer_vips)
+        rules.append(_DROP)
+        firewall_chain = r._add(ChainPrefix.FIREWALL, rules)
+
+    elements: list[tuple[str, Key, tuple[str, ...]]] = []
+    seen: set[tuple[str, Key]] = set()
+
+    def element(container: str, key: Key, value: str) -> None:
+        if (container, key) not in seen:
+            seen.add((container, key))
+            elements.append((container, key, (value,)))
+
+    cluster_key = (cip, proto, port_text)
+    if internal_chain is not None:
+        element(Names.SERVICE_IPS, cluster_key, f"goto {internal_chain}")
+    else:
+        element(Names.NO_ENDPOINT_SERVICES, cluster_key, no_endpoint)
+    claims: set[Key] = {cluster_key}
+    for ext in (*port.external_ips, *port.load_balancer_vips):
+        key = (str(ext), proto, port_text)
+        if key == cluster_key:
+            continue
+        claims.add(key)
+        if external_chain is not None:
+            element(Names.SERVICE_IPS, key, f"goto {external_chain}")
+        if external_target is None:
+            element(Names.NO_ENDPOINT_SERVICES, key, no_endpoint)
+    if firewall_chain is not None:
+        for vip in port.load_balancer_vips:
+            element(Names.FIREWALL_IPS, (str(vip), proto, port_text), f"goto {firewall_chain}")
+    if port.node_port:
+        node_key = (proto, str(port.node_port))
+        claims.add(node_key)
+        if external_chain is not None:
+            element(Names.SERVICE_NODEPORTS, node_key, f"goto {external_chain}")
+        if external_target is None:
+            element(Names.NO_ENDPOINT_NODEPORTS, node_key, no_endpoint)
+
+    set_elements: list[tuple[str, Key]] = [(Names.CLUSTER_IPS, (cip,))]
+    hairpin: set[str] = set()
+    for ep in eps.all_reachable:
+        text = str(ep.ip)
+        if text not in hairpin:
+            hairpin.add(text)
+            set_elements.append((Names.HAIRPIN_ENDPOINTS, (text, text)))
+
+    # A chain name may repeat only when two dispatch chains share a group verbatim.
+    unique: dict[str, ChainSpec] = {}
+    for chain in r.chains:
+        unique.setdefault(chain.name, chain)
+    return PortRules(
+        tuple(unique.values()), tuple(elements), tuple(set_elements), frozenset(claims)
+    )
