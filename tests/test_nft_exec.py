@@ -405,6 +405,18 @@ def test_missing_things(nft: LibNftables) -> None:
 
 
 @pytest.mark.kernel
+def test_listings_refuse_bad_names(nft: LibNftables) -> None:
+    for call in (
+        lambda: nft.table_exists(Family.IP, "t; flush ruleset"),
+        lambda: nft.list_chains(Family.IP, "t t"),
+        lambda: nft.list_sets(Family.IP, "9t"),
+        lambda: nft.list_elements(Family.IP, "t", "s }"),
+    ):
+        with pytest.raises(NftError):
+            call()
+
+
+@pytest.mark.kernel
 def test_version_and_support_check_create_nothing(nft: LibNftables) -> None:
     assert parse_version(nft.version()) >= (1, 0, 1)
     check_support(nft)

@@ -188,6 +188,33 @@ def test_render_chunks_bound_the_text_held_at_once() -> None:
     assert Transaction(Family.IP, "t").render() == ""
 
 
+def test_elements_can_share_a_command() -> None:
+    tx = Transaction(Family.IP, "t")
+    for i in range(5):
+        tx.add_element("s", (f"10.0.0.{i}",))
+    tx.add_element("m", ("10.0.0.1",), ("drop",), comment="c, d")
+    tx.add(Element("s", ("10.0.0.9",), timeout=5))
+    tx.add_rule("c", "accept")
+    tx.delete_element("s", ("10.0.0.1",))
+    tx.delete_element("s", ("10.0.0.2",))
+    tx.create(Element("s", ("10.0.0.3",)))
+    assert "".join(tx.render_chunks(elements_per_line=3)) == (
+        "add element ip t s { 10.0.0.0, 10.0.0.1, 10.0.0.2 }\n"
+        "add element ip t s { 10.0.0.3, 10.0.0.4 }\n"
+        'add element ip t m { 10.0.0.1 comment "c, d" : drop }\n'
+        "add element ip t s { 10.0.0.9 timeout 5s }\n"
+        "add rule ip t c accept\n"
+        "delete element ip t s { 10.0.0.1, 10.0.0.2 }\n"
+        "create element ip t s { 10.0.0.3 }\n"
+    )
+    # The default stays one command per operation.
+    assert tx.render().count("\n") == len(tx) == 11
+    # Chunks never split a command.
+    chunks = list(tx.render_chunks(4, elements_per_line=64))
+    assert chunks[0] == "add element ip t s { 10.0.0.0, 10.0.0.1, 10.0.0.2, 10.0.0.3 }\n"
+    assert sum(len(parse_commands(chunk)) for chunk in chunks) == len(tx)
+
+
 BAD_NAMES = [
     "",
     "5OJB2KTY",  # nft lexes a leading digit as a number

@@ -28,7 +28,15 @@ from collections.abc import Iterable
 from typing import Any, Protocol
 
 from kubeproxy.backends.nftables.netns import run_in_netns
-from kubeproxy.backends.nftables.objects import Chain, Element, Family, Map, NftError, Table
+from kubeproxy.backends.nftables.objects import (
+    Chain,
+    Element,
+    Family,
+    Map,
+    NftError,
+    Table,
+    validate_name,
+)
 from kubeproxy.backends.nftables.transaction import Transaction
 
 __all__ = [
@@ -53,6 +61,9 @@ MIN_NFT_VERSION = (1, 0, 1)
 _OUTPUT_JSON = 1 << 4
 _OUTPUT_TERSE = 1 << 11
 _ERROR_TEXT_MAX = 16 * 1024
+# Elements per "add element" command: nft needs ~40 % less memory for 100k elements than
+# with one command each, and an error still quotes a line of a few kB only.
+_ELEMENTS_PER_LINE = 64
 
 # nft prints strerror() texts; map them back so callers can test errno.
 _ERRNO_TEXTS = (
@@ -267,7 +278,10 @@ class LibNftables(NftExecutor):
             raise tx.error
         if len(tx) == 0:
             return
-        self._call(tx.render_chunks(), what=f"transaction on {tx.family} {tx.table}")
+        self._call(
+            tx.render_chunks(elements_per_line=_ELEMENTS_PER_LINE),
+            what=f"transaction on {tx.family} {tx.table}",
+        )
 
     def check(self, tx: Transaction) -> None:
         """Dry-run ``tx``: the kernel validates it and nothing is applied."""
@@ -275,7 +289,11 @@ class LibNftables(NftExecutor):
             raise tx.error
         if len(tx) == 0:
             return
-        self._call(tx.render_chunks(), dry_run=True, what=f"check of {tx.family} {tx.table}")
+        self._call(
+            tx.render_chunks(elements_per_line=_ELEMENTS_PER_LINE),
+            dry_run=True,
+            what=f"check of {tx.family} {tx.table}",
+        )
 
     def run_text(self, text: str) -> str:
         """Run raw nft commands and return their (text) output."""
@@ -283,7 +301,9 @@ class LibNftables(NftExecutor):
 
     def version(self) -> str:
         """The libnftables version (from the ``metainfo`` of a JSON listing)."""
-        for item in self._json("list tables", terse=True):
+        # A terse listing of sets is the cheapest JSON listing: nft 1.0.6 fetches the whole
+        # ruleset, set elements included, for "list tables".
+        for item in self._json("list sets ip", terse=True):
             meta = item.get("metainfo")
             if isinstance(meta, dict) and "version" in meta:
                 return str(meta["version"])
@@ -291,19 +311,26 @@ class LibNftables(NftExecutor):
 
     def table_exists(self, family: Family, table: str) -> bool:
         """Whether the table exists."""
-        return any(
-            item["table"].get("name") == table
-            for item in self._json(f"list tables {Family(family)}", terse=True)
-            if isinstance(item.get("table"), dict)
-        )
+        # Not "list tables" (see version()); listing the table's sets tersely is cheap and
+        # fails with ENOENT exactly when the table is missing.
+        validate_name("table", table)
+        try:
+            self._json(f"list sets table {Family(family)} {table}", terse=True)
+        except NftError as err:
+            if err.errno == errno.ENOENT:
+                return False
+            raise
+        return True
 
     def list_chains(self, family: Family, table: str) -> dict[str, str | None]:
         """Chain name -> comment (from the text listing: nft 1.0.6 JSON has no comments)."""
+        validate_name("table", table)
         text = self._call([f"list chains {Family(family)}"], what="list chains")
         return _parse_chain_listing(text, table)
 
     def list_sets(self, family: Family, table: str) -> list[str]:
         """Names of the table's sets and maps (``[]`` if the table does not exist)."""
+        validate_name("table", table)
         names: list[str] = []
         for noun in ("sets", "maps"):
             for item in self._json(f"list {noun} {Family(family)}", terse=True):
@@ -314,6 +341,8 @@ class LibNftables(NftExecutor):
 
     def list_elements(self, family: Family, table: str, container: str) -> list[Element]:
         """The elements of a set or map, keys and values as strings (see the module doc)."""
+        validate_name("table", table)
+        validate_name("set", container)
         prefix = f"{Family(family)} {table} {container}"
         try:
             items = self._json(f"list set {prefix}")

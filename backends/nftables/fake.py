@@ -27,7 +27,11 @@ checked against the kernel; ``tests/test_nft_fake.py`` runs the same transaction
 * After the whole transaction: a chain reachable from a base chain through 16 or more
   jumps/gotos (or a loop), counting verdict maps a rule looks up -> ``EMLINK``.
 
-The fake does not parse rule text beyond those references.
+Like nft, the fake checks in two passes, which decides *which* error a transaction with
+several faults reports: first what nft resolves itself before sending anything (tables,
+``@set`` references, ``flush set``, element containers and types; see :func:`_evaluate`),
+then, in order, what the kernel refuses. It does not parse rule text beyond the
+references above, and does not expire timed-out elements.
 """
 
 from __future__ import annotations
