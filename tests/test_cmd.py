@@ -1,8 +1,10 @@
-"""The binaries: flags, --dry-run, --once, --cleanup, and the `make run` demo."""
+"""The binaries: a bad flag, --dry-run, --once, --cleanup, and the `make run` demo.
+
+The option parsing itself is tested in test_options.py.
+"""
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import subprocess
 import sys
@@ -12,69 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from kubeproxy.cmd.options import OptionsError, parse_options
-from kubeproxy.config import LocalDetectMode
-
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples" / "cluster"
 BIN = Path(sys.executable).parent / "kube-proxy-nftables"
-
-
-def _parse(*argv: str) -> object:
-    return parse_options(["--manifests", str(EXAMPLES), *argv], "test", ("primary",))
-
-
-def test_defaults_follow_upstream() -> None:
-    options = parse_options(
-        ["--manifests", str(EXAMPLES), "--hostname-override", "Node-A"], "t", ("primary",)
-    )
-    assert options.hostname == "node-a"
-    assert options.config.node_port_addresses == ("primary",)
-    assert options.config.sync_period == 30.0
-    assert options.config.min_sync_period == 1.0
-    assert options.config.masquerade_bit == 14
-    assert options.config.local_detector.mode is LocalDetectMode.NONE
-
-
-def test_cluster_cidr_and_durations() -> None:
-    options = parse_options(
-        [
-            "--manifests", str(EXAMPLES), "--cluster-cidr", "10.0.0.0/8,fd00::/64",
-            "--iptables-min-sync-period", "500ms", "--iptables-sync-period", "1m30s",
-        ],
-        "t",
-        ("primary",),
-    )
-    detector = options.config.local_detector
-    assert detector.mode is LocalDetectMode.CLUSTER_CIDR
-    assert detector.cidrs == (
-        ipaddress.ip_network("10.0.0.0/8"),
-        ipaddress.ip_network("fd00::/64"),
-    )
-    assert options.config.min_sync_period == 0.5
-    assert options.config.sync_period == 90.0
-
-
-@pytest.mark.parametrize(
-    ("argv", "flag"),
-    [
-        (["--cluster-cidr", "10.0.0.0/33"], "--cluster-cidr"),
-        (["--cluster-cidr", "10.0.0.0/8,10.1.0.0/16"], "--cluster-cidr"),
-        (["--iptables-sync-period", "soon"], "--iptables-sync-period"),
-        (["--iptables-min-sync-period", "1h"], "minSyncPeriod"),
-        (["--nodeport-addresses", "nowhere"], "nodePortAddresses"),
-        (["--iptables-masquerade-bit", "40"], "masqueradeBit"),
-        (["--detect-local-mode", "BridgeInterface"], "--pod-bridge-interface"),
-    ],
-)
-def test_bad_flags_name_the_flag(argv: list[str], flag: str) -> None:
-    with pytest.raises(OptionsError, match=flag):
-        _parse(*argv)
-
-
-def test_manifests_required_without_cleanup() -> None:
-    with pytest.raises(OptionsError, match="--manifests"):
-        parse_options([], "t", ("primary",))
 
 
 def test_bad_flag_exits_2_with_one_line() -> None:
@@ -86,7 +28,8 @@ def test_bad_flag_exits_2_with_one_line() -> None:
     )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "kube-proxy-nftables: --cluster-cidr: 'bogus' is not a CIDR"
+        "kube-proxy-nftables: --cluster-cidr: clusterCIDR: 'bogus' is not a CIDR"
+        " (e.g. 10.100.0.0/16 or fde4:8dba:82e1::/48)"
     ]
 
 
