@@ -347,10 +347,19 @@ class Transaction:
             for op in ops[start : start + ops_per_chunk]:
                 kind = op[1]
                 if kind == _ELEMENT:
-                    if op[7] is None and (op[0] == "delete" or not op[4]) and op[5] is None:
-                        text = " . ".join(op[3])  # the common cases, inline
-                    else:
+                    # The common cases inline (this loop runs for every element of a sync).
+                    text = " . ".join(op[3])
+                    if op[0] == "delete":
+                        pass
+                    elif op[7] is not None:
                         text = _element_text(op)
+                    elif op[5] is None:
+                        if op[4]:
+                            text = f"{text} : {' . '.join(op[4])}"
+                    elif op[4]:
+                        text = f'{text} comment "{op[5]}" : {" . ".join(op[4])}'
+                    else:
+                        text = f'{text} comment "{op[5]}"'
                     if elements_per_line <= 1:
                         append(f"{op[0]} element {prefix} {op[2]} {{ {text} }}")
                         continue
