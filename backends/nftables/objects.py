@@ -105,7 +105,11 @@ class Family(StrEnum):
 
 
 def validate_name(kind: str, name: object) -> None:
-    """Raise :class:`NftError` unless ``name`` is a valid nftables ``kind`` name."""
+    """Raise :class:`NftError` unless ``name`` is a valid nftables ``kind`` name.
+
+    A name that is exactly an nft keyword (``dnat``, ``missing``, ``tcp`` ...) is also
+    refused by nft, but not caught here; names with a prefix (``service-...``) are safe.
+    """
     if not isinstance(name, str):
         raise _invalid(f"{kind} name must be a string, not {type(name).__name__}")
     if len(name) > NAME_LENGTH_MAX:
