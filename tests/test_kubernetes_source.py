@@ -16,9 +16,12 @@ from typing import Any
 import pytest
 from kubernetes import client, config
 
+from kubeproxy.backend import ProxySnapshot, SyncChanges
+from kubeproxy.config import ProxierConfig
 from kubeproxy.events import EventRecorder
 from kubeproxy.handlers import KubeObject
-from kubeproxy.objects import IPNetwork
+from kubeproxy.objects import IPFamily, IPNetwork, ServicePortName
+from kubeproxy.proxier import Proxier
 from kubeproxy.sources import kubernetes as kube
 from kubeproxy.sources.kubernetes import (
     IN_CLUSTER_MESSAGE,
@@ -697,6 +700,105 @@ def test_random_churn_with_faults_ends_in_the_servers_state(
     want = server_state(fake, "Service", keep=proxied_service)
     assert handler.wait_for(lambda: handler_state(handler.services) == want, 15)
     assert handler.errors == []
+
+
+# End to end: the proxy core fed by the source
+
+
+class SnapshotBackend:
+    """A backend that keeps the last snapshot it was given."""
+
+    def __init__(self) -> None:
+        self.family = IPFamily.IPV4
+        self.syncs = 0
+        self.services: dict[ServicePortName, Any] = {}
+        self.endpoints: dict[ServicePortName, tuple[str, ...]] = {}
+        self.service_cidrs: tuple[IPNetwork, ...] = ()
+        self.lock = threading.Lock()
+
+    def sync(self, snapshot: ProxySnapshot, changes: SyncChanges) -> None:
+        with self.lock:
+            self.syncs += 1
+            self.services = dict(snapshot.services)
+            self.endpoints = {
+                name: tuple(sorted(f"{e.ip}:{e.port}" for e in endpoints))
+                for name, endpoints in snapshot.endpoints.items()
+            }
+            self.service_cidrs = snapshot.service_cidrs
+
+    def cleanup(self) -> None:
+        pass
+
+    def view(self) -> dict[str, tuple[str, ...]]:
+        with self.lock:
+            return {str(name.service): self.endpoints.get(name, ()) for name in self.services}
+
+
+def test_the_proxy_core_programs_exactly_the_servers_state(fake: FakeAPIServer) -> None:
+    for i in range(4):
+        fake.apply(service(f"svc-{i}", cluster_ip=f"10.96.0.{i + 1}"))
+        fake.apply(endpoint_slice(f"svc-{i}-a", f"svc-{i}", addresses=[f"10.244.0.{i + 1}"]))
+    fake.apply(endpoint_slice("empty", "svc-3", addresses=[]))  # endpoints: null
+    fake.apply(node(NODE))
+    fake.apply(service_cidr("kubernetes", "10.96.0.0/16"))
+    backend = SnapshotBackend()
+    proxier = Proxier(IPFamily.IPV4, ProxierConfig(node_name=NODE, min_sync_period=0.0), backend)
+    stop = threading.Event()
+    loop = threading.Thread(target=proxier.run, args=(stop,), daemon=True)
+    loop.start()
+    source = KubernetesSource(
+        fake.api_client(),
+        proxier,
+        NODE,
+        page_size=2,
+        watch_timeout=2,
+        request_timeout=2,
+        initial_backoff=0.02,
+        max_backoff=0.1,
+    )
+    try:
+        source.start(stop)
+        assert source.wait_for_sync(5)
+
+        def programmed() -> dict[str, tuple[str, ...]]:
+            want: dict[str, tuple[str, ...]] = {}
+            slices = fake.objects("EndpointSlice")
+            for svc in fake.objects("Service"):
+                name = svc["metadata"]["name"]
+                want[f"default/{name}"] = tuple(
+                    sorted(
+                        f"{ep['addresses'][0]}:8080"
+                        for s in slices
+                        if s["metadata"]["labels"]["kubernetes.io/service-name"] == name
+                        for ep in s["endpoints"] or ()
+                    )
+                )
+            return want
+
+        deadline = time.monotonic() + 5
+        while backend.view() != programmed() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert backend.view() == programmed()
+        assert backend.service_cidrs == (ipaddress.ip_network("10.96.0.0/16"),)
+
+        fake.stop()
+        fake.apply(endpoint_slice("svc-0-a", "svc-0", addresses=["10.244.9.1", "10.244.9.2"]))
+        fake.delete("Service", "default", "svc-1")
+        fake.delete("EndpointSlice", "default", "svc-1-a")
+        fake.apply(service("svc-9", cluster_ip="10.96.0.9"))
+        fake.apply(endpoint_slice("svc-9-a", "svc-9", addresses=["10.244.0.9"]))
+        fake.compact()
+        time.sleep(0.2)
+        fake.start()
+        deadline = time.monotonic() + 5
+        while backend.view() != programmed() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert backend.view() == programmed()
+        assert backend.view()["default/svc-0"] == ("10.244.9.1:8080", "10.244.9.2:8080")
+    finally:
+        stop.set()
+        source.join()
+        loop.join(5)
 
 
 # Node
