@@ -775,11 +775,14 @@ def test_the_proxy_core_programs_exactly_the_servers_state(fake: FakeAPIServer) 
                 )
             return want
 
+        cidrs = (ipaddress.ip_network("10.96.0.0/16"),)
         deadline = time.monotonic() + 5
-        while backend.view() != programmed() and time.monotonic() < deadline:
+        while (backend.view(), backend.service_cidrs) != (programmed(), cidrs):
+            if time.monotonic() > deadline:
+                break
             time.sleep(0.02)
         assert backend.view() == programmed()
-        assert backend.service_cidrs == (ipaddress.ip_network("10.96.0.0/16"),)
+        assert backend.service_cidrs == cidrs
 
         fake.stop()
         fake.apply(endpoint_slice("svc-0-a", "svc-0", addresses=["10.244.9.1", "10.244.9.2"]))
