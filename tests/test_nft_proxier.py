@@ -221,7 +221,7 @@ def test_golden_ipv4() -> None:
         add rule service-ns/s4/tcp/http ip daddr 172.30.0.4 ip saddr != 10.0.0.0/8 jump mark-for-masquerade
         add rule service-ns/s4/tcp/http meta l4proto tcp dnat to 10.180.0.4:8080
         add rule service-ns/s6/tcp/http ip daddr 172.30.0.6 ip saddr != 10.0.0.0/8 jump mark-for-masquerade
-        add rule service-ns/s6/tcp/http meta l4proto tcp dnat to ip saddr . ip daddr . meta l4proto . th dport map @affinity
+        add rule service-ns/s6/tcp/http jump affinity-lookup
         add rule service-ns/s6/tcp/http update @affinity { ip saddr . ip daddr . meta l4proto . th dport timeout 60s : 10.180.0.6 . 8080 } meta l4proto tcp dnat to 10.180.0.6:8080
         add element cluster-ips { 172.30.0.1 }
         add element cluster-ips { 172.30.0.2 }
@@ -830,18 +830,30 @@ def endpoint_sets(draw: st.DrawFn) -> tuple[Endpoint, ...]:
 class IncrementalEqualsFull(RuleBasedStateMachine):
     """Random changes applied incrementally end where a fresh full sync starts."""
 
+    family = IPFamily.IPV4
+
     def __init__(self) -> None:
         super().__init__()
-        self.world = World()
+        self.world = self.new_world()
         self.fake = FakeNft()
         self.clock = Clock()
-        self.backend = backend(self.fake, self.clock, ports_per_transaction=3)
+        self.backend = backend(self.fake, self.clock, self.family, ports_per_transaction=3)
         self.backend.sync(self.world.snapshot(), full())
         self.pending: set[NamespacedName] = set()
 
+    def new_world(self) -> World:
+        return World()
+
+    def convert(self, port: ServicePort, eps: tuple[Endpoint, ...]) -> tuple[ServicePort, ...]:
+        return (port,)
+
+    def convert_eps(self, eps: tuple[Endpoint, ...]) -> tuple[Endpoint, ...]:
+        return eps
+
     @rule(data=st.data(), name=st.sampled_from(_NAMES))
     def upsert(self, data: st.DataObject, name: ServicePortName) -> None:
-        self.world.add(data.draw(service_ports(name)), *data.draw(endpoint_sets()))
+        port = self.convert(data.draw(service_ports(name)), ())[0]
+        self.world.add(port, *self.convert_eps(data.draw(endpoint_sets())))
         self.pending.add(name.service)
 
     @precondition(lambda self: bool(self.world.services))
@@ -862,6 +874,10 @@ class IncrementalEqualsFull(RuleBasedStateMachine):
             if match_all
             else NodePortAddresses(addresses=(ip("192.168.0.2"),))
         )
+        if self.family is IPFamily.IPV6:
+            self.world.detector = V6_DETECTOR if masquerade.mode is V4_DETECTOR.mode else masquerade
+            if not match_all:
+                self.world.node_port_addresses = NodePortAddresses(addresses=(ip("2001:db8::1"),))
 
     # Binary fractions keep the fake clock exact (1.0 after 0.4 steps is 0.9999...).
     @rule(advance=st.sampled_from([0.0, 0.5, 1.0]), as_full=st.booleans())
@@ -897,7 +913,7 @@ class IncrementalEqualsFull(RuleBasedStateMachine):
         self.clock.now += 1.0
         self.backend.sync(snapshot, SyncChanges(full=False))
         fresh = FakeNft()
-        backend(fresh).sync(snapshot, full())
+        backend(fresh, family=self.family).sync(snapshot, full())
         got, want = self.fake.dump(), fresh.dump()
         assert got == want, "\n".join(difflib.unified_diff(want.splitlines(), got.splitlines()))
 
@@ -909,3 +925,124 @@ IncrementalEqualsFull.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestIncrementalEqualsFull = IncrementalEqualsFull.TestCase
+
+
+def _v6(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> ipaddress.IPv6Address:
+    return ipaddress.IPv6Address(f"fd00::{':'.join(str(b) for b in addr.packed)}")
+
+
+def _v6_net(
+    cidr: ipaddress.IPv4Network | ipaddress.IPv6Network,
+) -> ipaddress.IPv6Network:
+    return ipaddress.IPv6Network(f"{_v6(cidr.network_address)}/{96 + cidr.prefixlen}")
+
+
+class IncrementalEqualsFull6(IncrementalEqualsFull):
+    """The same on IPv6 (per-port affinity maps, bracketed endpoints)."""
+
+    family = IPFamily.IPV6
+
+    def new_world(self) -> World:
+        return _v6_world()
+
+    def convert(self, port: ServicePort, eps: tuple[Endpoint, ...]) -> tuple[ServicePort, ...]:
+        return (
+            replace(
+                port,
+                cluster_ip=_v6(port.cluster_ip),
+                external_ips=tuple(_v6(a) for a in port.external_ips),
+                load_balancer_vips=tuple(_v6(a) for a in port.load_balancer_vips),
+                load_balancer_source_ranges=tuple(
+                    _v6_net(c) for c in port.load_balancer_source_ranges
+                ),
+            ),
+        )
+
+    def convert_eps(self, eps: tuple[Endpoint, ...]) -> tuple[Endpoint, ...]:
+        return tuple(
+            Endpoint(_v6(e.ip), e.port, e.is_local, e.ready, e.serving, e.terminating) for e in eps
+        )
+
+
+IncrementalEqualsFull6.TestCase.settings = settings(
+    max_examples=30,
+    stateful_step_count=10,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestIncrementalEqualsFull6 = IncrementalEqualsFull6.TestCase
+
+
+# IPv6 session affinity: per-port maps ---------------------------------------------------
+
+
+def _v6_world() -> World:
+    return World(
+        IPFamily.IPV6,
+        node_port_addresses=NodePortAddresses(addresses=(ip("2001:db8::1"),)),
+        detector=V6_DETECTOR,
+        service_cidrs=(net("fd00:10:96::/112"),),
+    )
+
+
+def _v6_port(seconds: int = 600) -> ServicePort:
+    return ServicePort(
+        spn("web6"), ip("fd00:10:96::10"), 80, Protocol.TCP, session_affinity_seconds=seconds
+    )
+
+
+def test_ipv6_affinity_maps_live_and_die_with_their_port() -> None:
+    fake = FakeNft()
+    clock = Clock()
+    b = backend(fake, clock, family=IPFamily.IPV6)
+    world = _v6_world()
+    world.add(_v6_port(), ep("fd00:10::a1"), ep("fd00:10::a2"))
+    b.sync(world.snapshot(), full())
+    maps = [m for m in fake.list_sets(Family.IP6, "kube-proxy") if m.startswith("affinity-")]
+    assert len(maps) == 1
+    assert (
+        f"add map ip6 kube-proxy {maps[0]} {{ type ipv6_addr : ipv6_addr ; "
+        "flags dynamic,timeout ; timeout 10800s ; size 65536 ; }"
+    ) in fake.dump()
+    fake.run_text(
+        f"add element ip6 kube-proxy {maps[0]} {{ fd00:99::1 timeout 600s : fd00:10::a1 }}\n"
+        f"add element ip6 kube-proxy {maps[0]} {{ fd00:99::2 timeout 600s : fd00:10::a2 }}\n"
+    )
+    # An endpoint goes: the map stays, entries pointing at it go.
+    world.add(_v6_port(), ep("fd00:10::a1"))
+    b.sync(world.snapshot(), changed(spn("web6")))
+    entries = fake.list_elements(Family.IP6, "kube-proxy", maps[0])
+    assert [(e.key, e.value) for e in entries] == [(("fd00:99::1",), ("fd00:10::a1",))]
+    # Affinity off: the map goes a second later, after the chains that used it.
+    world.add(_v6_port(0), ep("fd00:10::a1"))
+    b.sync(world.snapshot(), changed(spn("web6")))
+    assert fake.table_exists(Family.IP6, "kube-proxy")
+    assert maps[0] in fake.list_sets(Family.IP6, "kube-proxy")
+    clock.now += 1
+    b.sync(world.snapshot(), SyncChanges(full=False))
+    assert maps[0] not in fake.list_sets(Family.IP6, "kube-proxy")
+    fresh = FakeNft()
+    backend(fresh, family=IPFamily.IPV6).sync(world.snapshot(), full())
+    assert fake.dump() == fresh.dump()
+
+
+def test_ipv6_affinity_maps_found_at_restart() -> None:
+    fake = FakeNft()
+    world = _v6_world()
+    world.add(_v6_port(), ep("fd00:10::a1"))
+    backend(fake, family=IPFamily.IPV6).sync(world.snapshot(), full())
+    (name,) = [m for m in fake.list_sets(Family.IP6, "kube-proxy") if m.startswith("affinity-")]
+    fake.run_text(
+        f"add element ip6 kube-proxy {name} {{ fd00:99::1 timeout 600s : fd00:10::a1 }}\n"
+        f"add element ip6 kube-proxy {name} {{ fd00:99::2 timeout 600s : fd00:10::a7 }}\n"
+    )
+    clock = Clock()
+    b = backend(fake, clock, family=IPFamily.IPV6)
+    b.sync(world.snapshot(), full())
+    # Reused (its entries kept), the stale entry dropped.
+    assert [e.key for e in fake.list_elements(Family.IP6, "kube-proxy", name)] == [("fd00:99::1",)]
+    world.remove(spn("web6"))
+    b.sync(world.snapshot(), full())
+    clock.now += 1
+    b.sync(world.snapshot(), SyncChanges(full=False))
+    assert name not in fake.list_sets(Family.IP6, "kube-proxy")

@@ -277,7 +277,7 @@ def test_session_affinity() -> None:
         f"""
     chain service
       ip daddr 172.30.0.1 ip saddr != 10.0.0.0/8 jump mark-for-masquerade
-      meta l4proto tcp dnat to ip saddr . ip daddr . meta l4proto . th dport map @affinity
+      jump affinity-lookup
       numgen random mod 2 0 {upd}10.180.0.1 . 8080 }} meta l4proto tcp dnat to 10.180.0.1:8080
       {upd}10.180.0.2 . 8080 }} meta l4proto tcp dnat to 10.180.0.2:8080
     service-ips: 172.30.0.1 . tcp . 80 : goto service
@@ -296,20 +296,66 @@ def test_ipv6() -> None:
     )
     rules = render_port(
         ctx,
-        port(cluster_ip=ip("fd00:10:96::10"), session_affinity_seconds=10),
+        port(cluster_ip=ip("fd00:10:96::10"), node_port=30000),
         cats((ep("fd00:10::a1"),)),
     )
     assert text(rules) == golden(
         """
     chain service
       ip6 daddr fd00:10:96::10 ip6 saddr != fd00:10::/64 jump mark-for-masquerade
-      meta l4proto tcp dnat to ip6 saddr . ip6 daddr . meta l4proto . th dport map @affinity
-      update @affinity { ip6 saddr . ip6 daddr . meta l4proto . th dport timeout 10s : fd00:10::a1 . 8080 } meta l4proto tcp dnat to [fd00:10::a1]:8080
+      meta l4proto tcp dnat to [fd00:10::a1]:8080
+    chain external
+      jump mark-for-masquerade
+      goto service
     service-ips: fd00:10:96::10 . tcp . 80 : goto service
+    service-nodeports: tcp . 30000 : goto external
     cluster-ips: fd00:10:96::10
     hairpin-endpoints: fd00:10::a1 . fd00:10::a1
-    """  # noqa: E501
+    """
     )
+    assert rules.affinity_maps == ()
+
+
+def test_ipv6_affinity_uses_small_per_port_maps() -> None:
+    """nft 1.0.6 aborts on IPv6 map updates with more than 32 bytes of key and value."""
+    ctx = RenderContext.build(tokens_for(IPFamily.IPV6), LocalDetector(), masquerade_all=False)
+    eps = (
+        ep("fd00:10::a1", local=True),
+        ep("fd00:10::a2", 9090),
+        ep("fd00:10::a3", 9090),
+    )
+    rules = render_port(
+        ctx,
+        port(
+            cluster_ip=ip("fd00:10:96::10"),
+            session_affinity_seconds=10,
+            node_port=30000,
+            external_policy_local=True,
+        ),
+        cats(eps, eps[:1]),
+    )
+    maps = dict(rules.affinity_maps)
+    names = re.findall(r"@(affinity-[A-Z2-7]{16})", text(rules))
+    assert set(names) == set(maps)
+    assert len(maps) == 3  # service chain: ports 8080 and 9090; local chain: 8080
+    assert sorted(sorted(h) for h in maps.values()) == [
+        ["fd00:10::a1"],
+        ["fd00:10::a1"],
+        ["fd00:10::a2", "fd00:10::a3"],
+    ]
+    service = next(c for c in rules.chains if c.name.startswith("service-"))
+    map8080, map9090 = re.findall(r"@(affinity-\S+) : (\d+)", "\n".join(service.rules))
+    assert service.rules[:2] == (
+        f"meta l4proto tcp dnat to ip6 saddr map @{map8080[0]} : 8080",
+        f"meta l4proto tcp dnat to ip6 saddr map @{map9090[0]} : 9090",
+    )
+    assert (
+        f"update @{map9090[0]} {{ ip6 saddr timeout 10s : fd00:10::a2 }} "
+        "meta l4proto tcp dnat to [fd00:10::a2]:9090"
+    ) in service.rules[3]
+    local = next(c for c in rules.chains if c.name.startswith("local-"))
+    assert map8080[0] not in "\n".join(local.rules)
+    assert "affinity-lookup" not in text(rules)
 
 
 @pytest.mark.parametrize(
@@ -403,7 +449,7 @@ def _distribution(rules: PortRules, chain_name: str) -> dict[str, Fraction]:
     result: dict[str, Fraction] = {}
     left = Fraction(1)
     for rule in chains[chain_name]:
-        if "jump mark-for-masquerade" in rule or "map @affinity" in rule:
+        if "jump mark-for-masquerade" in rule or "jump affinity-lookup" in rule:
             continue
         if m := _NUMGEN_LT.match(rule):
             mod, below, target = int(m[1]), int(m[2]), m[3]

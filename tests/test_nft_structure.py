@@ -86,6 +86,11 @@ def test_ipv4_rules() -> None:
             "meta mark set meta mark xor 0x4000",
             "masquerade fully-random",
         ),
+        "affinity-lookup": (
+            "meta l4proto tcp dnat to ip saddr . ip daddr . meta l4proto . th dport map @affinity",
+            "meta l4proto udp dnat to ip saddr . ip daddr . meta l4proto . th dport map @affinity",
+            "meta l4proto sctp dnat to ip saddr . ip daddr . meta l4proto . th dport map @affinity",
+        ),
     }
     assert v4().nodeport_ips == ("192.168.0.2",)
 

@@ -20,16 +20,22 @@ from collections.abc import Iterable
 from kubeproxy.objects import ServicePortName
 
 __all__ = [
+    "AFFINITY_MAP_PREFIX",
     "CHAIN_NAME_MAX",
     "ChainPrefix",
     "InvalidName",
+    "affinity_map_name",
     "chain_name",
+    "is_affinity_map",
     "is_service_chain",
     "port_identity",
 ]
 
 CHAIN_NAME_MAX = 240
 """Longest chain name we write (the kernel allows 255; upstream keeps 16 spare)."""
+
+AFFINITY_MAP_PREFIX = "affinity-"
+"""Prefix of the per-port IPv6 affinity maps."""
 
 _HASH_CHARS = 8
 # Namespaces, Service names and port names are DNS labels / IANA service names after API
@@ -88,6 +94,22 @@ def chain_name(prefix: str, identity: str, rules: Iterable[str], group: int | No
     if len(name) > CHAIN_NAME_MAX:
         name = name[: CHAIN_NAME_MAX - 3] + "..."
     return name
+
+
+def affinity_map_name(identity: str, prefix: str, port: int) -> str:
+    """Name of a per-port IPv6 affinity map: ``affinity-<16 hash chars>``.
+
+    One map per port identity, dispatch-chain kind (``service``/``local``) and endpoint
+    port. The name is stable while those are, so the map (and its entries) survive
+    endpoint changes.
+    """
+    digest = hashlib.sha256(f"{identity}\0{prefix}\0{port}".encode()).digest()
+    return f"{AFFINITY_MAP_PREFIX}{base64.b32encode(digest)[:16].decode()}"
+
+
+def is_affinity_map(name: str) -> bool:
+    """Whether ``name`` is a per-port affinity map (not the shared ``affinity`` map)."""
+    return name.startswith(AFFINITY_MAP_PREFIX)
 
 
 def is_service_chain(name: str) -> bool:

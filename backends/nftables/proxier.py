@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from kubeproxy.backend import ProxySnapshot, SyncChanges, SyncError
 from kubeproxy.backends.nftables.exec import NftExecutor, check_support
-from kubeproxy.backends.nftables.naming import ChainPrefix, is_service_chain
+from kubeproxy.backends.nftables.naming import ChainPrefix, is_affinity_map, is_service_chain
 from kubeproxy.backends.nftables.objects import (
     Chain,
     Family,
@@ -35,8 +35,15 @@ from kubeproxy.backends.nftables.objects import (
     Table,
     is_not_found,
 )
-from kubeproxy.backends.nftables.services import Key, PortRules, RenderContext, render_port
+from kubeproxy.backends.nftables.services import (
+    AFFINITY6_MAP_TYPE,
+    Key,
+    PortRules,
+    RenderContext,
+    render_port,
+)
 from kubeproxy.backends.nftables.structure import (
+    AFFINITY_TIMEOUT,
     TABLE,
     TABLE_COMMENT,
     FixedStructure,
@@ -57,6 +64,9 @@ from kubeproxy.objects import (
 __all__ = ["NftablesBackend"]
 
 log = logging.getLogger(__name__)
+
+AFFINITY6_MAP_SIZE = 65536
+"""Entries per per-port IPv6 affinity map (clients of one Service port)."""
 
 STALE_CHAIN_DELAY = 1.0
 """Seconds between dropping the last reference to a chain and deleting it."""
@@ -106,6 +116,7 @@ class _PortState:
     elements: tuple[tuple[str, Key, tuple[str, ...]], ...]
     set_elements: tuple[tuple[str, Key], ...]
     affinity: _Affinity | None
+    maps: tuple[tuple[str, frozenset[str]], ...] = ()
 
 
 def _affinity_of(port: ServicePort, eps: CategorizedEndpoints) -> _Affinity | None:
@@ -122,6 +133,25 @@ def _affinity_of(port: ServicePort, eps: CategorizedEndpoints) -> _Affinity | No
     return _Affinity(frontends, node_port, endpoints)
 
 
+def _ports_of(
+    snapshot: ProxySnapshot, services: frozenset[NamespacedName]
+) -> Iterable[ServicePortName]:
+    """The snapshot's ports of ``services``.
+
+    Uses the snapshot's per-Service index when it has one; otherwise scans, comparing
+    the (cached-hash) name strings first, because hashing every key's NamespacedName
+    dataclass costs milliseconds at 10k ports.
+    """
+    index = getattr(snapshot, "ports_by_service", None)
+    if index is not None:
+        found: list[ServicePortName] = []
+        for service in services:
+            found.extend(index.get(service, ()))
+        return found
+    names = {service.name for service in services}
+    return [n for n in snapshot.services if n.service.name in names and n.service in services]
+
+
 def _keeps(old: _Affinity, new: _Affinity | None) -> bool:
     """Whether every affinity entry valid under ``old`` is still valid under ``new``."""
     return (
@@ -133,14 +163,27 @@ def _keeps(old: _Affinity, new: _Affinity | None) -> bool:
 
 
 class _Batches:
-    """Transactions of a sync, committed in order, each of bounded size."""
+    """Transactions of a sync, committed in order, each of bounded size.
+
+    Chains and rules go into :attr:`tx` at once; element changes wait until the commit
+    and then go in grouped by set (deletions first), so nft reads many elements per
+    command, and every chain an element points at already exists.
+    """
 
     def __init__(self, backend: NftablesBackend) -> None:
         self._backend = backend
         self.tx = backend._new_transaction()
         self._ports = 0
+        self._deletes: dict[str, list[Key]] = {}
+        self._adds: dict[str, list[tuple[Key, tuple[str, ...]]]] = {}
         self.operations = 0
         self.transactions = 0
+
+    def delete_element(self, container: str, key: Key) -> None:
+        self._deletes.setdefault(container, []).append(key)
+
+    def add_element(self, container: str, key: Key, value: tuple[str, ...]) -> None:
+        self._adds.setdefault(container, []).append((key, value))
 
     def port_done(self) -> None:
         self._ports += 1
@@ -149,6 +192,14 @@ class _Batches:
 
     def commit(self) -> None:
         tx = self.tx
+        for container, keys in self._deletes.items():
+            for key in keys:
+                tx.delete_element(container, key)
+        for container, items in self._adds.items():
+            for key, value in items:
+                tx.add_element(container, key, value)
+        self._deletes = {}
+        self._adds = {}
         if tx.num_operations:
             self._backend._run(tx)
             self.operations += tx.num_operations
@@ -212,7 +263,11 @@ class NftablesBackend:
         self._elements: dict[str, dict[Key, tuple[str, ...]]] = {name: {} for name in _DIFFED}
         self._chains: set[str] = set()
         self._stale: dict[str, float] = {}
+        # Per-port IPv6 affinity maps in the kernel, and those no port uses any more.
+        self._maps: set[str] = set()
+        self._stale_maps: dict[str, float] = {}
         self._affinity_losses: list[_Affinity] = []
+        self._map_losses: list[tuple[str, frozenset[str]]] = []
 
     # Backend protocol -----------------------------------------------------------------------
 
@@ -243,7 +298,9 @@ class NftablesBackend:
             self._need_full = True
             # Our model of the kernel is unreliable now; the next full sync re-lists.
             self._stale.clear()
+            self._stale_maps.clear()
             self._affinity_losses = []
+            self._map_losses = []
             raise SyncError(f"nftables {self._nft_family} sync failed: {err}") from err
         self._need_full = False
         self.last_operations = batches.operations
@@ -287,13 +344,16 @@ class NftablesBackend:
         self._ctx = ctx
         self._process(snapshot, snapshot.services.keys(), batches, ctx, now)
         # Whatever the kernel holds beyond what every port wants goes now.
-        tx = batches.tx
         wanted_chains: set[str] = set()
         for state in self._ports.values():
             wanted_chains.update(state.chains)
         for name in list(self._chains):
             if name not in wanted_chains and name not in self._stale:
                 self._stale[name] = now
+        wanted_maps = {name for state in self._ports.values() for name, _hosts in state.maps}
+        for name in self._maps:
+            if name not in wanted_maps and name not in self._stale_maps:
+                self._stale_maps[name] = now
         wanted: dict[str, set[Key]] = {name: set() for name in _DIFFED}
         for state in self._ports.values():
             for container, key, _value in state.elements:
@@ -303,7 +363,7 @@ class NftablesBackend:
         wanted[Names.NODEPORT_IPS].update((ip,) for ip in fixed.nodeport_ips)
         for container, present in self._elements.items():
             for key in [k for k in present if k not in wanted[container]]:
-                tx.delete_element(container, key)
+                batches.delete_element(container, key)
                 del present[key]
         batches.commit()
         return batches
@@ -326,7 +386,7 @@ class NftablesBackend:
             changed = changes.changed_services
             for service in changed:
                 ports.update(self._by_service.get(service, ()))
-            ports.update(name for name in snapshot.services if name.service in changed)
+            ports.update(_ports_of(snapshot, changed))
         if ports:
             self._process(snapshot, ports, batches, ctx, now)
         batches.commit()
@@ -340,11 +400,17 @@ class NftablesBackend:
         if not ex.table_exists(fam, TABLE):
             self._chains = set()
             self._stale.clear()
+            self._maps = set()
+            self._stale_maps.clear()
             return
         self._chains = {name for name in ex.list_chains(fam, TABLE) if is_service_chain(name)}
         for name in list(self._stale):
             if name not in self._chains:
                 del self._stale[name]
+        self._maps = {name for name in ex.list_sets(fam, TABLE) if is_affinity_map(name)}
+        for name in list(self._stale_maps):
+            if name not in self._maps:
+                del self._stale_maps[name]
         for container in _DIFFED:
             try:
                 listed = ex.list_elements(fam, TABLE, container)
@@ -446,13 +512,14 @@ class NftablesBackend:
             old = self._ports.pop(name, None)
             new_chains: tuple[str, ...] = ()
             if rules is not None:
-                new_chains = self._queue_port(batches.tx, rules)
+                new_chains = self._queue_port(batches, rules)
                 service = services[name]
                 self._ports[name] = _PortState(
                     new_chains,
                     rules.elements,
                     rules.set_elements,
                     _affinity_of(service, snapshot.categorized.get(name, _EMPTY)),
+                    rules.affinity_maps,
                 )
                 added.append(rules.elements)
             if name in services:
@@ -465,6 +532,7 @@ class NftablesBackend:
                         del self._by_service[name.service]
             if old is not None:
                 self._forget_port(old, new_chains, now, dropped)
+                self._forget_maps(old, self._ports.get(name), now)
                 if old.affinity is not None:
                     state = self._ports.get(name)
                     if state is None or not _keeps(old.affinity, state.affinity):
@@ -472,7 +540,6 @@ class NftablesBackend:
             batches.port_done()
         if not dropped:
             return
-        tx = batches.tx
         elements = self._elements
         refs = self._set_refs
         # A key an old state had may have moved to another port in this sync.
@@ -487,7 +554,7 @@ class NftablesBackend:
                     continue
             elif (container, key) in kept:
                 continue
-            tx.delete_element(container, key)
+            batches.delete_element(container, key)
             del present[key]
 
     def _render(
@@ -508,16 +575,31 @@ class NftablesBackend:
         self._invalid.pop(name, None)
         return rules
 
-    def _queue_port(self, tx: Transaction, rules: PortRules) -> tuple[str, ...]:
+    def _queue_port(self, batches: _Batches, rules: PortRules) -> tuple[str, ...]:
         """Queue the chains and elements of a port that the kernel lacks; return its chains."""
         chains = self._chains
         stale = self._stale
+        tx = batches.tx
+        for name, _hosts in rules.affinity_maps:
+            if name in self._maps:
+                self._stale_maps.pop(name, None)
+                continue
+            tx.add(
+                Map(
+                    name,
+                    AFFINITY6_MAP_TYPE,
+                    ("dynamic", "timeout"),
+                    AFFINITY_TIMEOUT,
+                    AFFINITY6_MAP_SIZE,
+                )
+            )
+            self._maps.add(name)
         for chain in rules.chains:
             name = chain.name
             if name in chains:
                 stale.pop(name, None)
                 continue
-            tx.add(Chain(name))
+            tx.add_chain(name)
             for rule in chain.rules:
                 tx.add_rule(name, rule)
             chains.add(name)
@@ -528,8 +610,8 @@ class NftablesBackend:
             if current == value:
                 continue
             if current is not None:
-                tx.delete_element(container, key)
-            tx.add_element(container, key, value, True)
+                batches.delete_element(container, key)
+            batches.add_element(container, key, value)
             present[key] = value
         refs = self._set_refs
         for container, key in rules.set_elements:
@@ -537,7 +619,7 @@ class NftablesBackend:
             counts[key] = counts.get(key, 0) + 1
             present = elements[container]
             if key not in present:
-                tx.add_element(container, key)
+                batches.add_element(container, key, _VALUE_NONE)
                 present[key] = _VALUE_NONE
         return tuple(chain.name for chain in rules.chains)
 
@@ -562,6 +644,18 @@ class NftablesBackend:
                 counts.pop(key, None)
                 dropped.append((container, key))
         dropped.extend((container, key) for container, key, _value in old.elements)
+
+    def _forget_maps(self, old: _PortState, new: _PortState | None, now: float) -> None:
+        """Mark maps the port no longer uses stale; note entries that may point astray."""
+        if not old.maps:
+            return
+        wanted = dict(new.maps) if new is not None else {}
+        for name, hosts in old.maps:
+            if name not in wanted:
+                if name in self._maps:
+                    self._stale_maps.setdefault(name, now)
+            elif not hosts <= wanted[name]:
+                self._map_losses.append((name, wanted[name]))
 
     # Conflicts ----------------------------------------------------------------------------------
 
@@ -621,26 +715,57 @@ class NftablesBackend:
         self._skipped = skipped
         return changed
 
+    def _clean_affinity_maps(self) -> None:
+        """Best effort: drop entries of per-port IPv6 maps whose endpoint went away."""
+        losses = self._map_losses
+        self._map_losses = []
+        for name, allowed in losses:
+            if name not in self._maps:
+                continue
+            try:
+                entries = self._executor.list_elements(self._nft_family, TABLE, name)
+                tx = self._new_transaction()
+                for entry in entries:
+                    if entry.value and entry.value[0] not in allowed:
+                        tx.delete_element(name, entry.key)
+                if tx.num_operations:
+                    self._run(tx)
+            except NftError as err:
+                self.affinity_cleanup_failures += 1
+                log.warning("cleaning session affinity map %s failed: %s", name, err)
+
     # Stale chains and affinity ----------------------------------------------------------------
 
     def _delete_stale_chains(self, now: float) -> None:
         due = [name for name, since in self._stale.items() if now - since >= STALE_CHAIN_DELAY]
-        if not due:
+        due_maps = [n for n, since in self._stale_maps.items() if now - since >= STALE_CHAIN_DELAY]
+        if not due and not due_maps:
             return
         due.sort(key=lambda n: (_DELETE_RANK.get(n.partition("-")[0], 3), n))
         tx = self._new_transaction()
         for name in due:
-            tx.delete(Chain(name))
+            tx.delete_chain(name)
+        # A map is stale no earlier than the chains that used it: delete it after them.
+        for name in sorted(due_maps):
+            tx.delete(Map(name, AFFINITY6_MAP_TYPE))
         try:
             self._run(tx)
         except NftError as err:
             self.stale_chain_failures += 1
             self._need_full = True
-            log.error("deleting %d stale chains failed (a full sync follows): %s", len(due), err)
+            log.error(
+                "deleting %d stale chains and %d stale maps failed (a full sync follows): %s",
+                len(due),
+                len(due_maps),
+                err,
+            )
             return
         for name in due:
             del self._stale[name]
             self._chains.discard(name)
+        for name in due_maps:
+            del self._stale_maps[name]
+            self._maps.discard(name)
 
     def _clean_affinity(self, full: bool) -> None:
         """Best effort: delete affinity entries that point at endpoints no longer in use.
@@ -648,10 +773,16 @@ class NftablesBackend:
         After a full sync every entry is checked; after an incremental one only entries of
         the frontends of ports that lost endpoints, changed frontends or lost affinity.
         """
+        if full:
+            # After a restart nothing says which endpoints went away: check every map.
+            self._map_losses = [m for state in self._ports.values() for m in state.maps]
+        self._clean_affinity_maps()
         losses = self._affinity_losses
         self._affinity_losses = []
         if not full and not losses:
             return
+        if self._family is IPFamily.IPV6:
+            return  # IPv6 keeps affinity in per-port maps (see _clean_affinity_maps)
         current: dict[Key, set[Key]] = {}
         current_node_ports: dict[Key, set[Key]] = {}
         for state in self._ports.values():

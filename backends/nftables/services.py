@@ -13,17 +13,24 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kubeproxy.backends.nftables.naming import ChainPrefix, chain_name, port_identity
+from kubeproxy.backends.nftables.naming import (
+    ChainPrefix,
+    affinity_map_name,
+    chain_name,
+    port_identity,
+)
 from kubeproxy.backends.nftables.structure import FamilyTokens, Names
 from kubeproxy.config import LocalDetectMode, LocalDetector
 from kubeproxy.objects import (
     CategorizedEndpoints,
     Endpoint,
     IPAddress,
+    IPFamily,
     ServicePort,
 )
 
 __all__ = [
+    "AFFINITY6_MAP_TYPE",
     "CASCADE_MAX",
     "MAX_AFFINITY_SECONDS",
     "ChainSpec",
@@ -34,6 +41,8 @@ __all__ = [
     "render_port",
 ]
 
+AFFINITY6_MAP_TYPE = "ipv6_addr : ipv6_addr"
+"""Type of the per-port IPv6 affinity maps (client address : endpoint address)."""
 CASCADE_MAX = 16
 """Most endpoints chosen by one flat cascade; more are split into ``group-`` chains."""
 MAX_AFFINITY_SECONDS = 86400
@@ -70,13 +79,16 @@ class PortRules:
     ``set_elements`` are set elements ``(set, key)`` that ports may share (``cluster-ips``
     for the ports of one Service, ``hairpin-endpoints`` for endpoints in several Services).
     ``claims`` are the keys no other port may also use (service IP . proto . port, and
-    proto . NodePort).
+    proto . NodePort). ``affinity_maps`` are the per-port IPv6 affinity maps the chains use
+    (``client : endpoint`` maps, see :data:`AFFINITY6_MAP_TYPE`), each with the endpoint
+    addresses its entries may hold.
     """
 
     chains: tuple[ChainSpec, ...]
     elements: tuple[tuple[str, Key, tuple[str, ...]], ...]
     set_elements: tuple[tuple[str, Key], ...]
     claims: frozenset[Key]
+    affinity_maps: tuple[tuple[str, frozenset[str]], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,17 +159,29 @@ def _check_family(ctx: RenderContext, what: str, ip: IPAddress) -> None:
 class _Renderer:
     """Renders one port; a class only to share the per-port words between helpers."""
 
-    __slots__ = ("affinity_update", "chains", "ctx", "identity", "ip", "port", "proto")
+    __slots__ = (
+        "affinity_update",
+        "chains",
+        "ctx",
+        "identity",
+        "ip",
+        "ipv6",
+        "maps",
+        "port",
+        "proto",
+    )
 
     def __init__(self, ctx: RenderContext, port: ServicePort, identity: str) -> None:
         self.ctx = ctx
         self.port = port
         self.identity = identity
         self.ip = ctx.tokens.table_family
+        self.ipv6 = ctx.tokens.family is IPFamily.IPV6
         self.proto = port.protocol.lower
         self.chains: list[ChainSpec] = []
+        self.maps: dict[str, set[str]] = {}
         self.affinity_update = ""
-        if port.session_affinity:
+        if port.session_affinity and not self.ipv6:
             ip = self.ip
             self.affinity_update = (
                 f"update @{Names.AFFINITY} {{ {ip} saddr . {ip} daddr . meta l4proto . th dport "
@@ -169,20 +193,45 @@ class _Renderer:
         self.chains.append(ChainSpec(name, tuple(rules)))
         return name
 
-    def _endpoint_rules(self, endpoints: Sequence[Endpoint]) -> list[str]:
+    def _endpoint_rules(self, prefix: str, endpoints: Sequence[Endpoint]) -> list[str]:
         proto = self.proto
-        tokens = self.ctx.tokens
         update = self.affinity_update
         rules = []
         for ep in endpoints:
-            target = tokens.dnat_target(ep.ip, ep.port)
+            # Endpoint.key is "IP:port" ("[IP]:port" for IPv6), which is exactly what
+            # "dnat to" takes; str(IPAddress) is slow enough to show at 100k endpoints.
+            target = ep.key
             if update:
+                host, _, port = target.rpartition(":")
+                rules.append(f"{update}{host} . {port} }} meta l4proto {proto} dnat to {target}")
+            elif self.port.session_affinity:
+                host = target.rpartition(":")[0][1:-1]
+                name = affinity_map_name(self.identity, prefix, ep.port)
+                self.maps.setdefault(name, set()).add(host)
                 rules.append(
-                    f"{update}{ep.ip} . {ep.port} }} meta l4proto {proto} dnat to {target}"
+                    f"update @{name} {{ ip6 saddr timeout {self.port.session_affinity_seconds}s"
+                    f" : {host} }} meta l4proto {proto} dnat to {target}"
                 )
             else:
                 rules.append(f"meta l4proto {proto} dnat to {target}")
         return rules
+
+    def _affinity_lookups(self, prefix: str, endpoints: Sequence[Endpoint]) -> list[str]:
+        if not self.port.session_affinity:
+            return []
+        if not self.ipv6:
+            # One shared lookup rule: every rule that reads a map from a different chain
+            # costs the kernel a walk of all the map's users when it is added.
+            return [f"jump {Names.AFFINITY_LOOKUP}"]
+        # nft 1.0.6 cannot update an IPv6 map whose key and value exceed 32 bytes (it
+        # aborts), so IPv6 keeps one "client : endpoint" map per dispatch chain and
+        # endpoint port, as upstream keeps affinity per client and Service port.
+        ports = sorted({ep.port for ep in endpoints})
+        return [
+            f"meta l4proto {self.proto} dnat to ip6 saddr map "
+            f"@{affinity_map_name(self.identity, prefix, port)} : {port}"
+            for port in ports
+        ]
 
     @staticmethod
     def _cascade(choices: list[str]) -> list[str]:
@@ -202,13 +251,9 @@ class _Renderer:
             cip = self.port.cluster_ip
             cond = f"{ip} daddr {cip} {masq} " if masq else f"{ip} daddr {cip} "
             rules.append(cond + _MASQ_JUMP)
-        if self.port.session_affinity:
-            rules.append(
-                f"meta l4proto {self.proto} dnat to {ip} saddr . {ip} daddr . "
-                f"meta l4proto . th dport map @{Names.AFFINITY}"
-            )
         ordered = sorted(endpoints, key=_endpoint_key)
-        choices = self._endpoint_rules(ordered)
+        rules.extend(self._affinity_lookups(prefix, ordered))
+        choices = self._endpoint_rules(prefix, ordered)
         if len(choices) <= CASCADE_MAX:
             rules.extend(self._cascade(choices))
         else:
@@ -340,8 +385,11 @@ def render_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints
 
     set_elements: list[tuple[str, Key]] = [(Names.CLUSTER_IPS, (cip,))]
     hairpin: set[str] = set()
+    ipv6 = ctx.tokens.family is IPFamily.IPV6
     for ep in eps.all_reachable:
-        text = str(ep.ip)
+        text = ep.key.rpartition(":")[0]
+        if ipv6:
+            text = text[1:-1]
         if text not in hairpin:
             hairpin.add(text)
             set_elements.append((Names.HAIRPIN_ENDPOINTS, (text, text)))
@@ -350,6 +398,7 @@ def render_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints
     unique: dict[str, ChainSpec] = {}
     for chain in r.chains:
         unique.setdefault(chain.name, chain)
+    maps = tuple((name, frozenset(hosts)) for name, hosts in sorted(r.maps.items()))
     return PortRules(
-        tuple(unique.values()), tuple(elements), tuple(set_elements), frozenset(claims)
+        tuple(unique.values()), tuple(elements), tuple(set_elements), frozenset(claims), maps
     )

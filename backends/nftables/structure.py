@@ -61,6 +61,7 @@ class Names:
     REJECT_CHAIN = "reject-chain"
     MARK_FOR_MASQUERADE = "mark-for-masquerade"
     MASQUERADING = "masquerading"
+    AFFINITY_LOOKUP = "affinity-lookup"
 
     CLUSTER_IPS = "cluster-ips"
     NODEPORT_IPS = "nodeport-ips"
@@ -88,12 +89,6 @@ class FamilyTokens:
     def address(self, ip: IPAddress) -> str:
         """An address as written in a rule or element (canonical text form)."""
         return str(ip)
-
-    def dnat_target(self, ip: IPAddress, port: int) -> str:
-        """``IP:port`` (``[IP]:port`` for IPv6), the argument of ``dnat to``."""
-        if self.family is IPFamily.IPV6:
-            return f"[{ip}]:{port}"
-        return f"{ip}:{port}"
 
 
 _TOKENS = {
@@ -315,6 +310,14 @@ def fixed_structure(
                 f"meta mark & {mark} == 0 return",
                 f"meta mark set meta mark xor {mark}",
                 "masquerade fully-random",
+            ),
+        ),
+        FixedChain(
+            Names.AFFINITY_LOOKUP,
+            tuple(
+                f"meta l4proto {proto} dnat to {ip} saddr . {ip} daddr . meta l4proto . th dport "
+                f"map @{Names.AFFINITY}"
+                for proto in ("tcp", "udp", "sctp")
             ),
         ),
     )
