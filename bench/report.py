@@ -81,6 +81,10 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "memory_gb": round(total_kb / 1024 / 1024, 1),
         "commit": _run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"]),
+        # Uncommitted changes to the measured code (core, backends) make the commit inexact.
+        "dirty": bool(
+            _run(["git", "-C", str(repo), "status", "--porcelain", "--", "kubeproxy", "backends"])
+        ),
     }
 
 
@@ -318,7 +322,8 @@ def render_markdown(run: dict[str, Any]) -> str:
         f"Command: `{run['command']}`  ",
         f"Date: {machine['date']}; {machine['nproc']} cores, kernel {machine['kernel']}, "
         f"{machine['nft']}, Python {machine['python']}, {machine['memory_gb']} GB, "
-        f"commit {machine['commit']}; run took {run['duration_s'] / 60:.1f} min.",
+        f"commit {machine['commit']}{' + uncommitted changes' if machine.get('dirty') else ''}; "
+        f"run took {run['duration_s'] / 60:.1f} min.",
         "",
         "## Targets",
         "",
