@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pytest
@@ -439,6 +439,16 @@ def reference_merge(
 
 def _of(state: Mapping[ServicePortName, Any], service: NamespacedName) -> dict[Any, Any]:
     return {name: value for name, value in state.items() if name.service == service}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _restore_kubeproxy_log_level() -> Iterator[None]:
+    # The property test silences the (expected) invalid-object warnings; later modules
+    # must get the logger back as it was.
+    logger = logging.getLogger("kubeproxy")
+    level = logger.level
+    yield
+    logger.setLevel(level)
 
 
 @settings(max_examples=400, deadline=None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pytest
@@ -373,6 +373,16 @@ def _udp_ips(ports: Mapping[ServicePortName, Any]) -> set[IPAddress]:
 
 def _by_service(ports: Mapping[ServicePortName, Any], key: NamespacedName) -> dict[Any, Any]:
     return {name: port for name, port in ports.items() if name.service == key}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _restore_tracker_log_level() -> Iterator[None]:
+    # The property test silences the (expected) invalid-object warnings; later modules
+    # must get the logger back as it was.
+    logger = logging.getLogger("kubeproxy.servicechanges")
+    level = logger.level
+    yield
+    logger.setLevel(level)
 
 
 @settings(max_examples=400, deadline=None)
