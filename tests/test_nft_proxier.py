@@ -1046,3 +1046,24 @@ def test_ipv6_affinity_maps_found_at_restart() -> None:
     clock.now += 1
     b.sync(world.snapshot(), SyncChanges(full=False))
     assert name not in fake.list_sets(Family.IP6, "kube-proxy")
+
+
+def test_first_full_sync_replaces_base_chains_of_another_layout() -> None:
+    fake = FakeNft()
+    # An older layout had the filter chains at priority -110; the kernel cannot move them.
+    fake.run_text(
+        "add table ip kube-proxy\n"
+        "add chain ip kube-proxy filter-input { type filter hook input priority -110 ; }\n"
+        "add chain ip kube-proxy endpoints-check\n"
+        "add rule ip kube-proxy filter-input ct state new jump endpoints-check\n"
+    )
+    world = World()
+    world.add(cip(1), ep("10.180.0.1"))
+    b = backend(fake)
+    b.sync(world.snapshot(), full())
+    dump = fake.dump()
+    assert "add chain ip kube-proxy filter-input { type filter hook input priority 0 ; }" in dump
+    assert "jump endpoints-check" not in dump
+    # Later full syncs leave base chains alone.
+    b.sync(world.snapshot(), full())
+    assert not any(verb == "delete" for verb, _ in fake.transactions[-1].operations())

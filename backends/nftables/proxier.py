@@ -247,6 +247,7 @@ class NftablesBackend:
 
     def _reset(self) -> None:
         self._need_full = True
+        self._base_recreated = False
         self._fixed: FixedStructure | None = None
         self._fixed_inputs: object = None
         self._ctx: RenderContext | None = None
@@ -303,6 +304,7 @@ class NftablesBackend:
             self._map_losses = []
             raise SyncError(f"nftables {self._nft_family} sync failed: {err}") from err
         self._need_full = False
+        self._base_recreated = True
         self.last_operations = batches.operations
         self.last_transactions = batches.transactions
         self._clean_affinity(full)
@@ -339,7 +341,7 @@ class NftablesBackend:
         fixed = self._fixed_for(snapshot)
         ctx = self._context_for(snapshot)
         batches = _Batches(self)
-        self._write_fixed(batches.tx, fixed)
+        self._write_fixed(batches.tx, fixed, recreate_base=not self._base_recreated)
         self._fixed = fixed
         self._ctx = ctx
         self._process(snapshot, snapshot.services.keys(), batches, ctx, now)
@@ -420,14 +422,27 @@ class NftablesBackend:
                 raise
             self._elements[container] = {el.key: el.value for el in listed}
 
-    def _write_fixed(self, tx: Transaction, fixed: FixedStructure) -> None:
-        """Queue the table, sets, maps and fixed chains (rules replaced atomically)."""
+    def _write_fixed(
+        self, tx: Transaction, fixed: FixedStructure, *, recreate_base: bool = False
+    ) -> None:
+        """Queue the table, sets, maps and fixed chains (rules replaced atomically).
+
+        With ``recreate_base``, base chains are deleted and added again in the same
+        transaction: the kernel refuses to change a base chain's priority in place, and a
+        table left by another version may have them elsewhere.
+        """
         tx.add(Table(comment=TABLE_COMMENT))
         for spec in fixed.containers:
             if spec.is_map:
                 tx.add(Map(spec.name, spec.type, spec.flags, spec.timeout, spec.size, spec.comment))
             else:
                 tx.add(Set(spec.name, spec.type, spec.flags, spec.timeout, spec.size, spec.comment))
+        if recreate_base:
+            for chain in fixed.chains:
+                if chain.hook is not None:
+                    # "add" first so that the delete cannot fail on a missing chain.
+                    tx.add(Chain(chain.name))
+                    tx.delete(Chain(chain.name))
         for chain in fixed.chains:
             tx.add(Chain(chain.name, chain.type, chain.hook, chain.priority, comment=chain.comment))
         for chain in fixed.chains:
