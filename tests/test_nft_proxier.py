@@ -1067,3 +1067,26 @@ def test_first_full_sync_replaces_base_chains_of_another_layout() -> None:
     # Later full syncs leave base chains alone.
     b.sync(world.snapshot(), full())
     assert not any(verb == "delete" for verb, _ in fake.transactions[-1].operations())
+
+
+def test_unexpected_error_propagates_and_forces_a_full_sync() -> None:
+    fake = FakeNft()
+    b = backend(fake)
+    world = World()
+    world.add(cip(1), ep("10.180.0.1"))
+    b.sync(world.snapshot(), full())
+    real_run = fake.run
+
+    def broken(tx: Transaction) -> None:
+        raise RuntimeError("executor bug")
+
+    fake.run = broken  # type: ignore[method-assign]
+    world.add(cip(2), ep("10.180.0.2"))
+    with pytest.raises(RuntimeError):
+        b.sync(world.snapshot(), changed(spn("s2")))
+    fake.run = real_run  # type: ignore[method-assign]
+    b.sync(world.snapshot(), SyncChanges(full=False))
+    assert b.last_sync_full
+    fresh = FakeNft()
+    backend(fresh).sync(world.snapshot(), full())
+    assert fake.dump() == fresh.dump()
