@@ -1,0 +1,457 @@
+"""The container image and the manifests in images/.
+
+Every manifest is checked against the Kubernetes API schema (the official client's
+models: a document must come back field for field after deserializing and serializing,
+so typos and unknown fields show); the ConfigMap's configuration and the DaemonSet's
+commands must be what our binary accepts; the ClusterRole must allow exactly the API
+calls a daemon run makes. Docker cannot run here: the Dockerfile is checked as text.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import ipaddress
+import json
+import re
+import time
+import tomllib
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client
+
+from kubeproxy.backend import Backend
+from kubeproxy.backends import nftables
+from kubeproxy.backends.nftables.fake import FakeNft
+from kubeproxy.cmd.app import SourceTuning, build_daemon
+from kubeproxy.cmd.options import Options, parse_options
+from kubeproxy.config import ProxierConfig
+from kubeproxy.conntrack import FakeConntrack
+from kubeproxy.health import ProxyHealth, ProxyHealthServer
+from kubeproxy.netlink import FakeHostAddresses
+from kubeproxy.objects import IPFamily
+from kubeproxy.proxyconfig import parse_config, validate
+from kubeproxy.sources.kubernetes import make_api_client
+from kubeproxy.testing.fakeapi import (
+    APIRequest,
+    FakeAPIServer,
+    allowed_by,
+    endpoint_slice,
+    node,
+    service,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+IMAGES = REPO / "images"
+MANIFESTS = sorted((IMAGES / "manifests").glob("*.yaml"))
+PROG = "kube-proxy-nftables"
+NODE = "kpxe-image-node"
+
+# Upstream's built-in system:discovery ClusterRole, bound to every authenticated user:
+# API discovery needs no rule in our ClusterRole.
+SYSTEM_DISCOVERY = [
+    {
+        "verbs": ["get"],
+        "nonResourceURLs": [
+            "/api",
+            "/api/*",
+            "/apis",
+            "/apis/*",
+            "/healthz",
+            "/livez",
+            "/openapi",
+            "/openapi/*",
+            "/readyz",
+            "/version",
+            "/version/",
+        ],
+    }
+]
+
+
+def documents() -> list[dict[str, Any]]:
+    docs: list[dict[str, Any]] = []
+    for path in MANIFESTS:
+        docs.extend(d for d in yaml.safe_load_all(path.read_text()) if d is not None)
+    return docs
+
+
+def the(kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [d for d in documents() if d["kind"] == kind and name in (None, d["metadata"]["name"])]
+    assert len(found) == 1, f"want exactly one {kind} {name or ''}, found {len(found)}"
+    return found[0]
+
+
+def model_name(doc: Mapping[str, Any]) -> str:
+    version = str(doc["apiVersion"]).rpartition("/")[2]
+    return f"{version.capitalize()}{doc['kind']}"
+
+
+def round_trip(doc: Mapping[str, Any]) -> Any:
+    """The document through the client's model of its kind, and back to JSON form."""
+    api = client.ApiClient()
+    name = model_name(doc)
+    assert hasattr(client, name), f"the Kubernetes client has no model {name}"
+    model = api.deserialize(json.dumps(doc), name, "application/json")
+    return api.sanitize_for_serialization(model)  # type: ignore[no-untyped-call]
+
+
+# --- the API schema ---------------------------------------------------------------------
+
+
+def test_there_are_manifests() -> None:
+    assert [p.name for p in MANIFESTS] == ["configmap.yaml", "daemonset.yaml", "rbac.yaml"]
+    assert sorted(d["kind"] for d in documents()) == [
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "ConfigMap",
+        "DaemonSet",
+        "ServiceAccount",
+    ]
+
+
+@pytest.mark.parametrize("doc", documents(), ids=lambda d: f"{d['kind']}/{d['metadata']['name']}")
+def test_manifest_matches_the_api_schema(doc: dict[str, Any]) -> None:
+    assert round_trip(doc) == doc
+
+
+def test_the_schema_check_catches_unknown_fields_and_bad_types() -> None:
+    daemonset = the("DaemonSet")
+    typo = copy.deepcopy(daemonset)
+    typo["spec"]["template"]["spec"]["containers"][0]["livenesProbe"] = {}
+    assert round_trip(typo) != typo
+    wrong = copy.deepcopy(daemonset)
+    wrong["spec"]["template"]["spec"]["hostNetwork"] = {"yes": True}
+    with pytest.raises(Exception, match=r"hostNetwork|host_network"):
+        round_trip(wrong)
+
+
+def test_everything_lives_in_kube_system() -> None:
+    for doc in documents():
+        if doc["kind"] not in ("ClusterRole", "ClusterRoleBinding"):
+            assert doc["metadata"]["namespace"] == "kube-system", doc["kind"]
+
+
+# --- what the binary accepts ------------------------------------------------------------
+
+
+def pod_spec() -> dict[str, Any]:
+    spec: dict[str, Any] = the("DaemonSet")["spec"]["template"]["spec"]
+    return spec
+
+
+def container(name: str, init: bool = False) -> dict[str, Any]:
+    listed: list[dict[str, Any]] = pod_spec()["initContainers" if init else "containers"]
+    found = [c for c in listed if c["name"] == name]
+    assert len(found) == 1
+    return found[0]
+
+
+def configuration_text() -> str:
+    text: str = the("ConfigMap", "kube-proxy")["data"]["config.conf"]
+    return text
+
+
+def test_configmap_configuration_is_strict_valid_nftables() -> None:
+    cfg = parse_config(configuration_text())
+    validate(cfg)
+    assert cfg.mode == "nftables"
+    assert cfg.healthz_bind_address == "0.0.0.0:10256"
+    assert cfg.client_connection.content_type == "application/json"
+    assert cfg.client_connection.kubeconfig.startswith(mount_path("kube-proxy") + "/")
+
+
+def mount_path(volume: str, c: Mapping[str, Any] | None = None) -> str:
+    c = c if c is not None else container("kube-proxy")
+    paths = [m["mountPath"] for m in c["volumeMounts"] if m["name"] == volume]
+    assert len(paths) == 1, f"{volume} is not mounted once"
+    return str(paths[0])
+
+
+@pytest.fixture
+def mounted_config(tmp_path: Path) -> Iterator[Callable[[list[str]], list[str]]]:
+    """The ConfigMap's files under tmp_path, and a function that makes a container's
+    command find them there (and expands ``$(VAR)`` as the kubelet does)."""
+    data = the("ConfigMap", "kube-proxy")["data"]
+    secrets = tmp_path / "serviceaccount"
+    secrets.mkdir()
+    (secrets / "token").write_text("kpxe-token")
+    (secrets / "ca.crt").write_text("not checked at load time\n")
+    for key, text in data.items():
+        text = text.replace(mount_path("kube-proxy"), str(tmp_path))
+        (tmp_path / key).write_text(
+            text.replace("/var/run/secrets/kubernetes.io/serviceaccount", str(secrets))
+        )
+
+    def localize(command: list[str]) -> list[str]:
+        env = {"NODE_NAME": NODE}
+        out = []
+        for arg in command:
+            arg = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg)
+            out.append(arg.replace(mount_path("kube-proxy"), str(tmp_path)))
+        return out
+
+    yield localize
+
+
+def parse_command(command: list[str]) -> Options:
+    assert command[0] == PROG
+    return parse_options(command[1:], PROG, "nftables")
+
+
+def test_daemonset_command_parses(mounted_config: Callable[[list[str]], list[str]]) -> None:
+    proxy = container("kube-proxy")
+    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in proxy["env"]}
+    assert env == {"NODE_NAME": "spec.nodeName"}
+    options = parse_command(mounted_config(proxy["command"]))
+    assert options.mode == "nftables" and options.node_name == NODE
+    assert options.config_file is not None and options.warnings == ()
+    assert not (options.init_only or options.once or options.dry_run or options.cleanup)
+    assert options.manifests is None  # the API server is the source
+    api = make_api_client(options.kubeconfig, options.master)
+    assert api.configuration.host == "https://control-plane.example:6443"
+    # kube-proxy makes Service IPs work: it must not reach the API through one.
+    assert "kubernetes.default" not in api.configuration.host
+
+
+def test_init_container_does_only_the_privileged_setup(
+    mounted_config: Callable[[list[str]], list[str]],
+) -> None:
+    init = container("init", init=True)
+    options = parse_command(mounted_config(init["command"]))
+    assert options.init_only and options.node_name == NODE
+    assert init["securityContext"] == {"privileged": True}
+    assert init["image"] == container("kube-proxy")["image"]
+    assert mount_path("kube-proxy", init) == mount_path("kube-proxy")
+
+
+def test_proxy_container_runs_with_two_capabilities_and_the_host_network() -> None:
+    spec = pod_spec()
+    assert spec["hostNetwork"] is True
+    assert spec["priorityClassName"] == "system-node-critical"
+    assert {"operator": "Exists"} in spec["tolerations"]
+    security = container("kube-proxy")["securityContext"]
+    assert security["privileged"] is False
+    assert security["capabilities"] == {"drop": ["ALL"], "add": ["NET_ADMIN", "SYS_RESOURCE"]}
+    assert security["readOnlyRootFilesystem"] is True
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["xtables-lock"]["hostPath"] == {
+        "path": "/run/xtables.lock",
+        "type": "FileOrCreate",
+    }
+    assert volumes["lib-modules"]["hostPath"] == {"path": "/lib/modules"}
+    assert volumes["kube-proxy"]["configMap"] == {"name": "kube-proxy"}
+    assert mount_path("xtables-lock") == "/run/xtables.lock"
+    assert mount_path("lib-modules") == "/lib/modules"
+
+
+def test_probes_ask_our_health_server() -> None:
+    cfg = parse_config(configuration_text())
+    port = int(cfg.healthz_bind_address.rpartition(":")[2])
+    proxy = container("kube-proxy")
+    live, ready = proxy["livenessProbe"]["httpGet"], proxy["readinessProbe"]["httpGet"]
+    assert (live["path"], live["port"]) == ("/livez", port)
+    assert (ready["path"], ready["port"]) == ("/healthz", port)
+    assert {"name": "healthz", "containerPort": port, "protocol": "TCP"} in proxy["ports"]
+    routes = ProxyHealthServer("127.0.0.1:1", ProxyHealth(60.0)).server.routes
+    assert {"/livez", "/healthz"} <= set(routes)
+
+
+def test_rbac_objects_refer_to_each_other() -> None:
+    account = the("ServiceAccount")
+    role = the("ClusterRole")
+    binding = the("ClusterRoleBinding")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": role["metadata"]["name"],
+    }
+    assert binding["subjects"] == [
+        {
+            "kind": "ServiceAccount",
+            "name": account["metadata"]["name"],
+            "namespace": account["metadata"]["namespace"],
+        }
+    ]
+    assert pod_spec()["serviceAccountName"] == account["metadata"]["name"]
+
+
+# --- RBAC: exactly the calls a daemon run makes -----------------------------------------
+
+
+class _FakeBackends:
+    def __call__(
+        self, family: IPFamily, config: ProxierConfig, *, netns: str | None = None
+    ) -> Backend:
+        return nftables.NftablesBackend(family, config, executor=FakeNft())
+
+
+def _options(fake: FakeAPIServer) -> Options:
+    options = parse_options(
+        [
+            "--master",
+            fake.url,
+            "--hostname-override",
+            NODE,
+            "--kube-api-content-type=application/json",
+            "--iptables-min-sync-period=100ms",
+        ],
+        PROG,
+        "nftables",
+    )
+    configuration = dataclasses.replace(
+        options.configuration,
+        healthz_bind_address="127.0.0.1:0",
+        metrics_bind_address="127.0.0.1:0",
+    )
+    return dataclasses.replace(options, configuration=configuration)
+
+
+def _wait(check: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def daemon_requests() -> list[APIRequest]:
+    """The requests of a daemon's life: start-up, changes, a restart of the server with
+    compacted history (relists), events about the Node and about a Service, stop."""
+    with FakeAPIServer(bookmark_interval=0.2) as fake:
+        fake.apply(node(NODE, addresses=["203.0.113.7"]))
+        fake.apply(service("web", cluster_ip="172.30.0.10"))
+        fake.apply(endpoint_slice("web-a", "web", node_name=NODE))
+        daemon = build_daemon(
+            _options(fake),
+            _FakeBackends(),
+            host_addresses=FakeHostAddresses([ipaddress.ip_address("203.0.113.7")]),
+            conntrack=FakeConntrack(),
+            privileged=False,
+            tuning=SourceTuning(
+                watch_timeout=5, request_timeout=5, initial_backoff=0.05, max_backoff=0.3
+            ),
+        )
+        try:
+            daemon.start()
+            _wait(lambda: fake.wait_for_watches("services", timeout=0.1), "the watches")
+            fake.stop()
+            lb = service(
+                "lb",
+                cluster_ip="172.30.0.30",
+                type="LoadBalancer",
+                externalTrafficPolicy="Local",
+                healthCheckNodePort=32000,
+            )
+            lb["spec"]["ports"][0]["nodePort"] = 31000
+            fake.apply(lb)
+            fake.apply(endpoint_slice("lb-a", "lb", node_name=NODE))
+            fake.compact()
+            fake.start()
+            reasons = {"Starting", "FailedToStartServiceHealthcheck"}
+            _wait(lambda: reasons <= {e["reason"] for e in fake.posted_events}, "the events")
+            proxier = daemon.proxiers[IPFamily.IPV4]
+            _wait(lambda: len(proxier.services) == 2, "the relist")
+        finally:
+            daemon.stop()
+        return fake.requests
+
+
+@pytest.fixture(scope="module")
+def recorded() -> list[APIRequest]:
+    return daemon_requests()
+
+
+def test_cluster_role_allows_every_call_the_daemon_makes(recorded: list[APIRequest]) -> None:
+    rules = the("ClusterRole")["rules"]
+    resource_calls = [r for r in recorded if r.resource]
+    assert resource_calls
+    denied = [r for r in resource_calls if not allowed_by(rules, r)]
+    assert denied == []
+    # Non-resource calls (API discovery) are left to the built-in system:discovery role.
+    others = [r for r in recorded if not r.resource]
+    assert others, "the daemon asks API discovery whether ServiceCIDRs are served"
+    assert [r for r in others if not allowed_by(SYSTEM_DISCOVERY, r)] == []
+
+
+def test_cluster_role_allows_nothing_the_daemon_does_not_do(recorded: list[APIRequest]) -> None:
+    rules = the("ClusterRole")["rules"]
+    granted = set()
+    for rule in rules:
+        assert set(rule) == {"apiGroups", "resources", "verbs"}, "no names, URLs or wildcards"
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                for verb in rule["verbs"]:
+                    assert "*" not in (group, resource, verb)
+                    granted.add((group, resource, verb))
+    used = {
+        (r.group, r.resource + (f"/{r.subresource}" if r.subresource else ""), r.verb)
+        for r in recorded
+        if r.resource
+    }
+    assert granted == used
+
+
+def test_allowed_by_check_can_fail(recorded: list[APIRequest]) -> None:
+    # Without the events rule the Starting event would be denied: the check has teeth.
+    rules = [r for r in the("ClusterRole")["rules"] if "events" not in r["resources"]]
+    assert any(not allowed_by(rules, r) for r in recorded if r.resource)
+
+
+# --- the Dockerfile ---------------------------------------------------------------------
+
+
+def dockerfile() -> str:
+    return (IMAGES / "Dockerfile").read_text()
+
+
+def test_dockerfile_installs_the_proxy_and_its_kernel_tools() -> None:
+    text = dockerfile()
+    stages = re.findall(r"^FROM (\S+)", text, re.MULTILINE)
+    assert stages and all(s.startswith("debian:") and s.endswith("-slim") for s in stages)
+    # Debian 12 (bookworm) ships Python 3.11, the oldest pyproject.toml allows; both
+    # stages must use the same release so the venv's interpreter exists at run time.
+    assert {s.split()[0] for s in stages} == {"debian:bookworm-slim"}
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert pyproject["project"]["requires-python"] == ">=3.11"
+    runtime = text.split("FROM debian:bookworm-slim\n")[-1]
+    packages = set(re.findall(r"[a-z0-9][a-z0-9.+-]+", runtime.split("install", 1)[1]))
+    assert {
+        "python3",
+        "nftables",
+        "libnftables1",
+        "iptables",
+        "conntrack",
+        "ipset",
+        "iproute2",
+    } <= packages
+    for source in ("pyproject.toml", "kubeproxy", "backends", "cmd"):
+        assert re.search(rf"^COPY .*\b{re.escape(source)}\b", text, re.MULTILINE), source
+    entrypoint = json.loads(re.findall(r"^ENTRYPOINT (.+)$", text, re.MULTILINE)[-1])
+    assert entrypoint == [PROG]
+    assert PROG in pyproject["project"]["scripts"]
+    assert "PATH=/opt/kubeproxy/bin:$PATH" in text
+
+
+def test_manifests_use_the_image_entrypoint() -> None:
+    for c in (container("kube-proxy"), container("init", init=True)):
+        assert c["command"][0] == PROG
+
+
+def test_metrics_port_is_not_exposed_beyond_the_node() -> None:
+    cfg = parse_config(configuration_text())
+    host = cfg.metrics_bind_address.rpartition(":")[0]
+    assert ipaddress.ip_address(host).is_loopback
+
+
+def test_health_server_answers_the_probes_address() -> None:
+    # The probes ask 127.0.0.1 (on the host network), so the health server must listen
+    # there: a wildcard healthzBindAddress or loopback itself.
+    cfg = parse_config(configuration_text())
+    host = ipaddress.ip_address(cfg.healthz_bind_address.rpartition(":")[0])
+    assert host.is_unspecified or host.is_loopback
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container("kube-proxy")[probe]["httpGet"]["host"] == "127.0.0.1"
