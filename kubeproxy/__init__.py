@@ -15,7 +15,7 @@ from kubeproxy.backend import (
     SyncChanges,
     SyncError,
 )
-from kubeproxy.config import LocalDetector, LocalDetectMode, ProxierConfig
+from kubeproxy.config import LocalDetectMode, LocalDetector, ProxierConfig
 from kubeproxy.endpointchanges import EndpointsChangeTracker, EndpointsMap
 from kubeproxy.handlers import KubeObject, ProxyHandler
 from kubeproxy.objects import (
@@ -54,10 +54,10 @@ __all__ = [
     "NodeInfo",
     "NodePortAddresses",
     "Protocol",
+    "Proxier",
     "ProxierConfig",
     "ProxyHandler",
     "ProxySnapshot",
-    "Proxier",
     "ServiceChangeTracker",
     "ServicePort",
     "ServicePortMap",

@@ -13,6 +13,7 @@ is a :class:`BackendFactory`.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -67,7 +68,8 @@ class ProxySnapshot:
     ``services`` holds every proxied Service port of this family; ``categorized`` has an
     entry for every key of ``services`` (an empty one when the port has no endpoints);
     ``endpoints`` holds the merged, sorted endpoints per port as the EndpointSlices say,
-    before policy.
+    before policy. ``ports_by_service`` lists the port names of every Service in
+    ``services``, so an incremental sync finds a changed Service's ports directly.
     """
 
     family: IPFamily
@@ -78,10 +80,17 @@ class ProxySnapshot:
     service_cidrs: tuple[IPNetwork, ...] = ()
     node_port_addresses: NodePortAddresses = field(default_factory=NodePortAddresses)
     local_detector: LocalDetector = field(default_factory=LocalDetector)
+    ports_by_service: Mapping[NamespacedName, AbstractSet[ServicePortName]] | None = None
 
     def ports_of(self, service: NamespacedName) -> list[ServicePortName]:
-        """The port names of one Service present in this snapshot (linear scan; for tests)."""
-        return [name for name in self.services if name.service == service]
+        """The port names of one Service present in this snapshot, sorted.
+
+        Uses ``ports_by_service`` when the snapshot has it (the core always fills it); a
+        snapshot built by hand without it costs a scan of every port.
+        """
+        if self.ports_by_service is not None:
+            return sorted(self.ports_by_service.get(service, ()))
+        return sorted(name for name in self.services if name.service == service)
 
 
 @dataclass(frozen=True, slots=True)

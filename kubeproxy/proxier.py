@@ -171,99 +171,6 @@ def _notify(callback: Callable[..., None], *args: Any) -> None:
         logger.exception("sync observer or hook %r failed", callback)
 
 
-class _IndexedServicePortMap(ServicePortMap):
-    """A :class:`ServicePortMap` that also indexes its port names by Service.
-
-    The index lets a sync find the ports of a changed Service without scanning every
-    port. It follows the map through the mutating methods the map uses; every other
-    mutation marks it for a rebuild, and :meth:`verify` catches what slipped through.
-    """
-
-    __slots__ = ("_dirty", "_indexed", "ports_by_service")
-
-    def __init__(self) -> None:
-        self.ports_by_service: dict[NamespacedName, set[ServicePortName]] = {}
-        self._indexed = 0
-        self._dirty = False
-        super().__init__()
-
-    def _index(self, key: ServicePortName) -> None:
-        ports = self.ports_by_service.setdefault(key.service, set())
-        if key not in ports:
-            ports.add(key)
-            self._indexed += 1
-
-    def _unindex(self, key: ServicePortName) -> None:
-        ports = self.ports_by_service.get(key.service)
-        if ports is not None and key in ports:
-            ports.discard(key)
-            self._indexed -= 1
-            if not ports:
-                del self.ports_by_service[key.service]
-
-    def __setitem__(self, key: ServicePortName, value: ServicePort) -> None:
-        super().__setitem__(key, value)
-        self._index(key)
-
-    def __delitem__(self, key: ServicePortName) -> None:
-        super().__delitem__(key)
-        self._unindex(key)
-
-    def pop(self, key: ServicePortName, *default: Any) -> Any:
-        """Remove ``key`` and return its value (``default`` when absent, if given)."""
-        found = key in self
-        value = super().pop(key, *default)
-        if found:
-            self._unindex(key)
-        return value
-
-    def _mark_dirty(self) -> None:
-        self._dirty = True
-
-    def clear(self) -> None:
-        """Remove everything."""
-        super().clear()
-        self.ports_by_service.clear()
-        self._indexed = 0
-
-    def popitem(self) -> tuple[ServicePortName, ServicePort]:
-        """Remove and return the last inserted item."""
-        key, value = super().popitem()
-        self._unindex(key)
-        return key, value
-
-    def update(self, *args: Any, **kwargs: Any) -> None:
-        """Bulk update (rebuilds the index at the next :meth:`verify`)."""
-        super().update(*args, **kwargs)
-        self._mark_dirty()
-
-    def setdefault(self, key: ServicePortName, default: ServicePort) -> ServicePort:
-        """Insert ``default`` if absent; return the value."""
-        value = super().setdefault(key, default)
-        self._index(key)
-        return value
-
-    def verify(self, changed: Iterable[NamespacedName]) -> None:
-        """Check the index against the map for ``changed`` Services; rebuild if it drifted."""
-        drifted = self._dirty or self._indexed != len(self)
-        if not drifted:
-            for service in changed:
-                if any(port not in self for port in self.ports_by_service.get(service, ())):
-                    drifted = True
-                    break
-        if drifted:
-            logger.warning("Service port index out of step with the map; rebuilding it")
-            self.rebuild()
-
-    def rebuild(self) -> None:
-        """Rebuild the index from the map (costs a scan of every port)."""
-        self.ports_by_service = {}
-        self._indexed = 0
-        for key in self:
-            self._index(key)
-        self._dirty = False
-
-
 class Proxier:
     """Proxies one IP family: a :class:`~kubeproxy.handlers.ProxyHandler` over one backend.
 
@@ -313,7 +220,7 @@ class Proxier:
 
         self._service_changes = ServiceChangeTracker(family)
         self._endpoint_changes = EndpointsChangeTracker(family, config.node_name, clock=wall_clock)
-        self._services = _IndexedServicePortMap()
+        self._services = ServicePortMap()
         self._endpoints = EndpointsMap()
         self._categorized: dict[ServicePortName, CategorizedEndpoints] = {}
         self._categorized_ports: dict[NamespacedName, frozenset[ServicePortName]] = {}
@@ -615,10 +522,8 @@ class Proxier:
             override = self._service_cidrs_override
         try:
             if recategorize_all:
-                self._services.verify(())
                 self._recategorize_everything(node)
             else:
-                self._services.verify(changed)
                 self._recategorize(changed, node)
         except Exception:
             with self._state_lock:
@@ -647,6 +552,7 @@ class Proxier:
             service_cidrs=tuple(c for c in cidrs if c.version == self._family.version),
             node_port_addresses=self._node_port_addresses,
             local_detector=self._local_detector,
+            ports_by_service=self._services.ports_by_service,
         )
         changes = SyncChanges(
             full=full,

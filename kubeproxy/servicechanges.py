@@ -13,7 +13,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from kubeproxy.handlers import KubeObject
 from kubeproxy.objects import (
@@ -150,17 +152,24 @@ class ServiceChangeTracker:
 class ServicePortMap(dict[ServicePortName, ServicePort]):
     """Every proxied Service port of one family, as of the last :meth:`apply`.
 
-    Change it only through :meth:`apply`: the map keeps a count of UDP ports per cluster
-    IP alongside to report deleted UDP cluster IPs without scanning everything.
+    Change it only through :meth:`apply`: alongside, the map keeps the port names of every
+    Service (so a sync finds a changed Service's ports without scanning everything) and a
+    count of UDP ports per cluster IP (to report deleted UDP cluster IPs the same way).
     """
 
-    __slots__ = ("_udp_ports_by_ip",)
+    __slots__ = ("_ports_by_service", "_udp_ports_by_ip")
 
     def __init__(self, ports: Mapping[ServicePortName, ServicePort] | None = None) -> None:
         super().__init__()
         self._udp_ports_by_ip: dict[IPAddress, int] = {}
+        self._ports_by_service: dict[NamespacedName, set[ServicePortName]] = {}
         if ports:
             self._insert(ports.items())
+
+    @property
+    def ports_by_service(self) -> Mapping[NamespacedName, AbstractSet[ServicePortName]]:
+        """The port names of every Service in the map (a read-only view)."""
+        return MappingProxyType(self._ports_by_service)
 
     def _insert(self, ports: Iterable[tuple[ServicePortName, ServicePort]]) -> None:
         for name, port in ports:
@@ -168,11 +177,18 @@ class ServicePortMap(dict[ServicePortName, ServicePort]):
             if old is not None:
                 self._forget(old)
             self[name] = port
+            self._ports_by_service.setdefault(name.service, set()).add(name)
             if port.protocol is Protocol.UDP:
                 ip = port.cluster_ip
                 self._udp_ports_by_ip[ip] = self._udp_ports_by_ip.get(ip, 0) + 1
 
     def _forget(self, port: ServicePort) -> None:
+        """Drop ``port`` from the side indexes (the caller removes or replaces it)."""
+        names = self._ports_by_service.get(port.name.service)
+        if names is not None:
+            names.discard(port.name)
+            if not names:
+                del self._ports_by_service[port.name.service]
         if port.protocol is Protocol.UDP:
             ip = port.cluster_ip
             left = self._udp_ports_by_ip[ip] - 1

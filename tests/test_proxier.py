@@ -908,25 +908,6 @@ def test_dual_stack_run_runs_both_loops() -> None:
     assert not thread.is_alive()
 
 
-# --- index safety net ---------------------------------------------------------------
-
-
-def test_port_index_rebuilds_when_map_changes_behind_it(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    proxier, _ = make_proxier()
-    two_services(proxier)
-    initialized(proxier)
-    services = proxier._services
-    # A mutation the index does not follow (bypassing the overridden methods).
-    stray = spn("stray")
-    dict.__setitem__(services, stray, services[spn("web")])
-    with caplog.at_level(logging.WARNING, logger="kubeproxy.proxier"):
-        services.verify(())
-    assert "rebuilding" in caplog.text
-    assert stray in services.ports_by_service[nn("stray")]
-
-
 # --- property: incremental state equals state computed from scratch ------------------
 
 

@@ -407,6 +407,10 @@ def test_tracker_and_map_follow_the_objects(sequence: list[tuple[str, int, int]]
         assert result.updated_services == changed
         assert result.deleted_udp_cluster_ips == _udp_ips(before) - _udp_ips(expected)
         assert ports.udp_cluster_ips() == _udp_ips(expected)
+        grouped: dict[NamespacedName, set[ServicePortName]] = {}
+        for name in expected:
+            grouped.setdefault(name.service, set()).add(name)
+        assert dict(ports.ports_by_service) == grouped
         assert tracker.pending_count == 0
 
     for op, index, variant in sequence:

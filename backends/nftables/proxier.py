@@ -138,11 +138,12 @@ def _ports_of(
 ) -> Iterable[ServicePortName]:
     """The snapshot's ports of ``services``.
 
-    Uses the snapshot's per-Service index when it has one; otherwise scans, comparing
+    Uses the snapshot's per-Service index (the core always fills it); a hand-built
+    snapshot without one is scanned, comparing
     the (cached-hash) name strings first, because hashing every key's NamespacedName
     dataclass costs milliseconds at 10k ports.
     """
-    index = getattr(snapshot, "ports_by_service", None)
+    index = snapshot.ports_by_service
     if index is not None:
         found: list[ServicePortName] = []
         for service in services:
