@@ -510,4 +510,45 @@ def _support_checks(family: Family) -> list[tuple[str, Transaction]]:
     tx.add_rule("target", f"meta l4proto tcp dnat to {dnat_to}")
     tx.add_rule("postrouting", "masquerade fully-random")
     checks.append(("dnat and masquerade", tx))
+
+    # Session affinity: a dynamic map the packet path fills (update) and reads (dnat to
+    # ... map). IPv6 uses small per-port `client : endpoint` maps because nft 1.0.6 aborts
+    # on dynamic-map updates whose key and data exceed 32 bytes.
+    tx = Transaction(family, _SUPPORT_TABLE)
+    base(tx)
+    if family is Family.IP6:
+        tx.add(
+            Map(
+                "affinity",
+                f"{addr_type} : {addr_type}",
+                flags=("dynamic", "timeout"),
+                timeout=10800,
+            )
+        )
+        tx.add_rule("target", "meta l4proto tcp dnat to ip6 saddr map @affinity : 80")
+        tx.add_rule(
+            "target",
+            f"update @affinity {{ ip6 saddr timeout 10s : {other} }} meta l4proto tcp "
+            f"dnat to {dnat_to}",
+        )
+    else:
+        tx.add(
+            Map(
+                "affinity",
+                f"{addr_type} . {addr_type} . inet_proto . inet_service : "
+                f"{addr_type} . inet_service",
+                flags=("dynamic", "timeout"),
+                timeout=10800,
+            )
+        )
+        tx.add_rule(
+            "target",
+            "meta l4proto tcp dnat to ip saddr . ip daddr . meta l4proto . th dport map @affinity",
+        )
+        tx.add_rule(
+            "target",
+            "update @affinity { ip saddr . ip daddr . meta l4proto . th dport timeout 10s : "
+            f"{other} . 80 }} meta l4proto tcp dnat to {dnat_to}",
+        )
+    checks.append(("session affinity (dynamic map)", tx))
     return checks
