@@ -30,6 +30,7 @@ objects out of the garbage collector's reach (:class:`GcTuner`).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import ipaddress
 import logging
@@ -37,7 +38,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
@@ -964,17 +965,24 @@ def _assemble(
 # --- running it -------------------------------------------------------------------------
 
 
-def _install_signal_handlers(stop: threading.Event) -> None:
+@contextlib.contextmanager
+def _stopping_on_signals(stop: threading.Event) -> Iterator[None]:
+    """SIGTERM and SIGINT set ``stop`` inside the block; the old handlers come back after."""
     if threading.current_thread() is not threading.main_thread():
-        return  # only the main thread may set handlers (tests call this from elsewhere)
+        yield  # only the main thread may set handlers
+        return
 
     def handle(signum: int, _frame: FrameType | None) -> None:
         # Leave the rules in place: the next instance takes the table over as it is.
         logger.info("Received signal %d, stopping (rules stay in place)", signum)
         stop.set()
 
-    signal.signal(signal.SIGTERM, handle)
-    signal.signal(signal.SIGINT, handle)
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def run_daemon(
@@ -998,39 +1006,42 @@ def run_daemon(
         privileged_setup(options, paths)
         logger.info("System initialized and --init-only specified; exiting")
         return 0
-    stop = threading.Event()
-    _install_signal_handlers(stop)
     if options.dry_run:
         build.setdefault("conntrack", FakeConntrack())
         build.setdefault("events", LoggingEventSink(options.node_name))
         build["privileged"] = False
-    try:
-        daemon = build_daemon(
-            options,
-            backend_factory,
-            mode=mode,
-            backend_hooks=backend_hooks,
-            paths=paths,
-            stop=stop,
-            **build,
-        )
-    except StartupInterrupted as err:
-        logger.info("%s; exiting", err)
-        return 0
-    except StartupError as err:
-        logger.error("%s", err)
-        return 1
-    if options.once or options.dry_run:
+    stop = threading.Event()
+    with _stopping_on_signals(stop):
         try:
-            return 0 if daemon.sync_once() else 1
+            daemon = build_daemon(
+                options,
+                backend_factory,
+                mode=mode,
+                backend_hooks=backend_hooks,
+                paths=paths,
+                stop=stop,
+                **build,
+            )
+        except StartupInterrupted as err:
+            logger.info("%s; exiting", err)
+            return 0
+        except StartupError as err:
+            logger.error("%s", err)
+            return 1
+        try:
+            return _run(daemon, once=options.once or options.dry_run)
         finally:
             daemon.stop()
+
+
+def _run(daemon: Daemon, *, once: bool) -> int:
+    """Sync once, or start and run until stopped; the exit code."""
+    if once:
+        return 0 if daemon.sync_once() else 1
     try:
         daemon.start()
     except StartupError as err:
         logger.error("%s", err)
-        daemon.stop()
         return 1
     daemon.wait()
-    daemon.stop()
     return 0
