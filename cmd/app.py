@@ -18,7 +18,9 @@ follows upstream's start-up (``cmd/kube-proxy/app/server.go``; reference: upstre
 4. SIGTERM or SIGINT: :meth:`Daemon.stop` closes the servers and joins the threads; the
    kernel rules stay in place, for the next instance to take over.
 
-``--once`` (and ``--dry-run``) syncs once after the initial list instead of steps 3-4.
+``--once`` (and ``--dry-run``) syncs once after the initial list instead of steps 3-4,
+without the privileged set-up: a one-shot sync is a tool run, not a node's proxy, and
+must not retune the host's conntrack table.
 
 Where we differ from upstream: ``--init-only`` does not contact the API server (the
 privileged set-up needs nothing from it, and an init container should not wait for the
@@ -997,19 +999,20 @@ def run_daemon(
     """Run the proxy as ``options`` say; returns the process exit code.
 
     ``--init-only`` does :func:`privileged_setup` and returns; ``--once``/``--dry-run``
-    sync once after the initial list (``--dry-run`` also skips the privileged set-up,
-    the conntrack cleanup and events, so nothing outside the backend's executor is
-    touched); otherwise the daemon runs until SIGTERM or SIGINT. ``build`` goes to
+    sync once after the initial list, without the privileged set-up (``--dry-run`` also
+    without the conntrack cleanup and events, so nothing outside the backend's executor
+    is touched); otherwise the daemon runs until SIGTERM or SIGINT. ``build`` goes to
     :func:`build_daemon`.
     """
     if options.init_only:
         privileged_setup(options, paths)
         logger.info("System initialized and --init-only specified; exiting")
         return 0
+    if options.once or options.dry_run:
+        build["privileged"] = False
     if options.dry_run:
         build.setdefault("conntrack", FakeConntrack())
         build.setdefault("events", LoggingEventSink(options.node_name))
-        build["privileged"] = False
     stop = threading.Event()
     with _stopping_on_signals(stop):
         try:

@@ -10,9 +10,11 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -203,6 +205,60 @@ def test_once_programs_then_cleanup_removes_only_ours(netns: str) -> None:
     tables = _in_ns(netns, "nft", "list", "tables").stdout.split("\n")
     assert [t for t in tables if t] == ["table inet kpxc-foreign"]
     assert _in_ns(netns, "nft", "list", "table", "inet", "kpxc-foreign").stdout == before
+
+
+def _healthz_code(ns: str) -> str:
+    return _in_ns(
+        ns,
+        "curl",
+        "-s",
+        "-o",
+        "/dev/null",
+        "-w",
+        "%{http_code}",
+        "--max-time",
+        "2",
+        "http://127.0.0.1:10256/healthz",
+    ).stdout
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_the_daemon_and_leaves_the_rules(netns: str, signum: int) -> None:
+    argv = [
+        "ip",
+        "netns",
+        "exec",
+        netns,
+        str(BIN),
+        "--manifests",
+        str(EXAMPLES),
+        "--hostname-override=demo-node",
+        "--healthz-bind-address=127.0.0.1:10256",
+        "--metrics-bind-address=127.0.0.1:10249",
+        # Leave nf_conntrack_max (and with it the host-wide hash size) alone.
+        "--conntrack-max-per-core=0",
+    ]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while _healthz_code(netns) != "200":
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "the daemon never became healthy"
+            time.sleep(0.1)
+        listing = _in_ns(netns, "nft", "list", "table", "ip", "kube-proxy").stdout
+        assert "172.30.0.10 . tcp . 80" in listing
+        proc.send_signal(signum)
+        _, stderr = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, stderr
+    assert f"Received signal {int(signum)}, stopping (rules stay in place)" in stderr
+    assert "kube-proxy stopped; the rules stay in place" in stderr
+    assert _in_ns(netns, "nft", "list", "table", "ip", "kube-proxy").stdout == listing
+    assert _healthz_code(netns) == "000"  # the server is closed
 
 
 @pytest.mark.kernel

@@ -762,22 +762,26 @@ def test_a_stop_while_waiting_for_the_node_interrupts(fake: FakeAPIServer) -> No
         )
 
 
-def test_run_daemon_once_against_the_api(fake: FakeAPIServer) -> None:
+def test_run_daemon_once_against_the_api(fake: FakeAPIServer, tmp_path: Path) -> None:
     fake.apply(node(NODE, addresses=["203.0.113.7"]))
     fake.apply(service("web", cluster_ip="172.30.0.10"))
     fake.apply(slice_of("web-a", "web", EP1))
+    paths = host_paths(tmp_path)
+    before = {p: p.read_text() for p in tmp_path.rglob("*") if p.is_file()}
     backends = FakeBackends()
     code = run_daemon(
         api_options(fake, "--once"),
         backends,
+        paths=paths,
         host_addresses=FakeHostAddresses(),
         conntrack=FakeConntrack(),
-        privileged=False,
         tuning=BRISK,
     )
     assert code == 0
     assert backends.service_ips() == {("172.30.0.10", "tcp", "80")}
-    assert fake.posted_events == []  # --once is not a running proxy: no Starting event
+    # --once is a tool run, not a running proxy: no Starting event, no host tuning.
+    assert fake.posted_events == []
+    assert {p: p.read_text() for p in tmp_path.rglob("*") if p.is_file()} == before
 
 
 def test_run_daemon_dry_run_touches_nothing(fake: FakeAPIServer, tmp_path: Path) -> None:
