@@ -870,6 +870,56 @@ def build_daemon(
         raise
 
 
+@dataclass(frozen=True, slots=True)
+class _Health:
+    """The metrics and health state, their servers, and the per-family health checks."""
+
+    metrics: ProxyMetrics
+    metrics_server: MetricsServer
+    health: ProxyHealth
+    health_server: ProxyHealthServer
+    observer: HealthObserver
+
+
+def _health_and_metrics(
+    options: Options,
+    mode: str,
+    node: NodeInfo,
+    sync_period: float,
+    families: Sequence[IPFamily],
+    events: EventSink,
+) -> _Health:
+    """Upstream's servers: metrics, /healthz and /livez (2 x syncPeriod), Service checks."""
+    hard_fail = options.bind_address_hard_fail
+    metrics = ProxyMetrics(mode=mode)
+    health = ProxyHealth(2 * sync_period, node=node)
+    report = _listen_error_reporter(events)
+    service_health = {
+        family: ServiceHealthServer(
+            family, health, node_name=options.node_name, on_listen_error=report
+        )
+        for family in families
+    }
+    return _Health(
+        metrics,
+        MetricsServer(options.metrics_bind_address, metrics, hard_fail=hard_fail),
+        health,
+        ProxyHealthServer(options.healthz_bind_address, health, metrics, hard_fail=hard_fail),
+        HealthObserver(health, service_health),
+    )
+
+
+def _log_families(families: Sequence[IPFamily], node_ips: NodeIPs, mode: str) -> None:
+    if len(families) == 2:
+        logger.info(
+            "kube-proxy running in dual-stack mode (primary IP family %s)",
+            node_ips.primary_family,
+        )
+    else:
+        logger.info("kube-proxy running in single-stack mode (IP family %s)", families[0])
+    logger.info("Using %s Proxier", mode)
+
+
 def _assemble(
     options: Options,
     backend_factory: BackendFactory,
@@ -890,7 +940,8 @@ def _assemble(
     gc_ops: GcOps | None,
     backend_hooks: BackendHooks | None,
 ) -> Daemon:
-    """Everything after the source: node IPs, families, events, servers, proxiers."""
+    """Everything after the source, in upstream's order: node IPs and families, events,
+    the privileged set-up, backends, servers, the conntrack reconciler, proxiers."""
     node = _node_info(source.node, options.node_name, list_host_addresses())
     node_ips = detect_node_ips(host_ips(node.addresses), options.configuration.bind_address)
     config = expand_primary(options.config, node_ips)
@@ -903,35 +954,13 @@ def _assemble(
         privileged_setup(options, paths, files=sysctl_files)
     backends = _make_backends(backend_factory, families, config, netns)
     families = list(backends)
-    if len(families) == 2:
-        logger.info(
-            "kube-proxy running in dual-stack mode (primary IP family %s)",
-            node_ips.primary_family,
-        )
-    else:
-        logger.info("kube-proxy running in single-stack mode (IP family %s)", families[0])
-    logger.info("Using %s Proxier", mode)
-
-    metrics = ProxyMetrics(mode=mode)
-    metrics_server = MetricsServer(
-        options.metrics_bind_address, metrics, hard_fail=options.bind_address_hard_fail
-    )
-    health = ProxyHealth(2 * config.sync_period, node=node)
-    health_server = ProxyHealthServer(
-        options.healthz_bind_address, health, metrics, hard_fail=options.bind_address_hard_fail
-    )
-    report = _listen_error_reporter(events)
-    service_health = {
-        family: ServiceHealthServer(
-            family, health, node_name=options.node_name, on_listen_error=report
-        )
-        for family in families
-    }
-    health_observer = HealthObserver(health, service_health)
+    _log_families(families, node_ips, mode)
+    parts = _health_and_metrics(options, mode, node, config.sync_period, families, events)
+    metrics = parts.metrics
     executor = conntrack if conntrack is not None else NetlinkConntrack(netns)
     reconciler = ConntrackReconciler(executor, metrics)
     gc_tuner = GcTuner(families, gc_ops)
-    observer = ObserverGroup([metrics, health_observer])
+    observer = ObserverGroup([metrics, parts.observer])
     proxiers: dict[IPFamily, Proxier] = {}
     for family, backend in backends.items():
         extra = tuple(backend_hooks(backend, metrics)) if backend_hooks is not None else ()
@@ -943,7 +972,7 @@ def _assemble(
             host_addresses=list_host_addresses,
             observer=observer,
             conntrack=reconciler,
-            after_sync=(metrics.after_sync, health_observer.after_sync, *extra, gc_tuner),
+            after_sync=(metrics.after_sync, parts.observer.after_sync, *extra, gc_tuner),
         )
         metrics.track(proxiers[family])
     return Daemon(
@@ -954,10 +983,10 @@ def _assemble(
         source=source,
         gate=gate,
         metrics=metrics,
-        metrics_server=metrics_server,
-        health=health,
-        health_server=health_server,
-        health_observer=health_observer,
+        metrics_server=parts.metrics_server,
+        health=parts.health,
+        health_server=parts.health_server,
+        health_observer=parts.observer,
         events=events,
         gc_tuner=gc_tuner,
         stop=stop,

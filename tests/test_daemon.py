@@ -416,6 +416,7 @@ def test_daemon_end_to_end(namespaces: Namespaces, fake: FakeAPIServer, tmp_path
         # The API server dies mid-watch while objects change, twice (the second time with
         # its history compacted, so the watches must list again and diff).
         for compact in (False, True):
+            assert fake.wait_for_watches("services") and fake.wait_for_watches("endpointslices")
             fake.stop()
             if not compact:
                 fake.apply(service("api", cluster_ip="172.30.0.11"))
@@ -472,6 +473,7 @@ def test_daemon_end_to_end(namespaces: Namespaces, fake: FakeAPIServer, tmp_path
         # The cleanup removes our table and nothing else.
         nftables.cleanup(netns=namespaces.node)
         assert not kernel.table_exists()
+        assert not kernel.nft.table_exists(Family.IP6, nftables.TABLE)
     finally:
         daemon.stop()
         kernel.close()
