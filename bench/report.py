@@ -22,6 +22,7 @@ for our proxy, ``upstream-nft`` for upstream's structure applied with ``nft -f``
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import math
 import os
@@ -61,6 +62,21 @@ def _run(argv: Sequence[str]) -> str:
     except OSError:
         return ""
     return result.stdout.strip()
+
+
+def code_fingerprint() -> str:
+    """A hash of the measured code as it is on disk (the core and the backends).
+
+    Taken at the start and the end of a run: children import the code afresh, so code
+    edited during a run would make its figures mix two versions.
+    """
+    repo = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for folder in ("kubeproxy", "backends"):
+        for path in sorted((repo / folder).rglob("*.py")):
+            digest.update(str(path.relative_to(repo)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def machine_info() -> dict[str, Any]:
@@ -325,6 +341,11 @@ def render_markdown(run: dict[str, Any]) -> str:
         f"commit {machine['commit']}{' + uncommitted changes' if machine.get('dirty') else ''}; "
         f"run took {run['duration_s'] / 60:.1f} min.",
         "",
+        *(
+            ["**The measured code changed during this run: figures mix versions.**", ""]
+            if run.get("code_changed_during_run")
+            else []
+        ),
         "## Targets",
         "",
     ]
@@ -423,6 +444,8 @@ class Results:
         self.command = command
         self.records: list[Record] = []
         self._started = datetime.datetime.now(datetime.UTC)
+        self._machine = machine_info()
+        self._code_at_start = code_fingerprint()
 
     def add(self, kind: str, subject: str, **fields: Any) -> Record:
         """Add a record and return it."""
@@ -433,9 +456,12 @@ class Results:
     def as_run(self) -> dict[str, Any]:
         """The whole run as one JSON-ready dict."""
         duration = (datetime.datetime.now(datetime.UTC) - self._started).total_seconds()
+        code_at_end = code_fingerprint()
         return {
             "command": self.command,
-            "machine": machine_info(),
+            "machine": self._machine,
+            "code": self._code_at_start,
+            "code_changed_during_run": code_at_end != self._code_at_start,
             "duration_s": duration,
             "records": self.records,
             "targets": [asdict(c) for c in evaluate_targets(self.records)],

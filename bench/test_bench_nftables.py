@@ -173,19 +173,20 @@ def test_upstream_cold(
 # Incremental sync ----------------------------------------------------------------------
 
 
-class TestIncrementalSync:
-    """One cold sync per size (a class-scoped proxy), then rounds of single changes."""
+@pytest.fixture(
+    scope="class",
+    params=[pytest.param(1 * K, marks=quick, id="1k"), pytest.param(10 * K, id="10k")],
+)
+def synced_proxy(request: pytest.FixtureRequest) -> Iterator[tuple[int, ProxyProcess]]:
+    """Our proxy after a cold sync of N Services, kept for one class's incremental rounds."""
+    services: int = request.param
+    with namespace("incr") as netns, proxy_process(netns, services, ENDPOINTS) as proxy:
+        proxy.request("cold")
+        yield services, proxy
 
-    @pytest.fixture(
-        scope="class",
-        params=[pytest.param(1 * K, marks=quick, id="1k"), pytest.param(10 * K, id="10k")],
-    )
-    def synced_proxy(self, request: pytest.FixtureRequest) -> Iterator[tuple[int, ProxyProcess]]:
-        """Our proxy after a cold sync of N Services, kept for the incremental rounds."""
-        services: int = request.param
-        with namespace("incr") as netns, proxy_process(netns, services, ENDPOINTS) as proxy:
-            proxy.request("cold")
-            yield services, proxy
+
+class TestIncrementalSync:
+    """One cold sync per size (the class-scoped proxy ends with the class), then changes."""
 
     @pytest.mark.timeout(900)
     @pytest.mark.parametrize("op", ["endpoint", "add", "remove"])
