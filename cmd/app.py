@@ -480,11 +480,14 @@ class GcTuner:
     """A :class:`~kubeproxy.proxier.SyncHook`: once every family has completed a full sync,
     collect, :func:`gc.freeze` and raise the collector's thresholds, once.
 
-    After the first full sync the process holds its working set (tens of thousands of
-    objects at 30k Services) for the rest of its life; frozen, later collections no longer
-    scan it (measured: about 40% less time in the collector at 30k objects), and higher
-    thresholds make them rarer. Collecting first keeps start-up garbage out of the frozen
-    generation.
+    After the first full sync the process holds its working set (about 720,000 objects at
+    30k Services, proxy core alone) for the rest of its life; frozen, collections no
+    longer scan it, and higher thresholds make them rarer. Collecting first keeps start-up
+    garbage out of the frozen generation. Measured on this project's machine (proxy core
+    with a no-op backend, 30k Services, 5,000 partial syncs): 38 ms in the collector by
+    default, 22 ms frozen, none with the raised thresholds as well. The collector is a
+    small share of a sync either way; with the in-memory nftables fake as the backend the
+    difference was lost in the noise.
     """
 
     def __init__(
