@@ -654,6 +654,26 @@ def test_bind_hard_fail_posts_an_event_and_fails(
     assert "Starting" not in events
 
 
+def test_run_daemon_exits_1_when_a_server_cannot_bind_with_hard_fail(
+    fake: FakeAPIServer,
+) -> None:
+    fake.apply(node(NODE, addresses=["203.0.113.7"]))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        code = run_daemon(
+            api_options(fake, "--bind-address-hard-fail", metrics=address),
+            FakeBackends(),
+            host_addresses=FakeHostAddresses(),
+            conntrack=FakeConntrack(),
+            privileged=False,
+            tuning=BRISK,
+        )
+    assert code == 1
+    assert [e["reason"] for e in fake.posted_events] == ["FailedToStartMetricServer"]
+
+
 def test_bind_failure_without_hard_fail_keeps_running(fake: FakeAPIServer) -> None:
     fake.apply(node(NODE, addresses=["203.0.113.7"]))
     with socket.socket() as taken:
