@@ -365,7 +365,13 @@ _FLAGS: tuple[_Flag, ...] = (
         help="Write the effective configuration to this file and exit.",
         kind=Path,
     ),
-    _b("--cleanup", help="Remove the rules of every mode (nftables, iptables, ipvs) and exit."),
+    _b(
+        "--cleanup",
+        help=(
+            "Remove every table, chain, set and rule our backends created (the ip and ip6 "
+            "kube-proxy nftables tables) and exit; other tables are never touched."
+        ),
+    ),
     _b(
         "--init-only",
         help="Do the set-up that needs full root privileges (sysctls), then "
