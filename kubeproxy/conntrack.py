@@ -45,7 +45,6 @@ Executors (:class:`ConntrackExecutor`) list and delete flows:
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import ipaddress
 import logging
@@ -58,6 +57,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Protocol
 
+from kubeproxy.netns import entered, open_netns
 from kubeproxy.objects import Endpoint, IPAddress, IPFamily, ServicePort, ServicePortName
 from kubeproxy.objects import Protocol as L4Protocol
 
@@ -312,7 +312,6 @@ _CTA_PROTO_NUM: Final = 1
 _CTA_PROTO_SRC_PORT: Final = 2
 _CTA_PROTO_DST_PORT: Final = 3
 _IPPROTO_UDP: Final = 17
-_CLONE_NEWNET: Final = 0x40000000
 
 _HEADER = struct.Struct("=IHHII")
 _NFGEN = struct.Struct("=BBH")
@@ -450,37 +449,26 @@ def _fast_flow(view: memoryview, offset: int, end: int) -> _RawFlow | None:
     return orig[1], orig[2], orig[3], orig[4], reply[1], reply[2]
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _setns(fd: int) -> None:
-    if _libc.setns(fd, _CLONE_NEWNET) != 0:
-        code = ctypes.get_errno()
-        raise ConntrackError(code, f"setns: {os.strerror(code)}")
-
-
 @contextlib.contextmanager
 def _in_namespace(netns: str | None) -> Iterator[None]:
     """Move this thread into ``/run/netns/NAME`` for the block (sockets stay there)."""
     if netns is None:
         yield
         return
-    if "/" in netns or netns in ("", ".", ".."):
-        raise ConntrackError(errno.EINVAL, f"bad network namespace name {netns!r}")
     try:
-        target = os.open(os.path.join("/run/netns", netns), os.O_RDONLY | os.O_CLOEXEC)
+        target = open_netns(netns)
+    except ValueError:
+        raise ConntrackError(errno.EINVAL, f"bad network namespace name {netns!r}") from None
     except OSError as err:
         raise ConntrackError(err.errno, f"network namespace {netns}: {err.strerror}") from None
     try:
-        home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         try:
-            _setns(target)
-            try:
+            with entered(target):
                 yield
-            finally:
-                _setns(home)
-        finally:
-            os.close(home)
+        except OSError as err:
+            if err.strerror and err.strerror.startswith("setns"):
+                raise ConntrackError(err.errno, str(err.strerror)) from None
+            raise
     finally:
         os.close(target)
 

@@ -26,7 +26,6 @@ from kubeproxy.backends.nftables.exec import (
     parse_version,
 )
 from kubeproxy.backends.nftables.fake import FakeNft
-from kubeproxy.backends.nftables.netns import in_netns, netns_path, run_in_netns
 from kubeproxy.backends.nftables.objects import (
     Chain,
     Element,
@@ -39,6 +38,7 @@ from kubeproxy.backends.nftables.objects import (
     is_not_found,
 )
 from kubeproxy.backends.nftables.transaction import Transaction
+from kubeproxy.netns import in_netns, netns_path, run_in_netns
 
 # Unit tests of the helpers ---------------------------------------------------------------
 

@@ -27,7 +27,6 @@ import weakref
 from collections.abc import Iterable
 from typing import Any, Protocol
 
-from kubeproxy.backends.nftables.netns import run_in_netns
 from kubeproxy.backends.nftables.objects import (
     Chain,
     Element,
@@ -38,6 +37,7 @@ from kubeproxy.backends.nftables.objects import (
     validate_name,
 )
 from kubeproxy.backends.nftables.transaction import Transaction
+from kubeproxy.netns import run_in_netns
 
 __all__ = [
     "LIBNFTABLES",

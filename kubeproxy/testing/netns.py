@@ -11,14 +11,13 @@ The ``ip`` tool is reached through one narrow executor, :class:`CommandRunner`.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import errno
 import logging
-import os
 import subprocess
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Final, Protocol
+
+from kubeproxy.netns import CLONE_NEWNET, entered, open_netns
 
 __all__ = [
     "CLONE_NEWNET",
@@ -35,9 +34,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-CLONE_NEWNET: Final = 0x40000000
-"""The ``setns`` namespace type of a network namespace."""
 
 _NETNS_DIR: Final = "/run/netns"
 
@@ -82,38 +78,12 @@ class SubprocessRunner:
         return done.stdout
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _setns(fd: int) -> None:
-    if _libc.setns(fd, CLONE_NEWNET) != 0:
-        code = ctypes.get_errno()
-        raise OSError(code, f"setns: {os.strerror(code)}")
-
-
 def open_namespace(name: str) -> int:
     """Open a named namespace (``/run/netns/NAME``) and return the file descriptor."""
-    if "/" in name or name in ("", ".", ".."):
-        raise NamespaceError(f"bad namespace name {name!r}")
-    return os.open(os.path.join(_NETNS_DIR, name), os.O_RDONLY | os.O_CLOEXEC)
-
-
-@contextlib.contextmanager
-def entered(fd: int) -> Iterator[None]:
-    """Move the calling thread into the namespace ``fd`` for the ``with`` block.
-
-    Only this thread moves (``setns`` on a thread); it comes back even when the block
-    raises. Sockets created in the block belong to the namespace for good.
-    """
-    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
     try:
-        _setns(fd)
-        try:
-            yield
-        finally:
-            _setns(home)
-    finally:
-        os.close(home)
+        return open_netns(name)
+    except ValueError:
+        raise NamespaceError(f"bad namespace name {name!r}") from None
 
 
 def write_sysctl(fd: int, settings: Sequence[tuple[str, str]]) -> None:
