@@ -15,7 +15,7 @@ import errno
 import logging
 import subprocess
 from collections.abc import Sequence
-from typing import Final, Protocol
+from typing import Protocol
 
 from kubeproxy.netns import CLONE_NEWNET, entered, open_netns
 
@@ -34,8 +34,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-_NETNS_DIR: Final = "/run/netns"
 
 
 class NamespaceError(RuntimeError):
