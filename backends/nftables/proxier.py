@@ -197,8 +197,7 @@ class _Batches:
             for key in keys:
                 tx.delete_element(container, key)
         for container, items in self._adds.items():
-            for key, value in items:
-                tx.add_element(container, key, value)
+            tx.add_elements(container, items)
         self._deletes = {}
         self._adds = {}
         if tx.num_operations:

@@ -302,9 +302,16 @@ def render_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints
     _check_family(ctx, "cluster IP", port.cluster_ip)
     for service_ip in (*port.external_ips, *port.load_balancer_vips):
         _check_family(ctx, "service IP", service_ip)
-    for ep in (*eps.cluster, *eps.local, *eps.all_reachable):
-        _check_family(ctx, "endpoint", ep.ip)
-        _check_port("endpoint port", ep.port)
+    version = ctx.tokens.family.version
+    # The three lists usually share endpoints (often the very same tuple): check each
+    # distinct list once, inline (this runs for every endpoint of a full sync).
+    groups = {id(group): group for group in (eps.cluster, eps.local, eps.all_reachable)}
+    for group in groups.values():
+        for ep in group:
+            if ep.ip.version != version:
+                _check_family(ctx, "endpoint", ep.ip)
+            if not 1 <= ep.port <= 65535:
+                _check_port("endpoint port", ep.port)
 
     r = _Renderer(ctx, port, identity)
     ip = r.ip

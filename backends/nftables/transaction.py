@@ -22,7 +22,7 @@ bounded chunks. They validate exactly as :meth:`Transaction.add` does.
 from __future__ import annotations
 
 import errno
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Final
 
 from kubeproxy.backends.nftables.objects import (
@@ -310,6 +310,24 @@ class Transaction:
         if comment is not None and not self._check(validate_comment, comment):
             return
         self._ops.append(("add", _ELEMENT, container, key, value, comment, is_map, None))
+
+    def add_elements(
+        self, container: str, items: Iterable[tuple[tuple[str, ...], tuple[str, ...]]]
+    ) -> None:
+        """Queue ``add element`` of each ``(key, value)``, like :meth:`add_element` for each
+        (an empty value means a set element), checking the container name once.
+        """
+        if self._error is not None or not self._name_ok("set", container):
+            return
+        parts_ok = self._parts_ok
+        append = self._ops.append
+        for key, value in items:
+            if not (
+                parts_ok("key", key, allow_empty=False)
+                and parts_ok("value", value, allow_empty=True)
+            ):
+                return
+            append(("add", _ELEMENT, container, key, value, None, bool(value), None))
 
     def delete_element(self, container: str, key: tuple[str, ...]) -> None:
         """Queue ``delete element``, like ``delete(Element(container, key))`` (only the key
