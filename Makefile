@@ -17,8 +17,8 @@ run: setup
 	$(PY) -m kubeproxy.cmd.demo examples/cluster
 
 lint: setup
-	$(VENV)/bin/ruff check kubeproxy tests bench
-	$(VENV)/bin/ruff format --check kubeproxy tests bench
+	$(VENV)/bin/ruff check kubeproxy backends cmd tests bench examples
+	$(VENV)/bin/ruff format --check kubeproxy backends cmd tests bench examples
 
 typecheck: setup
 	$(VENV)/bin/mypy

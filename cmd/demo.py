@@ -8,7 +8,9 @@ Service, and removes everything it made. Needs root.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -23,7 +25,11 @@ __all__ = ["main"]
 PREFIX = "kpxd-"
 NODE = PREFIX + "node"
 CLIENT = PREFIX + "client"
-PODS = {PREFIX + "pod1": "10.244.0.11", PREFIX + "pod2": "10.244.0.12", PREFIX + "pod3": "10.244.0.13"}
+PODS = {
+    PREFIX + "pod1": "10.244.0.11",
+    PREFIX + "pod2": "10.244.0.12",
+    PREFIX + "pod3": "10.244.0.13",
+}
 NODE_IP = "192.168.50.2"
 CLIENT_IP = "192.168.50.100"
 
@@ -51,10 +57,8 @@ def _teardown() -> None:
                 ["ip", "netns", "pids", ns], check=False, text=True, capture_output=True
             ).stdout.split()
             for pid in pids:
-                try:
+                with contextlib.suppress(ProcessLookupError, ValueError):
                     os.kill(int(pid), 9)
-                except (ProcessLookupError, ValueError):
-                    pass
             subprocess.run(["ip", "netns", "del", ns], check=False)
 
 
@@ -77,7 +81,20 @@ def _build() -> None:
         _ip("-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
         _ip("-n", ns, "link", "set", "eth0", "up")
         _ip("-n", ns, "route", "add", "default", "via", "10.244.0.1")
-    _ip("-n", NODE, "link", "add", "kpxd-ext", "type", "veth", "peer", "name", "eth0", "netns", CLIENT)
+    _ip(
+        "-n",
+        NODE,
+        "link",
+        "add",
+        "kpxd-ext",
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "eth0",
+        "netns",
+        CLIENT,
+    )
     _ip("-n", NODE, "addr", "add", f"{NODE_IP}/24", "dev", "kpxd-ext")
     _ip("-n", NODE, "link", "set", "kpxd-ext", "up")
     _ip("-n", CLIENT, "addr", "add", f"{CLIENT_IP}/24", "dev", "eth0")
@@ -92,8 +109,19 @@ def _start_servers() -> list[subprocess.Popen[bytes]]:
         port = "5353" if mode == "udp" else "8080"
         procs.append(
             subprocess.Popen(
-                ["ip", "netns", "exec", ns, sys.executable, "-m", "kubeproxy.cmd.demo",
-                 f"serve-{mode}", ns.removeprefix(PREFIX), ip, port],
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    sys.executable,
+                    "-m",
+                    "kubeproxy.cmd.demo",
+                    f"serve-{mode}",
+                    ns.removeprefix(PREFIX),
+                    ip,
+                    port,
+                ],
             )
         )
     time.sleep(0.7)
@@ -102,14 +130,14 @@ def _start_servers() -> list[subprocess.Popen[bytes]]:
 
 def _serve_http(name: str, ip: str, port: int) -> None:
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+        def do_GET(self) -> None:
             body = f"hello from {name} ({ip}); you are {self.client_address[0]}\n".encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
 
-        def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        def log_message(self, format: str, *args: object) -> None:
             return
 
     HTTPServer((ip, port), Handler).serve_forever()
@@ -155,17 +183,37 @@ def run_demo(manifests: Path) -> int:
         _build()
         procs = _start_servers()
         binary = _proxy_binary()
-        argv = [binary, "--manifests", str(manifests), "--hostname-override", "demo-node",
-                "--cluster-cidr", "10.244.0.0/16", "--service-cluster-ip-range",
-                "172.30.0.0/16", "--once"]
+        argv = [
+            binary,
+            "--manifests",
+            str(manifests),
+            "--hostname-override",
+            "demo-node",
+            "--cluster-cidr",
+            "10.244.0.0/16",
+            "--service-cluster-ip-range",
+            "172.30.0.0/16",
+            "--once",
+        ]
         print(f"$ ip netns exec {NODE} {' '.join(argv[0:1] + argv[1:])}", flush=True)
         if _netns_exec(NODE, *argv).returncode != 0:
             print("kube-proxy-nftables failed", file=sys.stderr)
             return 1
-        print(f"\n$ ip netns exec {NODE} nft list table ip kube-proxy   (first lines)")
-        listing = _netns_exec(NODE, "nft", "list", "table", "ip", "kube-proxy", capture=True)
-        print("\n".join(listing.stdout.splitlines()[:40]) + "\n    ...")
-
+        print(f"\n$ ip netns exec {NODE} nft list map ip kube-proxy service-ips")
+        listing = _netns_exec(
+            NODE, "nft", "list", "map", "ip", "kube-proxy", "service-ips", capture=True
+        ).stdout
+        print(listing, end="")
+        web_chain = re.search(r"172\.30\.0\.10 \. tcp \. 80 : goto ([^\s,}]+)", listing)
+        if web_chain is not None:
+            chain = web_chain.group(1).strip('"')
+            print(f"\n$ ip netns exec {NODE} nft list chain ip kube-proxy {chain}")
+            print(
+                _netns_exec(
+                    NODE, "nft", "list", "chain", "ip", "kube-proxy", chain, capture=True
+                ).stdout,
+                end="",
+            )
         print("\nReal connections from an outside client through the rules:")
         for url in ["http://172.30.0.10/"] * 4 + [f"http://{NODE_IP}:30080/"]:
             reply = _curl(CLIENT, url)
