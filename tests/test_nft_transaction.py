@@ -292,6 +292,7 @@ def test_comment_limits_are_inclusive() -> None:
 def test_invalid_rule_text(rule: Any) -> None:
     ops: list[Queue] = [
         lambda tx: tx.add_rule("c", rule),
+        lambda tx: tx.add_rules("c", [rule]),
         lambda tx: tx.add(Rule("c", rule)),
         lambda tx: tx.insert(Rule("c", rule)),
     ]
@@ -300,6 +301,30 @@ def test_invalid_rule_text(rule: Any) -> None:
         op(tx)
         assert tx.error is not None and tx.error.errno == errno.EINVAL
         assert len(tx) == 0
+
+
+def test_bulk_forms_queue_like_single_ones() -> None:
+    bulk = Transaction(Family.IP, "t")
+    single = Transaction(Family.IP, "t")
+    rules = ["ip daddr 10.0.0.1 accept", "numgen random mod 2 0 drop", "drop"]
+    bulk.add_rules("c", rules)
+    for rule in rules:
+        single.add_rule("c", rule)
+    items = [(("10.0.0.1", "tcp", "80"), ("goto c",)), (("10.0.0.2", "tcp", "80"), ("drop",))]
+    bulk.add_elements("m", items)
+    bulk.add_elements("s", [(("10.0.0.1",), ())])
+    for key, value in items:
+        single.add_element("m", key, value)
+    single.add_element("s", ("10.0.0.1",))
+    assert bulk.error is None and single.error is None
+    assert bulk.operations() == single.operations()
+    assert bulk.render() == single.render()
+    bad = Transaction(Family.IP, "t")
+    bad.add_rules("bad name!", ["accept"])
+    assert bad.error is not None and len(bad) == 0
+    bad = Transaction(Family.IP, "t")
+    bad.add_elements("bad name!", items)
+    assert bad.error is not None and len(bad) == 0
 
 
 BAD_PARTS: list[object] = [
@@ -333,6 +358,7 @@ def test_invalid_element_keys(key: Any) -> None:
         lambda tx: tx.add(Element("s", key)),
         lambda tx: tx.delete_element("s", key),
         lambda tx: tx.add_element("m", ("1.1.1.1",), key, True),
+        lambda tx: tx.add_elements("s", [(key, ())]),
     ]
     for op in ops:
         tx = Transaction(Family.IP, "t")

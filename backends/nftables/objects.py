@@ -19,6 +19,7 @@ from enum import StrEnum
 
 __all__ = [
     "COMMENT_LENGTH_MAX",
+    "ELEMENT_PART",
     "NAME_LENGTH_MAX",
     "SET_FLAGS",
     "Chain",
@@ -62,6 +63,8 @@ _TYPE_RE = re.compile(r"[a-z][a-z0-9_]*(?: \. [a-z][a-z0-9_]*)*")
 # command or a line ('#' starts an nft comment).
 _WORD = r'(?![.:](?: |$))[^\s{},;#"]+'
 _ELEMENT_PART_RE = re.compile(rf"{_WORD}(?: {_WORD})*")
+ELEMENT_PART = _ELEMENT_PART_RE
+"""What :func:`validate_element_part` accepts, for callers that check many parts inline."""
 _PRIORITY_MIN, _PRIORITY_MAX = -(2**31), 2**31 - 1
 
 

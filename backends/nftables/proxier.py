@@ -620,8 +620,7 @@ class NftablesBackend:
                 stale.pop(name, None)
                 continue
             tx.add_chain(name)
-            for rule in chain.rules:
-                tx.add_rule(name, rule)
+            tx.add_rules(name, chain.rules)
             chains.add(name)
         elements = self._elements
         for container, key, value in rules.elements:

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Final
 
 from kubeproxy.backends.nftables.objects import (
+    ELEMENT_PART,
     Chain,
     Element,
     Family,
@@ -144,10 +145,16 @@ class Transaction:
             self._fail(f"element {what} is empty")
             return False
         known = self._valid_parts
+        match = ELEMENT_PART.fullmatch
         for part in parts:
-            # Parts repeat a lot ("tcp", "80", "goto reject-chain"): check each once.
-            if type(part) is str and part in known:
-                continue
+            # Parts repeat a lot ("tcp", "80", "goto reject-chain"): check each once, and
+            # inline (validate_element_part only to explain a bad one).
+            if type(part) is str:
+                if part in known:
+                    continue
+                if match(part) is not None:
+                    known.add(part)
+                    continue
             if not self._check(validate_element_part, what, part):
                 return False
             known.add(part)
@@ -281,6 +288,25 @@ class Transaction:
         """Queue ``add rule``, like ``add(Rule(chain, rule, comment))``."""
         if self._error is None:
             self._rule("add", chain, rule, comment)
+
+    def add_rules(self, chain: str, rules: Iterable[str]) -> None:
+        """Queue ``add rule`` of each of ``rules`` (no comments) to ``chain``, in order,
+        like :meth:`add_rule` for each, checking the chain name once.
+        """
+        if self._error is not None or not self._name_ok("chain", chain):
+            return
+        append = self._ops.append
+        for rule in rules:
+            if (
+                type(rule) is not str
+                or not rule
+                or ";" in rule
+                or "\n" in rule
+                or "\r" in rule
+                or rule.isspace()
+            ) and not self._check(validate_rule_text, rule):
+                return
+            append(("add", _RULE, chain, rule, None))
 
     def add_element(
         self,
