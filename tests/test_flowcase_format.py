@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kubeproxy.config import LocalDetectMode
+from kubeproxy.backend import ProxySnapshot, SyncChanges
+from kubeproxy.config import LocalDetectMode, LocalDetector
 from kubeproxy.objects import IPFamily, NamespacedName, Protocol
 from kubeproxy.testing.cases import (
     CaseFamily,
@@ -24,7 +25,7 @@ from kubeproxy.testing.cases import (
 )
 from kubeproxy.testing.node import STANDARD_NODE
 from kubeproxy.testing.runner import flow_id
-from kubeproxy.testing.scene import Role, plan_scene
+from kubeproxy.testing.scene import BRIDGE_INTERFACE, POD_INTERFACE_PREFIX, Role, plan_scene
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "flowcases" / "examples"
@@ -231,7 +232,14 @@ def test_ipv6_and_dual_stack_outputs() -> None:
             case_text().replace(
                 "family: IPv4", "family: IPv4\n    proxierOverrides: {localDetector: x}"
             ),
-            "only 'none' is known",
+            "case 'c'.proxierOverrides.localDetector: expected one of none, clusterCIDR,"
+            " nodeCIDR, bridgeInterface, interfaceNamePrefix, got 'x'",
+        ),
+        (
+            case_text().replace(
+                "family: IPv4", "family: IPv4\n    proxierOverrides: {localDetector: 3}"
+            ),
+            "localDetector: expected one of none,",
         ),
         (
             case_text().replace(
@@ -378,3 +386,109 @@ def test_proxier_config_overrides() -> None:
     assert config.masquerade_all is True
     assert config.local_detector.mode is LocalDetectMode.NONE
     assert config.node_port_addresses == ("192.168.1.0/24",)
+
+
+def overrides_with_detector(value: str) -> str:
+    return case_text().replace(
+        "family: IPv4", f"family: IPv4\n    proxierOverrides: {{localDetector: {value}}}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "mode"),
+    [
+        ("none", LocalDetectMode.NONE),
+        ("NONE", LocalDetectMode.NONE),
+        ("clusterCIDR", LocalDetectMode.CLUSTER_CIDR),
+        ("ClusterCIDR", LocalDetectMode.CLUSTER_CIDR),
+        ("nodeCIDR", LocalDetectMode.NODE_CIDR),
+        ("nodecidr", LocalDetectMode.NODE_CIDR),
+        ("bridgeInterface", LocalDetectMode.BRIDGE_INTERFACE),
+        ("BridgeInterface", LocalDetectMode.BRIDGE_INTERFACE),
+        ("interfaceNamePrefix", LocalDetectMode.INTERFACE_NAME_PREFIX),
+        ("INTERFACENAMEPREFIX", LocalDetectMode.INTERFACE_NAME_PREFIX),
+    ],
+)
+def test_every_local_detector_mode_is_parsed(value: str, mode: LocalDetectMode) -> None:
+    (case,) = parse_case_file(overrides_with_detector(value)).cases
+    assert case.overrides.local_detector is mode
+    assert case.overrides.local_detector_none is (mode is LocalDetectMode.NONE)
+    assert STANDARD_NODE.proxier_config(case.overrides).local_detector.mode is mode
+
+
+def test_default_local_detector_is_cluster_cidr_of_the_pod_network() -> None:
+    (case,) = parse_case_file(case_text()).cases
+    assert case.overrides.local_detector is None
+    assert case.overrides.local_detector_none is False
+    detector = STANDARD_NODE.proxier_config(case.overrides).local_detector
+    assert detector.mode is LocalDetectMode.CLUSTER_CIDR
+    assert detector.cidrs == STANDARD_NODE.pod_cidrs
+
+
+def test_explicit_cluster_cidr_equals_the_default() -> None:
+    (default,) = parse_case_file(case_text()).cases
+    (explicit,) = parse_case_file(overrides_with_detector("clusterCIDR")).cases
+    assert STANDARD_NODE.proxier_config(explicit.overrides) == STANDARD_NODE.proxier_config(
+        default.overrides
+    )
+
+
+def test_interface_detectors_name_the_scene_interfaces() -> None:
+    (bridge,) = parse_case_file(overrides_with_detector("bridgeInterface")).cases
+    detector = STANDARD_NODE.proxier_config(bridge.overrides).local_detector
+    assert (detector.interface, detector.cidrs) == ("kpxfbr0", ())
+    assert detector.interface == BRIDGE_INTERFACE
+    (prefix,) = parse_case_file(overrides_with_detector("interfaceNamePrefix")).cases
+    detector = STANDARD_NODE.proxier_config(prefix.overrides).local_detector
+    assert (detector.interface, detector.cidrs) == ("kpxfpod", ())
+    assert detector.interface == POD_INTERFACE_PREFIX
+
+
+def test_node_cidr_detector_takes_the_pod_cidrs_of_the_node() -> None:
+    (case,) = parse_case_file(overrides_with_detector("nodeCIDR")).cases
+    detector = STANDARD_NODE.proxier_config(case.overrides).local_detector
+    # The proxier fills the CIDRs from the Node, so the node must carry them.
+    assert (detector.mode, detector.cidrs, detector.interface) == (
+        LocalDetectMode.NODE_CIDR,
+        (),
+        "",
+    )
+    info = STANDARD_NODE.node_info()
+    assert [str(c) for c in info.pod_cidrs_of(IPFamily.IPV4)] == ["10.0.0.0/8"]
+    assert [str(c) for c in info.pod_cidrs_of(IPFamily.IPV6)] == ["fd00:10::/64"]
+
+
+class RecordingBackend:
+    """A backend that keeps the local-traffic detector of every snapshot it gets."""
+
+    def __init__(self, family: IPFamily) -> None:
+        self.family = family
+        self.detectors: list[LocalDetector] = []
+
+    def sync(self, snapshot: ProxySnapshot, changes: SyncChanges) -> None:
+        self.detectors.append(snapshot.local_detector)
+
+    def cleanup(self) -> None:
+        pass
+
+
+def test_node_cidr_detector_in_a_proxier_uses_the_node_pod_cidrs() -> None:
+    from kubeproxy.proxier import Proxier
+
+    (case,) = parse_case_file(overrides_with_detector("nodeCIDR")).cases
+    config = STANDARD_NODE.proxier_config(case.overrides)
+    for family in (IPFamily.IPV4, IPFamily.IPV6):
+        backend = RecordingBackend(family)
+        proxier = Proxier(family, config, backend, node=STANDARD_NODE.node_info())
+        proxier.on_services_synced()
+        proxier.on_endpoint_slices_synced()
+        assert proxier.sync_now()
+        expected = LocalDetector(LocalDetectMode.NODE_CIDR, (STANDARD_NODE.pod_cidr(family),))
+        assert backend.detectors[-1] == expected
+
+
+def test_detectors_file_covers_every_detector_mode() -> None:
+    parsed = load_case_file(ROOT / "flowcases" / "behaviour" / "detectors.yaml")
+    modes = {case.overrides.local_detector for case in parsed.cases}
+    assert modes == set(LocalDetectMode) - {LocalDetectMode.NONE}
+    assert not parsed.warnings

@@ -19,6 +19,7 @@ from typing import Any, Final
 
 import yaml
 
+from kubeproxy.config import LocalDetectMode
 from kubeproxy.objects import IPAddress, IPFamily, NamespacedName, Protocol, endpoint_string
 
 __all__ = [
@@ -40,6 +41,14 @@ __all__ = [
 _TOP_KEYS: Final = frozenset({"test", "cases"})
 _CASE_KEYS: Final = frozenset({"name", "family", "proxierOverrides", "steps"})
 _OVERRIDE_KEYS: Final = frozenset({"masqueradeAll", "nodePortAddresses", "localDetector"})
+# Our extension of FORMAT.md: every local-traffic detector mode, by its flag spelling.
+_LOCAL_DETECTORS: Final = {
+    "none": LocalDetectMode.NONE,
+    "clustercidr": LocalDetectMode.CLUSTER_CIDR,
+    "nodecidr": LocalDetectMode.NODE_CIDR,
+    "bridgeinterface": LocalDetectMode.BRIDGE_INTERFACE,
+    "interfacenameprefix": LocalDetectMode.INTERFACE_NAME_PREFIX,
+}
 _STEP_KEYS: Final = {
     "apply": frozenset({"action", "services", "endpointSlices"}),
     "delete": frozenset({"action", "services", "endpointSlices"}),
@@ -153,11 +162,16 @@ class Step:
 
 @dataclass(frozen=True, slots=True)
 class ProxierOverrides:
-    """``proxierOverrides``: ``None`` keeps the standard test node's value."""
+    """``proxierOverrides``: ``None`` keeps the standard test node's value.
+
+    ``local_detector`` is the chosen local-traffic detector mode; ``local_detector_none``
+    is true exactly when that mode is ``none``.
+    """
 
     masquerade_all: bool | None = None
     node_port_addresses: tuple[str, ...] | None = None
     local_detector_none: bool = False
+    local_detector: LocalDetectMode | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,13 +329,22 @@ class _Parser:
                     raise self.error(at, f"{text!r} is not a CIDR") from None
                 checked.append(text)
             node_port_addresses = tuple(checked)
-        local_detector_none = False
+        local_detector = None
         if "localDetector" in obj:
             value = obj["localDetector"]
-            if not isinstance(value, str) or value.lower() != "none":
-                raise self.error(f"{where}.localDetector", f"only 'none' is known, got {value!r}")
-            local_detector_none = True
-        return ProxierOverrides(masquerade_all, node_port_addresses, local_detector_none)
+            mode = _LOCAL_DETECTORS.get(value.lower()) if isinstance(value, str) else None
+            if mode is None:
+                known = "none, clusterCIDR, nodeCIDR, bridgeInterface, interfaceNamePrefix"
+                raise self.error(
+                    f"{where}.localDetector", f"expected one of {known}, got {value!r}"
+                )
+            local_detector = mode
+        return ProxierOverrides(
+            masquerade_all,
+            node_port_addresses,
+            local_detector is LocalDetectMode.NONE,
+            local_detector,
+        )
 
     def step(
         self, where: str, raw: Any, index: int, family: CaseFamily, sync_number: int

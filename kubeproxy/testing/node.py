@@ -43,8 +43,28 @@ class StandardNode:
         return next(c for c in self.pod_cidrs if c.version == family.version)
 
     def node_info(self) -> NodeInfo:
-        """The :class:`NodeInfo` the proxiers get."""
-        return NodeInfo(name=self.name, addresses=self.addresses)
+        """The :class:`NodeInfo` the proxiers get; its pod CIDRs are the pod network.
+
+        Only the NodeCIDR local-traffic detector reads them.
+        """
+        return NodeInfo(name=self.name, addresses=self.addresses, pod_cidrs=self.pod_cidrs)
+
+    def local_detector(self, mode: LocalDetectMode | None) -> LocalDetector:
+        """The local-traffic detector of a ``localDetector`` override (``None``: ClusterCIDR).
+
+        NodeCIDR carries no CIDRs: the proxier takes them from :meth:`node_info`. The
+        interface modes name the scene's pod bridge and pod veth prefix.
+        """
+        # Imported here, not at the top: the scene imports this module.
+        from kubeproxy.testing.scene import BRIDGE_INTERFACE, POD_INTERFACE_PREFIX
+
+        if mode is None or mode is LocalDetectMode.CLUSTER_CIDR:
+            return LocalDetector(LocalDetectMode.CLUSTER_CIDR, self.pod_cidrs)
+        if mode is LocalDetectMode.BRIDGE_INTERFACE:
+            return LocalDetector(mode, interface=BRIDGE_INTERFACE)
+        if mode is LocalDetectMode.INTERFACE_NAME_PREFIX:
+            return LocalDetector(mode, interface=POD_INTERFACE_PREFIX)
+        return LocalDetector(mode)
 
     def proxier_config(self, overrides: ProxierOverrides) -> ProxierConfig:
         """The proxier configuration of this node with a case's ``proxierOverrides``.
@@ -52,10 +72,10 @@ class StandardNode:
         The same configuration serves both families; each proxier keeps its own family's
         CIDRs and addresses.
         """
+        mode = overrides.local_detector
         if overrides.local_detector_none:
-            detector = LocalDetector(LocalDetectMode.NONE)
-        else:
-            detector = LocalDetector(LocalDetectMode.CLUSTER_CIDR, self.pod_cidrs)
+            mode = LocalDetectMode.NONE
+        detector = self.local_detector(mode)
         node_port_addresses = self.node_port_addresses
         if overrides.node_port_addresses is not None:
             node_port_addresses = overrides.node_port_addresses
