@@ -152,7 +152,8 @@ class Transaction:
             if type(part) is str:
                 if part in known:
                     continue
-                if match(part) is not None:
+                # Dotted digits (IPv4 addresses, ports) are one valid word: skip the regex.
+                if part.replace(".", "").isdigit() or match(part) is not None:
                     known.add(part)
                     continue
             if not self._check(validate_element_part, what, part):
