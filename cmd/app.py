@@ -58,14 +58,13 @@ from kubeproxy.conntrack import (
 from kubeproxy.events import (
     ACTION_LISTEN,
     ACTION_START,
-    NORMAL,
     REASON_FAILED_HEALTHCHECK,
     REASON_FAILED_METRICS,
     REASON_FAILED_SERVICE_HEALTHCHECK,
-    REASON_STARTING,
     WARNING,
     EventRecorder,
     EventSink,
+    NodeEventSink,
     ObjectReference,
 )
 from kubeproxy.handlers import KubeObject, ProxyHandler
@@ -421,7 +420,7 @@ def privileged_setup(
 # --- events without an API server -------------------------------------------------------
 
 
-class LoggingEventSink:
+class LoggingEventSink(NodeEventSink):
     """An :class:`~kubeproxy.events.EventSink` with nowhere to post (manifests, dry runs).
 
     Each event becomes one info log line instead.
@@ -429,14 +428,6 @@ class LoggingEventSink:
 
     def __init__(self, node_name: str) -> None:
         self.node_name = node_name
-
-    def starting(self) -> None:
-        """Log the ``Starting`` event."""
-        self.record(NORMAL, REASON_STARTING, ACTION_START, "")
-
-    def warning(self, reason: str, action: str, note: str) -> None:
-        """Log a Warning event about the Node."""
-        self.record(WARNING, reason, action, note)
 
     def record(
         self,

@@ -39,6 +39,7 @@ __all__ = [
     "EventRecorder",
     "EventSink",
     "FakeEventRecorder",
+    "NodeEventSink",
     "ObjectReference",
     "RecordedEvent",
 ]
@@ -126,6 +127,32 @@ class EventSink(Protocol):
         ...
 
 
+class NodeEventSink:
+    """The shared half of every :class:`EventSink`: the Node events in terms of ``record``.
+
+    Subclasses implement :meth:`record` (post, log or keep the event).
+    """
+
+    def starting(self) -> None:
+        """The Normal ``Starting``/``StartKubeProxy`` event about the Node."""
+        self.record(NORMAL, REASON_STARTING, ACTION_START, "")
+
+    def warning(self, reason: str, action: str, note: str) -> None:
+        """A Warning event about the Node."""
+        self.record(WARNING, reason, action, note)
+
+    def record(
+        self,
+        type_: str,
+        reason: str,
+        action: str,
+        note: str,
+        regarding: ObjectReference | None = None,
+    ) -> None:
+        """Any event; ``regarding`` defaults to the Node."""
+        raise NotImplementedError
+
+
 def _check_type(type_: str) -> None:
     if type_ not in (NORMAL, WARNING):
         raise ValueError(f"event type must be {NORMAL!r} or {WARNING!r}, not {type_!r}")
@@ -137,7 +164,7 @@ def _micro_time(seconds: float) -> str:
     return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-class EventRecorder:
+class EventRecorder(NodeEventSink):
     """Posts ``events.k8s.io/v1`` Events through an official ``ApiClient``.
 
     ``reporting_instance`` defaults to ``<controller>-<hostname>`` (client-go's choice);
@@ -179,14 +206,6 @@ class EventRecorder:
         self._closed = False
 
     # EventSink
-
-    def starting(self) -> None:
-        """Post the Normal ``Starting``/``StartKubeProxy`` event about the Node."""
-        self.record(NORMAL, REASON_STARTING, ACTION_START, "")
-
-    def warning(self, reason: str, action: str, note: str) -> None:
-        """Post a Warning event about the Node."""
-        self.record(WARNING, reason, action, note)
 
     def record(
         self,
@@ -354,21 +373,13 @@ def _describe(err: BaseException) -> str:
     return " ".join(f"{type(err).__name__}: {err}".split())
 
 
-class FakeEventRecorder:
+class FakeEventRecorder(NodeEventSink):
     """An in-memory :class:`EventSink`: events land in :attr:`events`."""
 
     def __init__(self, node_name: str = "node") -> None:
         self.node_name = node_name
         self.events: list[RecordedEvent] = []
         self._lock = threading.Lock()
-
-    def starting(self) -> None:
-        """Record the Normal ``Starting``/``StartKubeProxy`` event about the Node."""
-        self.record(NORMAL, REASON_STARTING, ACTION_START, "")
-
-    def warning(self, reason: str, action: str, note: str) -> None:
-        """Record a Warning event about the Node."""
-        self.record(WARNING, reason, action, note)
 
     def record(
         self,
