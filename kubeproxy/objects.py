@@ -7,7 +7,8 @@ object (see :mod:`kubeproxy.parse`). Backends read these; nothing here talks to 
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import TypeAlias
 
@@ -26,6 +27,7 @@ __all__ = [
     "ServicePort",
     "ServicePortName",
     "endpoint_string",
+    "make_endpoint",
 ]
 
 
@@ -175,6 +177,55 @@ class Endpoint:
 
     def __str__(self) -> str:
         return self.key
+
+
+def _endpoint_maker() -> Callable[
+    [IPAddress, int, str, bool, bool, bool, bool, frozenset[str], frozenset[str]], Endpoint
+]:
+    # A frozen dataclass sets every field through object.__setattr__; at hundreds of
+    # thousands of endpoints per start-up that was most of the parsing time. Writing the
+    # slots through their descriptors gives the same object in a quarter of the time.
+    setters = {f.name: getattr(Endpoint, f.name).__set__ for f in fields(Endpoint)}
+    set_ip, set_port, set_key = setters["ip"], setters["port"], setters["key"]
+    set_local, set_ready = setters["is_local"], setters["ready"]
+    set_serving, set_terminating = setters["serving"], setters["terminating"]
+    set_zone_hints, set_node_hints = setters["zone_hints"], setters["node_hints"]
+    new = object.__new__
+
+    def make(
+        ip: IPAddress,
+        port: int,
+        key: str,
+        is_local: bool,
+        ready: bool,
+        serving: bool,
+        terminating: bool,
+        zone_hints: frozenset[str],
+        node_hints: frozenset[str],
+    ) -> Endpoint:
+        endpoint: Endpoint = new(Endpoint)
+        set_ip(endpoint, ip)
+        set_port(endpoint, port)
+        set_local(endpoint, is_local)
+        set_ready(endpoint, ready)
+        set_serving(endpoint, serving)
+        set_terminating(endpoint, terminating)
+        set_zone_hints(endpoint, zone_hints)
+        set_node_hints(endpoint, node_hints)
+        set_key(endpoint, key)
+        return endpoint
+
+    return make
+
+
+make_endpoint = _endpoint_maker()
+"""Build an :class:`Endpoint` fast, from already validated parts and its precomputed key.
+
+``make_endpoint(ip, port, key, is_local, ready, serving, terminating, zone_hints,
+node_hints)`` equals ``Endpoint(ip, port, is_local, ...)`` when ``key`` is
+``endpoint_string(ip, port)``; the parser uses it for the hundreds of thousands of
+endpoints of a big cluster.
+"""
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,12 +13,11 @@ Conversion is per IP family, as upstream: a dual-stack Service yields one view p
 
 from __future__ import annotations
 
-import dataclasses
 import ipaddress
 import logging
 import re
 import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -34,6 +33,7 @@ from kubeproxy.objects import (
     ServicePort,
     ServicePortName,
     endpoint_string,
+    make_endpoint,
 )
 
 __all__ = [
@@ -528,90 +528,10 @@ def _policy_is_local(context: _Context, spec: Mapping[str, Any], field: str) -> 
 # EndpointSlices
 
 
-_ENDPOINT_FIELDS: Final = (
-    "ip",
-    "port",
-    "is_local",
-    "ready",
-    "serving",
-    "terminating",
-    "zone_hints",
-    "node_hints",
-    "key",
-)
-
-
-def _make_endpoint_factory() -> Callable[
-    [IPAddress, int, str, bool, bool, bool, bool, frozenset[str], frozenset[str]], Endpoint
-]:
-    """A constructor of :class:`Endpoint` that skips the frozen-dataclass ``__init__``.
-
-    A frozen dataclass sets each field through ``object.__setattr__``; at hundreds of
-    thousands of endpoints per start-up that is most of the parsing time. Writing the
-    slots directly yields the same object (the key is passed in, already computed) in a
-    quarter of the time. Should :class:`Endpoint` ever change shape, this falls back to
-    the regular constructor.
-    """
-    if tuple(f.name for f in dataclasses.fields(Endpoint)) != _ENDPOINT_FIELDS or any(
-        not hasattr(getattr(Endpoint, name, None), "__set__") for name in _ENDPOINT_FIELDS
-    ):
-
-        def slow(
-            ip: IPAddress,
-            port: int,
-            key: str,
-            is_local: bool,
-            ready: bool,
-            serving: bool,
-            terminating: bool,
-            zone_hints: frozenset[str],
-            node_hints: frozenset[str],
-        ) -> Endpoint:
-            return Endpoint(ip, port, is_local, ready, serving, terminating, zone_hints, node_hints)
-
-        return slow
-
-    new = object.__new__
-    set_ip, set_port, set_local, set_ready, set_serving, set_terminating = (
-        getattr(Endpoint, name).__set__ for name in _ENDPOINT_FIELDS[:6]
-    )
-    set_zone_hints, set_node_hints, set_key = (
-        getattr(Endpoint, name).__set__ for name in _ENDPOINT_FIELDS[6:]
-    )
-
-    def fast(
-        ip: IPAddress,
-        port: int,
-        key: str,
-        is_local: bool,
-        ready: bool,
-        serving: bool,
-        terminating: bool,
-        zone_hints: frozenset[str],
-        node_hints: frozenset[str],
-    ) -> Endpoint:
-        endpoint: Endpoint = new(Endpoint)
-        set_ip(endpoint, ip)
-        set_port(endpoint, port)
-        set_local(endpoint, is_local)
-        set_ready(endpoint, ready)
-        set_serving(endpoint, serving)
-        set_terminating(endpoint, terminating)
-        set_zone_hints(endpoint, zone_hints)
-        set_node_hints(endpoint, node_hints)
-        set_key(endpoint, key)
-        return endpoint
-
-    return fast
-
-
-_new_endpoint = _make_endpoint_factory()
-
-
 def endpoint_with_port(endpoint: Endpoint, port: int) -> Endpoint:
     """A copy of ``endpoint`` with another port (same as ``dataclasses.replace``, faster)."""
     host = endpoint.key[: endpoint.key.rindex(":")]
-    return _new_endpoint(
+    return make_endpoint(
         endpoint.ip,
         port,
         f"{host}:{port}",
@@ -748,7 +668,7 @@ def parse_endpoint_slice(
             zone_hints = _hint_names(context, hints.get("forZones"), where + ".forZones")
             node_hints = _hint_names(context, hints.get("forNodes"), where + ".forNodes")
         endpoints.append(
-            _new_endpoint(
+            make_endpoint(
                 address,
                 first_port,
                 f"{address_text}:{first_port}"
