@@ -5,7 +5,6 @@ UDP flows DNAT'ed by nftables inside network namespaces of our own (kpxm-c*)."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import ipaddress
 import os
 import socket
@@ -30,6 +29,7 @@ from kubeproxy.conntrack import (
     find_stale_flows,
 )
 from kubeproxy.metrics import ProxyMetrics
+from kubeproxy.netns import in_netns as entered
 from kubeproxy.objects import (
     Endpoint,
     IPAddress,
@@ -333,23 +333,6 @@ def test_proxier_runs_the_reconciler_only_when_udp_endpoints_changed() -> None:
 
 
 # --- kernel: real flows ---------------------------------------------------------------
-
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-@contextlib.contextmanager
-def entered(namespace: str) -> Iterator[None]:
-    target = os.open(f"/run/netns/{namespace}", os.O_RDONLY)
-    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-    try:
-        assert _libc.setns(target, 0x40000000) == 0
-        try:
-            yield
-        finally:
-            assert _libc.setns(home, 0x40000000) == 0
-    finally:
-        os.close(target)
-        os.close(home)
 
 
 def run(*argv: str, stdin: str | None = None) -> str:

@@ -6,8 +6,6 @@ a network namespace of our own."""
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import errno
 import http.client
 import ipaddress
@@ -32,6 +30,7 @@ from kubeproxy.health import (
     format_time,
 )
 from kubeproxy.metrics import ProxyMetrics
+from kubeproxy.netns import in_netns as entered
 from kubeproxy.objects import IPAddress, IPFamily, NamespacedName, NodeInfo
 from kubeproxy.proxier import ObserverGroup, Proxier
 
@@ -525,23 +524,6 @@ def test_health_observer_drives_health_and_service_checks() -> None:
 
 
 # --- kernel: wildcard listeners in a namespace of our own -----------------------------
-
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-@contextlib.contextmanager
-def entered(namespace: str) -> Iterator[None]:
-    target = os.open(f"/run/netns/{namespace}", os.O_RDONLY)
-    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-    try:
-        assert _libc.setns(target, 0x40000000) == 0
-        try:
-            yield
-        finally:
-            assert _libc.setns(home, 0x40000000) == 0
-    finally:
-        os.close(target)
-        os.close(home)
 
 
 @pytest.fixture

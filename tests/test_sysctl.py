@@ -5,8 +5,6 @@ kernel refuse nf_conntrack_max there, without touching the host's values."""
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import errno
 import logging
 import os
@@ -17,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from kubeproxy.netns import in_netns as entered
 from kubeproxy.sysctl import (
     ConntrackSysctls,
     FileSysctls,
@@ -195,23 +194,6 @@ def test_settings_are_validated_and_cpus_detected() -> None:
 
 
 # --- kernel ---------------------------------------------------------------------------
-
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-@contextlib.contextmanager
-def entered(namespace: str) -> Iterator[None]:
-    target = os.open(f"/run/netns/{namespace}", os.O_RDONLY)
-    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-    try:
-        assert _libc.setns(target, 0x40000000) == 0
-        try:
-            yield
-        finally:
-            assert _libc.setns(home, 0x40000000) == 0
-    finally:
-        os.close(target)
-        os.close(home)
 
 
 @pytest.fixture
