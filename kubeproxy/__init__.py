@@ -15,7 +15,7 @@ from kubeproxy.backend import (
     SyncChanges,
     SyncError,
 )
-from kubeproxy.config import LocalDetectMode, LocalDetector, ProxierConfig
+from kubeproxy.config import IPVSSettings, LocalDetectMode, LocalDetector, ProxierConfig
 from kubeproxy.endpointchanges import EndpointsChangeTracker, EndpointsMap
 from kubeproxy.handlers import KubeObject, ProxyHandler
 from kubeproxy.objects import (
@@ -45,6 +45,7 @@ __all__ = [
     "EndpointsChangeTracker",
     "EndpointsMap",
     "IPFamily",
+    "IPVSSettings",
     "InvalidObject",
     "KubeObject",
     "LocalDetectMode",

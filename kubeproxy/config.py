@@ -14,6 +14,7 @@ from enum import StrEnum
 from kubeproxy.objects import IPFamily, IPNetwork
 
 __all__ = [
+    "IPVSSettings",
     "LocalDetectMode",
     "LocalDetector",
     "ProxierConfig",
@@ -66,6 +67,22 @@ class LocalDetector:
 
 
 @dataclass(frozen=True, slots=True)
+class IPVSSettings:
+    """The (deprecated) ipvs mode's settings, from the configuration's ``ipvs`` section.
+
+    Timeouts are in seconds; 0 leaves the kernel's value alone. ``exclude_cidrs`` are
+    addresses whose IPVS virtual servers the proxy never deletes (someone else's).
+    """
+
+    scheduler: str = "rr"
+    exclude_cidrs: tuple[IPNetwork, ...] = ()
+    strict_arp: bool = False
+    tcp_timeout: float = 0.0
+    tcp_fin_timeout: float = 0.0
+    udp_timeout: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class ProxierConfig:
     """Everything a proxier of one node needs besides the objects it proxies.
 
@@ -74,6 +91,11 @@ class ProxierConfig:
     (``primary`` for nftables, all addresses for iptables and ipvs). ``service_cidrs``
     is the fallback used to drop traffic to unallocated service IPs when the API offers
     no ServiceCIDR objects. Periods are in seconds.
+
+    Mode-specific settings: ``localhost_node_ports`` (iptables mode: accept NodePorts on
+    127.0.0.1, upstream's ``iptables.localhostNodePorts``), ``tcp_be_liberal`` (the
+    ``conntrack.tcpBeLiberal`` setting: iptables mode then keeps its INVALID-state drop
+    out), ``ipvs`` (ipvs mode's scheduler, timeouts and excluded CIDRs).
     """
 
     node_name: str
@@ -84,6 +106,9 @@ class ProxierConfig:
     service_cidrs: tuple[IPNetwork, ...] = ()
     sync_period: float = 30.0
     min_sync_period: float = 1.0
+    localhost_node_ports: bool = True
+    tcp_be_liberal: bool = False
+    ipvs: IPVSSettings = field(default_factory=IPVSSettings)
 
     def __post_init__(self) -> None:
         if not 0 <= self.masquerade_bit <= 31:

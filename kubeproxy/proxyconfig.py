@@ -35,7 +35,7 @@ from typing import Any
 
 import yaml
 
-from kubeproxy.config import LocalDetectMode, LocalDetector, ProxierConfig
+from kubeproxy.config import IPVSSettings, LocalDetectMode, LocalDetector, ProxierConfig
 from kubeproxy.objects import IPNetwork
 
 __all__ = [
@@ -1231,4 +1231,16 @@ def to_proxier_config(
         service_cidrs=tuple(service_cidrs),
         sync_period=sync.seconds,
         min_sync_period=min_sync.seconds,
+        localhost_node_ports=cfg.iptables.localhost_node_ports,
+        tcp_be_liberal=cfg.conntrack.tcp_be_liberal,
+        ipvs=IPVSSettings(
+            scheduler=cfg.ipvs.scheduler or "rr",
+            exclude_cidrs=tuple(
+                ipaddress.ip_network(cidr, strict=False) for cidr in cfg.ipvs.exclude_cidrs
+            ),
+            strict_arp=cfg.ipvs.strict_arp,
+            tcp_timeout=cfg.ipvs.tcp_timeout.seconds,
+            tcp_fin_timeout=cfg.ipvs.tcp_fin_timeout.seconds,
+            udp_timeout=cfg.ipvs.udp_timeout.seconds,
+        ),
     )
