@@ -3,7 +3,10 @@
 Upstream's events (reference: upstream-core §4): ``Starting`` / ``StartKubeProxy`` once the
 proxy runs (the "birth cry"), ``FailedToStartProxierHealthcheck`` and
 ``FailedToStartMetricServer`` (action ``StartKubeProxy``) when a server cannot bind with
-``bindAddressHardFail``, ``IPVSDeprecation`` (action ``ProxyModeCheck``) in ipvs mode, and
+``bindAddressHardFail``, ``IPVSDeprecation`` (action ``ProxyModeCheck``) in ipvs mode,
+``ProxyModeDefaulted`` (action ``ProxyModeCheck``) when the multi-mode binary runs without
+a configured mode (upstream 1.37 posts an event then; its reason was not verified, the
+name is ours), and
 ``FailedToStartServiceHealthcheck`` (action ``Listen``) about a Service. Each regards the
 Node by a reference whose UID is the node name, like upstream's ``NodeRef``.
 
@@ -34,6 +37,7 @@ __all__ = [
     "REASON_FAILED_METRICS",
     "REASON_FAILED_SERVICE_HEALTHCHECK",
     "REASON_IPVS_DEPRECATION",
+    "REASON_PROXY_MODE_DEFAULTED",
     "REASON_STARTING",
     "WARNING",
     "EventRecorder",
@@ -54,6 +58,9 @@ REASON_FAILED_HEALTHCHECK = "FailedToStartProxierHealthcheck"
 REASON_FAILED_METRICS = "FailedToStartMetricServer"
 REASON_IPVS_DEPRECATION = "IPVSDeprecation"
 REASON_FAILED_SERVICE_HEALTHCHECK = "FailedToStartServiceHealthcheck"
+# Upstream 1.37 (PR #139957) posts an event when the mode was defaulted; its exact reason
+# could not be verified from the reference material, so this one is ours.
+REASON_PROXY_MODE_DEFAULTED = "ProxyModeDefaulted"
 
 ACTION_START = "StartKubeProxy"
 ACTION_PROXY_MODE_CHECK = "ProxyModeCheck"

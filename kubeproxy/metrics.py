@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CONTENT_TYPE",
     "DEFAULT_METRICS_ADDRESS",
+    "DEPRECATED_MODES",
     "MODES",
     "NETWORK_PROGRAMMING_BUCKETS",
     "SYNC_BUCKETS",
@@ -65,6 +66,9 @@ CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 
 MODES: Final = ("nftables", "iptables", "ipvs")
 """Proxy modes; each registers its own failure counters, as upstream."""
+
+DEPRECATED_MODES: Final = ("ipvs",)
+"""Modes that set ``kubeproxy_deprecated_proxy_mode{mode=...} 1`` (ours, not upstream's)."""
 
 SYNC_BUCKETS: Final = tuple(0.001 * 2**i for i in range(15))
 """Sync-duration buckets: 1 ms doubling to 16.384 s (Go's ``ExponentialBuckets(0.001, 2, 15)``)."""
@@ -279,7 +283,17 @@ class ProxyMetrics:
     ``..._iptables_partial_restore_failures_total``, ``..._iptables_total`` and
     ``..._iptables_last``; ipvs ``..._iptables_restore_failures_total``. The full and
     partial sync histograms are registered in every mode (every backend here has both
-    kinds of sync). ``process_metrics`` adds prometheus-client's process collector
+    kinds of sync). A deprecated mode (:data:`DEPRECATED_MODES`) also sets
+    ``kubeproxy_deprecated_proxy_mode{mode="ipvs"}`` to 1: our metric, not upstream's, so
+    an alert can find the nodes still to migrate.
+
+    A failed sync counts in the mode's sync-failure counter (``..._nftables_sync_failures``
+    or ``..._iptables_restore_failures``) unless :meth:`count_failures_from_backend` was
+    called: then the backend's own count of failed restores is fed in through
+    :meth:`restore_failed` (upstream counts every failed iptables-restore, including a
+    partial one that a full restore then repaired, and nothing else).
+
+    ``process_metrics`` adds prometheus-client's process collector
     (``process_cpu_seconds_total``, ``process_resident_memory_bytes``, ...); leave it
     off when the registry given already has one. ``clock`` gives wall-clock seconds.
     """
@@ -389,6 +403,16 @@ class ProxyMetrics:
                 "Number of iptables rules written by kube-proxy in last sync",
                 ["table", "ip_family"],
             )
+        self.deprecated_mode: Gauge | None = None
+        if mode in DEPRECATED_MODES:
+            self.deprecated_mode = Gauge(
+                _PREFIX + "deprecated_proxy_mode",
+                "1 while this proxy runs in a deprecated mode (ipvs); migrate to nftables",
+                ["mode"],
+                registry=reg,
+            )
+            self.deprecated_mode.labels(mode).set(1)
+        self._failures_from_backend = False
         self._changes = _ChangeCounters()
         reg.register(self._changes)
         if process_metrics:
@@ -435,7 +459,7 @@ class ProxyMetrics:
         kind.labels(label).observe(duration)
         if error is None:
             self.last_sync.labels(label).set(self.clock())
-        elif self.sync_failures is not None:
+        elif self.sync_failures is not None and not self._failures_from_backend:
             self.sync_failures.labels(label).inc()
 
     def endpoints_trigger_times(self, family: IPFamily, times: list[float]) -> None:
@@ -481,6 +505,15 @@ class ProxyMetrics:
         self.conntrack_deleted.labels(family.value).inc(deleted)
 
     # Backend-specific
+
+    def count_failures_from_backend(self) -> None:
+        """From now on failed syncs are counted through :meth:`restore_failed` only."""
+        self._failures_from_backend = True
+
+    def restore_failed(self, family: IPFamily, count: int = 1) -> None:
+        """``count`` iptables-restore runs failed (iptables and ipvs modes)."""
+        if self.sync_failures is not None and self.mode != "nftables" and count > 0:
+            self.sync_failures.labels(family.value).inc(count)
 
     def nftables_cleanup_failed(self, family: IPFamily) -> None:
         """An nftables stale-object cleanup failed (nftables mode only)."""

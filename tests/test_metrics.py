@@ -300,9 +300,17 @@ def exercise(metrics: ProxyMetrics) -> None:
         (
             "ipvs",
             {
-                k: v
-                for k, v in IPTABLES_ONLY.items()
-                if "restore_failures" in k and "partial" not in k
+                **{
+                    k: v
+                    for k, v in IPTABLES_ONLY.items()
+                    if "restore_failures" in k and "partial" not in k
+                },
+                # Ours, not upstream's: says the deprecated mode is in use.
+                "kubeproxy_deprecated_proxy_mode": (
+                    "gauge",
+                    "1 while this proxy runs in a deprecated mode (ipvs); migrate to nftables",
+                    {"mode"},
+                ),
             },
             {**NFTABLES_ONLY, **{k: v for k, v in IPTABLES_ONLY.items() if "partial" in k}},
         ),
@@ -508,6 +516,37 @@ def test_iptables_mode_counts_restore_failures() -> None:
         value(text, "kubeproxy_sync_proxy_rules_iptables_last", table="filter", ip_family="IPv6")
         == 3
     )
+
+
+def test_only_the_deprecated_mode_says_so() -> None:
+    ipvs = ProxyMetrics(mode="ipvs", process_metrics=False).expose().decode()
+    assert value(ipvs, "kubeproxy_deprecated_proxy_mode", mode="ipvs") == 1
+    for mode in ("nftables", "iptables"):
+        text = ProxyMetrics(mode=mode, process_metrics=False).expose().decode()
+        assert "kubeproxy_deprecated_proxy_mode" not in text
+
+
+@pytest.mark.parametrize("mode", ["iptables", "ipvs"])
+def test_restore_failures_counted_by_the_backend_are_not_counted_twice(mode: str) -> None:
+    metrics = ProxyMetrics(mode=mode, process_metrics=False)
+    name = "kubeproxy_sync_proxy_rules_iptables_restore_failures_total"
+    metrics.sync_finished(V4, True, 0.1, SyncError("refused"), (0, 0))
+    assert value(metrics.expose().decode(), name, ip_family="IPv4") == 1
+    metrics.count_failures_from_backend()
+    # The failed sync is now counted from the backend's own count only: two failed
+    # restores (a partial one, then the full one) in one sync.
+    metrics.sync_finished(V4, True, 0.1, SyncError("refused"), (0, 0))
+    metrics.restore_failed(V4, 2)
+    metrics.restore_failed(V4, 0)
+    assert value(metrics.expose().decode(), name, ip_family="IPv4") == 3
+
+
+def test_restore_failed_does_nothing_in_nftables_mode() -> None:
+    metrics = ProxyMetrics(mode="nftables", process_metrics=False)
+    metrics.restore_failed(V4, 3)
+    text = metrics.expose().decode()
+    assert "iptables_restore_failures" not in text
+    assert "kubeproxy_sync_proxy_rules_nftables_sync_failures_total{" not in text
 
 
 def test_network_programming_latency_is_now_minus_trigger_time() -> None:
