@@ -1,1 +1,111 @@
-"""The iptables backend (placeholder: H1b replaces this module with the renderer's API)."""
+"""The iptables backend: upstream kube-proxy's iptables mode, chain for chain.
+
+Public API:
+
+* :func:`create_backend` - the ``kubeproxy.backends`` entry point: a backend for one
+  family, programming the current network namespace or ``netns`` with the node's
+  iptables variant (nft or legacy, detected as upstream's iptables-wrapper does);
+* :func:`create_legacy_backend` - the same with the legacy variant fixed (tests, nodes
+  whose detection would guess wrong);
+* :class:`IptablesBackend` - the backend itself; give it ``executor=FakeIptables()``
+  for a dry run and read the fake's ``restores`` or ``dump()``;
+* :func:`cleanup` - remove every chain any iptables-mode kube-proxy made, in both
+  families and both variants, and nothing else.
+
+The chains, the rule structure and our one extension (rejecting unknown ports of cluster
+IPs, dropping unallocated service IPs) are described in this package's README.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from kubeproxy.backends.iptables.exec import (
+    IptablesCommands,
+    IptablesError,
+    IptablesVariant,
+    check_support,
+    tool_name,
+)
+from kubeproxy.backends.iptables.proxier import IptablesBackend, cleanup_family
+from kubeproxy.config import ProxierConfig
+from kubeproxy.netns import run_in_netns
+from kubeproxy.objects import IPFamily
+
+__all__ = [
+    "IptablesBackend",
+    "cleanup",
+    "create_backend",
+    "create_legacy_backend",
+]
+
+log = logging.getLogger(__name__)
+
+_ROUTE_LOCALNET = Path("/proc/sys/net/ipv4/conf/all/route_localnet")
+
+
+def _route_localnet_setter(netns: str | None) -> Callable[[], None]:
+    """Set ``route_localnet=1`` in the node's namespace (localhost NodePorts, as upstream)."""
+
+    def write() -> None:
+        if _ROUTE_LOCALNET.read_text().strip() != "1":
+            _ROUTE_LOCALNET.write_text("1\n")
+
+    if netns is None:
+        return write
+    name = netns
+    return lambda: run_in_netns(name, write)
+
+
+def _create(
+    family: IPFamily,
+    config: ProxierConfig,
+    netns: str | None,
+    variant: IptablesVariant | None,
+) -> IptablesBackend:
+    executor = IptablesCommands(variant, netns=netns)
+    check_support(executor, (family,))
+    return IptablesBackend(
+        family, config, executor=executor, route_localnet=_route_localnet_setter(netns)
+    )
+
+
+def create_backend(
+    family: IPFamily, config: ProxierConfig, *, netns: str | None = None
+) -> IptablesBackend:
+    """A backend for ``family`` with the node's iptables variant (in ``netns`` if given).
+
+    Raises :class:`~kubeproxy.backends.iptables.exec.IptablesError` when iptables mode
+    cannot run here (tools missing, no nat table).
+    """
+    return _create(family, config, netns, None)
+
+
+def create_legacy_backend(
+    family: IPFamily, config: ProxierConfig, *, netns: str | None = None
+) -> IptablesBackend:
+    """Like :func:`create_backend`, with iptables-legacy whatever the node uses."""
+    return _create(family, config, netns, IptablesVariant.LEGACY)
+
+
+def cleanup(netns: str | None = None) -> None:
+    """Remove what any iptables-mode kube-proxy made, in both families and both variants.
+
+    A variant whose tools are not installed is skipped, as is a family whose tables
+    cannot be read (no IPv6, say). Kubelet's chains and everyone else's are left alone.
+    Raises :class:`~kubeproxy.backends.iptables.exec.IptablesError` when a removal fails.
+    """
+    for variant in (IptablesVariant.NFT, IptablesVariant.LEGACY):
+        executor = IptablesCommands(variant, netns=netns)
+        for family in (IPFamily.IPV4, IPFamily.IPV6):
+            if shutil.which(tool_name(variant, family, "-restore")) is None:
+                continue
+            try:
+                executor.save(family, "nat")
+            except IptablesError as err:
+                log.debug("skipping %s %s cleanup: %s", variant, family, err)
+                continue
+            cleanup_family(executor, family)
