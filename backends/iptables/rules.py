@@ -62,6 +62,7 @@ MAX_AFFINITY_SECONDS = 86400
 _INTERFACE = re.compile(r"[A-Za-z0-9_.-]{1,15}")
 _LOOPBACK4 = "127.0.0.0/8"
 _LOOPBACK_IP = ipaddress.IPv4Address("127.0.0.1")
+_LOOPBACK_NET = ipaddress.IPv4Network(_LOOPBACK4)
 _NODEPORTS_COMMENT = (
     '-m comment --comment "kubernetes service nodeports; NOTE: this must be the last rule '
     'in this chain"'
@@ -498,9 +499,7 @@ def localhost_node_ports(family: IPFamily, enabled: bool, addresses: NodePortAdd
     if addresses.match_all:
         return True
     # As upstream's ContainsIPv4Loopback: a configured CIDR holding 127.0.0.1.
-    return any(a.is_loopback for a in addresses.addresses) or any(
-        _LOOPBACK_IP in c for c in addresses.cidrs if c.version == 4
-    )
+    return any(_LOOPBACK_IP in c for c in addresses.cidrs if c.version == 4)
 
 
 def fixed_rules(
@@ -572,9 +571,17 @@ def fixed_rules(
             if ip.version != family.version or ip in seen:
                 continue
             seen.add(ip)
-            if ip.is_loopback and not localnet:
+            if ip.is_loopback:
                 continue
             tail.append(f"{_NODEPORTS_COMMENT} -d {ip} -j {NODEPORTS}")
+        if localnet:
+            # Upstream lists the loopback interface's addresses here; the configured
+            # loopback CIDRs say the same without depending on how the host's addresses
+            # were gathered.
+            for cidr in node_port_addresses.cidrs:
+                if cidr.version == 4 and _LOOPBACK_IP in cidr:
+                    loop = cidr if cidr.subnet_of(_LOOPBACK_NET) else _LOOPBACK_NET
+                    tail.append(f"{_NODEPORTS_COMMENT} -d {loop} -j {NODEPORTS}")
     return FixedRules(
         tuple(filter_chains),
         nat_chains,
