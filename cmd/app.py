@@ -11,7 +11,8 @@ follows upstream's start-up (``cmd/kube-proxy/app/server.go``; reference: upstre
    Node), the node IPs and primary family (:func:`detect_node_ips`), the families to
    proxy (:func:`detect_families`), the event recorder, the privileged set-up, metrics
    and health state and servers, the conntrack reconciler and one proxier per family;
-3. :meth:`Daemon.start`: bind the health and metrics servers (with
+3. :meth:`Daemon.start`: post the mode warnings (:class:`StartupWarning`: ipvs is
+   deprecated, the mode was defaulted), bind the health and metrics servers (with
    ``bindAddressHardFail`` a failure is fatal, after a Warning event), post the
    ``Starting`` event, hand the proxiers what the source delivered so far (the first
    sync) and start the sync loops;
@@ -44,7 +45,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, cast
 
 from kubeproxy.backend import Backend, BackendFactory, ProxySnapshot, SyncChanges
 from kubeproxy.cmd.options import Options
@@ -79,7 +80,7 @@ from kubeproxy.metrics import MetricsServer, ProxyMetrics
 from kubeproxy.netlink import HostAddresses, HostAddressLister
 from kubeproxy.objects import IPAddress, IPFamily, IPNetwork, NamespacedName, NodeInfo
 from kubeproxy.parse import InvalidObject, parse_node
-from kubeproxy.proxier import DualStackProxier, ObserverGroup, Proxier, SyncHook
+from kubeproxy.proxier import DualStackProxier, ObserverGroup, Proxier, SyncHook, SyncObserver
 from kubeproxy.proxyconfig import KubeProxyConntrackConfiguration
 from kubeproxy.sources.manifests import ManifestSource
 from kubeproxy.sysctl import (
@@ -108,6 +109,7 @@ __all__ = [
     "SourceTuning",
     "StartupError",
     "StartupInterrupted",
+    "StartupWarning",
     "apply_oom_score_adj",
     "build_daemon",
     "conntrack_sysctls",
@@ -137,8 +139,20 @@ GC_THRESHOLDS: Final = (20_000, 10, 10)
 _STOP_TIMEOUT: Final = 5.0
 _POLL: Final = 0.05
 
-BackendHooks = Callable[[Backend, ProxyMetrics], Sequence[SyncHook]]
-"""Extra after-sync hooks a binary wires for its kind of backend (backend-specific metrics)."""
+BackendHooks = Callable[[Backend, ProxyMetrics], Sequence[SyncHook | SyncObserver]]
+"""Extra pieces a binary wires for its kind of backend (backend-specific metrics): a
+callable one runs as an after-sync hook, one with ``sync_finished`` hears every sync of
+its family (failed ones too) as a :class:`~kubeproxy.proxier.SyncObserver`."""
+
+
+@dataclass(frozen=True, slots=True)
+class StartupWarning:
+    """A Warning event about the Node that :meth:`Daemon.start` posts first (the binary
+    has logged it already): ipvs is deprecated, the proxy mode was defaulted."""
+
+    reason: str
+    action: str
+    note: str
 
 
 class StartupError(RuntimeError):
@@ -565,6 +579,7 @@ class Daemon:
         events: EventSink,
         gc_tuner: GcTuner,
         stop: threading.Event,
+        startup_warnings: Sequence[StartupWarning] = (),
     ) -> None:
         self.options = options
         self.node = node
@@ -586,6 +601,7 @@ class Daemon:
         self.health_observer = health_observer
         self.events = events
         self.gc_tuner = gc_tuner
+        self.startup_warnings = tuple(startup_warnings)
         self._stop = stop
         self._threads: list[threading.Thread] = []
         self._stopped = False
@@ -604,13 +620,16 @@ class Daemon:
         return self._stop.wait(timeout)
 
     def start(self) -> None:
-        """Serve health and metrics, post ``Starting``, sync, and run the sync loops.
+        """Post the start-up warnings, serve health and metrics, post ``Starting``, sync,
+        and run the sync loops.
 
         Raises :class:`StartupError` when a server cannot bind with
         ``bindAddressHardFail`` (after posting the Warning event upstream posts).
         """
         if self._threads:
             raise RuntimeError("the daemon is already running")
+        for warning in self.startup_warnings:
+            self.events.warning(warning.reason, warning.action, warning.note)
         self._serve(self.health_server.start, REASON_FAILED_HEALTHCHECK)
         self._serve(self.metrics_server.start, REASON_FAILED_METRICS)
         self.events.starting()
@@ -804,6 +823,7 @@ def build_daemon(
     exit: Callable[[int], object] | None = None,
     gc_ops: GcOps | None = None,
     backend_hooks: BackendHooks | None = None,
+    startup_warnings: Sequence[StartupWarning] = (),
     stop: threading.Event | None = None,
 ) -> Daemon:
     """Build the proxy for ``options``, up to the point where :meth:`Daemon.start` runs it.
@@ -817,7 +837,8 @@ def build_daemon(
     :class:`~kubeproxy.events.EventRecorder` with the API, a :class:`LoggingEventSink`
     with manifests. ``privileged`` applies :func:`privileged_setup` (through ``paths``
     and ``sysctl_files``). ``exit`` is what the NodeWatcher calls when the Node's IPs
-    change (default: end the process). Raises :class:`StartupError`.
+    change (default: end the process). ``startup_warnings`` are posted as events when the
+    daemon starts. Raises :class:`StartupError`.
     """
     stop = stop if stop is not None else threading.Event()
     gate = HandlerGate()
@@ -858,6 +879,7 @@ def build_daemon(
             ipv6_supported=ipv6_supported,
             gc_ops=gc_ops,
             backend_hooks=backend_hooks,
+            startup_warnings=startup_warnings,
         )
     except BaseException:
         source.join(_STOP_TIMEOUT)
@@ -933,6 +955,7 @@ def _assemble(
     ipv6_supported: bool | None,
     gc_ops: GcOps | None,
     backend_hooks: BackendHooks | None,
+    startup_warnings: Sequence[StartupWarning],
 ) -> Daemon:
     """Everything after the source, in upstream's order: node IPs and families, events,
     the privileged set-up, backends, servers, the conntrack reconciler, proxiers."""
@@ -954,19 +977,20 @@ def _assemble(
     executor = conntrack if conntrack is not None else NetlinkConntrack(netns)
     reconciler = ConntrackReconciler(executor, metrics)
     gc_tuner = GcTuner(families, gc_ops)
-    observer = ObserverGroup([metrics, parts.observer])
     proxiers: dict[IPFamily, Proxier] = {}
     for family, backend in backends.items():
         extra = tuple(backend_hooks(backend, metrics)) if backend_hooks is not None else ()
+        hooks = [item for item in extra if callable(item)]
+        observers = [cast(SyncObserver, o) for o in extra if hasattr(o, "sync_finished")]
         proxiers[family] = Proxier(
             family,
             config,
             backend,
             node=node,
             host_addresses=list_host_addresses,
-            observer=observer,
+            observer=ObserverGroup([metrics, parts.observer, *observers]),
             conntrack=reconciler,
-            after_sync=(metrics.after_sync, parts.observer.after_sync, *extra, gc_tuner),
+            after_sync=(metrics.after_sync, parts.observer.after_sync, *hooks, gc_tuner),
         )
         metrics.track(proxiers[family])
     return Daemon(
@@ -984,6 +1008,7 @@ def _assemble(
         events=events,
         gc_tuner=gc_tuner,
         stop=stop,
+        startup_warnings=startup_warnings,
     )
 
 

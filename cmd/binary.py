@@ -1,0 +1,196 @@
+"""What every binary does, whatever its mode: :func:`run`.
+
+``kube-proxy-nftables``, ``kube-proxy-iptables`` and ``kube-proxy-ipvs`` have their mode
+fixed (a different ``mode`` in the configuration file, or ``--proxy-mode``, is an error);
+the multi-mode ``kube-proxy`` takes the mode from the configuration and, when none is set,
+runs in iptables mode as upstream does, after a warning (logged, and posted as a
+``ProxyModeDefaulted`` Warning event about the Node). Choosing ipvs logs upstream's
+deprecation warning, posts the ``IPVSDeprecation`` event and sets
+``kubeproxy_deprecated_proxy_mode{mode="ipvs"}`` to 1.
+
+Upstream's flags and ``--config`` (see :mod:`kubeproxy.cmd.options`), plus ours:
+``--manifests DIR`` reads objects from a directory instead of an API server, ``--once``
+syncs once and exits, ``--dry-run`` prints what a sync would send to the kernel and
+touches nothing (nftables and iptables modes). ``--cleanup`` removes what every one of our
+modes made (:func:`~kubeproxy.cmd.modes.cleanup_all`); a normal start first removes the
+other kind of mode's leftovers (:func:`~kubeproxy.cmd.modes.platform_cleanup`). The
+start-up sequence is :func:`kubeproxy.cmd.app.run_daemon`'s.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import platform
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, TextIO
+
+from kubeproxy.cmd.app import StartupWarning, run_daemon
+from kubeproxy.cmd.modes import MODES, Mode, cleanup_all, platform_cleanup
+from kubeproxy.cmd.options import (
+    MODE_DEFAULTED_MESSAGE,
+    Options,
+    OptionsError,
+    parse_options,
+    usage,
+)
+from kubeproxy.events import (
+    ACTION_PROXY_MODE_CHECK,
+    REASON_IPVS_DEPRECATION,
+    REASON_PROXY_MODE_DEFAULTED,
+)
+from kubeproxy.logs import configure_logging
+from kubeproxy.proxyconfig import write_config
+
+__all__ = [
+    "IPVS_DEPRECATION_MESSAGE",
+    "Binary",
+    "mode_warnings",
+    "run",
+    "version",
+]
+
+logger = logging.getLogger(__name__)
+
+IPVS_DEPRECATION_MESSAGE: Final = (
+    "The ipvs proxier is now deprecated and may be removed in a future release. "
+    "Please use 'nftables' instead."
+)
+"""Upstream's warning (1.35+) when the proxy starts in ipvs mode."""
+
+
+@dataclass(frozen=True, slots=True)
+class Binary:
+    """One of the binaries: its name and its fixed mode (None: the multi-mode one)."""
+
+    prog: str
+    fixed_mode: str | None = None
+
+
+def version() -> str:
+    """This package's version (``unknown`` when it is not installed)."""
+    try:
+        return importlib.metadata.version("kubeproxy")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def mode_warnings(options: Options) -> list[StartupWarning]:
+    """Log the warnings the chosen mode calls for; return them as events to post."""
+    warnings = []
+    if options.mode_defaulted:
+        logger.warning("%s", MODE_DEFAULTED_MESSAGE)
+        warnings.append(
+            StartupWarning(
+                REASON_PROXY_MODE_DEFAULTED, ACTION_PROXY_MODE_CHECK, MODE_DEFAULTED_MESSAGE
+            )
+        )
+    if options.mode == "ipvs":
+        logger.warning("%s", IPVS_DEPRECATION_MESSAGE)
+        note = IPVS_DEPRECATION_MESSAGE
+        warnings.append(StartupWarning(REASON_IPVS_DEPRECATION, ACTION_PROXY_MODE_CHECK, note))
+    return warnings
+
+
+def _early_exit(binary: Binary, options: Options, out: TextIO) -> int | None:
+    """``--help``, ``--version``, ``--write-config-to``: act and return the exit code."""
+    if options.show_help:
+        out.write(usage(binary.prog, binary.fixed_mode))
+        return 0
+    if options.show_version:
+        line = f"{binary.prog} {version()}"
+        if options.show_version == "raw":
+            line += f" (Python {platform.python_version()}, {platform.platform()})"
+        out.write(line + "\n")
+        return 0
+    if options.write_config_to is not None:
+        return _write_config(binary, options.write_config_to, options)
+    return None
+
+
+def _write_config(binary: Binary, path: Path, options: Options) -> int:
+    try:
+        path.write_text(write_config(options.configuration), encoding="utf-8")
+    except OSError as err:
+        print(
+            f"{binary.prog}: --write-config-to: cannot write {path}: {err.strerror}",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"Wrote configuration to: {path}", file=sys.stderr)
+    return 0
+
+
+def _dry_run(mode: Mode, options: Options, out: TextIO, build: dict[str, Any]) -> int:
+    if mode.dry_run is None:
+        logger.error("--dry-run is not available in %s mode (it has no in-memory fake)", mode.name)
+        return 2
+    dry_run = mode.dry_run()
+    code = run_daemon(
+        options,
+        dry_run,
+        mode=mode.name,
+        backend_hooks=mode.hooks,
+        startup_warnings=mode_warnings(options),
+        **build,
+    )
+    dry_run.print(out)
+    return code
+
+
+def run(
+    binary: Binary,
+    argv: Sequence[str] | None = None,
+    *,
+    modes: Mapping[str, Mode] | None = None,
+    out: TextIO | None = None,
+    **build: Any,
+) -> int:
+    """Run ``binary`` with ``argv`` (default: the process's arguments); the exit code.
+
+    ``modes`` replaces the mode table (:data:`~kubeproxy.cmd.modes.MODES`; tests pass
+    fakes), ``out`` standard output; ``build`` goes to
+    :func:`~kubeproxy.cmd.app.run_daemon` (``netns`` also to the cleanups).
+    """
+    out = out if out is not None else sys.stdout
+    table = modes if modes is not None else MODES
+    prog = binary.prog
+    try:
+        options = parse_options(sys.argv[1:] if argv is None else argv, prog, binary.fixed_mode)
+    except OptionsError as err:
+        print(f"{prog}: {err}", file=sys.stderr)
+        return 2
+    early = _early_exit(binary, options, out)
+    if early is not None:
+        return early
+    configure_logging(options.logging)
+    logger.info("Version info: %s %s, Python %s", prog, version(), platform.python_version())
+    for warning in options.warnings:
+        logger.warning("%s", warning)
+    if options.enable_profiling:
+        logger.warning("enableProfiling (--profiling) is not supported; ignored")
+    netns = build.get("netns")
+    if options.cleanup:
+        return cleanup_all(table, netns)
+    mode = table[options.mode]
+    if options.dry_run:
+        return _dry_run(mode, options, out, build)
+    warnings = mode_warnings(options)
+    if not options.init_only:
+        platform_cleanup(mode.name, table, netns)
+    try:
+        factory = mode.factory()
+    except ImportError as err:
+        logger.error("%s mode is not available: %s", mode.name, err)
+        return 1
+    return run_daemon(
+        options,
+        factory,
+        mode=mode.name,
+        backend_hooks=mode.hooks,
+        startup_warnings=warnings,
+        **build,
+    )

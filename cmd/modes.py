@@ -1,0 +1,336 @@
+"""The proxy modes as the binaries see them: backend, dry run, sync hooks and cleanup.
+
+Each :class:`Mode` says how to make its backend (imported only when the mode is used, so
+one mode's missing kernel tool never stops another), what ``--dry-run`` writes into
+instead of the kernel, which backend-specific metrics to wire, and how to remove
+everything the mode ever made. Cleanup across modes follows upstream's
+``platformCleanup`` (``cmd/kube-proxy/app/server_linux.go``): starting in nftables mode
+removes what the iptables and ipvs modes left; starting in iptables or ipvs mode removes
+the nftables tables; ``--cleanup`` removes all of it (:func:`cleanup_all`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, Protocol, TextIO, runtime_checkable
+
+from kubeproxy.backend import Backend, BackendFactory
+from kubeproxy.cmd.app import BackendHooks
+from kubeproxy.config import ProxierConfig
+from kubeproxy.metrics import ProxyMetrics
+from kubeproxy.objects import IPFamily
+from kubeproxy.proxier import Proxier, SyncHook, SyncObserver
+
+if TYPE_CHECKING:
+    from kubeproxy.backend import ProxySnapshot, SyncChanges
+
+__all__ = [
+    "IPTABLES_BASED",
+    "MODES",
+    "BackendCounters",
+    "CleanupFailureCounter",
+    "DryRun",
+    "IptablesCounters",
+    "IptablesDryRun",
+    "Mode",
+    "NftablesDryRun",
+    "cleanup_all",
+    "cleanup_modes",
+    "iptables_hooks",
+    "nftables_hooks",
+    "platform_cleanup",
+]
+
+logger = logging.getLogger(__name__)
+
+IPTABLES_BASED: Final = frozenset({"iptables", "ipvs"})
+"""Modes that program iptables (upstream's ``isIPTablesBased``)."""
+
+_KERNEL_LACKS: Final = "kernel lacks"
+
+
+# --- backend-specific metrics -------------------------------------------------------------
+
+
+class CleanupFailureCounter:
+    """A sync hook counting the nftables backend's failed stale-object cleanups in
+    ``kubeproxy_sync_proxy_rules_nftables_cleanup_failures_total``."""
+
+    def __init__(self, backend: Any, metrics: ProxyMetrics) -> None:
+        self.backend = backend
+        self.metrics = metrics
+        self._seen: int = backend.stale_chain_failures
+
+    def __call__(self, proxier: Proxier, snapshot: ProxySnapshot, changes: SyncChanges) -> None:
+        """Count the failures since the last call."""
+        current: int = self.backend.stale_chain_failures
+        for _ in range(current - self._seen):
+            self.metrics.nftables_cleanup_failed(snapshot.family)
+        self._seen = current
+
+
+@runtime_checkable
+class IptablesCounters(Protocol):
+    """What an iptables-restore based backend counts (the iptables and ipvs backends)."""
+
+    restore_failures: int
+
+
+def _counts(backend: object, name: str) -> Mapping[str, int] | None:
+    value = getattr(backend, name, None)
+    return value if isinstance(value, Mapping) else None
+
+
+class BackendCounters:
+    """A :class:`~kubeproxy.proxier.SyncObserver` feeding an iptables-restore based
+    backend's own counts into the metrics after every sync of its family (failed ones
+    too): ``..._iptables_restore_failures_total`` from ``restore_failures``,
+    ``..._iptables_partial_restore_failures_total`` from ``partial_restore_failures``, and
+    the ``..._iptables_total`` / ``..._iptables_last`` gauges from the ``rules_total`` /
+    ``rules_last`` dicts (by table), where the backend has them.
+
+    The backend's count replaces the metrics' own counting of failed syncs
+    (:meth:`~kubeproxy.metrics.ProxyMetrics.count_failures_from_backend`): upstream counts
+    failed restores, and a failed partial restore repaired by a full one in the same sync
+    is a failure the sync itself does not show.
+    """
+
+    def __init__(self, backend: IptablesCounters, metrics: ProxyMetrics) -> None:
+        self.backend = backend
+        self.metrics = metrics
+        self.family: IPFamily = getattr(backend, "family", IPFamily.IPV4)
+        self._restore = backend.restore_failures
+        self._partial: int = getattr(backend, "partial_restore_failures", 0)
+        metrics.count_failures_from_backend()
+
+    def sync_queued(self, family: IPFamily) -> None:
+        """Nothing to do."""
+
+    def endpoints_trigger_times(self, family: IPFamily, times: list[float]) -> None:
+        """Nothing to do."""
+
+    def sync_finished(
+        self,
+        family: IPFamily,
+        full: bool,
+        duration: float,
+        error: BaseException | None,
+        snapshot_sizes: tuple[int, int],
+    ) -> None:
+        """Read the backend's counters (only for a sync of this backend's family)."""
+        if family is not self.family:
+            return
+        restore = self.backend.restore_failures
+        self.metrics.restore_failed(family, restore - self._restore)
+        self._restore = restore
+        partial: int = getattr(self.backend, "partial_restore_failures", 0)
+        for _ in range(partial - self._partial):
+            self.metrics.iptables_partial_restore_failed(family)
+        self._partial = partial
+        total = _counts(self.backend, "rules_total")
+        last = _counts(self.backend, "rules_last")
+        if total is not None and last is not None:
+            for table in sorted(set(total) | set(last)):
+                self.metrics.iptables_rules(family, table, total.get(table, 0), last.get(table, 0))
+
+
+def nftables_hooks(backend: Backend, metrics: ProxyMetrics) -> Sequence[SyncHook | SyncObserver]:
+    """nftables mode: the stale-chain cleanup failure counter."""
+    if hasattr(backend, "stale_chain_failures"):
+        return (CleanupFailureCounter(backend, metrics),)
+    return ()
+
+
+def iptables_hooks(backend: Backend, metrics: ProxyMetrics) -> Sequence[SyncHook | SyncObserver]:
+    """iptables and ipvs modes: the backend's restore counters (:class:`BackendCounters`)."""
+    if isinstance(backend, IptablesCounters):
+        return (BackendCounters(backend, metrics),)
+    return ()
+
+
+# --- dry runs -----------------------------------------------------------------------------
+
+
+class DryRun(Protocol):
+    """A backend factory writing into in-memory fakes, and the printing of what it got."""
+
+    def __call__(
+        self, family: IPFamily, config: ProxierConfig, *, netns: str | None = None
+    ) -> Backend:
+        """A backend over a fresh fake."""
+        ...
+
+    def print(self, out: TextIO) -> None:
+        """Write what the backends sent to their fakes."""
+        ...
+
+
+class NftablesDryRun:
+    """nftables mode's dry run: :class:`~kubeproxy.backends.nftables.fake.FakeNft`; prints
+    the transactions (``nft -f`` text)."""
+
+    def __init__(self) -> None:
+        self.fakes: list[Any] = []
+
+    def __call__(
+        self, family: IPFamily, config: ProxierConfig, *, netns: str | None = None
+    ) -> Backend:
+        """A backend over a fresh fake."""
+        from kubeproxy.backends import nftables
+        from kubeproxy.backends.nftables.fake import FakeNft
+
+        fake = FakeNft()
+        self.fakes.append(fake)
+        return nftables.NftablesBackend(family, config, executor=fake)
+
+    def print(self, out: TextIO) -> None:
+        """Every transaction, in order."""
+        for fake in self.fakes:
+            for tx in fake.transactions:
+                out.write(tx.render())
+
+
+class IptablesDryRun:
+    """iptables mode's dry run: ``FakeIptables``; prints every iptables-restore input,
+    each after a comment line naming its family."""
+
+    def __init__(self) -> None:
+        self.fakes: list[Any] = []
+
+    def __call__(
+        self, family: IPFamily, config: ProxierConfig, *, netns: str | None = None
+    ) -> Backend:
+        """A backend over a fresh fake."""
+        iptables = importlib.import_module("kubeproxy.backends.iptables")
+        fake_module = importlib.import_module("kubeproxy.backends.iptables.fake")
+        fake = fake_module.FakeIptables()
+        self.fakes.append(fake)
+        backend: Backend = iptables.IptablesBackend(family, config, executor=fake)
+        return backend
+
+    def print(self, out: TextIO) -> None:
+        """Every restore input, in order."""
+        for fake in self.fakes:
+            for family, text in fake.restores:
+                command = "iptables-restore" if family is IPFamily.IPV4 else "ip6tables-restore"
+                out.write(f"# {command} --noflush\n{text}")
+                if not text.endswith("\n"):
+                    out.write("\n")
+
+
+# --- the modes ----------------------------------------------------------------------------
+
+
+def _module(name: str) -> Any:
+    return importlib.import_module(f"kubeproxy.backends.{name}")
+
+
+@dataclass(frozen=True, slots=True)
+class Mode:
+    """One proxy mode as a binary runs it.
+
+    ``factory()`` returns the backend factory (importing the backend then);
+    ``cleanup(netns)`` removes everything the mode ever made in the current namespace or
+    ``netns`` (raising on a real error; an error saying ``kernel lacks ...`` means there
+    can be nothing to remove); ``dry_run()`` makes a :class:`DryRun` (None: not
+    available); ``hooks`` wires the mode's own metrics.
+    """
+
+    name: str
+    factory: Callable[[], BackendFactory]
+    cleanup: Callable[[str | None], None]
+    hooks: BackendHooks
+    dry_run: Callable[[], DryRun] | None = None
+
+    @property
+    def iptables_based(self) -> bool:
+        """Whether the mode programs iptables (upstream's ``isIPTablesBased``)."""
+        return self.name in IPTABLES_BASED
+
+
+def _backend_mode(name: str, hooks: BackendHooks, dry_run: Callable[[], DryRun] | None) -> Mode:
+    def factory() -> BackendFactory:
+        create: BackendFactory = _module(name).create_backend
+        return create
+
+    def cleanup(netns: str | None) -> None:
+        try:
+            module = _module(name)
+        except ModuleNotFoundError as err:
+            if err.name != f"kubeproxy.backends.{name}":
+                raise
+            # An installation without this backend never made anything with it.
+            logger.warning("%s mode is not part of this installation: nothing to remove", name)
+            return
+        module.cleanup(netns=netns)
+
+    return Mode(name, factory, cleanup, hooks, dry_run)
+
+
+MODES: Final[Mapping[str, Mode]] = {
+    "nftables": _backend_mode("nftables", nftables_hooks, NftablesDryRun),
+    "iptables": _backend_mode("iptables", iptables_hooks, IptablesDryRun),
+    "ipvs": _backend_mode("ipvs", iptables_hooks, None),
+}
+"""Our modes, in the order ``--cleanup`` removes their leftovers."""
+
+
+# --- cleanup ------------------------------------------------------------------------------
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return text or type(err).__name__
+
+
+def cleanup_modes(modes: Iterable[Mode], netns: str | None = None) -> list[str]:
+    """Run the cleanup of each mode in turn; the errors, one line each (``mode: why``).
+
+    A mode whose cleanup says the kernel lacks what it needs (``kernel lacks IP_VS``)
+    made nothing here: logged, not an error. One mode failing does not stop the others.
+    """
+    errors: list[str] = []
+    for mode in modes:
+        try:
+            mode.cleanup(netns)
+        except Exception as err:  # any backend's error: report it, go on with the rest
+            message = _one_line(err)
+            if _KERNEL_LACKS in message.lower():
+                logger.info("Nothing to clean up for %s mode: %s", mode.name, message)
+                continue
+            errors.append(f"{mode.name} mode: {message}")
+        else:
+            logger.info("Removed what %s mode made (if anything)", mode.name)
+    return errors
+
+
+def cleanup_all(modes: Mapping[str, Mode] | None = None, netns: str | None = None) -> int:
+    """``--cleanup``: remove what every mode made; the exit code (0, or 1 after one error
+    line per mode that failed)."""
+    errors = cleanup_modes((modes or MODES).values(), netns)
+    for error in errors:
+        logger.error("Cleanup failed: %s", error)
+    if not errors:
+        logger.info("Cleanup done: nftables tables, iptables chains and ipvs state of ours removed")
+    return 1 if errors else 0
+
+
+def platform_cleanup(
+    mode: str, modes: Mapping[str, Mode] | None = None, netns: str | None = None
+) -> list[str]:
+    """At start-up, remove what the other kind of mode left (upstream's
+    ``platformCleanup``): iptables and ipvs leftovers before nftables mode, the nftables
+    tables before iptables or ipvs mode. Failures are logged as warnings (the proxy still
+    starts) and returned."""
+    table = modes or MODES
+    if mode in IPTABLES_BASED:
+        others = [m for m in table.values() if not m.iptables_based]
+    else:
+        others = [m for m in table.values() if m.iptables_based]
+    errors = cleanup_modes(others, netns)
+    for error in errors:
+        logger.warning("Could not remove another mode's leftovers: %s", error)
+    return errors

@@ -1,0 +1,525 @@
+"""The four binaries and their modes: fixed modes, the multi-mode default, the ipvs
+deprecation (log, Event, metric), backend-specific metrics, --dry-run per mode, and
+cleanup across modes (upstream's platformCleanup and --cleanup).
+
+The daemon runs in this process against the fake API server, with stand-in backends (the
+in-memory nftables fake) so that every mode can start on this kernel; the cleanups are
+recorded, never run on the host. The real backends' cleanups are exercised in network
+namespaces by test_mode_switch.py.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kubeproxy.backend import Backend, BackendFactory, SyncError
+from kubeproxy.backends import nftables
+from kubeproxy.backends.nftables.fake import FakeNft
+from kubeproxy.cmd import iptables as iptables_binary
+from kubeproxy.cmd import ipvs as ipvs_binary
+from kubeproxy.cmd import multimode
+from kubeproxy.cmd import nftables as nftables_binary
+from kubeproxy.cmd.app import GcOps, SourceTuning
+from kubeproxy.cmd.binary import IPVS_DEPRECATION_MESSAGE, Binary, run
+from kubeproxy.cmd.modes import (
+    MODES,
+    BackendCounters,
+    Mode,
+    cleanup_all,
+    cleanup_modes,
+    iptables_hooks,
+    nftables_hooks,
+    platform_cleanup,
+)
+from kubeproxy.cmd.options import MODE_DEFAULTED_MESSAGE
+from kubeproxy.config import ProxierConfig
+from kubeproxy.conntrack import FakeConntrack
+from kubeproxy.metrics import ProxyMetrics
+from kubeproxy.netlink import FakeHostAddresses
+from kubeproxy.objects import IPFamily
+from kubeproxy.testing.fakeapi import FakeAPIServer, endpoint_slice, node, service
+
+NODE = "kpxm-node"
+BRISK = SourceTuning(watch_timeout=5.0, request_timeout=5.0, initial_backoff=0.05, max_backoff=0.3)
+BIN = Path(sys.executable).parent
+BINARIES = [nftables_binary.BINARY, iptables_binary.BINARY, ipvs_binary.BINARY, multimode.BINARY]
+V4 = IPFamily.IPV4
+# The daemon tunes the garbage collector after its first full sync: not this process's.
+NO_GC = GcOps(collect=lambda: 0, freeze=lambda: None, set_threshold=lambda a, b, c: None)
+
+
+# --- stand-ins ----------------------------------------------------------------------------
+
+
+class StandIns:
+    """A mode table whose backends are nftables fakes and whose cleanups are recorded."""
+
+    def __init__(self, fail_cleanup: Mapping[str, Exception] | None = None) -> None:
+        self.created: list[tuple[str, IPFamily]] = []
+        self.cleaned: list[str] = []
+        self.fakes: list[FakeNft] = []
+        self.fail_cleanup = dict(fail_cleanup or {})
+        self.modes = {name: self._mode(mode) for name, mode in MODES.items()}
+
+    def _mode(self, real: Mode) -> Mode:
+        def factory() -> BackendFactory:
+            def create(
+                family: IPFamily, config: ProxierConfig, *, netns: str | None = None
+            ) -> Backend:
+                self.created.append((real.name, family))
+                fake = FakeNft()
+                self.fakes.append(fake)
+                return nftables.NftablesBackend(family, config, executor=fake)
+
+            return create
+
+        def cleanup(netns: str | None) -> None:
+            self.cleaned.append(real.name)
+            if real.name in self.fail_cleanup:
+                raise self.fail_cleanup[real.name]
+
+        return Mode(real.name, factory, cleanup, real.hooks, real.dry_run)
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeAPIServer]:
+    server = FakeAPIServer(bookmark_interval=0.2).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(autouse=True)
+def restore_logging() -> Iterator[None]:
+    """run() configures the root logger, as a binary does; put it back afterwards."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        yield
+    finally:
+        for handler in list(root.handlers):
+            if handler not in handlers:
+                root.removeHandler(handler)
+        root.setLevel(level)
+
+
+class StopWhen:
+    """SIGTERM this process (the running binary's handler stops it) once ``check`` holds,
+    or after ``timeout`` seconds unless :meth:`done` was called (the binary returned)."""
+
+    def __init__(self, check: Callable[[], bool], timeout: float = 20.0) -> None:
+        self.check = check
+        self.timeout = timeout
+        self._returned = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        while not self.check():
+            if self._returned.wait(0.05):
+                return
+            if time.monotonic() > deadline:
+                break
+        if not self._returned.is_set():
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def done(self) -> None:
+        self._returned.set()
+        self._thread.join(30)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def reasons(fake: FakeAPIServer) -> list[str]:
+    return [event["reason"] for event in fake.posted_events]
+
+
+def serve_cluster(fake: FakeAPIServer) -> None:
+    fake.apply(node(NODE, addresses=["203.0.113.7"]))
+    fake.apply(service("web", cluster_ip="172.30.0.10"))
+    fake.apply(endpoint_slice("web-a", "web", node_name=NODE))
+
+
+def run_against(
+    fake: FakeAPIServer, binary: Binary, stand_ins: StandIns, *argv: str
+) -> tuple[int, list[dict[str, Any]]]:
+    """Run ``binary`` in this process until Starting has been posted; (exit code, events)."""
+    watcher = StopWhen(lambda: "Starting" in reasons(fake))
+    code = run(
+        binary,
+        [
+            "--master",
+            fake.url,
+            "--kube-api-content-type=application/json",
+            "--hostname-override",
+            NODE,
+            "--healthz-bind-address=",
+            "--metrics-bind-address=",
+            *argv,
+        ],
+        modes=stand_ins.modes,
+        host_addresses=FakeHostAddresses(),
+        gc_ops=NO_GC,
+        conntrack=FakeConntrack(),
+        privileged=False,
+        tuning=BRISK,
+    )
+    watcher.done()
+    return code, fake.posted_events
+
+
+# --- fixed modes and the multi-mode default -----------------------------------------------
+
+
+@pytest.mark.parametrize("binary", BINARIES[:3], ids=lambda b: b.prog)
+def test_a_fixed_mode_binary_refuses_another_mode_in_the_file(
+    binary: Binary, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    other = "nftables" if binary.fixed_mode != "nftables" else "iptables"
+    config = tmp_path / "config.conf"
+    config.write_text(
+        "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n"
+        f"mode: {other}\n"
+    )
+    assert run(binary, ["--config", str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"{binary.prog}: --config {config}: mode: {binary.prog} always runs in "
+        f"{binary.fixed_mode} mode, got {other!r} (leave mode unset or set it to "
+        f"{binary.fixed_mode})"
+    ]
+
+
+@pytest.mark.parametrize("binary", BINARIES, ids=lambda b: b.prog)
+def test_every_binary_is_installed_with_its_help(binary: Binary) -> None:
+    result = subprocess.run(
+        [str(BIN / binary.prog), "--help"], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"usage: {binary.prog} ")
+    what = f"({binary.fixed_mode} mode)" if binary.fixed_mode else "(iptables, ipvs or nftables"
+    assert what in result.stdout
+
+
+def test_multimode_without_a_mode_warns_posts_an_event_and_runs_iptables(
+    fake: FakeAPIServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    serve_cluster(fake)
+    stand_ins = StandIns()
+    code, events = run_against(fake, multimode.BINARY, stand_ins)
+    assert code == 0
+    assert stand_ins.created == [("iptables", V4)]
+    # Starting in iptables mode removes the nftables mode's tables, nothing else.
+    assert stand_ins.cleaned == ["nftables"]
+    defaulted = [e for e in events if e["reason"] == "ProxyModeDefaulted"]
+    assert len(defaulted) == 1
+    assert defaulted[0]["type"] == "Warning" and defaulted[0]["action"] == "ProxyModeCheck"
+    assert defaulted[0]["note"] == MODE_DEFAULTED_MESSAGE
+    assert defaulted[0]["regarding"]["kind"] == "Node"
+    assert defaulted[0]["regarding"]["name"] == NODE
+    assert reasons(fake).index("ProxyModeDefaulted") < reasons(fake).index("Starting")
+    assert "IPVSDeprecation" not in reasons(fake)
+    assert MODE_DEFAULTED_MESSAGE in caplog.messages
+
+
+@pytest.mark.parametrize("mode", ["nftables", "iptables"])
+def test_multimode_with_an_explicit_mode_says_nothing_of_it(
+    fake: FakeAPIServer, mode: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    serve_cluster(fake)
+    stand_ins = StandIns()
+    code, _ = run_against(fake, multimode.BINARY, stand_ins, f"--proxy-mode={mode}")
+    assert code == 0
+    assert stand_ins.created == [(mode, V4)]
+    assert stand_ins.cleaned == (["iptables", "ipvs"] if mode == "nftables" else ["nftables"])
+    assert reasons(fake) == ["Starting"]
+    assert MODE_DEFAULTED_MESSAGE not in caplog.messages
+
+
+@pytest.mark.parametrize(
+    ("binary", "argv"),
+    [(ipvs_binary.BINARY, ()), (multimode.BINARY, ("--proxy-mode=ipvs",))],
+    ids=["kube-proxy-ipvs", "kube-proxy"],
+)
+def test_ipvs_logs_the_deprecation_and_posts_the_event(
+    fake: FakeAPIServer,
+    binary: Binary,
+    argv: tuple[str, ...],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    serve_cluster(fake)
+    stand_ins = StandIns()
+    code, events = run_against(fake, binary, stand_ins, *argv)
+    assert code == 0
+    assert stand_ins.created == [("ipvs", V4)]
+    assert stand_ins.cleaned == ["nftables"]
+    deprecation = [e for e in events if e["reason"] == "IPVSDeprecation"]
+    assert len(deprecation) == 1
+    assert deprecation[0]["type"] == "Warning"
+    assert deprecation[0]["action"] == "ProxyModeCheck"
+    assert deprecation[0]["note"] == IPVS_DEPRECATION_MESSAGE
+    assert deprecation[0]["regarding"] == {
+        "kind": "Node",
+        "name": NODE,
+        "uid": NODE,
+        "apiVersion": "v1",
+    }
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert IPVS_DEPRECATION_MESSAGE in [r.getMessage() for r in warnings]
+    assert "ProxyModeDefaulted" not in reasons(fake)
+
+
+def test_ipvs_mode_sets_the_deprecated_mode_metric(fake: FakeAPIServer) -> None:
+    # The metric from the daemon's own metrics server, as a scrape sees it.
+    serve_cluster(fake)
+    stand_ins = StandIns()
+    seen: list[str] = []
+    port = free_port()
+
+    def scraped() -> bool:
+        if "Starting" not in reasons(fake):
+            return False
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            seen.append(resp.read().decode())
+        return True
+
+    watcher = StopWhen(scraped)
+    code = run(
+        ipvs_binary.BINARY,
+        [
+            "--master",
+            fake.url,
+            "--kube-api-content-type=application/json",
+            "--hostname-override",
+            NODE,
+            "--healthz-bind-address=",
+            f"--metrics-bind-address=127.0.0.1:{port}",
+        ],
+        modes=stand_ins.modes,
+        host_addresses=FakeHostAddresses(),
+        gc_ops=NO_GC,
+        conntrack=FakeConntrack(),
+        privileged=False,
+        tuning=BRISK,
+    )
+    watcher.done()
+    assert code == 0
+    assert 'kubeproxy_deprecated_proxy_mode{mode="ipvs"} 1' in seen[0].splitlines()
+
+
+def test_once_posts_no_mode_events(fake: FakeAPIServer) -> None:
+    serve_cluster(fake)
+    stand_ins = StandIns()
+    code = run(
+        ipvs_binary.BINARY,
+        ["--master", fake.url, "--hostname-override", NODE, "--once"],
+        modes=stand_ins.modes,
+        host_addresses=FakeHostAddresses(),
+        gc_ops=NO_GC,
+        conntrack=FakeConntrack(),
+        tuning=BRISK,
+    )
+    assert code == 0
+    assert fake.posted_events == []
+
+
+def test_ipvs_dry_run_is_refused_with_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    examples = Path(__file__).resolve().parent.parent / "examples" / "cluster"
+    code = run(
+        ipvs_binary.BINARY,
+        ["--manifests", str(examples), "--hostname-override", "demo-node", "--dry-run"],
+        modes=StandIns().modes,
+    )
+    assert code == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == ["--dry-run is not available in ipvs mode (it has no in-memory fake)"]
+
+
+# --- cleanup across modes -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("binary", BINARIES, ids=lambda b: b.prog)
+def test_cleanup_removes_every_modes_leftovers_from_any_binary(binary: Binary) -> None:
+    stand_ins = StandIns()
+    assert run(binary, ["--cleanup"], modes=stand_ins.modes) == 0
+    assert stand_ins.cleaned == ["nftables", "iptables", "ipvs"]
+    assert stand_ins.created == []
+
+
+def test_cleanup_without_ip_vs_in_the_kernel_succeeds(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="kubeproxy.cmd.modes")
+    stand_ins = StandIns({"ipvs": OSError("kernel lacks IP_VS (no ip_vs genetlink family)")})
+    assert cleanup_all(stand_ins.modes) == 0
+    assert stand_ins.cleaned == ["nftables", "iptables", "ipvs"]
+    assert (
+        "Nothing to clean up for ipvs mode: kernel lacks IP_VS (no ip_vs genetlink family)"
+        in caplog.messages
+    )
+
+
+def test_a_cleanup_error_is_one_line_and_the_others_still_run(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    stand_ins = StandIns({"iptables": RuntimeError("iptables-restore: line 2 failed\n  -X KUBE-X")})
+    assert run(multimode.BINARY, ["--cleanup"], modes=stand_ins.modes) == 1
+    assert stand_ins.cleaned == ["nftables", "iptables", "ipvs"]
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == ["Cleanup failed: iptables mode: iptables-restore: line 2 failed -X KUBE-X"]
+
+
+@pytest.mark.parametrize(
+    ("mode", "cleaned"),
+    [
+        ("nftables", ["iptables", "ipvs"]),
+        ("iptables", ["nftables"]),
+        ("ipvs", ["nftables"]),
+    ],
+)
+def test_platform_cleanup_removes_the_other_kind_of_mode(mode: str, cleaned: list[str]) -> None:
+    stand_ins = StandIns()
+    assert platform_cleanup(mode, stand_ins.modes) == []
+    assert stand_ins.cleaned == cleaned
+
+
+def test_a_failing_platform_cleanup_is_a_warning_only(caplog: pytest.LogCaptureFixture) -> None:
+    stand_ins = StandIns({"iptables": FileNotFoundError(2, "No such file", "iptables-save")})
+    errors = platform_cleanup("nftables", stand_ins.modes)
+    assert stand_ins.cleaned == ["iptables", "ipvs"]
+    assert len(errors) == 1 and errors[0].startswith("iptables mode: ")
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert [r.getMessage() for r in warnings] == [
+        f"Could not remove another mode's leftovers: {errors[0]}"
+    ]
+
+
+def test_cleanup_modes_reports_each_failure() -> None:
+    stand_ins = StandIns({"nftables": ValueError("boom"), "ipvs": ValueError("")})
+    errors = cleanup_modes(stand_ins.modes.values())
+    assert errors == ["nftables mode: boom", "ipvs mode: ValueError"]
+
+
+# --- backend-specific metrics -------------------------------------------------------------
+
+
+class CountingBackend:
+    """What an iptables-restore based backend exposes for the metrics."""
+
+    def __init__(self, family: IPFamily = V4) -> None:
+        self.family = family
+        self.restore_failures = 0
+        self.partial_restore_failures = 0
+        self.rules_total: dict[str, int] = {}
+        self.rules_last: dict[str, int] = {}
+
+
+def sample(metrics: ProxyMetrics, name: str, **labels: str) -> float | None:
+    value = metrics.registry.get_sample_value(name, labels)
+    return value
+
+
+def test_backend_counters_feed_the_iptables_metrics() -> None:
+    metrics = ProxyMetrics(mode="iptables", process_metrics=False)
+    backend = CountingBackend()
+    backend.restore_failures = 5  # before the hook existed: not ours to count
+    hooks = iptables_hooks(backend, metrics)  # type: ignore[arg-type]
+    assert len(hooks) == 1 and isinstance(hooks[0], BackendCounters)
+    counters = hooks[0]
+    # A partial restore failed, the full one repaired it: the sync succeeded.
+    backend.restore_failures += 1
+    backend.partial_restore_failures += 1
+    backend.rules_total = {"filter": 7, "nat": 40}
+    backend.rules_last = {"filter": 7, "nat": 12}
+    counters.sync_finished(V4, False, 0.01, None, (3, 3))
+    # The next sync failed outright (the metrics do not count it a second time).
+    backend.restore_failures += 1
+    metrics.sync_finished(V4, True, 0.01, SyncError("refused"), (3, 3))
+    counters.sync_finished(V4, True, 0.01, SyncError("refused"), (3, 3))
+    # Another family's sync is not this backend's.
+    backend.restore_failures += 1
+    counters.sync_finished(IPFamily.IPV6, True, 0.01, None, (0, 0))
+    prefix = "kubeproxy_sync_proxy_rules_iptables"
+    v4 = {"ip_family": "IPv4"}
+    assert sample(metrics, f"{prefix}_restore_failures_total", **v4) == 2
+    assert sample(metrics, f"{prefix}_partial_restore_failures_total", **v4) == 1
+    assert sample(metrics, f"{prefix}_total", table="nat", **v4) == 40
+    assert sample(metrics, f"{prefix}_last", table="nat", **v4) == 12
+    assert sample(metrics, f"{prefix}_last", table="filter", **v4) == 7
+    assert sample(metrics, f"{prefix}_restore_failures_total", ip_family="IPv6") is None
+
+
+def test_ipvs_counts_restore_failures_only() -> None:
+    metrics = ProxyMetrics(mode="ipvs", process_metrics=False)
+
+    class IPVSLike:
+        family = V4
+        restore_failures = 0
+
+    backend = IPVSLike()
+    (counters,) = iptables_hooks(backend, metrics)  # type: ignore[arg-type]
+    backend.restore_failures = 3
+    assert isinstance(counters, BackendCounters)
+    counters.sync_finished(V4, True, 0.01, None, (0, 0))
+    name = "kubeproxy_sync_proxy_rules_iptables_restore_failures_total"
+    assert sample(metrics, name, ip_family="IPv4") == 3
+
+
+def test_hooks_ignore_backends_without_counters() -> None:
+    metrics = ProxyMetrics(mode="iptables", process_metrics=False)
+    backend = nftables.NftablesBackend(V4, ProxierConfig(node_name="n"), executor=FakeNft())
+    assert iptables_hooks(backend, metrics) == ()
+    assert len(nftables_hooks(backend, metrics)) == 1
+    assert nftables_hooks(CountingBackend(), metrics) == ()  # type: ignore[arg-type]
+
+
+def test_dry_run_output_goes_to_out_in_nftables_mode() -> None:
+    examples = Path(__file__).resolve().parent.parent / "examples" / "cluster"
+    out = io.StringIO()
+    code = run(
+        nftables_binary.BINARY,
+        ["--manifests", str(examples), "--hostname-override", "demo-node", "--dry-run"],
+        out=out,
+        host_addresses=FakeHostAddresses(),
+        gc_ops=NO_GC,
+    )
+    assert code == 0
+    assert "add table ip kube-proxy" in out.getvalue()
+    assert "172.30.0.10 . tcp . 80" in out.getvalue()
+
+
+def test_dry_run_prints_the_restore_inputs_in_iptables_mode() -> None:
+    examples = Path(__file__).resolve().parent.parent / "examples" / "cluster"
+    out = io.StringIO()
+    code = run(
+        iptables_binary.BINARY,
+        ["--manifests", str(examples), "--hostname-override", "demo-node", "--dry-run"],
+        out=out,
+        host_addresses=FakeHostAddresses(),
+        gc_ops=NO_GC,
+    )
+    assert code == 0
+    text = out.getvalue()
+    assert text.startswith("# iptables-restore --noflush\n*")
+    assert "\n*nat\n" in text and "\n*filter\n" in text and "\nCOMMIT\n" in text
+    assert ":KUBE-SERVICES - [0:0]" in text
+    assert "-d 172.30.0.10 --dport 80 -j KUBE-SVC-" in text
