@@ -1,0 +1,140 @@
+"""The ipvs backend (DEPRECATED): upstream kube-proxy's ipvs mode.
+
+Upstream deprecated the ipvs proxier in v1.35 (KEP-5495) and plans to remove it; this
+backend exists for clusters still on it and warns on every creation. Use ``nftables``.
+
+Public API:
+
+* :func:`create_backend` - the ``kubeproxy.backends`` entry point: warns
+  (:class:`DeprecationWarning`, once per process), checks that IPVS works here (raising
+  :class:`IPVSUnsupported` saying ``kernel lacks IP_VS`` when the kernel has no IPVS,
+  which the flow-case runner reports as a skip), then builds an :class:`IPVSBackend`
+  over pyroute2 (IPVS, ``kube-ipvs0``), the ``ipset`` tool and iptables;
+* :class:`IPVSBackend` - the backend, for any executors (the fakes in
+  :mod:`kubeproxy.backends.ipvs.fake` for tests and dry runs);
+* :func:`cleanup` - remove everything ipvs mode creates, on any kernel.
+
+Structure and limits are in this package's README.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Final
+
+from kubeproxy.backends.ipvs.ipset import IPSetCommands, IPSetError
+from kubeproxy.backends.ipvs.netlink import (
+    DUMMY_DEVICE,
+    IPVSError,
+    IPVSUnsupported,
+    PyrouteIPVS,
+    PyrouteLinks,
+    check_ipvs_support,
+)
+from kubeproxy.backends.ipvs.proxier import IPVSBackend, cleanup_family
+from kubeproxy.backends.ipvs.sysctls import FileSysctlApplier
+from kubeproxy.config import ProxierConfig
+from kubeproxy.netlink import check_netns
+from kubeproxy.objects import IPFamily
+
+__all__ = [
+    "DEPRECATION_MESSAGE",
+    "DUMMY_DEVICE",
+    "IPVSBackend",
+    "IPVSUnsupported",
+    "cleanup",
+    "create_backend",
+]
+
+log = logging.getLogger(__name__)
+
+DEPRECATION_MESSAGE: Final = (
+    "The ipvs proxier is now deprecated and may be removed in a future release. "
+    "Please use 'nftables' instead."
+)
+"""Upstream's deprecation text (kubernetes/kubernetes#134539)."""
+
+_warned = False
+
+
+def _warn_deprecated() -> None:
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    warnings.warn(DEPRECATION_MESSAGE, DeprecationWarning, stacklevel=3)
+    log.warning(DEPRECATION_MESSAGE)
+
+
+def create_backend(
+    family: IPFamily, config: ProxierConfig, *, netns: str | None = None
+) -> IPVSBackend:
+    """A deprecated ipvs-mode backend for ``family`` (in ``netns`` if given).
+
+    Raises :class:`IPVSUnsupported` (``kernel lacks IP_VS ...``) when the kernel has no
+    IPVS, or the scheduler cannot be used; :class:`IPSetError` when the ``ipset`` tool
+    is missing; ``IptablesError`` when iptables cannot run.
+    """
+    _warn_deprecated()
+    from kubeproxy.backends.iptables.exec import IptablesCommands, check_support
+
+    if netns is not None:
+        check_netns(netns)
+    ipvs = PyrouteIPVS(netns=netns)
+    check_ipvs_support(ipvs, config.ipvs.scheduler or "rr")
+    ipsets = IPSetCommands(netns=netns)
+    try:
+        ipsets.version()
+    except IPSetError as err:
+        raise IPSetError(f"ipvs mode needs the ipset tool: {err}") from err
+    iptables = IptablesCommands(netns=netns)
+    check_support(iptables, (family,))
+    return IPVSBackend(
+        family,
+        config,
+        ipvs=ipvs,
+        links=PyrouteLinks(netns=netns),
+        ipsets=ipsets,
+        iptables=iptables,
+        sysctls=FileSysctlApplier(netns=netns),
+    )
+
+
+def cleanup(netns: str | None = None) -> None:
+    """Remove ipvs mode's virtual servers, ``kube-ipvs0``, iptables chains and ipsets.
+
+    Works without IPVS in the kernel (the virtual-server part is then skipped). Only our
+    virtual servers are deleted (see :func:`~.proxier.cleanup_family`; upstream flushes
+    every one), only our chains, jumps and sets. Raises the first error met after trying
+    everything.
+    """
+    from kubeproxy.backends.iptables.exec import IptablesCommands
+
+    if netns is not None:
+        check_netns(netns)
+    probe = PyrouteIPVS(netns=netns)
+    ipvs: PyrouteIPVS | None = probe
+    try:
+        probe.virtual_servers()
+    except IPVSError:
+        probe.close()
+        ipvs = None
+    links = PyrouteLinks(netns=netns)
+    ipsets = IPSetCommands(netns=netns)
+    iptables = IptablesCommands(netns=netns)
+    errors: list[Exception] = []
+    for family in (IPFamily.IPV4, IPFamily.IPV6):
+        try:
+            cleanup_family(family, ipvs=ipvs, links=links, ipsets=ipsets, iptables=iptables)
+        except Exception as err:
+            log.warning("ipvs cleanup of %s: %s", family, err)
+            errors.append(err)
+    try:
+        links.delete_link(DUMMY_DEVICE)
+    except Exception as err:
+        errors.append(err)
+    if ipvs is not None:
+        ipvs.close()
+    if errors:
+        raise errors[0]

@@ -1,0 +1,682 @@
+"""IPVSBackend: upstream's (deprecated) ipvs mode over narrow executors.
+
+Per Service port the backend renders a plan (:func:`render_port`): IPVS virtual servers
+with their real servers, the addresses to bind to ``kube-ipvs0``, and ipset members. The
+plans of all ports are merged into the desired state and diffed against the backend's
+model of the kernel; only differences are sent. A full sync (first sync, after a
+failure, the core's periodic one) reads the kernel back first: virtual and real servers
+of our family, the addresses on ``kube-ipvs0``, our sets' members.
+
+Order of a sync, so that what worked before keeps working until its replacement exists:
+
+1. ipset additions (and on a full sync the ``create`` of every set);
+2. addresses bound to ``kube-ipvs0``;
+3. IPVS virtual servers and real servers added or updated;
+4. the iptables rules (one ``iptables-restore --noflush`` of our chains, only when the
+   text changed or on a full sync, then the jumps from the built-in chains);
+5. removals: real servers gracefully (below), virtual servers (never one inside
+   ``ipvs.excludeCIDRs``), addresses, ipset members.
+
+A kernel refusal at any step raises :class:`~kubeproxy.backend.SyncError`; everything
+before the failing step stays (removals only happen after every addition succeeded),
+and the next sync is a full one.
+
+Graceful termination, as upstream's ``GracefulTerminationManager``: a real server no
+longer wanted is deleted at once when it is UDP or SCTP or has no connections; otherwise
+its weight becomes 0 (no new connections) and every later sync reads its connection
+counts again and deletes it once they are 0. A real server that comes back while
+draining gets its weight back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from kubeproxy.backend import ProxySnapshot, SyncChanges, SyncError
+from kubeproxy.backends.iptables.exec import IptablesError, IptablesExecutor
+from kubeproxy.backends.iptables.restore import RestoreError
+from kubeproxy.backends.ipvs.ipset import (
+    IPSetError,
+    IPSetExecutor,
+    IPSetRestore,
+    SetName,
+    SetSpec,
+    diff_members,
+    member_ip,
+    member_ip_port,
+    member_ip_port_ip,
+    member_ip_port_net,
+    member_port,
+    set_specs,
+)
+from kubeproxy.backends.ipvs.netlink import (
+    DUMMY_DEVICE,
+    FLAG_PERSISTENT,
+    FLAG_SOURCE_HASH,
+    IPVSError,
+    IPVSExecutor,
+    LinkError,
+    LinkExecutor,
+    RealServer,
+    VirtualServer,
+)
+from kubeproxy.backends.ipvs.rules import JUMPS, RuleInputs, cleanup_input, render_rules
+from kubeproxy.backends.ipvs.sysctls import SysctlApplier, ipvs_sysctls
+from kubeproxy.config import ProxierConfig
+from kubeproxy.objects import (
+    CategorizedEndpoints,
+    Endpoint,
+    IPAddress,
+    IPFamily,
+    IPNetwork,
+    NamespacedName,
+    ServicePort,
+    ServicePortName,
+)
+from kubeproxy.objects import Protocol as L4Protocol
+
+__all__ = [
+    "KERNEL_ERRORS",
+    "IPVSBackend",
+    "PortPlan",
+    "RenderContext",
+    "cleanup_family",
+    "render_port",
+]
+
+log = logging.getLogger(__name__)
+
+KERNEL_ERRORS = (IPVSError, LinkError, IPSetError, IptablesError, RestoreError)
+"""The executor errors a sync turns into :class:`~kubeproxy.backend.SyncError`."""
+
+MAX_AFFINITY_SECONDS = 86400
+"""Longest ClientIP affinity timeout the API accepts (one day)."""
+
+_SCHEDULER = re.compile(r"[a-z][a-z0-9]{0,14}")
+_GRACEFUL = frozenset({L4Protocol.TCP})
+
+VSKey = tuple[IPAddress, L4Protocol, int]
+RSKey = tuple[IPAddress, int]
+AccessKey = tuple[IPAddress, L4Protocol, int]
+
+
+@dataclass(frozen=True, slots=True)
+class RenderContext:
+    """What rendering a port needs besides the port: family, scheduler, node addresses.
+
+    ``node_port_ips`` are where NodePort virtual servers go; ``node_ips`` are the node's
+    own addresses (never bound to ``kube-ipvs0``); ``primary_ip`` decides whether a load
+    balancer's source ranges let the node itself in.
+    """
+
+    family: IPFamily
+    scheduler: str
+    node_port_ips: tuple[IPAddress, ...]
+    node_ips: frozenset[IPAddress]
+    primary_ip: IPAddress | None
+
+
+@dataclass(frozen=True, slots=True)
+class PortPlan:
+    """What one Service port puts into the kernel."""
+
+    servers: tuple[tuple[VirtualServer, tuple[RealServer, ...]], ...] = ()
+    addresses: frozenset[IPAddress] = frozenset()
+    members: frozenset[tuple[SetName, str]] = frozenset()
+    no_node_access: tuple[AccessKey, ...] = ()
+
+
+def _real_servers(endpoints: Iterable[Endpoint], family: IPFamily) -> tuple[RealServer, ...]:
+    seen: dict[RSKey, RealServer] = {}
+    for ep in endpoints:
+        if ep.ip.version != family.version or not 0 < ep.port < 65536:
+            continue
+        seen.setdefault((ep.ip, ep.port), RealServer(ep.ip, ep.port, 1))
+    return tuple(seen.values())
+
+
+def render_port(port: ServicePort, eps: CategorizedEndpoints, ctx: RenderContext) -> PortPlan:
+    """The plan of one Service port (raises ValueError for a port it cannot program)."""
+    family = ctx.family
+    proto = port.protocol
+    if not 0 < port.port < 65536:
+        raise ValueError(f"port {port.port} out of range")
+    if not 0 <= port.node_port < 65536 or not 0 <= port.health_check_node_port < 65536:
+        raise ValueError("nodePort or healthCheckNodePort out of range")
+    if not 0 <= port.session_affinity_seconds <= MAX_AFFINITY_SECONDS:
+        raise ValueError(f"session affinity timeout {port.session_affinity_seconds}s out of range")
+    if port.cluster_ip.version != family.version:
+        raise ValueError(f"cluster IP {port.cluster_ip} is not {family}")
+
+    flags = FLAG_SOURCE_HASH if ctx.scheduler == "mh" else 0
+    timeout = 0
+    if port.session_affinity:
+        flags |= FLAG_PERSISTENT
+        timeout = port.session_affinity_seconds
+    cluster_rs = _real_servers(eps.cluster, family)
+    local_rs = _real_servers(eps.local, family)
+    internal = local_rs if port.internal_policy_local else cluster_rs
+    external = local_rs if port.external_policy_local else cluster_rs
+
+    servers: list[tuple[VirtualServer, tuple[RealServer, ...]]] = []
+    addresses: set[IPAddress] = set()
+    members: set[tuple[SetName, str]] = set()
+    no_access: list[AccessKey] = []
+
+    def serve(address: IPAddress, number: int, reals: tuple[RealServer, ...], bind: bool) -> None:
+        servers.append(
+            (VirtualServer(address, proto, number, ctx.scheduler, flags, timeout), reals)
+        )
+        if bind and address not in ctx.node_ips:
+            addresses.add(address)
+
+    serve(port.cluster_ip, port.port, internal, True)
+    members.add((SetName.CLUSTER_IP, member_ip_port(port.cluster_ip, proto, port.port)))
+
+    external_set = SetName.EXTERNAL_IP_LOCAL if port.external_policy_local else SetName.EXTERNAL_IP
+    for ip in dict.fromkeys(port.external_ips):
+        if ip.version != family.version or ip == port.cluster_ip:
+            continue
+        serve(ip, port.port, external, True)
+        members.add((external_set, member_ip_port(ip, proto, port.port)))
+
+    ranges = [c for c in port.load_balancer_source_ranges if c.version == family.version]
+    for ip in dict.fromkeys(port.load_balancer_vips):
+        if ip.version != family.version or ip == port.cluster_ip or ip in port.external_ips:
+            continue
+        serve(ip, port.port, external, True)
+        entry = member_ip_port(ip, proto, port.port)
+        members.add((SetName.LOAD_BALANCER, entry))
+        if port.external_policy_local:
+            members.add((SetName.LOAD_BALANCER_LOCAL, entry))
+        if ranges:
+            members.add((SetName.LOAD_BALANCER_FW, entry))
+            for cidr in ranges:
+                members.add(
+                    (
+                        SetName.LOAD_BALANCER_SOURCE_CIDR,
+                        member_ip_port_net(ip, proto, port.port, cidr),
+                    )
+                )
+            if ctx.primary_ip is not None and any(ctx.primary_ip in c for c in ranges):
+                members.add(
+                    (SetName.LOAD_BALANCER_SOURCE_IP, member_ip_port_ip(ip, proto, port.port, ip))
+                )
+            else:
+                no_access.append((ip, proto, port.port))
+
+    if port.node_port:
+        for ip in ctx.node_port_ips:
+            serve(ip, port.node_port, external, False)
+        if proto is L4Protocol.SCTP:
+            for ip in ctx.node_port_ips:
+                entry = member_ip_port(ip, proto, port.node_port)
+                members.add((SetName.NODE_PORT_SCTP, entry))
+                if port.external_policy_local:
+                    members.add((SetName.NODE_PORT_LOCAL_SCTP, entry))
+        else:
+            tcp = proto is L4Protocol.TCP
+            entry = member_port(port.node_port)
+            members.add((SetName.NODE_PORT_TCP if tcp else SetName.NODE_PORT_UDP, entry))
+            if port.external_policy_local:
+                local = SetName.NODE_PORT_LOCAL_TCP if tcp else SetName.NODE_PORT_LOCAL_UDP
+                members.add((local, entry))
+    if port.health_check_node_port:
+        members.add((SetName.HEALTH_CHECK_NODE_PORT, member_port(port.health_check_node_port)))
+
+    # Hairpin: a local endpoint reaching its own Service is masqueraded.
+    for ep in dict.fromkeys((*eps.cluster, *eps.local)):
+        if ep.is_local and ep.ip.version == family.version and 0 < ep.port < 65536:
+            members.add((SetName.LOOP_BACK, member_ip_port_ip(ep.ip, proto, ep.port, ep.ip)))
+
+    return PortPlan(tuple(servers), frozenset(addresses), frozenset(members), tuple(no_access))
+
+
+@dataclass(slots=True)
+class _Desired:
+    virtual: dict[VSKey, VirtualServer] = field(default_factory=dict)
+    reals: dict[VSKey, dict[RSKey, RealServer]] = field(default_factory=dict)
+    addresses: set[IPAddress] = field(default_factory=set)
+    members: dict[str, set[str]] = field(default_factory=dict)
+    no_node_access: list[AccessKey] = field(default_factory=list)
+
+
+class IPVSBackend:
+    """The ipvs mode for one IP family (deprecated upstream; see the package README).
+
+    Executors are injected: ``ipvs`` (virtual/real servers), ``links`` (``kube-ipvs0``
+    and its addresses), ``ipsets``, ``iptables``; ``sysctls`` applies the IPVS sysctls on
+    full syncs (None: leave them alone). Attributes for tests and metrics:
+    :attr:`sync_failures`, :attr:`last_sync_full`, :attr:`terminating` (real servers
+    draining at weight 0).
+    """
+
+    def __init__(
+        self,
+        family: IPFamily,
+        config: ProxierConfig,
+        *,
+        ipvs: IPVSExecutor,
+        links: LinkExecutor,
+        ipsets: IPSetExecutor,
+        iptables: IptablesExecutor,
+        sysctls: SysctlApplier | None = None,
+        device: str = DUMMY_DEVICE,
+    ) -> None:
+        scheduler = config.ipvs.scheduler or "rr"
+        if _SCHEDULER.fullmatch(scheduler) is None:
+            raise ValueError(f"invalid IPVS scheduler name {scheduler!r}")
+        self._family = family
+        self._config = config
+        self._scheduler = scheduler
+        self._ipvs = ipvs
+        self._links = links
+        self._ipsets = ipsets
+        self._iptables = iptables
+        self._sysctls = sysctls
+        self._device = device
+        self._specs: dict[SetName, SetSpec] = set_specs(family)
+        self._exclude = tuple(c for c in config.ipvs.exclude_cidrs if c.version == family.version)
+        self.sync_failures = 0
+        self.last_sync_full = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self._need_full = True
+        self._ctx: RenderContext | None = None
+        self._plans: dict[ServicePortName, PortPlan] = {}
+        self._by_service: dict[NamespacedName, set[ServicePortName]] = {}
+        self._vs: dict[VSKey, VirtualServer] = {}
+        self._rs: dict[VSKey, dict[RSKey, RealServer]] = {}
+        self._addresses: set[IPAddress] = set()
+        self._members: dict[str, set[str]] = {}
+        self._rules: str | None = None
+        self.terminating: set[tuple[VSKey, RSKey]] = set()
+
+    # Backend protocol -----------------------------------------------------------------------
+
+    @property
+    def family(self) -> IPFamily:
+        """The IP family this backend programs."""
+        return self._family
+
+    def sync(self, snapshot: ProxySnapshot, changes: SyncChanges) -> None:
+        """Make the kernel match ``snapshot`` (see the module documentation)."""
+        if snapshot.family is not self._family:
+            raise ValueError(f"snapshot of {snapshot.family} given to the {self._family} backend")
+        full = changes.full or self._need_full
+        self.last_sync_full = full
+        try:
+            if full:
+                self._read_kernel()
+            ctx = self._context(snapshot)
+            plans, by_service = self._plan(snapshot, changes, ctx, full)
+            self._apply(self._aggregate(plans), full)
+        except BaseException as err:
+            self._need_full = True
+            if not isinstance(err, KERNEL_ERRORS):
+                raise
+            self.sync_failures += 1
+            raise SyncError(f"ipvs {self._family} sync failed: {err}") from err
+        self._ctx = ctx
+        self._plans = plans
+        self._by_service = by_service
+        self._need_full = False
+
+    def cleanup(self) -> None:
+        """Remove our virtual servers, addresses, iptables chains and ipsets of this family.
+
+        ``kube-ipvs0`` itself is deleted when no address is left on it (the other family's
+        backend may still use it).
+        """
+        cleanup_family(
+            self._family,
+            ipvs=self._ipvs,
+            links=self._links,
+            ipsets=self._ipsets,
+            iptables=self._iptables,
+            device=self._device,
+            exclude_cidrs=self._exclude,
+            known=self._vs.values(),
+        )
+        if not self._links.addresses(self._device):
+            self._links.delete_link(self._device)
+        self._reset()
+
+    # Planning ------------------------------------------------------------------------------
+
+    def _context(self, snapshot: ProxySnapshot) -> RenderContext:
+        family = self._family
+        node_ips = snapshot.node.addresses_of(family)
+        npa = snapshot.node_port_addresses
+        candidates = node_ips if npa.match_all else npa.addresses
+        node_port_ips = tuple(
+            ip
+            for ip in dict.fromkeys(candidates)
+            if ip.version == family.version and not ip.is_loopback and not ip.is_link_local
+        )
+        return RenderContext(
+            family,
+            self._scheduler,
+            node_port_ips,
+            frozenset(node_ips),
+            node_ips[0] if node_ips else None,
+        )
+
+    def _plan(
+        self, snapshot: ProxySnapshot, changes: SyncChanges, ctx: RenderContext, full: bool
+    ) -> tuple[dict[ServicePortName, PortPlan], dict[NamespacedName, set[ServicePortName]]]:
+        if full or ctx != self._ctx:
+            plans: dict[ServicePortName, PortPlan] = {}
+            by_service: dict[NamespacedName, set[ServicePortName]] = {}
+            names: Iterable[ServicePortName] = snapshot.services
+        else:
+            plans = dict(self._plans)
+            by_service = {k: set(v) for k, v in self._by_service.items()}
+            changed: list[ServicePortName] = []
+            for service in sorted(changes.changed_services):
+                for old in by_service.pop(service, ()):
+                    plans.pop(old, None)
+                changed.extend(snapshot.ports_of(service))
+            names = changed
+        empty = CategorizedEndpoints()
+        for name in names:
+            port = snapshot.services[name]
+            try:
+                plan = render_port(port, snapshot.categorized.get(name, empty), ctx)
+            except ValueError as err:
+                log.warning("Skipping service port %s: %s", name, err)
+                continue
+            plans[name] = plan
+            by_service.setdefault(name.service, set()).add(name)
+        return plans, by_service
+
+    def _aggregate(self, plans: Mapping[ServicePortName, PortPlan]) -> _Desired:
+        desired = _Desired()
+        desired.members = {spec.name: set() for spec in self._specs.values()}
+        owner: dict[VSKey, ServicePortName] = {}
+        for name in sorted(plans):
+            plan = plans[name]
+            for vs, reals in plan.servers:
+                claimed = owner.get(vs.key)
+                if claimed is not None:
+                    if claimed != name:
+                        log.warning(
+                            "Service port %s also wants virtual server %s, which %s has",
+                            name,
+                            vs,
+                            claimed,
+                        )
+                    continue
+                owner[vs.key] = name
+                desired.virtual[vs.key] = vs
+                desired.reals[vs.key] = {rs.key: rs for rs in reals}
+            desired.addresses |= plan.addresses
+            for key, member in plan.members:
+                desired.members[self._specs[key].name].add(member)
+            desired.no_node_access.extend(plan.no_node_access)
+        ips = desired.members[self._specs[SetName.IPVS_IPS].name]
+        ips.update(member_ip(a) for a in desired.addresses)
+        return desired
+
+    # Kernel --------------------------------------------------------------------------------
+
+    def _excluded(self, address: IPAddress) -> bool:
+        return any(address in cidr for cidr in self._exclude)
+
+    def _read_kernel(self) -> None:
+        if self._sysctls is not None:
+            self._sysctls(ipvs_sysctls(self._config.ipvs, self._family))
+        settings = self._config.ipvs
+        timeouts = (
+            int(settings.tcp_timeout),
+            int(settings.tcp_fin_timeout),
+            int(settings.udp_timeout),
+        )
+        if any(timeouts):
+            self._ipvs.set_timeouts(*timeouts)
+        version = self._family.version
+        self._links.ensure_link(self._device)
+        self._addresses = {a for a in self._links.addresses(self._device) if a.version == version}
+        self._vs = {
+            vs.key: vs for vs in self._ipvs.virtual_servers() if vs.address.version == version
+        }
+        self._rs = {
+            key: {rs.key: rs for rs in self._ipvs.real_servers(vs)} for key, vs in self._vs.items()
+        }
+        names = [spec.name for spec in self._specs.values()]
+        saved = self._ipsets.save(names)
+        self._members = {
+            name: set(saved[name].members) if name in saved else set() for name in names
+        }
+        self._rules = None
+
+    def _apply(self, desired: _Desired, full: bool) -> None:
+        additions, deletions = diff_members(self._members, desired.members)
+        batch = IPSetRestore()
+        if full:
+            for spec in self._specs.values():
+                batch.create(spec)
+        for name, member in additions:
+            batch.add(name, member)
+        self._ipsets.restore(batch)
+        for name, member in additions:
+            self._members.setdefault(name, set()).add(member)
+
+        for address in sorted(desired.addresses - self._addresses, key=_address_order):
+            self._links.add_address(self._device, address)
+            self._addresses.add(address)
+
+        self._add_servers(desired)
+
+        inputs = RuleInputs(
+            self._family,
+            self._specs,
+            frozenset(k for k, s in self._specs.items() if desired.members[s.name]),
+            self._config.masquerade_mark,
+            self._config.masquerade_all,
+            self._config.local_detector.for_family(self._family),
+            tuple(sorted(set(desired.no_node_access), key=_access_order)),
+        )
+        text = render_rules(inputs).render()
+        if full or text != self._rules:
+            self._iptables.restore(self._family, text)
+            self._rules = text
+        if full:
+            for jump in JUMPS:
+                self._iptables.ensure_rule(self._family, jump.table, jump.chain, jump.args)
+
+        self._remove_servers(desired)
+        for address in sorted(self._addresses - desired.addresses, key=_address_order):
+            if self._excluded(address):
+                continue
+            self._links.delete_address(self._device, address)
+            self._addresses.discard(address)
+        if deletions:
+            batch = IPSetRestore()
+            for name, member in deletions:
+                batch.delete(name, member)
+            self._ipsets.restore(batch)
+            for name, member in deletions:
+                self._members[name].discard(member)
+
+    def _add_servers(self, desired: _Desired) -> None:
+        for key, vs in desired.virtual.items():
+            current_vs = self._vs.get(key)
+            if current_vs is None:
+                self._ipvs.add_virtual_server(vs)
+                self._vs[key] = vs
+                self._rs[key] = {}
+            elif not current_vs.same_settings(vs):
+                self._ipvs.update_virtual_server(vs)
+                self._vs[key] = vs
+            current = self._rs.setdefault(key, {})
+            for rs_key, rs in desired.reals[key].items():
+                have = current.get(rs_key)
+                if have is None:
+                    self._ipvs.add_real_server(vs, rs)
+                    current[rs_key] = rs
+                elif have.weight != rs.weight:
+                    self._ipvs.update_real_server(vs, rs)
+                    current[rs_key] = dataclasses.replace(have, weight=rs.weight)
+                self.terminating.discard((key, rs_key))
+
+    def _remove_servers(self, desired: _Desired) -> None:
+        for key in list(self._vs):
+            vs = self._vs[key]
+            if key not in desired.virtual:
+                if self._excluded(vs.address):
+                    continue
+                self._ipvs.delete_virtual_server(vs)
+                del self._vs[key]
+                self._rs.pop(key, None)
+                self.terminating = {t for t in self.terminating if t[0] != key}
+                continue
+            wanted = desired.reals[key]
+            extra = [rs for rs_key, rs in self._rs.get(key, {}).items() if rs_key not in wanted]
+            if extra:
+                self._drain(vs, extra)
+
+    def _drain(self, vs: VirtualServer, extra: list[RealServer]) -> None:
+        """Delete real servers no longer wanted, or weight them 0 while connections last."""
+        current = self._rs[vs.key]
+        fresh: dict[RSKey, RealServer] = {}
+        if vs.protocol in _GRACEFUL:
+            fresh = {rs.key: rs for rs in self._ipvs.real_servers(vs)}
+        for rs in extra:
+            if vs.protocol in _GRACEFUL:
+                live = fresh.get(rs.key)
+                if live is None:  # gone already
+                    current.pop(rs.key, None)
+                    self.terminating.discard((vs.key, rs.key))
+                    continue
+                if live.connections:
+                    if live.weight != 0:
+                        self._ipvs.update_real_server(vs, dataclasses.replace(live, weight=0))
+                    current[rs.key] = dataclasses.replace(live, weight=0)
+                    self.terminating.add((vs.key, rs.key))
+                    continue
+            self._ipvs.delete_real_server(vs, rs)
+            current.pop(rs.key, None)
+            self.terminating.discard((vs.key, rs.key))
+
+
+def _address_order(address: IPAddress) -> tuple[int, int]:
+    return (address.version, int(address))
+
+
+def _access_order(key: AccessKey) -> tuple[int, int, str, int]:
+    return (key[0].version, int(key[0]), key[1].value, key[2])
+
+
+# Cleanup ---------------------------------------------------------------------------------------
+
+_SERVICE_SETS = (
+    SetName.CLUSTER_IP,
+    SetName.EXTERNAL_IP,
+    SetName.EXTERNAL_IP_LOCAL,
+    SetName.LOAD_BALANCER,
+    SetName.NODE_PORT_SCTP,
+)
+_NODE_PORT_SETS = {
+    SetName.NODE_PORT_TCP: L4Protocol.TCP,
+    SetName.NODE_PORT_UDP: L4Protocol.UDP,
+}
+
+
+def _ours(
+    family: IPFamily, saved: Mapping[str, set[str]], addresses: set[IPAddress]
+) -> tuple[set[str], set[tuple[str, int]]]:
+    specs = set_specs(family)
+    frontends: set[str] = set()
+    for key in _SERVICE_SETS:
+        frontends |= saved.get(specs[key].name, set())
+    node_ports: set[tuple[str, int]] = set()
+    for key, proto in _NODE_PORT_SETS.items():
+        node_ports |= {(proto.lower, int(m)) for m in saved.get(specs[key].name, set())}
+    frontends |= {f"{a}" for a in addresses}
+    return frontends, node_ports
+
+
+def cleanup_family(
+    family: IPFamily,
+    *,
+    ipvs: IPVSExecutor | None,
+    links: LinkExecutor,
+    ipsets: IPSetExecutor,
+    iptables: IptablesExecutor,
+    device: str = DUMMY_DEVICE,
+    exclude_cidrs: tuple[IPNetwork, ...] = (),
+    known: Iterable[VirtualServer] = (),
+) -> None:
+    """Remove ipvs mode's state of one family; raise the first error after trying it all.
+
+    Our virtual servers are those of ``known``, those whose ``address,proto:port`` is in
+    our service ipsets, whose address is on ``device``, or whose port is in our NodePort
+    sets (``ipvs`` None, or a kernel without IPVS: skipped). Then the jumps and our
+    chains, our ipsets, and this family's addresses on ``device``.
+    """
+    errors: list[Exception] = []
+    specs = set_specs(family)
+    names = [spec.name for spec in specs.values()]
+    try:
+        saved = {name: state.members for name, state in ipsets.save(names).items()}
+    except IPSetError as err:
+        errors.append(err)
+        saved = {}
+    try:
+        addresses = {a for a in links.addresses(device) if a.version == family.version}
+    except LinkError as err:
+        errors.append(err)
+        addresses = set()
+    if ipvs is not None:
+        frontends, node_ports = _ours(family, saved, addresses)
+        known_keys = {vs.key for vs in known}
+        try:
+            for vs in ipvs.virtual_servers():
+                if vs.address.version != family.version:
+                    continue
+                if any(vs.address in cidr for cidr in exclude_cidrs):
+                    continue
+                mine = (
+                    vs.key in known_keys
+                    or str(vs.address) in frontends
+                    or member_ip_port(vs.address, vs.protocol, vs.port) in frontends
+                    or (vs.protocol.lower, vs.port) in node_ports
+                )
+                if mine:
+                    ipvs.delete_virtual_server(vs)
+        except IPVSError as err:
+            if "kernel lacks" not in str(err):
+                errors.append(err)
+    for jump in JUMPS:
+        try:
+            iptables.delete_rule(family, jump.table, jump.chain, jump.args)
+        except IptablesError as err:
+            errors.append(err)
+    try:
+        existing = {table: iptables.chains(family, table) for table in ("filter", "nat")}
+        text = cleanup_input(existing).render()
+        if text:
+            iptables.restore(family, text)
+    except (IptablesError, RestoreError) as err:
+        errors.append(err)
+    batch = IPSetRestore()
+    for name in names:
+        if name in saved:
+            batch.destroy(name)
+    try:
+        ipsets.restore(batch)
+    except IPSetError as err:
+        errors.append(err)
+    for address in sorted(addresses, key=_address_order):
+        try:
+            links.delete_address(device, address)
+        except LinkError as err:
+            errors.append(err)
+    if errors:
+        raise errors[0]
