@@ -164,9 +164,16 @@ def test_same_input_dumps_the_same_in_kernel_and_fake(
     update.declare(NAT, "KUBE-SEP-C")
     update.append(NAT, svc, "-j KUBE-SEP-BBBBBBBBBBBBBBBB")
     update.delete_chain(NAT, "KUBE-SEP-C")
+    # -D matches a rule written in another form than the kernel prints it (both ways).
+    vip = "fd00::10" if family == IPFamily.IPV6 else "10.96.0.10"
+    svc_comment = comment('ns/web:http "quoted" cluster IP')
+    update.delete_rule(NAT, "KUBE-SERVICES", f"{svc_comment} -p tcp -d {vip} --dport 80 -j {svc}")
+    update.insert(NAT, "KUBE-SERVICES", f"-d {vip} -p tcp {svc_comment} --dport 8080 -j {svc}")
     commands.restore(family, update.render())
     fake.restore(family, update.render())
     assert normalise(commands.save(family, NAT)) == fake.dump(family, NAT)
+    assert "--dport 8080" in fake.dump(family, NAT)
+    assert "--dport 80 " not in fake.dump(family, NAT)
     assert "KUBE-SEP-C" not in commands.chains(family, NAT)
     assert commands.chains(family, NAT) == fake.chains(family, NAT)
 

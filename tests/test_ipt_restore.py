@@ -160,3 +160,29 @@ def test_a_big_input_renders_quickly_enough_to_be_linear() -> None:
     text = restore.render()
     assert text.count("\n") == 40_002
     assert restore.line_count(NAT) == 40_000
+
+
+def test_insert_and_delete_rule_keep_their_place_among_rules() -> None:
+    restore = RestoreInput()
+    restore.append(NAT, "KUBE-SERVICES", "-j A")
+    restore.delete_rule(NAT, "KUBE-SERVICES", "-d 10.0.0.1/32 -j KUBE-SVC-X")
+    restore.insert(NAT, "KUBE-SERVICES", "-j B")
+    restore.declare(NAT, "KUBE-SVC-X")
+    restore.create(NAT, "KUBE-SVC-Y")
+    assert restore.render().splitlines() == [
+        "*nat",
+        ":KUBE-SVC-X - [0:0]",
+        "-N KUBE-SVC-Y",
+        "-A KUBE-SERVICES -j A",
+        "-D KUBE-SERVICES -d 10.0.0.1/32 -j KUBE-SVC-X",
+        "-I KUBE-SERVICES -j B",
+        "COMMIT",
+    ]
+    assert restore.chain_count(NAT) == 2
+    assert restore.chain_count(FILTER) == 0
+    with pytest.raises(RestoreError):
+        restore.delete_rule(NAT, "KUBE-SERVICES", "")
+    with pytest.raises(RestoreError):
+        restore.insert(NAT, "KUBE SERVICES", "-j A")
+    with pytest.raises(RestoreError):
+        restore.insert(NAT, "KUBE-SERVICES", "-j A\nCOMMIT")
