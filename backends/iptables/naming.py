@@ -92,7 +92,7 @@ def service_port_string(name: ServicePortName) -> str:
     service = name.service
     if len(service.namespace) > 63 or _NAME_PART.fullmatch(service.namespace) is None:
         raise InvalidName(f"namespace {service.namespace!r} is not a valid name")
-    if len(service.name) > 253 or _NAME_PART.fullmatch(service.name) is None:
+    if len(service.name) > 63 or _NAME_PART.fullmatch(service.name) is None:
         raise InvalidName(f"service name {service.name!r} is not a valid name")
     if len(name.port) > 63 or _PORT_PART.fullmatch(name.port) is None:
         raise InvalidName(f"port name {name.port!r} is not valid")

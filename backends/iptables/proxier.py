@@ -121,6 +121,7 @@ class IptablesBackend:
         self._need_scan = True
         self._last_scan: float | None = None
         self._ctx: RenderContext | None = None
+        self._localnet: bool | None = None
         self._ports: dict[ServicePortName, PortRules] = {}
         self._by_service: dict[NamespacedName, set[ServicePortName]] = {}
         self._invalid: dict[ServicePortName, str] = {}
@@ -154,6 +155,8 @@ class IptablesBackend:
             if ctx != self._ctx:
                 full = True  # every port's rules change (masquerading, detector, comments)
             fixed = self._fixed_for(snapshot)
+            if fixed.localnet_firewall != self._localnet:
+                full = True  # the jumps to KUBE-FIREWALL come and go with full syncs
             self.last_sync_full = full
             if full:
                 scan = self._need_scan or not large or self._scan_due(now)
@@ -180,6 +183,7 @@ class IptablesBackend:
             self._need_scan = False
         self._need_full = False
         self._ctx = ctx
+        self._localnet = fixed.localnet_firewall
         self.large_cluster = large
         self._ports = plan.ports
         self._chains = plan.chains
@@ -302,13 +306,16 @@ class IptablesBackend:
         changed: dict[ServicePortName, PortRules] = {}
         old_chains: set[str] = set()
         for name in sorted(names):
-            old = ports.pop(name, None)
+            old = ports.get(name)
             if old is not None:
                 old_chains.update(old.chain_names)
             rules = self._render(snapshot, name, ctx)
+            # A changed port keeps its place in the top-level chains; a new one goes last.
             if rules is not None:
                 ports[name] = rules
                 changed[name] = rules
+            elif old is not None:
+                del ports[name]
         nat = RestoreInput()
         chains = set(self._chains)
         new_chains: set[str] = set()
