@@ -33,6 +33,7 @@ __all__ = [
     "BackendCounters",
     "CleanupFailureCounter",
     "DryRun",
+    "IPVSDryRun",
     "IptablesCounters",
     "IptablesDryRun",
     "Mode",
@@ -145,7 +146,12 @@ def nftables_hooks(backend: Backend, metrics: ProxyMetrics) -> Sequence[SyncHook
 
 
 def iptables_hooks(backend: Backend, metrics: ProxyMetrics) -> Sequence[SyncHook | SyncObserver]:
-    """iptables and ipvs modes: the backend's restore counters (:class:`BackendCounters`)."""
+    """iptables and ipvs modes: the backend's restore counters (:class:`BackendCounters`).
+
+    A backend without ``restore_failures`` (our ipvs backend counts ``sync_failures``, any
+    kernel refusal) gets none: each failed sync then counts once in
+    ``..._iptables_restore_failures_total``, the metrics' own way.
+    """
     if isinstance(backend, IptablesCounters):
         return (BackendCounters(backend, metrics),)
     return ()
@@ -221,6 +227,47 @@ class IptablesDryRun:
                     out.write("\n")
 
 
+class IPVSDryRun:
+    """ipvs mode's dry run: the ipvs package's fakes for IPVS, ``kube-ipvs0`` and ipsets,
+    ``FakeIptables`` for the rules; prints, per family, the IPVS and link operations, the
+    ``ipset restore`` batches and the iptables-restore inputs."""
+
+    def __init__(self) -> None:
+        self.fakes: list[tuple[IPFamily, Any, Any, Any, Any]] = []
+
+    def __call__(
+        self, family: IPFamily, config: ProxierConfig, *, netns: str | None = None
+    ) -> Backend:
+        """A backend over fresh fakes."""
+        ipvs = importlib.import_module("kubeproxy.backends.ipvs")
+        fakes = importlib.import_module("kubeproxy.backends.ipvs.fake")
+        iptables_fake = importlib.import_module("kubeproxy.backends.iptables.fake")
+        parts = (fakes.FakeIPVS(), fakes.FakeLinks(), fakes.FakeIPSets())
+        rules = iptables_fake.FakeIptables()
+        self.fakes.append((family, *parts, rules))
+        backend: Backend = ipvs.IPVSBackend(
+            family, config, ipvs=parts[0], links=parts[1], ipsets=parts[2], iptables=rules
+        )
+        return backend
+
+    def print(self, out: TextIO) -> None:
+        """Every operation, by family and kind."""
+        for family, ipvs, links, ipsets, rules in self.fakes:
+            out.write(f"# {family} IPVS operations\n")
+            out.writelines(f"{op}\n" for op in ipvs.operations)
+            out.write(f"# {family} link operations\n")
+            out.writelines(f"{op}\n" for op in links.operations)
+            for batch in filter(None, ipsets.restores):
+                out.write(f"# {family} ipset restore -exist\n{batch}")
+                if not batch.endswith("\n"):
+                    out.write("\n")
+            for _family, text in rules.restores:
+                command = "iptables-restore" if family is IPFamily.IPV4 else "ip6tables-restore"
+                out.write(f"# {command} --noflush\n{text}")
+                if not text.endswith("\n"):
+                    out.write("\n")
+
+
 # --- the modes ----------------------------------------------------------------------------
 
 
@@ -273,7 +320,7 @@ def _backend_mode(name: str, hooks: BackendHooks, dry_run: Callable[[], DryRun] 
 MODES: Final[Mapping[str, Mode]] = {
     "nftables": _backend_mode("nftables", nftables_hooks, NftablesDryRun),
     "iptables": _backend_mode("iptables", iptables_hooks, IptablesDryRun),
-    "ipvs": _backend_mode("ipvs", iptables_hooks, None),
+    "ipvs": _backend_mode("ipvs", iptables_hooks, IPVSDryRun),
 }
 """Our modes, in the order ``--cleanup`` removes their leftovers."""
 

@@ -344,16 +344,27 @@ def test_once_posts_no_mode_events(fake: FakeAPIServer) -> None:
     assert fake.posted_events == []
 
 
-def test_ipvs_dry_run_is_refused_with_one_line(caplog: pytest.LogCaptureFixture) -> None:
+def test_dry_run_prints_every_executors_work_in_ipvs_mode(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     examples = Path(__file__).resolve().parent.parent / "examples" / "cluster"
+    out = io.StringIO()
     code = run(
         ipvs_binary.BINARY,
         ["--manifests", str(examples), "--hostname-override", "demo-node", "--dry-run"],
-        modes=StandIns().modes,
+        out=out,
+        host_addresses=FakeHostAddresses(),
+        gc_ops=NO_GC,
     )
-    assert code == 2
-    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    assert errors == ["--dry-run is not available in ipvs mode (it has no in-memory fake)"]
+    assert code == 0
+    lines = out.getvalue().splitlines()
+    assert "add vs 172.30.0.10:80/TCP rr flags=0x0 timeout=0" in lines
+    assert "add rs 172.30.0.10:80/TCP -> 10.244.0.12:8080 weight=1" in lines
+    assert "add address 172.30.0.10 dev kube-ipvs0" in lines
+    assert "add KUBE-CLUSTER-IP 172.30.0.10,tcp:80" in lines
+    assert "# iptables-restore --noflush" in lines
+    # The deprecation is said once, and the dry run posts no event anywhere.
+    assert caplog.messages.count(IPVS_DEPRECATION_MESSAGE) == 1
 
 
 # --- cleanup across modes -----------------------------------------------------------------

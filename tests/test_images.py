@@ -436,6 +436,25 @@ def test_dockerfile_installs_the_proxy_and_its_kernel_tools() -> None:
     assert "PATH=/opt/kubeproxy/bin:$PATH" in text
 
 
+def test_every_binary_and_backend_is_installed_by_the_image() -> None:
+    # The image installs the package (pip install /src): its console scripts and backend
+    # entry points are what the image holds.
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    scripts = pyproject["project"]["scripts"]
+    assert {
+        "kube-proxy-nftables": "kubeproxy.cmd.nftables:main",
+        "kube-proxy-iptables": "kubeproxy.cmd.iptables:main",
+        "kube-proxy-ipvs": "kubeproxy.cmd.ipvs:main",
+        "kube-proxy": "kubeproxy.cmd.multimode:main",
+    }.items() <= scripts.items()
+    backends = pyproject["project"]["entry-points"]["kubeproxy.backends"]
+    assert backends == {
+        mode: f"kubeproxy.backends.{mode}:create_backend"
+        for mode in ("nftables", "iptables", "ipvs")
+    }
+    assert re.search(r"pip install .*/src$", dockerfile(), re.MULTILINE)
+
+
 def test_manifests_use_the_image_entrypoint() -> None:
     for c in (container("kube-proxy"), container("init", init=True)):
         assert c["command"][0] == PROG
