@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kubeproxy.backends.iptables.exec import IptablesError, IptablesExecutor, IptablesVariant
-from kubeproxy.backends.iptables.fake import FakeIptables, save_form, tokenize
+from kubeproxy.backends.iptables.fake import FakeIptables, _tokenize_chars, save_form, tokenize
 from kubeproxy.backends.iptables.restore import FILTER, NAT, RestoreInput, comment
 from kubeproxy.objects import IPFamily
 
@@ -107,6 +107,19 @@ def test_save_form_ipv6_hosts_get_128() -> None:
 )
 def test_tokenize_reads_words_as_iptables_restore(line: str, words: list[str]) -> None:
     assert tokenize(line) == words
+
+
+@given(st.text(st.sampled_from(['"', " ", "\t", "a", "-", "\\", "x"]), max_size=30))
+def test_tokenize_fast_paths_agree_with_the_general_one(line: str) -> None:
+    try:
+        expected: list[str] | None = _tokenize_chars(line)
+    except ValueError:
+        expected = None
+    try:
+        got: list[str] | None = tokenize(line)
+    except ValueError:
+        got = None
+    assert got == expected
 
 
 def test_tokenize_refuses_an_unterminated_quote() -> None:
@@ -321,7 +334,7 @@ def ordered(ops: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
     return sorted(ops, key=lambda op: rank[op[0]])
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(st.lists(OPS, min_size=1, max_size=6))
 def test_random_restores_match_the_model(restores: list[list[tuple[str, str, str]]]) -> None:
     fake = FakeIptables()

@@ -25,6 +25,7 @@ needed, ``--probability`` with 11 decimals), so a dump of the fake and a real
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 
@@ -96,6 +97,28 @@ def tokenize(line: str) -> list[str]:
     """
     if '"' not in line and "\\" not in line:
         return line.split()
+    if "\\" not in line:
+        # No escapes: every quote is a real one; odd parts of a split on '"' are quoted.
+        parts = line.split('"')
+        if len(parts) % 2 == 0:
+            raise ValueError("unterminated quote")
+        words: list[str] = []
+        prefix = ""
+        for index, part in enumerate(parts):
+            if index % 2:
+                words.append(prefix + part)
+                continue
+            bare = part.split()
+            # A quote right after a word continues it ("ab"c d"" is one word, "abc d").
+            glued = index + 1 < len(parts) and bare and not part[-1].isspace()
+            prefix = bare.pop() if glued else ""
+            words.extend(bare)
+        return words
+    return _tokenize_chars(line)
+
+
+def _tokenize_chars(line: str) -> list[str]:
+    """:func:`tokenize`, character by character (the general case, with escapes)."""
     words: list[str] = []
     buffer: list[str] = []
     quoted = escaped = False
@@ -194,16 +217,14 @@ def _save_word(word: str) -> str:
     return f'"{escaped}"'
 
 
-def _render(words: Sequence[str]) -> str:
+@functools.lru_cache(maxsize=1 << 16)
+def _render(words: tuple[str, ...]) -> str:
     """Words joined as iptables-save prints them: comments through its quoting rule."""
-    out: list[str] = []
-    after_comment = False
-    for word in words:
-        if after_comment:
-            out.append(word if _SAFE.fullmatch(word) else _save_word(word))
-        else:
-            out.append(word if _BARE.fullmatch(word) else _save_word(word))
-        after_comment = word == "--comment"
+    out = list(words)
+    for index, word in enumerate(out):
+        comment_text = index > 0 and words[index - 1] == "--comment"
+        if not (_SAFE if comment_text else _BARE).fullmatch(word):
+            out[index] = _save_word(word)
     return " ".join(out)
 
 

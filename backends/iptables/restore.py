@@ -182,10 +182,12 @@ class RestoreInput:
     rules. Jumps from built-in chains go through the executor's ``ensure_rule``.
     """
 
-    __slots__ = ("_chains", "_tables")
+    __slots__ = ("_chains", "_rules", "_tables")
 
     def __init__(self) -> None:
         self._tables: dict[str, _TableInput] = {}
+        # Each table's rule list, one lookup away: append is the hot path.
+        self._rules: dict[str, list[str]] = {}
         # Chain names already checked; a set lookup is far cheaper than the regex.
         self._chains: set[str] = set()
 
@@ -198,10 +200,9 @@ class RestoreInput:
 
     def _user_chain(self, chain: str) -> str:
         if chain not in self._chains:
-            check_chain_name(chain)
-            if chain in _BUILTIN_NAMES:
-                raise RestoreError(f"built-in chain {chain} cannot be declared or deleted")
-            self._chains.add(chain)
+            self._chains.add(check_chain_name(chain))
+        if chain in _BUILTIN_NAMES:
+            raise RestoreError(f"built-in chain {chain} cannot be declared, created or deleted")
         return chain
 
     def declare(self, table: str, chain: str) -> None:
@@ -224,14 +225,14 @@ class RestoreInput:
         would smuggle in more lines. ``chain`` may be a built-in chain, but under
         ``--noflush`` such a rule is added again on every restore.
         """
-        block = self._tables.get(table)
-        if block is None:
-            block = self._table(table)
+        rules = self._rules.get(table)
+        if rules is None:
+            rules = self._rules[table] = self._table(table).rules
         if chain not in self._chains:
-            check_chain_name(chain)
+            self._chains.add(check_chain_name(chain))
         if "\n" in rule or "\r" in rule:
             raise RestoreError(f"line break in iptables rule for chain {chain}: {rule!r}")
-        block.rules.append(f"-A {chain} {rule}")
+        rules.append(f"-A {chain} {rule}")
 
     def insert(self, table: str, chain: str, rule: str) -> None:
         """``-I CHAIN rule``: put ``rule`` first in ``chain``; kept in order with the other
