@@ -534,3 +534,53 @@ def test_dry_run_prints_the_restore_inputs_in_iptables_mode() -> None:
     assert "\n*nat\n" in text and "\n*filter\n" in text and "\nCOMMIT\n" in text
     assert ":KUBE-SERVICES - [0:0]" in text
     assert "-d 172.30.0.10 --dport 80 -j KUBE-SVC-" in text
+
+
+def test_the_iptables_backends_counts_reach_the_daemons_metrics() -> None:
+    from kubeproxy.backends.iptables import IptablesBackend
+    from kubeproxy.backends.iptables.fake import FakeIptables
+    from kubeproxy.cmd.app import build_daemon
+    from kubeproxy.cmd.options import parse_options
+
+    examples = Path(__file__).resolve().parent.parent / "examples" / "cluster"
+    backends: list[IptablesBackend] = []
+
+    def factory(family: IPFamily, config: ProxierConfig, *, netns: str | None = None) -> Backend:
+        fake = FakeIptables()
+        fake.fail_next()  # the first restore fails; the proxier retries with a full sync
+        backends.append(IptablesBackend(family, config, executor=fake))
+        return backends[-1]
+
+    options = parse_options(
+        ["--manifests", str(examples), "--hostname-override", "demo-node"],
+        "kube-proxy-iptables",
+        "iptables",
+    )
+    daemon = build_daemon(
+        options,
+        factory,
+        mode="iptables",
+        backend_hooks=MODES["iptables"].hooks,
+        host_addresses=FakeHostAddresses(),
+        conntrack=FakeConntrack(),
+        privileged=False,
+        ipv6_supported=False,
+        gc_ops=NO_GC,
+    )
+    try:
+        daemon.sync_once()
+        assert daemon.handler.sync_now()
+    finally:
+        daemon.stop()
+    (backend,) = backends
+    assert backend.restore_failures == 1
+    metrics = daemon.metrics
+    v4 = {"ip_family": "IPv4"}
+    prefix = "kubeproxy_sync_proxy_rules_iptables"
+    # The failed restore counted once (from the backend, not again as a failed sync).
+    assert sample(metrics, f"{prefix}_restore_failures_total", **v4) == 1
+    for table in ("nat", "filter"):
+        total = sample(metrics, f"{prefix}_total", table=table, **v4)
+        last = sample(metrics, f"{prefix}_last", table=table, **v4)
+        assert (total, last) == (backend.rules_total[table], backend.rules_last[table])
+    assert backend.rules_total["nat"] >= 10  # three Services' chains and rules
