@@ -266,3 +266,37 @@ def test_restore_with_counters(commands: IptablesCommands) -> None:
             check=True,
         ).stdout
     )
+
+
+SETUP = "*nat\n:FULL - [0:0]\n:REF - [0:0]\n-A FULL -j RETURN\n-A REF -j FULL\nCOMMIT\n"
+REFUSED = [
+    "*nat\n-A NOPE -j RETURN\nCOMMIT\n",
+    "*nat\n:A - [0:0]\n-A A -j NOPE\nCOMMIT\n",
+    "*nat\n:A - [0:0]\n-A A -j PREROUTING\nCOMMIT\n",
+    "*nat\n:A - [0:0]\n-A A -j REJECT\nCOMMIT\n",
+    "*filter\n:A - [0:0]\n-A A -p tcp -j DNAT --to-destination 1.2.3.4\nCOMMIT\n",
+    "*nat\n-X NOPE\nCOMMIT\n",
+    "*nat\n-X FULL\nCOMMIT\n",
+    "*nat\n:FULL - [0:0]\n-X FULL\nCOMMIT\n",
+    "*nat\n-N FULL\nCOMMIT\n",
+    "*nat\n-D FULL -j ACCEPT\nCOMMIT\n",
+    "*nat\n:A - [0:0]\n",
+    "*raw2\nCOMMIT\n",
+]
+
+
+def test_kernel_and_fake_refuse_the_same_inputs(commands: IptablesCommands) -> None:
+    fake = FakeIptables(commands.variant)
+    for executor in (commands, fake):
+        executor.restore(V4, SETUP)
+    for text in REFUSED:
+        for executor in (commands, fake):
+            with pytest.raises(IptablesError):
+                executor.restore(V4, text)
+        for table in (FILTER, NAT):
+            assert normalise(commands.save(V4, table)) == fake.dump(V4, table), text
+    # And both accept flushing and deleting in one input.
+    accepted = "*nat\n:FULL - [0:0]\n:REF - [0:0]\n-X REF\n-X FULL\nCOMMIT\n"
+    for executor in (commands, fake):
+        executor.restore(V4, accepted)
+    assert normalise(commands.save(V4, NAT)) == fake.dump(V4, NAT)

@@ -157,6 +157,7 @@ def test_builtin_declaration_flushes_and_sets_policy() -> None:
         ("*nat\n:A - [0:0]\n-A A -j NOPE\nCOMMIT\n", 3, "does not exist"),
         ("*nat\n:A - [0:0]\n-A A -j PREROUTING\nCOMMIT\n", 3, "does not exist"),
         ("*filter\n:A - [0:0]\n-A A -p tcp -j DNAT --to-destination 1.2.3.4\nCOMMIT\n", 3, "nat"),
+        ("*nat\n:A - [0:0]\n-A A -j REJECT\nCOMMIT\n", 3, "filter"),
         ("*nat\n-X NOPE\nCOMMIT\n", 2, "No chain"),
         ("*nat\n-X PREROUTING\nCOMMIT\n", 2, "built-in"),
         ("*nat\n-X FULL\nCOMMIT\n", 2, "not empty"),
@@ -218,6 +219,12 @@ def test_declare_and_delete_in_one_restore_and_rule_commands() -> None:
     assert rules(fake) == ["-A C -j DROP", "-A C -j RETURN"]
     fake.restore(V4, "*nat\n-F C\nCOMMIT\n")
     assert rules(fake) == []
+
+
+def test_a_rule_without_matches_or_target_is_kept() -> None:
+    fake = FakeIptables()
+    fake.restore(V4, "*filter\n:A - [0:0]\n-A A\n-A A -p tcp -m tcp --dport 80\nCOMMIT\n")
+    assert rules(fake, V4, FILTER) == ["-A A", "-A A -p tcp -m tcp --dport 80"]
 
 
 def test_counters_prefix_is_accepted_with_counters() -> None:

@@ -7,8 +7,9 @@ kernel checks (measured against iptables 1.8.9, both variants):
 
 * an unknown table, a line outside a table block, a missing ``COMMIT``;
 * ``-A``/``-I``/``-D`` on a chain that does not exist, ``-N`` of one that does;
-* a jump (``-j``/``-g``) to a chain that does not exist (built-in targets are fine), and
-  ``DNAT``/``SNAT``/``MASQUERADE``/``REDIRECT`` outside the ``nat`` table;
+* a jump (``-j``/``-g``) to a chain that does not exist or is built-in (built-in targets
+  are fine), ``DNAT``/``SNAT``/``MASQUERADE``/``REDIRECT`` outside the ``nat`` table and
+  ``REJECT`` outside ``filter``;
 * ``-X`` of a missing, built-in, non-empty or still-referenced chain;
 * a malformed line (an unknown command, a dangling option, an unterminated quote).
 
@@ -30,7 +31,7 @@ import re
 from collections.abc import Sequence
 
 from kubeproxy.backends.iptables.exec import IptablesError, IptablesVariant
-from kubeproxy.backends.iptables.restore import BUILTIN_CHAINS, NAT, TABLES
+from kubeproxy.backends.iptables.restore import BUILTIN_CHAINS, FILTER, NAT, TABLES
 from kubeproxy.objects import IPFamily
 
 __all__ = ["BUILTIN_TARGETS", "FakeIptables", "save_form", "tokenize"]
@@ -417,8 +418,6 @@ class FakeIptables:
 
     @staticmethod
     def _rule(family: IPFamily, table: str, work: _Table, args: Sequence[str]) -> tuple[str, ...]:
-        if not args:
-            raise _RestoreFailure("empty rule", 2)
         try:
             words = save_form(args, family)
         except ValueError as err:
@@ -429,6 +428,8 @@ class FakeIptables:
             if name in BUILTIN_TARGETS and kind == "-j":
                 if name in _NAT_ONLY_TARGETS and table != NAT:
                     raise _RestoreFailure(f"{name} target is only valid in the nat table")
+                if name == "REJECT" and table != FILTER:
+                    raise _RestoreFailure("REJECT target is only valid in the filter table")
             elif name not in work or name in BUILTIN_CHAINS[table]:
                 raise _RestoreFailure(f"Chain '{name}' does not exist", 2)
         return words
@@ -478,7 +479,10 @@ class FakeIptables:
             out.append(f"*{name}")
             out.extend(f":{chain} {state[chain].policy} [0:0]" for chain in order)
             for chain in order:
-                out.extend(f"-A {chain} {_render(rule)}" for rule in state[chain].rules)
+                out.extend(
+                    f"-A {chain} {_render(rule)}" if rule else f"-A {chain}"
+                    for rule in state[chain].rules
+                )
             out.append("COMMIT")
         return "".join(f"{line}\n" for line in out)
 
