@@ -23,6 +23,7 @@ from kubeproxy.backends.ipvs.netlink import (
     VirtualServer,
 )
 from kubeproxy.objects import IPAddress
+from kubeproxy.objects import Protocol as L4Protocol
 
 __all__ = ["KERNEL_SCHEDULERS", "FakeIPSets", "FakeIPVS", "FakeLinks"]
 
@@ -31,7 +32,7 @@ KERNEL_SCHEDULERS = frozenset(
 )
 """The IPVS schedulers a stock kernel builds (what the fake accepts by default)."""
 
-VSKey = tuple[IPAddress, object, int]
+VSKey = tuple[IPAddress, L4Protocol, int]
 
 
 class _Failures:
