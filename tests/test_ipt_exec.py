@@ -217,6 +217,11 @@ def test_ensure_rule_is_idempotent_and_delete_rule(commands: IptablesCommands) -
     assert not commands.delete_rule(V6, FILTER, "FORWARD", args)
     with pytest.raises(IptablesError):
         commands.ensure_rule(V6, FILTER, "FORWARD", ["-j", "KUBE-NOPE"])
+    # A jump to a missing chain (iptables -C exits 2) or in a missing chain: not there.
+    assert not commands.delete_rule(V6, FILTER, "FORWARD", ["-j", "KUBE-NOPE"])
+    assert not commands.delete_rule(V6, FILTER, "KUBE-NOPE", ["-j", "ACCEPT"])
+    with pytest.raises(IptablesError, match="bogus"):
+        commands.delete_rule(V6, FILTER, "FORWARD", ["-j", "ACCEPT", "--bogus"])
     check_support(commands, (V4, V6))
 
 

@@ -261,6 +261,7 @@ def test_ensure_and_delete_rule() -> None:
     assert fake.delete_rule(V4, NAT, "PREROUTING", args)
     assert not fake.delete_rule(V4, NAT, "PREROUTING", args)
     assert not fake.delete_rule(V4, NAT, "NOPE", args)
+    assert not fake.delete_rule(V4, NAT, "PREROUTING", ["-j", "KUBE-NOPE"])
     with pytest.raises(IptablesError, match="does not exist"):
         fake.ensure_rule(V4, NAT, "PREROUTING", ["-j", "KUBE-NOPE"])
     with pytest.raises(IptablesError, match="No chain"):

@@ -60,6 +60,8 @@ HINT_CHAINS = ("KUBE-IPTABLES-HINT", "KUBE-KUBELET-CANARY")
 # at line 3": the forms iptables 1.8.9 prints, legacy and nft.
 _LINE_NUMBER = re.compile(r"\bline:? (\d+)")
 _MISSING_CHAIN = re.compile(r"Chain '([^']+)' does not exist")
+# How iptables -C says a rule's jump target is missing (nft, then legacy).
+_MISSING_TARGET = re.compile(r"Chain '[^']+' does not exist|Couldn't load target")
 
 
 class IptablesVariant(StrEnum):
@@ -259,7 +261,11 @@ class IptablesCommands:
         if result.returncode == 0:
             return True
         if result.returncode == 1:
-            # 1: no such rule (or no such chain): not there. 2 is a usage error.
+            # 1: no such rule (or no such chain): not there.
+            return False
+        if _MISSING_TARGET.search(result.stderr):
+            # 2 for a jump to a chain that does not exist: the rule cannot be there either.
+            # Any other 2 is a bad argument.
             return False
         raise IptablesError(
             f"iptables -t {table} -C {chain} {' '.join(args)}: {result.stderr.strip()}",

@@ -525,7 +525,14 @@ class FakeIptables:
         state = self._table(family, table)
         if chain not in state:
             return False
-        holder, rule = self._single_rule(family, table, chain, args)
+        try:
+            rule = save_form(list(args), family)
+        except ValueError as err:
+            raise IptablesError(
+                f"fake iptables -t {table} -D {chain}: {err}", returncode=2
+            ) from None
+        # A rule jumping to a missing chain is simply not there (as iptables -C says).
+        holder = state[chain]
         if rule not in holder.rules:
             return False
         holder.rules.remove(rule)
