@@ -230,7 +230,7 @@ def snapshot(extra: int, offset: int = 0, *, target_endpoints: int = 1) -> Proxy
         endpoints[port.name] = eps
         categorized[port.name] = CategorizedEndpoints(eps, (), eps, bool(eps))
 
-    echo = (Endpoint(ipaddress.ip_address("10.180.0.10"), 8080),)
+    echo: tuple[Endpoint, ...] = (Endpoint(ipaddress.ip_address("10.180.0.10"), 8080),)
     if target_endpoints > 1:
         echo += (Endpoint(ipaddress.ip_address("10.180.0.11"), 8080),)
     add(ServicePort(TARGET, ipaddress.ip_address("172.30.0.10"), 80, Protocol.TCP), echo)
