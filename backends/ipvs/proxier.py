@@ -441,7 +441,7 @@ class IPVSBackend:
             self._ipvs.set_timeouts(*timeouts)
         version = self._family.version
         self._links.ensure_link(self._device)
-        self._addresses = {a for a in self._links.addresses(self._device) if a.version == version}
+        self._addresses = _bindable(self._links.addresses(self._device), self._family)
         self._vs = {
             vs.key: vs for vs in self._ipvs.virtual_servers() if vs.address.version == version
         }
@@ -565,6 +565,12 @@ class IPVSBackend:
             self.terminating.discard((vs.key, rs.key))
 
 
+def _bindable(addresses: Iterable[IPAddress], family: IPFamily) -> set[IPAddress]:
+    """The service addresses among a link's: this family's, the kernel's link-local ones
+    (IPv6 gives every link that is up one) left out, as upstream does."""
+    return {a for a in addresses if a.version == family.version and not a.is_link_local}
+
+
 def _address_order(address: IPAddress) -> tuple[int, int]:
     return (address.version, int(address))
 
@@ -629,7 +635,7 @@ def cleanup_family(
         errors.append(err)
         saved = {}
     try:
-        addresses = {a for a in links.addresses(device) if a.version == family.version}
+        addresses = _bindable(links.addresses(device), family)
     except LinkError as err:
         errors.append(err)
         addresses = set()
