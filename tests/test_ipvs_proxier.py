@@ -165,15 +165,15 @@ def test_sync_creates_exactly_the_expected_servers_addresses_and_members() -> No
     assert "--match-set KUBE-LOOP-BACK dst,dst,src -j MASQUERADE" in nat
     # No TCP NodePort: upstream writes a set's jump only when the set has members.
     assert "KUBE-NODE-PORT-TCP" not in nat
-    # Ports in name order, each virtual server followed by its real servers.
+    # Virtual servers in address order, each followed by its real servers.
     assert kit.ipvs.operations == [
+        "add vs 172.30.0.10:80/TCP rr flags=0x0 timeout=0",
+        "add rs 172.30.0.10:80/TCP -> 10.180.0.2:8080 weight=1",
+        "add rs 172.30.0.10:80/TCP -> 10.180.1.3:8080 weight=1",
         "add vs 172.30.0.11:53/UDP rr flags=0x0 timeout=0",
         "add rs 172.30.0.11:53/UDP -> 10.180.0.4:5353 weight=1",
         "add vs 192.168.0.2:30053/UDP rr flags=0x0 timeout=0",
         "add rs 192.168.0.2:30053/UDP -> 10.180.0.4:5353 weight=1",
-        "add vs 172.30.0.10:80/TCP rr flags=0x0 timeout=0",
-        "add rs 172.30.0.10:80/TCP -> 10.180.0.2:8080 weight=1",
-        "add rs 172.30.0.10:80/TCP -> 10.180.1.3:8080 weight=1",
     ]
 
 

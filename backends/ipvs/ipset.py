@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import re
 import subprocess
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Final, Protocol
@@ -392,17 +392,3 @@ class IPSetCommands:
     def version(self) -> str:
         """``ipset version`` (upstream needs protocol 6 or later)."""
         return self._run(["version"]).strip()
-
-
-def diff_members(
-    have: Mapping[str, set[str]], want: Mapping[str, set[str]]
-) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """``(additions, deletions)`` turning ``have`` into ``want``, sorted for stable output."""
-    additions: list[tuple[str, str]] = []
-    deletions: list[tuple[str, str]] = []
-    for name in sorted(set(have) | set(want)):
-        old = have.get(name, set())
-        new = want.get(name, set())
-        additions.extend((name, m) for m in sorted(new - old))
-        deletions.extend((name, m) for m in sorted(old - new))
-    return additions, deletions

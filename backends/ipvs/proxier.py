@@ -45,7 +45,6 @@ from kubeproxy.backends.ipvs.ipset import (
     IPSetRestore,
     SetName,
     SetSpec,
-    diff_members,
     member_ip,
     member_ip_port,
     member_ip_port_ip,
@@ -102,6 +101,7 @@ _GRACEFUL = frozenset({L4Protocol.TCP})
 VSKey = tuple[IPAddress, L4Protocol, int]
 RSKey = tuple[IPAddress, int]
 AccessKey = tuple[IPAddress, L4Protocol, int]
+ServerPlan = tuple[VirtualServer, tuple[RealServer, ...]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +124,7 @@ class RenderContext:
 class PortPlan:
     """What one Service port puts into the kernel."""
 
-    servers: tuple[tuple[VirtualServer, tuple[RealServer, ...]], ...] = ()
+    servers: tuple[ServerPlan, ...] = ()
     addresses: frozenset[IPAddress] = frozenset()
     members: frozenset[tuple[SetName, str]] = frozenset()
     no_node_access: tuple[AccessKey, ...] = ()
@@ -237,12 +237,12 @@ def render_port(port: ServicePort, eps: CategorizedEndpoints, ctx: RenderContext
 
 
 @dataclass(slots=True)
-class _Desired:
-    virtual: dict[VSKey, VirtualServer] = field(default_factory=dict)
-    reals: dict[VSKey, dict[RSKey, RealServer]] = field(default_factory=dict)
+class _Touched:
+    """Keys a sync must reconcile: virtual servers, addresses, ``(set, member)`` pairs."""
+
+    vs: set[VSKey] = field(default_factory=set)
     addresses: set[IPAddress] = field(default_factory=set)
-    members: dict[str, set[str]] = field(default_factory=dict)
-    no_node_access: list[AccessKey] = field(default_factory=list)
+    members: set[tuple[str, str]] = field(default_factory=set)
 
 
 class IPVSBackend:
@@ -280,6 +280,7 @@ class IPVSBackend:
         self._sysctls = sysctls
         self._device = device
         self._specs: dict[SetName, SetSpec] = set_specs(family)
+        self._set_names = {key: spec.name for key, spec in self._specs.items()}
         self._exclude = tuple(c for c in config.ipvs.exclude_cidrs if c.version == family.version)
         self.sync_failures = 0
         self.last_sync_full = False
@@ -288,14 +289,25 @@ class IPVSBackend:
     def _reset(self) -> None:
         self._need_full = True
         self._ctx: RenderContext | None = None
-        self._plans: dict[ServicePortName, PortPlan] = {}
-        self._by_service: dict[NamespacedName, set[ServicePortName]] = {}
+        self._clear_wanted()
+        # The model of the kernel: what is there now, ours or not (this family only).
         self._vs: dict[VSKey, VirtualServer] = {}
         self._rs: dict[VSKey, dict[RSKey, RealServer]] = {}
         self._addresses: set[IPAddress] = set()
         self._members: dict[str, set[str]] = {}
         self._rules: str | None = None
         self.terminating: set[tuple[VSKey, RSKey]] = set()
+
+    def _clear_wanted(self) -> None:
+        # What the plans want, with every claimant / reference counted, so an incremental
+        # sync reconciles only the keys its changed ports touch.
+        self._plans: dict[ServicePortName, PortPlan] = {}
+        self._by_service: dict[NamespacedName, set[ServicePortName]] = {}
+        self._claims: dict[VSKey, dict[ServicePortName, ServerPlan]] = {}
+        self._address_refs: dict[IPAddress, int] = {}
+        self._member_refs: dict[tuple[str, str], int] = {}
+        self._set_sizes: dict[str, int] = {}
+        self._access_refs: dict[AccessKey, int] = {}
 
     # Backend protocol -----------------------------------------------------------------------
 
@@ -310,21 +322,26 @@ class IPVSBackend:
             raise ValueError(f"snapshot of {snapshot.family} given to the {self._family} backend")
         full = changes.full or self._need_full
         self.last_sync_full = full
+        # Until this sync succeeds, the next one must be full (the bookkeeping below is
+        # updated as it goes).
+        self._need_full = True
         try:
+            touched = _Touched()
             if full:
                 self._read_kernel()
+                self._clear_wanted()
+                touched.vs.update(self._vs)
+                touched.addresses.update(self._addresses)
+                touched.members.update((n, m) for n, ms in self._members.items() for m in ms)
             ctx = self._context(snapshot)
-            plans, by_service = self._plan(snapshot, changes, ctx, full)
-            self._apply(self._aggregate(plans), full)
+            self._replan(snapshot, changes, ctx, full or ctx != self._ctx, touched)
+            self._ctx = ctx
+            self._apply(touched, full)
         except BaseException as err:
-            self._need_full = True
             if not isinstance(err, KERNEL_ERRORS):
                 raise
             self.sync_failures += 1
             raise SyncError(f"ipvs {self._family} sync failed: {err}") from err
-        self._ctx = ctx
-        self._plans = plans
-        self._by_service = by_service
         self._need_full = False
 
     def cleanup(self) -> None:
@@ -367,22 +384,25 @@ class IPVSBackend:
             node_ips[0] if node_ips else None,
         )
 
-    def _plan(
-        self, snapshot: ProxySnapshot, changes: SyncChanges, ctx: RenderContext, full: bool
-    ) -> tuple[dict[ServicePortName, PortPlan], dict[NamespacedName, set[ServicePortName]]]:
-        if full or ctx != self._ctx:
-            plans: dict[ServicePortName, PortPlan] = {}
-            by_service: dict[NamespacedName, set[ServicePortName]] = {}
-            names: Iterable[ServicePortName] = snapshot.services
+    def _replan(
+        self,
+        snapshot: ProxySnapshot,
+        changes: SyncChanges,
+        ctx: RenderContext,
+        everything: bool,
+        touched: _Touched,
+    ) -> None:
+        names: list[ServicePortName]
+        if everything:
+            for name in list(self._plans):
+                self._withdraw(name, touched)
+            names = list(snapshot.services)
         else:
-            plans = dict(self._plans)
-            by_service = {k: set(v) for k, v in self._by_service.items()}
-            changed: list[ServicePortName] = []
+            names = []
             for service in sorted(changes.changed_services):
-                for old in by_service.pop(service, ()):
-                    plans.pop(old, None)
-                changed.extend(snapshot.ports_of(service))
-            names = changed
+                for old in self._by_service.pop(service, set()):
+                    self._withdraw(old, touched)
+                names.extend(snapshot.ports_of(service))
         empty = CategorizedEndpoints()
         for name in names:
             port = snapshot.services[name]
@@ -391,37 +411,81 @@ class IPVSBackend:
             except ValueError as err:
                 log.warning("Skipping service port %s: %s", name, err)
                 continue
-            plans[name] = plan
-            by_service.setdefault(name.service, set()).add(name)
-        return plans, by_service
+            self._contribute(name, plan, touched)
 
-    def _aggregate(self, plans: Mapping[ServicePortName, PortPlan]) -> _Desired:
-        desired = _Desired()
-        desired.members = {spec.name: set() for spec in self._specs.values()}
-        owner: dict[VSKey, ServicePortName] = {}
-        for name in sorted(plans):
-            plan = plans[name]
-            for vs, reals in plan.servers:
-                claimed = owner.get(vs.key)
-                if claimed is not None:
-                    if claimed != name:
-                        log.warning(
-                            "Service port %s also wants virtual server %s, which %s has",
-                            name,
-                            vs,
-                            claimed,
-                        )
-                    continue
-                owner[vs.key] = name
-                desired.virtual[vs.key] = vs
-                desired.reals[vs.key] = {rs.key: rs for rs in reals}
-            desired.addresses |= plan.addresses
-            for key, member in plan.members:
-                desired.members[self._specs[key].name].add(member)
-            desired.no_node_access.extend(plan.no_node_access)
-        ips = desired.members[self._specs[SetName.IPVS_IPS].name]
-        ips.update(member_ip(a) for a in desired.addresses)
-        return desired
+    def _count_member(self, key: tuple[str, str], delta: int, touched: _Touched) -> None:
+        refs = self._member_refs.get(key, 0) + delta
+        if refs:
+            self._member_refs[key] = refs
+        else:
+            del self._member_refs[key]
+        if refs == 0 or (refs == 1 and delta == 1):
+            self._set_sizes[key[0]] = self._set_sizes.get(key[0], 0) + delta
+        touched.members.add(key)
+
+    def _contribute(self, name: ServicePortName, plan: PortPlan, touched: _Touched) -> None:
+        self._plans[name] = plan
+        self._by_service.setdefault(name.service, set()).add(name)
+        for server in plan.servers:
+            key = server[0].key
+            claims = self._claims.setdefault(key, {})
+            if claims and name not in claims:
+                log.warning(
+                    "Service port %s also wants virtual server %s, which %s has",
+                    name,
+                    server[0],
+                    min(claims),
+                )
+            claims[name] = server
+            touched.vs.add(key)
+        ipvs_ips = self._set_names[SetName.IPVS_IPS]
+        for address in plan.addresses:
+            self._address_refs[address] = self._address_refs.get(address, 0) + 1
+            touched.addresses.add(address)
+            self._count_member((ipvs_ips, member_ip(address)), 1, touched)
+        for set_key, member in plan.members:
+            self._count_member((self._set_names[set_key], member), 1, touched)
+        for access in plan.no_node_access:
+            self._access_refs[access] = self._access_refs.get(access, 0) + 1
+
+    def _withdraw(self, name: ServicePortName, touched: _Touched) -> None:
+        plan = self._plans.pop(name)
+        ports = self._by_service.get(name.service)
+        if ports is not None:
+            ports.discard(name)
+            if not ports:
+                del self._by_service[name.service]
+        for server in plan.servers:
+            key = server[0].key
+            claims = self._claims[key]
+            del claims[name]
+            if not claims:
+                del self._claims[key]
+            touched.vs.add(key)
+        ipvs_ips = self._set_names[SetName.IPVS_IPS]
+        for address in plan.addresses:
+            refs = self._address_refs[address] - 1
+            if refs:
+                self._address_refs[address] = refs
+            else:
+                del self._address_refs[address]
+            touched.addresses.add(address)
+            self._count_member((ipvs_ips, member_ip(address)), -1, touched)
+        for set_key, member in plan.members:
+            self._count_member((self._set_names[set_key], member), -1, touched)
+        for access in plan.no_node_access:
+            refs = self._access_refs[access] - 1
+            if refs:
+                self._access_refs[access] = refs
+            else:
+                del self._access_refs[access]
+
+    def _wanted_server(self, key: VSKey) -> ServerPlan | None:
+        claims = self._claims.get(key)
+        if not claims:
+            return None
+        # The first claimant in name order keeps a contested virtual server.
+        return claims[min(claims)] if len(claims) > 1 else next(iter(claims.values()))
 
     # Kernel --------------------------------------------------------------------------------
 
@@ -448,15 +512,22 @@ class IPVSBackend:
         self._rs = {
             key: {rs.key: rs for rs in self._ipvs.real_servers(vs)} for key, vs in self._vs.items()
         }
-        names = [spec.name for spec in self._specs.values()]
+        names = list(self._set_names.values())
         saved = self._ipsets.save(names)
         self._members = {
             name: set(saved[name].members) if name in saved else set() for name in names
         }
         self._rules = None
 
-    def _apply(self, desired: _Desired, full: bool) -> None:
-        additions, deletions = diff_members(self._members, desired.members)
+    def _apply(self, touched: _Touched, full: bool) -> None:
+        refs = self._member_refs
+        current = self._members
+        additions = sorted(
+            (n, m) for n, m in touched.members if (n, m) in refs and m not in current.get(n, ())
+        )
+        deletions = sorted(
+            (n, m) for n, m in touched.members if (n, m) not in refs and m in current.get(n, ())
+        )
         batch = IPSetRestore()
         if full:
             for spec in self._specs.values():
@@ -465,22 +536,27 @@ class IPVSBackend:
             batch.add(name, member)
         self._ipsets.restore(batch)
         for name, member in additions:
-            self._members.setdefault(name, set()).add(member)
+            current.setdefault(name, set()).add(member)
 
-        for address in sorted(desired.addresses - self._addresses, key=_address_order):
-            self._links.add_address(self._device, address)
-            self._addresses.add(address)
+        for address in sorted(touched.addresses, key=_address_order):
+            if address in self._address_refs and address not in self._addresses:
+                self._links.add_address(self._device, address)
+                self._addresses.add(address)
 
-        self._add_servers(desired)
+        keys = sorted(touched.vs | {key for key, _ in self.terminating}, key=_vs_order)
+        for key in keys:
+            wanted = self._wanted_server(key)
+            if wanted is not None:
+                self._add_server(*wanted)
 
         inputs = RuleInputs(
             self._family,
             self._specs,
-            frozenset(k for k, s in self._specs.items() if desired.members[s.name]),
+            frozenset(k for k, name in self._set_names.items() if self._set_sizes.get(name)),
             self._config.masquerade_mark,
             self._config.masquerade_all,
             self._config.local_detector.for_family(self._family),
-            tuple(sorted(set(desired.no_node_access), key=_access_order)),
+            tuple(sorted(self._access_refs, key=_access_order)),
         )
         text = render_rules(inputs).render()
         if full or text != self._rules:
@@ -490,56 +566,61 @@ class IPVSBackend:
             for jump in JUMPS:
                 self._iptables.ensure_rule(self._family, jump.table, jump.chain, jump.args)
 
-        self._remove_servers(desired)
-        for address in sorted(self._addresses - desired.addresses, key=_address_order):
-            if self._excluded(address):
-                continue
-            self._links.delete_address(self._device, address)
-            self._addresses.discard(address)
+        for key in keys:
+            self._remove_server(key, self._wanted_server(key))
+        for address in sorted(touched.addresses, key=_address_order):
+            if (
+                address not in self._address_refs
+                and address in self._addresses
+                and not self._excluded(address)
+            ):
+                self._links.delete_address(self._device, address)
+                self._addresses.discard(address)
         if deletions:
             batch = IPSetRestore()
             for name, member in deletions:
                 batch.delete(name, member)
             self._ipsets.restore(batch)
             for name, member in deletions:
-                self._members[name].discard(member)
+                current[name].discard(member)
 
-    def _add_servers(self, desired: _Desired) -> None:
-        for key, vs in desired.virtual.items():
-            current_vs = self._vs.get(key)
-            if current_vs is None:
-                self._ipvs.add_virtual_server(vs)
-                self._vs[key] = vs
-                self._rs[key] = {}
-            elif not current_vs.same_settings(vs):
-                self._ipvs.update_virtual_server(vs)
-                self._vs[key] = vs
-            current = self._rs.setdefault(key, {})
-            for rs_key, rs in desired.reals[key].items():
-                have = current.get(rs_key)
-                if have is None:
-                    self._ipvs.add_real_server(vs, rs)
-                    current[rs_key] = rs
-                elif have.weight != rs.weight:
-                    self._ipvs.update_real_server(vs, rs)
-                    current[rs_key] = dataclasses.replace(have, weight=rs.weight)
-                self.terminating.discard((key, rs_key))
+    def _add_server(self, vs: VirtualServer, reals: tuple[RealServer, ...]) -> None:
+        key = vs.key
+        current_vs = self._vs.get(key)
+        if current_vs is None:
+            self._ipvs.add_virtual_server(vs)
+            self._vs[key] = vs
+            self._rs[key] = {}
+        elif not current_vs.same_settings(vs):
+            self._ipvs.update_virtual_server(vs)
+            self._vs[key] = vs
+        current = self._rs.setdefault(key, {})
+        for rs in reals:
+            have = current.get(rs.key)
+            if have is None:
+                self._ipvs.add_real_server(vs, rs)
+                current[rs.key] = rs
+            elif have.weight != rs.weight:
+                self._ipvs.update_real_server(vs, rs)
+                current[rs.key] = dataclasses.replace(have, weight=rs.weight)
+            self.terminating.discard((key, rs.key))
 
-    def _remove_servers(self, desired: _Desired) -> None:
-        for key in list(self._vs):
-            vs = self._vs[key]
-            if key not in desired.virtual:
-                if self._excluded(vs.address):
-                    continue
-                self._ipvs.delete_virtual_server(vs)
-                del self._vs[key]
-                self._rs.pop(key, None)
-                self.terminating = {t for t in self.terminating if t[0] != key}
-                continue
-            wanted = desired.reals[key]
-            extra = [rs for rs_key, rs in self._rs.get(key, {}).items() if rs_key not in wanted]
-            if extra:
-                self._drain(vs, extra)
+    def _remove_server(self, key: VSKey, wanted: ServerPlan | None) -> None:
+        vs = self._vs.get(key)
+        if vs is None:
+            return
+        if wanted is None:
+            if self._excluded(vs.address):
+                return
+            self._ipvs.delete_virtual_server(vs)
+            del self._vs[key]
+            self._rs.pop(key, None)
+            self.terminating = {t for t in self.terminating if t[0] != key}
+            return
+        keep = {rs.key for rs in wanted[1]}
+        extra = [rs for rs_key, rs in self._rs.get(key, {}).items() if rs_key not in keep]
+        if extra:
+            self._drain(vs, extra)
 
     def _drain(self, vs: VirtualServer, extra: list[RealServer]) -> None:
         """Delete real servers no longer wanted, or weight them 0 while connections last."""
@@ -563,6 +644,10 @@ class IPVSBackend:
             self._ipvs.delete_real_server(vs, rs)
             current.pop(rs.key, None)
             self.terminating.discard((vs.key, rs.key))
+
+
+def _vs_order(key: VSKey) -> tuple[int, int, str, int]:
+    return (key[0].version, int(key[0]), key[1].value, key[2])
 
 
 def _bindable(addresses: Iterable[IPAddress], family: IPFamily) -> set[IPAddress]:
