@@ -2,10 +2,13 @@
 
 Per Service port the backend renders a plan (:func:`render_port`): IPVS virtual servers
 with their real servers, the addresses to bind to ``kube-ipvs0``, and ipset members. The
-plans of all ports are merged into the desired state and diffed against the backend's
-model of the kernel; only differences are sent. A full sync (first sync, after a
-failure, the core's periodic one) reads the kernel back first: virtual and real servers
-of our family, the addresses on ``kube-ipvs0``, our sets' members.
+backend keeps every plan, the claimants of each virtual server (two ports wanting the
+same address, protocol and port: the first in name order gets it, the other is logged)
+and reference counts of addresses and set members, so a sync reconciles only the keys
+the changed ports touch against its model of the kernel. A full sync (first sync, after
+a failure, the core's periodic one, a node address change) reads the kernel back first:
+virtual and real servers of our family, the addresses on ``kube-ipvs0``, our sets'
+members; everything found there and not wanted goes.
 
 Order of a sync, so that what worked before keeps working until its replacement exists:
 
