@@ -51,6 +51,7 @@ from kubeproxy.backends.ipvs.netlink import (
 from kubeproxy.config import ProxierConfig
 from kubeproxy.objects import IPFamily, Protocol
 from kubeproxy.testing.cases import load_case_file
+from kubeproxy.testing.pytest import flow_test
 from kubeproxy.testing.runner import RunOptions, Status, run_case
 
 REPO = Path(__file__).resolve().parent.parent
@@ -61,6 +62,15 @@ sys.path.append(str(REPO))
 from tests.test_ipvs_proxier import NODE, Kit, World, cluster_ip, ep  # noqa: E402
 
 pytestmark = pytest.mark.kernel
+
+# Every example flow with the ipvs backend: each item is skipped, saying the kernel lacks
+# IP_VS (the factory's support check); CI accepts exactly such skips.
+test_flow_cases = flow_test(
+    ["flowcases/examples/*.yaml"],
+    backend="kubeproxy.backends.ipvs:create_backend",
+    base=REPO,
+    marks=[pytest.mark.kernel],
+)
 
 ip = ipaddress.ip_address
 net = ipaddress.ip_network
