@@ -34,7 +34,6 @@ from kubeproxy.backends.iptables import (
     IptablesBackend,
     cleanup,
     create_backend,
-    create_legacy_backend,
 )
 from kubeproxy.backends.iptables.exec import IptablesCommands, IptablesVariant
 from kubeproxy.backends.iptables.naming import endpoint_chain
@@ -420,7 +419,7 @@ def test_cleanup_leaves_iptables_as_found(netns: str) -> None:
     # Tables exist before (iptables-nft never deletes a table it created, nor do we: a
     # table someone else shares is not ours to remove), so "as found" is exact.
     run_in(netns, "iptables-nft-restore", "--noflush", stdin=FOREIGN)
-    run_in(netns, "iptables-legacy-restore", "--noflush", stdin=FOREIGN)
+    run_in(netns, "iptables-legacy-restore", "-w", "120", "--noflush", stdin=FOREIGN)
     run_in(netns, "ip6tables-nft-restore", "--noflush", stdin=FOREIGN6)
     nft_before, legacy_before = saved(netns), saved(netns, "legacy")
     six_before = saved(netns, family="ip6tables")
@@ -434,14 +433,19 @@ def test_cleanup_leaves_iptables_as_found(netns: str) -> None:
         IPFamily.IPV6, CONFIG, executor=IptablesCommands(IptablesVariant.NFT, netns=netns)
     )
     v6.sync(v6_snapshot(), full())
-    legacy = create_legacy_backend(IPFamily.IPV4, CONFIG, netns=netns)
+    # iptables-legacy's lock is the host's: other tests and benchmarks may hold it a while.
+    legacy = IptablesBackend(
+        IPFamily.IPV4,
+        CONFIG,
+        executor=IptablesCommands(IptablesVariant.LEGACY, netns=netns, wait=120),
+    )
     legacy.sync(snapshot(3), full())
     assert "KUBE-SVC-" in saved(netns) and "KUBE-SVC-" in saved(netns, "legacy")
     assert "KUBE-SVC-" in saved(netns, family="ip6tables")
 
-    cleanup(netns=netns)
+    cleanup(netns=netns, wait=120)
     assert saved(netns) == nft_before
     assert saved(netns, "legacy") == legacy_before
     assert saved(netns, family="ip6tables") == six_before
-    cleanup(netns=netns)  # nothing left to remove is fine
+    cleanup(netns=netns, wait=120)  # nothing left to remove is fine
     assert saved(netns) == nft_before

@@ -14,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kubeproxy.backend import NodePortAddresses, ProxySnapshot, SyncChanges, SyncError
 from kubeproxy.backends.iptables import IptablesBackend
+from kubeproxy.backends.iptables.exec import IptablesVariant
 from kubeproxy.backends.iptables.fake import FakeIptables
 from kubeproxy.backends.iptables.naming import endpoint_chain, service_chains
 from kubeproxy.backends.iptables.proxier import LARGE_CLUSTER_ENDPOINTS, cleanup_family
@@ -98,9 +99,14 @@ class Clock:
 
 
 def backend(
-    fake: FakeIptables, clock: Clock | None = None, config: ProxierConfig = CONFIG
+    fake: FakeIptables,
+    clock: Clock | None = None,
+    config: ProxierConfig = CONFIG,
+    chains_per_restore: int | None = None,
 ) -> IptablesBackend:
-    return IptablesBackend(V4, config, executor=fake, clock=clock or Clock())
+    return IptablesBackend(
+        V4, config, executor=fake, clock=clock or Clock(), chains_per_restore=chains_per_restore
+    )
 
 
 def full() -> SyncChanges:
@@ -162,8 +168,13 @@ def test_golden_upstream_example() -> None:
     assert "-A KUBE-MARK-MASQ -j MARK --or-mark 0x4000" in nat
 
 
+def all_restores(fake: FakeIptables) -> str:
+    return "".join(text for _family, text in fake.restores)
+
+
 def restore_lines(fake: FakeIptables, prefix: str) -> list[str]:
-    return [line for line in fake.restores[-1][1].splitlines() if line.startswith(prefix)]
+    """Lines starting with ``prefix`` in every restore so far (tests sync once)."""
+    return [line for line in all_restores(fake).splitlines() if line.startswith(prefix)]
 
 
 def nat_lines(fake: FakeIptables, prefix: str) -> list[str]:
@@ -335,6 +346,54 @@ def test_partial_sync_writes_only_changed_services() -> None:
     assert b.rules_last["nat"] < b.rules_total["nat"]
 
 
+def test_partial_sync_replaces_top_level_rules_without_flushing() -> None:
+    # iptables-nft re-resolves every jump of a chain it flushes: at 10k Services a rewrite
+    # of KUBE-SERVICES costs seconds, so a partial sync deletes and inserts rules instead.
+    world = World()
+    world.add(cip(1), ep("10.180.0.1"))
+    name = world.add(cip(2))
+    fake = FakeIptables()
+    b = backend(fake)
+    b.sync(world.snapshot(), full())
+    world.add(cip(2, external_ips=(ip("5.5.5.5"),)), ep("10.180.0.2"))
+    b.sync(world.snapshot(), changed(name))
+    text = fake.restores[-1][1]
+    assert not declared(text) & {"KUBE-SERVICES", "KUBE-NODEPORTS", "KUBE-SERVICE-IPS"}
+    ops = sorted(
+        line.split(" -m comment")[0] for line in text.splitlines() if line[:3] in ("-D ", "-I ")
+    )
+    assert ops == ["-D KUBE-SERVICES", "-I KUBE-SERVICES", "-I KUBE-SERVICES"]
+    nat = fake.dump(V4, "nat").splitlines()
+    services = [line for line in nat if line.startswith("-A KUBE-SERVICES ")]
+    assert "NOTE: this must be the last rule" in services[-1]
+    assert len(services) == 4
+    world.remove(name)
+    b.sync(world.snapshot(), changed(name))
+    assert "-D KUBE-SERVICE-IPS -d 172.30.0.2 -j REJECT" in fake.restores[-1][1]
+    assert "172.30.0.2" not in fake.dump(V4)
+    sent = len(fake.restores)
+    b.sync(world.snapshot(), changed(name))  # nothing changed: nothing sent
+    assert len(fake.restores) == sent
+
+
+def test_nft_cold_sync_in_chunks_of_complete_services() -> None:
+    world = World()
+    for n in range(1, 8):
+        world.add(cip(n), ep(f"10.180.0.{n}"), ep(f"10.180.1.{n}"))
+    # iptables-legacy: one restore is fastest (restore.COLD_SYNC_NOTE).
+    chunked, whole = FakeIptables(), FakeIptables(IptablesVariant.LEGACY)
+    backend(chunked, chains_per_restore=4).sync(world.snapshot(), full())
+    backend(whole).sync(world.snapshot(), full())
+    assert chunked.dump(V4) == whole.dump(V4)
+    assert len(whole.restores) == 1
+    # 3 chains per Service; a restore closes once it holds 4 or more: 2 Services each.
+    assert len(chunked.restores) == 5
+    for _family, text in chunked.restores[:-1]:
+        chains = declared(text) - {"KUBE-MARK-MASQ"}
+        assert len({c for c in chains if c.startswith("KUBE-SVC-")}) * 3 == len(chains)
+        assert "KUBE-SERVICES" not in text
+
+
 def test_stale_chains_are_deleted() -> None:
     world = World()
     name = world.add(cip(1), ep("10.180.0.1"), ep("10.180.0.2"))
@@ -464,7 +523,8 @@ def test_large_cluster_mode_drops_endpoint_comments() -> None:
     b = backend(fake, clock)
     b.sync(world.snapshot(), full())
     assert b.large_cluster
-    text = fake.restores[-1][1]
+    text = all_restores(fake)
+    assert "KUBE-SEP-" in text
     assert " -> " not in text
     assert '"ns/s1:http cluster IP"' in text
     # Periodic full syncs scan for stale chains at most once per sync period.
@@ -582,7 +642,7 @@ class IncrementalEqualsFull(RuleBasedStateMachine):
         self.clock = Clock()
         # Localhost NodePorts off: once on, kubelet's KUBE-FIREWALL chain stays (see
         # test_localhost_node_ports_switched_on_later), which no fresh sync writes.
-        self.backend = backend(self.fake, self.clock, NO_LOCALHOST)
+        self.backend = backend(self.fake, self.clock, NO_LOCALHOST, chains_per_restore=4)
         self.backend.sync(self.world.snapshot(), full())
         self.pending: set[NamespacedName] = set()
 
@@ -618,11 +678,20 @@ class IncrementalEqualsFull(RuleBasedStateMachine):
     def refused_sync(self) -> None:
         self.fake.fail_next("refused")
         before = self.fake.dump(V4)
-        with pytest.raises(SyncError):
+        sent = len(self.fake.restores)
+        try:
             self.backend.sync(
                 self.world.snapshot(),
                 SyncChanges(full=False, changed_services=frozenset(self.pending)),
             )
+        except SyncError:
+            pass
+        else:
+            # Nothing changed, so nothing was sent; a full sync always writes.
+            assert len(self.fake.restores) == sent
+            self.pending.clear()
+            with pytest.raises(SyncError):
+                self.backend.sync(self.world.snapshot(), full())
         assert self.fake.dump(V4) == before
 
     @invariant()

@@ -91,15 +91,16 @@ def create_legacy_backend(
     return _create(family, config, netns, IptablesVariant.LEGACY)
 
 
-def cleanup(netns: str | None = None) -> None:
+def cleanup(netns: str | None = None, *, wait: float = 5.0) -> None:
     """Remove what any iptables-mode kube-proxy made, in both families and both variants.
 
     A variant whose tools are not installed is skipped, as is a family whose tables
     cannot be read (no IPv6, say). Kubelet's chains and everyone else's are left alone.
+    ``wait`` is how long iptables-legacy waits for the host's xtables lock.
     Raises :class:`~kubeproxy.backends.iptables.exec.IptablesError` when a removal fails.
     """
     for variant in (IptablesVariant.NFT, IptablesVariant.LEGACY):
-        executor = IptablesCommands(variant, netns=netns)
+        executor = IptablesCommands(variant, netns=netns, wait=wait)
         for family in (IPFamily.IPV4, IPFamily.IPV6):
             if shutil.which(tool_name(variant, family, "-restore")) is None:
                 continue

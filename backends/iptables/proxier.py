@@ -18,11 +18,11 @@ from __future__ import annotations
 import logging
 import shlex
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kubeproxy.backend import ProxySnapshot, SyncChanges, SyncError
-from kubeproxy.backends.iptables.exec import IptablesError, IptablesExecutor
+from kubeproxy.backends.iptables.exec import IptablesError, IptablesExecutor, IptablesVariant
 from kubeproxy.backends.iptables.naming import (
     CANARY,
     EXTERNAL_SERVICES,
@@ -41,6 +41,7 @@ from kubeproxy.backends.iptables.restore import (
     FILTER,
     MANGLE,
     NAT,
+    NFT_CHAINS_PER_RESTORE,
     RestoreInput,
 )
 from kubeproxy.backends.iptables.rules import (
@@ -67,15 +68,57 @@ _EMPTY = CategorizedEndpoints()
 
 @dataclass(frozen=True, slots=True)
 class _Plan:
-    """What one sync will write, and the state to keep if the kernel takes it."""
+    """What one sync will write, and the state to keep if the kernel takes it.
 
-    text: str
+    ``texts`` are the restores to run in order (none: nothing changed); ``cluster_ips``
+    counts the ports of each cluster IP; ``total`` and ``written`` count rules by table.
+    """
+
+    texts: tuple[str, ...]
     ports: dict[ServicePortName, PortRules]
     chains: set[str]
-    nat_rules: int
-    filter_rules: int
-    nat_written: int
-    filter_written: int
+    cluster_ips: dict[str, int]
+    total: dict[str, int]
+    written: dict[str, int]
+
+
+def _top_rules(rules: PortRules) -> tuple[tuple[str, str, tuple[str, ...]], ...]:
+    """A port's rules in the shared top-level chains, as ``(table, chain, rules)``."""
+    return (
+        (NAT, SERVICES, rules.nat_services),
+        (NAT, NODEPORTS, rules.nat_nodeports),
+        (FILTER, SERVICES, rules.filter_services),
+        (FILTER, EXTERNAL_SERVICES, rules.filter_external),
+        (FILTER, NODEPORTS, rules.filter_nodeports),
+        (FILTER, PROXY_FIREWALL, rules.filter_firewall),
+    )
+
+
+def _count(counts: dict[str, int], key: str, delta: int) -> None:
+    left = counts.get(key, 0) + delta
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
+
+
+def _totals(
+    ports: dict[ServicePortName, PortRules], fixed: FixedRules, cluster_ips: dict[str, int]
+) -> tuple[int, int]:
+    """Rules in our nat and filter chains (upstream's ``sync_proxy_rules_iptables_total``)."""
+    nat = len(fixed.nat) + len(fixed.nat_tail)
+    flt = len(fixed.filter)
+    for rules in ports.values():
+        nat += rules.nat_rule_count + len(rules.nat_services) + len(rules.nat_nodeports)
+        flt += (
+            len(rules.filter_services)
+            + len(rules.filter_external)
+            + len(rules.filter_nodeports)
+            + len(rules.filter_firewall)
+        )
+    if fixed.service_cidrs:
+        flt += len(fixed.service_cidrs) + len(cluster_ips) + 1
+    return nat, flt
 
 
 class IptablesBackend:
@@ -101,6 +144,7 @@ class IptablesBackend:
         executor: IptablesExecutor,
         clock: Callable[[], float] = time.monotonic,
         route_localnet: Callable[[], None] | None = None,
+        chains_per_restore: int | None = None,
     ) -> None:
         self._family = family
         self._config = config
@@ -108,6 +152,7 @@ class IptablesBackend:
         self._clock = clock
         self._route_localnet = route_localnet
         self._route_localnet_done = False
+        self._chains_per_restore = chains_per_restore
         self.restore_failures = 0
         self.partial_restore_failures = 0
         self.rules_total: dict[str, int] = {FILTER: 0, NAT: 0}
@@ -121,7 +166,8 @@ class IptablesBackend:
         self._need_scan = True
         self._last_scan: float | None = None
         self._ctx: RenderContext | None = None
-        self._localnet: bool | None = None
+        self._fixed: FixedRules | None = None
+        self._cluster_ips: dict[str, int] = {}
         self._ports: dict[ServicePortName, PortRules] = {}
         self._by_service: dict[NamespacedName, set[ServicePortName]] = {}
         self._invalid: dict[ServicePortName, str] = {}
@@ -155,15 +201,16 @@ class IptablesBackend:
             if ctx != self._ctx:
                 full = True  # every port's rules change (masquerading, detector, comments)
             fixed = self._fixed_for(snapshot)
-            if fixed.localnet_firewall != self._localnet:
-                full = True  # the jumps to KUBE-FIREWALL come and go with full syncs
+            if fixed != self._fixed:
+                full = True  # fixed rules, and the jumps to KUBE-FIREWALL, go with full syncs
             self.last_sync_full = full
             if full:
                 scan = self._need_scan or not large or self._scan_due(now)
                 plan = self._plan_full(snapshot, ctx, fixed, scan)
             else:
                 plan = self._plan_partial(snapshot, changes, ctx, fixed)
-            self._executor.restore(self._family, plan.text)
+            for text in plan.texts:
+                self._executor.restore(self._family, text)
             if full:
                 self._ensure_jumps(fixed)
         except IptablesError as err:
@@ -183,12 +230,13 @@ class IptablesBackend:
             self._need_scan = False
         self._need_full = False
         self._ctx = ctx
-        self._localnet = fixed.localnet_firewall
+        self._fixed = fixed
         self.large_cluster = large
         self._ports = plan.ports
         self._chains = plan.chains
-        self.rules_total = {FILTER: plan.filter_rules, NAT: plan.nat_rules}
-        self.rules_last = {FILTER: plan.filter_written, NAT: plan.nat_written}
+        self._cluster_ips = plan.cluster_ips
+        self.rules_total = plan.total
+        self.rules_last = plan.written
         self._index(snapshot, changes, full)
         if fixed.localnet_firewall and self._route_localnet and not self._route_localnet_done:
             try:
@@ -264,6 +312,13 @@ class IptablesBackend:
         self._invalid.pop(name, None)
         return rules
 
+    def _chunk_limit(self) -> int | None:
+        if self._chains_per_restore is not None:
+            return self._chains_per_restore
+        if self._executor.variant is IptablesVariant.NFT:
+            return NFT_CHAINS_PER_RESTORE
+        return None
+
     def _plan_full(
         self, snapshot: ProxySnapshot, ctx: RenderContext, fixed: FixedRules, scan: bool
     ) -> _Plan:
@@ -278,18 +333,72 @@ class IptablesBackend:
             present = {c for c in self._executor.chains(self._family, NAT) if is_service_chain(c)}
         else:
             present = set(self._chains)
+        limit = self._chunk_limit()
+        texts: list[str] = []
         nat = RestoreInput()
+        if limit is not None:
+            # The endpoint chains jump to KUBE-MARK-MASQ: it must exist before the first
+            # chunk's chains (rewritten in the same restore, so its rule never goes away).
+            nat.declare(NAT, MARK_MASQ)
+            for chain, rule in fixed.nat:
+                if chain == MARK_MASQ:
+                    nat.append(NAT, chain, rule)
         wanted: set[str] = set()
-        nat_rules = 0
         for rules in ports.values():
-            for chain in rules.chains:
-                nat.declare(NAT, chain.name)
-                wanted.add(chain.name)
-                for rule in chain.rules:
-                    nat.append(NAT, chain.name, rule)
-                nat_rules += len(chain.rules)
-        stale = sorted(present - wanted)
-        return self._finish(nat, ports, ports, wanted, stale, fixed, nat_rules, nat_rules, True)
+            # iptables-nft: restores of complete Services, each a consistent step; the
+            # top-level chains still point at the old rules until the last restore.
+            if limit is not None and nat.chain_count(NAT) >= limit:
+                texts.append(nat.render())
+                nat = RestoreInput()
+            for spec in rules.chains:
+                nat.declare(NAT, spec.name)
+                wanted.add(spec.name)
+                for rule in spec.rules:
+                    nat.append(NAT, spec.name, rule)
+        if limit is not None:
+            if not nat.empty:
+                texts.append(nat.render())
+            nat = RestoreInput()
+        flt = RestoreInput()
+        for chain in sorted(present - wanted):
+            nat.declare(NAT, chain)
+            nat.delete_chain(NAT, chain)
+        for chain in fixed.nat_chains:
+            nat.declare(NAT, chain)
+        for chain, rule in fixed.nat:
+            nat.append(NAT, chain, rule)
+        for chain in fixed.filter_chains:
+            flt.declare(FILTER, chain)
+        for chain, rule in fixed.filter:
+            flt.append(FILTER, chain, rule)
+        cluster_ips: dict[str, int] = {}
+        for rules in ports.values():
+            for table, chain, lines in _top_rules(rules):
+                target = nat if table == NAT else flt
+                for rule in lines:
+                    target.append(table, chain, rule)
+            cluster_ips[rules.cluster_ip] = cluster_ips.get(rules.cluster_ip, 0) + 1
+        for rule in fixed.nat_tail:
+            nat.append(NAT, SERVICES, rule)
+        if fixed.service_cidrs:
+            # Our extension (see the README): what nat left addressed to the service range.
+            for cidr in fixed.service_cidrs:
+                flt.append(FILTER, SERVICES, f"-d {cidr} -j {SERVICE_IPS}")
+            for ip in cluster_ips:
+                flt.append(FILTER, SERVICE_IPS, f"-d {ip} -j REJECT")
+            flt.append(FILTER, SERVICE_IPS, "-j DROP")
+        for table in (NAT, FILTER, MANGLE):
+            (nat if table == NAT else flt).declare(table, CANARY)
+        texts.append(nat.render() + flt.render())
+        nat_total, filter_total = _totals(ports, fixed, cluster_ips)
+        return _Plan(
+            tuple(texts),
+            ports,
+            wanted,
+            cluster_ips,
+            {NAT: nat_total, FILTER: filter_total},
+            {NAT: nat_total, FILTER: filter_total},
+        )
 
     def _plan_partial(
         self,
@@ -298,117 +407,78 @@ class IptablesBackend:
         ctx: RenderContext,
         fixed: FixedRules,
     ) -> _Plan:
+        """Chains of the changed ports, and ``-D``/``-I`` of their top-level rules only.
+
+        Rewriting a top-level chain costs iptables-nft seconds at 10k Services (every jump
+        in it is re-resolved); replacing the few rules that changed costs milliseconds.
+        Per-port rules go first (``-I``), so the fixed rules at the end stay last.
+        """
         names: set[ServicePortName] = set()
         for service in changes.changed_services:
             names.update(self._by_service.get(service, ()))
             names.update(snapshot.ports_of(service))
         ports = dict(self._ports)
-        changed: dict[ServicePortName, PortRules] = {}
+        cluster_ips = dict(self._cluster_ips)
+        nat = RestoreInput()
+        flt = RestoreInput()
+        inputs = {NAT: nat, FILTER: flt}
         old_chains: set[str] = set()
+        new_chains: set[str] = set()
+        deletes: list[tuple[str, str, str]] = []
+        inserts: list[tuple[str, str, str]] = []
+        cip_before = dict(cluster_ips)
+        written = {NAT: 0, FILTER: 0}
         for name in sorted(names):
             old = ports.get(name)
+            rules = self._render(snapshot, name, ctx)
+            if old is None and rules is None:
+                continue
+            old_top = {(t, c): lines for t, c, lines in _top_rules(old)} if old else {}
+            new_top = {(t, c): lines for t, c, lines in _top_rules(rules)} if rules else {}
+            for key in old_top.keys() | new_top.keys():
+                before = old_top.get(key, ())
+                after = new_top.get(key, ())
+                kept = set(before) & set(after)
+                deletes.extend((*key, r) for r in before if r not in kept)
+                inserts.extend((*key, r) for r in after if r not in kept)
             if old is not None:
                 old_chains.update(old.chain_names)
-            rules = self._render(snapshot, name, ctx)
-            # A changed port keeps its place in the top-level chains; a new one goes last.
+                _count(cluster_ips, old.cluster_ip, -1)
             if rules is not None:
+                for spec in rules.chains:
+                    nat.declare(NAT, spec.name)
+                    new_chains.add(spec.name)
+                    for rule in spec.rules:
+                        nat.append(NAT, spec.name, rule)
+                    written[NAT] += len(spec.rules)
+                _count(cluster_ips, rules.cluster_ip, 1)
+                # A changed port keeps its place in the dict; a new one goes last.
                 ports[name] = rules
-                changed[name] = rules
-            elif old is not None:
+            else:
                 del ports[name]
-        nat = RestoreInput()
-        chains = set(self._chains)
-        new_chains: set[str] = set()
-        written = 0
-        for rules in changed.values():
-            for chain in rules.chains:
-                nat.declare(NAT, chain.name)
-                new_chains.add(chain.name)
-                for rule in chain.rules:
-                    nat.append(NAT, chain.name, rule)
-                written += len(chain.rules)
-        stale = sorted((old_chains - new_chains) & chains)
-        chains -= set(stale)
-        chains |= new_chains
-        total = sum(r.nat_rule_count for r in ports.values())
-        return self._finish(nat, ports, changed, chains, stale, fixed, total, written, False)
-
-    def _finish(
-        self,
-        nat: RestoreInput,
-        ports: dict[ServicePortName, PortRules],
-        written_ports: dict[ServicePortName, PortRules],
-        chains: set[str],
-        stale: Iterable[str],
-        fixed: FixedRules,
-        nat_rules: int,
-        nat_written: int,
-        full: bool,
-    ) -> _Plan:
-        """Add the top-level chains, stale-chain deletions and the canaries; render."""
-        del written_ports  # the per-port chains are already in ``nat``
-        for chain in stale:
-            nat.declare(NAT, chain)
-            nat.delete_chain(NAT, chain)
-        top_nat = 0
-        for chain in fixed.nat_chains:
-            nat.declare(NAT, chain)
-        for chain, rule in fixed.nat:
-            nat.append(NAT, chain, rule)
-            top_nat += 1
-        for rules in ports.values():
-            for rule in rules.nat_services:
-                nat.append(NAT, SERVICES, rule)
-            for rule in rules.nat_nodeports:
-                nat.append(NAT, NODEPORTS, rule)
-            top_nat += len(rules.nat_services) + len(rules.nat_nodeports)
-        for rule in fixed.nat_tail:
-            nat.append(NAT, SERVICES, rule)
-        top_nat += len(fixed.nat_tail)
-
-        other = RestoreInput()
-        for chain in fixed.filter_chains:
-            other.declare(FILTER, chain)
-        filter_rules = 0
-        for chain, rule in fixed.filter:
-            other.append(FILTER, chain, rule)
-            filter_rules += 1
-        cluster_ips: dict[str, None] = {}
-        for rules in ports.values():
-            for rule in rules.filter_services:
-                other.append(FILTER, SERVICES, rule)
-            for rule in rules.filter_external:
-                other.append(FILTER, EXTERNAL_SERVICES, rule)
-            for rule in rules.filter_nodeports:
-                other.append(FILTER, NODEPORTS, rule)
-            for rule in rules.filter_firewall:
-                other.append(FILTER, PROXY_FIREWALL, rule)
-            filter_rules += (
-                len(rules.filter_services)
-                + len(rules.filter_external)
-                + len(rules.filter_nodeports)
-                + len(rules.filter_firewall)
-            )
-            cluster_ips[rules.cluster_ip] = None
         if fixed.service_cidrs:
-            # Our extension (see the README): what nat left addressed to the service range.
-            for cidr in fixed.service_cidrs:
-                other.append(FILTER, SERVICES, f"-d {cidr} -j {SERVICE_IPS}")
-            for ip in cluster_ips:
-                other.append(FILTER, SERVICE_IPS, f"-d {ip} -j REJECT")
-            other.append(FILTER, SERVICE_IPS, "-j DROP")
-            filter_rules += len(fixed.service_cidrs) + len(cluster_ips) + 1
-        if full:
-            for table in (NAT, FILTER, MANGLE):
-                (nat if table == NAT else other).declare(table, CANARY)
+            for ip in cip_before.keys() | cluster_ips.keys():
+                was, now = ip in cip_before, ip in cluster_ips
+                if was and not now:
+                    deletes.append((FILTER, SERVICE_IPS, f"-d {ip} -j REJECT"))
+                elif now and not was:
+                    inserts.append((FILTER, SERVICE_IPS, f"-d {ip} -j REJECT"))
+        for table, top, rule in deletes:
+            inputs[table].delete_rule(table, top, rule)
+            written[table] += 1
+        for table, top, rule in inserts:
+            inputs[table].insert(table, top, rule)
+            written[table] += 1
+        chains = set(self._chains)
+        for stale in sorted((old_chains - new_chains) & chains):
+            nat.declare(NAT, stale)
+            nat.delete_chain(NAT, stale)
+            chains.discard(stale)
+        chains |= new_chains
+        texts = () if nat.empty and flt.empty else (nat.render() + flt.render(),)
+        nat_total, filter_total = _totals(ports, fixed, cluster_ips)
         return _Plan(
-            nat.render() + other.render(),
-            ports,
-            chains,
-            nat_rules + top_nat,
-            filter_rules,
-            nat_written + top_nat,
-            filter_rules,
+            texts, ports, chains, cluster_ips, {NAT: nat_total, FILTER: filter_total}, written
         )
 
     def _ensure_jumps(self, fixed: FixedRules) -> None:
