@@ -470,11 +470,16 @@ def test_missing_canary_forces_a_full_sync() -> None:
     world = World()
     world.add(cip(1), ep("10.180.0.1"))
     fake = FakeIptables()
-    b = backend(fake)
+    clock = Clock()
+    b = backend(fake, clock)
     b.sync(world.snapshot(), full())
+    clock.now += CONFIG.sync_period
     b.sync(world.snapshot(), SyncChanges(full=False))
     assert not b.last_sync_full
     fake.restore(V4, "*mangle\n:KUBE-PROXY-CANARY - [0:0]\n-X KUBE-PROXY-CANARY\nCOMMIT\n")
+    b.sync(world.snapshot(), SyncChanges(full=False))
+    assert not b.last_sync_full  # looked for at most once per sync period, as upstream
+    clock.now += CONFIG.sync_period
     b.sync(world.snapshot(), SyncChanges(full=False))
     assert b.last_sync_full
     assert "KUBE-PROXY-CANARY" in fake.chains(V4, "mangle")
