@@ -230,3 +230,78 @@ def test_dummy_link_missing_in_the_kernel_fails_the_sync() -> None:
 def test_set_types_cover_upstreams() -> None:
     kinds = {spec.type for spec in set_specs(V4).values()}
     assert kinds == set(SetType)
+
+
+def _round_trip(attrs: list[tuple[str, object]], cmd: int) -> object:
+    from pyroute2.netlink.generic import ipvs as genl
+
+    msg = genl.ipvsmsg()
+    msg["cmd"] = cmd
+    msg["version"] = genl.GENL_VERSION
+    msg["attrs"] = attrs
+    msg.encode()
+    decoded = genl.ipvsmsg(msg.data)
+    decoded.decode()
+    return decoded
+
+
+@pytest.mark.parametrize(
+    "vs",
+    [
+        VirtualServer(ip("10.96.0.1"), Protocol.TCP, 80, "rr", 0x1, 300),
+        VirtualServer(ip("fd00::1"), Protocol.SCTP, 9, "mh", 0x10, 0),
+    ],
+)
+def test_pyroute2_messages_encode_and_decode_to_the_same_servers(vs: VirtualServer) -> None:
+    from pyroute2.netlink.generic import ipvs as genl
+
+    from kubeproxy.backends.ipvs.netlink import (
+        FORWARD_MASQUERADE,
+        dest_message,
+        parse_dest,
+        parse_service,
+        service_message,
+    )
+
+    decoded = _round_trip(
+        [("IPVS_CMD_ATTR_SERVICE", service_message(vs).dump_nla())], genl.IPVS_CMD_NEW_SERVICE
+    )
+    attrs = dict(decoded.get("IPVS_CMD_ATTR_SERVICE")["attrs"])  # type: ignore[attr-defined]
+    assert parse_service(attrs) == vs
+    # The kernel wants a host-length netmask (for IPv6 the raw u32 128 on this host).
+    assert attrs["IPVS_SVC_ATTR_NETMASK"] == (
+        "255.255.255.255" if vs.address.version == 4 else "128.0.0.0"
+    )
+    rs = RealServer(ip("10.1.0.1") if vs.address.version == 4 else ip("fd00:1::1"), 8080, 0)
+    decoded = _round_trip(
+        [
+            ("IPVS_CMD_ATTR_SERVICE", service_message(vs).dump_key()),
+            ("IPVS_CMD_ATTR_DEST", dest_message(rs).dump_nla()),
+        ],
+        genl.IPVS_CMD_NEW_DEST,
+    )
+    dest = dict(decoded.get("IPVS_CMD_ATTR_DEST")["attrs"])  # type: ignore[attr-defined]
+    assert parse_dest(dest) == rs
+    assert dest["IPVS_DEST_ATTR_FWD_METHOD"] == FORWARD_MASQUERADE
+
+
+def test_timeout_config_message_encodes_u32s() -> None:
+    import struct
+
+    from kubeproxy.backends.ipvs.netlink import config_message
+
+    msg = config_message(900, 120, 30)
+    msg.encode()
+    # genlmsg header (16 + 4 bytes), then three 8-byte u32 attributes (types 4, 5, 6).
+    body = msg.data[20:]
+    assert [struct.unpack_from("=HHI", body, 8 * i) for i in range(3)] == [
+        (8, 4, 900),
+        (8, 5, 120),
+        (8, 6, 30),
+    ]
+
+
+def test_fwmark_services_are_not_parsed_as_ours() -> None:
+    from kubeproxy.backends.ipvs.netlink import parse_service
+
+    assert parse_service({"IPVS_SVC_ATTR_FWMARK": 5, "IPVS_SVC_ATTR_PROTOCOL": 0}) is None

@@ -18,7 +18,7 @@ import errno
 import ipaddress
 import socket
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Protocol, TypeVar
 
@@ -31,6 +31,7 @@ __all__ = [
     "FLAG_HASHED",
     "FLAG_PERSISTENT",
     "FLAG_SOURCE_HASH",
+    "FORWARD_MASQUERADE",
     "IPVSError",
     "IPVSExecutor",
     "IPVSUnsupported",
@@ -41,6 +42,11 @@ __all__ = [
     "RealServer",
     "VirtualServer",
     "check_ipvs_support",
+    "config_message",
+    "dest_message",
+    "parse_dest",
+    "parse_service",
+    "service_message",
 ]
 
 DUMMY_DEVICE: Final = "kube-ipvs0"
@@ -50,6 +56,8 @@ FLAG_PERSISTENT: Final = 0x1
 """IPVS service flag: persistence (session affinity), with the service's timeout."""
 FLAG_HASHED: Final = 0x2
 """IPVS service flag the kernel sets on every hashed service (ignored when comparing)."""
+FORWARD_MASQUERADE: Final = 0
+"""IPVS forwarding method ``IP_VS_CONN_F_MASQ`` (NAT to the real server), kube-proxy's."""
 FLAG_SOURCE_HASH: Final = 0x10
 """IPVS service flag ``IP_VS_SVC_F_SCHED2``: hash on the source port too (``sh``/``mh``)."""
 
@@ -208,6 +216,104 @@ class LinkExecutor(Protocol):
 # pyroute2 ---------------------------------------------------------------------------------
 
 
+def service_message(vs: VirtualServer) -> Any:
+    """The pyroute2 ``IPVSService`` of ``vs`` (a /32 or /128 service)."""
+    from pyroute2 import IPVSService
+
+    family = socket.AF_INET if vs.address.version == 4 else socket.AF_INET6
+    fields: dict[str, Any] = {
+        "af": family,
+        "addr": str(vs.address),
+        "port": vs.port,
+        "protocol": _PROTO_NUMBERS[vs.protocol],
+        "sched_name": vs.scheduler,
+        "flags": {"flags": vs.flags, "mask": 0xFFFFFFFF},
+        "timeout": vs.timeout,
+    }
+    if family == socket.AF_INET:
+        fields["netmask"] = "255.255.255.255"
+    else:
+        # For IPv6 the kernel reads this attribute's raw u32 (host order) as a prefix
+        # length, which must be 128; pyroute2 declares it as an IPv4 address, so 128 is
+        # spelled as the address whose bytes are 128 in host order.
+        fields["netmask"] = "128.0.0.0" if sys.byteorder == "little" else "0.0.0.128"
+    return IPVSService(**fields)
+
+
+def dest_message(rs: RealServer) -> Any:
+    """The pyroute2 ``IPVSDest`` of ``rs``, forwarding by masquerading (NAT) as upstream.
+
+    pyroute2 defaults to direct routing (``fwd_method`` 3); kube-proxy uses 0.
+    """
+    from pyroute2 import IPVSDest
+
+    family = socket.AF_INET if rs.address.version == 4 else socket.AF_INET6
+    return IPVSDest(
+        addr=str(rs.address),
+        port=rs.port,
+        weight=rs.weight,
+        addr_family=family,
+        fwd_method=FORWARD_MASQUERADE,
+    )
+
+
+def parse_service(attrs: Mapping[str, Any]) -> VirtualServer | None:
+    """A virtual server from a dumped service's attributes (None for firewall-mark ones)."""
+    proto = _PROTOCOLS.get(int(attrs.get("IPVS_SVC_ATTR_PROTOCOL", 0) or 0))
+    addr = attrs.get("IPVS_SVC_ATTR_ADDR")
+    if proto is None or not addr or attrs.get("IPVS_SVC_ATTR_FWMARK"):
+        return None
+    flags = attrs.get("IPVS_SVC_ATTR_FLAGS")
+    return VirtualServer(
+        ipaddress.ip_address(addr),
+        proto,
+        int(attrs.get("IPVS_SVC_ATTR_PORT", 0)),
+        str(attrs.get("IPVS_SVC_ATTR_SCHED_NAME", "")),
+        int(flags.get("flags", 0)) if flags is not None else 0,
+        int(attrs.get("IPVS_SVC_ATTR_TIMEOUT", 0)),
+    )
+
+
+def parse_dest(attrs: Mapping[str, Any]) -> RealServer:
+    """A real server, with its connection counts, from a dumped destination's attributes."""
+    return RealServer(
+        ipaddress.ip_address(attrs["IPVS_DEST_ATTR_ADDR"]),
+        int(attrs.get("IPVS_DEST_ATTR_PORT", 0)),
+        int(attrs.get("IPVS_DEST_ATTR_WEIGHT", 0)),
+        int(attrs.get("IPVS_DEST_ATTR_ACTIVE_CONNS", 0)),
+        int(attrs.get("IPVS_DEST_ATTR_INACT_CONNS", 0)),
+    )
+
+
+def config_message(tcp: int, tcp_fin: int, udp: int) -> Any:
+    """An ``IPVS_CMD_SET_CONFIG`` request setting the three timeouts (0 keeps a value)."""
+    from pyroute2.netlink.generic import ipvs as genl_ipvs
+
+    class ConfigMessage(genl_ipvs.ipvsmsg):  # type: ignore[misc]
+        # pyroute2 declares the timeout attributes as "hex"; the kernel reads u32s. The
+        # parent's compiled attribute table is inherited unless this flag says otherwise.
+        _nlmsg_base__compiled_nla = False
+        nla_map = (
+            ("IPVS_CMD_ATTR_UNSPEC", "none"),
+            ("IPVS_CMD_ATTR_SERVICE", "none"),
+            ("IPVS_CMD_ATTR_DEST", "none"),
+            ("IPVS_CMD_ATTR_DAEMON", "none"),
+            ("IPVS_CMD_ATTR_TIMEOUT_TCP", "uint32"),
+            ("IPVS_CMD_ATTR_TIMEOUT_TCP_FIN", "uint32"),
+            ("IPVS_CMD_ATTR_TIMEOUT_UDP", "uint32"),
+        )
+
+    msg = ConfigMessage()
+    msg["cmd"] = genl_ipvs.IPVS_CMD_SET_CONFIG
+    msg["version"] = genl_ipvs.GENL_VERSION
+    msg["attrs"] = [
+        ("IPVS_CMD_ATTR_TIMEOUT_TCP", tcp),
+        ("IPVS_CMD_ATTR_TIMEOUT_TCP_FIN", tcp_fin),
+        ("IPVS_CMD_ATTR_TIMEOUT_UDP", udp),
+    ]
+    return msg
+
+
 def _code(err: BaseException) -> int:
     return int(getattr(err, "code", 0) or getattr(err, "errno", 0) or 0)
 
@@ -252,139 +358,60 @@ class PyrouteIPVS:
                 self._socket.close()
             self._socket = None
 
-    @staticmethod
-    def _service(vs: VirtualServer) -> Any:
-        from pyroute2 import IPVSService
-
-        family = socket.AF_INET if vs.address.version == 4 else socket.AF_INET6
-        fields: dict[str, Any] = {
-            "af": family,
-            "addr": str(vs.address),
-            "port": vs.port,
-            "protocol": _PROTO_NUMBERS[vs.protocol],
-            "sched_name": vs.scheduler,
-            "flags": {"flags": vs.flags, "mask": 0xFFFFFFFF},
-            "timeout": vs.timeout,
-        }
-        if family == socket.AF_INET:
-            fields["netmask"] = "255.255.255.255"
-        else:
-            # For IPv6 the kernel reads this attribute's raw u32 (host order) as a prefix
-            # length, which must be 128; pyroute2 declares it as an IPv4 address, so 128
-            # is spelled as the address whose first byte is 0x80 (little-endian hosts).
-            fields["netmask"] = "128.0.0.0" if sys.byteorder == "little" else "0.0.0.128"
-        return IPVSService(**fields)
-
-    @staticmethod
-    def _dest(rs: RealServer) -> Any:
-        from pyroute2 import IPVSDest
-
-        family = socket.AF_INET if rs.address.version == 4 else socket.AF_INET6
-        return IPVSDest(addr=str(rs.address), port=rs.port, weight=rs.weight, addr_family=family)
-
     def virtual_servers(self) -> list[VirtualServer]:
         """Dump every virtual server."""
         messages = self._call("dump", lambda s: list(s.service("dump")))
         servers = []
         for message in messages:
-            attrs = dict(message.get("IPVS_CMD_ATTR_SERVICE")["attrs"])
-            proto = _PROTOCOLS.get(attrs.get("IPVS_SVC_ATTR_PROTOCOL", 0))
-            addr = attrs.get("IPVS_SVC_ATTR_ADDR")
-            if proto is None or not addr:
-                continue  # firewall-mark services: not ours
-            flags = attrs.get("IPVS_SVC_ATTR_FLAGS") or {}
-            servers.append(
-                VirtualServer(
-                    ipaddress.ip_address(addr),
-                    proto,
-                    int(attrs.get("IPVS_SVC_ATTR_PORT", 0)),
-                    str(attrs.get("IPVS_SVC_ATTR_SCHED_NAME", "")),
-                    int(flags.get("flags", 0)) if hasattr(flags, "get") else 0,
-                    int(attrs.get("IPVS_SVC_ATTR_TIMEOUT", 0)),
-                )
-            )
+            vs = parse_service(dict(message.get("IPVS_CMD_ATTR_SERVICE")["attrs"]))
+            if vs is not None:
+                servers.append(vs)
         return servers
 
     def add_virtual_server(self, vs: VirtualServer) -> None:
         """Create ``vs``."""
-        self._call("add service", lambda s: s.service("add", service=self._service(vs)))
+        self._call("add service", lambda s: s.service("add", service=service_message(vs)))
 
     def update_virtual_server(self, vs: VirtualServer) -> None:
         """Change ``vs``'s settings."""
-        self._call("set service", lambda s: s.service("set", service=self._service(vs)))
+        self._call("set service", lambda s: s.service("set", service=service_message(vs)))
 
     def delete_virtual_server(self, vs: VirtualServer) -> None:
         """Delete ``vs``."""
-        self._call("del service", lambda s: s.service("del", service=self._service(vs)))
+        self._call("del service", lambda s: s.service("del", service=service_message(vs)))
 
     def real_servers(self, vs: VirtualServer) -> list[RealServer]:
         """Dump the real servers of ``vs``."""
         messages = self._call(
-            "dump dests", lambda s: list(s.dest("dump", service=self._service(vs)))
+            "dump dests", lambda s: list(s.dest("dump", service=service_message(vs)))
         )
-        servers = []
-        for message in messages:
-            attrs = dict(message.get("IPVS_CMD_ATTR_DEST")["attrs"])
-            servers.append(
-                RealServer(
-                    ipaddress.ip_address(attrs["IPVS_DEST_ATTR_ADDR"]),
-                    int(attrs.get("IPVS_DEST_ATTR_PORT", 0)),
-                    int(attrs.get("IPVS_DEST_ATTR_WEIGHT", 0)),
-                    int(attrs.get("IPVS_DEST_ATTR_ACTIVE_CONNS", 0)),
-                    int(attrs.get("IPVS_DEST_ATTR_INACT_CONNS", 0)),
-                )
-            )
-        return servers
+        return [parse_dest(dict(m.get("IPVS_CMD_ATTR_DEST")["attrs"])) for m in messages]
 
     def add_real_server(self, vs: VirtualServer, rs: RealServer) -> None:
         """Add ``rs`` to ``vs``."""
         self._call(
             "add dest",
-            lambda s: s.dest("add", service=self._service(vs), dest=self._dest(rs)),
+            lambda s: s.dest("add", service=service_message(vs), dest=dest_message(rs)),
         )
 
     def update_real_server(self, vs: VirtualServer, rs: RealServer) -> None:
         """Change ``rs``'s weight."""
         self._call(
             "set dest",
-            lambda s: s.dest("set", service=self._service(vs), dest=self._dest(rs)),
+            lambda s: s.dest("set", service=service_message(vs), dest=dest_message(rs)),
         )
 
     def delete_real_server(self, vs: VirtualServer, rs: RealServer) -> None:
         """Remove ``rs`` from ``vs``."""
         self._call(
             "del dest",
-            lambda s: s.dest("del", service=self._service(vs), dest=self._dest(rs)),
+            lambda s: s.dest("del", service=service_message(vs), dest=dest_message(rs)),
         )
 
     def set_timeouts(self, tcp: int, tcp_fin: int, udp: int) -> None:
         """``IPVS_CMD_SET_CONFIG`` with the three timeouts (0 keeps a value)."""
-        from pyroute2.netlink.generic import ipvs as genl_ipvs
-
-        class _ConfigMessage(genl_ipvs.ipvsmsg):  # type: ignore[misc]
-            # pyroute2 declares the timeout attributes as "hex"; the kernel wants u32.
-            nla_map = (
-                ("IPVS_CMD_ATTR_UNSPEC", "none"),
-                ("IPVS_CMD_ATTR_SERVICE", "none"),
-                ("IPVS_CMD_ATTR_DEST", "none"),
-                ("IPVS_CMD_ATTR_DAEMON", "none"),
-                ("IPVS_CMD_ATTR_TIMEOUT_TCP", "uint32"),
-                ("IPVS_CMD_ATTR_TIMEOUT_TCP_FIN", "uint32"),
-                ("IPVS_CMD_ATTR_TIMEOUT_UDP", "uint32"),
-            )
-
-        def send(s: Any) -> Any:
-            msg = _ConfigMessage()
-            msg["cmd"] = genl_ipvs.IPVS_CMD_SET_CONFIG
-            msg["version"] = genl_ipvs.GENL_VERSION
-            msg["attrs"] = [
-                ("IPVS_CMD_ATTR_TIMEOUT_TCP", tcp),
-                ("IPVS_CMD_ATTR_TIMEOUT_TCP_FIN", tcp_fin),
-                ("IPVS_CMD_ATTR_TIMEOUT_UDP", udp),
-            ]
-            return s.nlm_request(msg, msg_type=s.prid)
-
-        self._call("set config", send)
+        msg = config_message(tcp, tcp_fin, udp)
+        self._call("set config", lambda s: s._run_with_cleanup(s.asyncore._do_request, msg))
 
 
 def check_ipvs_support(executor: IPVSExecutor, scheduler: str) -> None:
