@@ -1,0 +1,314 @@
+"""Switching a node between modes (nftables -> iptables -> nftables) in a network namespace.
+
+A node namespace (``kpxm-...``) holds the node IP and routes the Service range towards a
+pod namespace whose two endpoint IPs answer on port 8080. Real TCP connections from the
+node to the ClusterIP show which mode is proxying; ``nft list tables`` and
+``iptables-save`` (nft and legacy variants) show what each mode left behind.
+
+The first test drives the backends and the mode cleanups the binaries use
+(:data:`kubeproxy.cmd.modes.MODES`) step by step; the second runs the binaries themselves,
+whose start-up removes the other kind of mode's leftovers (upstream's platformCleanup),
+and ends with ``kube-proxy --cleanup``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kubeproxy.cmd.modes import MODES
+from kubeproxy.config import ProxierConfig
+from kubeproxy.objects import IPFamily, NodeInfo, Protocol
+from kubeproxy.proxier import Proxier
+from kubeproxy.testing.netns import (
+    SubprocessRunner,
+    add_namespaces,
+    delete_namespaces,
+    entered,
+    open_namespace,
+)
+from kubeproxy.testing.traffic import ListenerServer, make_listener
+
+pytestmark = pytest.mark.kernel
+
+NODE = "demo-node"  # the node of examples/cluster
+NODE_IP = "192.168.50.2"
+EP1, EP2 = "10.244.0.11", "10.244.0.12"
+WEB = "172.30.0.10"  # demo/web: both endpoints, port 80 -> 8080
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "cluster"
+BIN = Path(sys.executable).parent
+VARIANTS = (
+    "iptables-nft-save",
+    "ip6tables-nft-save",
+    "iptables-legacy-save",
+    "ip6tables-legacy-save",
+)
+
+
+@dataclass
+class Node:
+    netns: str
+    fd: int
+
+
+@pytest.fixture
+def node() -> Iterator[Node]:
+    run_id = uuid.uuid4().hex[:6]
+    names = [f"kpxm-{run_id}-node", f"kpxm-{run_id}-pod"]
+    node_if, pod_if = f"kpxm{run_id}n", f"kpxm{run_id}p"
+    runner = SubprocessRunner()
+    fds: list[int] = []
+    listeners = ListenerServer("kpxm-listeners")
+    try:
+        add_namespaces(runner, names)
+        runner(
+            ["ip", "-n", names[0], "-batch", "-"],
+            stdin=f"link set lo up\naddr add {NODE_IP}/32 dev lo\n"
+            f"link add {node_if} type veth peer name {pod_if} netns {names[1]}\n"
+            f"addr add 10.244.0.1/24 dev {node_if}\nlink set {node_if} up\n"
+            f"route add 172.30.0.0/16 dev {node_if}\n",
+        )
+        runner(
+            ["ip", "-n", names[1], "-batch", "-"],
+            stdin=f"link set lo up\naddr add {EP1}/24 dev {pod_if}\n"
+            f"addr add {EP2}/24 dev {pod_if}\nlink set {pod_if} up\n"
+            "route add default via 10.244.0.1\n",
+        )
+        fds = [open_namespace(names[0]), open_namespace(names[1])]
+        for ip in (EP1, EP2):
+            listeners.add(make_listener(fds[1], ipaddress.ip_address(ip), 8080, Protocol.TCP))
+        listeners.start()
+        yield Node(names[0], fds[0])
+    finally:
+        listeners.close()
+        for fd in fds:
+            os.close(fd)
+        left = delete_namespaces(runner, names)
+        assert not left, f"namespaces left behind: {left}"
+
+
+def answered_by(node: Node, ip: str = WEB, port: int = 80) -> str | None:
+    """Connect from the node namespace; the endpoint that answered (None: nobody)."""
+    with entered(node.fd):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    with sock:
+        sock.settimeout(1.0)
+        try:
+            sock.connect((ip, port))
+            reply = sock.recv(256)
+        except OSError:
+            return None
+    parts = reply.split()
+    return parts[1].decode() if len(parts) == 3 else None
+
+
+def proxied(node: Node) -> set[str]:
+    """Endpoints reached through the ClusterIP in a few connections (empty: not proxied)."""
+    seen = set()
+    for _ in range(12):
+        who = answered_by(node)
+        if who is None:
+            return set()
+        seen.add(who)
+        if len(seen) == 2:
+            break
+    return seen
+
+
+def in_ns(node: Node, *argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["ip", "netns", "exec", node.netns, *argv],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+
+
+def nft_tables(node: Node) -> list[str]:
+    result = in_ns(node, "nft", "list", "tables")
+    assert result.returncode == 0, result.stderr
+    return [line for line in result.stdout.splitlines() if line]
+
+
+# Chains kube-proxy shares with kubelet and, like upstream's cleanup, leaves in place:
+# iptables mode adds its localnet DROP rule to KUBE-FIREWALL, kubelet's chain on a real
+# node (a fresh namespace has no kubelet, so the proxy created it here).
+SHARED_WITH_KUBELET = frozenset({"KUBE-FIREWALL", "KUBE-KUBELET-CANARY", "KUBE-IPTABLES-HINT"})
+
+
+def kube_chains(node: Node) -> dict[str, list[str]]:
+    """The proxy's KUBE- chains per iptables-save variant and family."""
+    found = {}
+    for tool in VARIANTS:
+        if shutil.which(tool) is None:
+            continue
+        result = in_ns(node, tool)
+        assert result.returncode == 0, result.stderr
+        found[tool] = [
+            name
+            for line in result.stdout.splitlines()
+            if line.startswith(":KUBE-")
+            and (name := line[1:].split(" ", 1)[0]) not in SHARED_WITH_KUBELET
+        ]
+    return found
+
+
+def no_kube_chains(node: Node) -> bool:
+    return all(not chains for chains in kube_chains(node).values())
+
+
+class Program:
+    """The core and one mode's backend, programming the node namespace from the example
+    cluster's web Service."""
+
+    def __init__(self, mode: str, node: Node) -> None:
+        backend = MODES[mode].factory()(IPFamily.IPV4, self.config(), netns=node.netns)
+        self.proxier = Proxier(
+            IPFamily.IPV4,
+            self.config(),
+            backend,
+            node=NodeInfo(NODE, addresses=(ipaddress.ip_address(NODE_IP),)),
+            host_addresses=lambda: [ipaddress.ip_address(NODE_IP)],
+        )
+        self.proxier.on_service_add(
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": {"name": "web", "namespace": "demo"},
+                "spec": {
+                    "type": "ClusterIP",
+                    "clusterIP": WEB,
+                    "clusterIPs": [WEB],
+                    "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}],
+                },
+            }
+        )
+        self.proxier.on_endpoint_slice_add(
+            {
+                "apiVersion": "discovery.k8s.io/v1",
+                "kind": "EndpointSlice",
+                "metadata": {
+                    "name": "web-a",
+                    "namespace": "demo",
+                    "labels": {"kubernetes.io/service-name": "web"},
+                },
+                "addressType": "IPv4",
+                "endpoints": [
+                    {"addresses": [ip], "conditions": {"ready": True}, "nodeName": NODE}
+                    for ip in (EP1, EP2)
+                ],
+                "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+            }
+        )
+        self.proxier.on_services_synced()
+        self.proxier.on_endpoint_slices_synced()
+
+    @staticmethod
+    def config() -> ProxierConfig:
+        return ProxierConfig(node_name=NODE)
+
+    def sync(self) -> None:
+        assert self.proxier.sync_now(), "the sync failed"
+
+
+ENDPOINTS = {f"{EP1}:8080", f"{EP2}:8080"}
+
+
+def test_switching_nftables_iptables_nftables_with_each_modes_cleanup(node: Node) -> None:
+    assert proxied(node) == set()  # nothing proxies yet
+
+    Program("nftables", node).sync()
+    assert proxied(node) == ENDPOINTS
+    assert "table ip kube-proxy" in nft_tables(node)
+    MODES["nftables"].cleanup(node.netns)
+    assert proxied(node) == set()
+    assert not [t for t in nft_tables(node) if t.endswith(" kube-proxy")]
+
+    Program("iptables", node).sync()
+    assert proxied(node) == ENDPOINTS
+    assert not [t for t in nft_tables(node) if t.endswith(" kube-proxy")]
+    assert not no_kube_chains(node)
+    MODES["iptables"].cleanup(node.netns)
+    assert proxied(node) == set()
+    assert no_kube_chains(node), kube_chains(node)
+
+    Program("nftables", node).sync()
+    assert proxied(node) == ENDPOINTS
+    assert no_kube_chains(node), kube_chains(node)
+
+
+def binary(node: Node, prog: str, *argv: str) -> None:
+    result = in_ns(
+        node,
+        str(BIN / prog),
+        "--manifests",
+        str(EXAMPLES),
+        "--hostname-override",
+        NODE,
+        "--cluster-cidr=10.244.0.0/16",
+        *argv,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_binaries_remove_the_other_modes_leftovers_and_cleanup_removes_all(
+    node: Node,
+) -> None:
+    # Somebody else's rules, in both tools: they must survive every step.
+    foreign = (
+        "table inet kpxm-foreign {\n\tchain input {\n"
+        "\t\ttype filter hook input priority 0;\n\t}\n}\n"
+    )
+    assert (
+        subprocess.run(
+            ["ip", "netns", "exec", node.netns, "nft", "-f", "-"],
+            input=foreign,
+            text=True,
+            check=False,
+        ).returncode
+        == 0
+    )
+    assert in_ns(node, "iptables-legacy", "-t", "filter", "-N", "KPXM-FOREIGN").returncode == 0
+
+    binary(node, "kube-proxy-nftables", "--once")
+    assert proxied(node) == ENDPOINTS
+    # iptables mode starts by deleting the nftables tables (upstream's platformCleanup).
+    binary(node, "kube-proxy-iptables", "--once")
+    assert proxied(node) == ENDPOINTS
+    assert not [t for t in nft_tables(node) if t.endswith(" kube-proxy")]
+    assert not no_kube_chains(node)
+    # nftables mode starts by deleting what iptables (and ipvs) mode made.
+    binary(node, "kube-proxy-nftables", "--once")
+    assert proxied(node) == ENDPOINTS
+    assert no_kube_chains(node), kube_chains(node)
+
+    # A legacy-variant leftover too (a node that once ran iptables-legacy kube-proxy).
+    legacy = "*nat\n:KUBE-SERVICES - [0:0]\n:KUBE-MARK-MASQ - [0:0]\nCOMMIT\n"
+    assert (
+        subprocess.run(
+            ["ip", "netns", "exec", node.netns, "iptables-legacy-restore", "--noflush"],
+            input=legacy,
+            text=True,
+            check=False,
+        ).returncode
+        == 0
+    )
+    result = in_ns(node, str(BIN / "kube-proxy"), "--cleanup")
+    assert result.returncode == 0, result.stderr
+    assert proxied(node) == set()
+    assert no_kube_chains(node), kube_chains(node)
+    assert not [t for t in nft_tables(node) if t.endswith(" kube-proxy")]
+    assert "table inet kpxm-foreign" in nft_tables(node)
+    saved = in_ns(node, "iptables-legacy-save", "-t", "filter").stdout
+    assert ":KPXM-FOREIGN - [0:0]" in saved
