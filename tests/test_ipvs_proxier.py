@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kubeproxy.backend import NodePortAddresses, ProxySnapshot, SyncChanges, SyncError
+from kubeproxy.backends.iptables.exec import IptablesError
 from kubeproxy.backends.iptables.fake import FakeIptables
 from kubeproxy.backends.ipvs import IPVSBackend
 from kubeproxy.backends.ipvs.fake import FakeIPSets, FakeIPVS, FakeLinks
@@ -621,3 +622,37 @@ TestIncrementalEqualsFull.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+def test_cleanup_keeps_going_past_a_chain_still_referenced_elsewhere() -> None:
+    world, kit = World(), Kit()
+    world.add(cluster_ip("web", "172.30.0.10"), ep("10.1.0.1"))
+    backend = kit.backend()
+    backend.sync(world.snapshot(), full())
+    # Say iptables mode's leftovers: a service chain marking for masquerade.
+    kit.iptables.restore(V4, "*nat\n:KUBE-SVC-X - [0:0]\n-A KUBE-SVC-X -j KUBE-MARK-MASQ\nCOMMIT\n")
+    with pytest.raises(IptablesError):
+        backend.cleanup()
+    chains = kit.iptables.chains(V4, "nat") | kit.iptables.chains(V4, "filter")
+    assert {c for c in chains if c.startswith("KUBE-")} == {"KUBE-MARK-MASQ", "KUBE-SVC-X"}
+    assert kit.ipvs.services == {}
+
+
+class CountingIptables(FakeIptables):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def delete_rule(self, *args: object, **kwargs: object) -> bool:
+        self.calls.append("delete_rule")
+        return super().delete_rule(*args, **kwargs)  # type: ignore[arg-type]
+
+    def restore(self, *args: object, **kwargs: object) -> None:
+        self.calls.append("restore")
+        super().restore(*args, **kwargs)  # type: ignore[arg-type]
+
+
+def test_cleanup_where_ipvs_mode_never_ran_runs_no_iptables_command() -> None:
+    iptables = CountingIptables()
+    Kit(iptables=iptables).backend().cleanup()
+    assert iptables.calls == []

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import ipaddress
+import os
 import socket
 import sys
 from collections.abc import Callable, Iterator, Mapping
@@ -44,6 +45,7 @@ __all__ = [
     "check_ipvs_support",
     "config_message",
     "dest_message",
+    "ipvs_in_kernel",
     "parse_dest",
     "parse_service",
     "service_message",
@@ -327,6 +329,20 @@ def _maybe_in(netns: str | None) -> Iterator[None]:
             yield
 
 
+_LACKS_IP_VS: Final = "kernel lacks IP_VS (the IPVS generic netlink family is missing)"
+
+
+def ipvs_in_kernel() -> bool:
+    """Whether the calling thread's network namespace has IPVS (``/proc/net/ip_vs``).
+
+    ``/proc/thread-self/net`` shows the namespace of the calling thread (``/proc/net``
+    would show the main thread's). Without that directory (no procfs) this says yes and
+    leaves the answer to netlink.
+    """
+    proc = "/proc/thread-self/net"
+    return not os.path.isdir(proc) or os.path.exists(os.path.join(proc, "ip_vs"))
+
+
 class PyrouteIPVS:
     """:class:`IPVSExecutor` over pyroute2's generic netlink IPVS socket."""
 
@@ -338,17 +354,18 @@ class PyrouteIPVS:
         from pyroute2 import IPVS
 
         with _maybe_in(self._netns):
+            if self._socket is None and not ipvs_in_kernel():
+                # pyroute2's IPVS() leaks its socket and event loop when the family is
+                # missing, so it is not even tried then.
+                raise IPVSUnsupported(_LACKS_IP_VS, code=errno.ENOENT)
             try:
                 if self._socket is None:
                     self._socket = IPVS()
                 return fn(self._socket)
             except Exception as err:
                 code = _code(err)
-                if code == errno.ENOENT and what == "dump":
-                    raise IPVSUnsupported(
-                        "kernel lacks IP_VS (the IPVS generic netlink family is missing)",
-                        code=code,
-                    ) from err
+                if code == errno.ENOENT and self._socket is None:
+                    raise IPVSUnsupported(_LACKS_IP_VS, code=code) from err
                 raise IPVSError(f"ipvs {what}: {err}", code=code) from err
 
     def close(self) -> None:

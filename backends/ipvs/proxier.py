@@ -66,7 +66,7 @@ from kubeproxy.backends.ipvs.netlink import (
     RealServer,
     VirtualServer,
 )
-from kubeproxy.backends.ipvs.rules import JUMPS, RuleInputs, cleanup_input, render_rules
+from kubeproxy.backends.ipvs.rules import CHAINS, JUMPS, RuleInputs, cleanup_input, render_rules
 from kubeproxy.backends.ipvs.sysctls import SysctlApplier, ipvs_sysctls
 from kubeproxy.config import ProxierConfig
 from kubeproxy.objects import (
@@ -747,18 +747,34 @@ def cleanup_family(
         except IPVSError as err:
             if "kernel lacks" not in str(err):
                 errors.append(err)
+    try:
+        existing = {table: iptables.chains(family, table) for table in ("filter", "nat")}
+    except IptablesError as err:
+        errors.append(err)
+        existing = {}
+    # A jump to a chain that does not exist cannot exist: without our chains (a node that
+    # never ran ipvs mode) there is nothing to delete and no tool to run.
     for jump in JUMPS:
+        if jump.target not in existing.get(jump.table, set()):
+            continue
         try:
             iptables.delete_rule(family, jump.table, jump.chain, jump.args)
         except IptablesError as err:
             errors.append(err)
-    try:
-        existing = {table: iptables.chains(family, table) for table in ("filter", "nat")}
-        text = cleanup_input(existing).render()
-        if text:
+    text = cleanup_input(existing).render()
+    if text:
+        try:
             iptables.restore(family, text)
-    except (IptablesError, RestoreError) as err:
-        errors.append(err)
+        except IptablesError:
+            # One chain still referenced (say by iptables mode's chains) must not keep
+            # the others: retry chain by chain and report what still fails.
+            for table, chain in CHAINS:
+                if chain not in existing.get(table, set()):
+                    continue
+                try:
+                    iptables.restore(family, cleanup_input({table: {chain}}).render())
+                except IptablesError as err:
+                    errors.append(err)
     batch = IPSetRestore()
     for name in names:
         if name in saved:
