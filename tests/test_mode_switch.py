@@ -8,7 +8,9 @@ node to the ClusterIP show which mode is proxying; ``nft list tables`` and
 The first test drives the backends and the mode cleanups the binaries use
 (:data:`kubeproxy.cmd.modes.MODES`) step by step; the second runs the binaries themselves,
 whose start-up removes the other kind of mode's leftovers (upstream's platformCleanup),
-and ends with ``kube-proxy --cleanup``.
+and ends with ``kube-proxy --cleanup`` over leftovers of every mode, as far as this kernel
+can hold them (no IP_VS, no dummy links: an ipvs-mode ipset, chain and ``kube-ipvs0``
+address stand in for an ipvs node), which must not fail for want of IP_VS.
 """
 
 from __future__ import annotations
@@ -304,8 +306,32 @@ def test_the_binaries_remove_the_other_modes_leftovers_and_cleanup_removes_all(
         ).returncode
         == 0
     )
+    # ipvs-mode leftovers this kernel can hold (it has no IP_VS and no dummy links): an
+    # ipset, an ipvs-mode chain, and the addresses of a kube-ipvs0 (a bridge here).
+    ipvs_leftovers = "*filter\n:KUBE-IPVS-FILTER - [0:0]\n-A KUBE-IPVS-FILTER -j RETURN\nCOMMIT\n"
+    assert (
+        subprocess.run(
+            ["ip", "netns", "exec", node.netns, "iptables-nft-restore", "--noflush"],
+            input=ipvs_leftovers,
+            text=True,
+            check=False,
+        ).returncode
+        == 0
+    )
+    for argv in (
+        ("ipset", "create", "KUBE-CLUSTER-IP", "hash:ip,port"),
+        ("ipset", "add", "KUBE-CLUSTER-IP", f"{WEB},tcp:80"),
+        ("ipset", "create", "kpxm-foreign", "hash:ip"),
+        ("ip", "link", "add", "kube-ipvs0", "type", "bridge"),
+        ("ip", "addr", "add", f"{WEB}/32", "dev", "kube-ipvs0"),
+    ):
+        assert in_ns(node, *argv).returncode == 0, argv
     result = in_ns(node, str(BIN / "kube-proxy"), "--cleanup")
     assert result.returncode == 0, result.stderr
+    sets = in_ns(node, "ipset", "list", "-n").stdout.split()
+    assert sets == ["kpxm-foreign"]
+    link = in_ns(node, "ip", "-o", "addr", "show", "dev", "kube-ipvs0")
+    assert WEB not in link.stdout
     assert proxied(node) == set()
     assert no_kube_chains(node), kube_chains(node)
     assert not [t for t in nft_tables(node) if t.endswith(" kube-proxy")]
