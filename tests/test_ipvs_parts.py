@@ -305,3 +305,18 @@ def test_fwmark_services_are_not_parsed_as_ours() -> None:
     from kubeproxy.backends.ipvs.netlink import parse_service
 
     assert parse_service({"IPVS_SVC_ATTR_FWMARK": 5, "IPVS_SVC_ATTR_PROTOCOL": 0}) is None
+
+
+def test_backend_satisfies_the_backend_contract() -> None:
+    from kubeproxy.backend import Backend
+
+    backend = IPVSBackend(
+        V6,
+        ProxierConfig(node_name="n"),
+        ipvs=FakeIPVS(),
+        links=FakeLinks(),
+        ipsets=FakeIPSets(),
+        iptables=FakeIptables(),
+    )
+    assert isinstance(backend, Backend)
+    assert backend.family is V6
