@@ -10,19 +10,29 @@ import json
 import os
 import resource
 import select
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from bench.netns import in_netns
 
-__all__ = ["ApplyResult", "ProxyProcess", "apply_nft_file", "proxy_process", "python_module"]
+__all__ = [
+    "UPSTREAM_BACKEND",
+    "ApplyResult",
+    "ProxyProcess",
+    "ProxyProcessError",
+    "ProxyTimeout",
+    "apply_nft_file",
+    "proxy_process",
+    "python_module",
+]
 
 REPO = Path(__file__).resolve().parents[1]
 _KB_PER_MB = 1024
@@ -45,6 +55,10 @@ class ProxyProcessError(RuntimeError):
     """The proxy child failed, answered garbage, or took too long."""
 
 
+class ProxyTimeout(ProxyProcessError):
+    """The proxy child did not answer in time (it is killed when its context ends)."""
+
+
 class ProxyProcess:
     """A running ``bench.proxyproc`` child (see that module for the protocol)."""
 
@@ -63,7 +77,7 @@ class ProxyProcess:
         stream = self._stdout()
         readable, _, _ = select.select([stream], [], [], timeout_s)
         if not readable:
-            raise ProxyProcessError(f"proxy child silent for {timeout_s:.0f} s{self._stderr()}")
+            raise ProxyTimeout(f"proxy child silent for {timeout_s:.0f} s{self._stderr()}")
         line = stream.readline()
         if not line:
             raise ProxyProcessError(f"proxy child exited{self._stderr()}")
@@ -100,6 +114,17 @@ class ProxyProcess:
         """The last lines the child logged (for failure messages)."""
         return self._stderr()
 
+    def kill(self) -> None:
+        """Kill the child and every process it started (its own session)."""
+        if self._process.poll() is None:
+            with suppress(ProcessLookupError):
+                os.killpg(self._process.pid, signal.SIGKILL)
+            self._process.wait()
+
+
+UPSTREAM_BACKEND = "upstream"
+"""The ``backend`` name that drives upstream's structure (:mod:`bench.upstreamproc`)."""
+
 
 @contextmanager
 def proxy_process(
@@ -110,29 +135,38 @@ def proxy_process(
     affinity_seconds: int = 0,
     extras: Sequence[tuple[int, int]] = (),
     backend: str = "nftables",
+    wide_every: int = 0,
     node_ip: str | None = None,
     ready_timeout_s: float = 600.0,
 ) -> Iterator[ProxyProcess]:
     """Start our proxy in ``netns`` with a synthetic cluster; stop it on exit.
 
-    ``extras`` adds Services ``(index, endpoint count)`` on top of the ``services`` ones.
+    ``extras`` adds Services ``(index, endpoint count)`` on top of the ``services`` ones;
+    ``wide_every`` K gives every K-th Service 250 endpoints (the mix). ``backend``
+    :data:`UPSTREAM_BACKEND` starts :mod:`bench.upstreamproc` instead, which answers
+    the same commands by applying upstream's structure with ``nft``.
     """
+    module = "bench.upstreamproc" if backend == UPSTREAM_BACKEND else "bench.proxyproc"
     argv = ["--netns", netns, "--backend", backend]
     argv += ["--services", str(services), "--endpoints", str(endpoints)]
     argv += ["--affinity-seconds", str(affinity_seconds)]
     for index, count in extras:
         argv += ["--extra", f"{index}:{count}"]
+    if wide_every:
+        argv += ["--wide-every", str(wide_every)]
     if node_ip:
         argv += ["--node-ip", node_ip]
     stderr_path = Path(f"/tmp/kpxb-proxyproc-{os.getpid()}-{time.monotonic_ns()}.log")
     with stderr_path.open("w") as stderr:
         process = subprocess.Popen(
-            in_netns(netns, python_module("bench.proxyproc", *argv)),
+            in_netns(netns, python_module(module, *argv)),
             cwd=REPO,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=stderr,
             text=True,
+            # Its own session: a timed-out child is killed with the tools it started.
+            start_new_session=True,
         )
     child = ProxyProcess(process, stderr_path)
     try:
@@ -148,8 +182,7 @@ def proxy_process(
         try:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+            child.kill()
         if process.stdout is not None:
             process.stdout.close()
         stderr_path.unlink(missing_ok=True)

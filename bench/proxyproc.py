@@ -17,6 +17,10 @@ one JSON line per command line:
 * ``{"op": "rss"}``: peak resident memory of this process and of its children;
 * ``{"op": "quit"}``.
 
+Every answer to a sync carries ``tool_s`` and ``tool_calls``: the time spent inside the
+kernel tools during it (libnftables calls, ``iptables-restore`` and other tool processes;
+see :mod:`bench.toolclock`), and the children's peak RSS so far (the tool processes').
+
 A process per measurement because ``ru_maxrss`` is a process-lifetime peak: a fresh
 process reports the peak of one cold sync alone, and since libnftables runs in-process,
 that peak includes nft's parsing of the transaction.
@@ -36,6 +40,7 @@ from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 from typing import Any, cast
 
+from bench import toolclock
 from bench.synthetic import (
     NODE_IP,
     NODE_NAME,
@@ -43,6 +48,7 @@ from bench.synthetic import (
     SERVICE_CIDR,
     SyntheticService,
     build_services,
+    mixed_services,
     synthetic_service,
 )
 from kubeproxy.backend import Backend, BackendFactory
@@ -104,9 +110,11 @@ class BenchProxy:
         *,
         node_ip: IPAddress = NODE_IP,
         config: ProxierConfig | None = None,
+        clock: toolclock.ToolClock | None = None,
     ) -> None:
         self.services = list(services)
         self.config = config or bench_config()
+        self.clock = clock or toolclock.ToolClock()
         node = NodeInfo(name=self.config.node_name, addresses=(node_ip,))
         self.proxier = Proxier(
             IPFamily.IPV4, self.config, backend, node=node, host_addresses=lambda: [node_ip]
@@ -126,6 +134,7 @@ class BenchProxy:
         ``feed_s`` is the handler calls that queue the objects; ``sync_s`` the rest, from
         the "synced" signals (the Proxier's first, full sync) to the committed rules.
         """
+        mark = self.clock.snapshot()
         start = time.perf_counter()
         for service in self._service_dicts:
             self.proxier.on_service_add(service)
@@ -141,11 +150,21 @@ class BenchProxy:
         # incremental operations build their own.
         self._service_dicts.clear()
         self._slice_dicts.clear()
-        return {"ok": ok, "feed_s": fed - start, "sync_s": done - fed, "total_s": done - start}
+        return {
+            "ok": ok,
+            "feed_s": fed - start,
+            "sync_s": done - fed,
+            "total_s": done - start,
+            **self.clock.since(mark),
+            "tools": self.clock.by_tool(),
+            **_peaks(),
+            "tool_peak_kb": self.clock.peak_kb,
+        }
 
-    def _timed_sync(self, start: float) -> dict[str, Any]:
+    def _timed_sync(self, start: float, mark: tuple[float, int]) -> dict[str, Any]:
         ok = self.proxier.sync_now()
-        return {"ok": ok, "seconds": time.perf_counter() - start}
+        seconds = time.perf_counter() - start
+        return {"ok": ok, "seconds": seconds, **self.clock.since(mark)}
 
     def change_endpoint(self) -> dict[str, Any]:
         """Swap the last endpoint of the next Service with a spare address, and sync."""
@@ -161,10 +180,10 @@ class BenchProxy:
         changed = (*current[:-1], last)
         old = service.slice_dicts(current, generation=generation)
         new = service.slice_dicts(changed, generation=generation + 1)
-        start = time.perf_counter()
+        mark, start = self.clock.snapshot(), time.perf_counter()
         for before, after in zip(old, new, strict=True):
             self.proxier.on_endpoint_slice_update(before, after)
-        result = self._timed_sync(start)
+        result = self._timed_sync(start, mark)
         self._endpoints_now[service.index] = changed
         self._generation[service.index] = generation + 1
         return result
@@ -177,11 +196,11 @@ class BenchProxy:
         )
         self._added += 1
         service_dict, slices = service.service_dict(), service.slice_dicts()
-        start = time.perf_counter()
+        mark, start = self.clock.snapshot(), time.perf_counter()
         self.proxier.on_service_add(service_dict)
         for slice_ in slices:
             self.proxier.on_endpoint_slice_add(slice_)
-        return self._timed_sync(start)
+        return self._timed_sync(start, mark)
 
     def remove_service(self) -> dict[str, Any]:
         """Delete one of the original Services (from the end) with its slices, and sync."""
@@ -192,11 +211,11 @@ class BenchProxy:
             self._endpoints_now.pop(service.index, service.endpoints),
             generation=self._generation.pop(service.index, 1),
         )
-        start = time.perf_counter()
+        mark, start = self.clock.snapshot(), time.perf_counter()
         self.proxier.on_service_delete(service_dict)
         for slice_ in slices:
             self.proxier.on_endpoint_slice_delete(slice_)
-        return self._timed_sync(start)
+        return self._timed_sync(start, mark)
 
 
 def _parse_extra(text: str) -> tuple[int, int]:
@@ -215,24 +234,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--extra", action="append", default=[], help="INDEX:ENDPOINTS, an extra Service"
     )
+    parser.add_argument(
+        "--wide-every", type=int, default=0, help="every K-th Service gets --wide-endpoints"
+    )
+    parser.add_argument("--wide-endpoints", type=int, default=250)
     parser.add_argument("--node-ip", default=str(NODE_IP))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    # Before any backend module is imported (a backend may bind subprocess.Popen).
+    clock = toolclock.install()
 
-    services = build_services(args.services, args.endpoints, affinity_seconds=args.affinity_seconds)
+    if args.wide_every:
+        services = mixed_services(
+            args.services,
+            args.endpoints,
+            wide_every=args.wide_every,
+            wide_endpoints=args.wide_endpoints,
+            affinity_seconds=args.affinity_seconds,
+        )
+    else:
+        services = build_services(
+            args.services, args.endpoints, affinity_seconds=args.affinity_seconds
+        )
     for index, count in map(_parse_extra, args.extra):
         services.append(synthetic_service(index, count, affinity_seconds=args.affinity_seconds))
     config = bench_config()
     backend = load_backend_factory(args.backend)(IPFamily.IPV4, config, netns=args.netns)
     proxy = BenchProxy(
-        services, backend, node_ip=ipaddress.IPv4Address(args.node_ip), config=config
+        services, backend, node_ip=ipaddress.IPv4Address(args.node_ip), config=config, clock=clock
     )
     ops: dict[str, Callable[[], dict[str, Any]]] = {
         "cold": proxy.cold,
         "endpoint": proxy.change_endpoint,
         "add": proxy.add_service,
         "remove": proxy.remove_service,
-        "rss": _peaks,
+        "rss": lambda: {**_peaks(), "tool_peak_kb": clock.peak_kb},
     }
     _emit({"event": "ready", **_peaks()})
     for line in sys.stdin:

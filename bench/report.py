@@ -5,18 +5,25 @@ A run collects flat records (one dict per measurement, ``kind`` says which), the
 ``bench/results/latest.md``. Records are plain JSON so later tools (plots, other backends)
 read them without importing this module.
 
-Record kinds and their fields (every record also has ``subject``: ``kubeproxy-nftables``
-for our proxy, ``upstream-nft`` for upstream's structure applied with ``nft -f``):
+Record kinds and their fields (every record also has ``subject``, one of
+:data:`bench.subjects.SUBJECTS`' names: ``kubeproxy-nftables``, ``kubeproxy-iptables-nft``,
+``kubeproxy-iptables-legacy``, or ``upstream-nft`` for upstream's structure applied with
+``nft``):
 
-* ``cold``: ``services``, ``endpoints``, ``affinity``, ``seconds`` (end to end),
-  ``feed_s``, ``sync_s``, ``peak_rss_mb`` (the process), ``peak_children_rss_mb``, ``ok``;
-* ``upstream_cold``: ``services``, ``endpoints``, ``affinity``, ``seconds``, ``lines``,
-  ``peak_rss_mb`` (the nft process), ``ok``, ``timed_out``;
-* ``incremental``: ``services``, ``op`` (endpoint/add/remove), ``rounds``,
-  ``median_ms``, ``p90_ms``, ``max_ms``, ``ok``;
+* ``cold`` (a first sync into an empty namespace) and ``restart`` (a fresh process's first
+  sync over the rules a previous one left): ``services``, ``endpoints``, optional
+  ``affinity`` (true) or ``mix`` (its description), ``seconds`` (end to end), ``feed_s``,
+  ``sync_s``, ``tool_s`` (inside the kernel tools), ``tool_calls``, ``tools`` (per tool:
+  seconds, calls), ``proxy_peak_mb`` (peak RSS of our proxy process; None for upstream),
+  ``rss_after_mb`` (its resident size holding the Services after the sync), ``tool_peak_mb``
+  (the largest tool process: iptables-restore, nft), ``ok``, ``timed_out`` (killed after
+  ``seconds``);
+* ``incremental``: ``services``, ``op`` (endpoint/add/remove), ``rounds``, ``median_ms``,
+  ``p90_ms``, ``max_ms``, ``tool_median_ms``, ``ok``;
 * ``dataplane``: ``services`` (installed), ``case`` (direct, service-10, service-2,
   service-1000), ``p50_us``, ``p90_us``, ``p99_us``, ``mean_us``, ``count``, ``failures``,
-  ``overhead_us`` (p50 minus the direct case's p50 in the same topology).
+  ``overhead_us`` (p50 minus the direct case's p50 in the same topology);
+* ``dataplane_skipped``: ``services``, ``timed_out``: the sync never finished.
 """
 
 from __future__ import annotations
@@ -35,7 +42,10 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "IPT_LEGACY",
+    "IPT_NFT",
     "OURS",
+    "SUBJECT_ORDER",
     "UPSTREAM",
     "Results",
     "TargetCheck",
@@ -45,7 +55,16 @@ __all__ = [
 ]
 
 OURS = "kubeproxy-nftables"
+IPT_NFT = "kubeproxy-iptables-nft"
+IPT_LEGACY = "kubeproxy-iptables-legacy"
 UPSTREAM = "upstream-nft"
+SUBJECT_ORDER = (OURS, IPT_NFT, IPT_LEGACY, UPSTREAM)
+SUBJECT_TITLES = {
+    OURS: "nftables",
+    IPT_NFT: "iptables-nft",
+    IPT_LEGACY: "iptables-legacy",
+    UPSTREAM: "upstream's nft structure",
+}
 
 Record = dict[str, Any]
 
@@ -94,6 +113,7 @@ def machine_info() -> dict[str, Any]:
         "nproc": os.cpu_count(),
         "kernel": platform.release(),
         "nft": _run(["nft", "--version"]),
+        "iptables": _run(["iptables", "--version"]),
         "python": platform.python_version(),
         "memory_gb": round(total_kb / 1024 / 1024, 1),
         "commit": _run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"]),
@@ -125,10 +145,34 @@ def _one(records: Iterable[Record], **match: Any) -> Record | None:
     return found[-1] if found else None
 
 
+def _plain(record: Record) -> bool:
+    """A uniform N x 10 cluster without affinity (not the mix, not the affinity variant)."""
+    return not record.get("affinity") and not record.get("mix") and record.get("endpoints") == 10
+
+
+def _sync(
+    records: Sequence[Record],
+    services: int,
+    subject: str = OURS,
+    *,
+    kind: str = "cold",
+    affinity: bool = False,
+    mix: bool = False,
+) -> Record | None:
+    found = [
+        r
+        for r in records
+        if r["kind"] == kind
+        and r["subject"] == subject
+        and r["services"] == services
+        and bool(r.get("affinity")) == affinity
+        and bool(r.get("mix")) == mix
+    ]
+    return found[-1] if found else None
+
+
 def _cold(records: Sequence[Record], services: int, affinity: bool = False) -> Record | None:
-    return _one(
-        records, kind="cold", subject=OURS, services=services, endpoints=10, affinity=affinity
-    )
+    return _sync(records, services, affinity=affinity)
 
 
 def _fit_exponent(points: Sequence[tuple[float, float]]) -> float:
@@ -152,7 +196,7 @@ def _cold_targets(records: Sequence[Record]) -> list[TargetCheck]:
     )
     r30k = _cold(records, 30_000)
     if r30k:
-        peak = r30k["peak_rss_mb"] + r30k["peak_children_rss_mb"]
+        peak = (r30k.get("proxy_peak_mb") or 0) + (r30k.get("tool_peak_mb") or 0)
         measured = f"{r30k['seconds']:.2f} s, peak {peak:.0f} MB"
         holds: bool | None = r30k["ok"] and r30k["seconds"] <= 45.0 and peak <= 1536
     else:
@@ -161,7 +205,7 @@ def _cold_targets(records: Sequence[Record]) -> list[TargetCheck]:
 
     ours5k, theirs5k = (
         _cold(records, 5_000),
-        _one(records, kind="upstream_cold", services=5_000, endpoints=10, affinity=False),
+        _sync(records, 5_000, UPSTREAM),
     )
     if ours5k and theirs5k and theirs5k["ok"]:
         ratio = theirs5k["seconds"] / ours5k["seconds"]
@@ -179,8 +223,8 @@ def _cold_targets(records: Sequence[Record]) -> list[TargetCheck]:
 
     sizes = sorted(
         (r["services"], r["seconds"])
-        for r in _find(records, kind="cold", subject=OURS, endpoints=10, affinity=False)
-        if r["ok"]
+        for r in _find(records, kind="cold", subject=OURS)
+        if r["ok"] and _plain(r)
     )
     if len(sizes) >= 3 and sizes[0][0] <= 1_000 and sizes[-1][0] >= 30_000:
         k = _fit_exponent(sizes)
@@ -329,6 +373,187 @@ def _size(n: int) -> str:
     return f"{n // 1000}k" if n % 1000 == 0 else str(n)
 
 
+def _present(records: Sequence[Record], kind: str) -> list[str]:
+    """The subjects with records of ``kind``, in the usual order."""
+    seen = {r["subject"] for r in records if r["kind"] == kind}
+    return [s for s in SUBJECT_ORDER if s in seen] + sorted(seen - set(SUBJECT_ORDER))
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.2f}" if value < 10 else f"{value:.1f}" if value < 100 else f"{value:.0f}"
+
+
+def _sync_cell(r: Record | None) -> str:
+    """``seconds (kernel tools)`` or what went wrong."""
+    if r is None:
+        return "-"
+    if r.get("timed_out"):
+        return f"> {r['seconds']:.0f} (killed)"
+    text = f"{_seconds(r['seconds'])} ({_seconds(r['tool_s'])})"
+    return text if r["ok"] else text + " FAILED"
+
+
+def _ratio(r: Record | None, base: Record | None) -> str:
+    if r is None or base is None or not base["ok"] or base["seconds"] <= 0:
+        return "-"
+    sign = ">" if r.get("timed_out") else ""
+    return f"{sign}{r['seconds'] / base['seconds']:.1f}x"
+
+
+def _mb_cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def _sync_table(records: Sequence[Record], kind: str, **shape: bool) -> list[str]:
+    """Rows of Services, a column per subject, then each subject's ratio to nftables."""
+    subjects = [
+        s
+        for s in _present(records, kind)
+        if any(_match_shape(r, s, kind, **shape) for r in records)
+    ]
+    sizes = sorted({r["services"] for r in records if _match_shape(r, None, kind, **shape)})
+    if not sizes:
+        return []
+    others = [s for s in subjects if s != OURS]
+    header = [
+        "Services",
+        *(SUBJECT_TITLES.get(s, s) for s in subjects),
+        *(f"{SUBJECT_TITLES.get(s, s)} / nftables" for s in others if OURS in subjects),
+    ]
+    rows = []
+    for n in sizes:
+        cells = {s: _sync(records, n, s, kind=kind, **shape) for s in subjects}
+        row = [_size(n), *(_sync_cell(cells[s]) for s in subjects)]
+        if OURS in subjects:
+            row += [_ratio(cells[s], cells[OURS]) for s in others]
+        rows.append(row)
+    return _table(header, rows)
+
+
+def _match_shape(
+    r: Record, subject: str | None, kind: str, *, affinity: bool = False, mix: bool = False
+) -> bool:
+    return (
+        r["kind"] == kind
+        and (subject is None or r["subject"] == subject)
+        and bool(r.get("affinity")) == affinity
+        and bool(r.get("mix")) == mix
+    )
+
+
+def _memory_table(records: Sequence[Record]) -> list[str]:
+    rows = []
+    for r in sorted(
+        (r for r in records if r["kind"] in ("cold", "restart") and _plain(r) and r["ok"]),
+        key=lambda r: (
+            SUBJECT_ORDER.index(r["subject"]) if r["subject"] in SUBJECT_ORDER else 99,
+            r["services"],
+            r["kind"],
+        ),
+    ):
+        rows.append(
+            (
+                str(SUBJECT_TITLES.get(r["subject"], r["subject"])),
+                _size(r["services"]),
+                r["kind"],
+                _mb_cell(r.get("rss_after_mb")),
+                _mb_cell(r.get("proxy_peak_mb")),
+                _mb_cell(r.get("tool_peak_mb")),
+            )
+        )
+    if not rows:
+        return []
+    return _table(
+        (
+            "subject",
+            "Services",
+            "sync",
+            "proxy resident after (MB)",
+            "proxy peak (MB)",
+            "largest tool process peak (MB)",
+        ),
+        rows,
+    )
+
+
+def _incremental_table(records: Sequence[Record]) -> list[str]:
+    found = _find(records, kind="incremental")
+    if not found:
+        return []
+    subjects = _present(records, "incremental")
+    header = ["Services", "change", *(SUBJECT_TITLES.get(s, s) for s in subjects)]
+    rows = []
+    for n in sorted({r["services"] for r in found}):
+        for op in ("endpoint", "add", "remove"):
+            row = [_size(n), op]
+            for s in subjects:
+                r = _one(found, subject=s, services=n, op=op)
+                row.append(
+                    "-"
+                    if r is None
+                    else f"{r['median_ms']:.1f} / {r['p90_ms']:.1f} ({r['tool_median_ms']:.1f})"
+                    + ("" if r["ok"] else " FAILED")
+                )
+            rows.append(row)
+    return _table(header, rows)
+
+
+def _dataplane_table(records: Sequence[Record]) -> list[str]:
+    found = _find(records, kind="dataplane")
+    if not found:
+        return []
+    ordered = sorted(
+        found,
+        key=lambda r: (
+            SUBJECT_ORDER.index(r["subject"]) if r["subject"] in SUBJECT_ORDER else 99,
+            r["services"],
+            _CASE_ORDER.get(r["case"], 99),
+            r["case"],
+        ),
+    )
+    return _table(
+        (
+            "subject",
+            "Services installed",
+            "target",
+            "p50",
+            "p90",
+            "p99",
+            "p50 - direct",
+            "connections",
+        ),
+        (
+            (
+                str(SUBJECT_TITLES.get(r["subject"], r["subject"])),
+                _size(r["services"]),
+                r["case"],
+                f"{r['p50_us']:.1f}",
+                f"{r['p90_us']:.1f}",
+                f"{r['p99_us']:.1f}",
+                f"{r['overhead_us']:+.1f}",
+                f"{r['count']}" + (f" ({r['failures']} failed)" if r["failures"] else ""),
+            )
+            for r in ordered
+        ),
+    )
+
+
+def _dataplane_summary(records: Sequence[Record]) -> list[str]:
+    """p50 (p99) of the 10-endpoint Service per subject and size, side by side."""
+    found = _find(records, kind="dataplane", case="service-10")
+    if not found:
+        return []
+    subjects = _present(records, "dataplane")
+    rows = []
+    for n in sorted({r["services"] for r in found}):
+        row = [_size(n)]
+        for s in subjects:
+            r = _one(found, subject=s, services=n)
+            row.append("-" if r is None else f"{r['p50_us']:.1f} ({r['p99_us']:.0f})")
+        rows.append(row)
+    return _table(["Services installed", *(SUBJECT_TITLES.get(s, s) for s in subjects)], rows)
+
+
 def render_markdown(run: dict[str, Any]) -> str:
     """The Markdown summary of one run (what ``latest.md`` holds)."""
     machine, records = run["machine"], run["records"]
@@ -337,7 +562,8 @@ def render_markdown(run: dict[str, Any]) -> str:
         "",
         f"Command: `{run['command']}`  ",
         f"Date: {machine['date']}; {machine['nproc']} cores, kernel {machine['kernel']}, "
-        f"{machine['nft']}, Python {machine['python']}, {machine['memory_gb']} GB, "
+        f"{machine['nft']}, {machine.get('iptables', 'iptables ?')}, Python "
+        f"{machine['python']}, {machine['memory_gb']} GB, "
         f"commit {machine['commit']}{' + uncommitted changes' if machine.get('dirty') else ''}; "
         f"run took {run['duration_s'] / 60:.1f} min.",
         "",
@@ -346,94 +572,70 @@ def render_markdown(run: dict[str, Any]) -> str:
             if run.get("code_changed_during_run")
             else []
         ),
-        "## Targets",
+        "Every comparison below was measured in this one run, side by side. Seconds are end "
+        "to end (objects in memory to rules committed); in parentheses the part spent inside "
+        "the kernel tools (libnftables calls for nftables, iptables-restore/-save/iptables "
+        "processes for iptables, every nft process for upstream's structure). "
+        "`> N (killed)`: stopped after N seconds.",
+        "",
+    ]
+    sections: list[tuple[str, list[str]]] = [
+        (
+            "Cold full sync (N Services x 10 endpoints, empty namespace)",
+            _sync_table(records, "cold"),
+        ),
+        (
+            "Restart (a fresh process's first sync over the rules of a previous one)",
+            _sync_table(records, "restart"),
+        ),
+        (
+            "Cold full sync, the 250-endpoint mix (1 Service in 100 has 250 endpoints)",
+            _sync_table(records, "cold", mix=True),
+        ),
+        (
+            "Cold full sync, every Service with session affinity",
+            _sync_table(records, "cold", affinity=True),
+        ),
+        (
+            "Incremental sync after a restart: median / p90 ms (median inside the kernel tools)",
+            _incremental_table(records),
+        ),
+        ("Memory (MB)", _memory_table(records)),
+        (
+            "First connection through a 10-endpoint ClusterIP: p50 (p99), microseconds",
+            _dataplane_summary(records),
+        ),
+        (
+            "First-connection latency, every case (TCP connect through the node, microseconds)",
+            _dataplane_table(records),
+        ),
+    ]
+    for title, lines in sections:
+        if lines:
+            out += [f"## {title}", "", *lines, ""]
+    skipped = _find(records, kind="dataplane_skipped")
+    if skipped:
+        out += [
+            "Data plane not measured (the sync did not finish in time): "
+            + ", ".join(f"{r['subject']} {_size(r['services'])}" for r in skipped),
+            "",
+        ]
+    out += [
+        "`direct`: straight to an endpoint address (no DNAT); `service-N`: a ClusterIP "
+        "whose Service has N endpoints.",
+        "",
+        "## nftables backend targets (issue 4)",
         "",
     ]
     out += _table(
         ("target", "measured", "verdict"),
         ((c.target, c.measured, _verdict(c.holds)) for c in evaluate_targets(records)),
     )
-    cold = sorted(
-        (r for r in records if r["kind"] in ("cold", "upstream_cold")),
-        key=lambda r: (r["services"], r["affinity"], r["subject"]),
-    )
-    if cold:
-        out += ["", "## Cold full sync (N Services x 10 endpoints, fresh namespace)", ""]
-        out += _table(
-            ("subject", "Services", "affinity", "seconds", "peak RSS", "details"),
-            (
-                (
-                    r["subject"],
-                    _size(r["services"]),
-                    "yes" if r["affinity"] else "no",
-                    f"{r['seconds']:.2f}"
-                    + ("" if r["ok"] else " (FAILED)")
-                    + (" (timed out)" if r.get("timed_out") else ""),
-                    f"{r['peak_rss_mb'] + r.get('peak_children_rss_mb', 0):.0f} MB",
-                    (
-                        f"feed {r['feed_s']:.2f} s + sync {r['sync_s']:.2f} s"
-                        if r["kind"] == "cold"
-                        else f"nft -f, {r['lines']} lines"
-                    ),
-                )
-                for r in cold
-            ),
-        )
-    incremental = sorted(_find(records, kind="incremental"), key=lambda r: (r["services"], r["op"]))
-    if incremental:
-        out += ["", "## Incremental sync (one change, then sync; per operation)", ""]
-        out += _table(
-            ("subject", "Services", "operation", "rounds", "median ms", "p90 ms", "max ms"),
-            (
-                (
-                    r["subject"],
-                    _size(r["services"]),
-                    r["op"],
-                    str(r["rounds"]),
-                    f"{r['median_ms']:.1f}",
-                    f"{r['p90_ms']:.1f}",
-                    f"{r['max_ms']:.1f}",
-                )
-                for r in incremental
-            ),
-        )
-    dataplane = sorted(
-        _find(records, kind="dataplane"),
-        key=lambda r: (r["subject"], r["services"], _CASE_ORDER.get(r["case"], 99), r["case"]),
-    )
-    if dataplane:
-        out += ["", "## First-connection latency (TCP connect through the node, microseconds)", ""]
-        out += _table(
-            (
-                "subject",
-                "Services installed",
-                "target",
-                "p50",
-                "p90",
-                "p99",
-                "p50 - direct",
-                "connections",
-            ),
-            (
-                (
-                    r["subject"],
-                    _size(r["services"]),
-                    r["case"],
-                    f"{r['p50_us']:.1f}",
-                    f"{r['p90_us']:.1f}",
-                    f"{r['p99_us']:.1f}",
-                    f"{r['overhead_us']:+.1f}",
-                    f"{r['count']}" + (f" ({r['failures']} failed)" if r["failures"] else ""),
-                )
-                for r in dataplane
-            ),
-        )
-    out += [
-        "",
-        "`direct`: straight to an endpoint address (no DNAT); `service-N`: a ClusterIP "
-        "whose Service has N endpoints.",
-        "",
-    ]
+    plots = run.get("plots") or []
+    if plots:
+        out += ["", "## Plots", ""]
+        out += [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
+    out.append("")
     return "\n".join(out)
 
 
@@ -467,13 +669,17 @@ class Results:
             "targets": [asdict(c) for c in evaluate_targets(self.records)],
         }
 
-    def write(self, directory: Path) -> tuple[Path, Path]:
-        """Write ``<date>-<host>.json`` and ``latest.md`` into ``directory``."""
+    def write(self, directory: Path) -> list[Path]:
+        """Write ``<date>-<host>.json``, the plots (PNG) and ``latest.md`` into ``directory``."""
+        from bench.plots import write_plots  # matplotlib: only when writing
+
         directory.mkdir(parents=True, exist_ok=True)
         run = self.as_run()
+        plots = write_plots(run, directory)
+        run["plots"] = [p.name for p in plots]
         stamp = self._started.strftime("%Y%m%dT%H%M%SZ")
         json_path = directory / f"{stamp}-{run['machine']['host']}.json"
         json_path.write_text(json.dumps(run, indent=1) + "\n")
         md_path = directory / "latest.md"
         md_path.write_text(render_markdown(run))
-        return json_path, md_path
+        return [json_path, *plots, md_path]

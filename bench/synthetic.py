@@ -35,6 +35,7 @@ __all__ = [
     "all_slice_dicts",
     "build_services",
     "endpoint_ips",
+    "mixed_services",
     "service_ip",
     "synthetic_service",
 ]
@@ -213,6 +214,33 @@ def build_services(
     return [
         synthetic_service(index, endpoints_per_service, affinity_seconds=affinity_seconds)
         for index in range(first_index, first_index + count)
+    ]
+
+
+def mixed_services(
+    count: int,
+    endpoints_per_service: int,
+    *,
+    wide_every: int = 100,
+    wide_endpoints: int = 250,
+    affinity_seconds: int = 0,
+) -> list[SyntheticService]:
+    """``count`` Services, every ``wide_every``-th (from index 0) with ``wide_endpoints``.
+
+    The "250-endpoint mix": mostly small Services and a few large ones, as real clusters
+    have. Wide Services share the wide pool's 1024 slots by ``index % 1024``, so two of
+    them may get the same endpoint addresses beyond 1024 wide Services (harmless for the
+    rules: each Service still has its own chains).
+    """
+    if wide_every < 1:
+        raise ValueError("wide_every must be at least 1")
+    return [
+        synthetic_service(
+            index,
+            wide_endpoints if index % wide_every == 0 else endpoints_per_service,
+            affinity_seconds=affinity_seconds,
+        )
+        for index in range(count)
     ]
 
 

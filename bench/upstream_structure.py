@@ -20,15 +20,20 @@ import base64
 import hashlib
 import ipaddress
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bench.synthetic import NODE_IP, POD_CIDR, SERVICE_CIDR, SyntheticService
 
 __all__ = [
+    "LIST_EVERY_SYNC",
+    "LIST_FULL_SYNC",
+    "UpstreamModel",
     "UpstreamOptions",
     "endpoint_chain_base",
     "hash_and_truncate",
+    "list_argv",
+    "restart_ruleset",
     "service_chain_base",
     "upstream_ruleset",
     "write_upstream_ruleset",
@@ -208,14 +213,27 @@ def _preamble(options: UpstreamOptions) -> Iterator[str]:
         )
 
 
-def _service(service: SyntheticService, options: UpstreamOptions) -> Iterator[str]:
+def _service(
+    service: SyntheticService,
+    options: UpstreamOptions,
+    *,
+    endpoint_chains: bool = True,
+    elements: bool = True,
+) -> Iterator[str]:
+    """A Service port's operations; without ``endpoint_chains`` only its service chain
+    (upstream's first sync after a restart keeps existing endpoint chains), without
+    ``elements`` no map or set elements (already present: ``ensureElem`` queues nothing)."""
     base = service_chain_base(service)
     chain = f"service-{base}"
     # The EndpointsMap order: endpoints sorted by their "IP:port" string.
     endpoints = sorted(service.endpoints, key=lambda ip: f"{ip}:{service.target_port}")
     ep_bases = [endpoint_chain_base(service, ip) for ip in endpoints]
     proto = service.protocol.lower()
-    if endpoints:
+    if endpoints and not endpoint_chains:
+        yield f"add chain {TABLE} {chain}"
+        yield f"flush chain {TABLE} {chain}"
+        yield from _service_rules(service, chain, ep_bases, options)
+    elif endpoints:
         # Every chain and set of the port exists before a rule refers to it.
         for name in (chain, *(f"endpoint-{b}" for b in ep_bases)):
             yield f"add chain {TABLE} {name}"
@@ -236,6 +254,8 @@ def _service(service: SyntheticService, options: UpstreamOptions) -> Iterator[st
                 f"add rule {TABLE} {ep_chain} "
                 f"meta l4proto {proto} dnat to {ip}:{service.target_port}"
             )
+    if not elements:
+        return
     yield f"add element {TABLE} cluster-ips {{ {service.cluster_ip} }}"
     key = f"{service.cluster_ip} . {proto} . {service.port}"
     if endpoints:
@@ -286,3 +306,123 @@ def write_upstream_ruleset(
             out.write("\n")
             count += 1
     return count
+
+
+# Restart and incremental syncs ---------------------------------------------------------
+
+LIST_EVERY_SYNC = (("chains",), ("sets",))
+"""What upstream lists before every sync's transaction (``knftables.List``): the existing
+chains (to find stale ones) and sets (stale affinity sets)."""
+LIST_FULL_SYNC = (
+    ("set", "cluster-ips"),
+    ("map", "service-ips"),
+    ("map", "service-nodeports"),
+    ("map", "firewall-ips"),
+    ("map", "no-endpoint-services"),
+    ("map", "no-endpoint-nodeports"),
+)
+"""What a full sync lists too: the elements of the six element containers it does not
+flush (``readOrReset`` / ``ListElements``)."""
+STALE_CHAIN_AGE_S = 1.0
+
+
+def list_argv(what: Sequence[str]) -> list[str]:
+    """The ``nft`` command line of one knftables listing (``--json``).
+
+    ``("chains",)`` and ``("sets",)`` list the whole family, as knftables does (nft takes
+    no table there) and keeps its table's entries.
+    """
+    if len(what) == 1:
+        return ["nft", "--json", "list", what[0], TABLE.split()[0]]
+    kind, name = what
+    return ["nft", "--json", "list", kind, *TABLE.split(), name]
+
+
+def restart_ruleset(
+    services: Iterable[SyntheticService], options: UpstreamOptions | None = None
+) -> Iterator[str]:
+    """Upstream's first full sync after a restart over the table it left behind.
+
+    The preamble as on any first sync, and every service chain rewritten; endpoint chains
+    that already exist are skipped (``epChainSkipUpdate``) and elements already present
+    queue nothing, so neither appears.
+    """
+    opts = options or UpstreamOptions()
+    yield from _preamble(opts)
+    for service in services:
+        yield from _service(service, opts, endpoint_chains=False, elements=False)
+
+
+class UpstreamModel:
+    """Upstream's partial syncs on the table of ``services``, as ``nft -f`` inputs.
+
+    Each change returns the main transaction of the sync that follows it; chains that
+    the change left unused are flushed there and remembered, and
+    :meth:`stale_deletion` deletes those older than a second in the separate, earlier
+    transaction upstream runs at the start of a sync.
+    """
+
+    def __init__(
+        self, services: Sequence[SyntheticService], options: UpstreamOptions | None = None
+    ) -> None:
+        self.options = options or UpstreamOptions()
+        self.services = {s.index: s for s in services}
+        self._order = [s.index for s in services]
+        self._stale: dict[str, float] = {}
+        self._turn = 0
+        self._added = 0
+        self._removed = 0
+
+    def _chains(self, service: SyntheticService) -> list[str]:
+        return [
+            f"service-{service_chain_base(service)}",
+            *(f"endpoint-{endpoint_chain_base(service, ip)}" for ip in service.endpoints),
+        ]
+
+    def _retire(self, chains: Iterable[str], now: float) -> Iterator[str]:
+        for chain in chains:
+            self._stale[chain] = now
+            yield f"flush chain {TABLE} {chain}"
+
+    def stale_deletion(self, now: float) -> list[str]:
+        """The stale-chain deletion transaction due at ``now`` (empty: none due)."""
+        due = [c for c, since in self._stale.items() if now - since >= STALE_CHAIN_AGE_S]
+        for chain in due:
+            del self._stale[chain]
+        return [f"delete chain {TABLE} {chain}" for chain in due]
+
+    def change_endpoint(self, now: float, spare_offset: int = 14) -> list[str]:
+        """Replace the last endpoint of the next Service; the Service is rewritten whole."""
+        index = self._order[self._turn % len(self._order)]
+        self._turn += 1
+        service = self.services[index]
+        first = service.endpoints[0]
+        spare = first + spare_offset
+        original_last = first + (len(service.endpoints) - 1)
+        last = original_last if service.endpoints[-1] == spare else spare
+        changed = replace(service, endpoints=(*service.endpoints[:-1], last))
+        self.services[index] = changed
+        lines = list(_service(changed, self.options, elements=False))
+        gone = set(self._chains(service)) - set(self._chains(changed))
+        lines += self._retire(sorted(gone), now)
+        return lines
+
+    def add_service(self, service: SyntheticService) -> list[str]:
+        """Add ``service``: its chains, rules and elements."""
+        self._added += 1
+        self.services[service.index] = service
+        return list(_service(service, self.options))
+
+    def remove_service(self, now: float) -> list[str]:
+        """Delete one of the original Services (from the end): elements out, chains stale."""
+        self._removed += 1
+        index = self._order[-self._removed]
+        service = self.services.pop(index)
+        proto = service.protocol.lower()
+        key = f"{service.cluster_ip} . {proto} . {service.port}"
+        lines = [
+            f"delete element {TABLE} cluster-ips {{ {service.cluster_ip} }}",
+            f"delete element {TABLE} service-ips {{ {key} }}",
+        ]
+        lines += self._retire(self._chains(service), now)
+        return lines

@@ -1,0 +1,102 @@
+"""What the benchmarks compare: our proxy over each backend, and upstream's nftables structure.
+
+A :class:`Subject` names a record's ``subject`` field, the backend the child process
+runs (:func:`bench.harness.proxy_process`'s ``backend``: an entry-point name,
+``module:function``, or :data:`bench.harness.UPSTREAM_BACKEND`), how to check that its
+rules are installed, and how plots label it. Adding a backend is one more entry in
+:data:`SUBJECTS` (and its sizes in the benchmark module).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+from dataclasses import dataclass
+
+from bench.harness import UPSTREAM_BACKEND
+from bench.netns import in_netns
+
+__all__ = [
+    "IPTABLES_LEGACY",
+    "IPTABLES_NFT",
+    "NFTABLES",
+    "SUBJECTS",
+    "UPSTREAM",
+    "Subject",
+    "installed_services",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Subject:
+    """One side of a comparison.
+
+    ``rules`` says where its Service dispatch lives: ``nft`` (the ``service-ips`` map of
+    ``table ip kube-proxy``), or ``iptables-nft`` / ``iptables-legacy`` (the nat
+    ``KUBE-SERVICES`` chain, read with that variant's tool).
+    """
+
+    name: str
+    backend: str
+    label: str
+    rules: str
+    module: str | None = None  # the Python module it needs (None: always there)
+
+    def available(self) -> bool:
+        """Whether this checkout has what the subject runs."""
+        return self.module is None or importlib.util.find_spec(self.module) is not None
+
+
+NFTABLES = Subject("kubeproxy-nftables", "nftables", "ours: nftables", "nft")
+IPTABLES_NFT = Subject(
+    "kubeproxy-iptables-nft",
+    # The node's variant, detected as upstream's iptables-wrapper does: nft in a fresh
+    # namespace (the default of this node's iptables, v1.8.9 nf_tables).
+    "kubeproxy.backends.iptables:create_backend",
+    "ours: iptables (iptables-nft)",
+    "iptables-nft",
+    module="kubeproxy.backends.iptables",
+)
+IPTABLES_LEGACY = Subject(
+    "kubeproxy-iptables-legacy",
+    "kubeproxy.backends.iptables:create_legacy_backend",
+    "ours: iptables (iptables-legacy)",
+    "iptables-legacy",
+    module="kubeproxy.backends.iptables",
+)
+UPSTREAM = Subject(
+    "upstream-nft", UPSTREAM_BACKEND, "upstream's nftables structure (nft -f)", "nft"
+)
+
+SUBJECTS = (NFTABLES, IPTABLES_NFT, IPTABLES_LEGACY, UPSTREAM)
+
+
+def _nft_map_size(netns: str, name: str) -> int:
+    result = subprocess.run(
+        in_netns(netns, ["nft", "-j", "list", "map", "ip", "kube-proxy", name]),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    for entry in json.loads(result.stdout)["nftables"]:
+        if "map" in entry:
+            return len(entry["map"].get("elem", []))
+    raise AssertionError(f"no map {name} in the listing")
+
+
+def _iptables_service_jumps(netns: str, variant: str) -> int:
+    result = subprocess.run(
+        in_netns(netns, [f"iptables-{variant}", "-w", "-t", "nat", "-S", "KUBE-SERVICES"]),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return sum(" -j KUBE-SVC-" in line for line in result.stdout.splitlines())
+
+
+def installed_services(subject: Subject, netns: str) -> int:
+    """How many Service ports the kernel in ``netns`` dispatches: proof of a commit."""
+    if subject.rules == "nft":
+        return _nft_map_size(netns, "service-ips")
+    return _iptables_service_jumps(netns, subject.rules.removeprefix("iptables-"))

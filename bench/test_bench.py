@@ -1,0 +1,375 @@
+"""Benchmarks of our backends side by side, and of upstream's nftables structure (issue 7).
+
+Run by ``make bench`` (everything) and ``make bench-quick`` (``-m quick``); never by
+``make test``. Every measurement runs in fresh network namespaces (``kpxb-*``), deleted
+afterwards. Figures land in ``bench/results/`` (see :mod:`bench.report`). The subjects
+(:mod:`bench.subjects`): our proxy over nftables, over iptables (iptables-nft, the node's
+default variant, and iptables-legacy), and upstream's nftables rule structure applied
+with ``nft``.
+
+* control plane (:func:`test_control_plane`): a fresh child process is fed N Services x
+  10 endpoints as Kubernetes dicts and syncs once into an empty namespace (cold); then a
+  second fresh child does the same over the rules the first left (restart), and goes on
+  with incremental syncs (one endpoint changed, one Service added, one removed). Wall
+  time, the part inside the kernel tools, the proxy's and the tool's peak memory, and
+  the proxy's resident size once it holds the N Services;
+* the 250-endpoint mix (:func:`test_cold_mix`) and session affinity
+  (:func:`test_cold_affinity`): cold syncs only;
+* data plane (:func:`test_first_connection`): real TCP connects from a client namespace
+  through the node namespace holding the rules to the endpoint namespace.
+
+Where a subject stops (sizes it is not run at) is stated next to its sizes below, and in
+the README: never a number that was not measured.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+import pytest
+from pytest_benchmark.fixture import BenchmarkFixture
+
+from bench.dataplane import measure_connects, topology
+from bench.harness import ProxyProcess, ProxyTimeout, proxy_process
+from bench.netns import namespace
+from bench.report import Results
+from bench.subjects import (
+    IPTABLES_LEGACY,
+    IPTABLES_NFT,
+    NFTABLES,
+    UPSTREAM,
+    Subject,
+    installed_services,
+)
+from bench.synthetic import CLUSTER_PORT, TARGET_PORT, synthetic_service
+
+K = 1000
+ENDPOINTS = 10
+AFFINITY_SECONDS = 10800
+MIX_EVERY, MIX_ENDPOINTS = 100, 250  # the mix: 1 Service in 100 has 250 endpoints
+INCREMENTAL_ROUNDS = 25
+INCREMENTAL_MIN_ROUNDS = 5
+INCREMENTAL_WARMUP = 3
+# Rounds stop early (after at least the minimum) once an operation has taken this long:
+# a slow subject then still gets a median of several rounds without eating the run.
+INCREMENTAL_BUDGET_S = float(os.environ.get("KPXB_INCREMENTAL_BUDGET_S", "20"))
+CONNECTS = 2000
+# A sync that takes longer is killed and recorded as "timed out after" this long.
+SYNC_TIMEOUT_S = float(os.environ.get("KPXB_SYNC_TIMEOUT_S", "900"))
+
+quick = pytest.mark.quick
+
+
+def _pedantic(benchmark: BenchmarkFixture, target: Callable[[], object]) -> None:
+    """Time ``target`` once (pytest-benchmark is untyped here)."""
+    benchmark.pedantic(target, rounds=1, iterations=1)  # type: ignore[no-untyped-call]
+
+
+def _mb(kb: int) -> float:
+    return kb / 1024
+
+
+def _needs(subject: Subject) -> None:
+    if not subject.available():
+        pytest.skip(f"{subject.name}: {subject.module} is not in this checkout")
+
+
+def _sync_record(
+    results: Results,
+    kind: str,
+    subject: Subject,
+    services: int,
+    answer: dict[str, Any] | None,
+    peaks: dict[str, Any] | None,
+    **fields: Any,
+) -> dict[str, Any]:
+    """One cold or restart record; ``answer`` None means the sync timed out (killed)."""
+    ours = subject is not UPSTREAM
+    if answer is None:
+        return results.add(
+            kind,
+            subject.name,
+            services=services,
+            seconds=SYNC_TIMEOUT_S,
+            ok=False,
+            timed_out=True,
+            **fields,
+        )
+    peaks = peaks or {}
+    return results.add(
+        kind,
+        subject.name,
+        services=services,
+        seconds=answer["total_s"],
+        feed_s=answer["feed_s"],
+        sync_s=answer["sync_s"],
+        tool_s=answer["tool_s"],
+        tool_calls=answer["tool_calls"],
+        tools=answer.get("tools", {}),
+        proxy_peak_mb=_mb(peaks["maxrss_self_kb"]) if ours and peaks else None,
+        rss_after_mb=_mb(peaks["rss_now_kb"]) if ours and peaks else None,
+        tool_peak_mb=_mb(peaks.get("tool_peak_kb", answer.get("tool_peak_kb", 0))),
+        ok=bool(answer["ok"]),
+        timed_out=False,
+        **fields,
+    )
+
+
+def _sync(proxy: ProxyProcess) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """A first sync and the memory figures after it; (None, None) if it timed out."""
+    try:
+        answer = proxy.request("cold", timeout_s=SYNC_TIMEOUT_S)
+    except ProxyTimeout:
+        proxy.kill()
+        return None, None
+    return answer, proxy.request("rss")
+
+
+# Control plane ---------------------------------------------------------------------------
+
+# Sizes per subject. Cold and restart at every size listed; incremental where marked.
+# iptables-legacy replaces the whole table in the kernel on every restore, so one
+# incremental sync at 30k costs what a cold one costs (about a minute here): it stops at
+# 10k. Upstream's structure takes minutes at 10k (it grows faster than linearly) and is
+# not run at 30k; its incremental syncs run to 5k.
+CONTROL_SIZES: dict[Subject, tuple[tuple[int, bool, bool], ...]] = {
+    # (Services, incremental too, in bench-quick)
+    NFTABLES: (
+        (1 * K, True, True),
+        (5 * K, False, True),
+        (10 * K, True, False),
+        (30 * K, True, False),
+    ),
+    IPTABLES_NFT: (
+        (1 * K, True, True),
+        (5 * K, False, True),
+        (10 * K, True, False),
+        (30 * K, False, False),
+    ),
+    IPTABLES_LEGACY: (
+        (1 * K, True, True),
+        (5 * K, False, False),
+        (10 * K, True, False),
+        (30 * K, False, False),
+    ),
+    UPSTREAM: ((1 * K, True, True), (5 * K, True, True), (10 * K, False, False)),
+}
+
+
+def _size_id(services: int) -> str:
+    return f"{services // K}k" if services % K == 0 else str(services)
+
+
+CONTROL_CASES = [
+    pytest.param(
+        subject,
+        services,
+        incremental,
+        marks=[quick] if in_quick else [],
+        id=f"{subject.name}-{_size_id(services)}",
+    )
+    for subject, sizes in CONTROL_SIZES.items()
+    for services, incremental, in_quick in sizes
+]
+
+
+@pytest.mark.timeout(4 * SYNC_TIMEOUT_S + 1200)
+@pytest.mark.parametrize(("subject", "services", "incremental"), CONTROL_CASES)
+def test_control_plane(
+    benchmark: BenchmarkFixture,
+    results: Results,
+    subject: Subject,
+    services: int,
+    incremental: bool,
+) -> None:
+    _needs(subject)
+    benchmark.group = f"cold full sync {_size_id(services)}"
+    with namespace("cp") as netns:
+        cold: list[tuple[dict[str, Any] | None, dict[str, Any] | None]] = []
+        with proxy_process(netns, services, ENDPOINTS, backend=subject.backend) as proxy:
+            _pedantic(benchmark, lambda: cold.append(_sync(proxy)))
+        answer, peaks = cold[0]
+        record = _sync_record(
+            results, "cold", subject, services, answer, peaks, endpoints=ENDPOINTS
+        )
+        benchmark.extra_info.update(record)
+        if record["timed_out"]:
+            return  # recorded as such; nothing to restart over
+        assert record["ok"], f"{subject.name}: cold sync failed"
+        assert installed_services(subject, netns) == services
+
+        with proxy_process(netns, services, ENDPOINTS, backend=subject.backend) as proxy:
+            answer, peaks = _sync(proxy)
+            record = _sync_record(
+                results, "restart", subject, services, answer, peaks, endpoints=ENDPOINTS
+            )
+            if record["timed_out"]:
+                return
+            assert record["ok"], f"{subject.name}: restart sync failed"
+            assert installed_services(subject, netns) == services
+            if incremental:
+                for op in ("endpoint", "add", "remove"):
+                    _incremental(results, subject, services, proxy, op)
+
+
+def _incremental(
+    results: Results, subject: Subject, services: int, proxy: ProxyProcess, op: str
+) -> None:
+    for _ in range(INCREMENTAL_WARMUP):
+        proxy.request(op)
+    answers: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    while len(answers) < INCREMENTAL_ROUNDS:
+        answers.append(proxy.request(op))
+        if (
+            len(answers) >= INCREMENTAL_MIN_ROUNDS
+            and time.perf_counter() - started > INCREMENTAL_BUDGET_S
+        ):
+            break
+    ordered = sorted(a["seconds"] for a in answers)
+    tools = sorted(a["tool_s"] for a in answers)
+    results.add(
+        "incremental",
+        subject.name,
+        services=services,
+        endpoints=ENDPOINTS,
+        op=op,
+        rounds=len(ordered),
+        median_ms=1000 * statistics.median(ordered),
+        p90_ms=1000 * ordered[int(0.9 * (len(ordered) - 1))],
+        max_ms=1000 * ordered[-1],
+        tool_median_ms=1000 * statistics.median(tools),
+        ok=all(a["ok"] for a in answers),
+    )
+    assert all(a["ok"] for a in answers), f"{subject.name}: an incremental {op} sync failed"
+
+
+# Cold syncs of other shapes ----------------------------------------------------------------
+
+MIX_CASES = [
+    pytest.param(NFTABLES, 1 * K, marks=quick, id="nftables-1k"),
+    pytest.param(NFTABLES, 10 * K, id="nftables-10k"),
+    pytest.param(IPTABLES_NFT, 1 * K, id="iptables-nft-1k"),
+    pytest.param(IPTABLES_NFT, 10 * K, id="iptables-nft-10k"),
+    pytest.param(IPTABLES_LEGACY, 1 * K, id="iptables-legacy-1k"),
+    pytest.param(IPTABLES_LEGACY, 10 * K, id="iptables-legacy-10k"),
+    pytest.param(UPSTREAM, 1 * K, marks=quick, id="upstream-1k"),
+    pytest.param(UPSTREAM, 5 * K, id="upstream-5k"),
+]
+
+
+@pytest.mark.timeout(SYNC_TIMEOUT_S + 600)
+@pytest.mark.parametrize(("subject", "services"), MIX_CASES)
+def test_cold_mix(results: Results, subject: Subject, services: int) -> None:
+    """1 Service in 100 has 250 endpoints, the others 10."""
+    _needs(subject)
+    with (
+        namespace("mix") as netns,
+        proxy_process(
+            netns, services, ENDPOINTS, backend=subject.backend, wide_every=MIX_EVERY
+        ) as proxy,
+    ):
+        answer, peaks = _sync(proxy)
+        record = _sync_record(
+            results,
+            "cold",
+            subject,
+            services,
+            answer,
+            peaks,
+            endpoints=ENDPOINTS,
+            mix=f"1 in {MIX_EVERY} with {MIX_ENDPOINTS}",
+        )
+        if not record["timed_out"]:
+            assert record["ok"]
+            assert installed_services(subject, netns) == services
+
+
+AFFINITY_CASES = [
+    pytest.param(NFTABLES, 1 * K, marks=quick, id="nftables-1k"),
+    pytest.param(NFTABLES, 5 * K, id="nftables-5k"),
+    pytest.param(NFTABLES, 10 * K, id="nftables-10k"),
+    pytest.param(NFTABLES, 30 * K, id="nftables-30k"),
+    pytest.param(UPSTREAM, 1 * K, id="upstream-1k"),
+]
+
+
+@pytest.mark.timeout(SYNC_TIMEOUT_S + 600)
+@pytest.mark.parametrize(("subject", "services"), AFFINITY_CASES)
+def test_cold_affinity(results: Results, subject: Subject, services: int) -> None:
+    """Every Service with ClientIP session affinity (10800 s)."""
+    _needs(subject)
+    with (
+        namespace("aff") as netns,
+        proxy_process(
+            netns, services, ENDPOINTS, backend=subject.backend, affinity_seconds=AFFINITY_SECONDS
+        ) as proxy,
+    ):
+        answer, peaks = _sync(proxy)
+        record = _sync_record(
+            results, "cold", subject, services, answer, peaks, endpoints=ENDPOINTS, affinity=True
+        )
+        if not record["timed_out"]:
+            assert record["ok"]
+            assert installed_services(subject, netns) == services
+
+
+# Data plane ------------------------------------------------------------------------------
+
+DATAPLANE_CASES = [
+    pytest.param(NFTABLES, 1 * K, marks=quick, id="nftables-1k"),
+    pytest.param(NFTABLES, 10 * K, id="nftables-10k"),
+    pytest.param(NFTABLES, 30 * K, id="nftables-30k"),
+    pytest.param(IPTABLES_NFT, 1 * K, marks=quick, id="iptables-nft-1k"),
+    pytest.param(IPTABLES_NFT, 10 * K, id="iptables-nft-10k"),
+    pytest.param(IPTABLES_NFT, 30 * K, id="iptables-nft-30k"),
+    pytest.param(IPTABLES_LEGACY, 1 * K, id="iptables-legacy-1k"),
+    pytest.param(IPTABLES_LEGACY, 10 * K, id="iptables-legacy-10k"),
+    pytest.param(IPTABLES_LEGACY, 30 * K, id="iptables-legacy-30k"),
+    pytest.param(UPSTREAM, 1 * K, id="upstream-1k"),
+]
+
+
+@pytest.mark.timeout(SYNC_TIMEOUT_S + 1200)
+@pytest.mark.parametrize(("subject", "services"), DATAPLANE_CASES)
+def test_first_connection(results: Results, subject: Subject, services: int) -> None:
+    _needs(subject)
+    # Two extra Services on top: one with 2 endpoints, one with 1000.
+    narrow, wide = synthetic_service(services + 10, 2), synthetic_service(services + 11, 1000)
+    middle = synthetic_service(services // 2, ENDPOINTS)
+    targets = {
+        "direct": (str(middle.endpoints[0]), TARGET_PORT),
+        "service-10": (str(middle.cluster_ip), CLUSTER_PORT),
+        "service-2": (str(narrow.cluster_ip), CLUSTER_PORT),
+        "service-1000": (str(wide.cluster_ip), CLUSTER_PORT),
+    }
+    extras = [(narrow.index, 2), (wide.index, 1000)]
+    with topology() as topo:
+        with proxy_process(
+            topo.node, services, ENDPOINTS, extras=extras, backend=subject.backend
+        ) as proxy:
+            answer, _ = _sync(proxy)
+        if answer is None:
+            results.add("dataplane_skipped", subject.name, services=services, timed_out=True)
+            return
+        assert answer["ok"], f"{subject.name}: sync failed"
+        assert installed_services(subject, topo.node) == services + 2
+        stats = measure_connects(topo, targets, count=CONNECTS)
+    direct = stats["direct"].p50_us
+    for case, latency in stats.items():
+        results.add(
+            "dataplane",
+            subject.name,
+            services=services,
+            case=case,
+            overhead_us=latency.p50_us - direct,
+            **asdict(latency),
+        )
+    for case, latency in stats.items():
+        # A ClusterIP answers only through DNAT: nothing else routes 10.96.0.0/12.
+        assert latency.failures <= CONNECTS // 100, f"{case}: {latency.failures} failures"
