@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = [
     "IPTABLES_BASED",
     "MODES",
+    "XTABLES_LOCK_WAIT",
     "BackendCounters",
     "CleanupFailureCounter",
     "DryRun",
@@ -298,7 +299,18 @@ class Mode:
         return self.name in IPTABLES_BASED
 
 
-def _backend_mode(name: str, hooks: BackendHooks, dry_run: Callable[[], DryRun] | None) -> Mode:
+XTABLES_LOCK_WAIT: Final = 30.0
+"""Seconds an iptables-legacy cleanup waits for the host-wide xtables lock (a one-shot
+cleanup can wait for whoever holds it, kubelet say, rather than fail; syncs keep the
+backend's own, shorter wait)."""
+
+
+def _backend_mode(
+    name: str,
+    hooks: BackendHooks,
+    dry_run: Callable[[], DryRun] | None,
+    **cleanup_options: Any,
+) -> Mode:
     def factory() -> BackendFactory:
         create: BackendFactory = _module(name).create_backend
         return create
@@ -312,14 +324,14 @@ def _backend_mode(name: str, hooks: BackendHooks, dry_run: Callable[[], DryRun] 
             # An installation without this backend never made anything with it.
             logger.warning("%s mode is not part of this installation: nothing to remove", name)
             return
-        module.cleanup(netns=netns)
+        module.cleanup(netns=netns, **cleanup_options)
 
     return Mode(name, factory, cleanup, hooks, dry_run)
 
 
 MODES: Final[Mapping[str, Mode]] = {
     "nftables": _backend_mode("nftables", nftables_hooks, NftablesDryRun),
-    "iptables": _backend_mode("iptables", iptables_hooks, IptablesDryRun),
+    "iptables": _backend_mode("iptables", iptables_hooks, IptablesDryRun, wait=XTABLES_LOCK_WAIT),
     "ipvs": _backend_mode("ipvs", iptables_hooks, IPVSDryRun),
 }
 """Our modes, in the order ``--cleanup`` removes their leftovers."""
