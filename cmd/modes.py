@@ -96,8 +96,7 @@ class BackendCounters:
 
     The backend's count replaces the metrics' own counting of failed syncs
     (:meth:`~kubeproxy.metrics.ProxyMetrics.count_failures_from_backend`): upstream counts
-    failed restores, and a failed partial restore repaired by a full one in the same sync
-    is a failure the sync itself does not show.
+    failed restores, and only the backend knows how many of a sync's restores failed.
     """
 
     def __init__(self, backend: IptablesCounters, metrics: ProxyMetrics) -> None:

@@ -290,8 +290,8 @@ class ProxyMetrics:
     A failed sync counts in the mode's sync-failure counter (``..._nftables_sync_failures``
     or ``..._iptables_restore_failures``) unless :meth:`count_failures_from_backend` was
     called: then the backend's own count of failed restores is fed in through
-    :meth:`restore_failed` (upstream counts every failed iptables-restore, including a
-    partial one that a full restore then repaired, and nothing else).
+    :meth:`restore_failed` (upstream counts every failed iptables-restore, partial or
+    full, and nothing else; a backend may run several restores in one sync).
 
     ``process_metrics`` adds prometheus-client's process collector
     (``process_cpu_seconds_total``, ``process_resident_memory_bytes``, ...); leave it
