@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kubeproxy.backend import Backend, BackendFactory, SyncError
 from kubeproxy.backends import nftables
@@ -584,3 +586,41 @@ def test_the_iptables_backends_counts_reach_the_daemons_metrics() -> None:
         last = sample(metrics, f"{prefix}_last", table=table, **v4)
         assert (total, last) == (backend.rules_total[table], backend.rules_last[table])
     assert backend.rules_total["nat"] >= 10  # three Services' chains and rules
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([IPFamily.IPV4, IPFamily.IPV6]),
+            st.integers(0, 3),  # restores failed before this sync finished
+            st.integers(0, 2),  # of which partial
+            st.booleans(),  # the sync failed
+        ),
+        max_size=20,
+    ),
+    st.integers(0, 5),
+)
+def test_backend_counters_count_each_failure_once_per_family(
+    syncs: list[tuple[IPFamily, int, int, bool]], before: int
+) -> None:
+    metrics = ProxyMetrics(mode="iptables", process_metrics=False)
+    backends = {family: CountingBackend(family) for family in (IPFamily.IPV4, IPFamily.IPV6)}
+    for backend in backends.values():
+        backend.restore_failures = backend.partial_restore_failures = before
+    counters = {family: BackendCounters(b, metrics) for family, b in backends.items()}
+    for family, failed, partial_failed, sync_failed in syncs:
+        backend = backends[family]
+        backend.restore_failures += failed
+        backend.partial_restore_failures += min(partial_failed, failed)
+        error = SyncError("refused") if sync_failed else None
+        # Every observer hears every family's syncs, as in the daemon.
+        metrics.sync_finished(family, True, 0.01, error, (0, 0))
+        for observer in counters.values():
+            observer.sync_finished(family, True, 0.01, error, (0, 0))
+    for family, backend in backends.items():
+        labels = {"ip_family": family.value}
+        prefix = "kubeproxy_sync_proxy_rules_iptables"
+        restore = sample(metrics, f"{prefix}_restore_failures_total", **labels)
+        partial = sample(metrics, f"{prefix}_partial_restore_failures_total", **labels)
+        assert (restore or 0) == backend.restore_failures - before
+        assert (partial or 0) == backend.partial_restore_failures - before
