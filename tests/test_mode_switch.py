@@ -338,3 +338,25 @@ def test_the_binaries_remove_the_other_modes_leftovers_and_cleanup_removes_all(
     assert "table inet kpxm-foreign" in nft_tables(node)
     saved = in_ns(node, "iptables-legacy-save", "-t", "filter").stdout
     assert ":KPXM-FOREIGN - [0:0]" in saved
+
+
+def test_ipvs_mode_fails_with_one_clear_line_where_the_kernel_lacks_ip_vs(node: Node) -> None:
+    result = in_ns(
+        node,
+        str(BIN / "kube-proxy-ipvs"),
+        "--manifests",
+        str(EXAMPLES),
+        "--hostname-override",
+        NODE,
+        "--cluster-cidr=10.244.0.0/16",
+        "--once",
+    )
+    if Path("/proc/net/ip_vs").exists():  # a kernel with IPVS: the mode runs
+        assert result.returncode == 0, result.stderr
+        assert proxied(node) == ENDPOINTS
+        return
+    assert result.returncode == 1, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("E")]
+    assert len(errors) == 1, result.stderr
+    assert "kernel lacks IP_VS" in errors[0]
+    assert "deprecated" in result.stderr
