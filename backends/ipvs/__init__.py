@@ -1,7 +1,8 @@
 """The ipvs backend (DEPRECATED): upstream kube-proxy's ipvs mode.
 
 Upstream deprecated the ipvs proxier in v1.35 (KEP-5495) and plans to remove it; this
-backend exists for clusters still on it and warns on every creation. Use ``nftables``.
+backend exists for clusters still on it and warns (a DeprecationWarning, once per process;
+the binaries log the deprecation and post an Event). Use ``nftables``.
 
 Public API:
 
@@ -64,7 +65,6 @@ def _warn_deprecated() -> None:
         return
     _warned = True
     warnings.warn(DEPRECATION_MESSAGE, DeprecationWarning, stacklevel=3)
-    log.warning(DEPRECATION_MESSAGE)
 
 
 def create_backend(
