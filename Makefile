@@ -29,13 +29,14 @@ test: setup lint typecheck
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
 
-# Benchmarks of the nftables backend against upstream's rule structure (bench/README.md).
-# bench-quick: a few minutes; bench: everything (long). Results: bench/results/latest.md
-# and one JSON file per run. Never part of `make test`.
+# Benchmarks: our nftables and iptables backends and upstream's nftables rule structure,
+# side by side (bench/README.md). bench-quick: a few minutes; bench: everything (long).
+# Results: bench/results/latest.md, PNG plots and one JSON file per run. Never part of
+# `make test`.
 .PHONY: bench bench-quick
 bench-quick: setup
-	KPXB_COMMAND="make bench-quick" $(VENV)/bin/pytest --import-mode=append bench -m quick \
-		--benchmark-sort=name $(BENCH_ARGS)
+	KPXB_COMMAND="make bench-quick" KPXB_INCREMENTAL_BUDGET_S=5 \
+		$(VENV)/bin/pytest --import-mode=append bench -m quick --benchmark-sort=name $(BENCH_ARGS)
 
 bench: setup
 	KPXB_COMMAND="make bench" $(VENV)/bin/pytest --import-mode=append bench \

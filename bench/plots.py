@@ -1,7 +1,7 @@
 """PNG plots of one benchmark run (matplotlib, Agg backend: no display needed).
 
-* ``sync_time.png``: cold full sync and restart time against the number of Services, per
-  subject, log-log (timed-out points drawn as open triangles at the time they were
+* ``sync_time.png``: cold full sync (left) and restart (right) time against the number
+  of Services, per subject, log-log (timed-out points drawn as open triangles at the time they were
   stopped: a lower bound);
 * ``first_connection.png``: first-connection latency (p50, with p90 and p99) through a
   10-endpoint ClusterIP against the number of Services installed, per subject; the bare
@@ -28,7 +28,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after choosing the backend
 from matplotlib.axes import Axes
 
-from bench.report import SUBJECT_ORDER, SUBJECT_TITLES
+from bench.report import NO_RULES, SUBJECT_ORDER, SUBJECT_TITLES
 
 __all__ = ["main", "write_plots"]
 
@@ -68,45 +68,49 @@ def _size_axis(ax: Axes, sizes: Sequence[int]) -> None:
     ax.grid(True, which="major", alpha=0.3)
 
 
-def _sync_plot(records: Sequence[Record], title: str, path: Path) -> bool:
-    syncs = [r for r in records if r["kind"] in ("cold", "restart") and _plain(r)]
-    if not syncs:
-        return False
-    fig, ax = plt.subplots(figsize=(8, 5.5))
+def _sync_panel(ax: Axes, syncs: Sequence[Record], kind: str, title: str) -> None:
     for subject in _subjects(syncs):
         color, marker = _style(subject)
-        for kind, line in (("cold", "-"), ("restart", "--")):
-            points = sorted(
-                (r["services"], r["seconds"], bool(r.get("timed_out")))
-                for r in syncs
-                if r["subject"] == subject and r["kind"] == kind and (r["ok"] or r["timed_out"])
+        points = sorted(
+            (r["services"], r["seconds"], bool(r.get("timed_out")))
+            for r in syncs
+            if r["subject"] == subject and r["kind"] == kind and (r["ok"] or r["timed_out"])
+        )
+        done = [(n, t) for n, t, out in points if not out]
+        if done:
+            ax.plot(
+                [n for n, _ in done],
+                [t for _, t in done],
+                "-",
+                color=color,
+                marker=marker,
+                label=_label(subject),
             )
-            done = [(n, t) for n, t, out in points if not out]
-            if done:
-                ax.plot(
-                    [n for n, _ in done],
-                    [t for _, t in done],
-                    line,
-                    color=color,
-                    marker=marker,
-                    label=f"{_label(subject)}, {kind}",
-                )
-            killed = [(n, t) for n, t, out in points if out]
-            if killed:
-                ax.plot(
-                    [n for n, _ in killed],
-                    [t for _, t in killed],
-                    "^",
-                    color=color,
-                    markerfacecolor="none",
-                    markersize=10,
-                    label=f"{_label(subject)}, {kind}: stopped (lower bound)",
-                )
+        killed = [(n, t) for n, t, out in points if out]
+        if killed:
+            ax.plot(
+                [n for n, _ in killed],
+                [t for _, t in killed],
+                "^",
+                color=color,
+                markerfacecolor="none",
+                markersize=10,
+                label=f"{_label(subject)}: stopped there (lower bound)",
+            )
     ax.set_yscale("log")
-    ax.set_ylabel("seconds (end to end)")
     _size_axis(ax, [r["services"] for r in syncs])
     ax.set_title(title)
     ax.legend(fontsize=8)
+
+
+def _sync_plot(records: Sequence[Record], path: Path) -> bool:
+    syncs = [r for r in records if r["kind"] in ("cold", "restart") and _plain(r)]
+    if not syncs:
+        return False
+    fig, (cold, restart) = plt.subplots(1, 2, figsize=(12, 5.5), sharey=True)
+    _sync_panel(cold, syncs, "cold", "Cold full sync (empty namespace)")
+    _sync_panel(restart, syncs, "restart", "Restart (first sync over existing rules)")
+    cold.set_ylabel("seconds, end to end (log)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -115,6 +119,7 @@ def _sync_plot(records: Sequence[Record], title: str, path: Path) -> bool:
 
 def _dataplane_plot(records: Sequence[Record], path: Path) -> bool:
     latencies = [r for r in records if r["kind"] == "dataplane"]
+    sizes = [r["services"] for r in latencies if r["subject"] != NO_RULES]
     if not latencies:
         return False
     fig, ax = plt.subplots(figsize=(8, 5.5))
@@ -164,7 +169,7 @@ def _dataplane_plot(records: Sequence[Record], path: Path) -> bool:
         )
     ax.set_ylabel("TCP connect time, microseconds (shaded: p50 to p90)")
     ax.set_ylim(bottom=0)
-    _size_axis(ax, [r["services"] for r in latencies])
+    _size_axis(ax, sizes)
     ax.set_xlabel("Services installed (x 10 endpoints)")
     ax.set_title("First connection through a ClusterIP (10 endpoints)")
     ax.legend(fontsize=8)
@@ -214,7 +219,7 @@ def write_plots(run: dict[str, Any], directory: Path) -> list[Path]:
     records: list[Record] = run["records"]
     written = []
     sync = directory / "sync_time.png"
-    if _sync_plot(records, "Full sync time: cold (solid), restart (dashed)", sync):
+    if _sync_plot(records, sync):
         written.append(sync)
     first = directory / "first_connection.png"
     if _dataplane_plot(records, first):

@@ -44,6 +44,7 @@ from typing import Any
 __all__ = [
     "IPT_LEGACY",
     "IPT_NFT",
+    "NO_RULES",
     "OURS",
     "SUBJECT_ORDER",
     "UPSTREAM",
@@ -58,12 +59,14 @@ OURS = "kubeproxy-nftables"
 IPT_NFT = "kubeproxy-iptables-nft"
 IPT_LEGACY = "kubeproxy-iptables-legacy"
 UPSTREAM = "upstream-nft"
+NO_RULES = "no-rules"  # the data-plane baseline: the topology without any rules
 SUBJECT_ORDER = (OURS, IPT_NFT, IPT_LEGACY, UPSTREAM)
 SUBJECT_TITLES = {
     OURS: "nftables",
     IPT_NFT: "iptables-nft",
     IPT_LEGACY: "iptables-legacy",
     UPSTREAM: "upstream's nft structure",
+    NO_RULES: "no rules",
 }
 
 Record = dict[str, Any]
@@ -370,6 +373,8 @@ _CASE_ORDER = {"direct": 0, "service-10": 1, "service-2": 2, "service-1000": 3}
 
 
 def _size(n: int) -> str:
+    if n == 0:
+        return "none"
     return f"{n // 1000}k" if n % 1000 == 0 else str(n)
 
 
@@ -458,7 +463,9 @@ def _memory_table(records: Sequence[Record]) -> list[str]:
                 r["kind"],
                 _mb_cell(r.get("rss_after_mb")),
                 _mb_cell(r.get("proxy_peak_mb")),
-                _mb_cell(r.get("tool_peak_mb")),
+                "in the proxy (libnftables)"
+                if r["subject"] == OURS and (r.get("tool_peak_mb") or 0) < 1
+                else _mb_cell(r.get("tool_peak_mb")),
             )
         )
     if not rows:
@@ -543,7 +550,7 @@ def _dataplane_summary(records: Sequence[Record]) -> list[str]:
     found = _find(records, kind="dataplane", case="service-10")
     if not found:
         return []
-    subjects = _present(records, "dataplane")
+    subjects = [s for s in _present(records, "dataplane") if s != NO_RULES]
     rows = []
     for n in sorted({r["services"] for r in found}):
         row = [_size(n)]
@@ -551,7 +558,15 @@ def _dataplane_summary(records: Sequence[Record]) -> list[str]:
             r = _one(found, subject=s, services=n)
             row.append("-" if r is None else f"{r['p50_us']:.1f} ({r['p99_us']:.0f})")
         rows.append(row)
-    return _table(["Services installed", *(SUBJECT_TITLES.get(s, s) for s in subjects)], rows)
+    lines = _table(["Services installed", *(SUBJECT_TITLES.get(s, s) for s in subjects)], rows)
+    base = _one(records, kind="dataplane", subject=NO_RULES, case="direct")
+    if base:
+        lines += [
+            "",
+            f"The same connections with no rules at all (straight to an endpoint): "
+            f"p50 {base['p50_us']:.1f} us, p99 {base['p99_us']:.0f} us.",
+        ]
+    return lines
 
 
 def render_markdown(run: dict[str, Any]) -> str:
