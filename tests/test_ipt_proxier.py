@@ -606,8 +606,9 @@ def service_ports(draw: st.DrawFn, name: ServicePortName) -> ServicePort:
         draw(st.sampled_from([80, 443])),
         name.protocol,
         node_port=draw(st.sampled_from([0, 30000 + n])),
+        # Lists, not sets: a Service may repeat an external IP.
         external_ips=tuple(
-            draw(st.sets(st.sampled_from([ip("5.5.5.5"), ip("5.5.5.6")]), max_size=2))
+            draw(st.lists(st.sampled_from([ip("5.5.5.5"), ip("5.5.5.6")]), max_size=3))
         ),
         load_balancer_vips=tuple(draw(st.sets(st.sampled_from([ip("6.6.6.6")]), max_size=1))),
         load_balancer_source_ranges=tuple(

@@ -342,14 +342,16 @@ def render_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints
             rules.append(f"-j {external_target}")
         r.chains.append(ChainRules(ext_chain, tuple(rules)))
 
-    uses_fw = has_endpoints and bool(port.load_balancer_vips and port.load_balancer_source_ranges)
+    # Duplicates would write a rule twice, and a partial sync's -D removes one copy only.
+    external_ips = tuple(dict.fromkeys(port.external_ips))
+    vips = tuple(dict.fromkeys(port.load_balancer_vips))
+    ranges = tuple(dict.fromkeys(port.load_balancer_source_ranges))
+    uses_fw = has_endpoints and bool(vips and ranges)
     if uses_fw:
         fw_comment = f'-m comment --comment "{name} loadbalancer IP"'
-        rules = [
-            f"{fw_comment} -s {cidr} -j {ext_chain}" for cidr in port.load_balancer_source_ranges
-        ]
-        if any(a in c for a in ctx.node_addresses for c in port.load_balancer_source_ranges):
-            rules.extend(f"{fw_comment} -s {vip} -j {ext_chain}" for vip in port.load_balancer_vips)
+        rules = [f"{fw_comment} -s {cidr} -j {ext_chain}" for cidr in ranges]
+        if any(a in c for a in ctx.node_addresses for c in ranges):
+            rules.extend(f"{fw_comment} -s {vip} -j {ext_chain}" for vip in vips)
         r.chains.append(ChainRules(fw_chain, tuple(rules)))
 
     nat_services: list[str] = []
@@ -366,7 +368,7 @@ def render_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints
             f'-m comment --comment "{internal_comment}" {proto_match} -d {cip} {dport} '
             f"-j {internal_target}"
         )
-    for ip in port.external_ips:
+    for ip in external_ips:
         if has_endpoints:
             nat_services.append(
                 f'-m comment --comment "{name} external IP" {proto_match} -d {ip} {dport} '
@@ -378,7 +380,7 @@ def render_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints
                 f"-j {external_target_filter}"
             )
     lb_chain = fw_chain if uses_fw else ext_chain
-    for ip in port.load_balancer_vips:
+    for ip in vips:
         if has_endpoints:
             nat_services.append(
                 f'-m comment --comment "{name} loadbalancer IP" {proto_match} -d {ip} {dport} '
@@ -390,7 +392,7 @@ def render_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints
                 f"{proto_match} -d {ip} {dport} -j DROP"
             )
     if external_target is None:
-        for ip in port.load_balancer_vips:
+        for ip in vips:
             filter_external.append(
                 f'-m comment --comment "{external_comment}" {proto_match} -d {ip} {dport} '
                 f"-j {external_target_filter}"
