@@ -483,6 +483,14 @@ def test_missing_canary_forces_a_full_sync() -> None:
     b.sync(world.snapshot(), SyncChanges(full=False))
     assert b.last_sync_full
     assert "KUBE-PROXY-CANARY" in fake.chains(V4, "mangle")
+    # A flushed canary (the chain still there, its rule gone) counts as gone too.
+    fake.restore(V4, "*mangle\n:KUBE-PROXY-CANARY - [0:0]\nCOMMIT\n")
+    clock.now += CONFIG.sync_period
+    b.sync(world.snapshot(), SyncChanges(full=False))
+    assert b.last_sync_full
+    clock.now += CONFIG.sync_period
+    b.sync(world.snapshot(), SyncChanges(full=False))
+    assert not b.last_sync_full
 
 
 @pytest.mark.parametrize(

@@ -64,6 +64,9 @@ LARGE_CLUSTER_ENDPOINTS = 1000
 and the ``iptables-save`` scan for stale chains at most once per sync period."""
 
 _EMPTY = CategorizedEndpoints()
+# The mangle canary's one rule: checking for it with "iptables -C" is cheap (see
+# IptablesBackend._canary_present).
+_CANARY_RULE = ("-j", "RETURN")
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,13 +271,19 @@ class IptablesBackend:
         return True
 
     def _canary_present(self) -> bool:
-        # iptables-nft-save reads the whole ruleset even for -t mangle (0.2-0.3 s at 1k
-        # Services x 10 endpoints, measured); "iptables -n -L CHAIN" takes 3 ms. Use the
-        # executor's chain_exists when it has one.
-        exists = getattr(self._executor, "chain_exists", None)
-        if callable(exists):
-            return bool(exists(self._family, MANGLE, CANARY))
-        return CANARY in self._executor.chains(self._family, MANGLE)
+        """Whether the mangle canary still holds its rule (the chain, not flushed).
+
+        ``iptables -C`` costs milliseconds; ``iptables-nft-save -t mangle`` reads the whole
+        ruleset (0.3 s at 1k Services x 10 endpoints, 3.6 s at 10k, measured). The rule
+        also tells a flushed canary from a present one, which an empty chain cannot.
+        """
+        try:
+            added = self._executor.ensure_rule(
+                self._family, MANGLE, CANARY, _CANARY_RULE, prepend=False
+            )
+        except IptablesError:
+            return False  # no chain to add the rule to
+        return not added
 
     def _scan_due(self, now: float) -> bool:
         last = self._last_scan
@@ -407,6 +416,7 @@ class IptablesBackend:
             flt.append(FILTER, SERVICE_IPS, "-j DROP")
         for table in (NAT, FILTER, MANGLE):
             (nat if table == NAT else flt).declare(table, CANARY)
+        flt.append(MANGLE, CANARY, " ".join(_CANARY_RULE))
         texts.append(nat.render() + flt.render())
         nat_total, filter_total = _totals(ports, fixed, cluster_ips)
         return _Plan(
