@@ -741,3 +741,28 @@ IncrementalEqualsFull.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestIncrementalEqualsFull = IncrementalEqualsFull.TestCase
+
+
+def test_create_backend_refuses_a_missing_namespace() -> None:
+    from kubeproxy.backends.iptables import create_backend
+    from kubeproxy.backends.iptables.exec import IptablesError
+
+    with pytest.raises(IptablesError):
+        create_backend(V4, CONFIG, netns="kpxib-does-not-exist")
+
+
+def test_bad_detector_interface_is_ignored_with_one_log_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    world = World(detector=LocalDetector(LocalDetectMode.BRIDGE_INTERFACE, interface="br0 -j X"))
+    world.add(cip(1), ep("10.180.0.1"))
+    fake = FakeIptables()
+    b = backend(fake)
+    with caplog.at_level(logging.ERROR):
+        b.sync(world.snapshot(), full())
+        b.sync(world.snapshot(), SyncChanges(full=False))
+        b.sync(world.snapshot(), full())
+    assert "br0" not in all_restores(fake)
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR] == [
+        "ignoring the local-traffic detector: local detector interface 'br0 -j X' is not valid"
+    ]

@@ -52,8 +52,14 @@ from kubeproxy.backends.iptables.rules import (
     jump_rules,
     render_port,
 )
-from kubeproxy.config import ProxierConfig
-from kubeproxy.objects import CategorizedEndpoints, IPFamily, NamespacedName, ServicePortName
+from kubeproxy.config import LocalDetector, ProxierConfig
+from kubeproxy.objects import (
+    CategorizedEndpoints,
+    IPAddress,
+    IPFamily,
+    NamespacedName,
+    ServicePortName,
+)
 
 __all__ = ["LARGE_CLUSTER_ENDPOINTS", "IptablesBackend", "cleanup_family"]
 
@@ -170,6 +176,8 @@ class IptablesBackend:
         self._last_scan: float | None = None
         self._last_canary: float | None = None
         self._ctx: RenderContext | None = None
+        self._ctx_inputs: object = None
+        self._ctx_built: RenderContext | None = None
         self._fixed: FixedRules | None = None
         self._cluster_ips: dict[str, int] = {}
         self._ports: dict[ServicePortName, PortRules] = {}
@@ -292,6 +300,16 @@ class IptablesBackend:
     def _context_for(self, snapshot: ProxySnapshot, large: bool) -> RenderContext:
         detector = snapshot.local_detector.for_family(self._family)
         addresses = snapshot.node.addresses_of(self._family)
+        inputs = (detector, addresses, large)
+        if self._ctx_built is not None and inputs == self._ctx_inputs:
+            return self._ctx_built  # and a bad detector is logged once, not every sync
+        self._ctx_inputs = inputs
+        self._ctx_built = self._build_context(detector, addresses, large)
+        return self._ctx_built
+
+    def _build_context(
+        self, detector: LocalDetector, addresses: tuple[IPAddress, ...], large: bool
+    ) -> RenderContext:
         try:
             return RenderContext.build(
                 self._family,
