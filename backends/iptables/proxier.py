@@ -118,13 +118,8 @@ def _totals(
     nat = len(fixed.nat) + len(fixed.nat_tail)
     flt = len(fixed.filter)
     for rules in ports.values():
-        nat += rules.nat_rule_count + len(rules.nat_services) + len(rules.nat_nodeports)
-        flt += (
-            len(rules.filter_services)
-            + len(rules.filter_external)
-            + len(rules.filter_nodeports)
-            + len(rules.filter_firewall)
-        )
+        nat += rules.nat_rules
+        flt += rules.filter_rules
     if fixed.service_cidrs:
         flt += len(fixed.service_cidrs) + len(cluster_ips) + 1
     return nat, flt

@@ -91,8 +91,10 @@ class PortRules:
     """Everything one Service port writes.
 
     ``chains`` are its own nat chains (SEP, SVC, SVL, EXT, FW); the other fields are its
-    rules in the shared top-level chains, which every sync rewrites whole.
-    ``cluster_ip`` is the address our ``KUBE-SERVICE-IPS`` chain rejects on other ports.
+    rules in the shared top-level chains. ``cluster_ip`` is the address our
+    ``KUBE-SERVICE-IPS`` chain rejects on other ports. ``nat_rules`` and ``filter_rules``
+    count every rule the port writes per table (its chains' and its top-level ones), for
+    the rules-total metric.
     """
 
     chains: tuple[ChainRules, ...]
@@ -103,16 +105,13 @@ class PortRules:
     filter_nodeports: tuple[str, ...]
     filter_firewall: tuple[str, ...]
     cluster_ip: str
+    nat_rules: int = 0
+    filter_rules: int = 0
 
     @property
     def chain_names(self) -> frozenset[str]:
         """The names of :attr:`chains`."""
         return frozenset(chain.name for chain in self.chains)
-
-    @property
-    def nat_rule_count(self) -> int:
-        """Rules in the port's own chains (for the rules-total metric)."""
-        return sum(len(chain.rules) for chain in self.chains)
 
 
 @dataclass(frozen=True, slots=True)
@@ -413,6 +412,7 @@ def render_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints
             f'-m comment --comment "{name} health check node port" -m tcp -p tcp '
             f"--dport {port.health_check_node_port} -j ACCEPT"
         )
+    nat_rules = sum(len(chain.rules) for chain in r.chains)
     return PortRules(
         tuple(r.chains),
         tuple(nat_services),
@@ -422,6 +422,8 @@ def render_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints
         tuple(filter_nodeports),
         tuple(filter_firewall),
         cip,
+        nat_rules + len(nat_services) + len(nat_nodeports),
+        len(filter_services) + len(filter_external) + len(filter_nodeports) + len(filter_firewall),
     )
 
 
