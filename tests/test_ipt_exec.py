@@ -85,6 +85,12 @@ def sample(family: IPFamily) -> RestoreInput:
     for chain in ("KUBE-SERVICES", "KUBE-MARK-MASQ", "KUBE-POSTROUTING", svc, sep1, sep2):
         restore.declare(NAT, chain)
     restore.append(NAT, "KUBE-MARK-MASQ", "-j MARK --set-xmark 0x4000/0x4000")
+    # The MARK shorthands and a bare REJECT, which iptables-save prints in another form.
+    for shorthand in ("--or-mark 0x4000", "--xor-mark 0x8000", "--and-mark 0x10"):
+        restore.append(NAT, "KUBE-MARK-MASQ", f"-j MARK {shorthand}")
+    restore.append(NAT, "KUBE-MARK-MASQ", "-j MARK --set-mark 0x1")
+    restore.append(NAT, "KUBE-MARK-MASQ", "-j MARK --set-mark 0x2/0xff")
+    restore.append(FILTER, "KUBE-FORWARD", "-p udp -j REJECT")
     restore.append(NAT, "KUBE-POSTROUTING", "-m mark ! --mark 0x4000/0x4000 -j RETURN")
     restore.append(NAT, "KUBE-POSTROUTING", "-j MARK --set-xmark 0x4000/0x0")
     restore.append(

@@ -165,7 +165,7 @@ def test_golden_upstream_example() -> None:
         '-A POSTROUTING -m comment --comment "kubernetes postrouting rules" -j KUBE-POSTROUTING'
         in nat
     )
-    assert "-A KUBE-MARK-MASQ -j MARK --or-mark 0x4000" in nat
+    assert "-A KUBE-MARK-MASQ -j MARK --set-xmark 0x4000/0x4000" in nat
 
 
 def all_restores(fake: FakeIptables) -> str:

@@ -206,11 +206,54 @@ def save_form(args: Sequence[str], family: IPFamily) -> tuple[str, ...]:
                 rest[position + 1] = f"{float(rest[position + 1]):.11f}"
             except ValueError as err:
                 raise ValueError(f"bad probability {rest[position + 1]!r}") from err
+    _target_form(rest, family)
     words: list[str] = []
     for option in _FRONT_ORDER:
         words.extend(front.get(option, ()))
     words.extend(rest)
     return tuple(words)
+
+
+_MARK_ALL = 0xFFFFFFFF
+
+
+def _mark_form(option: str, value: str) -> str | None:
+    """``--set-xmark value/mask`` for a MARK target option, as iptables-save prints it."""
+    mark, _, mask = value.partition("/")
+    try:
+        number = int(mark, 0)
+        mask_number = int(mask, 0) if mask else _MARK_ALL
+    except ValueError:
+        return None
+    if option == "--set-mark":
+        return f"{number:#x}/{mask_number:#x}"
+    if option == "--or-mark":
+        return f"{number:#x}/{number:#x}"
+    if option == "--xor-mark":
+        return f"{number:#x}/0x0"
+    if option == "--and-mark":
+        return f"0x0/{~number & _MARK_ALL:#x}"
+    return None
+
+
+def _target_form(rest: list[str], family: IPFamily) -> None:
+    """Rewrite the MARK and REJECT targets' options in place into iptables-save's form:
+    the MARK shorthands become ``--set-xmark value/mask`` and a bare REJECT gets the
+    default ``--reject-with`` (both tools print these, whatever the input said)."""
+    for position, word in enumerate(rest[:-1]):
+        if word != "-j":
+            continue
+        target = rest[position + 1]
+        if target == "MARK" and position + 3 < len(rest):
+            form = _mark_form(rest[position + 2], rest[position + 3])
+            if form is not None:
+                rest[position + 2 : position + 4] = ["--set-xmark", form]
+        elif target == "REJECT" and "--reject-with" not in rest[position + 2 :]:
+            default = (
+                "icmp6-port-unreachable" if family == IPFamily.IPV6 else "icmp-port-unreachable"
+            )
+            rest[position + 2 : position + 2] = ["--reject-with", default]
+        return
 
 
 def _save_word(word: str) -> str:
