@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import difflib
-import ipaddress
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -23,79 +22,21 @@ from kubeproxy.objects import (
     Endpoint,
     IPFamily,
     NamespacedName,
-    NodeInfo,
     Protocol,
     ServicePort,
     ServicePortName,
 )
-from kubeproxy.topology import categorize_endpoints
+from tests import snapshots
+from tests.snapshots import NODE, V4_DETECTOR, Clock, World, changed, full, ip, net, spn
 
-ip = ipaddress.ip_address
-net = ipaddress.ip_network
-NODE = "test-node"
 V4 = IPFamily.IPV4
-V4_DETECTOR = LocalDetector(LocalDetectMode.CLUSTER_CIDR, (net("10.0.0.0/8"),))
 CONFIG = ProxierConfig(node_name=NODE)
 NO_LOCALHOST = ProxierConfig(node_name=NODE, localhost_node_ports=False)
 
 
-def spn(
-    name: str, port: str = "http", ns: str = "ns", proto: Protocol = Protocol.TCP
-) -> ServicePortName:
-    return ServicePortName(NamespacedName(ns, name), port, proto)
-
-
 def ep(addr: str, port: int = 8080, *, local: bool = False, ready: bool = True) -> Endpoint:
-    return Endpoint(ip(addr), port, local, ready, True, not ready)
-
-
-@dataclass
-class World:
-    """Services and endpoints of one family; builds snapshots like the core does."""
-
-    family: IPFamily = V4
-    services: dict[ServicePortName, ServicePort] = field(default_factory=dict)
-    endpoints: dict[ServicePortName, tuple[Endpoint, ...]] = field(default_factory=dict)
-    node_port_addresses: NodePortAddresses = field(
-        default_factory=lambda: NodePortAddresses(addresses=(ip("192.168.0.2"),))
-    )
-    detector: LocalDetector = V4_DETECTOR
-    service_cidrs: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = (
-        net("172.30.0.0/16"),
-    )
-
-    def add(self, port: ServicePort, *eps: Endpoint) -> ServicePortName:
-        self.services[port.name] = port
-        self.endpoints[port.name] = tuple(sorted(eps, key=lambda e: e.key))
-        return port.name
-
-    def remove(self, name: ServicePortName) -> None:
-        del self.services[name]
-        self.endpoints.pop(name, None)
-
-    def snapshot(self) -> ProxySnapshot:
-        categorized = {
-            name: categorize_endpoints(self.endpoints.get(name, ()), svc, NODE, "")
-            for name, svc in self.services.items()
-        }
-        return ProxySnapshot(
-            self.family,
-            NodeInfo(NODE, addresses=(ip("192.168.0.2"), ip("192.168.1.2"))),
-            dict(self.services),
-            dict(self.endpoints),
-            categorized,
-            service_cidrs=self.service_cidrs,
-            node_port_addresses=self.node_port_addresses,
-            local_detector=self.detector,
-        )
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+    """An endpoint that is terminating when not ready."""
+    return snapshots.ep(addr, port, local=local, ready=ready, terminating=not ready)
 
 
 def backend(
@@ -107,14 +48,6 @@ def backend(
     return IptablesBackend(
         V4, config, executor=fake, clock=clock or Clock(), chains_per_restore=chains_per_restore
     )
-
-
-def full() -> SyncChanges:
-    return SyncChanges(full=True)
-
-
-def changed(*names: ServicePortName) -> SyncChanges:
-    return SyncChanges(full=False, changed_services=frozenset(n.service for n in names))
 
 
 def cip(n: int, **kw: object) -> ServicePort:

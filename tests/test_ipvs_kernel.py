@@ -19,7 +19,6 @@ import ipaddress
 import itertools
 import os
 import subprocess
-import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,13 +52,10 @@ from kubeproxy.objects import IPFamily, Protocol
 from kubeproxy.testing.cases import load_case_file
 from kubeproxy.testing.pytest import flow_test
 from kubeproxy.testing.runner import RunOptions, Status, run_case
+from tests.snapshots import NODE, ep
+from tests.test_ipvs_proxier import Kit, World, cluster_ip
 
 REPO = Path(__file__).resolve().parent.parent
-# Appended, never prepended: the repository root holds a cmd/ folder that must not
-# shadow the standard library's cmd.
-sys.path.append(str(REPO))
-
-from tests.test_ipvs_proxier import NODE, Kit, World, cluster_ip, ep  # noqa: E402
 
 pytestmark = pytest.mark.kernel
 

@@ -3,8 +3,8 @@ persistence, exclude CIDRs, failures, cleanup, and incremental == full (hypothes
 
 from __future__ import annotations
 
-import ipaddress
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kubeproxy.backend import NodePortAddresses, ProxySnapshot, SyncChanges, SyncError
+from kubeproxy.backend import NodePortAddresses, SyncChanges, SyncError
 from kubeproxy.backends.iptables.exec import IptablesError
 from kubeproxy.backends.iptables.fake import FakeIptables
 from kubeproxy.backends.ipvs import IPVSBackend
@@ -24,63 +24,31 @@ from kubeproxy.backends.ipvs.sysctls import FileSysctlApplier, ipvs_sysctls
 from kubeproxy.config import IPVSSettings, LocalDetectMode, LocalDetector, ProxierConfig
 from kubeproxy.objects import (
     Endpoint,
+    IPAddress,
     IPFamily,
+    IPNetwork,
     NamespacedName,
-    NodeInfo,
     Protocol,
     ServicePort,
     ServicePortName,
 )
-from kubeproxy.topology import categorize_endpoints
+from tests import snapshots
+from tests.snapshots import NODE, changed, ep, full, ip, net, spn
 
-ip = ipaddress.ip_address
-net = ipaddress.ip_network
-NODE = "test-node"
 NODE_IP = ip("192.168.0.2")
 CONFIG = ProxierConfig(node_name=NODE)
 V4 = IPFamily.IPV4
 
 
-def spn(name: str, port: str = "http", proto: Protocol = Protocol.TCP) -> ServicePortName:
-    return ServicePortName(NamespacedName("ns", name), port, proto)
-
-
-def ep(addr: str, port: int = 8080, *, local: bool = False) -> Endpoint:
-    return Endpoint(ip(addr), port, local)
-
-
 @dataclass
-class World:
-    family: IPFamily = V4
-    services: dict[ServicePortName, ServicePort] = field(default_factory=dict)
-    endpoints: dict[ServicePortName, tuple[Endpoint, ...]] = field(default_factory=dict)
-    node_port_addresses: NodePortAddresses = field(
-        default_factory=lambda: NodePortAddresses(addresses=(NODE_IP,))
+class World(snapshots.World):
+    """The node with one address per family, no local detector, no service CIDRs."""
+
+    detector: LocalDetector = field(default_factory=LocalDetector)
+    service_cidrs: tuple[IPNetwork, ...] = ()
+    node_addresses: Mapping[IPFamily, tuple[IPAddress, ...]] = field(
+        default_factory=lambda: {V4: (NODE_IP,), IPFamily.IPV6: (ip("2001:db8::2"),)}
     )
-
-    def add(self, port: ServicePort, *eps: Endpoint) -> ServicePortName:
-        self.services[port.name] = port
-        self.endpoints[port.name] = tuple(sorted(eps, key=lambda e: e.key))
-        return port.name
-
-    def remove(self, name: ServicePortName) -> None:
-        del self.services[name]
-        self.endpoints.pop(name, None)
-
-    def snapshot(self) -> ProxySnapshot:
-        addresses = (NODE_IP,) if self.family is V4 else (ip("2001:db8::2"),)
-        categorized = {
-            name: categorize_endpoints(self.endpoints.get(name, ()), svc, NODE, "")
-            for name, svc in self.services.items()
-        }
-        return ProxySnapshot(
-            self.family,
-            NodeInfo(NODE, addresses=addresses),
-            dict(self.services),
-            dict(self.endpoints),
-            categorized,
-            node_port_addresses=self.node_port_addresses,
-        )
 
 
 @dataclass
@@ -111,14 +79,6 @@ class Kit:
             if any(chain in line for chain in ours)
         ]
         return self.ipvs.dump(), addresses, self.ipsets.dump(), "\n".join(rules)
-
-
-def full() -> SyncChanges:
-    return SyncChanges(full=True)
-
-
-def changed(*names: ServicePortName) -> SyncChanges:
-    return SyncChanges(full=False, changed_services=frozenset(n.service for n in names))
 
 
 def cluster_ip(name: str, vip: str, port: int = 80, **kw: object) -> ServicePort:
@@ -526,7 +486,7 @@ def test_cleanup_removes_ours_and_leaves_foreign_chains_and_sets() -> None:
 
 # Property: incremental syncs reach exactly the state a fresh full sync writes --------------
 
-_NAMES = [spn(f"s{i}") for i in range(5)] + [spn("s0", "dns", Protocol.UDP)]
+_NAMES = [spn(f"s{i}") for i in range(5)] + [spn("s0", "dns", proto=Protocol.UDP)]
 _EPS = [f"10.180.{i}.{j}" for i in range(2) for j in range(1, 4)]
 
 

@@ -6,14 +6,14 @@ import difflib
 import ipaddress
 import logging
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kubeproxy.backend import NodePortAddresses, ProxySnapshot, SyncChanges, SyncError
+from kubeproxy.backend import NodePortAddresses, SyncChanges, SyncError
 from kubeproxy.backends.nftables import NftablesBackend, create_backend, render_transactions
 from kubeproxy.backends.nftables.fake import FakeNft
 from kubeproxy.backends.nftables.objects import Element, Family, NftError
@@ -23,91 +23,14 @@ from kubeproxy.objects import (
     Endpoint,
     IPFamily,
     NamespacedName,
-    NodeInfo,
     Protocol,
     ServicePort,
     ServicePortName,
 )
-from kubeproxy.topology import categorize_endpoints
+from tests.snapshots import NODE, V4_DETECTOR, Clock, World, changed, ep, full, ip, net, spn
 
-ip = ipaddress.ip_address
-net = ipaddress.ip_network
-NODE = "test-node"
-V4_DETECTOR = LocalDetector(LocalDetectMode.CLUSTER_CIDR, (net("10.0.0.0/8"),))
 V6_DETECTOR = LocalDetector(LocalDetectMode.CLUSTER_CIDR, (net("fd00:10::/64"),))
 CONFIG = ProxierConfig(node_name=NODE)
-
-
-def spn(
-    name: str, port: str = "http", ns: str = "ns", proto: Protocol = Protocol.TCP
-) -> ServicePortName:
-    return ServicePortName(NamespacedName(ns, name), port, proto)
-
-
-def ep(
-    addr: str,
-    port: int = 8080,
-    *,
-    local: bool = False,
-    ready: bool = True,
-    serving: bool = True,
-    terminating: bool = False,
-) -> Endpoint:
-    return Endpoint(ip(addr), port, local, ready, serving, terminating)
-
-
-@dataclass
-class World:
-    """Services and endpoints of one family; builds snapshots like the core does."""
-
-    family: IPFamily = IPFamily.IPV4
-    services: dict[ServicePortName, ServicePort] = field(default_factory=dict)
-    endpoints: dict[ServicePortName, tuple[Endpoint, ...]] = field(default_factory=dict)
-    node_port_addresses: NodePortAddresses = field(
-        default_factory=lambda: NodePortAddresses(addresses=(ip("192.168.0.2"),))
-    )
-    detector: LocalDetector = V4_DETECTOR
-    service_cidrs: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = (
-        net("172.30.0.0/16"),
-    )
-
-    def add(self, port: ServicePort, *eps: Endpoint) -> ServicePortName:
-        self.services[port.name] = port
-        self.endpoints[port.name] = tuple(sorted(eps, key=lambda e: e.key))
-        return port.name
-
-    def remove(self, name: ServicePortName) -> None:
-        del self.services[name]
-        self.endpoints.pop(name, None)
-
-    def snapshot(self) -> ProxySnapshot:
-        addresses = (
-            (ip("192.168.0.2"), ip("192.168.1.2"))
-            if self.family is IPFamily.IPV4
-            else (ip("2001:db8::1"),)
-        )
-        categorized = {
-            name: categorize_endpoints(self.endpoints.get(name, ()), svc, NODE, "")
-            for name, svc in self.services.items()
-        }
-        return ProxySnapshot(
-            self.family,
-            NodeInfo(NODE, addresses=addresses),
-            dict(self.services),
-            dict(self.endpoints),
-            categorized,
-            service_cidrs=self.service_cidrs,
-            node_port_addresses=self.node_port_addresses,
-            local_detector=self.detector,
-        )
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def backend(
@@ -124,14 +47,6 @@ def backend(
         clock=clock or Clock(),
         ports_per_transaction=ports_per_transaction,
     )
-
-
-def full() -> SyncChanges:
-    return SyncChanges(full=True)
-
-
-def changed(*names: ServicePortName) -> SyncChanges:
-    return SyncChanges(full=False, changed_services=frozenset(n.service for n in names))
 
 
 _HASH = re.compile(r"\b(service|local|external|firewall|group)-[A-Z2-7]{8}-")

@@ -1,0 +1,112 @@
+"""Snapshots for the backends' unit tests: a mutable set of Services and endpoints of one
+family (:class:`World`) that builds a :class:`~kubeproxy.backend.ProxySnapshot` the way
+the core does, and the small builders the proxier tests of every backend share.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from kubeproxy.backend import NodePortAddresses, ProxySnapshot, SyncChanges
+from kubeproxy.config import LocalDetectMode, LocalDetector
+from kubeproxy.objects import (
+    Endpoint,
+    IPAddress,
+    IPFamily,
+    IPNetwork,
+    NamespacedName,
+    NodeInfo,
+    Protocol,
+    ServicePort,
+    ServicePortName,
+)
+from kubeproxy.topology import categorize_endpoints
+
+ip = ipaddress.ip_address
+net = ipaddress.ip_network
+NODE = "test-node"
+V4_DETECTOR = LocalDetector(LocalDetectMode.CLUSTER_CIDR, (net("10.0.0.0/8"),))
+NODE_ADDRESSES: Mapping[IPFamily, tuple[IPAddress, ...]] = {
+    IPFamily.IPV4: (ip("192.168.0.2"), ip("192.168.1.2")),
+    IPFamily.IPV6: (ip("2001:db8::1"),),
+}
+
+
+def spn(
+    name: str, port: str = "http", ns: str = "ns", proto: Protocol = Protocol.TCP
+) -> ServicePortName:
+    return ServicePortName(NamespacedName(ns, name), port, proto)
+
+
+def ep(
+    addr: str,
+    port: int = 8080,
+    *,
+    local: bool = False,
+    ready: bool = True,
+    serving: bool = True,
+    terminating: bool = False,
+) -> Endpoint:
+    return Endpoint(ip(addr), port, local, ready, serving, terminating)
+
+
+@dataclass
+class World:
+    """Services and endpoints of one family; builds snapshots like the core does."""
+
+    family: IPFamily = IPFamily.IPV4
+    services: dict[ServicePortName, ServicePort] = field(default_factory=dict)
+    endpoints: dict[ServicePortName, tuple[Endpoint, ...]] = field(default_factory=dict)
+    node_port_addresses: NodePortAddresses = field(
+        default_factory=lambda: NodePortAddresses(addresses=(ip("192.168.0.2"),))
+    )
+    detector: LocalDetector = V4_DETECTOR
+    service_cidrs: tuple[IPNetwork, ...] = (net("172.30.0.0/16"),)
+    node_addresses: Mapping[IPFamily, tuple[IPAddress, ...]] = field(
+        default_factory=lambda: dict(NODE_ADDRESSES)
+    )
+
+    def add(self, port: ServicePort, *eps: Endpoint) -> ServicePortName:
+        self.services[port.name] = port
+        self.endpoints[port.name] = tuple(sorted(eps, key=lambda e: e.key))
+        return port.name
+
+    def remove(self, name: ServicePortName) -> None:
+        del self.services[name]
+        self.endpoints.pop(name, None)
+
+    def snapshot(self) -> ProxySnapshot:
+        categorized = {
+            name: categorize_endpoints(self.endpoints.get(name, ()), svc, NODE, "")
+            for name, svc in self.services.items()
+        }
+        return ProxySnapshot(
+            self.family,
+            NodeInfo(NODE, addresses=self.node_addresses[self.family]),
+            dict(self.services),
+            dict(self.endpoints),
+            categorized,
+            service_cidrs=self.service_cidrs,
+            node_port_addresses=self.node_port_addresses,
+            local_detector=self.detector,
+        )
+
+
+class Clock:
+    """A settable clock for a backend's ``clock`` argument."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def full() -> SyncChanges:
+    return SyncChanges(full=True)
+
+
+def changed(*names: ServicePortName) -> SyncChanges:
+    return SyncChanges(full=False, changed_services=frozenset(n.service for n in names))
