@@ -132,20 +132,18 @@ def _dataplane_plot(records: Sequence[Record], path: Path) -> bool:
         )
         if not points:
             continue
-        sizes = [p[0] for p in points]
+        xs = [p[0] for p in points]
         ax.plot(
-            sizes,
+            xs,
             [p[1] for p in points],
             "-",
             color=color,
             marker=marker,
             label=f"{_label(subject)}: p50",
         )
-        ax.fill_between(
-            sizes, [p[1] for p in points], [p[2] for p in points], color=color, alpha=0.15
-        )
+        ax.fill_between(xs, [p[1] for p in points], [p[2] for p in points], color=color, alpha=0.15)
         ax.plot(
-            sizes,
+            xs,
             [p[3] for p in points],
             ":",
             color=color,
@@ -153,19 +151,14 @@ def _dataplane_plot(records: Sequence[Record], path: Path) -> bool:
             markerfacecolor="none",
             label=f"{_label(subject)}: p99",
         )
-    direct = sorted(
-        (r["services"], r["p50_us"])
-        for r in latencies
-        if r["case"] == "direct" and r["subject"] == SUBJECT_ORDER[0]
-    )
-    if direct:
-        ax.plot(
-            [d[0] for d in direct],
-            [d[1] for d in direct],
-            "-",
+    base = [r for r in latencies if r["subject"] == NO_RULES and r["case"] == "direct"]
+    if base:
+        ax.axhline(
+            base[-1]["p50_us"],
             color="black",
             alpha=0.5,
-            label="bare endpoint, no DNAT: p50",
+            linestyle="--",
+            label="no rules at all, straight to an endpoint: p50",
         )
     ax.set_ylabel("TCP connect time, microseconds (shaded: p50 to p90)")
     ax.set_ylim(bottom=0)
