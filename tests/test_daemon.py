@@ -14,15 +14,12 @@ import dataclasses
 import ipaddress
 import json
 import logging
-import os
 import socket
 import threading
 import time
 import urllib.error
 import urllib.request
-import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -56,14 +53,8 @@ from kubeproxy.proxier import DualStackProxier, Proxier
 from kubeproxy.sources import KubernetesSource
 from kubeproxy.sysctl import conntrack_max, detect_cpus
 from kubeproxy.testing.fakeapi import FakeAPIServer, endpoint_slice, node, service
-from kubeproxy.testing.netns import (
-    SubprocessRunner,
-    add_namespaces,
-    delete_namespaces,
-    entered,
-    open_namespace,
-)
 from kubeproxy.testing.traffic import ListenerServer, make_listener
+from tests.kernelkit import NodeAndPod, answered_by, node_and_pod
 
 PROG = "kube-proxy-nftables"
 NODE = "kpxe-node"
@@ -225,60 +216,12 @@ def running(daemon: Daemon) -> Iterator[Daemon]:
 # --- the kernel test ----------------------------------------------------------------------
 
 
-@dataclass
-class Namespaces:
-    node: str
-    pod: str
-    node_fd: int
-    pod_fd: int
-
-
 @pytest.fixture
-def namespaces() -> Iterator[Namespaces]:
+def namespaces() -> Iterator[NodeAndPod]:
     """A node namespace (node IP on lo, 10.244.0.1 towards the pods) and a pod namespace
     holding both endpoint IPs; a route sends Service IPs towards the pods."""
-    run_id = uuid.uuid4().hex[:6]
-    names = [f"kpxe-{run_id}-node", f"kpxe-{run_id}-pod"]
-    node_if, pod_if = f"kpxe{run_id}n", f"kpxe{run_id}p"
-    runner = SubprocessRunner()
-    fds: list[int] = []
-    try:
-        add_namespaces(runner, names)
-        runner(
-            ["ip", "-n", names[0], "-batch", "-"],
-            stdin=f"link set lo up\naddr add {NODE_IP}/32 dev lo\n"
-            f"link add {node_if} type veth peer name {pod_if} netns {names[1]}\n"
-            f"addr add 10.244.0.1/24 dev {node_if}\nlink set {node_if} up\n"
-            f"route add 172.30.0.0/16 dev {node_if}\n",
-        )
-        runner(
-            ["ip", "-n", names[1], "-batch", "-"],
-            stdin=f"link set lo up\naddr add {EP1}/24 dev {pod_if}\n"
-            f"addr add {EP2}/24 dev {pod_if}\nlink set {pod_if} up\n"
-            "route add default via 10.244.0.1\n",
-        )
-        fds = [open_namespace(names[0]), open_namespace(names[1])]
-        yield Namespaces(names[0], names[1], fds[0], fds[1])
-    finally:
-        for fd in fds:
-            os.close(fd)
-        left = delete_namespaces(runner, names)
-        assert not left, f"namespaces left behind: {left}"
-
-
-def connect(netns_fd: int, ip: str, port: int = 80) -> str | None:
-    """Open a TCP connection from the node namespace; the endpoint that answered."""
-    with entered(netns_fd):
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    with sock:
-        sock.settimeout(1.0)
-        try:
-            sock.connect((ip, port))
-            reply = sock.recv(256)
-        except OSError:
-            return None
-    parts = reply.split()
-    return parts[1].decode() if len(parts) == 3 else None
+    with node_and_pod("kpxe", NODE_IP, (EP1, EP2)) as pair:
+        yield pair
 
 
 class Kernel:
@@ -330,7 +273,7 @@ def proxied_endpoints(proxier: Proxier) -> dict[str, list[str]]:
 
 
 @pytest.mark.kernel
-def test_daemon_end_to_end(namespaces: Namespaces, fake: FakeAPIServer, tmp_path: Path) -> None:
+def test_daemon_end_to_end(namespaces: NodeAndPod, fake: FakeAPIServer, tmp_path: Path) -> None:
     started = time.monotonic()
     fake.apply(node(NODE, addresses=[NODE_IP]))
     fake.apply(service("web", cluster_ip="172.30.0.10"))
@@ -372,13 +315,13 @@ def test_daemon_end_to_end(namespaces: Namespaces, fake: FakeAPIServer, tmp_path
         daemon.start()
         proxier = daemon.proxiers[IPFamily.IPV4]
         wait_for(lambda: kernel.service_ips() == expected_service_ips(fake), "initial rules")
-        assert connect(namespaces.node_fd, "172.30.0.10") == f"{EP1}:8080"
-        assert connect(namespaces.node_fd, "172.30.0.20") == f"{EP2}:8080"
+        assert answered_by(namespaces.node_fd, "172.30.0.10") == f"{EP1}:8080"
+        assert answered_by(namespaces.node_fd, "172.30.0.20") == f"{EP2}:8080"
         assert gc_calls == ["collect", "freeze", "threshold 20000 10 10"]
 
         # A change on the server reaches the kernel, and packets follow it.
         fake.apply(slice_of("web-a", "web", EP2))
-        wait_for(lambda: connect(namespaces.node_fd, "172.30.0.10") == f"{EP2}:8080", "EP2")
+        wait_for(lambda: answered_by(namespaces.node_fd, "172.30.0.10") == f"{EP2}:8080", "EP2")
 
         # /healthz, /livez, /metrics and /proxyMode on 127.0.0.1.
         code, headers, body = get(daemon.health_server.port, "/healthz")
@@ -454,8 +397,8 @@ def test_daemon_end_to_end(namespaces: Namespaces, fake: FakeAPIServer, tmp_path
             "default/api2:http": [f"{EP2}:8080"],
             "default/web:http": [f"{EP1}:8080", f"{EP2}:8080"],
         }
-        assert connect(namespaces.node_fd, "172.30.0.12") == f"{EP2}:8080"
-        assert connect(namespaces.node_fd, "172.30.0.11") is None
+        assert answered_by(namespaces.node_fd, "172.30.0.12") == f"{EP2}:8080"
+        assert answered_by(namespaces.node_fd, "172.30.0.11") is None
         assert exits == [], "the node watcher asked to exit"
 
         # Stopping closes the servers, joins the threads and leaves the rules in place.
@@ -468,7 +411,7 @@ def test_daemon_end_to_end(namespaces: Namespaces, fake: FakeAPIServer, tmp_path
         ]
         assert leftover == []
         assert kernel.service_ips() == expected_service_ips(fake)
-        assert connect(namespaces.node_fd, "172.30.0.12") == f"{EP2}:8080"
+        assert answered_by(namespaces.node_fd, "172.30.0.12") == f"{EP2}:8080"
 
         # The cleanup removes our table and nothing else.
         nftables.cleanup(netns=namespaces.node)

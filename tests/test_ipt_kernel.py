@@ -19,13 +19,8 @@ import os
 import re
 import socket
 import subprocess
-import sys
-import threading
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 
@@ -37,7 +32,7 @@ from kubeproxy.backends.iptables import (
 )
 from kubeproxy.backends.iptables.exec import IptablesCommands, IptablesVariant
 from kubeproxy.backends.iptables.naming import endpoint_chain
-from kubeproxy.config import LocalDetectMode, LocalDetector, ProxierConfig
+from kubeproxy.config import ProxierConfig
 from kubeproxy.objects import (
     CategorizedEndpoints,
     Endpoint,
@@ -48,12 +43,19 @@ from kubeproxy.objects import (
     ServicePort,
     ServicePortName,
 )
-from kubeproxy.testing.netns import entered, open_namespace
 from kubeproxy.testing.pytest import flow_test
+from tests.kernelkit import (
+    Topology,
+    assert_restart_keeps_connections,
+    client_node_server,
+    echo_port_name,
+    echo_snapshot,
+    ip,
+    run_in,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = ProxierConfig(node_name="kpxib-node")
-T = TypeVar("T")
 
 pytestmark = pytest.mark.kernel
 
@@ -72,24 +74,10 @@ test_flow_cases_legacy = flow_test(
 )
 
 
-# Namespaces ------------------------------------------------------------------------------
+# Namespaces and snapshots ----------------------------------------------------------------
 
-
-def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
-
-
-def run_in(netns: str, *argv: str, stdin: str | None = None) -> str:
-    done = subprocess.run(
-        ["ip", "netns", "exec", netns, *argv],
-        input=stdin,
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return done.stdout
-
-
+PREFIX = "kpxib"
+TARGET = echo_port_name(PREFIX)
 _COUNTERS = re.compile(r"\[\d+:\d+\]")
 
 
@@ -101,58 +89,9 @@ def saved(netns: str, variant: str = "nft", family: str = "iptables") -> str:
     )
 
 
-@dataclass
-class Topology:
-    """client (10.0.0.2) -- node -- server (10.180.0.10, echo on 8080)."""
-
-    node: str
-    client: str
-    server: str
-    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
-
-    def in_namespace(self, netns: str, fn: Callable[[], T]) -> T:
-        """Run ``fn`` in a thread that has entered ``netns``; return its result."""
-        result: list[T] = []
-        errors: list[BaseException] = []
-
-        def run() -> None:
-            fd = open_namespace(netns)
-            try:
-                with entered(fd):
-                    result.append(fn())
-            except BaseException as err:  # re-raised in the caller
-                errors.append(err)
-            finally:
-                os.close(fd)
-
-        thread = threading.Thread(target=run)
-        thread.start()
-        thread.join()
-        if errors:
-            raise errors[0]
-        return result[0]
-
-
-ECHO_SERVER = """
-import socket, threading
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("0.0.0.0", 8080)); s.listen(512)
-def serve(c):
-    with c:
-        while True:
-            data = c.recv(4096)
-            if not data:
-                return
-            c.sendall(data)
-while True:
-    c, _ = s.accept()
-    threading.Thread(target=serve, args=(c,), daemon=True).start()
-"""
-
-
 @pytest.fixture
 def netns() -> Iterator[str]:
-    name = f"kpxib-{os.getpid()}-bare"
+    name = f"{PREFIX}-{os.getpid()}-bare"
     try:
         ip("netns", "add", name)
         yield name
@@ -162,95 +101,13 @@ def netns() -> Iterator[str]:
 
 @pytest.fixture
 def topology() -> Iterator[Topology]:
-    prefix = f"kpxib-{os.getpid()}"
-    topo = Topology(f"{prefix}-node", f"{prefix}-cli", f"{prefix}-srv")
-    names = [topo.node, topo.client, topo.server]
-    try:
-        for name in names:
-            ip("netns", "add", name)
-            ip("-n", name, "link", "set", "lo", "up")
-        ip("-n", topo.node, "link", "add", "kpxib-c", "type", "veth", "peer", "name", "eth0",
-           "netns", topo.client)  # fmt: skip
-        ip("-n", topo.node, "link", "add", "kpxib-s", "type", "veth", "peer", "name", "eth0",
-           "netns", topo.server)  # fmt: skip
-        for link, addr in (("kpxib-c", "10.0.0.1/24"), ("kpxib-s", "10.180.0.1/24")):
-            ip("-n", topo.node, "addr", "add", addr, "dev", link)
-            ip("-n", topo.node, "link", "set", link, "up")
-        for name, addr, gateway in (
-            (topo.client, "10.0.0.2/24", "10.0.0.1"),
-            (topo.server, "10.180.0.10/24", "10.180.0.1"),
-        ):
-            ip("-n", name, "addr", "add", addr, "dev", "eth0")
-            ip("-n", name, "link", "set", "eth0", "up")
-            ip("-n", name, "route", "add", "default", "via", gateway)
-        run_in(topo.node, "sysctl", "-qw", "net.ipv4.ip_forward=1")
-        server = subprocess.Popen(
-            ["ip", "netns", "exec", topo.server, sys.executable, "-c", ECHO_SERVER],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        topo.processes.append(server)
-        _wait_for_server(topo)
+    with client_node_server(PREFIX) as topo:
         yield topo
-    finally:
-        for process in topo.processes:
-            process.kill()
-            process.wait()
-        for name in names:
-            subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
-
-
-def _wait_for_server(topo: Topology) -> None:
-    def probe() -> bool:
-        for _ in range(100):
-            try:
-                with socket.create_connection(("10.180.0.10", 8080), timeout=0.2):
-                    return True
-            except OSError:
-                time.sleep(0.05)
-        return False
-
-    assert topo.in_namespace(topo.node, probe), "echo server did not come up"
-
-
-# Snapshots -------------------------------------------------------------------------------
-
-TARGET = ServicePortName(NamespacedName("kpxib", "echo"), "tcp", Protocol.TCP)
 
 
 def snapshot(extra: int, offset: int = 0, *, target_endpoints: int = 1) -> ProxySnapshot:
     """The echo Service (172.30.0.10:80 -> 10.180.0.10:8080) plus ``extra`` others."""
-    services: dict[ServicePortName, ServicePort] = {}
-    endpoints: dict[ServicePortName, tuple[Endpoint, ...]] = {}
-    categorized: dict[ServicePortName, CategorizedEndpoints] = {}
-
-    def add(port: ServicePort, eps: tuple[Endpoint, ...]) -> None:
-        services[port.name] = port
-        endpoints[port.name] = eps
-        categorized[port.name] = CategorizedEndpoints(eps, (), eps, bool(eps))
-
-    echo: tuple[Endpoint, ...] = (Endpoint(ipaddress.ip_address("10.180.0.10"), 8080),)
-    if target_endpoints > 1:
-        echo += (Endpoint(ipaddress.ip_address("10.180.0.11"), 8080),)
-    add(ServicePort(TARGET, ipaddress.ip_address("172.30.0.10"), 80, Protocol.TCP), echo)
-    for index in range(offset, offset + extra):
-        name = ServicePortName(NamespacedName("bulk", f"s{index}"), "http", Protocol.TCP)
-        eps = tuple(
-            Endpoint(ipaddress.ip_address(0x0AB50000 + index * 4 + k), 8080) for k in range(3)
-        )
-        add(ServicePort(name, ipaddress.ip_address(0xAC1E1000 + index), 80, Protocol.TCP), eps)
-    return ProxySnapshot(
-        IPFamily.IPV4,
-        NodeInfo("kpxib-node", addresses=(ipaddress.ip_address("10.0.0.1"),)),
-        services,
-        endpoints,
-        categorized,
-        service_cidrs=(ipaddress.ip_network("172.30.0.0/16"),),
-        node_port_addresses=NodePortAddresses(addresses=(ipaddress.ip_address("10.0.0.1"),)),
-        local_detector=LocalDetector(
-            LocalDetectMode.CLUSTER_CIDR, (ipaddress.ip_network("10.0.0.0/8"),)
-        ),
-    )
+    return echo_snapshot(PREFIX, extra, offset, target_endpoints=target_endpoints)
 
 
 def v6_snapshot() -> ProxySnapshot:
@@ -283,58 +140,13 @@ def test_restart_keeps_connections_and_serves_new_ones(topology: Topology) -> No
     assert first._executor.variant is IptablesVariant.NFT  # a fresh namespace's default
     first.sync(snapshot(300), full())
 
-    def open_established() -> socket.socket:
-        sock = socket.create_connection(("172.30.0.10", 80), timeout=2)
-        sock.sendall(b"before\n")
-        assert sock.recv(64) == b"before\n"
-        return sock
-
-    established = topology.in_namespace(topology.client, open_established)
-    stop = threading.Event()
-    results = {"ok": 0, "failed": 0}
-    errors: list[str] = []
-
-    def connect_loop() -> None:
-        while not stop.is_set():
-            try:
-                with socket.create_connection(("172.30.0.10", 80), timeout=1) as sock:
-                    sock.sendall(b"x")
-                    if sock.recv(8) != b"x":
-                        raise OSError("wrong echo")
-                results["ok"] += 1
-            except OSError as err:
-                results["failed"] += 1
-                errors.append(str(err))
-            time.sleep(0.002)
-
-    fd = open_namespace(topology.client)
-
-    def loop_in_client() -> None:
-        with entered(fd):
-            connect_loop()
-
-    looper = threading.Thread(target=loop_in_client)
-    looper.start()
-    try:
-        time.sleep(0.2)
-        before = results["ok"]
+    def restart() -> None:
         # A new process: the same rules, now with many more Services, stale ones to delete
         # and every chain rewritten.
         second = create_backend(IPFamily.IPV4, CONFIG, netns=topology.node)
-        started = time.monotonic()
         second.sync(snapshot(2000, offset=100), full())
-        took = time.monotonic() - started
-        during = results["ok"] - before
-        time.sleep(0.2)
-    finally:
-        stop.set()
-        looper.join()
-        os.close(fd)
-    established.sendall(b"after\n")
-    assert established.recv(64) == b"after\n"
-    established.close()
-    assert results["failed"] == 0, errors[:5]
-    assert during > 0, f"no connection completed during the {took:.2f}s restart sync"
+
+    assert_restart_keeps_connections(topology, restart)
     nat = saved(topology.node)
     assert "KUBE-SVC-" in nat
     stale = ServicePortName(NamespacedName("bulk", "s0"), "http", Protocol.TCP)

@@ -16,12 +16,9 @@ address stand in for an ipvs node), which must not fail for want of IP_VS.
 from __future__ import annotations
 
 import ipaddress
-import os
 import shutil
-import socket
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,14 +29,9 @@ from kubeproxy.cmd.modes import MODES
 from kubeproxy.config import ProxierConfig
 from kubeproxy.objects import IPFamily, NodeInfo, Protocol
 from kubeproxy.proxier import Proxier
-from kubeproxy.testing.netns import (
-    SubprocessRunner,
-    add_namespaces,
-    delete_namespaces,
-    entered,
-    open_namespace,
-)
 from kubeproxy.testing.traffic import ListenerServer, make_listener
+from tests import kernelkit
+from tests.kernelkit import node_and_pod
 
 pytestmark = pytest.mark.kernel
 
@@ -65,53 +57,22 @@ class Node:
 
 @pytest.fixture
 def node() -> Iterator[Node]:
-    run_id = uuid.uuid4().hex[:6]
-    names = [f"kpxm-{run_id}-node", f"kpxm-{run_id}-pod"]
-    node_if, pod_if = f"kpxm{run_id}n", f"kpxm{run_id}p"
-    runner = SubprocessRunner()
-    fds: list[int] = []
-    listeners = ListenerServer("kpxm-listeners")
-    try:
-        add_namespaces(runner, names)
-        runner(
-            ["ip", "-n", names[0], "-batch", "-"],
-            stdin=f"link set lo up\naddr add {NODE_IP}/32 dev lo\n"
-            f"link add {node_if} type veth peer name {pod_if} netns {names[1]}\n"
-            f"addr add 10.244.0.1/24 dev {node_if}\nlink set {node_if} up\n"
-            f"route add 172.30.0.0/16 dev {node_if}\n",
-        )
-        runner(
-            ["ip", "-n", names[1], "-batch", "-"],
-            stdin=f"link set lo up\naddr add {EP1}/24 dev {pod_if}\n"
-            f"addr add {EP2}/24 dev {pod_if}\nlink set {pod_if} up\n"
-            "route add default via 10.244.0.1\n",
-        )
-        fds = [open_namespace(names[0]), open_namespace(names[1])]
-        for ip in (EP1, EP2):
-            listeners.add(make_listener(fds[1], ipaddress.ip_address(ip), 8080, Protocol.TCP))
-        listeners.start()
-        yield Node(names[0], fds[0])
-    finally:
-        listeners.close()
-        for fd in fds:
-            os.close(fd)
-        left = delete_namespaces(runner, names)
-        assert not left, f"namespaces left behind: {left}"
+    with node_and_pod("kpxm", NODE_IP, (EP1, EP2)) as pair:
+        listeners = ListenerServer("kpxm-listeners")
+        try:
+            for ip in (EP1, EP2):
+                listeners.add(
+                    make_listener(pair.pod_fd, ipaddress.ip_address(ip), 8080, Protocol.TCP)
+                )
+            listeners.start()
+            yield Node(pair.node, pair.node_fd)
+        finally:
+            listeners.close()
 
 
 def answered_by(node: Node, ip: str = WEB, port: int = 80) -> str | None:
     """Connect from the node namespace; the endpoint that answered (None: nobody)."""
-    with entered(node.fd):
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    with sock:
-        sock.settimeout(1.0)
-        try:
-            sock.connect((ip, port))
-            reply = sock.recv(256)
-        except OSError:
-            return None
-    parts = reply.split()
-    return parts[1].decode() if len(parts) == 3 else None
+    return kernelkit.answered_by(node.fd, ip, port)
 
 
 def proxied(node: Node) -> set[str]:

@@ -13,23 +13,16 @@ Namespaces are named ``kpxr-<pid>-<role>`` and deleted whatever happens.
 from __future__ import annotations
 
 import ipaddress
-import os
 import socket
-import subprocess
-import sys
-import threading
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 
-from kubeproxy.backend import NodePortAddresses, ProxySnapshot, SyncChanges, SyncError
+from kubeproxy.backend import ProxySnapshot, SyncChanges, SyncError
 from kubeproxy.backends.nftables import NftablesBackend, cleanup, create_backend
 from kubeproxy.backends.nftables.exec import LibNftables
-from kubeproxy.config import LocalDetectMode, LocalDetector, ProxierConfig
+from kubeproxy.config import ProxierConfig
 from kubeproxy.objects import (
     CategorizedEndpoints,
     Endpoint,
@@ -40,12 +33,18 @@ from kubeproxy.objects import (
     ServicePort,
     ServicePortName,
 )
-from kubeproxy.testing.netns import entered, open_namespace
 from kubeproxy.testing.pytest import flow_test
+from tests.kernelkit import (
+    Topology,
+    assert_restart_keeps_connections,
+    client_node_server,
+    echo_port_name,
+    echo_snapshot,
+    run_in,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = ProxierConfig(node_name="kpxr-node")
-T = TypeVar("T")
 
 pytestmark = pytest.mark.kernel
 
@@ -57,167 +56,25 @@ test_flow_cases = flow_test(
 )
 
 
-# Namespaces ------------------------------------------------------------------------------
+# Namespaces and snapshots ----------------------------------------------------------------
 
-
-def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+PREFIX = "kpxr"
+TARGET = echo_port_name(PREFIX)
 
 
 def nft_in(netns: str, *args: str, stdin: str | None = None) -> str:
-    done = subprocess.run(
-        ["ip", "netns", "exec", netns, "nft", *args],
-        input=stdin,
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return done.stdout
-
-
-@dataclass
-class Topology:
-    """client (10.0.0.2) -- node -- server (10.180.0.10, echo on 8080)."""
-
-    node: str
-    client: str
-    server: str
-    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
-
-    def in_namespace(self, netns: str, fn: Callable[[], T]) -> T:
-        """Run ``fn`` in a thread that has entered ``netns``; return its result."""
-        result: list[T] = []
-        errors: list[BaseException] = []
-
-        def run() -> None:
-            fd = open_namespace(netns)
-            try:
-                with entered(fd):
-                    result.append(fn())
-            except BaseException as err:  # re-raised in the caller
-                errors.append(err)
-            finally:
-                os.close(fd)
-
-        thread = threading.Thread(target=run)
-        thread.start()
-        thread.join()
-        if errors:
-            raise errors[0]
-        return result[0]
-
-
-ECHO_SERVER = """
-import socket, threading
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("0.0.0.0", 8080)); s.listen(512)
-def serve(c):
-    with c:
-        while True:
-            data = c.recv(4096)
-            if not data:
-                return
-            c.sendall(data)
-while True:
-    c, _ = s.accept()
-    threading.Thread(target=serve, args=(c,), daemon=True).start()
-"""
+    return run_in(netns, "nft", *args, stdin=stdin)
 
 
 @pytest.fixture
 def topology() -> Iterator[Topology]:
-    prefix = f"kpxr-{os.getpid()}"
-    topo = Topology(f"{prefix}-node", f"{prefix}-cli", f"{prefix}-srv")
-    names = [topo.node, topo.client, topo.server]
-    try:
-        for name in names:
-            ip("netns", "add", name)
-            ip("-n", name, "link", "set", "lo", "up")
-        ip("-n", topo.node, "link", "add", "kpxr-c", "type", "veth", "peer", "name", "eth0",
-           "netns", topo.client)  # fmt: skip
-        ip("-n", topo.node, "link", "add", "kpxr-s", "type", "veth", "peer", "name", "eth0",
-           "netns", topo.server)  # fmt: skip
-        for link, addr in (("kpxr-c", "10.0.0.1/24"), ("kpxr-s", "10.180.0.1/24")):
-            ip("-n", topo.node, "addr", "add", addr, "dev", link)
-            ip("-n", topo.node, "link", "set", link, "up")
-        for name, addr, gateway in (
-            (topo.client, "10.0.0.2/24", "10.0.0.1"),
-            (topo.server, "10.180.0.10/24", "10.180.0.1"),
-        ):
-            ip("-n", name, "addr", "add", addr, "dev", "eth0")
-            ip("-n", name, "link", "set", "eth0", "up")
-            ip("-n", name, "route", "add", "default", "via", gateway)
-        subprocess.run(
-            ["ip", "netns", "exec", topo.node, "sysctl", "-qw", "net.ipv4.ip_forward=1"],
-            check=True,
-        )
-        server = subprocess.Popen(
-            ["ip", "netns", "exec", topo.server, sys.executable, "-c", ECHO_SERVER],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        topo.processes.append(server)
-        _wait_for_server(topo)
+    with client_node_server(PREFIX) as topo:
         yield topo
-    finally:
-        for process in topo.processes:
-            process.kill()
-            process.wait()
-        for name in names:
-            subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
-
-
-def _wait_for_server(topo: Topology) -> None:
-    def probe() -> bool:
-        for _ in range(100):
-            try:
-                with socket.create_connection(("10.180.0.10", 8080), timeout=0.2):
-                    return True
-            except OSError:
-                time.sleep(0.05)
-        return False
-
-    assert topo.in_namespace(topo.node, probe), "echo server did not come up"
-
-
-# Snapshots -------------------------------------------------------------------------------
-
-TARGET = ServicePortName(NamespacedName("kpxr", "echo"), "tcp", Protocol.TCP)
 
 
 def snapshot(extra: int, offset: int = 0) -> ProxySnapshot:
     """The echo Service (172.30.0.10:80 -> 10.180.0.10:8080) plus ``extra`` others."""
-    services: dict[ServicePortName, ServicePort] = {}
-    endpoints: dict[ServicePortName, tuple[Endpoint, ...]] = {}
-    categorized: dict[ServicePortName, CategorizedEndpoints] = {}
-
-    def add(port: ServicePort, eps: tuple[Endpoint, ...]) -> None:
-        services[port.name] = port
-        endpoints[port.name] = eps
-        categorized[port.name] = CategorizedEndpoints(eps, (), eps, bool(eps))
-
-    add(
-        ServicePort(TARGET, ipaddress.ip_address("172.30.0.10"), 80, Protocol.TCP),
-        (Endpoint(ipaddress.ip_address("10.180.0.10"), 8080),),
-    )
-    for index in range(offset, offset + extra):
-        name = ServicePortName(NamespacedName("bulk", f"s{index}"), "http", Protocol.TCP)
-        eps = tuple(
-            Endpoint(ipaddress.ip_address(0x0AB50000 + index * 4 + k), 8080) for k in range(3)
-        )
-        add(ServicePort(name, ipaddress.ip_address(0xAC1E1000 + index), 80, Protocol.TCP), eps)
-    return ProxySnapshot(
-        IPFamily.IPV4,
-        NodeInfo("kpxr-node", addresses=(ipaddress.ip_address("10.0.0.1"),)),
-        services,
-        endpoints,
-        categorized,
-        service_cidrs=(ipaddress.ip_network("172.30.0.0/16"),),
-        node_port_addresses=NodePortAddresses(addresses=(ipaddress.ip_address("10.0.0.1"),)),
-        local_detector=LocalDetector(
-            LocalDetectMode.CLUSTER_CIDR, (ipaddress.ip_network("10.0.0.0/8"),)
-        ),
-    )
+    return echo_snapshot(PREFIX, extra, offset)
 
 
 def full() -> SyncChanges:
@@ -231,59 +88,14 @@ def test_restart_keeps_connections_and_serves_new_ones(topology: Topology) -> No
     first = create_backend(IPFamily.IPV4, CONFIG, netns=topology.node)
     first.sync(snapshot(300), full())
 
-    def open_established() -> socket.socket:
-        sock = socket.create_connection(("172.30.0.10", 80), timeout=2)
-        sock.sendall(b"before\n")
-        assert sock.recv(64) == b"before\n"
-        return sock
-
-    established = topology.in_namespace(topology.client, open_established)
-    stop = threading.Event()
-    results = {"ok": 0, "failed": 0}
-    errors: list[str] = []
-
-    def connect_loop() -> None:
-        while not stop.is_set():
-            try:
-                with socket.create_connection(("172.30.0.10", 80), timeout=1) as sock:
-                    sock.sendall(b"x")
-                    if sock.recv(8) != b"x":
-                        raise OSError("wrong echo")
-                results["ok"] += 1
-            except OSError as err:
-                results["failed"] += 1
-                errors.append(str(err))
-            time.sleep(0.002)
-
-    fd = open_namespace(topology.client)
-
-    def loop_in_client() -> None:
-        with entered(fd):
-            connect_loop()
-
-    looper = threading.Thread(target=loop_in_client)
-    looper.start()
-    try:
-        time.sleep(0.2)
-        before = results["ok"]
+    def restart() -> None:
         # A new process: the same table, now with thousands more Services to add (several
         # transactions), and the fixed chains rewritten.
         second = create_backend(IPFamily.IPV4, CONFIG, netns=topology.node)
-        started = time.monotonic()
         second.sync(snapshot(4000), full())
-        took = time.monotonic() - started
         assert second.last_transactions >= 2
-        during = results["ok"] - before
-        time.sleep(0.2)
-    finally:
-        stop.set()
-        looper.join()
-        os.close(fd)
-    established.sendall(b"after\n")
-    assert established.recv(64) == b"after\n"
-    established.close()
-    assert results["failed"] == 0, errors[:5]
-    assert during > 0, f"no connection completed during the {took:.2f}s restart sync"
+
+    assert_restart_keeps_connections(topology, restart)
 
 
 # Foreign tables and cleanup --------------------------------------------------------------

@@ -1,0 +1,340 @@
+"""Namespaces, connections and snapshots for the kernel tests of several backends.
+
+* :func:`client_node_server`: three namespaces, ``client (10.0.0.2) -- node -- server
+  (10.180.0.10, an echo server on 8080)``, the node routing between them;
+  :func:`echo_snapshot` proxies ClusterIP 172.30.0.10:80 to that server (plus bulk
+  Services), and :func:`assert_restart_keeps_connections` checks a backend restart
+  against live traffic through it;
+* :func:`node_and_pod`: a node namespace (node IP on lo) and a pod namespace holding two
+  endpoint IPs, the Service range routed towards the pods; :func:`answered_by` connects
+  from the node and says which endpoint answered.
+
+Every namespace is named ``<prefix>-...`` (each test file passes its own prefix) and
+deleted whatever happens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from kubeproxy.backend import NodePortAddresses, ProxySnapshot
+from kubeproxy.config import LocalDetectMode, LocalDetector
+from kubeproxy.objects import (
+    CategorizedEndpoints,
+    Endpoint,
+    IPFamily,
+    NamespacedName,
+    NodeInfo,
+    Protocol,
+    ServicePort,
+    ServicePortName,
+)
+from kubeproxy.testing.netns import (
+    SubprocessRunner,
+    add_namespaces,
+    delete_namespaces,
+    entered,
+    open_namespace,
+)
+
+T = TypeVar("T")
+
+ECHO_VIP, ECHO_SERVER_IP = "172.30.0.10", "10.180.0.10"
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+def run_in(netns: str, *argv: str, stdin: str | None = None) -> str:
+    done = subprocess.run(
+        ["ip", "netns", "exec", netns, *argv],
+        input=stdin,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return done.stdout
+
+
+# client -- node -- server ----------------------------------------------------------------
+
+
+@dataclass
+class Topology:
+    """client (10.0.0.2) -- node -- server (10.180.0.10, echo on 8080)."""
+
+    node: str
+    client: str
+    server: str
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def in_namespace(self, netns: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` in a thread that has entered ``netns``; return its result."""
+        result: list[T] = []
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            fd = open_namespace(netns)
+            try:
+                with entered(fd):
+                    result.append(fn())
+            except BaseException as err:  # re-raised in the caller
+                errors.append(err)
+            finally:
+                os.close(fd)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+        if errors:
+            raise errors[0]
+        return result[0]
+
+
+ECHO_SERVER = """
+import socket, threading
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", 8080)); s.listen(512)
+def serve(c):
+    with c:
+        while True:
+            data = c.recv(4096)
+            if not data:
+                return
+            c.sendall(data)
+while True:
+    c, _ = s.accept()
+    threading.Thread(target=serve, args=(c,), daemon=True).start()
+"""
+
+
+@contextlib.contextmanager
+def client_node_server(prefix: str) -> Iterator[Topology]:
+    """The three namespaces ``<prefix>-<pid>-node|cli|srv``, the echo server running."""
+    names_prefix = f"{prefix}-{os.getpid()}"
+    topo = Topology(f"{names_prefix}-node", f"{names_prefix}-cli", f"{names_prefix}-srv")
+    names = [topo.node, topo.client, topo.server]
+    to_client, to_server = f"{prefix}-c", f"{prefix}-s"
+    try:
+        for name in names:
+            ip("netns", "add", name)
+            ip("-n", name, "link", "set", "lo", "up")
+        ip("-n", topo.node, "link", "add", to_client, "type", "veth", "peer", "name", "eth0",
+           "netns", topo.client)  # fmt: skip
+        ip("-n", topo.node, "link", "add", to_server, "type", "veth", "peer", "name", "eth0",
+           "netns", topo.server)  # fmt: skip
+        for link, addr in ((to_client, "10.0.0.1/24"), (to_server, "10.180.0.1/24")):
+            ip("-n", topo.node, "addr", "add", addr, "dev", link)
+            ip("-n", topo.node, "link", "set", link, "up")
+        for name, addr, gateway in (
+            (topo.client, "10.0.0.2/24", "10.0.0.1"),
+            (topo.server, f"{ECHO_SERVER_IP}/24", "10.180.0.1"),
+        ):
+            ip("-n", name, "addr", "add", addr, "dev", "eth0")
+            ip("-n", name, "link", "set", "eth0", "up")
+            ip("-n", name, "route", "add", "default", "via", gateway)
+        run_in(topo.node, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        server = subprocess.Popen(
+            ["ip", "netns", "exec", topo.server, sys.executable, "-c", ECHO_SERVER],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        topo.processes.append(server)
+        _wait_for_server(topo)
+        yield topo
+    finally:
+        for process in topo.processes:
+            process.kill()
+            process.wait()
+        for name in names:
+            subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
+
+
+def _wait_for_server(topo: Topology) -> None:
+    def probe() -> bool:
+        for _ in range(100):
+            try:
+                with socket.create_connection((ECHO_SERVER_IP, 8080), timeout=0.2):
+                    return True
+            except OSError:
+                time.sleep(0.05)
+        return False
+
+    assert topo.in_namespace(topo.node, probe), "echo server did not come up"
+
+
+def echo_port_name(prefix: str) -> ServicePortName:
+    """The echo Service's port: ``<prefix>/echo:tcp``."""
+    return ServicePortName(NamespacedName(prefix, "echo"), "tcp", Protocol.TCP)
+
+
+def echo_snapshot(
+    prefix: str, extra: int, offset: int = 0, *, target_endpoints: int = 1
+) -> ProxySnapshot:
+    """The echo Service (172.30.0.10:80 -> 10.180.0.10:8080, and 10.180.0.11:8080, which
+    nobody answers, when ``target_endpoints`` is 2) plus ``extra`` others, ``bulk/s<i>``
+    for ``i`` from ``offset``, with three endpoints each; the node is ``<prefix>-node``."""
+    services: dict[ServicePortName, ServicePort] = {}
+    endpoints: dict[ServicePortName, tuple[Endpoint, ...]] = {}
+    categorized: dict[ServicePortName, CategorizedEndpoints] = {}
+
+    def add(port: ServicePort, eps: tuple[Endpoint, ...]) -> None:
+        services[port.name] = port
+        endpoints[port.name] = eps
+        categorized[port.name] = CategorizedEndpoints(eps, (), eps, bool(eps))
+
+    echo: tuple[Endpoint, ...] = (Endpoint(ipaddress.ip_address(ECHO_SERVER_IP), 8080),)
+    if target_endpoints > 1:
+        echo += (Endpoint(ipaddress.ip_address("10.180.0.11"), 8080),)
+    vip = ipaddress.ip_address(ECHO_VIP)
+    add(ServicePort(echo_port_name(prefix), vip, 80, Protocol.TCP), echo)
+    for index in range(offset, offset + extra):
+        name = ServicePortName(NamespacedName("bulk", f"s{index}"), "http", Protocol.TCP)
+        eps = tuple(
+            Endpoint(ipaddress.ip_address(0x0AB50000 + index * 4 + k), 8080) for k in range(3)
+        )
+        add(ServicePort(name, ipaddress.ip_address(0xAC1E1000 + index), 80, Protocol.TCP), eps)
+    return ProxySnapshot(
+        IPFamily.IPV4,
+        NodeInfo(f"{prefix}-node", addresses=(ipaddress.ip_address("10.0.0.1"),)),
+        services,
+        endpoints,
+        categorized,
+        service_cidrs=(ipaddress.ip_network("172.30.0.0/16"),),
+        node_port_addresses=NodePortAddresses(addresses=(ipaddress.ip_address("10.0.0.1"),)),
+        local_detector=LocalDetector(
+            LocalDetectMode.CLUSTER_CIDR, (ipaddress.ip_network("10.0.0.0/8"),)
+        ),
+    )
+
+
+def assert_restart_keeps_connections(topology: Topology, restart: Callable[[], None]) -> None:
+    """Run ``restart`` (a new backend's first sync) while the client holds a connection
+    to the echo Service and opens new ones in a loop: no connection fails, some complete
+    while ``restart`` runs, and the established one still echoes afterwards."""
+
+    def open_established() -> socket.socket:
+        sock = socket.create_connection((ECHO_VIP, 80), timeout=2)
+        sock.sendall(b"before\n")
+        assert sock.recv(64) == b"before\n"
+        return sock
+
+    established = topology.in_namespace(topology.client, open_established)
+    stop = threading.Event()
+    results = {"ok": 0, "failed": 0}
+    errors: list[str] = []
+
+    def connect_loop() -> None:
+        while not stop.is_set():
+            try:
+                with socket.create_connection((ECHO_VIP, 80), timeout=1) as sock:
+                    sock.sendall(b"x")
+                    if sock.recv(8) != b"x":
+                        raise OSError("wrong echo")
+                results["ok"] += 1
+            except OSError as err:
+                results["failed"] += 1
+                errors.append(str(err))
+            time.sleep(0.002)
+
+    fd = open_namespace(topology.client)
+
+    def loop_in_client() -> None:
+        with entered(fd):
+            connect_loop()
+
+    looper = threading.Thread(target=loop_in_client)
+    looper.start()
+    try:
+        time.sleep(0.2)
+        before = results["ok"]
+        started = time.monotonic()
+        restart()
+        took = time.monotonic() - started
+        during = results["ok"] - before
+        time.sleep(0.2)
+    finally:
+        stop.set()
+        looper.join()
+        os.close(fd)
+    established.sendall(b"after\n")
+    assert established.recv(64) == b"after\n"
+    established.close()
+    assert results["failed"] == 0, errors[:5]
+    assert during > 0, f"no connection completed during the {took:.2f}s restart sync"
+
+
+# node and pod ----------------------------------------------------------------------------
+
+
+@dataclass
+class NodeAndPod:
+    """The two namespaces' names, and a descriptor open on each (to enter them)."""
+
+    node: str
+    pod: str
+    node_fd: int
+    pod_fd: int
+
+
+@contextlib.contextmanager
+def node_and_pod(prefix: str, node_ip: str, endpoint_ips: tuple[str, str]) -> Iterator[NodeAndPod]:
+    """A node namespace (``node_ip`` on lo, 10.244.0.1 towards the pods) and a pod
+    namespace holding both endpoint IPs; a route sends Service IPs (172.30.0.0/16)
+    towards the pods. Both are deleted afterwards, and none may be left behind."""
+    run_id = uuid.uuid4().hex[:6]
+    names = [f"{prefix}-{run_id}-node", f"{prefix}-{run_id}-pod"]
+    node_if, pod_if = f"{prefix}{run_id}n", f"{prefix}{run_id}p"
+    first, second = endpoint_ips
+    runner = SubprocessRunner()
+    fds: list[int] = []
+    try:
+        add_namespaces(runner, names)
+        runner(
+            ["ip", "-n", names[0], "-batch", "-"],
+            stdin=f"link set lo up\naddr add {node_ip}/32 dev lo\n"
+            f"link add {node_if} type veth peer name {pod_if} netns {names[1]}\n"
+            f"addr add 10.244.0.1/24 dev {node_if}\nlink set {node_if} up\n"
+            f"route add 172.30.0.0/16 dev {node_if}\n",
+        )
+        runner(
+            ["ip", "-n", names[1], "-batch", "-"],
+            stdin=f"link set lo up\naddr add {first}/24 dev {pod_if}\n"
+            f"addr add {second}/24 dev {pod_if}\nlink set {pod_if} up\n"
+            "route add default via 10.244.0.1\n",
+        )
+        fds = [open_namespace(names[0]), open_namespace(names[1])]
+        yield NodeAndPod(names[0], names[1], fds[0], fds[1])
+    finally:
+        for fd in fds:
+            os.close(fd)
+        left = delete_namespaces(runner, names)
+        assert not left, f"namespaces left behind: {left}"
+
+
+def answered_by(netns_fd: int, address: str, port: int = 80) -> str | None:
+    """Open a TCP connection from the namespace ``netns_fd``; the endpoint that answered
+    (None: nobody)."""
+    with entered(netns_fd):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    with sock:
+        sock.settimeout(1.0)
+        try:
+            sock.connect((address, port))
+            reply = sock.recv(256)
+        except OSError:
+            return None
+    parts = reply.split()
+    return parts[1].decode() if len(parts) == 3 else None
