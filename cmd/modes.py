@@ -22,7 +22,7 @@ from kubeproxy.cmd.app import BackendHooks
 from kubeproxy.config import ProxierConfig
 from kubeproxy.metrics import ProxyMetrics
 from kubeproxy.objects import IPFamily
-from kubeproxy.proxier import Proxier, SyncHook, SyncObserver
+from kubeproxy.proxier import NullObserver, Proxier, SyncHook, SyncObserver
 
 if TYPE_CHECKING:
     from kubeproxy.backend import ProxySnapshot, SyncChanges
@@ -86,7 +86,7 @@ def _counts(backend: object, name: str) -> Mapping[str, int] | None:
     return value if isinstance(value, Mapping) else None
 
 
-class BackendCounters:
+class BackendCounters(NullObserver):
     """A :class:`~kubeproxy.proxier.SyncObserver` feeding an iptables-restore based
     backend's own counts into the metrics after every sync of its family (failed ones
     too): ``..._iptables_restore_failures_total`` from ``restore_failures``,
@@ -97,6 +97,7 @@ class BackendCounters:
     The backend's count replaces the metrics' own counting of failed syncs
     (:meth:`~kubeproxy.metrics.ProxyMetrics.count_failures_from_backend`): upstream counts
     failed restores, and only the backend knows how many of a sync's restores failed.
+    The other observer events are ignored (:class:`~kubeproxy.proxier.NullObserver`).
     """
 
     def __init__(self, backend: IptablesCounters, metrics: ProxyMetrics) -> None:
@@ -106,12 +107,6 @@ class BackendCounters:
         self._restore = backend.restore_failures
         self._partial: int = getattr(backend, "partial_restore_failures", 0)
         metrics.count_failures_from_backend()
-
-    def sync_queued(self, family: IPFamily) -> None:
-        """Nothing to do."""
-
-    def endpoints_trigger_times(self, family: IPFamily, times: list[float]) -> None:
-        """Nothing to do."""
 
     def sync_finished(
         self,
