@@ -444,6 +444,29 @@ def test_interface_detectors_name_the_scene_interfaces() -> None:
     assert detector.interface == POD_INTERFACE_PREFIX
 
 
+def test_pods_are_routed_exactly_for_the_interface_name_prefix_detector() -> None:
+    for value, routed in [
+        ("interfaceNamePrefix", True),
+        ("bridgeInterface", False),
+        ("clusterCIDR", False),
+        ("nodeCIDR", False),
+        ("none", False),
+    ]:
+        (case,) = parse_case_file(overrides_with_detector(value)).cases
+        assert plan_scene(case).routed_pods is routed, value
+    (default,) = parse_case_file(case_text()).cases
+    assert plan_scene(default).routed_pods is False
+    # The detector files prove the prefix only where the pods are routed.
+    parsed = load_case_file(ROOT / "flowcases" / "behaviour" / "detectors.yaml")
+    prefix = [
+        c
+        for c in parsed.cases
+        if c.overrides.local_detector is LocalDetectMode.INTERFACE_NAME_PREFIX
+    ]
+    assert {c.family.families for c in prefix} == {(IPFamily.IPV4,), (IPFamily.IPV6,)}
+    assert all(plan_scene(c).routed_pods for c in prefix)
+
+
 def test_node_cidr_detector_takes_the_pod_cidrs_of_the_node() -> None:
     (case,) = parse_case_file(overrides_with_detector("nodeCIDR")).cases
     detector = STANDARD_NODE.proxier_config(case.overrides).local_detector

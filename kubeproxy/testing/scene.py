@@ -8,6 +8,12 @@ run's own namespaces, none in the namespace the runner started in)::
                                 kpxfext (node addresses) --veth-- "ext": external clients
                                 kpxfwld (default route)  --veth-- "wld": catch-all listeners
 
+or, with routed pods (:attr:`ScenePlan.routed_pods`, chosen for an InterfaceNamePrefix
+local-traffic detector, as a CNI such as Calico builds it)::
+
+    pod clients, endpoints                node
+    (one netns per IP) --veth-- kpxfpod<N> (one per pod, routed; no bridge)
+
 * The node namespace has forwarding on, ``bridge-nf-call-ip{,6}tables=1`` (pods on one
   bridge reach each other through the node's netfilter hooks), the pod bridge holding an
   address of the pod network that no flow uses (so a masquerade always shows), hairpin
@@ -19,6 +25,13 @@ run's own namespaces, none in the namespace the runner started in)::
   on every port the case uses; the node reaches each by a host route (the rest of the
   pod network goes to the world, so a DNAT to a pod that does not exist is answered
   there instead of vanishing like a DROP).
+* With routed pods there is no bridge: each of those namespaces has its own veth to the
+  node, ``kpxfpod<N>`` on the node's side, and holds its address alone (``/32`` or
+  ``/128``) with a default route via a link-local gateway on that veth (``169.254.1.1``,
+  resolved by a permanent neighbour entry, and ``fe80::1``); the node's host route to the
+  pod points at the veth, so pod traffic reaches the node's IP hooks with the veth as its
+  input interface. The node's own pod-network addresses (the masquerade source towards
+  the pods) sit on its loopback instead of the bridge.
 * An endpoint IP that is a node address listens on the node itself.
 * External clients sit in one namespace routed to the node; the node routes their
   addresses back to it.
@@ -48,6 +61,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final
 
+from kubeproxy.config import LocalDetectMode
 from kubeproxy.objects import IPAddress, IPFamily, Protocol
 from kubeproxy.testing.cases import Case, OutputKind, StepAction
 from kubeproxy.testing.netns import (
@@ -83,7 +97,9 @@ NAME_PREFIX: Final = "kpxf-"
 BRIDGE_INTERFACE: Final = "kpxfbr0"
 """The node's pod bridge (for a BridgeInterface local-traffic detector)."""
 POD_INTERFACE_PREFIX: Final = "kpxfpod"
-"""The node-side name prefix of every pod veth (for an InterfaceNamePrefix detector)."""
+"""The node-side name prefix of every pod veth, bridged or routed (for an
+InterfaceNamePrefix detector: it matches only routed pods, whose traffic enters the node
+on the veth; bridged pods' traffic enters on the bridge)."""
 EXTERNAL_INTERFACE: Final = "kpxfext"
 """The node's link to the external clients; it holds the node addresses."""
 WORLD_INTERFACE: Final = "kpxfwld"
@@ -95,7 +111,8 @@ _WORLD_V4: Final = ipaddress.IPv4Interface("169.254.255.2/30")
 _NODE_LINK_LOCAL_V6: Final = ipaddress.IPv6Address("fe80::1")
 _PEER_LINK_LOCAL_V6: Final = ipaddress.IPv6Address("fe80::2")
 _CATCH_ALL_TABLE: Final = 100
-_NODE_DEVICES: Final = (BRIDGE_INTERFACE, EXTERNAL_INTERFACE, WORLD_INTERFACE)
+_ROUTED_GATEWAY_MAC: Final = "02:6b:70:78:66:02"
+_ROUTED_GATEWAY_V4: Final = ipaddress.IPv4Address("169.254.1.1")
 _NEIGHBOUR_QUEUE_BYTES: Final = "4194304"
 
 _COMMON_SYSCTLS: Final = (
@@ -141,9 +158,12 @@ class Role(StrEnum):
 class ScenePlan:
     """What a case needs in its scene, computed from the case alone.
 
-    ``endpoints`` and ``pods`` get a namespace each behind the bridge; ``external`` are
-    the outside's client addresses; ``node_extra`` are loopback destinations the node
-    listens on; ``ports`` is every port a listener answers on (TCP and UDP).
+    ``endpoints`` and ``pods`` get a namespace each behind the bridge (or on a routed
+    veth each when ``routed_pods``); ``external`` are the outside's client addresses;
+    ``node_extra`` are loopback destinations the node listens on; ``ports`` is every port
+    a listener answers on (TCP and UDP). ``bridge_addresses`` are the node's own
+    addresses in the pod networks, used by no flow: on the bridge, or on the node's
+    loopback when the pods are routed.
     """
 
     node: StandardNode
@@ -153,6 +173,7 @@ class ScenePlan:
     external: tuple[IPAddress, ...]
     node_extra: tuple[IPAddress, ...]
     ports: tuple[int, ...]
+    routed_pods: bool = False
 
     def role_of(self, source: IPAddress) -> Role:
         """Where a flow from ``source`` is sent from."""
@@ -201,7 +222,12 @@ def _slice_ports(slice_: Mapping[str, Any]) -> Iterator[int]:
 
 
 def plan_scene(case: Case, node: StandardNode = STANDARD_NODE) -> ScenePlan:
-    """Work out the scene a case needs: its endpoints, clients and ports."""
+    """Work out the scene a case needs: its endpoints, clients and ports.
+
+    The pods are routed, each on its own veth, exactly when the case's local-traffic
+    detector is InterfaceNamePrefix (made for such pods: behind a bridge it never sees
+    them); otherwise they sit behind the bridge.
+    """
     endpoints: dict[IPAddress, None] = {}
     ports: set[int] = set()
     for step in case.steps:
@@ -247,6 +273,7 @@ def plan_scene(case: Case, node: StandardNode = STANDARD_NODE) -> ScenePlan:
         external=tuple(external),
         node_extra=tuple(node_extra),
         ports=tuple(sorted(ports)),
+        routed_pods=case.overrides.local_detector is LocalDetectMode.INTERFACE_NAME_PREFIX,
     )
 
 
@@ -375,7 +402,7 @@ class Scene:
         # queue (about a hundred packets) would drop the rest and cost a 1 s
         # retransmission. Only per-device settings exist outside the initial namespace.
         for name in names:
-            devices = _NODE_DEVICES if name == self.node_ns else ("eth0",)
+            devices = self._node_devices() if name == self.node_ns else ("eth0",)
             write_sysctl(
                 self._fds[name],
                 [
@@ -385,6 +412,20 @@ class Scene:
                 ],
             )
         self._start_listeners()
+
+    def _pod_veths(self) -> Iterator[tuple[IPAddress, str, str]]:
+        """Each pod-like namespace: its IP, its name and the node side of its veth."""
+        pods = (*self.endpoint_ns.items(), *self.pod_ns.items())
+        for index, (ip, name) in enumerate(pods):
+            yield ip, name, f"{POD_INTERFACE_PREFIX}{index}"
+
+    def _node_devices(self) -> tuple[str, ...]:
+        """The node's devices that resolve neighbours (the bridge, or every routed veth)."""
+        if self.plan.routed_pods:
+            pods = tuple(veth for _, _, veth in self._pod_veths())
+        else:
+            pods = (BRIDGE_INTERFACE,)
+        return (*pods, EXTERNAL_INTERFACE, WORLD_INTERFACE)
 
     def _batch(self, namespace: str, commands: Iterable[str]) -> None:
         # ``ip -batch`` takes no per-line options; the few commands whose family cannot
@@ -402,26 +443,10 @@ class Scene:
     def _node_commands(self) -> Iterator[str]:
         plan = self.plan
         yield "link set lo up"
-        yield (
-            f"link add {BRIDGE_INTERFACE} address {_BRIDGE_MAC} type bridge"
-            " stp_state 0 forward_delay 0 mcast_snooping 0"
-        )
-        # No prefix route for the pod network: the node reaches each pod by a host route,
-        # and an address of the pod network that no namespace owns goes to the world
-        # (which answers under that address). Otherwise a DNAT to a pod that does not
-        # exist would die in neighbour resolution and look exactly like a DROP.
-        for interface in plan.bridge_addresses:
-            flags = f"noprefixroute{_nodad(interface.ip)}"
-            yield f"addr add {interface} dev {BRIDGE_INTERFACE} {flags}"
-        yield f"link set {BRIDGE_INTERFACE} up"
-        pods = (*self.endpoint_ns.items(), *self.pod_ns.items())
-        for index, (ip, name) in enumerate(pods):
-            veth = f"{POD_INTERFACE_PREFIX}{index}"
-            yield f"link add {veth} type veth peer name eth0 netns {name}"
-            yield f"link set {veth} master {BRIDGE_INTERFACE}"
-            yield f"link set {veth} type bridge_slave hairpin on"
-            yield f"link set {veth} up"
-            yield f"route add {ip}/{ip.max_prefixlen} dev {BRIDGE_INTERFACE}"
+        if plan.routed_pods:
+            yield from self._routed_pod_commands()
+        else:
+            yield from self._bridged_pod_commands()
         yield f"link add {EXTERNAL_INTERFACE} type veth peer name eth0 netns {self.outside_ns}"
         for interface in plan.node.interfaces:
             # Without prefix routes: an address of a node subnet that is not the node's
@@ -438,6 +463,44 @@ class Scene:
         yield f"link set {WORLD_INTERFACE} up"
         yield f"route add default via {_WORLD_V4.ip} dev {WORLD_INTERFACE}"
         yield f"route add default via {_PEER_LINK_LOCAL_V6} dev {WORLD_INTERFACE}"
+
+    def _bridged_pod_commands(self) -> Iterator[str]:
+        yield (
+            f"link add {BRIDGE_INTERFACE} address {_BRIDGE_MAC} type bridge"
+            " stp_state 0 forward_delay 0 mcast_snooping 0"
+        )
+        # No prefix route for the pod network: the node reaches each pod by a host route,
+        # and an address of the pod network that no namespace owns goes to the world
+        # (which answers under that address). Otherwise a DNAT to a pod that does not
+        # exist would die in neighbour resolution and look exactly like a DROP.
+        for interface in self.plan.bridge_addresses:
+            flags = f"noprefixroute{_nodad(interface.ip)}"
+            yield f"addr add {interface} dev {BRIDGE_INTERFACE} {flags}"
+        yield f"link set {BRIDGE_INTERFACE} up"
+        for ip, name, veth in self._pod_veths():
+            yield f"link add {veth} type veth peer name eth0 netns {name}"
+            yield f"link set {veth} master {BRIDGE_INTERFACE}"
+            yield f"link set {veth} type bridge_slave hairpin on"
+            yield f"link set {veth} up"
+            yield f"route add {ip}/{ip.max_prefixlen} dev {BRIDGE_INTERFACE}"
+
+    def _routed_pod_commands(self) -> Iterator[str]:
+        # The node's pod-network addresses, which no flow uses, on the loopback: the
+        # routed veths hold no address of their own, so a masquerade towards a pod takes
+        # one of these (and always shows). As with the bridge, no prefix route.
+        for interface in self.plan.bridge_addresses:
+            ip = interface.ip
+            yield f"addr add {ip}/{ip.max_prefixlen} dev lo{_nodad(ip)}"
+        for ip, name, veth in self._pod_veths():
+            yield (
+                f"link add {veth} address {_ROUTED_GATEWAY_MAC} type veth"
+                f" peer name eth0 netns {name}"
+            )
+            # The pods' IPv6 gateway; their IPv4 one (169.254.1.1) needs no address here,
+            # only this veth's MAC, which each pod has as a permanent neighbour.
+            yield f"addr add {_NODE_LINK_LOCAL_V6}/64 dev {veth} nodad"
+            yield f"link set {veth} up"
+            yield f"route add {ip}/{ip.max_prefixlen} dev {veth}"
 
     def _outside_commands(self) -> Iterator[str]:
         plan = self.plan
@@ -465,6 +528,9 @@ class Scene:
             yield f"{prefix}rule add iif eth0 lookup {_CATCH_ALL_TABLE} pref 100"
 
     def _pod_commands(self, ip: IPAddress) -> Iterator[str]:
+        if self.plan.routed_pods:
+            yield from self._routed_pod_side(ip)
+            return
         family = IPFamily.of(ip)
         cidr = self.plan.node.pod_cidr(family)
         gateway = next(b.ip for b in self.plan.bridge_addresses if b.version == ip.version)
@@ -475,6 +541,18 @@ class Scene:
         else:
             yield f"addr add {ip}/{ip.max_prefixlen} dev eth0{_nodad(ip)}"
             yield f"route add {gateway}/{gateway.max_prefixlen} dev eth0 scope link"
+        yield f"route add default via {gateway} dev eth0"
+
+    def _routed_pod_side(self, ip: IPAddress) -> Iterator[str]:
+        # As a routed CNI sets up a pod: its address alone, a default route via a
+        # link-local gateway on its only link, that gateway's MAC set by hand.
+        gateway: IPAddress = _ROUTED_GATEWAY_V4 if ip.version == 4 else _NODE_LINK_LOCAL_V6
+        yield "link set lo up"
+        yield "link set eth0 up"
+        yield f"addr add {ip}/{ip.max_prefixlen} dev eth0{_nodad(ip)}"
+        if ip.version == 4:
+            yield f"route add {gateway}/32 dev eth0 scope link"
+        yield f"neigh replace {gateway} lladdr {_ROUTED_GATEWAY_MAC} dev eth0 nud permanent"
         yield f"route add default via {gateway} dev eth0"
 
     def _start_listeners(self) -> None:
