@@ -12,6 +12,7 @@ from kubeproxy.backend import (
     BackendFactory,
     NodePortAddresses,
     ProxySnapshot,
+    SkippedPorts,
     SyncChanges,
     SyncError,
 )
@@ -63,6 +64,7 @@ __all__ = [
     "ServicePort",
     "ServicePortMap",
     "ServicePortName",
+    "SkippedPorts",
     "SyncChanges",
     "SyncError",
     "SyncObserver",

@@ -12,10 +12,11 @@ is a :class:`BackendFactory`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+from collections.abc import Callable, Iterator, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 from kubeproxy.config import LocalDetector, ProxierConfig
 from kubeproxy.objects import (
@@ -35,9 +36,13 @@ __all__ = [
     "BackendFactory",
     "NodePortAddresses",
     "ProxySnapshot",
+    "SkippedPorts",
     "SyncChanges",
     "SyncError",
 ]
+
+T = TypeVar("T")
+_NO_ENDPOINTS = CategorizedEndpoints()
 
 
 class SyncError(Exception):
@@ -148,3 +153,52 @@ class BackendFactory(Protocol):
     ) -> Backend:
         """Return a new backend."""
         ...
+
+
+class SkippedPorts:
+    """The Service ports a backend could not render, each with its reason.
+
+    :meth:`render` turns one port of a snapshot into whatever the backend writes; a port
+    whose rendering raises :class:`ValueError` (a value the kernel tool cannot take) is
+    skipped with one error line on ``logger``, logged again only when its reason changes,
+    so a bad Service costs one line, not one per sync, and never breaks the others.
+    """
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self._log = logger
+        self.reasons: dict[ServicePortName, str] = {}
+        """Why each skipped port was skipped."""
+
+    def render(
+        self,
+        snapshot: ProxySnapshot,
+        name: ServicePortName,
+        render: Callable[[ServicePort, CategorizedEndpoints], T],
+    ) -> T | None:
+        """``render(port, categorized endpoints)`` of ``name`` in ``snapshot``.
+
+        None when the port is not in the snapshot (it is then no longer skipped either)
+        or when ``render`` raised :class:`ValueError` (the port is skipped).
+        """
+        port = snapshot.services.get(name)
+        if port is None:
+            self.reasons.pop(name, None)
+            return None
+        try:
+            rendered = render(port, snapshot.categorized.get(name, _NO_ENDPOINTS))
+        except ValueError as err:
+            reason = str(err)
+            if self.reasons.get(name) != reason:
+                self._log.error("skipping service port %s: %s", name, reason)
+            self.reasons[name] = reason
+            return None
+        self.reasons.pop(name, None)
+        return rendered
+
+    def forget_missing(self, snapshot: ProxySnapshot) -> None:
+        """Drop the skipped ports that are no longer in ``snapshot``."""
+        for name in [n for n in self.reasons if n not in snapshot.services]:
+            del self.reasons[name]
+
+    def __iter__(self) -> Iterator[ServicePortName]:
+        return iter(self.reasons)

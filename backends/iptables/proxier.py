@@ -15,13 +15,14 @@ has changed. ``filter`` holds only rules with built-in targets and our own chain
 
 from __future__ import annotations
 
+import functools
 import logging
 import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kubeproxy.backend import ProxySnapshot, SyncChanges, SyncError
+from kubeproxy.backend import ProxySnapshot, SkippedPorts, SyncChanges, SyncError
 from kubeproxy.backends.iptables.exec import IptablesError, IptablesExecutor, IptablesVariant
 from kubeproxy.backends.iptables.naming import (
     CANARY,
@@ -54,7 +55,6 @@ from kubeproxy.backends.iptables.rules import (
 )
 from kubeproxy.config import LocalDetector, ProxierConfig
 from kubeproxy.objects import (
-    CategorizedEndpoints,
     IPAddress,
     IPFamily,
     NamespacedName,
@@ -69,7 +69,6 @@ LARGE_CLUSTER_ENDPOINTS = 1000
 """Above this many endpoints (all Services), large-cluster mode: no per-endpoint comments,
 and the ``iptables-save`` scan for stale chains at most once per sync period."""
 
-_EMPTY = CategorizedEndpoints()
 # The mangle canary's one rule: checking for it with "iptables -C" is cheap (see
 # IptablesBackend._canary_present).
 _CANARY_RULE = ("-j", "RETURN")
@@ -177,7 +176,7 @@ class IptablesBackend:
         self._cluster_ips: dict[str, int] = {}
         self._ports: dict[ServicePortName, PortRules] = {}
         self._by_service: dict[NamespacedName, set[ServicePortName]] = {}
-        self._invalid: dict[ServicePortName, str] = {}
+        self._unrenderable = SkippedPorts(log)
         # Per-service chains we believe are in the kernel's nat table.
         self._chains: set[str] = set()
 
@@ -337,20 +336,7 @@ class IptablesBackend:
     def _render(
         self, snapshot: ProxySnapshot, name: ServicePortName, ctx: RenderContext
     ) -> PortRules | None:
-        port = snapshot.services.get(name)
-        if port is None:
-            self._invalid.pop(name, None)
-            return None
-        try:
-            rules = render_port(ctx, port, snapshot.categorized.get(name, _EMPTY))
-        except ValueError as err:
-            reason = str(err)
-            if self._invalid.get(name) != reason:
-                log.error("skipping service port %s: %s", name, reason)
-            self._invalid[name] = reason
-            return None
-        self._invalid.pop(name, None)
-        return rules
+        return self._unrenderable.render(snapshot, name, functools.partial(render_port, ctx))
 
     def _chunk_limit(self) -> int | None:
         if self._chains_per_restore is not None:
@@ -367,8 +353,7 @@ class IptablesBackend:
             rules = self._render(snapshot, name, ctx)
             if rules is not None:
                 ports[name] = rules
-        for name in [n for n in self._invalid if n not in snapshot.services]:
-            del self._invalid[name]
+        self._unrenderable.forget_missing(snapshot)
         if scan:
             present = {c for c in self._executor.chains(self._family, NAT) if is_service_chain(c)}
         else:

@@ -18,12 +18,13 @@ libnftables and the time the kernel holds its commit lock.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from kubeproxy.backend import ProxySnapshot, SyncChanges, SyncError
+from kubeproxy.backend import ProxySnapshot, SkippedPorts, SyncChanges, SyncError
 from kubeproxy.backends.nftables.exec import NftExecutor, check_support
 from kubeproxy.backends.nftables.naming import ChainPrefix, is_affinity_map, is_service_chain
 from kubeproxy.backends.nftables.objects import (
@@ -259,7 +260,7 @@ class NftablesBackend:
         self._claimant: dict[Key, ServicePortName] = {}
         self._contested: dict[Key, set[ServicePortName]] = {}
         self._skipped: dict[ServicePortName, str] = {}
-        self._invalid: dict[ServicePortName, str] = {}
+        self._unrenderable = SkippedPorts(log)
         self._set_refs: dict[str, dict[Key, int]] = {name: {} for name in _SHARED_SETS}
         self._elements: dict[str, dict[Key, tuple[str, ...]]] = {name: {} for name in _DIFFED}
         self._chains: set[str] = set()
@@ -385,7 +386,7 @@ class NftablesBackend:
         if ctx != self._ctx:
             # Masquerading or detection changed: every port's chains change.
             ports.update(self._wants)
-            ports.update(self._invalid)
+            ports.update(self._unrenderable)
             ports.update(snapshot.services.keys())
             self._ctx = ctx
         elif changes.changed_services:
@@ -580,20 +581,7 @@ class NftablesBackend:
     def _render(
         self, snapshot: ProxySnapshot, name: ServicePortName, ctx: RenderContext
     ) -> PortRules | None:
-        service = snapshot.services.get(name)
-        if service is None:
-            self._invalid.pop(name, None)
-            return None
-        try:
-            rules = render_port(ctx, service, snapshot.categorized.get(name, _EMPTY))
-        except ValueError as err:
-            reason = str(err)
-            if self._invalid.get(name) != reason:
-                log.error("skipping service port %s: %s", name, reason)
-            self._invalid[name] = reason
-            return None
-        self._invalid.pop(name, None)
-        return rules
+        return self._unrenderable.render(snapshot, name, functools.partial(render_port, ctx))
 
     def _queue_port(self, batches: _Batches, rules: PortRules) -> tuple[str, ...]:
         """Queue the chains and elements of a port that the kernel lacks; return its chains."""
