@@ -14,7 +14,7 @@ Record kinds and their fields (every record also has ``subject``, one of
   sync over the rules a previous one left): ``services``, ``endpoints``, optional
   ``affinity`` (true) or ``mix`` (its description), ``seconds`` (end to end), ``feed_s``,
   ``sync_s``, ``tool_s`` (inside the kernel tools), ``tool_calls``, ``tools`` (per tool:
-  seconds, calls), ``proxy_peak_mb`` (peak RSS of our proxy process; None for upstream),
+  seconds, calls, since the process started: the backend's start-up checks included), ``proxy_peak_mb`` (peak RSS of our proxy process; None for upstream),
   ``rss_after_mb`` (its resident size holding the Services after the sync), ``tool_peak_mb``
   (the largest tool process: iptables-restore, nft), ``ok``, ``timed_out`` (killed after
   ``seconds``);
