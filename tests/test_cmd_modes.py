@@ -99,11 +99,8 @@ class StandIns:
 
 @pytest.fixture
 def fake() -> Iterator[FakeAPIServer]:
-    server = FakeAPIServer(bookmark_interval=0.2).start()
-    try:
+    with FakeAPIServer(bookmark_interval=0.2) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(autouse=True)
@@ -346,20 +343,26 @@ def test_once_posts_no_mode_events(fake: FakeAPIServer) -> None:
     assert fake.posted_events == []
 
 
-def test_dry_run_prints_every_executors_work_in_ipvs_mode(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+def dry_run(binary: Binary) -> str:
+    """What ``binary --dry-run`` over examples/cluster prints (it must exit 0)."""
     examples = Path(__file__).resolve().parent.parent / "examples" / "cluster"
     out = io.StringIO()
     code = run(
-        ipvs_binary.BINARY,
+        binary,
         ["--manifests", str(examples), "--hostname-override", "demo-node", "--dry-run"],
         out=out,
         host_addresses=FakeHostAddresses(),
         gc_ops=NO_GC,
     )
     assert code == 0
-    lines = out.getvalue().splitlines()
+    return out.getvalue()
+
+
+def test_dry_run_prints_every_executors_work_in_ipvs_mode(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    text = dry_run(ipvs_binary.BINARY)
+    lines = text.splitlines()
     assert "add vs 172.30.0.10:80/TCP rr flags=0x0 timeout=0" in lines
     assert "add rs 172.30.0.10:80/TCP -> 10.244.0.12:8080 weight=1" in lines
     assert "add address 172.30.0.10 dev kube-ipvs0" in lines
@@ -506,32 +509,13 @@ def test_hooks_ignore_backends_without_counters() -> None:
 
 
 def test_dry_run_output_goes_to_out_in_nftables_mode() -> None:
-    examples = Path(__file__).resolve().parent.parent / "examples" / "cluster"
-    out = io.StringIO()
-    code = run(
-        nftables_binary.BINARY,
-        ["--manifests", str(examples), "--hostname-override", "demo-node", "--dry-run"],
-        out=out,
-        host_addresses=FakeHostAddresses(),
-        gc_ops=NO_GC,
-    )
-    assert code == 0
-    assert "add table ip kube-proxy" in out.getvalue()
-    assert "172.30.0.10 . tcp . 80" in out.getvalue()
+    text = dry_run(nftables_binary.BINARY)
+    assert "add table ip kube-proxy" in text
+    assert "172.30.0.10 . tcp . 80" in text
 
 
 def test_dry_run_prints_the_restore_inputs_in_iptables_mode() -> None:
-    examples = Path(__file__).resolve().parent.parent / "examples" / "cluster"
-    out = io.StringIO()
-    code = run(
-        iptables_binary.BINARY,
-        ["--manifests", str(examples), "--hostname-override", "demo-node", "--dry-run"],
-        out=out,
-        host_addresses=FakeHostAddresses(),
-        gc_ops=NO_GC,
-    )
-    assert code == 0
-    text = out.getvalue()
+    text = dry_run(iptables_binary.BINARY)
     assert text.startswith("# iptables-restore --noflush\n*")
     assert "\n*nat\n" in text and "\n*filter\n" in text and "\nCOMMIT\n" in text
     assert ":KUBE-SERVICES - [0:0]" in text

@@ -197,11 +197,8 @@ def events_by_reason(fake: FakeAPIServer) -> dict[str, list[dict[str, Any]]]:
 
 @pytest.fixture
 def fake() -> Iterator[FakeAPIServer]:
-    server = FakeAPIServer(bookmark_interval=0.2).start()
-    try:
+    with FakeAPIServer(bookmark_interval=0.2) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @contextlib.contextmanager

@@ -88,9 +88,10 @@ def proxied(node: Node) -> set[str]:
     return seen
 
 
-def in_ns(node: Node, *argv: str) -> subprocess.CompletedProcess[str]:
+def in_ns(node: Node, *argv: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["ip", "netns", "exec", node.netns, *argv],
+        input=stdin,
         capture_output=True,
         text=True,
         check=False,
@@ -233,15 +234,8 @@ def test_the_binaries_remove_the_other_modes_leftovers_and_cleanup_removes_all(
         "table inet kpxm-foreign {\n\tchain input {\n"
         "\t\ttype filter hook input priority 0;\n\t}\n}\n"
     )
-    assert (
-        subprocess.run(
-            ["ip", "netns", "exec", node.netns, "nft", "-f", "-"],
-            input=foreign,
-            text=True,
-            check=False,
-        ).returncode
-        == 0
-    )
+    loaded = in_ns(node, "nft", "-f", "-", stdin=foreign)
+    assert loaded.returncode == 0, loaded.stderr
     assert in_ns(node, "iptables-legacy", "-t", "filter", "-N", "KPXM-FOREIGN").returncode == 0
 
     binary(node, "kube-proxy-nftables", "--once")
@@ -258,27 +252,13 @@ def test_the_binaries_remove_the_other_modes_leftovers_and_cleanup_removes_all(
 
     # A legacy-variant leftover too (a node that once ran iptables-legacy kube-proxy).
     legacy = "*nat\n:KUBE-SERVICES - [0:0]\n:KUBE-MARK-MASQ - [0:0]\nCOMMIT\n"
-    assert (
-        subprocess.run(
-            ["ip", "netns", "exec", node.netns, "iptables-legacy-restore", "--noflush"],
-            input=legacy,
-            text=True,
-            check=False,
-        ).returncode
-        == 0
-    )
+    loaded = in_ns(node, "iptables-legacy-restore", "--noflush", stdin=legacy)
+    assert loaded.returncode == 0, loaded.stderr
     # ipvs-mode leftovers this kernel can hold (it has no IP_VS and no dummy links): an
     # ipset, an ipvs-mode chain, and the addresses of a kube-ipvs0 (a bridge here).
     ipvs_leftovers = "*filter\n:KUBE-IPVS-FILTER - [0:0]\n-A KUBE-IPVS-FILTER -j RETURN\nCOMMIT\n"
-    assert (
-        subprocess.run(
-            ["ip", "netns", "exec", node.netns, "iptables-nft-restore", "--noflush"],
-            input=ipvs_leftovers,
-            text=True,
-            check=False,
-        ).returncode
-        == 0
-    )
+    loaded = in_ns(node, "iptables-nft-restore", "--noflush", stdin=ipvs_leftovers)
+    assert loaded.returncode == 0, loaded.stderr
     for argv in (
         ("ipset", "create", "KUBE-CLUSTER-IP", "hash:ip,port"),
         ("ipset", "add", "KUBE-CLUSTER-IP", f"{WEB},tcp:80"),
