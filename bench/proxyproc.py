@@ -134,7 +134,7 @@ class BenchProxy:
         ``feed_s`` is the handler calls that queue the objects; ``sync_s`` the rest, from
         the "synced" signals (the Proxier's first, full sync) to the committed rules.
         """
-        mark = self.clock.snapshot()
+        mark, tools = self.clock.snapshot(), self.clock.by_tool()
         start = time.perf_counter()
         for service in self._service_dicts:
             self.proxier.on_service_add(service)
@@ -156,7 +156,7 @@ class BenchProxy:
             "sync_s": done - fed,
             "total_s": done - start,
             **self.clock.since(mark),
-            "tools": self.clock.by_tool(),
+            "tools": self.clock.by_tool(since=tools),
             **_peaks(),
             "tool_peak_kb": self.clock.peak_kb,
         }

@@ -14,10 +14,10 @@ Record kinds and their fields (every record also has ``subject``, one of
   sync over the rules a previous one left): ``services``, ``endpoints``, optional
   ``affinity`` (true) or ``mix`` (its description), ``seconds`` (end to end), ``feed_s``,
   ``sync_s``, ``tool_s`` (inside the kernel tools), ``tool_calls``, ``tools`` (per tool:
-  seconds, calls, since the process started: the backend's start-up checks included), ``proxy_peak_mb`` (peak RSS of our proxy process; None for upstream),
-  ``rss_after_mb`` (its resident size holding the Services after the sync), ``tool_peak_mb``
-  (the largest tool process: iptables-restore, nft), ``ok``, ``timed_out`` (killed after
-  ``seconds``);
+  seconds, calls, during the sync),
+  ``proxy_peak_mb`` (peak RSS of our proxy process; None for upstream), ``rss_after_mb``
+  (its resident size holding the Services after the sync), ``tool_peak_mb`` (the largest
+  tool process: iptables-restore, nft), ``ok``, ``timed_out`` (killed after ``seconds``);
 * ``incremental``: ``services``, ``op`` (endpoint/add/remove), ``rounds``, ``median_ms``,
   ``p90_ms``, ``max_ms``, ``tool_median_ms``, ``ok``;
 * ``dataplane``: ``services`` (installed), ``case`` (direct, service-10, service-2,
@@ -484,6 +484,37 @@ def _memory_table(records: Sequence[Record]) -> list[str]:
     )
 
 
+def _tools_table(records: Sequence[Record]) -> list[str]:
+    """Per full sync, the seconds (calls) of each kernel tool that took a tenth or more."""
+    rows = []
+    for r in sorted(
+        (r for r in records if r["kind"] in ("cold", "restart") and _plain(r) and r["ok"]),
+        key=lambda r: (
+            SUBJECT_ORDER.index(r["subject"]) if r["subject"] in SUBJECT_ORDER else 99,
+            r["services"],
+            r["kind"],
+        ),
+    ):
+        tools = r.get("tools") or {}
+        parts = [
+            f"{name} {seconds:.1f} s ({calls})"
+            for name, (seconds, calls) in sorted(tools.items(), key=lambda item: -item[1][0])
+            if seconds >= 0.1
+        ]
+        if parts:
+            rows.append(
+                (
+                    str(SUBJECT_TITLES.get(r["subject"], r["subject"])),
+                    _size(r["services"]),
+                    r["kind"],
+                    ", ".join(parts),
+                )
+            )
+    if not rows:
+        return []
+    return _table(("subject", "Services", "sync", "seconds (calls) per tool"), rows)
+
+
 def _incremental_table(records: Sequence[Record]) -> list[str]:
     found = _find(records, kind="incremental")
     if not found:
@@ -617,6 +648,10 @@ def render_markdown(run: dict[str, Any]) -> str:
             _incremental_table(records),
         ),
         ("Memory (MB)", _memory_table(records)),
+        (
+            "Where the kernel-tool time of the full syncs goes",
+            _tools_table(records),
+        ),
         (
             "First connection through a 10-endpoint ClusterIP: p50 (p99), microseconds",
             _dataplane_summary(records),

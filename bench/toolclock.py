@@ -64,6 +64,11 @@ class ToolClock:
     peak_kb: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def reset_peak(self) -> None:
+        """Forget the peaks seen so far (the next measurement's alone count)."""
+        with self._lock:
+            self.peak_kb = 0
+
     def saw_peak(self, kb: int) -> None:
         """A tool process reached ``kb`` kilobytes resident."""
         with self._lock:
@@ -90,10 +95,17 @@ class ToolClock:
         with self._lock:
             return sorted(self.calls)
 
-    def by_tool(self) -> dict[str, list[float]]:
-        """``{tool: [seconds, calls]}`` so far (cumulative)."""
+    def by_tool(self, since: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
+        """``{tool: [seconds, calls]}`` so far, or since an earlier :meth:`by_tool`."""
+        before = since or {}
         with self._lock:
-            return {name: [self.seconds[name], self.calls[name]] for name in sorted(self.calls)}
+            now = {name: [self.seconds[name], self.calls[name]] for name in sorted(self.calls)}
+        delta = {}
+        for name, (seconds, calls) in now.items():
+            was = before.get(name, [0.0, 0])
+            if calls > was[1]:
+                delta[name] = [seconds - was[0], calls - was[1]]
+        return delta
 
 
 def _timed_popen_class(clock: ToolClock) -> type[subprocess.Popen[Any]]:

@@ -89,7 +89,7 @@ class UpstreamProcess:
         return f"table {TABLE}\n" in result.stdout + "\n"
 
     def _measured(self, work: Callable[[], None]) -> dict[str, Any]:
-        mark = self.clock.snapshot()
+        mark, tools = self.clock.snapshot(), self.clock.by_tool()
         start = time.perf_counter()
         ok = True
         try:
@@ -98,7 +98,12 @@ class UpstreamProcess:
             print(err, file=sys.stderr, flush=True)
             ok = False
         seconds = time.perf_counter() - start
-        return {"ok": ok, "seconds": seconds, **self.clock.since(mark)}
+        return {
+            "ok": ok,
+            "seconds": seconds,
+            **self.clock.since(mark),
+            "tools": self.clock.by_tool(since=tools),
+        }
 
     def cold(self) -> dict[str, Any]:
         """A first full sync: cold into an empty namespace, or a restart over the table."""
@@ -109,6 +114,9 @@ class UpstreamProcess:
             for line in lines:
                 out.write(line)
                 out.write("\n")
+
+        # The probe above is not upstream's work: its nft's memory does not count.
+        self.clock.reset_peak()
 
         def work() -> None:
             if restart:
@@ -124,7 +132,6 @@ class UpstreamProcess:
             "sync_s": result["seconds"],
             "total_s": result["seconds"],
             "restart": restart,
-            "tools": self.clock.by_tool(),
             **_peaks(),
             "tool_peak_kb": self.clock.peak_kb,
         }
