@@ -161,10 +161,16 @@ def serve_cluster(fake: FakeAPIServer) -> None:
 
 
 def run_against(
-    fake: FakeAPIServer, binary: Binary, stand_ins: StandIns, *argv: str
+    fake: FakeAPIServer,
+    binary: Binary,
+    stand_ins: StandIns,
+    *argv: str,
+    until: Callable[[], bool] | None = None,
+    metrics_bind: str = "",
 ) -> tuple[int, list[dict[str, Any]]]:
-    """Run ``binary`` in this process until Starting has been posted; (exit code, events)."""
-    watcher = StopWhen(lambda: "Starting" in reasons(fake))
+    """Run ``binary`` in this process until ``until`` holds (by default: until Starting has
+    been posted); (exit code, events)."""
+    watcher = StopWhen(until or (lambda: "Starting" in reasons(fake)))
     code = run(
         binary,
         [
@@ -174,7 +180,7 @@ def run_against(
             "--hostname-override",
             NODE,
             "--healthz-bind-address=",
-            "--metrics-bind-address=",
+            f"--metrics-bind-address={metrics_bind}",
             *argv,
         ],
         modes=stand_ins.modes,
@@ -303,26 +309,9 @@ def test_ipvs_mode_sets_the_deprecated_mode_metric(fake: FakeAPIServer) -> None:
             seen.append(resp.read().decode())
         return True
 
-    watcher = StopWhen(scraped)
-    code = run(
-        ipvs_binary.BINARY,
-        [
-            "--master",
-            fake.url,
-            "--kube-api-content-type=application/json",
-            "--hostname-override",
-            NODE,
-            "--healthz-bind-address=",
-            f"--metrics-bind-address=127.0.0.1:{port}",
-        ],
-        modes=stand_ins.modes,
-        host_addresses=FakeHostAddresses(),
-        gc_ops=NO_GC,
-        conntrack=FakeConntrack(),
-        privileged=False,
-        tuning=BRISK,
+    code, _ = run_against(
+        fake, ipvs_binary.BINARY, stand_ins, until=scraped, metrics_bind=f"127.0.0.1:{port}"
     )
-    watcher.done()
     assert code == 0
     assert 'kubeproxy_deprecated_proxy_mode{mode="ipvs"} 1' in seen[0].splitlines()
 
