@@ -1,13 +1,18 @@
 """Snapshots for the backends' unit tests: a mutable set of Services and endpoints of one
 family (:class:`World`) that builds a :class:`~kubeproxy.backend.ProxySnapshot` the way
-the core does, and the small builders the proxier tests of every backend share.
+the core does, the small builders the proxier tests of every backend share, and the
+common rules of their incremental-equals-full state machines (:class:`WorldMachine`).
 """
 
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
 from kubeproxy.backend import NodePortAddresses, ProxySnapshot, SyncChanges
 from kubeproxy.config import LocalDetectMode, LocalDetector
@@ -110,3 +115,47 @@ def full() -> SyncChanges:
 
 def changed(*names: ServicePortName) -> SyncChanges:
     return SyncChanges(full=False, changed_services=frozenset(n.service for n in names))
+
+
+class WorldMachine(RuleBasedStateMachine):
+    """Rules shared by the backends' "incremental syncs end where a full sync starts"
+    state machines: Service ports are added, changed and removed in :attr:`world`, and
+    :attr:`pending` holds the Services changed since the last successful sync.
+
+    A subclass sets :attr:`names` (the port names to draw from), implements
+    :meth:`draw_port` and :meth:`draw_endpoints`, and adds its own sync rules and
+    invariants; :meth:`changes` is the incremental :class:`SyncChanges` for
+    :attr:`pending`.
+    """
+
+    names: ClassVar[Sequence[ServicePortName]] = ()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.world = self.new_world()
+        self.pending: set[NamespacedName] = set()
+
+    def new_world(self) -> World:
+        return World()
+
+    def draw_port(self, data: st.DataObject, name: ServicePortName) -> ServicePort:
+        raise NotImplementedError
+
+    def draw_endpoints(self, data: st.DataObject) -> tuple[Endpoint, ...]:
+        raise NotImplementedError
+
+    def changes(self, full: bool = False) -> SyncChanges:
+        return SyncChanges(full=full, changed_services=frozenset(self.pending))
+
+    @rule(data=st.data())
+    def upsert(self, data: st.DataObject) -> None:
+        name = data.draw(st.sampled_from(self.names))
+        self.world.add(self.draw_port(data, name), *self.draw_endpoints(data))
+        self.pending.add(name.service)
+
+    @precondition(lambda self: bool(self.world.services))
+    @rule(data=st.data())
+    def delete(self, data: st.DataObject) -> None:
+        name = data.draw(st.sampled_from(sorted(self.world.services)))
+        self.world.remove(name)
+        self.pending.add(name.service)

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import invariant, rule
 
 from kubeproxy.backend import NodePortAddresses, ProxySnapshot, SyncChanges, SyncError
 from kubeproxy.backends.iptables import IptablesBackend
@@ -21,13 +21,23 @@ from kubeproxy.config import LocalDetectMode, LocalDetector, ProxierConfig
 from kubeproxy.objects import (
     Endpoint,
     IPFamily,
-    NamespacedName,
     Protocol,
     ServicePort,
     ServicePortName,
 )
 from tests import snapshots
-from tests.snapshots import NODE, V4_DETECTOR, Clock, World, changed, full, ip, net, spn
+from tests.snapshots import (
+    NODE,
+    V4_DETECTOR,
+    Clock,
+    World,
+    WorldMachine,
+    changed,
+    full,
+    ip,
+    net,
+    spn,
+)
 
 V4 = IPFamily.IPV4
 CONFIG = ProxierConfig(node_name=NODE)
@@ -579,31 +589,25 @@ def endpoint_sets(draw: st.DrawFn) -> tuple[Endpoint, ...]:
     )
 
 
-class IncrementalEqualsFull(RuleBasedStateMachine):
+class IncrementalEqualsFull(WorldMachine):
     """Random changes applied incrementally end where a fresh full sync starts."""
+
+    names = _NAMES
 
     def __init__(self) -> None:
         super().__init__()
-        self.world = World()
         self.fake = FakeIptables()
         self.clock = Clock()
         # Localhost NodePorts off: once on, kubelet's KUBE-FIREWALL chain stays (see
         # test_localhost_node_ports_switched_on_later), which no fresh sync writes.
         self.backend = backend(self.fake, self.clock, NO_LOCALHOST, chains_per_restore=4)
         self.backend.sync(self.world.snapshot(), full())
-        self.pending: set[NamespacedName] = set()
 
-    @rule(data=st.data(), name=st.sampled_from(_NAMES))
-    def upsert(self, data: st.DataObject, name: ServicePortName) -> None:
-        self.world.add(data.draw(service_ports(name)), *data.draw(endpoint_sets()))
-        self.pending.add(name.service)
+    def draw_port(self, data: st.DataObject, name: ServicePortName) -> ServicePort:
+        return data.draw(service_ports(name))
 
-    @precondition(lambda self: bool(self.world.services))
-    @rule(data=st.data())
-    def delete(self, data: st.DataObject) -> None:
-        name = data.draw(st.sampled_from(sorted(self.world.services)))
-        self.world.remove(name)
-        self.pending.add(name.service)
+    def draw_endpoints(self, data: st.DataObject) -> tuple[Endpoint, ...]:
+        return data.draw(endpoint_sets())
 
     @rule(detector=st.sampled_from([V4_DETECTOR, LocalDetector()]), match_all=st.booleans())
     def settings_change(self, detector: LocalDetector, match_all: bool) -> None:
@@ -617,8 +621,7 @@ class IncrementalEqualsFull(RuleBasedStateMachine):
     @rule(as_full=st.booleans())
     def sync(self, as_full: bool) -> None:
         self.clock.now += 1
-        changes = SyncChanges(full=as_full, changed_services=frozenset(self.pending))
-        self.backend.sync(self.world.snapshot(), changes)
+        self.backend.sync(self.world.snapshot(), self.changes(as_full))
         self.pending.clear()
 
     @rule()
@@ -627,10 +630,7 @@ class IncrementalEqualsFull(RuleBasedStateMachine):
         before = self.fake.dump(V4)
         sent = len(self.fake.restores)
         try:
-            self.backend.sync(
-                self.world.snapshot(),
-                SyncChanges(full=False, changed_services=frozenset(self.pending)),
-            )
+            self.backend.sync(self.world.snapshot(), self.changes())
         except SyncError:
             pass
         else:
@@ -644,9 +644,7 @@ class IncrementalEqualsFull(RuleBasedStateMachine):
     @invariant()
     def converges(self) -> None:
         snapshot = self.world.snapshot()
-        self.backend.sync(
-            snapshot, SyncChanges(full=False, changed_services=frozenset(self.pending))
-        )
+        self.backend.sync(snapshot, self.changes())
         self.pending.clear()
         fresh = FakeIptables()
         backend(fresh, config=NO_LOCALHOST).sync(snapshot, full())

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import invariant, rule
 
 from kubeproxy.backend import NodePortAddresses, SyncChanges, SyncError
 from kubeproxy.backends.iptables.exec import IptablesError
@@ -27,13 +27,12 @@ from kubeproxy.objects import (
     IPAddress,
     IPFamily,
     IPNetwork,
-    NamespacedName,
     Protocol,
     ServicePort,
     ServicePortName,
 )
 from tests import snapshots
-from tests.snapshots import NODE, changed, ep, full, ip, net, spn
+from tests.snapshots import NODE, WorldMachine, changed, ep, full, ip, net, spn
 
 NODE_IP = ip("192.168.0.2")
 CONFIG = ProxierConfig(node_name=NODE)
@@ -520,26 +519,23 @@ def endpoint_sets(draw: st.DrawFn) -> tuple[Endpoint, ...]:
     )
 
 
-class IncrementalEqualsFull(RuleBasedStateMachine):
+class IncrementalEqualsFull(WorldMachine):
+    names = _NAMES
+
     def __init__(self) -> None:
         super().__init__()
-        self.world = World()
         self.kit = Kit()
         self.backend = self.kit.backend()
         self.backend.sync(self.world.snapshot(), full())
-        self.pending: set[NamespacedName] = set()
 
-    @rule(data=st.data(), name=st.sampled_from(_NAMES))
-    def upsert(self, data: st.DataObject, name: ServicePortName) -> None:
-        self.world.add(data.draw(service_ports(name)), *data.draw(endpoint_sets()))
-        self.pending.add(name.service)
+    def new_world(self) -> World:
+        return World()
 
-    @rule(data=st.data())
-    def delete(self, data: st.DataObject) -> None:
-        if self.world.services:
-            name = data.draw(st.sampled_from(sorted(self.world.services)))
-            self.world.remove(name)
-            self.pending.add(name.service)
+    def draw_port(self, data: st.DataObject, name: ServicePortName) -> ServicePort:
+        return data.draw(service_ports(name))
+
+    def draw_endpoints(self, data: st.DataObject) -> tuple[Endpoint, ...]:
+        return data.draw(endpoint_sets())
 
     @rule(match_all=st.booleans())
     def node_ports_change(self, match_all: bool) -> None:
@@ -551,16 +547,14 @@ class IncrementalEqualsFull(RuleBasedStateMachine):
 
     @rule()
     def sync(self) -> None:
-        changes = SyncChanges(full=False, changed_services=frozenset(self.pending))
-        self.backend.sync(self.world.snapshot(), changes)
+        self.backend.sync(self.world.snapshot(), self.changes())
         self.pending.clear()
 
     @rule()
     def refused_sync(self) -> None:
         self.kit.ipvs.fail_next("add")
         try:
-            changes = SyncChanges(full=False, changed_services=frozenset(self.pending))
-            self.backend.sync(self.world.snapshot(), changes)
+            self.backend.sync(self.world.snapshot(), self.changes())
             self.pending.clear()
         except SyncError:
             pass  # the next sync is a full one

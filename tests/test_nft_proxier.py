@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import invariant, rule
 
 from kubeproxy.backend import NodePortAddresses, SyncChanges, SyncError
 from kubeproxy.backends.nftables import NftablesBackend, create_backend, render_transactions
@@ -22,12 +22,23 @@ from kubeproxy.config import LocalDetectMode, LocalDetector, ProxierConfig
 from kubeproxy.objects import (
     Endpoint,
     IPFamily,
-    NamespacedName,
     Protocol,
     ServicePort,
     ServicePortName,
 )
-from tests.snapshots import NODE, V4_DETECTOR, Clock, World, changed, ep, full, ip, net, spn
+from tests.snapshots import (
+    NODE,
+    V4_DETECTOR,
+    Clock,
+    World,
+    WorldMachine,
+    changed,
+    ep,
+    full,
+    ip,
+    net,
+    spn,
+)
 
 V6_DETECTOR = LocalDetector(LocalDetectMode.CLUSTER_CIDR, (net("fd00:10::/64"),))
 CONFIG = ProxierConfig(node_name=NODE)
@@ -742,22 +753,18 @@ def endpoint_sets(draw: st.DrawFn) -> tuple[Endpoint, ...]:
     )
 
 
-class IncrementalEqualsFull(RuleBasedStateMachine):
+class IncrementalEqualsFull(WorldMachine):
     """Random changes applied incrementally end where a fresh full sync starts."""
 
     family = IPFamily.IPV4
+    names = _NAMES
 
     def __init__(self) -> None:
         super().__init__()
-        self.world = self.new_world()
         self.fake = FakeNft()
         self.clock = Clock()
         self.backend = backend(self.fake, self.clock, self.family, ports_per_transaction=3)
         self.backend.sync(self.world.snapshot(), full())
-        self.pending: set[NamespacedName] = set()
-
-    def new_world(self) -> World:
-        return World()
 
     def convert(self, port: ServicePort, eps: tuple[Endpoint, ...]) -> tuple[ServicePort, ...]:
         return (port,)
@@ -765,18 +772,11 @@ class IncrementalEqualsFull(RuleBasedStateMachine):
     def convert_eps(self, eps: tuple[Endpoint, ...]) -> tuple[Endpoint, ...]:
         return eps
 
-    @rule(data=st.data(), name=st.sampled_from(_NAMES))
-    def upsert(self, data: st.DataObject, name: ServicePortName) -> None:
-        port = self.convert(data.draw(service_ports(name)), ())[0]
-        self.world.add(port, *self.convert_eps(data.draw(endpoint_sets())))
-        self.pending.add(name.service)
+    def draw_port(self, data: st.DataObject, name: ServicePortName) -> ServicePort:
+        return self.convert(data.draw(service_ports(name)), ())[0]
 
-    @precondition(lambda self: bool(self.world.services))
-    @rule(data=st.data())
-    def delete(self, data: st.DataObject) -> None:
-        name = data.draw(st.sampled_from(sorted(self.world.services)))
-        self.world.remove(name)
-        self.pending.add(name.service)
+    def draw_endpoints(self, data: st.DataObject) -> tuple[Endpoint, ...]:
+        return self.convert_eps(data.draw(endpoint_sets()))
 
     @rule(
         masquerade=st.sampled_from([V4_DETECTOR, LocalDetector()]),
@@ -798,8 +798,7 @@ class IncrementalEqualsFull(RuleBasedStateMachine):
     @rule(advance=st.sampled_from([0.0, 0.5, 1.0]), as_full=st.booleans())
     def sync(self, advance: float, as_full: bool) -> None:
         self.clock.now += advance
-        changes = SyncChanges(full=as_full, changed_services=frozenset(self.pending))
-        self.backend.sync(self.world.snapshot(), changes)
+        self.backend.sync(self.world.snapshot(), self.changes(as_full))
         self.pending.clear()
 
     @rule()
@@ -807,10 +806,7 @@ class IncrementalEqualsFull(RuleBasedStateMachine):
         self.fake.fail_next = NftError("refused")
         before = self.fake.dump()
         try:
-            self.backend.sync(
-                self.world.snapshot(),
-                SyncChanges(full=False, changed_services=frozenset(self.pending)),
-            )
+            self.backend.sync(self.world.snapshot(), self.changes())
         except SyncError:
             assert self.fake.dump() == before
         else:
@@ -821,9 +817,7 @@ class IncrementalEqualsFull(RuleBasedStateMachine):
     @invariant()
     def converges(self) -> None:
         snapshot = self.world.snapshot()
-        self.backend.sync(
-            snapshot, SyncChanges(full=False, changed_services=frozenset(self.pending))
-        )
+        self.backend.sync(snapshot, self.changes())
         self.pending.clear()
         self.clock.now += 1.0
         self.backend.sync(snapshot, SyncChanges(full=False))
