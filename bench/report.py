@@ -664,6 +664,18 @@ def render_markdown(run: dict[str, Any]) -> str:
     for title, lines in sections:
         if lines:
             out += [f"## {title}", "", *lines, ""]
+    failed_cleanups = [r for r in _find(records, kind="incremental") if r.get("cleanup_failures")]
+    if failed_cleanups:
+        out += [
+            "Stale-chain cleanups of upstream's structure that the kernel refused (EBUSY; "
+            "upstream logs them, counts them and forces its next sync to be a full one, which "
+            "the model does not do, so these medians are a lower bound): "
+            + ", ".join(
+                f"{_size(r['services'])} {r['op']}: {r['cleanup_failures']} so far"
+                for r in failed_cleanups
+            ),
+            "",
+        ]
     skipped = _find(records, kind="dataplane_skipped")
     if skipped:
         out += [

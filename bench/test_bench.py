@@ -252,6 +252,8 @@ def _incremental(
         p90_ms=1000 * ordered[int(0.9 * (len(ordered) - 1))],
         max_ms=1000 * ordered[-1],
         tool_median_ms=1000 * statistics.median(tools),
+        # upstream's structure only: failed stale-chain cleanups so far (see upstreamproc)
+        cleanup_failures=answers[-1].get("cleanup_failures", 0),
         ok=all(a["ok"] for a in answers),
     )
     assert all(a["ok"] for a in answers), f"{subject.name}: an incremental {op} sync failed"

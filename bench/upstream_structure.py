@@ -391,6 +391,12 @@ class UpstreamModel:
             del self._stale[chain]
         return [f"delete chain {TABLE} {chain}" for chain in due]
 
+    def restale(self, deletions: Sequence[str], now: float) -> None:
+        """Keep the chains of a failed :meth:`stale_deletion` stale, for a later attempt."""
+        prefix = f"delete chain {TABLE} "
+        for line in deletions:
+            self._stale[line.removeprefix(prefix)] = now
+
     def change_endpoint(self, now: float, spare_offset: int = 14) -> list[str]:
         """Replace the last endpoint of the next Service; the Service is rewritten whole."""
         index = self._order[self._turn % len(self._order)]

@@ -64,6 +64,7 @@ class UpstreamProcess:
         self.workdir = workdir
         self.model = UpstreamModel(self.services)
         self.clock = clock
+        self.cleanup_failures = 0
         self._affinity = self.services[0].affinity_seconds if self.services else 0
         self._width = len(self.services[0].endpoints) if self.services else 1
         self._added = 0
@@ -103,6 +104,7 @@ class UpstreamProcess:
             "seconds": seconds,
             **self.clock.since(mark),
             "tools": self.clock.by_tool(since=tools),
+            "cleanup_failures": self.cleanup_failures,
         }
 
     def cold(self) -> dict[str, Any]:
@@ -139,9 +141,18 @@ class UpstreamProcess:
     def _sync(self, lines: list[str]) -> None:
         for what in LIST_EVERY_SYNC:
             self._nft(list_argv(what))
-        stale = self.model.stale_deletion(time.monotonic())
+        now = time.monotonic()
+        stale = self.model.stale_deletion(now)
         if stale:
-            self._nft(["nft", "-f", "-"], "\n".join(stale) + "\n")
+            try:
+                self._nft(["nft", "-f", "-"], "\n".join(stale) + "\n")
+            except NftRunError as err:
+                # As upstream: a failed stale-chain cleanup is logged and counted, and the
+                # sync goes on (upstream also forces its next sync to be a full one, which
+                # this model does not); the chains stay stale for a later attempt.
+                print(f"stale-chain cleanup failed: {err}", file=sys.stderr, flush=True)
+                self.cleanup_failures += 1
+                self.model.restale(stale, now)
         if lines:
             self._nft(["nft", "-f", "-"], "\n".join(lines) + "\n")
 
