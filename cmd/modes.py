@@ -141,12 +141,16 @@ def nftables_hooks(backend: Backend, metrics: ProxyMetrics) -> Sequence[SyncHook
 
 
 def iptables_hooks(backend: Backend, metrics: ProxyMetrics) -> Sequence[SyncHook | SyncObserver]:
-    """iptables and ipvs modes: the backend's restore counters (:class:`BackendCounters`).
+    """iptables and ipvs modes: the backend's restore counters (:class:`BackendCounters`),
+    and its nfacct packet counters (``packet_counts``, iptables mode) for the scrapes.
 
     A backend without ``restore_failures`` (our ipvs backend counts ``sync_failures``, any
     kernel refusal) gets none: each failed sync then counts once in
     ``..._iptables_restore_failures_total``, the metrics' own way.
     """
+    packet_counts = getattr(backend, "packet_counts", None)
+    if callable(packet_counts) and getattr(backend, "nfacct_counters", None):
+        metrics.count_packets(packet_counts)
     if isinstance(backend, IptablesCounters):
         return (BackendCounters(backend, metrics),)
     return ()

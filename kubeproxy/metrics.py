@@ -23,10 +23,11 @@ alerts written against upstream keep matching.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from decimal import Decimal
 from typing import TYPE_CHECKING, Final
 
@@ -51,6 +52,7 @@ __all__ = [
     "DEPRECATED_MODES",
     "MODES",
     "NETWORK_PROGRAMMING_BUCKETS",
+    "PACKET_COUNTERS",
     "SYNC_BUCKETS",
     "MetricsServer",
     "ProxyMetrics",
@@ -84,6 +86,8 @@ NETWORK_PROGRAMMING_BUCKETS: Final = (
 """Network-programming buckets: 0, 0.25, 0.5, 1..59 s, 60..115 s by 5, 120..300 s by 30."""
 
 _PREFIX: Final = "kubeproxy_"
+
+logger = logging.getLogger(__name__)
 
 
 # --- exposition -----------------------------------------------------------------------
@@ -187,6 +191,38 @@ def expose(registry: Collector) -> bytes:
 # --- the metrics ----------------------------------------------------------------------
 
 
+PACKET_COUNTERS: Final = {
+    "ct_state_invalid_dropped_pkts": (
+        "iptables_ct_state_invalid_dropped_packets",
+        "packets dropped by iptables to work around conntrack problems",
+    ),
+    "localhost_nps_accepted_pkts": (
+        "iptables_localhost_nodeports_accepted_packets",
+        "Number of packets accepted on nodeports of loopback interface",
+    ),
+}
+"""Upstream's iptables-mode counters: nfacct counter name -> (metric name, help text)."""
+
+
+class _PacketCounters(Collector):
+    """Reads the iptables backend's nfacct counters at scrape time (upstream's custom
+    collectors: a counter that cannot be read is left out of the scrape)."""
+
+    def __init__(self, read: Callable[[], Mapping[str, int]]) -> None:
+        self.read = read
+
+    def collect(self) -> Iterable[Metric]:
+        """One counter family per nfacct counter read."""
+        try:
+            counts = self.read()
+        except Exception:  # a scrape must not fail for a counter
+            logger.exception("Reading the nfacct packet counters failed")
+            return
+        for counter, (name, help_text) in PACKET_COUNTERS.items():
+            if counter in counts:
+                yield CounterMetricFamily(_PREFIX + name, help_text, value=counts[counter])
+
+
 class _ChangeCounters(Collector):
     """Reads the trackers' counters at scrape time (pending and total changes)."""
 
@@ -281,7 +317,8 @@ class ProxyMetrics:
     upstream: nftables registers ``..._nftables_sync_failures_total`` and
     ``..._nftables_cleanup_failures_total``; iptables ``..._iptables_restore_failures_total``,
     ``..._iptables_partial_restore_failures_total``, ``..._iptables_total`` and
-    ``..._iptables_last``; ipvs ``..._iptables_restore_failures_total``. The full and
+    ``..._iptables_last`` (and, through :meth:`count_packets`, the nfacct packet
+    counters); ipvs ``..._iptables_restore_failures_total``. The full and
     partial sync histograms are registered in every mode (every backend here has both
     kinds of sync). A deprecated mode (:data:`DEPRECATED_MODES`) also sets
     ``kubeproxy_deprecated_proxy_mode{mode="ipvs"}`` to 1: our metric, not upstream's, so
@@ -413,6 +450,7 @@ class ProxyMetrics:
             )
             self.deprecated_mode.labels(mode).set(1)
         self._failures_from_backend = False
+        self._packet_counters: _PacketCounters | None = None
         self._changes = _ChangeCounters()
         reg.register(self._changes)
         if process_metrics:
@@ -524,6 +562,15 @@ class ProxyMetrics:
         """A partial iptables-restore failed and fell back to a full one (iptables mode)."""
         if self.iptables_partial_restore_failures is not None:
             self.iptables_partial_restore_failures.labels(family.value).inc()
+
+    def count_packets(self, read: Callable[[], Mapping[str, int]]) -> None:
+        """iptables mode: export the nfacct counters ``read`` returns (by counter name, see
+        :data:`PACKET_COUNTERS`) at every scrape. Both families' backends read the same
+        counters, so only the first call registers; other modes ignore it."""
+        if self.mode != "iptables" or self._packet_counters is not None:
+            return
+        self._packet_counters = _PacketCounters(read)
+        self.registry.register(self._packet_counters)
 
     def iptables_rules(self, family: IPFamily, table: str, total: int, last: int) -> None:
         """Rules owned in ``table`` and rules written by the last sync (iptables mode)."""
