@@ -1,8 +1,7 @@
 """Wiring shared by the binaries: upstream kube-proxy's start-up sequence over our core.
 
 A binary parses its options, sets up logging and hands over to :func:`run_daemon`, which
-follows upstream's start-up (``cmd/kube-proxy/app/server.go``; reference: upstream-core
-§2 and §4):
+follows upstream's start-up (``cmd/kube-proxy/app/server.go`` and ``server_linux.go``):
 
 1. ``--init-only``: the privileged set-up (:func:`privileged_setup`: conntrack sysctls,
    ``oomScoreAdj``), then exit 0;
@@ -10,25 +9,30 @@ follows upstream's start-up (``cmd/kube-proxy/app/server.go``; reference: upstre
    :class:`~kubeproxy.sources.kubernetes.NodeWatcher` waiting up to five minutes for this
    Node), the node IPs and primary family (:func:`detect_node_ips`), the families to
    proxy (:func:`detect_families`), the event recorder, the privileged set-up, metrics
-   and health state and servers, the conntrack reconciler and one proxier per family;
+   and health state and servers, the conntrack reconciler and one proxier per family
+   (making a backend runs its support check: a mode that cannot run here stops here);
 3. :meth:`Daemon.start`: post the mode warnings (:class:`StartupWarning`: ipvs is
    deprecated, the mode was defaulted), bind the health and metrics servers (with
-   ``bindAddressHardFail`` a failure is fatal, after a Warning event), post the
-   ``Starting`` event, hand the proxiers what the source delivered so far (the first
-   sync) and start the sync loops;
+   ``bindAddressHardFail`` a failure is fatal, after a Warning event), run the
+   ``before_first_sync`` step (the binaries remove the other modes' rules there, once
+   everything that could stop the start has passed), post the ``Starting`` event, hand
+   the proxiers what the source delivered so far (the first sync) and start the sync
+   loops;
 4. SIGTERM or SIGINT: :meth:`Daemon.stop` closes the servers and joins the threads; the
    kernel rules stay in place, for the next instance to take over.
 
-``--once`` (and ``--dry-run``) syncs once after the initial list instead of steps 3-4,
-without the privileged set-up: a one-shot sync is a tool run, not a node's proxy, and
-must not retune the host's conntrack table.
+``--once`` (and ``--dry-run``) syncs once after the initial list instead of steps 3-4
+(``before_first_sync`` still runs first), without the privileged set-up: a one-shot sync
+is a tool run, not a node's proxy, and must not retune the host's conntrack table.
 
 Where we differ from upstream: ``--init-only`` does not contact the API server (the
 privileged set-up needs nothing from it, and an init container should not wait for the
 Node); the source is started before the proxiers exist (our sources deliver the Node
-with everything else), so a :class:`HandlerGate` holds what it delivers until then; and
-once every family has completed its first full sync the process freezes its long-lived
-objects out of the garbage collector's reach (:class:`GcTuner`).
+with everything else), so a :class:`HandlerGate` holds what it delivers until then; the
+other modes' rules are removed only once this mode's backends exist and its servers are
+bound, so a failed start leaves the node's rules alone; and once every family has
+completed its first full sync the process freezes its long-lived objects out of the
+garbage collector's reach (:class:`GcTuner`).
 """
 
 from __future__ import annotations
@@ -580,6 +584,7 @@ class Daemon:
         gc_tuner: GcTuner,
         stop: threading.Event,
         startup_warnings: Sequence[StartupWarning] = (),
+        before_first_sync: Callable[[], object] | None = None,
     ) -> None:
         self.options = options
         self.node = node
@@ -602,6 +607,7 @@ class Daemon:
         self.events = events
         self.gc_tuner = gc_tuner
         self.startup_warnings = tuple(startup_warnings)
+        self._before_first_sync = before_first_sync
         self._stop = stop
         self._threads: list[threading.Thread] = []
         self._stopped = False
@@ -620,11 +626,13 @@ class Daemon:
         return self._stop.wait(timeout)
 
     def start(self) -> None:
-        """Post the start-up warnings, serve health and metrics, post ``Starting``, sync,
+        """Post the start-up warnings, serve health and metrics, run the
+        ``before_first_sync`` step (removing other modes' rules), post ``Starting``, sync,
         and run the sync loops.
 
         Raises :class:`StartupError` when a server cannot bind with
-        ``bindAddressHardFail`` (after posting the Warning event upstream posts).
+        ``bindAddressHardFail`` (after posting the Warning event upstream posts); nothing
+        of ``before_first_sync`` has run then.
         """
         if self._threads:
             raise RuntimeError("the daemon is already running")
@@ -632,6 +640,7 @@ class Daemon:
             self.events.warning(warning.reason, warning.action, warning.note)
         self._serve(self.health_server.start, REASON_FAILED_HEALTHCHECK)
         self._serve(self.metrics_server.start, REASON_FAILED_METRICS)
+        self._prepare_first_sync()
         self.events.starting()
         self.gate.bind(self.handler)
         for proxier in self.proxiers.values():
@@ -642,6 +651,7 @@ class Daemon:
 
     def sync_once(self, timeout: float = NODE_WAIT_TIMEOUT) -> bool:
         """Sync once after the source's initial list (``--once``); True on success."""
+        self._prepare_first_sync()
         self.gate.bind(self.handler)
         if not self._source.wait_synced(timeout):
             logger.error("The initial list did not complete within %gs", timeout)
@@ -672,6 +682,11 @@ class Daemon:
         if callable(close):
             close(timeout)
         logger.info("kube-proxy stopped; the rules stay in place")
+
+    def _prepare_first_sync(self) -> None:
+        step, self._before_first_sync = self._before_first_sync, None
+        if step is not None:
+            step()
 
     def _serve(self, start: Callable[[], None], reason: str) -> None:
         try:
@@ -825,6 +840,7 @@ def build_daemon(
     backend_hooks: BackendHooks | None = None,
     startup_warnings: Sequence[StartupWarning] = (),
     stop: threading.Event | None = None,
+    before_first_sync: Callable[[], object] | None = None,
 ) -> Daemon:
     """Build the proxy for ``options``, up to the point where :meth:`Daemon.start` runs it.
 
@@ -838,7 +854,10 @@ def build_daemon(
     with manifests. ``privileged`` applies :func:`privileged_setup` (through ``paths``
     and ``sysctl_files``). ``exit`` is what the NodeWatcher calls when the Node's IPs
     change (default: end the process). ``startup_warnings`` are posted as events when the
-    daemon starts. Raises :class:`StartupError`.
+    daemon starts. ``before_first_sync`` runs once every backend exists and (for a
+    daemon) the servers are bound, right before the first sync: the binaries remove the
+    other modes' rules there, so a mode that cannot run, or a server that cannot bind
+    with ``bindAddressHardFail``, leaves them in place. Raises :class:`StartupError`.
     """
     stop = stop if stop is not None else threading.Event()
     gate = HandlerGate()
@@ -880,6 +899,7 @@ def build_daemon(
             gc_ops=gc_ops,
             backend_hooks=backend_hooks,
             startup_warnings=startup_warnings,
+            before_first_sync=before_first_sync,
         )
     except BaseException:
         source.join(_STOP_TIMEOUT)
@@ -956,6 +976,7 @@ def _assemble(
     gc_ops: GcOps | None,
     backend_hooks: BackendHooks | None,
     startup_warnings: Sequence[StartupWarning],
+    before_first_sync: Callable[[], object] | None,
 ) -> Daemon:
     """Everything after the source, in upstream's order: node IPs and families, events,
     the privileged set-up, backends, servers, the conntrack reconciler, proxiers."""
@@ -1009,6 +1030,7 @@ def _assemble(
         gc_tuner=gc_tuner,
         stop=stop,
         startup_warnings=startup_warnings,
+        before_first_sync=before_first_sync,
     )
 
 

@@ -242,12 +242,17 @@ def test_signal_stops_the_daemon_and_leaves_the_rules(netns: str, signum: int) -
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 20
-        while _healthz_code(netns) != "200":
+
+        def listing() -> str:
+            return _in_ns(netns, "nft", "list", "table", "ip", "kube-proxy").stdout
+
+        # Healthy (the servers are up) and synced (which comes after the other modes'
+        # cleanup, itself after the servers bind).
+        while _healthz_code(netns) != "200" or "172.30.0.10 . tcp . 80" not in listing():
             assert proc.poll() is None, proc.communicate()[1]
-            assert time.monotonic() < deadline, "the daemon never became healthy"
+            assert time.monotonic() < deadline, "the daemon never became healthy and synced"
             time.sleep(0.1)
-        listing = _in_ns(netns, "nft", "list", "table", "ip", "kube-proxy").stdout
-        assert "172.30.0.10 . tcp . 80" in listing
+        synced = listing()
         proc.send_signal(signum)
         _, stderr = proc.communicate(timeout=20)
     finally:
@@ -257,7 +262,7 @@ def test_signal_stops_the_daemon_and_leaves_the_rules(netns: str, signum: int) -
     assert proc.returncode == 0, stderr
     assert f"Received signal {int(signum)}, stopping (rules stay in place)" in stderr
     assert "kube-proxy stopped; the rules stay in place" in stderr
-    assert _in_ns(netns, "nft", "list", "table", "ip", "kube-proxy").stdout == listing
+    assert listing() == synced
     assert _healthz_code(netns) == "000"  # the server is closed
 
 

@@ -410,6 +410,9 @@ def _has_hint(lines: Iterable[str]) -> bool:
     return False
 
 
+_BLIND: set[tuple[str | None, IPFamily]] = set()
+
+
 def _existing_legacy_tables(family: IPFamily, netns: str | None) -> frozenset[str]:
     try:
         return legacy_tables(family, netns)
@@ -435,7 +438,8 @@ def detect_variant(netns: str | None = None) -> IptablesVariant:
         if not _existing_legacy_tables(family, netns):
             continue
         text, denied = _save_quietly(prefix, [tool_name(IptablesVariant.LEGACY, family, "-save")])
-        if denied:
+        if denied and (netns, family) not in _BLIND:
+            _BLIND.add((netns, family))  # once per process: every backend detects again
             log.warning(
                 "iptables-legacy %s tables exist but cannot be read (%s): the iptables "
                 "variant is chosen without seeing their rules",
