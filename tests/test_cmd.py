@@ -573,3 +573,33 @@ def test_cleanup_failures_reach_the_metric() -> None:
     exposed = metrics.expose().decode()
     line = 'kubeproxy_sync_proxy_rules_nftables_cleanup_failures_total{ip_family="IPv4"} 2'
     assert line in exposed.splitlines()
+
+
+def test_a_kubeconfig_that_cannot_be_read_is_named(tmp_path: Path) -> None:
+    missing = tmp_path / "missing" / "kubeconfig"
+    no_context = tmp_path / "no-context.conf"
+    no_context.write_text("apiVersion: v1\nkind: Config\nclusters: []\n")
+    for path, why in (
+        (missing, "No such file or directory"),
+        (tmp_path, "Is a directory"),
+        (no_context, "current-context"),
+    ):
+        result = subprocess.run(
+            [str(BIN), "--hostname-override=kpxe-x", f"--kubeconfig={path}"],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=60,
+        )
+        assert result.returncode == 1, result.stderr
+        errors = [line for line in result.stderr.splitlines() if line.startswith("E")]
+        assert len(errors) == 1, result.stderr
+        assert str(path) in errors[0] and why in errors[0]
+    unreadable = subprocess.run(
+        [str(BIN), "--hostname-override=kpxe-x", f"--kubeconfig={missing}"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert f"cannot read the kubeconfig file {missing}" in unreadable.stderr
