@@ -322,10 +322,13 @@ def host_ips(addresses: Sequence[IPAddress]) -> tuple[IPAddress, ...]:
     return (first,) if other is None else (first, other)
 
 
-def detect_node_ips(raw: Sequence[IPAddress], bind_address: str = "") -> NodeIPs:
+def detect_node_ips(
+    raw: Sequence[IPAddress], bind_address: str = "", *, explain_loopback: bool = True
+) -> NodeIPs:
     """Node IPs as upstream decides them: ``bindAddress`` when set and not unspecified
     overrides the primary IP; else the Node's host IPs (the first one's family is
-    primary); else loopback, logging upstream's :data:`LOOPBACK_MESSAGE`."""
+    primary); else loopback, logging upstream's :data:`LOOPBACK_MESSAGE` (unless
+    ``explain_loopback`` is False: the caller said why already)."""
     primary = IPFamily.IPV4
     ips: dict[IPFamily, IPAddress] = {}
     for address in host_ips(raw):
@@ -345,7 +348,7 @@ def detect_node_ips(raw: Sequence[IPAddress], bind_address: str = "") -> NodeIPs
         v4 if isinstance(v4, ipaddress.IPv4Address) else _LOOPBACK_V4,
         v6 if isinstance(v6, ipaddress.IPv6Address) else _LOOPBACK_V6,
     )
-    if node_ips.primary.is_loopback:
+    if node_ips.primary.is_loopback and explain_loopback:
         logger.warning(LOOPBACK_MESSAGE)
     return node_ips
 
@@ -555,6 +558,10 @@ class _Source:
     wait_synced: Callable[[float], bool]
     join: Callable[[float], bool] = field(default=lambda _timeout: True)
     poll: Callable[[threading.Event], None] | None = None
+    # What the source could not use (files that did not parse): --once fails on any.
+    problems: Callable[[], list[str]] = field(default=lambda: [])
+    # Whether a missing Node was already explained (so the loopback warning is not needed).
+    node_explained: bool = False
 
 
 class Daemon:
@@ -650,7 +657,12 @@ class Daemon:
         logger.info("kube-proxy started for node %s", self.node.name)
 
     def sync_once(self, timeout: float = NODE_WAIT_TIMEOUT) -> bool:
-        """Sync once after the source's initial list (``--once``); True on success."""
+        """Sync once after the source's initial list (``--once``); True on success.
+
+        The valid objects are synced even when the source reported input it could not
+        use (a manifest file that did not parse); that is still a failure, logged once
+        more at the end, so a pre-flight check or CI run notices.
+        """
         self._prepare_first_sync()
         self.gate.bind(self.handler)
         if not self._source.wait_synced(timeout):
@@ -661,7 +673,15 @@ class Daemon:
             if self._stop.is_set() or time.monotonic() > deadline:
                 return False
             self._stop.wait(_POLL)
-        return self.handler.sync_now()
+        synced = self.handler.sync_now()
+        problems = self._source.problems()
+        if problems:
+            logger.error(
+                "Synced what could be used; %d input problem(s): %s",
+                len(problems),
+                "; ".join(problems),
+            )
+        return synced and not problems
 
     def stop(self, timeout: float = _STOP_TIMEOUT) -> None:
         """Stop everything this daemon runs; the kernel rules stay as they are."""
@@ -708,13 +728,36 @@ class Daemon:
 # --- building it ------------------------------------------------------------------------
 
 
-def _open_manifests(directory: Path, gate: HandlerGate, node_name: str) -> _Source:
-    source = ManifestSource(directory, gate, node_name=node_name)
+def _open_manifests(directory: Path, gate: HandlerGate, options: Options) -> _Source:
+    source = ManifestSource(directory, gate, node_name=options.node_name)
     try:
         source.load()
     except OSError as err:
         raise StartupError(f"--manifests: {err}") from None
-    return _Source(source, gate.node, wait_synced=lambda _t: True, poll=source.run)
+    others = source.node_names
+    explained = gate.node is None and bool(others)
+    if explained:
+        whose = (
+            "--hostname-override"
+            if options.configuration.hostname_override
+            else "this host's name (no --hostname-override given)"
+        )
+        logger.warning(
+            "--manifests %s holds no Node named %s (%s) but Nodes %s: set --hostname-override "
+            "to the Node this proxy runs as; using this host's addresses meanwhile",
+            directory,
+            options.node_name,
+            whose,
+            ", ".join(others),
+        )
+    return _Source(
+        source,
+        gate.node,
+        wait_synced=lambda _t: True,
+        poll=source.run,
+        problems=lambda: [f"{path}: did not parse" for path in source.broken],
+        node_explained=explained,
+    )
 
 
 def _api_client(options: Options) -> Any:
@@ -867,7 +910,7 @@ def build_daemon(
         return [a for a in lister.list_addresses(netns) if not a.is_link_local]
 
     if options.manifests is not None:
-        source = _open_manifests(options.manifests, gate, options.node_name)
+        source = _open_manifests(options.manifests, gate, options)
     else:
         api = api if api is not None else _api_client(options)
         source = _open_api(
@@ -981,7 +1024,11 @@ def _assemble(
     """Everything after the source, in upstream's order: node IPs and families, events,
     the privileged set-up, backends, servers, the conntrack reconciler, proxiers."""
     node = _node_info(source.node, options.node_name, list_host_addresses())
-    node_ips = detect_node_ips(host_ips(node.addresses), options.configuration.bind_address)
+    node_ips = detect_node_ips(
+        host_ips(node.addresses),
+        options.configuration.bind_address,
+        explain_loopback=not source.node_explained,
+    )
     config = expand_primary(options.config, node_ips)
     supported = kernel_supports_ipv6() if ipv6_supported is None else ipv6_supported
     families = detect_families(node_ips, ipv6_supported=supported)

@@ -7,6 +7,7 @@ test_daemon.py.
 
 from __future__ import annotations
 
+import io
 import ipaddress
 import logging
 import os
@@ -40,10 +41,12 @@ from kubeproxy.cmd.app import (
     host_ips,
     privileged_setup,
 )
+from kubeproxy.cmd.binary import run as binary_run
 from kubeproxy.cmd.options import parse_options
 from kubeproxy.config import ProxierConfig
 from kubeproxy.events import ObjectReference
 from kubeproxy.metrics import ProxyMetrics
+from kubeproxy.netlink import FakeHostAddresses
 from kubeproxy.objects import IPAddress, IPFamily
 from kubeproxy.proxyconfig import parse_config
 from kubeproxy.sources.kubernetes import IN_CLUSTER_MESSAGE
@@ -603,3 +606,79 @@ def test_a_kubeconfig_that_cannot_be_read_is_named(tmp_path: Path) -> None:
         timeout=60,
     )
     assert f"cannot read the kubeconfig file {missing}" in unreadable.stderr
+
+
+# --- manifests: what a one-shot run reports ---------------------------------------------
+
+
+def _dry_run(
+    directory: Path, *argv: str, caplog: pytest.LogCaptureFixture
+) -> tuple[int, str, list[str]]:
+    """``kube-proxy-nftables --manifests DIR --dry-run ARGV`` in this process: the exit
+    code, what it printed and the warnings and errors it logged."""
+    out = io.StringIO()
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        code = binary_run(
+            nft_binary.BINARY,
+            ["--manifests", str(directory), "--dry-run", *argv],
+            out=out,
+            host_addresses=FakeHostAddresses(),
+            gc_ops=GcOps(
+                collect=lambda: 0, freeze=lambda: None, set_threshold=lambda a, b, c: None
+            ),
+        )
+    finally:  # the binary configured the root logger, as a process does
+        for handler in list(root.handlers):
+            if handler not in handlers:
+                root.removeHandler(handler)
+        root.setLevel(level)
+    problems = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    return code, out.getvalue(), problems
+
+
+def test_once_fails_after_a_manifest_that_did_not_parse_but_syncs_the_rest(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    for path in EXAMPLES.iterdir():
+        (tmp_path / path.name).write_text(path.read_text())
+    (tmp_path / "broken.yaml").write_text("kind: Service\nmetadata: {name: x\n")
+    code, printed, problems = _dry_run(tmp_path, "--hostname-override=demo-node", caplog=caplog)
+    assert code == 1
+    assert "172.30.0.10 . tcp . 80" in printed  # the valid objects were programmed
+    broken = [p for p in problems if "broken.yaml" in p]
+    assert len(broken) == 2, problems  # where and why, then the summary that fails the run
+    assert "invalid YAML" in broken[0]
+    assert broken[1].startswith("Synced what could be used; 1 input problem(s)")
+    caplog.clear()
+    (tmp_path / "broken.yaml").unlink()
+    code, _, problems = _dry_run(tmp_path, "--hostname-override=demo-node", caplog=caplog)
+    assert code == 0 and problems == []
+
+
+def test_manifests_without_this_nodes_node_name_the_nodes_found(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    code, printed, problems = _dry_run(EXAMPLES, "--hostname-override=elsewhere", caplog=caplog)
+    assert code == 0 and "add table ip kube-proxy" in printed
+    assert len(problems) == 1, problems
+    assert (
+        "holds no Node named elsewhere (--hostname-override) but Nodes demo-node" in (problems[0])
+    )
+    assert LOOPBACK_MESSAGE not in problems
+
+
+def test_manifests_without_hostname_override_say_whose_name_was_used() -> None:
+    result = subprocess.run(
+        [str(BIN), "--manifests", str(EXAMPLES), "--dry-run"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("W")]
+    assert len(warnings) == 1, result.stderr
+    assert "this host's name (no --hostname-override given)" in warnings[0]
+    assert "Nodes demo-node" in warnings[0]
