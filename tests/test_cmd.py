@@ -682,3 +682,15 @@ def test_manifests_without_hostname_override_say_whose_name_was_used() -> None:
     assert len(warnings) == 1, result.stderr
     assert "this host's name (no --hostname-override given)" in warnings[0]
     assert "Nodes demo-node" in warnings[0]
+
+
+def test_verbose_logs_are_ours_only() -> None:
+    argv = [str(BIN), "--manifests", str(EXAMPLES), "--hostname-override=demo-node", "--dry-run"]
+    quiet = subprocess.run([*argv, "-v", "4"], capture_output=True, text=True, timeout=60)
+    assert quiet.returncode == 0, quiet.stderr
+    loggers = {line.split()[3] for line in quiet.stderr.splitlines() if line[:1] in "IWE"}
+    assert loggers and all(name.startswith("kubeproxy.") for name in loggers), loggers
+    asked = subprocess.run(
+        [*argv, "-v", "4", "--vmodule=pyroute2*=4"], capture_output=True, text=True, timeout=60
+    )
+    assert "pyroute2." in asked.stderr
