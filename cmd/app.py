@@ -85,7 +85,7 @@ from kubeproxy.netlink import HostAddresses, HostAddressLister
 from kubeproxy.objects import IPAddress, IPFamily, IPNetwork, NamespacedName, NodeInfo
 from kubeproxy.parse import InvalidObject, parse_node
 from kubeproxy.proxier import DualStackProxier, ObserverGroup, Proxier, SyncHook, SyncObserver
-from kubeproxy.proxyconfig import KubeProxyConntrackConfiguration
+from kubeproxy.proxyconfig import KubeProxyConntrackConfiguration, config_document
 from kubeproxy.sources.manifests import ManifestSource
 from kubeproxy.sysctl import (
     DEFAULT_HASHSIZE_PATH,
@@ -981,7 +981,12 @@ def _health_and_metrics(
     }
     return _Health(
         metrics,
-        MetricsServer(options.metrics_bind_address, metrics, hard_fail=hard_fail),
+        MetricsServer(
+            options.metrics_bind_address,
+            metrics,
+            hard_fail=hard_fail,
+            configz=config_document(options.configuration),
+        ),
         health,
         ProxyHealthServer(options.healthz_bind_address, health, metrics, hard_fail=hard_fail),
         HealthObserver(health, service_health),

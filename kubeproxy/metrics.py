@@ -14,8 +14,9 @@ or ``IPv6``) plus the process collector's ``process_*`` metrics, and is fed by:
 * the health servers (:class:`~kubeproxy.health.HealthMetrics`) and the conntrack
   reconciler (:meth:`ProxyMetrics.conntrack_reconciled`).
 
-:class:`MetricsServer` serves ``/metrics``, ``/healthz`` (``ok``) and ``/proxyMode`` on the
-metrics address (default ``127.0.0.1:10249``). The text is written the way Go's client
+:class:`MetricsServer` serves ``/metrics``, ``/healthz`` (``ok``), ``/proxyMode`` and
+``/configz`` (the effective configuration, as upstream) on the metrics address (default
+``127.0.0.1:10249``). The text is written the way Go's client
 writes it (:func:`expose`): no ``_created`` series, numbers and ``le`` bounds formatted as
 Go formats floats (``le="1"``, not ``le="1.0"``), families sorted by name, so dashboards and
 alerts written against upstream keep matching.
@@ -23,6 +24,7 @@ alerts written against upstream keep matching.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import threading
@@ -47,6 +49,7 @@ if TYPE_CHECKING:
     from kubeproxy.servicechanges import ServiceChangeTracker
 
 __all__ = [
+    "CONFIGZ_GROUP",
     "CONTENT_TYPE",
     "DEFAULT_METRICS_ADDRESS",
     "DEPRECATED_MODES",
@@ -585,12 +588,19 @@ class ProxyMetrics:
         return expose(self.registry)
 
 
+CONFIGZ_GROUP: Final = "kubeproxy.config.k8s.io"
+"""The key ``/configz`` files the configuration under (upstream's configz name)."""
+
+
 class MetricsServer:
-    """``/metrics``, ``/healthz`` and ``/proxyMode`` on the metrics address.
+    """``/metrics``, ``/healthz``, ``/proxyMode`` and ``/configz`` on the metrics address.
 
     ``/metrics`` is :meth:`ProxyMetrics.expose`; ``/healthz`` answers ``ok`` (the
     component's generic liveness check, unrelated to the proxy's own health);
-    ``/proxyMode`` the mode's name. An empty ``address`` disables the server; binding
+    ``/proxyMode`` the mode's name; ``/configz`` the effective configuration ``configz``
+    as JSON under :data:`CONFIGZ_GROUP`, as upstream serves it (upstream shows its
+    internal configuration type; this is the ``v1alpha1`` document ``--write-config-to``
+    writes, the form an operator can read back). An empty ``address`` disables the server; binding
     follows :class:`~kubeproxy.health.BackgroundServer` (retry every 5 s, or raise
     :class:`~kubeproxy.health.ServerBindError` at :meth:`start` with ``hard_fail``).
     """
@@ -602,12 +612,19 @@ class MetricsServer:
         *,
         hard_fail: bool = False,
         retry_interval: float = 5.0,
+        configz: Mapping[str, object] | None = None,
     ) -> None:
         self.metrics = metrics
+        self._configz = json.dumps({CONFIGZ_GROUP: dict(configz or {})}).encode()
         self.server = BackgroundServer(
             "metrics",
             address,
-            {"/metrics": self._metrics, "/healthz": self._healthz, "/proxyMode": self._mode},
+            {
+                "/metrics": self._metrics,
+                "/healthz": self._healthz,
+                "/proxyMode": self._mode,
+                "/configz": self._config,
+            },
             hard_fail=hard_fail,
             retry_interval=retry_interval,
         )
@@ -635,6 +652,9 @@ class MetricsServer:
             {"Content-Type": "text/plain; charset=utf-8", "X-Content-Type-Options": "nosniff"},
             b"ok",
         )
+
+    def _config(self) -> Response:
+        return 200, {"Content-Type": "application/json"}, self._configz
 
     def _mode(self) -> Response:
         return (

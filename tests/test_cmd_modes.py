@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import io
+import json
 import logging
 import os
 import signal
@@ -715,3 +716,36 @@ def test_a_process_without_the_modes_capabilities_stops_with_one_line(
     argv = ["--manifests", str(examples), "--hostname-override", "demo-node", "--dry-run"]
     assert run(nftables_binary.BINARY, argv, modes=modes, out=out, gc_ops=NO_GC) == 0
     assert "add table ip kube-proxy" in out.getvalue()
+
+
+def test_configz_serves_the_effective_configuration(fake: FakeAPIServer) -> None:
+    serve_cluster(fake)
+    stand_ins = StandIns()
+    port = free_port()
+    seen: list[Any] = []
+
+    def scraped() -> bool:
+        if "Starting" not in reasons(fake):
+            return False
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/configz", timeout=5) as resp:
+            seen.append((resp.headers["Content-Type"], json.loads(resp.read())))
+        return True
+
+    code, _ = run_against(
+        fake,
+        nftables_binary.BINARY,
+        stand_ins,
+        "--conntrack-min=4242",
+        until=scraped,
+        metrics_bind=f"127.0.0.1:{port}",
+    )
+    assert code == 0
+    content_type, body = seen[0]
+    assert content_type == "application/json"
+    config = body["kubeproxy.config.k8s.io"]
+    assert config["apiVersion"] == "kubeproxy.config.k8s.io/v1alpha1"
+    assert config["kind"] == "KubeProxyConfiguration"
+    assert config["mode"] == "nftables"
+    assert config["hostnameOverride"] == NODE
+    assert config["conntrack"]["min"] == 4242
+    assert config["metricsBindAddress"] == f"127.0.0.1:{port}"
