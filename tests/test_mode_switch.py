@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 from kubeproxy.cmd.modes import MODES
 from kubeproxy.config import ProxierConfig
@@ -338,6 +339,16 @@ def capped(
     )
 
 
+def daemonset_capabilities() -> str:
+    """What the shipped DaemonSet's proxy container holds, as setpriv's bounding set."""
+    manifests = Path(__file__).resolve().parent.parent / "images" / "manifests"
+    daemonset = yaml.safe_load((manifests / "daemonset.yaml").read_text())
+    (proxy,) = [
+        c for c in daemonset["spec"]["template"]["spec"]["containers"] if c["name"] == "kube-proxy"
+    ]
+    return ",".join(f"+{name.lower()}" for name in proxy["securityContext"]["capabilities"]["add"])
+
+
 def warnings_of(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("W")]
 
@@ -377,8 +388,8 @@ def test_legacy_cleanup_without_net_raw_is_a_warning_naming_it(node: Node) -> No
     assert "Removed what iptables mode made" not in result.stderr
     assert ":KUBE-SERVICES" in in_ns(node, "iptables-legacy-save", "-t", "nat").stdout
 
-    # What the DaemonSet's container holds (NET_ADMIN, NET_RAW, SYS_RESOURCE) is enough.
-    result = capped(node, "+net_admin,+net_raw,+sys_resource", "kube-proxy-nftables", "--once")
+    # What the DaemonSet's container holds is enough.
+    result = capped(node, daemonset_capabilities(), "kube-proxy-nftables", "--once")
     assert result.returncode == 0, result.stderr
     assert warnings_of(result.stderr) == [], result.stderr
     assert ":KUBE-SERVICES" not in in_ns(node, "iptables-legacy-save", "-t", "nat").stdout
@@ -389,7 +400,7 @@ def test_iptables_mode_sees_legacy_rules_for_its_variant_choice(node: Node) -> N
     hint = "*mangle\n:KUBE-IPTABLES-HINT - [0:0]\nCOMMIT\n"
     assert in_ns(node, "iptables-legacy-restore", "--noflush", stdin=hint).returncode == 0
     # With the DaemonSet's capabilities the kubelet hint in legacy picks legacy.
-    result = capped(node, "+net_admin,+net_raw,+sys_resource", "kube-proxy-iptables", "--once")
+    result = capped(node, daemonset_capabilities(), "kube-proxy-iptables", "--once")
     assert result.returncode == 0, result.stderr
     assert "KUBE-SERVICES" in in_ns(node, "iptables-legacy-save", "-t", "nat").stdout
     assert "KUBE-SERVICES" not in in_ns(node, "iptables-nft-save", "-t", "nat").stdout
