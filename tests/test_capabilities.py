@@ -21,12 +21,12 @@ def status(tmp_path: Path, cap_eff: str) -> Path:
 
 
 def test_effective_capabilities_from_the_status_file(tmp_path: Path) -> None:
-    assert effective_capabilities(status(tmp_path, "000001ffffffffff")) == {
-        CAP_NET_ADMIN,
-        CAP_NET_RAW,
-        CAP_SYS_RESOURCE,
-    }
-    assert effective_capabilities(status(tmp_path, "0000000000001000")) == {CAP_NET_ADMIN}
+    assert effective_capabilities(status(tmp_path, "000001ffffffffff")) == frozenset(
+        {CAP_NET_ADMIN, CAP_NET_RAW, CAP_SYS_RESOURCE}
+    )
+    assert effective_capabilities(status(tmp_path, "0000000000001000")) == frozenset(
+        {CAP_NET_ADMIN}
+    )
     assert effective_capabilities(status(tmp_path, "0000000000000000")) == frozenset()
     path = status(tmp_path, "0000000000003000")
     assert missing_capabilities([CAP_NET_ADMIN, CAP_NET_RAW, CAP_SYS_RESOURCE], path) == [

@@ -24,6 +24,7 @@ import logging
 from typing import Any, Final, Protocol
 
 from kubeproxy.netlink import check_netns
+from kubeproxy.netns import run_in_netns
 
 __all__ = [
     "COUNTERS",
@@ -100,6 +101,22 @@ class FakeNFAcct:
             raise NFAcctError(errno.ENOENT, f"nfacct {name}: no such counter") from None
 
 
+def _request_here(name: str, kind: int, flags: int) -> list[Any]:
+    """One nfacct request on a socket of the calling thread's namespace: the replies."""
+    from pyroute2.netlink.exceptions import NetlinkError
+
+    message_class, socket_class = _socket_classes()
+    msg = message_class()
+    msg["attrs"] = [("NFACCT_NAME", name)]
+    try:
+        with socket_class(groups=0) as sock:
+            return list(sock.acct(msg, kind, flags))
+    except NetlinkError as err:
+        raise NFAcctError(err.code, f"nfacct {name}: {err}") from None
+    except OSError as err:
+        raise NFAcctError(err.errno or errno.EIO, f"nfacct {name}: {err}") from None
+
+
 def _socket_classes() -> tuple[Any, Any]:
     """pyroute2's message and socket classes for nfacct (imported only when used)."""
     from pyroute2.netlink.core import SyncAPI
@@ -154,7 +171,10 @@ class NetlinkNFAcct:
     """:class:`NFAcctExecutor` over nfnetlink (in ``netns`` if given).
 
     Each call opens a socket and closes it again: counters are made once at start-up and
-    read once per scrape, so nothing is gained by holding one open.
+    read once per scrape, so nothing is gained by holding one open. In a named namespace
+    the whole request runs in a helper thread that entered it
+    (:func:`~kubeproxy.netns.run_in_netns`), not through pyroute2's own ``netns=``, which
+    forks the process to open the socket.
     """
 
     def __init__(self, netns: str | None = None) -> None:
@@ -163,20 +183,13 @@ class NetlinkNFAcct:
         self.netns = netns
 
     def _request(self, name: str, kind: int, flags: int) -> list[Any]:
-        from pyroute2.netlink.exceptions import NetlinkError
-
-        message_class, socket_class = _socket_classes()
-        kwargs: dict[str, Any] = {"groups": 0}
-        if self.netns is not None:
-            # Never let pyroute2 create the namespace should it vanish after the check.
-            kwargs.update(netns=self.netns, flags=0)
-        msg = message_class()
-        msg["attrs"] = [("NFACCT_NAME", _check_name(name))]
+        msg_name = _check_name(name)
+        if self.netns is None:
+            return _request_here(msg_name, kind, flags)
         try:
-            with socket_class(**kwargs) as sock:
-                return list(sock.acct(msg, kind, flags))
-        except NetlinkError as err:
-            raise NFAcctError(err.code, f"nfacct {name}: {err}") from None
+            return run_in_netns(self.netns, lambda: _request_here(msg_name, kind, flags))
+        except NFAcctError:
+            raise
         except OSError as err:
             raise NFAcctError(err.errno or errno.EIO, f"nfacct {name}: {err}") from None
 
