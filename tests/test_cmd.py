@@ -110,16 +110,16 @@ def test_write_config_to(tmp_path: Path) -> None:
     assert nft_binary.main(["--write-config-to", str(tmp_path / "no" / "dir.yaml")]) == 1
 
 
+def run_binary(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``kube-proxy-nftables ARGV`` in this namespace (for runs that touch no kernel)."""
+    return subprocess.run(
+        [str(BIN), *argv], capture_output=True, text=True, check=False, env=env, timeout=60
+    )
+
+
 def test_without_manifests_or_cluster_credentials_exits_1() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
-    result = subprocess.run(
-        [str(BIN), "--hostname-override=kpxe-x"],
-        capture_output=True,
-        text=True,
-        check=False,
-        env=env,
-        timeout=60,
-    )
+    result = run_binary("--hostname-override=kpxe-x", env=env)
     assert result.returncode == 1, result.stderr
     assert IN_CLUSTER_MESSAGE in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("E")]
@@ -587,24 +587,12 @@ def test_a_kubeconfig_that_cannot_be_read_is_named(tmp_path: Path) -> None:
         (tmp_path, "Is a directory"),
         (no_context, "current-context"),
     ):
-        result = subprocess.run(
-            [str(BIN), "--hostname-override=kpxe-x", f"--kubeconfig={path}"],
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=60,
-        )
+        result = run_binary("--hostname-override=kpxe-x", f"--kubeconfig={path}")
         assert result.returncode == 1, result.stderr
         errors = [line for line in result.stderr.splitlines() if line.startswith("E")]
         assert len(errors) == 1, result.stderr
         assert str(path) in errors[0] and why in errors[0]
-    unreadable = subprocess.run(
-        [str(BIN), "--hostname-override=kpxe-x", f"--kubeconfig={missing}"],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=60,
-    )
+    unreadable = run_binary("--hostname-override=kpxe-x", f"--kubeconfig={missing}")
     assert f"cannot read the kubeconfig file {missing}" in unreadable.stderr
 
 
@@ -670,13 +658,7 @@ def test_manifests_without_this_nodes_node_name_the_nodes_found(
 
 
 def test_manifests_without_hostname_override_say_whose_name_was_used() -> None:
-    result = subprocess.run(
-        [str(BIN), "--manifests", str(EXAMPLES), "--dry-run"],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=60,
-    )
+    result = run_binary("--manifests", str(EXAMPLES), "--dry-run")
     assert result.returncode == 0, result.stderr
     warnings = [line for line in result.stderr.splitlines() if line.startswith("W")]
     assert len(warnings) == 1, result.stderr

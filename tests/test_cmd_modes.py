@@ -330,11 +330,11 @@ def test_ipvs_mode_sets_the_deprecated_mode_metric(fake: FakeAPIServer) -> None:
     assert 'kubeproxy_deprecated_proxy_mode{mode="ipvs"} 1' in seen[0].splitlines()
 
 
-def test_once_posts_no_mode_events(fake: FakeAPIServer) -> None:
+def run_once(fake: FakeAPIServer, binary: Binary, stand_ins: StandIns) -> int:
+    """``binary --once`` against the fake API server's cluster; the exit code."""
     serve_cluster(fake)
-    stand_ins = StandIns()
-    code = run(
-        ipvs_binary.BINARY,
+    return run(
+        binary,
         ["--master", fake.url, "--hostname-override", NODE, "--once"],
         modes=stand_ins.modes,
         host_addresses=FakeHostAddresses(),
@@ -342,7 +342,10 @@ def test_once_posts_no_mode_events(fake: FakeAPIServer) -> None:
         conntrack=FakeConntrack(),
         tuning=BRISK,
     )
-    assert code == 0
+
+
+def test_once_posts_no_mode_events(fake: FakeAPIServer) -> None:
+    assert run_once(fake, ipvs_binary.BINARY, StandIns()) == 0
     assert fake.posted_events == []
 
 
@@ -673,18 +676,8 @@ def test_a_server_that_cannot_bind_with_hard_fail_removes_nothing(fake: FakeAPIS
 
 
 def test_once_removes_the_other_modes_before_its_sync(fake: FakeAPIServer) -> None:
-    serve_cluster(fake)
     stand_ins = StandIns()
-    code = run(
-        iptables_binary.BINARY,
-        ["--master", fake.url, "--hostname-override", NODE, "--once"],
-        modes=stand_ins.modes,
-        host_addresses=FakeHostAddresses(),
-        gc_ops=NO_GC,
-        conntrack=FakeConntrack(),
-        tuning=BRISK,
-    )
-    assert code == 0
+    assert run_once(fake, iptables_binary.BINARY, stand_ins) == 0
     assert stand_ins.steps == ["create iptables", "clean nftables"]
     assert stand_ins.fakes[0].transactions  # the sync ran after the cleanup
 

@@ -213,9 +213,9 @@ def test_switching_nftables_iptables_nftables_with_each_modes_cleanup(node: Node
     assert no_kube_chains(node), kube_chains(node)
 
 
-def binary(node: Node, prog: str, *argv: str) -> None:
-    result = in_ns(
-        node,
+def over_examples(prog: str, *argv: str) -> list[str]:
+    """``prog`` proxying the example cluster as its node."""
+    return [
         str(BIN / prog),
         "--manifests",
         str(EXAMPLES),
@@ -223,7 +223,11 @@ def binary(node: Node, prog: str, *argv: str) -> None:
         NODE,
         "--cluster-cidr=10.244.0.0/16",
         *argv,
-    )
+    ]
+
+
+def binary(node: Node, prog: str, *argv: str) -> None:
+    result = in_ns(node, *over_examples(prog, *argv))
     assert result.returncode == 0, result.stderr
 
 
@@ -285,16 +289,7 @@ def test_the_binaries_remove_the_other_modes_leftovers_and_cleanup_removes_all(
 def test_ipvs_mode_fails_with_one_clear_line_where_the_kernel_lacks_ip_vs(node: Node) -> None:
     binary(node, "kube-proxy-nftables", "--once")
     assert proxied(node) == ENDPOINTS
-    result = in_ns(
-        node,
-        str(BIN / "kube-proxy-ipvs"),
-        "--manifests",
-        str(EXAMPLES),
-        "--hostname-override",
-        NODE,
-        "--cluster-cidr=10.244.0.0/16",
-        "--once",
-    )
+    result = in_ns(node, *over_examples("kube-proxy-ipvs", "--once"))
     if Path("/proc/net/ip_vs").exists():  # a kernel with IPVS: the mode runs
         assert result.returncode == 0, result.stderr
         assert proxied(node) == ENDPOINTS
@@ -325,18 +320,8 @@ def capped(
 ) -> subprocess.CompletedProcess[str]:
     """``prog`` over the example cluster as root with only ``capabilities`` (setpriv's
     bounding set, e.g. ``+net_admin``), in the node namespace."""
-    return in_ns(
-        node,
-        "setpriv",
-        f"--bounding-set=-all,{capabilities}" if capabilities else "--bounding-set=-all",
-        str(BIN / prog),
-        "--manifests",
-        str(EXAMPLES),
-        "--hostname-override",
-        NODE,
-        "--cluster-cidr=10.244.0.0/16",
-        *argv,
-    )
+    bounding = f"--bounding-set=-all,{capabilities}" if capabilities else "--bounding-set=-all"
+    return in_ns(node, "setpriv", bounding, *over_examples(prog, *argv))
 
 
 def daemonset_capabilities() -> str:
