@@ -31,9 +31,21 @@ clean:
 
 # Benchmarks: our nftables and iptables backends and upstream's nftables rule structure,
 # side by side (bench/README.md). bench-quick: a few minutes; bench: everything (long).
-# Results: bench/results/latest.md, PNG plots and one JSON file per run. Never part of
-# `make test`.
-.PHONY: bench bench-quick
+# Results: bench/results/latest.md, PNG plots and one JSON file per run; then
+# `python -m bench.readme` puts the figures into the READMEs. Never part of `make test`.
+# bench-micro: the core and the renderers in memory (bench/test_micro.py, about a
+# minute), compared with the committed baseline; fails when a minimum is 20 % slower.
+.PHONY: bench bench-quick bench-micro bench-micro-baseline
+MICRO_BASELINE := bench/results/micro-baseline.json
+MICRO := $(VENV)/bin/pytest --import-mode=append bench/test_micro.py --benchmark-sort=name
+
+bench-micro: setup
+	$(MICRO) --benchmark-compare=$(MICRO_BASELINE) --benchmark-compare-fail=min:20% \
+		$(BENCH_ARGS)
+
+bench-micro-baseline: setup
+	$(MICRO) --benchmark-json=$(MICRO_BASELINE) $(BENCH_ARGS)
+
 bench-quick: setup
 	KPXB_COMMAND="make bench-quick" KPXB_INCREMENTAL_BUDGET_S=5 \
 		$(VENV)/bin/pytest --import-mode=append bench -m quick --benchmark-sort=name $(BENCH_ARGS)

@@ -52,7 +52,9 @@ __all__ = [
     "TargetCheck",
     "evaluate_targets",
     "machine_info",
+    "readme_summary",
     "render_markdown",
+    "sizing_table",
 ]
 
 OURS = "kubeproxy-nftables"
@@ -746,3 +748,145 @@ class Results:
         md_path = directory / "latest.md"
         md_path.write_text(render_markdown(run))
         return [json_path, *plots, md_path]
+
+
+# --- the summaries the READMEs carry (bench/readme.py writes them) ------------------------
+
+
+def _run_line(run: dict[str, Any], source: str) -> str:
+    machine = run["machine"]
+    dirty = " + uncommitted changes" if machine.get("dirty") else ""
+    return (
+        f"Measured by `{run['command']}` at commit {machine['commit']}{dirty} on "
+        f"{machine['date'][:10]} (`{source}`, {run['duration_s'] / 60:.1f} min; "
+        f"{machine['nproc']} cores, kernel {machine['kernel']}, {machine['nft']}, "
+        f"{machine.get('iptables', 'iptables ?')}, Python {machine['python']})."
+    )
+
+
+def _compared(value: float, base: float | None, text: str) -> str:
+    if base is None or base <= 0 or value == base:
+        return text
+    return f"{text} ({value / base:.1f}x)"
+
+
+def _sync_summary_cell(r: Record | None, base: Record | None) -> str:
+    if r is None:
+        return "-"
+    if r.get("timed_out"):
+        return f"> {r['seconds']:.0f} s (killed)"
+    if not r["ok"]:
+        return "failed"
+    reference = base["seconds"] if base is not None and base["ok"] else None
+    return _compared(r["seconds"], reference, f"{_seconds(r['seconds'])} s")
+
+
+def readme_summary(run: dict[str, Any], source: str) -> str:
+    """The README's benchmark section for one run (``source``: its results file):
+    where it was measured, one row per measurement and size, a column per subject the
+    run holds (ratios to nftables in parentheses), the targets, the plots."""
+    records = run["records"]
+    subjects = [s for s in SUBJECT_ORDER if any(r["subject"] == s for r in records)]
+    subjects += sorted({r["subject"] for r in records} - set(subjects) - {NO_RULES})
+    rows: list[list[str]] = []
+    for kind, what in (("cold", "cold sync"), ("restart", "restart over existing rules")):
+        sizes = sorted({r["services"] for r in records if r["kind"] == kind and _plain(r)})
+        for n in sizes:
+            base = _sync(records, n, OURS, kind=kind)
+            cells = [_sync_summary_cell(_sync(records, n, s, kind=kind), base) for s in subjects]
+            rows.append([f"{what}, {_size(n)}", *cells])
+    incremental = _find(records, kind="incremental", op="endpoint")
+    for n in sorted({r["services"] for r in incremental}):
+        base = _one(incremental, subject=OURS, services=n)
+        row = [f"incremental sync at {_size(n)}, endpoint changed (median)"]
+        for s in subjects:
+            r = _one(incremental, subject=s, services=n)
+            if r is None:
+                row.append("-")
+                continue
+            reference = base["median_ms"] if base is not None else None
+            row.append(_compared(r["median_ms"], reference, f"{r['median_ms']:.1f} ms"))
+        rows.append(row)
+    first = _find(records, kind="dataplane", case="service-10")
+    for n in sorted({r["services"] for r in first}):
+        row = [f"first connection p50 with {_size(n)} Services"]
+        for s in subjects:
+            r = _one(first, subject=s, services=n)
+            row.append("-" if r is None else f"{r['p50_us']:.0f} us")
+        rows.append(row)
+    peaks = [r for r in records if r["kind"] in ("cold", "restart") and _plain(r) and r["ok"]]
+    for n in sorted({r["services"] for r in peaks}):
+        row = [f"proxy peak memory at {_size(n)} (cold / restart)"]
+        for s in subjects:
+            found = [
+                _mb_cell(r.get("proxy_peak_mb"))
+                for kind in ("cold", "restart")
+                if (r := _one(peaks, subject=s, services=n, kind=kind)) is not None
+            ]
+            row.append(" / ".join(found) + " MB" if found and "-" not in found else "-")
+        rows.append(row)
+    lines = [
+        _run_line(run, source),
+        "Seconds end to end (Kubernetes objects in memory to rules committed), "
+        "N Services x 10 endpoints; in parentheses, the ratio to nftables. Every figure of "
+        "the run: [`bench/results/latest.md`](bench/results/latest.md).",
+        "",
+        *_table(["", *(SUBJECT_TITLES.get(s, s) for s in subjects)], rows),
+        "",
+    ]
+    targets = run.get("targets")
+    checks = (
+        [TargetCheck(**t) for t in targets] if targets is not None else evaluate_targets(records)
+    )
+    lines += _table(
+        ("target (nftables backend)", "measured", "verdict"),
+        ((c.target, c.measured, _verdict(c.holds)) for c in checks),
+    )
+    for plot in run.get("plots") or []:
+        lines += ["", f"![{Path(plot).stem}](bench/results/{Path(plot).name})"]
+    return "\n".join(lines) + "\n"
+
+
+def _round_up(mb: float, step: int) -> int:
+    return max(step, math.ceil(mb / step) * step)
+
+
+def sizing_table(run: dict[str, Any], source: str) -> str:
+    """Memory to give ``kube-proxy-nftables`` by cluster size, from one run's nftables
+    records: the resident size once synced and the peak during a cold sync or a restart
+    (the larger), with the request (resident, rounded up to 64 Mi) and the limit (peak
+    plus a quarter, rounded up to 128 Mi) they suggest."""
+    records = [
+        r
+        for r in run["records"]
+        if r["subject"] == OURS and r["kind"] in ("cold", "restart") and _plain(r) and r["ok"]
+    ]
+    rows = []
+    for n in sorted({r["services"] for r in records}):
+        mine = [r for r in records if r["services"] == n]
+        resident = max(r.get("rss_after_mb") or 0.0 for r in mine)
+        peak = max(r.get("proxy_peak_mb") or 0.0 for r in mine)
+        rows.append(
+            (
+                _size(n),
+                f"{resident:.0f}",
+                f"{peak:.0f}",
+                f"{_round_up(resident, 64)}Mi",
+                f"{_round_up(peak * 1.25, 128)}Mi",
+            )
+        )
+    lines = [
+        _run_line(run, source),
+        "",
+        *_table(
+            (
+                "Services (x 10 endpoints)",
+                "resident once synced (MB)",
+                "peak, cold sync or restart (MB)",
+                "memory request",
+                "memory limit, if you set one",
+            ),
+            rows,
+        ),
+    ]
+    return "\n".join(lines) + "\n"

@@ -1,6 +1,6 @@
 """Upstream kube-proxy's nftables rule structure, as the `nft -f` input of a cold full sync.
 
-Written from the facts in ``reference/upstream-backends.md`` (sections 1.2 to 1.8), not from
+Written from a description of what upstream's ``pkg/proxy/nftables`` writes, not from
 upstream's code: the table, the base and fixed chains with their rules, the sets and maps,
 and per Service port a ``service-<hash>-ns/name/proto/port`` chain dispatching with an
 anonymous ``numgen random mod N vmap { ... }`` to one ``endpoint-<hash>-...`` chain per

@@ -1,8 +1,7 @@
 """Wiring shared by the binaries: upstream kube-proxy's start-up sequence over our core.
 
 A binary parses its options, sets up logging and hands over to :func:`run_daemon`, which
-follows upstream's start-up (``cmd/kube-proxy/app/server.go``; reference: upstream-core
-§2 and §4):
+follows upstream's start-up (``cmd/kube-proxy/app/server.go`` and ``server_linux.go``):
 
 1. ``--init-only``: the privileged set-up (:func:`privileged_setup`: conntrack sysctls,
    ``oomScoreAdj``), then exit 0;
@@ -10,25 +9,30 @@ follows upstream's start-up (``cmd/kube-proxy/app/server.go``; reference: upstre
    :class:`~kubeproxy.sources.kubernetes.NodeWatcher` waiting up to five minutes for this
    Node), the node IPs and primary family (:func:`detect_node_ips`), the families to
    proxy (:func:`detect_families`), the event recorder, the privileged set-up, metrics
-   and health state and servers, the conntrack reconciler and one proxier per family;
+   and health state and servers, the conntrack reconciler and one proxier per family
+   (making a backend runs its support check: a mode that cannot run here stops here);
 3. :meth:`Daemon.start`: post the mode warnings (:class:`StartupWarning`: ipvs is
    deprecated, the mode was defaulted), bind the health and metrics servers (with
-   ``bindAddressHardFail`` a failure is fatal, after a Warning event), post the
-   ``Starting`` event, hand the proxiers what the source delivered so far (the first
-   sync) and start the sync loops;
+   ``bindAddressHardFail`` a failure is fatal, after a Warning event), run the
+   ``before_first_sync`` step (the binaries remove the other modes' rules there, once
+   everything that could stop the start has passed), post the ``Starting`` event, hand
+   the proxiers what the source delivered so far (the first sync) and start the sync
+   loops;
 4. SIGTERM or SIGINT: :meth:`Daemon.stop` closes the servers and joins the threads; the
    kernel rules stay in place, for the next instance to take over.
 
-``--once`` (and ``--dry-run``) syncs once after the initial list instead of steps 3-4,
-without the privileged set-up: a one-shot sync is a tool run, not a node's proxy, and
-must not retune the host's conntrack table.
+``--once`` (and ``--dry-run``) syncs once after the initial list instead of steps 3-4
+(``before_first_sync`` still runs first), without the privileged set-up: a one-shot sync
+is a tool run, not a node's proxy, and must not retune the host's conntrack table.
 
 Where we differ from upstream: ``--init-only`` does not contact the API server (the
 privileged set-up needs nothing from it, and an init container should not wait for the
 Node); the source is started before the proxiers exist (our sources deliver the Node
-with everything else), so a :class:`HandlerGate` holds what it delivers until then; and
-once every family has completed its first full sync the process freezes its long-lived
-objects out of the garbage collector's reach (:class:`GcTuner`).
+with everything else), so a :class:`HandlerGate` holds what it delivers until then; the
+other modes' rules are removed only once this mode's backends exist and its servers are
+bound, so a failed start leaves the node's rules alone; and once every family has
+completed its first full sync the process freezes its long-lived objects out of the
+garbage collector's reach (:class:`GcTuner`).
 """
 
 from __future__ import annotations
@@ -81,7 +85,7 @@ from kubeproxy.netlink import HostAddresses, HostAddressLister
 from kubeproxy.objects import IPAddress, IPFamily, IPNetwork, NamespacedName, NodeInfo
 from kubeproxy.parse import InvalidObject, parse_node
 from kubeproxy.proxier import DualStackProxier, ObserverGroup, Proxier, SyncHook, SyncObserver
-from kubeproxy.proxyconfig import KubeProxyConntrackConfiguration
+from kubeproxy.proxyconfig import KubeProxyConntrackConfiguration, config_document
 from kubeproxy.sources.manifests import ManifestSource
 from kubeproxy.sysctl import (
     DEFAULT_HASHSIZE_PATH,
@@ -318,10 +322,13 @@ def host_ips(addresses: Sequence[IPAddress]) -> tuple[IPAddress, ...]:
     return (first,) if other is None else (first, other)
 
 
-def detect_node_ips(raw: Sequence[IPAddress], bind_address: str = "") -> NodeIPs:
+def detect_node_ips(
+    raw: Sequence[IPAddress], bind_address: str = "", *, explain_loopback: bool = True
+) -> NodeIPs:
     """Node IPs as upstream decides them: ``bindAddress`` when set and not unspecified
     overrides the primary IP; else the Node's host IPs (the first one's family is
-    primary); else loopback, logging upstream's :data:`LOOPBACK_MESSAGE`."""
+    primary); else loopback, logging upstream's :data:`LOOPBACK_MESSAGE` (unless
+    ``explain_loopback`` is False: the caller said why already)."""
     primary = IPFamily.IPV4
     ips: dict[IPFamily, IPAddress] = {}
     for address in host_ips(raw):
@@ -341,7 +348,7 @@ def detect_node_ips(raw: Sequence[IPAddress], bind_address: str = "") -> NodeIPs
         v4 if isinstance(v4, ipaddress.IPv4Address) else _LOOPBACK_V4,
         v6 if isinstance(v6, ipaddress.IPv6Address) else _LOOPBACK_V6,
     )
-    if node_ips.primary.is_loopback:
+    if node_ips.primary.is_loopback and explain_loopback:
         logger.warning(LOOPBACK_MESSAGE)
     return node_ips
 
@@ -551,6 +558,10 @@ class _Source:
     wait_synced: Callable[[float], bool]
     join: Callable[[float], bool] = field(default=lambda _timeout: True)
     poll: Callable[[threading.Event], None] | None = None
+    # What the source could not use (files that did not parse): --once fails on any.
+    problems: Callable[[], list[str]] = field(default=lambda: [])
+    # Whether a missing Node was already explained (so the loopback warning is not needed).
+    node_explained: bool = False
 
 
 class Daemon:
@@ -580,6 +591,7 @@ class Daemon:
         gc_tuner: GcTuner,
         stop: threading.Event,
         startup_warnings: Sequence[StartupWarning] = (),
+        before_first_sync: Callable[[], object] | None = None,
     ) -> None:
         self.options = options
         self.node = node
@@ -602,6 +614,7 @@ class Daemon:
         self.events = events
         self.gc_tuner = gc_tuner
         self.startup_warnings = tuple(startup_warnings)
+        self._before_first_sync = before_first_sync
         self._stop = stop
         self._threads: list[threading.Thread] = []
         self._stopped = False
@@ -620,11 +633,13 @@ class Daemon:
         return self._stop.wait(timeout)
 
     def start(self) -> None:
-        """Post the start-up warnings, serve health and metrics, post ``Starting``, sync,
+        """Post the start-up warnings, serve health and metrics, run the
+        ``before_first_sync`` step (removing other modes' rules), post ``Starting``, sync,
         and run the sync loops.
 
         Raises :class:`StartupError` when a server cannot bind with
-        ``bindAddressHardFail`` (after posting the Warning event upstream posts).
+        ``bindAddressHardFail`` (after posting the Warning event upstream posts); nothing
+        of ``before_first_sync`` has run then.
         """
         if self._threads:
             raise RuntimeError("the daemon is already running")
@@ -632,6 +647,7 @@ class Daemon:
             self.events.warning(warning.reason, warning.action, warning.note)
         self._serve(self.health_server.start, REASON_FAILED_HEALTHCHECK)
         self._serve(self.metrics_server.start, REASON_FAILED_METRICS)
+        self._prepare_first_sync()
         self.events.starting()
         self.gate.bind(self.handler)
         for proxier in self.proxiers.values():
@@ -641,7 +657,13 @@ class Daemon:
         logger.info("kube-proxy started for node %s", self.node.name)
 
     def sync_once(self, timeout: float = NODE_WAIT_TIMEOUT) -> bool:
-        """Sync once after the source's initial list (``--once``); True on success."""
+        """Sync once after the source's initial list (``--once``); True on success.
+
+        The valid objects are synced even when the source reported input it could not
+        use (a manifest file that did not parse); that is still a failure, logged once
+        more at the end, so a pre-flight check or CI run notices.
+        """
+        self._prepare_first_sync()
         self.gate.bind(self.handler)
         if not self._source.wait_synced(timeout):
             logger.error("The initial list did not complete within %gs", timeout)
@@ -651,7 +673,15 @@ class Daemon:
             if self._stop.is_set() or time.monotonic() > deadline:
                 return False
             self._stop.wait(_POLL)
-        return self.handler.sync_now()
+        synced = self.handler.sync_now()
+        problems = self._source.problems()
+        if problems:
+            logger.error(
+                "Synced what could be used; %d input problem(s): %s",
+                len(problems),
+                "; ".join(problems),
+            )
+        return synced and not problems
 
     def stop(self, timeout: float = _STOP_TIMEOUT) -> None:
         """Stop everything this daemon runs; the kernel rules stay as they are."""
@@ -673,6 +703,11 @@ class Daemon:
             close(timeout)
         logger.info("kube-proxy stopped; the rules stay in place")
 
+    def _prepare_first_sync(self) -> None:
+        step, self._before_first_sync = self._before_first_sync, None
+        if step is not None:
+            step()
+
     def _serve(self, start: Callable[[], None], reason: str) -> None:
         try:
             start()
@@ -693,13 +728,36 @@ class Daemon:
 # --- building it ------------------------------------------------------------------------
 
 
-def _open_manifests(directory: Path, gate: HandlerGate, node_name: str) -> _Source:
-    source = ManifestSource(directory, gate, node_name=node_name)
+def _open_manifests(directory: Path, gate: HandlerGate, options: Options) -> _Source:
+    source = ManifestSource(directory, gate, node_name=options.node_name)
     try:
         source.load()
     except OSError as err:
         raise StartupError(f"--manifests: {err}") from None
-    return _Source(source, gate.node, wait_synced=lambda _t: True, poll=source.run)
+    others = source.node_names
+    explained = gate.node is None and bool(others)
+    if explained:
+        whose = (
+            "--hostname-override"
+            if options.configuration.hostname_override
+            else "this host's name (no --hostname-override given)"
+        )
+        logger.warning(
+            "--manifests %s holds no Node named %s (%s) but Nodes %s: set --hostname-override "
+            "to the Node this proxy runs as; using this host's addresses meanwhile",
+            directory,
+            options.node_name,
+            whose,
+            ", ".join(others),
+        )
+    return _Source(
+        source,
+        gate.node,
+        wait_synced=lambda _t: True,
+        poll=source.run,
+        problems=lambda: [f"{path}: did not parse" for path in source.broken],
+        node_explained=explained,
+    )
 
 
 def _api_client(options: Options) -> Any:
@@ -825,6 +883,7 @@ def build_daemon(
     backend_hooks: BackendHooks | None = None,
     startup_warnings: Sequence[StartupWarning] = (),
     stop: threading.Event | None = None,
+    before_first_sync: Callable[[], object] | None = None,
 ) -> Daemon:
     """Build the proxy for ``options``, up to the point where :meth:`Daemon.start` runs it.
 
@@ -838,7 +897,10 @@ def build_daemon(
     with manifests. ``privileged`` applies :func:`privileged_setup` (through ``paths``
     and ``sysctl_files``). ``exit`` is what the NodeWatcher calls when the Node's IPs
     change (default: end the process). ``startup_warnings`` are posted as events when the
-    daemon starts. Raises :class:`StartupError`.
+    daemon starts. ``before_first_sync`` runs once every backend exists and (for a
+    daemon) the servers are bound, right before the first sync: the binaries remove the
+    other modes' rules there, so a mode that cannot run, or a server that cannot bind
+    with ``bindAddressHardFail``, leaves them in place. Raises :class:`StartupError`.
     """
     stop = stop if stop is not None else threading.Event()
     gate = HandlerGate()
@@ -848,7 +910,7 @@ def build_daemon(
         return [a for a in lister.list_addresses(netns) if not a.is_link_local]
 
     if options.manifests is not None:
-        source = _open_manifests(options.manifests, gate, options.node_name)
+        source = _open_manifests(options.manifests, gate, options)
     else:
         api = api if api is not None else _api_client(options)
         source = _open_api(
@@ -880,6 +942,7 @@ def build_daemon(
             gc_ops=gc_ops,
             backend_hooks=backend_hooks,
             startup_warnings=startup_warnings,
+            before_first_sync=before_first_sync,
         )
     except BaseException:
         source.join(_STOP_TIMEOUT)
@@ -918,7 +981,12 @@ def _health_and_metrics(
     }
     return _Health(
         metrics,
-        MetricsServer(options.metrics_bind_address, metrics, hard_fail=hard_fail),
+        MetricsServer(
+            options.metrics_bind_address,
+            metrics,
+            hard_fail=hard_fail,
+            configz=config_document(options.configuration),
+        ),
         health,
         ProxyHealthServer(options.healthz_bind_address, health, metrics, hard_fail=hard_fail),
         HealthObserver(health, service_health),
@@ -956,11 +1024,16 @@ def _assemble(
     gc_ops: GcOps | None,
     backend_hooks: BackendHooks | None,
     startup_warnings: Sequence[StartupWarning],
+    before_first_sync: Callable[[], object] | None,
 ) -> Daemon:
     """Everything after the source, in upstream's order: node IPs and families, events,
     the privileged set-up, backends, servers, the conntrack reconciler, proxiers."""
     node = _node_info(source.node, options.node_name, list_host_addresses())
-    node_ips = detect_node_ips(host_ips(node.addresses), options.configuration.bind_address)
+    node_ips = detect_node_ips(
+        host_ips(node.addresses),
+        options.configuration.bind_address,
+        explain_loopback=not source.node_explained,
+    )
     config = expand_primary(options.config, node_ips)
     supported = kernel_supports_ipv6() if ipv6_supported is None else ipv6_supported
     families = detect_families(node_ips, ipv6_supported=supported)
@@ -1009,6 +1082,7 @@ def _assemble(
         gc_tuner=gc_tuner,
         stop=stop,
         startup_warnings=startup_warnings,
+        before_first_sync=before_first_sync,
     )
 
 

@@ -12,22 +12,26 @@ Upstream's flags and ``--config`` (see :mod:`kubeproxy.cmd.options`), plus ours:
 ``--manifests DIR`` reads objects from a directory instead of an API server, ``--once``
 syncs once and exits, ``--dry-run`` prints what a sync would send to the kernel and
 touches nothing (nftables and iptables modes). ``--cleanup`` removes what every one of our
-modes made (:func:`~kubeproxy.cmd.modes.cleanup_all`); a normal start first removes the
-other kind of mode's leftovers (:func:`~kubeproxy.cmd.modes.platform_cleanup`). The
-start-up sequence is :func:`kubeproxy.cmd.app.run_daemon`'s.
+modes made (:func:`~kubeproxy.cmd.modes.cleanup_all`); a normal start removes the other
+kind of mode's leftovers (:func:`~kubeproxy.cmd.modes.platform_cleanup`) once its own
+backends exist and its servers are bound, right before its first sync. A process without
+the capabilities its mode needs (``CAP_NET_ADMIN``) stops at once with one line saying
+so. The start-up sequence is :func:`kubeproxy.cmd.app.run_daemon`'s.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import logging
 import platform
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, TextIO
 
+from kubeproxy.capabilities import missing_capabilities
 from kubeproxy.cmd.app import StartupWarning, run_daemon
 from kubeproxy.cmd.modes import MODES, Mode, cleanup_all, platform_cleanup
 from kubeproxy.cmd.options import (
@@ -174,18 +178,24 @@ def run(
         logger.warning("enableProfiling (--profiling) is not supported; ignored")
     netns = build.get("netns")
     if options.cleanup:
+        if not _privileged(prog, "--cleanup", table.values()):
+            return 1
         return cleanup_all(table, netns)
     mode = table[options.mode]
     if options.dry_run:
         return _dry_run(mode, options, out, build)
+    if not options.init_only and not _privileged(prog, f"{mode.name} mode", (mode,)):
+        return 1
     warnings = mode_warnings(options)
-    if not options.init_only:
-        platform_cleanup(mode.name, table, netns)
     try:
         factory = mode.factory()
     except ImportError as err:
         logger.error("%s mode is not available: %s", mode.name, err)
         return 1
+    if not options.init_only:
+        # Only once this mode's backends exist (their support checks passed) and its
+        # servers are bound: a start that fails must leave the node's rules alone.
+        build["before_first_sync"] = functools.partial(platform_cleanup, mode.name, table, netns)
     return run_daemon(
         options,
         factory,
@@ -194,3 +204,20 @@ def run(
         startup_warnings=warnings,
         **build,
     )
+
+
+def _privileged(prog: str, what: str, modes: Iterable[Mode]) -> bool:
+    """Whether this process holds the capabilities ``modes`` need; else one error line."""
+    needed = list(dict.fromkeys(cap for mode in modes for cap in mode.capabilities))
+    missing = missing_capabilities(needed)
+    if missing:
+        logger.error(
+            "%s needs %s for %s and this process lacks %s: run it as root, or grant the "
+            "capability (the DaemonSet's container adds NET_ADMIN)",
+            prog,
+            " and ".join(needed),
+            what,
+            " and ".join(missing),
+        )
+        return False
+    return True

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Protocol, TextIO, runtime_checkable
 
 from kubeproxy.backend import Backend, BackendFactory
+from kubeproxy.capabilities import CAP_NET_ADMIN
 from kubeproxy.cmd.app import BackendHooks
 from kubeproxy.config import ProxierConfig
 from kubeproxy.metrics import ProxyMetrics
@@ -141,12 +142,16 @@ def nftables_hooks(backend: Backend, metrics: ProxyMetrics) -> Sequence[SyncHook
 
 
 def iptables_hooks(backend: Backend, metrics: ProxyMetrics) -> Sequence[SyncHook | SyncObserver]:
-    """iptables and ipvs modes: the backend's restore counters (:class:`BackendCounters`).
+    """iptables and ipvs modes: the backend's restore counters (:class:`BackendCounters`),
+    and its nfacct packet counters (``packet_counts``, iptables mode) for the scrapes.
 
     A backend without ``restore_failures`` (our ipvs backend counts ``sync_failures``, any
     kernel refusal) gets none: each failed sync then counts once in
     ``..._iptables_restore_failures_total``, the metrics' own way.
     """
+    packet_counts = getattr(backend, "packet_counts", None)
+    if callable(packet_counts) and getattr(backend, "nfacct_counters", None):
+        metrics.count_packets(packet_counts)
     if isinstance(backend, IptablesCounters):
         return (BackendCounters(backend, metrics),)
     return ()
@@ -278,7 +283,8 @@ class Mode:
     ``cleanup(netns)`` removes everything the mode ever made in the current namespace or
     ``netns`` (raising on a real error; an error saying ``kernel lacks ...`` means there
     can be nothing to remove); ``dry_run()`` makes a :class:`DryRun` (None: not
-    available); ``hooks`` wires the mode's own metrics.
+    available); ``hooks`` wires the mode's own metrics; ``capabilities`` are those the
+    mode cannot work without (``CAP_NET_ADMIN`` for ours), checked before anything else.
     """
 
     name: str
@@ -286,6 +292,7 @@ class Mode:
     cleanup: Callable[[str | None], None]
     hooks: BackendHooks
     dry_run: Callable[[], DryRun] | None = None
+    capabilities: tuple[str, ...] = ()
 
     @property
     def iptables_based(self) -> bool:
@@ -320,7 +327,7 @@ def _backend_mode(
             return
         module.cleanup(netns=netns, **cleanup_options)
 
-    return Mode(name, factory, cleanup, hooks, dry_run)
+    return Mode(name, factory, cleanup, hooks, dry_run, (CAP_NET_ADMIN,))
 
 
 MODES: Final[Mapping[str, Mode]] = {

@@ -368,8 +368,11 @@ _FLAGS: tuple[_Flag, ...] = (
     _b(
         "--cleanup",
         help=(
-            "Remove every table, chain, set and rule our backends created (the ip and ip6 "
-            "kube-proxy nftables tables) and exit; other tables are never touched."
+            "Remove what every proxy mode makes, whichever mode this binary runs: the ip "
+            "and ip6 kube-proxy nftables tables, iptables mode's chains and jumps (both "
+            "iptables variants, both families), ipvs mode's virtual servers, kube-ipvs0 "
+            "interface, ipsets and chains; then exit (1 if a mode could not be cleaned). "
+            "Nothing else is touched."
         ),
     ),
     _b(
@@ -711,9 +714,40 @@ _FLAGS: tuple[_Flag, ...] = (
         "unallocated Service IPs in them is rejected when the API offers no ServiceCIDR "
         "objects.",
     ),
+    _f(
+        "--boot-id-file",
+        help="Accepted for upstream's command line (a flag its binary inherits from a "
+        "library); has no effect.",
+    ),
     _Flag(("-h", "--help"), "Show this help and exit."),
 )
 _BY_DEST = {flag.dest: flag for flag in _FLAGS}
+# The modes a flag matters in (the others accept it, as upstream's binary does).
+_ONLY_FOR: dict[str, frozenset[str]] = {
+    "iptables_masquerade_bit": frozenset({"iptables", "ipvs"}),
+    "iptables_localhost_nodeports": frozenset({"iptables"}),
+    "iptables_sync_period": frozenset({"iptables", "nftables"}),
+    "iptables_min_sync_period": frozenset({"iptables", "nftables"}),
+    **{flag.dest: frozenset({"ipvs"}) for flag in _FLAGS if flag.field.startswith("ipvs.")},
+}
+
+
+def _help(flag: _Flag, fixed_mode: str | None) -> str:
+    """``flag``'s help as one binary describes it."""
+    if flag.dest == "proxy_mode":
+        if fixed_mode is None:
+            return flag.help
+        return (
+            f"This binary always runs in {fixed_mode} mode: leave the mode unset or set it to "
+            f"{fixed_mode}; any other is an error (the multi-mode kube-proxy binary runs the "
+            "others). " + _IGNORED_WITH_CONFIG
+        )
+    modes = _ONLY_FOR.get(flag.dest)
+    if fixed_mode is not None and modes is not None and fixed_mode not in modes:
+        return f"{flag.help} Not used by this binary ({fixed_mode} mode): accepted only."
+    return flag.help
+
+
 # Flags that still apply when --config is given, overriding the file.
 _OVERRIDE_CONFIG = {"hostname_override"} | {
     flag.dest for flag in _FLAGS if flag.field.startswith("logging.")
@@ -752,7 +786,9 @@ def build_parser(prog: str, fixed_mode: str | None = None) -> argparse.ArgumentP
     for flag in _FLAGS:
         names = flag.names
         if flag.dest == "help":
-            parser.add_argument(*names, dest="help", action="store_true", help=flag.help)
+            parser.add_argument(
+                *names, dest="help", action="store_true", help=_help(flag, fixed_mode)
+            )
         elif flag.boolean:
             parser.add_argument(
                 *names,
@@ -760,7 +796,7 @@ def build_parser(prog: str, fixed_mode: str | None = None) -> argparse.ArgumentP
                 nargs="?",
                 const=True,
                 type=flag.kind,
-                help=flag.help,
+                help=_help(flag, fixed_mode),
                 metavar="BOOL",
             )
         elif flag.repeat:
@@ -769,17 +805,26 @@ def build_parser(prog: str, fixed_mode: str | None = None) -> argparse.ArgumentP
                 dest=flag.dest,
                 action="append",
                 type=flag.kind,
-                help=flag.help,
+                help=_help(flag, fixed_mode),
                 metavar="LIST",
             )
         elif flag.dest == "version":
             parser.add_argument(
-                *names, dest="version", nargs="?", const="true", type=flag.kind, help=flag.help
+                *names,
+                dest="version",
+                nargs="?",
+                const="true",
+                type=flag.kind,
+                help=_help(flag, fixed_mode),
             )
         else:
             metavar = _METAVARS.get(flag.kind, "STRING")
             parser.add_argument(
-                *names, dest=flag.dest, type=flag.kind, help=flag.help, metavar=metavar
+                *names,
+                dest=flag.dest,
+                type=flag.kind,
+                help=_help(flag, fixed_mode),
+                metavar=metavar,
             )
     return parser
 

@@ -1,7 +1,7 @@
 """Kubernetes Events about this proxy's Node (``events.k8s.io/v1``), as upstream posts them.
 
-Upstream's events (reference: upstream-core §4): ``Starting`` / ``StartKubeProxy`` once the
-proxy runs (the "birth cry"), ``FailedToStartProxierHealthcheck`` and
+Upstream's events (``cmd/kube-proxy/app/server.go``): ``Starting`` / ``StartKubeProxy``
+once the proxy runs (the "birth cry"), ``FailedToStartProxierHealthcheck`` and
 ``FailedToStartMetricServer`` (action ``StartKubeProxy``) when a server cannot bind with
 ``bindAddressHardFail``, ``IPVSDeprecation`` (action ``ProxyModeCheck``) in ipvs mode,
 ``ProxyModeDefaulted`` (action ``ProxyModeCheck``) when the multi-mode binary runs without

@@ -6,6 +6,11 @@ DEBUG (and ``verbosity_level(5)``, ``(6)``... below it). Code that wants upstrea
 ``klog.V(2).Info`` writes ``logger.log(verbosity_level(2), ...)``; plain ``logger.debug``
 is ``V(4)``.
 
+``-v`` is for this project's loggers (``kubeproxy.*``). Other libraries' loggers
+(pyroute2's netlink dumps, asyncio, urllib3, the Kubernetes client) are capped at INFO
+whatever ``-v`` says, as klog's verbosity never reaches into a Go program's
+dependencies; a ``vmodule`` entry naming one (``--vmodule=pyroute2*=4``) opens it up.
+
 Text lines look like klog's (``I0721 12:34:56.123456 4242 kubeproxy.proxier] message``);
 JSON lines are one object each, with upstream's ``ts`` (seconds since the epoch),
 ``caller``, ``msg``, ``v`` (for info lines) and ``err`` (for exceptions), plus ``level``
@@ -23,11 +28,13 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import TextIO
+from typing import Final, TextIO
 
 from kubeproxy.proxyconfig import LoggingConfiguration, VModuleItem
 
 __all__ = [
+    "OURS",
+    "THIRD_PARTY_LEVEL",
     "JSONFormatter",
     "TextFormatter",
     "configure_logging",
@@ -111,23 +118,47 @@ class JSONFormatter(logging.Formatter):
         return json.dumps(entry, default=str, ensure_ascii=False)
 
 
-class _VerbosityFilter(logging.Filter):
-    """Passes records that meet their module's threshold (``vmodule``), else the global one."""
+OURS: Final = ("kubeproxy", "__main__")
+"""Logger names (and their children) that ``-v`` governs; others are capped at INFO."""
 
-    def __init__(self, threshold: int, vmodule: Sequence[VModuleItem]) -> None:
+THIRD_PARTY_LEVEL: Final = logging.INFO
+"""The lowest level shown from other libraries' loggers unless ``vmodule`` names them."""
+
+_NOISY: Final = ("pyroute2", "asyncio", "urllib3", "kubernetes")
+"""Libraries whose loggers are set to :data:`THIRD_PARTY_LEVEL` outright, so their debug
+records are not even made (pyroute2 builds a dump of every netlink message)."""
+
+
+def _under(name: str, tops: Sequence[str]) -> bool:
+    return any(name == top or name.startswith(top + ".") for top in tops)
+
+
+def _named(pattern: str, record: logging.LogRecord) -> bool:
+    return fnmatch.fnmatchcase(record.module, pattern) or fnmatch.fnmatchcase(record.name, pattern)
+
+
+class _VerbosityFilter(logging.Filter):
+    """Passes records that meet their module's threshold (``vmodule``), else the global
+    one, which for other libraries' loggers is never below :data:`THIRD_PARTY_LEVEL`."""
+
+    def __init__(
+        self, threshold: int, vmodule: Sequence[VModuleItem], ours: Sequence[str] = OURS
+    ) -> None:
         super().__init__()
         self.threshold = threshold
+        self.ours = tuple(ours)
+        self.third_party = max(threshold, THIRD_PARTY_LEVEL)
         self.vmodule = [
             (item.file_pattern, level_for_verbosity(item.verbosity)) for item in vmodule
         ]
 
     def filter(self, record: logging.LogRecord) -> bool:
         for pattern, level in self.vmodule:
-            if fnmatch.fnmatchcase(record.module, pattern) or fnmatch.fnmatchcase(
-                record.name, pattern
-            ):
+            if _named(pattern, record):
                 return record.levelno >= level
-        return record.levelno >= self.threshold
+        if _under(record.name, self.ours):
+            return record.levelno >= self.threshold
+        return record.levelno >= self.third_party
 
 
 class _ErrorsOnly(logging.Filter):
@@ -149,12 +180,16 @@ def configure_logging(
     stream: TextIO | None = None,
     info_stream: TextIO | None = None,
     root: logging.Logger | None = None,
+    ours: Sequence[str] | None = None,
 ) -> None:
     """Send ``root``'s records (default: the root logger) to ``stream`` (default: stderr).
 
     ``config`` gives the format, the verbosity and ``vmodule``; with ``splitStream`` set
     for the chosen format, records below ERROR go to ``info_stream`` (default: stdout)
-    instead. Calling again replaces what an earlier call installed.
+    instead. ``ours`` names the logger trees ``-v`` governs (default: :data:`OURS`, or
+    ``root``'s own tree when ``root`` is not the root logger); records of every other
+    logger are capped at :data:`THIRD_PARTY_LEVEL` unless ``vmodule`` names them. Calling
+    again replaces what an earlier call installed.
     """
     config = config or LoggingConfiguration()
     root = root if root is not None else logging.getLogger()
@@ -163,7 +198,9 @@ def configure_logging(
             root.removeHandler(handler)
     formatter: logging.Formatter = JSONFormatter() if config.format == "json" else TextFormatter()
     threshold = level_for_verbosity(config.verbosity)
-    verbosity_filter = _VerbosityFilter(threshold, config.vmodule)
+    if ours is None:
+        ours = OURS if root is logging.getLogger() else (root.name,)
+    verbosity_filter = _VerbosityFilter(threshold, config.vmodule, ours)
     routing = config.options.json if config.format == "json" else config.options.text
     errors = stream if stream is not None else sys.stderr
     targets: list[tuple[TextIO, logging.Filter | None]] = [(errors, None)]
@@ -179,3 +216,6 @@ def configure_logging(
         root.addHandler(handler)
     levels = [threshold, *(level_for_verbosity(item.verbosity) for item in config.vmodule)]
     root.setLevel(min(levels))
+    for name in _NOISY:
+        opened = any(fnmatch.fnmatchcase(name, item.file_pattern) for item in config.vmodule)
+        logging.getLogger(name).setLevel(logging.NOTSET if opened else THIRD_PARTY_LEVEL)

@@ -14,8 +14,9 @@ or ``IPv6``) plus the process collector's ``process_*`` metrics, and is fed by:
 * the health servers (:class:`~kubeproxy.health.HealthMetrics`) and the conntrack
   reconciler (:meth:`ProxyMetrics.conntrack_reconciled`).
 
-:class:`MetricsServer` serves ``/metrics``, ``/healthz`` (``ok``) and ``/proxyMode`` on the
-metrics address (default ``127.0.0.1:10249``). The text is written the way Go's client
+:class:`MetricsServer` serves ``/metrics``, ``/healthz`` (``ok``), ``/proxyMode`` and
+``/configz`` (the effective configuration, as upstream) on the metrics address (default
+``127.0.0.1:10249``). The text is written the way Go's client
 writes it (:func:`expose`): no ``_created`` series, numbers and ``le`` bounds formatted as
 Go formats floats (``le="1"``, not ``le="1.0"``), families sorted by name, so dashboards and
 alerts written against upstream keep matching.
@@ -23,10 +24,12 @@ alerts written against upstream keep matching.
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from decimal import Decimal
 from typing import TYPE_CHECKING, Final
 
@@ -46,11 +49,13 @@ if TYPE_CHECKING:
     from kubeproxy.servicechanges import ServiceChangeTracker
 
 __all__ = [
+    "CONFIGZ_GROUP",
     "CONTENT_TYPE",
     "DEFAULT_METRICS_ADDRESS",
     "DEPRECATED_MODES",
     "MODES",
     "NETWORK_PROGRAMMING_BUCKETS",
+    "PACKET_COUNTERS",
     "SYNC_BUCKETS",
     "MetricsServer",
     "ProxyMetrics",
@@ -84,6 +89,8 @@ NETWORK_PROGRAMMING_BUCKETS: Final = (
 """Network-programming buckets: 0, 0.25, 0.5, 1..59 s, 60..115 s by 5, 120..300 s by 30."""
 
 _PREFIX: Final = "kubeproxy_"
+
+logger = logging.getLogger(__name__)
 
 
 # --- exposition -----------------------------------------------------------------------
@@ -187,6 +194,38 @@ def expose(registry: Collector) -> bytes:
 # --- the metrics ----------------------------------------------------------------------
 
 
+PACKET_COUNTERS: Final = {
+    "ct_state_invalid_dropped_pkts": (
+        "iptables_ct_state_invalid_dropped_packets",
+        "packets dropped by iptables to work around conntrack problems",
+    ),
+    "localhost_nps_accepted_pkts": (
+        "iptables_localhost_nodeports_accepted_packets",
+        "Number of packets accepted on nodeports of loopback interface",
+    ),
+}
+"""Upstream's iptables-mode counters: nfacct counter name -> (metric name, help text)."""
+
+
+class _PacketCounters(Collector):
+    """Reads the iptables backend's nfacct counters at scrape time (upstream's custom
+    collectors: a counter that cannot be read is left out of the scrape)."""
+
+    def __init__(self, read: Callable[[], Mapping[str, int]]) -> None:
+        self.read = read
+
+    def collect(self) -> Iterable[Metric]:
+        """One counter family per nfacct counter read."""
+        try:
+            counts = self.read()
+        except Exception:  # a scrape must not fail for a counter
+            logger.exception("Reading the nfacct packet counters failed")
+            return
+        for counter, (name, help_text) in PACKET_COUNTERS.items():
+            if counter in counts:
+                yield CounterMetricFamily(_PREFIX + name, help_text, value=counts[counter])
+
+
 class _ChangeCounters(Collector):
     """Reads the trackers' counters at scrape time (pending and total changes)."""
 
@@ -281,7 +320,8 @@ class ProxyMetrics:
     upstream: nftables registers ``..._nftables_sync_failures_total`` and
     ``..._nftables_cleanup_failures_total``; iptables ``..._iptables_restore_failures_total``,
     ``..._iptables_partial_restore_failures_total``, ``..._iptables_total`` and
-    ``..._iptables_last``; ipvs ``..._iptables_restore_failures_total``. The full and
+    ``..._iptables_last`` (and, through :meth:`count_packets`, the nfacct packet
+    counters); ipvs ``..._iptables_restore_failures_total``. The full and
     partial sync histograms are registered in every mode (every backend here has both
     kinds of sync). A deprecated mode (:data:`DEPRECATED_MODES`) also sets
     ``kubeproxy_deprecated_proxy_mode{mode="ipvs"}`` to 1: our metric, not upstream's, so
@@ -413,6 +453,7 @@ class ProxyMetrics:
             )
             self.deprecated_mode.labels(mode).set(1)
         self._failures_from_backend = False
+        self._packet_counters: _PacketCounters | None = None
         self._changes = _ChangeCounters()
         reg.register(self._changes)
         if process_metrics:
@@ -525,6 +566,15 @@ class ProxyMetrics:
         if self.iptables_partial_restore_failures is not None:
             self.iptables_partial_restore_failures.labels(family.value).inc()
 
+    def count_packets(self, read: Callable[[], Mapping[str, int]]) -> None:
+        """iptables mode: export the nfacct counters ``read`` returns (by counter name, see
+        :data:`PACKET_COUNTERS`) at every scrape. Both families' backends read the same
+        counters, so only the first call registers; other modes ignore it."""
+        if self.mode != "iptables" or self._packet_counters is not None:
+            return
+        self._packet_counters = _PacketCounters(read)
+        self.registry.register(self._packet_counters)
+
     def iptables_rules(self, family: IPFamily, table: str, total: int, last: int) -> None:
         """Rules owned in ``table`` and rules written by the last sync (iptables mode)."""
         if self.iptables_rules_total is not None and self.iptables_rules_last is not None:
@@ -538,12 +588,19 @@ class ProxyMetrics:
         return expose(self.registry)
 
 
+CONFIGZ_GROUP: Final = "kubeproxy.config.k8s.io"
+"""The key ``/configz`` files the configuration under (upstream's configz name)."""
+
+
 class MetricsServer:
-    """``/metrics``, ``/healthz`` and ``/proxyMode`` on the metrics address.
+    """``/metrics``, ``/healthz``, ``/proxyMode`` and ``/configz`` on the metrics address.
 
     ``/metrics`` is :meth:`ProxyMetrics.expose`; ``/healthz`` answers ``ok`` (the
     component's generic liveness check, unrelated to the proxy's own health);
-    ``/proxyMode`` the mode's name. An empty ``address`` disables the server; binding
+    ``/proxyMode`` the mode's name; ``/configz`` the effective configuration ``configz``
+    as JSON under :data:`CONFIGZ_GROUP`, as upstream serves it (upstream shows its
+    internal configuration type; this is the ``v1alpha1`` document ``--write-config-to``
+    writes, the form an operator can read back). An empty ``address`` disables the server; binding
     follows :class:`~kubeproxy.health.BackgroundServer` (retry every 5 s, or raise
     :class:`~kubeproxy.health.ServerBindError` at :meth:`start` with ``hard_fail``).
     """
@@ -555,12 +612,19 @@ class MetricsServer:
         *,
         hard_fail: bool = False,
         retry_interval: float = 5.0,
+        configz: Mapping[str, object] | None = None,
     ) -> None:
         self.metrics = metrics
+        self._configz = json.dumps({CONFIGZ_GROUP: dict(configz or {})}).encode()
         self.server = BackgroundServer(
             "metrics",
             address,
-            {"/metrics": self._metrics, "/healthz": self._healthz, "/proxyMode": self._mode},
+            {
+                "/metrics": self._metrics,
+                "/healthz": self._healthz,
+                "/proxyMode": self._mode,
+                "/configz": self._config,
+            },
             hard_fail=hard_fail,
             retry_interval=retry_interval,
         )
@@ -588,6 +652,9 @@ class MetricsServer:
             {"Content-Type": "text/plain; charset=utf-8", "X-Content-Type-Options": "nosniff"},
             b"ok",
         )
+
+    def _config(self) -> Response:
+        return 200, {"Content-Type": "application/json"}, self._configz
 
     def _mode(self) -> Response:
         return (

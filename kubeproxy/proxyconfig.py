@@ -65,6 +65,7 @@ __all__ = [
     "append_port_if_needed",
     "apply_platform_defaults",
     "cluster_cidrs",
+    "config_document",
     "defaults",
     "effective_mode",
     "load_config_file",
@@ -880,11 +881,18 @@ def _represent_str(dumper: _Dumper, value: str) -> yaml.ScalarNode:
 _Dumper.add_representer(str, _represent_str)
 
 
-def write_config(cfg: KubeProxyConfiguration) -> str:
-    """The configuration as YAML, every field spelled out (upstream's ``--write-config-to``)."""
+def config_document(cfg: KubeProxyConfiguration) -> dict[str, object]:
+    """The configuration as a ``kubeproxy.config.k8s.io/v1alpha1`` document (plain JSON
+    types), every field spelled out: what ``--write-config-to`` and ``/configz`` show."""
     body = _encode_struct(cfg)
     body["apiVersion"] = API_VERSION
     body["kind"] = KIND
+    return body
+
+
+def write_config(cfg: KubeProxyConfiguration) -> str:
+    """The configuration as YAML, every field spelled out (upstream's ``--write-config-to``)."""
+    body = config_document(cfg)
     return yaml.dump(
         body, Dumper=_Dumper, sort_keys=True, default_flow_style=False, allow_unicode=True
     )

@@ -7,6 +7,7 @@ test_daemon.py.
 
 from __future__ import annotations
 
+import io
 import ipaddress
 import logging
 import os
@@ -40,10 +41,12 @@ from kubeproxy.cmd.app import (
     host_ips,
     privileged_setup,
 )
+from kubeproxy.cmd.binary import run as binary_run
 from kubeproxy.cmd.options import parse_options
 from kubeproxy.config import ProxierConfig
 from kubeproxy.events import ObjectReference
 from kubeproxy.metrics import ProxyMetrics
+from kubeproxy.netlink import FakeHostAddresses
 from kubeproxy.objects import IPAddress, IPFamily
 from kubeproxy.proxyconfig import parse_config
 from kubeproxy.sources.kubernetes import IN_CLUSTER_MESSAGE
@@ -107,16 +110,16 @@ def test_write_config_to(tmp_path: Path) -> None:
     assert nft_binary.main(["--write-config-to", str(tmp_path / "no" / "dir.yaml")]) == 1
 
 
+def run_binary(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``kube-proxy-nftables ARGV`` in this namespace (for runs that touch no kernel)."""
+    return subprocess.run(
+        [str(BIN), *argv], capture_output=True, text=True, check=False, env=env, timeout=60
+    )
+
+
 def test_without_manifests_or_cluster_credentials_exits_1() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
-    result = subprocess.run(
-        [str(BIN), "--hostname-override=kpxe-x"],
-        capture_output=True,
-        text=True,
-        check=False,
-        env=env,
-        timeout=60,
-    )
+    result = run_binary("--hostname-override=kpxe-x", env=env)
     assert result.returncode == 1, result.stderr
     assert IN_CLUSTER_MESSAGE in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("E")]
@@ -242,12 +245,17 @@ def test_signal_stops_the_daemon_and_leaves_the_rules(netns: str, signum: int) -
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 20
-        while _healthz_code(netns) != "200":
+
+        def listing() -> str:
+            return _in_ns(netns, "nft", "list", "table", "ip", "kube-proxy").stdout
+
+        # Healthy (the servers are up) and synced (which comes after the other modes'
+        # cleanup, itself after the servers bind).
+        while _healthz_code(netns) != "200" or "172.30.0.10 . tcp . 80" not in listing():
             assert proc.poll() is None, proc.communicate()[1]
-            assert time.monotonic() < deadline, "the daemon never became healthy"
+            assert time.monotonic() < deadline, "the daemon never became healthy and synced"
             time.sleep(0.1)
-        listing = _in_ns(netns, "nft", "list", "table", "ip", "kube-proxy").stdout
-        assert "172.30.0.10 . tcp . 80" in listing
+        synced = listing()
         proc.send_signal(signum)
         _, stderr = proc.communicate(timeout=20)
     finally:
@@ -257,7 +265,7 @@ def test_signal_stops_the_daemon_and_leaves_the_rules(netns: str, signum: int) -
     assert proc.returncode == 0, stderr
     assert f"Received signal {int(signum)}, stopping (rules stay in place)" in stderr
     assert "kube-proxy stopped; the rules stay in place" in stderr
-    assert _in_ns(netns, "nft", "list", "table", "ip", "kube-proxy").stdout == listing
+    assert listing() == synced
     assert _healthz_code(netns) == "000"  # the server is closed
 
 
@@ -568,3 +576,103 @@ def test_cleanup_failures_reach_the_metric() -> None:
     exposed = metrics.expose().decode()
     line = 'kubeproxy_sync_proxy_rules_nftables_cleanup_failures_total{ip_family="IPv4"} 2'
     assert line in exposed.splitlines()
+
+
+def test_a_kubeconfig_that_cannot_be_read_is_named(tmp_path: Path) -> None:
+    missing = tmp_path / "missing" / "kubeconfig"
+    no_context = tmp_path / "no-context.conf"
+    no_context.write_text("apiVersion: v1\nkind: Config\nclusters: []\n")
+    for path, why in (
+        (missing, "No such file or directory"),
+        (tmp_path, "Is a directory"),
+        (no_context, "current-context"),
+    ):
+        result = run_binary("--hostname-override=kpxe-x", f"--kubeconfig={path}")
+        assert result.returncode == 1, result.stderr
+        errors = [line for line in result.stderr.splitlines() if line.startswith("E")]
+        assert len(errors) == 1, result.stderr
+        assert str(path) in errors[0] and why in errors[0]
+    unreadable = run_binary("--hostname-override=kpxe-x", f"--kubeconfig={missing}")
+    assert f"cannot read the kubeconfig file {missing}" in unreadable.stderr
+
+
+# --- manifests: what a one-shot run reports ---------------------------------------------
+
+
+def _dry_run(
+    directory: Path, *argv: str, caplog: pytest.LogCaptureFixture
+) -> tuple[int, str, list[str]]:
+    """``kube-proxy-nftables --manifests DIR --dry-run ARGV`` in this process: the exit
+    code, what it printed and the warnings and errors it logged."""
+    out = io.StringIO()
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        code = binary_run(
+            nft_binary.BINARY,
+            ["--manifests", str(directory), "--dry-run", *argv],
+            out=out,
+            host_addresses=FakeHostAddresses(),
+            gc_ops=GcOps(
+                collect=lambda: 0, freeze=lambda: None, set_threshold=lambda a, b, c: None
+            ),
+        )
+    finally:  # the binary configured the root logger, as a process does
+        for handler in list(root.handlers):
+            if handler not in handlers:
+                root.removeHandler(handler)
+        root.setLevel(level)
+    problems = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    return code, out.getvalue(), problems
+
+
+def test_once_fails_after_a_manifest_that_did_not_parse_but_syncs_the_rest(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    for path in EXAMPLES.iterdir():
+        (tmp_path / path.name).write_text(path.read_text())
+    (tmp_path / "broken.yaml").write_text("kind: Service\nmetadata: {name: x\n")
+    code, printed, problems = _dry_run(tmp_path, "--hostname-override=demo-node", caplog=caplog)
+    assert code == 1
+    assert "172.30.0.10 . tcp . 80" in printed  # the valid objects were programmed
+    broken = [p for p in problems if "broken.yaml" in p]
+    assert len(broken) == 2, problems  # where and why, then the summary that fails the run
+    assert "invalid YAML" in broken[0]
+    assert broken[1].startswith("Synced what could be used; 1 input problem(s)")
+    caplog.clear()
+    (tmp_path / "broken.yaml").unlink()
+    code, _, problems = _dry_run(tmp_path, "--hostname-override=demo-node", caplog=caplog)
+    assert code == 0 and problems == []
+
+
+def test_manifests_without_this_nodes_node_name_the_nodes_found(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    code, printed, problems = _dry_run(EXAMPLES, "--hostname-override=elsewhere", caplog=caplog)
+    assert code == 0 and "add table ip kube-proxy" in printed
+    assert len(problems) == 1, problems
+    assert (
+        "holds no Node named elsewhere (--hostname-override) but Nodes demo-node" in (problems[0])
+    )
+    assert LOOPBACK_MESSAGE not in problems
+
+
+def test_manifests_without_hostname_override_say_whose_name_was_used() -> None:
+    result = run_binary("--manifests", str(EXAMPLES), "--dry-run")
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("W")]
+    assert len(warnings) == 1, result.stderr
+    assert "this host's name (no --hostname-override given)" in warnings[0]
+    assert "Nodes demo-node" in warnings[0]
+
+
+def test_verbose_logs_are_ours_only() -> None:
+    argv = [str(BIN), "--manifests", str(EXAMPLES), "--hostname-override=demo-node", "--dry-run"]
+    quiet = subprocess.run([*argv, "-v", "4"], capture_output=True, text=True, timeout=60)
+    assert quiet.returncode == 0, quiet.stderr
+    loggers = {line.split()[3] for line in quiet.stderr.splitlines() if line[:1] in "IWE"}
+    assert loggers and all(name.startswith("kubeproxy.") for name in loggers), loggers
+    asked = subprocess.run(
+        [*argv, "-v", "4", "--vmodule=pyroute2*=4"], capture_output=True, text=True, timeout=60
+    )
+    assert "pyroute2." in asked.stderr

@@ -10,7 +10,10 @@ namespaces by test_mode_switch.py.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import io
+import json
 import logging
 import os
 import signal
@@ -28,6 +31,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kubeproxy import capabilities
 from kubeproxy.backend import Backend, BackendFactory, SyncError
 from kubeproxy.backends import nftables
 from kubeproxy.backends.nftables.fake import FakeNft
@@ -70,11 +74,17 @@ NO_GC = GcOps(collect=lambda: 0, freeze=lambda: None, set_threshold=lambda a, b,
 class StandIns:
     """A mode table whose backends are nftables fakes and whose cleanups are recorded."""
 
-    def __init__(self, fail_cleanup: Mapping[str, Exception] | None = None) -> None:
+    def __init__(
+        self,
+        fail_cleanup: Mapping[str, Exception] | None = None,
+        fail_create: Mapping[str, Exception] | None = None,
+    ) -> None:
         self.created: list[tuple[str, IPFamily]] = []
         self.cleaned: list[str] = []
+        self.steps: list[str] = []  # creations and cleanups, in order
         self.fakes: list[FakeNft] = []
         self.fail_cleanup = dict(fail_cleanup or {})
+        self.fail_create = dict(fail_create or {})
         self.modes = {name: self._mode(mode) for name, mode in MODES.items()}
 
     def _mode(self, real: Mode) -> Mode:
@@ -82,7 +92,10 @@ class StandIns:
             def create(
                 family: IPFamily, config: ProxierConfig, *, netns: str | None = None
             ) -> Backend:
+                if real.name in self.fail_create:
+                    raise self.fail_create[real.name]
                 self.created.append((real.name, family))
+                self.steps.append(f"create {real.name}")
                 fake = FakeNft()
                 self.fakes.append(fake)
                 return nftables.NftablesBackend(family, config, executor=fake)
@@ -91,6 +104,7 @@ class StandIns:
 
         def cleanup(netns: str | None) -> None:
             self.cleaned.append(real.name)
+            self.steps.append(f"clean {real.name}")
             if real.name in self.fail_cleanup:
                 raise self.fail_cleanup[real.name]
 
@@ -316,11 +330,11 @@ def test_ipvs_mode_sets_the_deprecated_mode_metric(fake: FakeAPIServer) -> None:
     assert 'kubeproxy_deprecated_proxy_mode{mode="ipvs"} 1' in seen[0].splitlines()
 
 
-def test_once_posts_no_mode_events(fake: FakeAPIServer) -> None:
+def run_once(fake: FakeAPIServer, binary: Binary, stand_ins: StandIns) -> int:
+    """``binary --once`` against the fake API server's cluster; the exit code."""
     serve_cluster(fake)
-    stand_ins = StandIns()
-    code = run(
-        ipvs_binary.BINARY,
+    return run(
+        binary,
         ["--master", fake.url, "--hostname-override", NODE, "--once"],
         modes=stand_ins.modes,
         host_addresses=FakeHostAddresses(),
@@ -328,7 +342,10 @@ def test_once_posts_no_mode_events(fake: FakeAPIServer) -> None:
         conntrack=FakeConntrack(),
         tuning=BRISK,
     )
-    assert code == 0
+
+
+def test_once_posts_no_mode_events(fake: FakeAPIServer) -> None:
+    assert run_once(fake, ipvs_binary.BINARY, StandIns()) == 0
     assert fake.posted_events == []
 
 
@@ -597,3 +614,131 @@ def test_backend_counters_count_each_failure_once_per_family(
         partial = sample(metrics, f"{prefix}_partial_restore_failures_total", **labels)
         assert (restore or 0) == backend.restore_failures - before
         assert (partial or 0) == backend.partial_restore_failures - before
+
+
+# --- a start that cannot succeed removes nothing ------------------------------------------
+
+
+def test_other_modes_are_removed_only_once_this_modes_backends_exist(fake: FakeAPIServer) -> None:
+    serve_cluster(fake)
+    stand_ins = StandIns()
+    code, _ = run_against(fake, nftables_binary.BINARY, stand_ins)
+    assert code == 0
+    assert stand_ins.steps == ["create nftables", "clean iptables", "clean ipvs"]
+
+
+@pytest.mark.parametrize(
+    ("binary", "mode"),
+    [
+        (ipvs_binary.BINARY, "ipvs"),
+        (nftables_binary.BINARY, "nftables"),
+        (iptables_binary.BINARY, "iptables"),
+    ],
+    ids=lambda v: getattr(v, "prog", v),
+)
+def test_a_mode_that_cannot_run_removes_nothing(
+    fake: FakeAPIServer, binary: Binary, mode: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    serve_cluster(fake)
+    why = {
+        "ipvs": OSError("kernel lacks IP_VS (no ip_vs genetlink family)"),
+        "nftables": OSError("cannot load libnftables.so.1 (install nftables)"),
+        "iptables": OSError("iptables-nft-restore is not installed"),
+    }[mode]
+    stand_ins = StandIns(fail_create={mode: why})
+    code, _ = run_against(fake, binary, stand_ins, until=lambda: False)
+    assert code == 1
+    assert stand_ins.cleaned == []
+    assert "Starting" not in reasons(fake)
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [f"cannot set up the IPv4 backend: {why}"]
+
+
+def test_a_server_that_cannot_bind_with_hard_fail_removes_nothing(fake: FakeAPIServer) -> None:
+    serve_cluster(fake)
+    stand_ins = StandIns()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, _ = run_against(
+            fake,
+            nftables_binary.BINARY,
+            stand_ins,
+            "--bind-address-hard-fail",
+            until=lambda: False,
+            metrics_bind=f"127.0.0.1:{port}",
+        )
+    assert code == 1
+    assert stand_ins.created == [("nftables", V4)]
+    assert stand_ins.cleaned == []
+    assert "FailedToStartMetricServer" in reasons(fake)
+
+
+def test_once_removes_the_other_modes_before_its_sync(fake: FakeAPIServer) -> None:
+    stand_ins = StandIns()
+    assert run_once(fake, iptables_binary.BINARY, stand_ins) == 0
+    assert stand_ins.steps == ["create iptables", "clean nftables"]
+    assert stand_ins.fakes[0].transactions  # the sync ran after the cleanup
+
+
+def test_a_process_without_the_modes_capabilities_stops_with_one_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    status = tmp_path / "status"
+    status.write_text("Name:\tkube-proxy\nCapEff:\t0000000000002000\n")  # CAP_NET_RAW only
+    monkeypatch.setattr(
+        "kubeproxy.cmd.binary.missing_capabilities",
+        functools.partial(capabilities.missing_capabilities, status=status),
+    )
+    stand_ins = StandIns()
+    modes = {
+        name: dataclasses.replace(mode, capabilities=MODES[name].capabilities)
+        for name, mode in stand_ins.modes.items()
+    }
+    for argv in (["--cleanup"], ["--manifests", str(tmp_path), "--once"]):
+        caplog.clear()
+        assert run(nftables_binary.BINARY, argv, modes=modes) == 1
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(errors) == 1
+        assert "needs CAP_NET_ADMIN" in errors[0] and "lacks CAP_NET_ADMIN" in errors[0]
+    assert stand_ins.steps == []
+    # --dry-run touches no kernel: no capability needed.
+    out = io.StringIO()
+    examples = Path(__file__).resolve().parent.parent / "examples" / "cluster"
+    argv = ["--manifests", str(examples), "--hostname-override", "demo-node", "--dry-run"]
+    assert run(nftables_binary.BINARY, argv, modes=modes, out=out, gc_ops=NO_GC) == 0
+    assert "add table ip kube-proxy" in out.getvalue()
+
+
+def test_configz_serves_the_effective_configuration(fake: FakeAPIServer) -> None:
+    serve_cluster(fake)
+    stand_ins = StandIns()
+    port = free_port()
+    seen: list[Any] = []
+
+    def scraped() -> bool:
+        if "Starting" not in reasons(fake):
+            return False
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/configz", timeout=5) as resp:
+            seen.append((resp.headers["Content-Type"], json.loads(resp.read())))
+        return True
+
+    code, _ = run_against(
+        fake,
+        nftables_binary.BINARY,
+        stand_ins,
+        "--conntrack-min=4242",
+        until=scraped,
+        metrics_bind=f"127.0.0.1:{port}",
+    )
+    assert code == 0
+    content_type, body = seen[0]
+    assert content_type == "application/json"
+    config = body["kubeproxy.config.k8s.io"]
+    assert config["apiVersion"] == "kubeproxy.config.k8s.io/v1alpha1"
+    assert config["kind"] == "KubeProxyConfiguration"
+    assert config["mode"] == "nftables"
+    assert config["hostnameOverride"] == NODE
+    assert config["conntrack"]["min"] == 4242
+    assert config["metricsBindAddress"] == f"127.0.0.1:{port}"

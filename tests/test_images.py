@@ -26,8 +26,11 @@ from kubernetes import client
 
 from kubeproxy.backend import Backend
 from kubeproxy.backends import nftables
+from kubeproxy.backends.iptables.exec import IptablesVariant, needed_capabilities
 from kubeproxy.backends.nftables.fake import FakeNft
+from kubeproxy.capabilities import CAP_SYS_RESOURCE
 from kubeproxy.cmd.app import SourceTuning, build_daemon
+from kubeproxy.cmd.modes import MODES
 from kubeproxy.cmd.options import Options, parse_options
 from kubeproxy.config import ProxierConfig
 from kubeproxy.conntrack import FakeConntrack
@@ -229,14 +232,22 @@ def test_init_container_does_only_the_privileged_setup(
     assert mount_path("kube-proxy", init) == mount_path("kube-proxy")
 
 
-def test_proxy_container_runs_with_two_capabilities_and_the_host_network() -> None:
+def test_proxy_container_runs_with_three_capabilities_and_the_host_network() -> None:
     spec = pod_spec()
     assert spec["hostNetwork"] is True
     assert spec["priorityClassName"] == "system-node-critical"
     assert {"operator": "Exists"} in spec["tolerations"]
     security = container("kube-proxy")["securityContext"]
     assert security["privileged"] is False
-    assert security["capabilities"] == {"drop": ["ALL"], "add": ["NET_ADMIN", "SYS_RESOURCE"]}
+    # What the binary needs (its mode's), what the removal of an iptables-legacy
+    # kube-proxy's chains needs (NET_RAW), and what lowering oom_score_adj needs.
+    needed = {
+        *MODES["nftables"].capabilities,
+        *needed_capabilities(IptablesVariant.LEGACY),
+        CAP_SYS_RESOURCE,
+    }
+    assert security["capabilities"]["drop"] == ["ALL"]
+    assert {f"CAP_{name}" for name in security["capabilities"]["add"]} == needed
     assert security["readOnlyRootFilesystem"] is True
     volumes = {v["name"]: v for v in spec["volumes"]}
     assert volumes["xtables-lock"]["hostPath"] == {

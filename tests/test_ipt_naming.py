@@ -21,7 +21,7 @@ def spn(ns: str, name: str, port: str, proto: Protocol = Protocol.TCP) -> Servic
 
 
 def test_upstream_verified_hashes() -> None:
-    # The two hashes upstream-backends.md §2.2 gives (from upstream's proxier tests).
+    # Two chain names upstream's own tests check (pkg/proxy/iptables/proxier_test.go).
     text = service_port_string(spn("ns1", "svc1", "p80"))
     assert text == "ns1/svc1:p80"
     assert service_chains(text, "tcp")[0] == "KUBE-SVC-XPGD46QRK7WJZT7O"

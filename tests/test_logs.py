@@ -143,3 +143,45 @@ def test_configuring_again_replaces_the_handlers(root: logging.Logger) -> None:
     root.info("once")
     assert first.getvalue() == ""
     assert [json.loads(line)["msg"] for line in _lines(second)] == ["once"]
+
+
+def test_other_libraries_are_capped_at_info_unless_vmodule_names_them(
+    root: logging.Logger,
+) -> None:
+    ours, library = root.getChild("kubeproxy"), root.getChild("pyroute2").getChild("ndb")
+    out = io.StringIO()
+    configure_logging(LoggingConfiguration(verbosity=6), stream=out, root=root, ours=(ours.name,))
+    ours.debug("our debug")
+    library.debug("netlink dump")
+    library.log(verbosity_level(2), "library v2")
+    library.info("library info")
+    library.warning("library warning")
+    assert [line.rsplit("] ", 1)[1] for line in _lines(out)] == [
+        "our debug",
+        "library info",
+        "library warning",
+    ]
+    out = io.StringIO()
+    vmodule = (VModuleItem(f"{root.name}.pyroute2*", 4),)
+    configure_logging(
+        LoggingConfiguration(verbosity=0, vmodule=vmodule),
+        stream=out,
+        root=root,
+        ours=(ours.name,),
+    )
+    ours.debug("hidden at -v 0")
+    library.debug("asked for")
+    assert [line.rsplit("] ", 1)[1] for line in _lines(out)] == ["asked for"]
+
+
+def test_noisy_libraries_do_not_even_make_debug_records(root: logging.Logger) -> None:
+    pyroute2 = logging.getLogger("pyroute2")
+    level = pyroute2.level
+    try:
+        configure_logging(LoggingConfiguration(verbosity=6), stream=io.StringIO(), root=root)
+        assert not pyroute2.isEnabledFor(logging.DEBUG)
+        config = LoggingConfiguration(verbosity=6, vmodule=(VModuleItem("pyroute2*", 4),))
+        configure_logging(config, stream=io.StringIO(), root=root)
+        assert pyroute2.level == logging.NOTSET
+    finally:
+        pyroute2.setLevel(level)

@@ -495,3 +495,24 @@ def test_example_cluster_loads(handler: RecordingHandler) -> None:
     make(examples, handler, node="demo-node").load()
     kinds = {c[1].split(":")[0] for c in handler.calls if len(c) > 1 and c[1]}
     assert kinds == {"Node", "Service", "EndpointSlice"}
+
+
+def test_broken_files_and_node_names_are_listed(tmp_path: Path) -> None:
+    (tmp_path / "nodes.yaml").write_text(
+        "apiVersion: v1\nkind: Node\nmetadata: {name: other-b}\n---\n"
+        "apiVersion: v1\nkind: Node\nmetadata: {name: other-a}\n"
+    )
+    (tmp_path / "broken.yaml").write_text("kind: Service\nmetadata: {name: x\n")
+    source = ManifestSource(tmp_path, RecordingHandler(), node_name="this-node")
+    source.load()
+    assert source.broken == [tmp_path / "broken.yaml"]
+    assert source.node_names == ["other-a", "other-b"]
+    # Other nodes' Nodes are counted, never delivered.
+    assert [k for k in source.objects() if k[0] == "Node"] == []
+    (tmp_path / "broken.yaml").write_text(
+        "apiVersion: v1\nkind: Node\nmetadata: {name: this-node}\n"
+    )
+    source.poll()
+    assert source.broken == []
+    assert source.node_names == ["other-a", "other-b", "this-node"]
+    assert ("Node", "", "this-node") in source.objects()

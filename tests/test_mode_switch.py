@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 from kubeproxy.cmd.modes import MODES
 from kubeproxy.config import ProxierConfig
@@ -212,9 +213,9 @@ def test_switching_nftables_iptables_nftables_with_each_modes_cleanup(node: Node
     assert no_kube_chains(node), kube_chains(node)
 
 
-def binary(node: Node, prog: str, *argv: str) -> None:
-    result = in_ns(
-        node,
+def over_examples(prog: str, *argv: str) -> list[str]:
+    """``prog`` proxying the example cluster as its node."""
+    return [
         str(BIN / prog),
         "--manifests",
         str(EXAMPLES),
@@ -222,7 +223,11 @@ def binary(node: Node, prog: str, *argv: str) -> None:
         NODE,
         "--cluster-cidr=10.244.0.0/16",
         *argv,
-    )
+    ]
+
+
+def binary(node: Node, prog: str, *argv: str) -> None:
+    result = in_ns(node, *over_examples(prog, *argv))
     assert result.returncode == 0, result.stderr
 
 
@@ -282,16 +287,9 @@ def test_the_binaries_remove_the_other_modes_leftovers_and_cleanup_removes_all(
 
 
 def test_ipvs_mode_fails_with_one_clear_line_where_the_kernel_lacks_ip_vs(node: Node) -> None:
-    result = in_ns(
-        node,
-        str(BIN / "kube-proxy-ipvs"),
-        "--manifests",
-        str(EXAMPLES),
-        "--hostname-override",
-        NODE,
-        "--cluster-cidr=10.244.0.0/16",
-        "--once",
-    )
+    binary(node, "kube-proxy-nftables", "--once")
+    assert proxied(node) == ENDPOINTS
+    result = in_ns(node, *over_examples("kube-proxy-ipvs", "--once"))
     if Path("/proc/net/ip_vs").exists():  # a kernel with IPVS: the mode runs
         assert result.returncode == 0, result.stderr
         assert proxied(node) == ENDPOINTS
@@ -301,3 +299,109 @@ def test_ipvs_mode_fails_with_one_clear_line_where_the_kernel_lacks_ip_vs(node: 
     assert len(errors) == 1, result.stderr
     assert "kernel lacks IP_VS" in errors[0]
     assert "deprecated" in result.stderr
+    # The mode could not run, so nothing of the others was removed: still proxied.
+    assert "table ip kube-proxy" in nft_tables(node)
+    assert proxied(node) == ENDPOINTS
+
+
+# Node safety: what a start may touch, and with which privileges -------------------------
+
+
+def legacy_table_names(node: Node) -> dict[str, str]:
+    """``/proc/net/ip_tables_names`` and ``ip6_tables_names`` of the node namespace."""
+    return {
+        name: in_ns(node, "cat", f"/proc/net/{name}").stdout
+        for name in ("ip_tables_names", "ip6_tables_names")
+    }
+
+
+def capped(
+    node: Node, capabilities: str, prog: str, *argv: str
+) -> subprocess.CompletedProcess[str]:
+    """``prog`` over the example cluster as root with only ``capabilities`` (setpriv's
+    bounding set, e.g. ``+net_admin``), in the node namespace."""
+    bounding = f"--bounding-set=-all,{capabilities}" if capabilities else "--bounding-set=-all"
+    return in_ns(node, "setpriv", bounding, *over_examples(prog, *argv))
+
+
+def daemonset_capabilities() -> str:
+    """What the shipped DaemonSet's proxy container holds, as setpriv's bounding set."""
+    manifests = Path(__file__).resolve().parent.parent / "images" / "manifests"
+    daemonset = yaml.safe_load((manifests / "daemonset.yaml").read_text())
+    (proxy,) = [
+        c for c in daemonset["spec"]["template"]["spec"]["containers"] if c["name"] == "kube-proxy"
+    ]
+    return ",".join(f"+{name.lower()}" for name in proxy["securityContext"]["capabilities"]["add"])
+
+
+def warnings_of(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("W")]
+
+
+@pytest.mark.parametrize("prog", ["kube-proxy-nftables", "kube-proxy-iptables"])
+def test_a_start_creates_no_iptables_legacy_tables(node: Node, prog: str) -> None:
+    empty = {"ip_tables_names": "", "ip6_tables_names": ""}
+    assert legacy_table_names(node) == empty
+    binary(node, prog, "--once")
+    assert proxied(node) == ENDPOINTS
+    # Neither the other modes' cleanup nor iptables mode's variant choice opened a table.
+    assert legacy_table_names(node) == empty
+    assert in_ns(node, "iptables-legacy-save").stdout == ""
+
+
+LEGACY_LEFTOVER = (
+    "*nat\n:KUBE-SERVICES - [0:0]\n-A PREROUTING -j KUBE-SERVICES\n"
+    f"-A KUBE-SERVICES -d {WEB}/32 -p tcp -j DNAT --to-destination 10.244.0.99:8080\nCOMMIT\n"
+)
+
+
+def test_legacy_cleanup_without_net_raw_is_a_warning_naming_it(node: Node) -> None:
+    loaded = in_ns(node, "iptables-legacy-restore", "--noflush", stdin=LEGACY_LEFTOVER)
+    assert loaded.returncode == 0, loaded.stderr
+
+    result = capped(node, "+net_admin", "kube-proxy-nftables", "--once")
+    assert result.returncode == 0, result.stderr
+    assert proxied(node) == ENDPOINTS  # the start went on
+    legacy = [w for w in warnings_of(result.stderr) if "iptables-legacy" in w]
+    assert legacy, result.stderr
+    assert all("CAP_NET_RAW" in w for w in legacy), result.stderr
+    assert any(
+        "Could not remove another mode's leftovers: iptables mode: " in w
+        and "permission denied" in w
+        for w in legacy
+    ), result.stderr
+    assert "Removed what iptables mode made" not in result.stderr
+    assert ":KUBE-SERVICES" in in_ns(node, "iptables-legacy-save", "-t", "nat").stdout
+
+    # What the DaemonSet's container holds is enough.
+    result = capped(node, daemonset_capabilities(), "kube-proxy-nftables", "--once")
+    assert result.returncode == 0, result.stderr
+    assert warnings_of(result.stderr) == [], result.stderr
+    assert ":KUBE-SERVICES" not in in_ns(node, "iptables-legacy-save", "-t", "nat").stdout
+    assert proxied(node) == ENDPOINTS
+
+
+def test_iptables_mode_sees_legacy_rules_for_its_variant_choice(node: Node) -> None:
+    hint = "*mangle\n:KUBE-IPTABLES-HINT - [0:0]\nCOMMIT\n"
+    assert in_ns(node, "iptables-legacy-restore", "--noflush", stdin=hint).returncode == 0
+    # With the DaemonSet's capabilities the kubelet hint in legacy picks legacy.
+    result = capped(node, daemonset_capabilities(), "kube-proxy-iptables", "--once")
+    assert result.returncode == 0, result.stderr
+    assert "KUBE-SERVICES" in in_ns(node, "iptables-legacy-save", "-t", "nat").stdout
+    assert "KUBE-SERVICES" not in in_ns(node, "iptables-nft-save", "-t", "nat").stdout
+    assert proxied(node) == ENDPOINTS
+    # Without NET_RAW the legacy tables cannot be read: said, naming the capability.
+    blind = capped(node, "+net_admin", "kube-proxy-iptables", "--once")
+    variant = [w for w in warnings_of(blind.stderr) if "iptables variant is chosen" in w]
+    assert len(variant) == 1 and "CAP_NET_RAW" in variant[0], blind.stderr
+
+
+def test_without_net_admin_one_line_names_it_before_anything_else(node: Node) -> None:
+    for argv in (("--once",), ("--cleanup",)):
+        result = capped(node, "", "kube-proxy-nftables", *argv)
+        assert result.returncode == 1, result.stderr
+        errors = [line for line in result.stderr.splitlines() if line[:1] in "EW"]
+        assert len(errors) == 1, result.stderr
+        assert errors[0].startswith("E") and "CAP_NET_ADMIN" in errors[0]
+        assert "Operation not permitted" not in result.stderr
+    assert proxied(node) == set()

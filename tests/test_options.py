@@ -107,6 +107,7 @@ UPSTREAM_FLAGS = [
     ["--config-sync-period", "10m"],
     ["--conntrack-max-per-core", "0"],
     ["--conntrack-min", "1000"],
+    ["--boot-id-file", "/proc/sys/kernel/random/boot_id"],
     ["--conntrack-tcp-be-liberal"],
     ["--conntrack-tcp-timeout-close-wait", "30m"],
     ["--conntrack-tcp-timeout-established", "12h"],
@@ -483,3 +484,34 @@ def test_defaults_match_the_model() -> None:
     assert cfg.conntrack == expected.conntrack
     assert cfg.client_connection == expected.client_connection
     assert yaml.safe_load(write_config(cfg))["detectLocalMode"] == "ClusterCIDR"
+
+
+def test_boot_id_file_is_accepted_and_changes_nothing(config_file: Path) -> None:
+    plain = _nft("--hostname-override", "n1")
+    given = _nft("--hostname-override", "n1", "--boot-id-file=/a,/b")
+    assert given.configuration == plain.configuration
+    # With a configuration file too (a DaemonSet passing it must not crash-loop).
+    path = _write(config_file, "mode: nftables\n")
+    assert _nft("--config", path, "--boot-id-file", "/x").warnings == ()
+
+
+@pytest.mark.parametrize("mode", ["nftables", "iptables", "ipvs"])
+def test_each_fixed_mode_binary_describes_itself(mode: str) -> None:
+    text = " ".join(usage(f"kube-proxy-{mode}", mode).split())
+    assert f"Kubernetes service proxy ({mode} mode)" in text
+    assert "iptables (default)" not in text
+    assert f"--proxy-mode STRING This binary always runs in {mode} mode" in text
+    # --cleanup removes every mode's state, whichever binary runs it.
+    cleanup = text.split("--cleanup [BOOL]", 2)[2].split("--init-only", 1)[0]
+    for what in ("nftables tables", "iptables mode's chains", "ipvs mode's virtual servers"):
+        assert what in cleanup
+    ipvs_only = text.split("--ipvs-scheduler STRING", 2)[2].split("--ipvs-exclude", 1)[0]
+    assert ("Not used by this binary" in ipvs_only) is (mode != "ipvs")
+    localhost = text.split("--iptables-localhost-nodeports [BOOL]", 2)[2].split(" --iptables", 1)[0]
+    assert ("Not used by this binary" in localhost) is (mode != "iptables")
+
+
+def test_the_multi_mode_binary_offers_every_mode() -> None:
+    text = " ".join(usage("kube-proxy", None).split())
+    assert "iptables (default), ipvs (deprecated) or nftables" in text
+    assert "Not used by this binary" not in text

@@ -8,7 +8,9 @@ Public API:
 * :func:`create_legacy_backend` - the same with the legacy variant fixed (tests, nodes
   whose detection would guess wrong);
 * :class:`IptablesBackend` - the backend itself; give it ``executor=FakeIptables()``
-  for a dry run and read the fake's ``restores`` or ``dump()``;
+  for a dry run and read the fake's ``restores`` or ``dump()``; ``nfacct`` (the real
+  backend's :class:`~kubeproxy.backends.iptables.nfacct.NetlinkNFAcct`) adds upstream's
+  packet counters to the rules;
 * :func:`cleanup` - remove every chain any iptables-mode kube-proxy made, in both
   families and both variants, and nothing else.
 
@@ -20,17 +22,21 @@ from __future__ import annotations
 
 import logging
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from kubeproxy.backends.iptables.exec import (
     IptablesCommands,
     IptablesError,
+    IptablesPermissionError,
     IptablesVariant,
     check_support,
+    legacy_tables,
     tool_name,
 )
+from kubeproxy.backends.iptables.nfacct import NetlinkNFAcct
 from kubeproxy.backends.iptables.proxier import IptablesBackend, cleanup_family
+from kubeproxy.backends.iptables.restore import FILTER, MANGLE, NAT
 from kubeproxy.config import ProxierConfig
 from kubeproxy.netns import run_in_netns
 from kubeproxy.objects import IPFamily
@@ -69,7 +75,11 @@ def _create(
     executor = IptablesCommands(variant, netns=netns)
     check_support(executor, (family,))
     return IptablesBackend(
-        family, config, executor=executor, route_localnet=_route_localnet_setter(netns)
+        family,
+        config,
+        executor=executor,
+        route_localnet=_route_localnet_setter(netns),
+        nfacct=NetlinkNFAcct(netns),
     )
 
 
@@ -95,18 +105,37 @@ def cleanup(netns: str | None = None, *, wait: float = 5.0) -> None:
     """Remove what any iptables-mode kube-proxy made, in both families and both variants.
 
     A variant whose tools are not installed is skipped, as is a family whose tables
-    cannot be read (no IPv6, say). Kubelet's chains and everyone else's are left alone.
-    ``wait`` is how long iptables-legacy waits for the host's xtables lock.
-    Raises :class:`~kubeproxy.backends.iptables.exec.IptablesError` when a removal fails.
+    cannot be read (no IPv6, say). iptables-legacy is looked at only where it has tables
+    (``/proc/net/ip_tables_names``), and only those tables are read, so a node without
+    legacy tables does not get empty ones. Kubelet's chains and everyone else's are left
+    alone. ``wait`` is how long iptables-legacy waits for the host's xtables lock.
+
+    Raises :class:`~kubeproxy.backends.iptables.exec.IptablesError` when a removal fails,
+    and :class:`~kubeproxy.backends.iptables.exec.IptablesPermissionError` (naming the
+    capability, ``CAP_NET_RAW`` for iptables-legacy) when tables that may hold our chains
+    cannot be read for want of privilege; the other variants and families are cleaned
+    first.
     """
+    denied: list[IptablesPermissionError] = []
     for variant in (IptablesVariant.NFT, IptablesVariant.LEGACY):
         executor = IptablesCommands(variant, netns=netns, wait=wait)
         for family in (IPFamily.IPV4, IPFamily.IPV6):
             if shutil.which(tool_name(variant, family, "-restore")) is None:
                 continue
+            tables: Collection[str] = (NAT, FILTER, MANGLE)
+            if variant is IptablesVariant.LEGACY:
+                tables = legacy_tables(family, netns) & {NAT, FILTER, MANGLE}
+                if not tables:
+                    log.debug("no iptables-legacy %s tables of ours: nothing to remove", family)
+                    continue
             try:
-                executor.save(family, "nat")
+                executor.save(family, NAT if NAT in tables else min(tables))
+            except IptablesPermissionError as err:
+                denied.append(err)
+                continue
             except IptablesError as err:
                 log.debug("skipping %s %s cleanup: %s", variant, family, err)
                 continue
-            cleanup_family(executor, family)
+            cleanup_family(executor, family, tables)
+    if denied:
+        raise denied[0]

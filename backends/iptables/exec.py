@@ -13,6 +13,13 @@ failure leaves the failing table as it was, but tables committed earlier in the 
 stay applied (measured with both variants). The renderer should put one table per restore
 when that matters.
 
+iptables-legacy's tools create a table in the kernel as soon as they open it, even to read
+it, so nothing here opens a legacy table that does not exist yet: :func:`legacy_tables`
+reads ``/proc/net/ip_tables_names`` (``ip6_tables_names``) first, as upstream's
+iptables-wrapper does. A tool refused for want of privilege raises
+:class:`IptablesPermissionError`, whose message names the capability the variant needs
+(iptables-legacy needs ``CAP_NET_RAW`` as well as ``CAP_NET_ADMIN``).
+
 In a named network namespace the tools run under ``nsenter --net=/run/netns/NAME``
 rather than ``ip netns exec NAME``: nsenter only joins the network namespace, while
 ``ip netns exec`` also unshares a mount namespace and remounts ``/sys`` on every call,
@@ -29,6 +36,7 @@ import shutil
 import subprocess
 from collections.abc import Iterable, Sequence
 from enum import StrEnum
+from pathlib import Path
 from typing import Protocol
 
 from kubeproxy.backends.iptables.restore import (
@@ -37,7 +45,8 @@ from kubeproxy.backends.iptables.restore import (
     check_chain_name,
     check_table,
 )
-from kubeproxy.netns import netns_path
+from kubeproxy.capabilities import CAP_NET_ADMIN, CAP_NET_RAW, missing_capabilities
+from kubeproxy.netns import netns_path, run_in_netns
 from kubeproxy.objects import IPFamily
 
 __all__ = [
@@ -45,9 +54,12 @@ __all__ = [
     "IptablesCommands",
     "IptablesError",
     "IptablesExecutor",
+    "IptablesPermissionError",
     "IptablesVariant",
     "check_support",
     "detect_variant",
+    "legacy_tables",
+    "needed_capabilities",
     "tool_name",
 ]
 
@@ -95,6 +107,54 @@ class IptablesError(Exception):
         self.stderr = stderr
         self.line_number = line_number
         self.line = line
+
+
+class IptablesPermissionError(IptablesError):
+    """An iptables tool was refused for want of privilege; the message names what it needs."""
+
+
+def needed_capabilities(variant: IptablesVariant) -> tuple[str, ...]:
+    """The capabilities the tools of ``variant`` need: iptables-legacy opens a raw socket."""
+    if variant is IptablesVariant.LEGACY:
+        return (CAP_NET_ADMIN, CAP_NET_RAW)
+    return (CAP_NET_ADMIN,)
+
+
+def _permission_message(variant: IptablesVariant) -> str:
+    needed = needed_capabilities(variant)
+    missing = missing_capabilities(needed)
+    text = f"permission denied: iptables-{variant} needs {' and '.join(needed)}"
+    if missing:
+        text += f" (this process lacks {', '.join(missing)})"
+    return text
+
+
+def _denied(stderr: str) -> bool:
+    # "Permission denied (you must be root)" (legacy), "Operation not permitted" (nft).
+    return "Permission denied" in stderr or "Operation not permitted" in stderr
+
+
+_TABLE_NAMES = {IPFamily.IPV4: "ip_tables_names", IPFamily.IPV6: "ip6_tables_names"}
+
+
+def legacy_tables(family: IPFamily, netns: str | None = None) -> frozenset[str]:
+    """The iptables-legacy tables that exist for ``family`` (in ``netns`` if given).
+
+    Read from ``/proc/net/ip_tables_names`` (``ip6_tables_names``), which lists the
+    x_tables a namespace has instantiated; reading it creates nothing, where any
+    iptables-legacy tool would create the table it opens. Missing file (no x_tables
+    support loaded): none.
+    """
+    # thread-self: the calling thread's namespace (run_in_netns moves only a thread).
+    path = Path("/proc/thread-self/net") / _TABLE_NAMES[family]
+
+    def read() -> frozenset[str]:
+        try:
+            return frozenset(path.read_text(encoding="ascii").split())
+        except FileNotFoundError:
+            return frozenset()
+
+    return read() if netns is None else run_in_netns(netns, read)
 
 
 class IptablesExecutor(Protocol):
@@ -219,6 +279,12 @@ class IptablesCommands:
             argv.append("--counters")
         result = self._run(argv, text)
         if result.returncode != 0:
+            if _denied(result.stderr):
+                raise IptablesPermissionError(
+                    f"{argv[0]}: {_permission_message(self.variant)}",
+                    returncode=result.returncode,
+                    stderr=result.stderr,
+                )
             stderr = result.stderr.strip()
             number, line = _failed_line(stderr, text)
             where = f" at line {number}: {line!r}" if line is not None else ""
@@ -235,6 +301,12 @@ class IptablesCommands:
         argv = [tool_name(self.variant, family, "-save"), "-t", check_table(table)]
         result = self._run(argv)
         if result.returncode != 0:
+            if _denied(result.stderr):
+                raise IptablesPermissionError(
+                    f"{argv[0]} -t {table}: {_permission_message(self.variant)}",
+                    returncode=result.returncode,
+                    stderr=result.stderr,
+                )
             raise IptablesError(
                 f"{argv[0]} -t {table} failed (exit {result.returncode}): {result.stderr.strip()}",
                 returncode=result.returncode,
@@ -313,15 +385,39 @@ class IptablesCommands:
         return _chains_of(self.save(family, table))
 
 
-def _save_quietly(prefix: list[str], argv: list[str]) -> str:
-    """A save's output, or "" when the tool is missing or fails (as iptables-wrapper does)."""
+def _save_quietly(prefix: list[str], argv: list[str]) -> tuple[str, bool]:
+    """A save's output ("" when the tool is missing or fails, as iptables-wrapper does)
+    and whether it was refused for want of privilege."""
     try:
         result = subprocess.run(
             [*prefix, *argv], capture_output=True, text=True, timeout=5, check=False
         )
     except (OSError, subprocess.TimeoutExpired):
-        return ""
-    return result.stdout if result.returncode == 0 else ""
+        return "", False
+    if result.returncode == 0:
+        return result.stdout, False
+    return "", _denied(result.stderr)
+
+
+def _has_hint(lines: Iterable[str]) -> bool:
+    """Whether a kubelet hint chain is declared in a ``mangle`` block of save output."""
+    table = ""
+    for line in lines:
+        if line.startswith("*"):
+            table = line[1:].strip()
+        elif table == MANGLE and any(line.startswith(f":{hint} ") for hint in HINT_CHAINS):
+            return True
+    return False
+
+
+_BLIND: set[tuple[str | None, IPFamily]] = set()
+
+
+def _existing_legacy_tables(family: IPFamily, netns: str | None) -> frozenset[str]:
+    try:
+        return legacy_tables(family, netns)
+    except OSError:
+        return frozenset()  # no such namespace: its tools would fail the same way
 
 
 def detect_variant(netns: str | None = None) -> IptablesVariant:
@@ -329,38 +425,52 @@ def detect_variant(netns: str | None = None) -> IptablesVariant:
 
     A kubelet hint chain (:data:`HINT_CHAINS`) in ``mangle`` of legacy (checked first), or
     else of nft, IPv4 or IPv6, decides; otherwise the variant with more rules over both
-    families and all tables; ties (an empty node) go to nft. Like the wrapper, reading the
-    legacy tables loads them in the kernel.
+    families and all tables; ties (an empty node) go to nft. Legacy is read only in a
+    family that has legacy tables (:func:`legacy_tables`), and with a plain
+    ``iptables-legacy-save``, which reads existing tables only: detection creates no
+    table. Legacy tables that cannot be read for want of privilege (no ``CAP_NET_RAW``)
+    are a warning naming the capability, since the choice is then made without them.
     """
     prefix = ["nsenter", f"--net={netns_path(netns)}"] if netns is not None else []
     families = (IPFamily.IPV4, IPFamily.IPV6)
-
-    def saved(variant: IptablesVariant, *table: str) -> list[str]:
-        return [
-            line
-            for family in families
-            for line in _save_quietly(
-                prefix, [tool_name(variant, family, "-save"), *table]
-            ).splitlines()
-        ]
-
-    def has_hint(variant: IptablesVariant) -> bool:
-        return any(
-            line.startswith(f":{hint} ")
-            for line in saved(variant, "-t", MANGLE)
-            for hint in HINT_CHAINS
-        )
-
-    def rule_count(variant: IptablesVariant) -> int:
-        return sum(1 for line in saved(variant) if line.startswith("-"))
-
-    for variant in (IptablesVariant.LEGACY, IptablesVariant.NFT):
-        if has_hint(variant):
-            log.debug("iptables variant %s: kubelet hint chain found", variant)
-            return variant
-    legacy, nft = rule_count(IptablesVariant.LEGACY), rule_count(IptablesVariant.NFT)
-    log.debug("iptables variant by rule count: legacy %d, nft %d", legacy, nft)
-    return IptablesVariant.LEGACY if legacy > nft else IptablesVariant.NFT
+    legacy: list[str] = []
+    for family in families:
+        if not _existing_legacy_tables(family, netns):
+            continue
+        text, denied = _save_quietly(prefix, [tool_name(IptablesVariant.LEGACY, family, "-save")])
+        if denied and (netns, family) not in _BLIND:
+            _BLIND.add((netns, family))  # once per process: every backend detects again
+            log.warning(
+                "iptables-legacy %s tables exist but cannot be read (%s): the iptables "
+                "variant is chosen without seeing their rules",
+                family,
+                _permission_message(IptablesVariant.LEGACY),
+            )
+        legacy += text.splitlines()
+    nft_mangle = [
+        line
+        for family in families
+        for line in _save_quietly(
+            prefix, [tool_name(IptablesVariant.NFT, family, "-save"), "-t", MANGLE]
+        )[0].splitlines()
+    ]
+    if _has_hint(legacy):
+        log.debug("iptables variant legacy: kubelet hint chain found")
+        return IptablesVariant.LEGACY
+    if _has_hint(nft_mangle):
+        log.debug("iptables variant nft: kubelet hint chain found")
+        return IptablesVariant.NFT
+    nft = [
+        line
+        for family in families
+        for line in _save_quietly(prefix, [tool_name(IptablesVariant.NFT, family, "-save")])[
+            0
+        ].splitlines()
+    ]
+    legacy_rules = sum(1 for line in legacy if line.startswith("-"))
+    nft_rules = sum(1 for line in nft if line.startswith("-"))
+    log.debug("iptables variant by rule count: legacy %d, nft %d", legacy_rules, nft_rules)
+    return IptablesVariant.LEGACY if legacy_rules > nft_rules else IptablesVariant.NFT
 
 
 def check_support(

@@ -19,7 +19,7 @@ import functools
 import logging
 import shlex
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from kubeproxy.backend import ProxySnapshot, SkippedPorts, SyncChanges, SyncError
@@ -37,6 +37,13 @@ from kubeproxy.backends.iptables.naming import (
     SERVICES,
     is_service_chain,
 )
+from kubeproxy.backends.iptables.nfacct import (
+    COUNTERS,
+    CT_STATE_INVALID_DROPPED,
+    LOCALHOST_NODEPORTS_ACCEPTED,
+    NFAcctError,
+    NFAcctExecutor,
+)
 from kubeproxy.backends.iptables.restore import (
     BUILTIN_CHAINS,
     FILTER,
@@ -51,6 +58,7 @@ from kubeproxy.backends.iptables.rules import (
     RenderContext,
     fixed_rules,
     jump_rules,
+    localhost_node_ports,
     render_port,
 )
 from kubeproxy.config import LocalDetector, ProxierConfig
@@ -130,7 +138,10 @@ class IptablesBackend:
     ``executor`` runs iptables-restore and friends (``IptablesCommands`` in production,
     ``FakeIptables`` in tests); ``clock`` is a monotonic clock in seconds;
     ``route_localnet`` is called (once, on a full sync) when localhost NodePorts need
-    ``net.ipv4.conf.all.route_localnet=1`` in the node's namespace.
+    ``net.ipv4.conf.all.route_localnet=1`` in the node's namespace. ``nfacct`` makes
+    upstream's packet counters (:data:`~kubeproxy.backends.iptables.nfacct.COUNTERS`) at
+    construction; the rules count through each one that could be made
+    (:attr:`nfacct_counters`), and :meth:`packet_counts` reads them.
 
     Metrics, read by the command's sync hook: :attr:`restore_failures`,
     :attr:`partial_restore_failures` (counters) and :attr:`rules_total` /
@@ -148,6 +159,7 @@ class IptablesBackend:
         clock: Callable[[], float] = time.monotonic,
         route_localnet: Callable[[], None] | None = None,
         chains_per_restore: int | None = None,
+        nfacct: NFAcctExecutor | None = None,
     ) -> None:
         self._family = family
         self._config = config
@@ -162,7 +174,22 @@ class IptablesBackend:
         self.rules_last: dict[str, int] = {FILTER: 0, NAT: 0}
         self.last_sync_full = False
         self.large_cluster = False
+        self._nfacct = nfacct
+        self.nfacct_counters = _make_counters(nfacct)
         self._reset()
+
+    def packet_counts(self) -> dict[str, int]:
+        """The packets of each nfacct counter the rules use (a counter that cannot be
+        read is logged and left out), for upstream's ``kubeproxy_iptables_*_packets``."""
+        counts: dict[str, int] = {}
+        if self._nfacct is None:
+            return counts
+        for name in sorted(self.nfacct_counters):
+            try:
+                counts[name] = self._nfacct.packets(name)
+            except NFAcctError as err:
+                log.error("Failed to read nfacct counter %s: %s", name, err)
+        return counts
 
     def _reset(self) -> None:
         self._need_full = True
@@ -294,15 +321,24 @@ class IptablesBackend:
     def _context_for(self, snapshot: ProxySnapshot, large: bool) -> RenderContext:
         detector = snapshot.local_detector.for_family(self._family)
         addresses = snapshot.node.addresses_of(self._family)
-        inputs = (detector, addresses, large)
+        counter = None
+        if LOCALHOST_NODEPORTS_ACCEPTED in self.nfacct_counters and localhost_node_ports(
+            self._family, self._config.localhost_node_ports, snapshot.node_port_addresses
+        ):
+            counter = LOCALHOST_NODEPORTS_ACCEPTED
+        inputs = (detector, addresses, large, counter)
         if self._ctx_built is not None and inputs == self._ctx_inputs:
             return self._ctx_built  # and a bad detector is logged once, not every sync
         self._ctx_inputs = inputs
-        self._ctx_built = self._build_context(detector, addresses, large)
+        self._ctx_built = self._build_context(detector, addresses, large, counter)
         return self._ctx_built
 
     def _build_context(
-        self, detector: LocalDetector, addresses: tuple[IPAddress, ...], large: bool
+        self,
+        detector: LocalDetector,
+        addresses: tuple[IPAddress, ...],
+        large: bool,
+        counter: str | None,
     ) -> RenderContext:
         try:
             return RenderContext.build(
@@ -311,6 +347,7 @@ class IptablesBackend:
                 masquerade_all=self._config.masquerade_all,
                 node_addresses=addresses,
                 endpoint_comments=not large,
+                localhost_nodeport_counter=counter,
             )
         except ValueError as err:
             log.error("ignoring the local-traffic detector: %s", err)
@@ -320,6 +357,7 @@ class IptablesBackend:
                 masquerade_all=self._config.masquerade_all,
                 node_addresses=addresses,
                 endpoint_comments=not large,
+                localhost_nodeport_counter=counter,
             )
 
     def _fixed_for(self, snapshot: ProxySnapshot) -> FixedRules:
@@ -331,6 +369,11 @@ class IptablesBackend:
             localhost_node_ports_enabled=config.localhost_node_ports,
             tcp_be_liberal=config.tcp_be_liberal,
             service_cidrs=snapshot.service_cidrs or config.service_cidrs,
+            invalid_drop_counter=(
+                CT_STATE_INVALID_DROPPED
+                if CT_STATE_INVALID_DROPPED in self.nfacct_counters
+                else None
+            ),
         )
 
     def _render(
@@ -547,15 +590,43 @@ def _target(words: list[str]) -> str | None:
     return None
 
 
-def cleanup_family(executor: IptablesExecutor, family: IPFamily) -> None:
+def _make_counters(nfacct: NFAcctExecutor | None) -> frozenset[str]:
+    """Make upstream's nfacct counters; the names that exist now (rules may use them)."""
+    made: set[str] = set()
+    if nfacct is None:
+        return frozenset()
+    for name in COUNTERS:
+        try:
+            nfacct.ensure(name)
+        except NFAcctError as err:
+            log.error(
+                "Failed to create nfacct counter %s; the corresponding metric will not be "
+                "updated: %s",
+                name,
+                err,
+            )
+            continue
+        made.add(name)
+    return frozenset(made)
+
+
+def cleanup_family(
+    executor: IptablesExecutor,
+    family: IPFamily,
+    tables: Collection[str] = (NAT, FILTER, MANGLE),
+) -> None:
     """Remove every chain iptables-mode kube-proxy makes, and the jumps to them.
 
-    Reads each table with ``iptables-save``; deletes the rules of built-in chains that
-    jump to one of our chains, then flushes and deletes our chains in one restore per
-    table. Kubelet's ``KUBE-FIREWALL``, ``KUBE-KUBELET-CANARY`` and ``KUBE-IPTABLES-HINT``
-    and every other chain are left alone. Raises :class:`IptablesError` on failure.
+    Reads each of ``tables`` (of nat, filter and mangle: pass only those that exist where
+    reading one would create it, as with iptables-legacy) with ``iptables-save``; deletes
+    the rules of built-in chains that jump to one of our chains, then flushes and deletes
+    our chains in one restore per table. Kubelet's ``KUBE-FIREWALL``,
+    ``KUBE-KUBELET-CANARY`` and ``KUBE-IPTABLES-HINT`` and every other chain are left
+    alone. Raises :class:`IptablesError` on failure.
     """
     for table in (NAT, FILTER, MANGLE):
+        if table not in tables:
+            continue
         text = executor.save(family, table)
         fixed = _OUR_CHAINS[table]
         ours = sorted(

@@ -121,7 +121,9 @@ class RenderContext:
     ``masquerade_match`` is the condition under which cluster-IP traffic is masqueraded
     (``""`` for masqueradeAll, ``None`` for never: no detector); ``local_match`` tells
     traffic from local pods (``None``: no detector); ``endpoint_comments`` is off in
-    large-cluster mode.
+    large-cluster mode. ``localhost_nodeport_counter`` names the nfacct counter that
+    NodePort packets to a loopback address go through, as upstream counts them (``None``:
+    no counter, or localhost NodePorts off).
     """
 
     family: IPFamily
@@ -129,6 +131,7 @@ class RenderContext:
     local_match: str | None
     node_addresses: tuple[IPAddress, ...] = ()
     endpoint_comments: bool = True
+    localhost_nodeport_counter: str | None = None
 
     @classmethod
     def build(
@@ -139,6 +142,7 @@ class RenderContext:
         masquerade_all: bool,
         node_addresses: Sequence[IPAddress] = (),
         endpoint_comments: bool = True,
+        localhost_nodeport_counter: str | None = None,
     ) -> RenderContext:
         """The context for a detector (already for ``family``) and the masquerade flag.
 
@@ -168,7 +172,7 @@ class RenderContext:
         if masquerade_all:
             masq = ""
         addresses = tuple(a for a in node_addresses if a.version == family.version)
-        return cls(family, masq, local, addresses, endpoint_comments)
+        return cls(family, masq, local, addresses, endpoint_comments, localhost_nodeport_counter)
 
 
 def _check_port(what: str, value: int, *, zero_ok: bool = False) -> None:
@@ -397,6 +401,13 @@ def render_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints
                 f"-j {external_target_filter}"
             )
     if port.node_port:
+        counter = r.ctx.localhost_nodeport_counter
+        if has_endpoints and counter is not None:
+            # Upstream's: the same jump for loopback destinations, through the counter.
+            nat_nodeports.append(
+                f'-m comment --comment "{name}" {proto_match} -d {_LOOPBACK4} '
+                f"--dport {port.node_port} -m nfacct --nfacct-name {counter} -j {ext_chain}"
+            )
         if has_endpoints:
             nat_nodeports.append(
                 f'-m comment --comment "{name}" {proto_match} --dport {port.node_port} '
@@ -514,8 +525,13 @@ def fixed_rules(
     localhost_node_ports_enabled: bool,
     tcp_be_liberal: bool,
     service_cidrs: Sequence[IPNetwork],
+    invalid_drop_counter: str | None = None,
 ) -> FixedRules:
-    """The fixed chains' rules for one family (see :class:`FixedRules`)."""
+    """The fixed chains' rules for one family (see :class:`FixedRules`).
+
+    ``invalid_drop_counter`` names the nfacct counter the INVALID drop goes through
+    (upstream's ``ct_state_invalid_dropped_pkts``; ``None``: no counter).
+    """
     mark = f"{masquerade_mark:#x}"
     localnet = localhost_node_ports(family, localhost_node_ports_enabled, node_port_addresses)
     cidrs = tuple(str(c) for c in service_cidrs if c.version == family.version)
@@ -523,7 +539,8 @@ def fixed_rules(
     filter_chains = [SERVICES, EXTERNAL_SERVICES, FORWARD, NODEPORTS, PROXY_FIREWALL]
     filter_rules: list[tuple[str, str]] = []
     if not tcp_be_liberal:
-        filter_rules.append((FORWARD, "-m conntrack --ctstate INVALID -j DROP"))
+        count = f"-m nfacct --nfacct-name {invalid_drop_counter} " if invalid_drop_counter else ""
+        filter_rules.append((FORWARD, f"-m conntrack --ctstate INVALID {count}-j DROP"))
     filter_rules.append(
         (
             FORWARD,

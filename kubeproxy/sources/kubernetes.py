@@ -147,7 +147,8 @@ def make_api_client(
     upstream's :data:`IN_CLUSTER_MESSAGE`). ``content_type`` is ``application/json`` or
     upstream's default protobuf, which the Python client cannot speak: JSON is used then.
     Raises ``kubernetes.config.ConfigException`` when the configuration cannot be loaded
-    and :class:`ValueError` for an unknown content type.
+    (naming the kubeconfig file, and saying so when it cannot be read at all) and
+    :class:`ValueError` for an unknown content type.
     """
     if content_type not in (_JSON, _PROTOBUF):
         raise ValueError(
@@ -157,10 +158,23 @@ def make_api_client(
         logger.debug("The Python Kubernetes client has no protobuf codec; using %s", _JSON)
     configuration = client.Configuration()
     if kubeconfig:
-        # persist_config=False: a token refresh must not rewrite the operator's file.
-        config.load_kube_config(  # type: ignore[no-untyped-call]
-            config_file=kubeconfig, client_configuration=configuration, persist_config=False
-        )
+        try:
+            with open(kubeconfig, "rb"):
+                pass
+        except OSError as err:
+            # The client would say only "Invalid kube-config file. No configuration found."
+            raise config.ConfigException(
+                f"cannot read the kubeconfig file {kubeconfig}: {err.strerror or err}"
+            ) from None
+        try:
+            # persist_config=False: a token refresh must not rewrite the operator's file.
+            config.load_kube_config(  # type: ignore[no-untyped-call]
+                config_file=kubeconfig, client_configuration=configuration, persist_config=False
+            )
+        except config.ConfigException as err:
+            if kubeconfig in str(err):
+                raise
+            raise config.ConfigException(f"kubeconfig file {kubeconfig}: {err}") from None
         if master:
             configuration.host = master
             refresh = configuration.refresh_api_key_hook

@@ -10,9 +10,12 @@ delivers Services (``v1``), EndpointSlices (``discovery.k8s.io/v1``), the Node n
 Objects are keyed by kind, namespace and name. A file that cannot be read or parsed, or
 that holds a document without a kind or a name, is *broken*: it is reported once (file,
 document, reason) and keeps contributing what it held when it last parsed, because a
-file caught in the middle of being written must not make its Services vanish. When two
-places define the same object, the first one in path order (then document order) wins
-and the other is reported once.
+file caught in the middle of being written must not make its Services vanish; while it
+stays broken it is listed in :attr:`ManifestSource.broken` (``--once`` then exits
+non-zero). When two places define the same object, the first one in path order (then
+document order) wins and the other is reported once. The names of every Node in the
+directory are in :attr:`ManifestSource.node_names`, so a caller can tell "no Node of
+that name here" from "no Nodes at all".
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ class _Entry:
 class _FileState:
     stamp: tuple[int, int, int]
     entries: list[_Entry] = field(default_factory=list)
+    broken: bool = False
 
 
 def _describe(key: ObjectKey) -> str:
@@ -131,6 +135,18 @@ class ManifestSource:
     def objects(self) -> dict[ObjectKey, KubeObject]:
         """A copy of what the handler has been told exists, by (kind, namespace, name)."""
         return dict(self._delivered)
+
+    @property
+    def broken(self) -> list[Path]:
+        """The files whose last read failed (each was reported when it broke), sorted."""
+        return sorted(path for path, state in self._files.items() if state.broken)
+
+    @property
+    def node_names(self) -> list[str]:
+        """The names of every Node the directory holds (this node's or not), sorted."""
+        return sorted(
+            {e.key[2] for state in self._files.values() for e in state.entries if e.key[0] == NODE}
+        )
 
     def load(self) -> None:
         """Read the directory and deliver everything, then ``on_*_synced`` once.
@@ -211,7 +227,9 @@ class ManifestSource:
                 kept = len(previous.entries) if previous is not None else 0
                 logger.error("manifests: %s; keeping the %d objects it had", err, kept)
                 # Remember the stamp so an unchanged broken file is not reported again.
-                self._files[path] = _FileState(stamp, previous.entries if previous else [])
+                self._files[path] = _FileState(
+                    stamp, previous.entries if previous else [], broken=True
+                )
                 continue
             self._files[path] = _FileState(stamp, entries)
         return self._deliver(self._merge())
@@ -278,9 +296,6 @@ class ManifestSource:
                 " or ".join(_API_VERSIONS[kind]),
             )
             return None
-        if kind == NODE and name != self.node_name:
-            logger.debug("manifests: %s: ignoring Node %s (not this node)", place, name)
-            return None
         namespace = ""
         obj: KubeObject = document
         if kind in _NAMESPACED:
@@ -318,7 +333,12 @@ class ManifestSource:
     # Delivery
 
     def _deliver(self, merged: Mapping[ObjectKey, _Entry]) -> bool:
-        current = {key: entry.obj for key, entry in merged.items()}
+        # Other nodes' Node objects are only counted (node_names), never delivered.
+        current = {
+            key: entry.obj
+            for key, entry in merged.items()
+            if key[0] != NODE or key[2] == self.node_name
+        }
         previous = self._delivered
         changed = False
         node_key = (NODE, "", self.node_name or "")

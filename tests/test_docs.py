@@ -1,0 +1,231 @@
+"""What the READMEs and the packaging claim, checked against the code and the results.
+
+* the benchmark figures (README) and the sizing table (images/README.md) are what
+  ``python -m bench.readme`` generates from the newest ``make bench`` results, and the
+  generator shows whatever subjects a run holds;
+* the DaemonSet's memory request is the sizing table's for the size its comment names;
+* the library example runs and prints what the README shows, the same lines as
+  ``examples/print_backend.py``; every public name is in the README's table;
+* nothing refers to a document the repository does not hold, and the mypy overrides name
+  modules the code imports;
+* the build requirements can read the project's metadata.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+import kubeproxy
+from bench import readme
+from bench.report import IPT_NFT, OURS, readme_summary, sizing_table
+
+REPO = Path(__file__).resolve().parent.parent
+README = (REPO / "README.md").read_text()
+IMAGES_README = (REPO / "images" / "README.md").read_text()
+
+
+def section(text: str, title: str) -> str:
+    """The Markdown section under ``## title`` (up to the next heading of that level)."""
+    start = text.index(f"## {title}\n")
+    rest = text[start + len(title) + 4 :]
+    end = re.search(r"^## ", rest, re.MULTILINE)
+    return rest[: end.start()] if end else rest
+
+
+# --- generated figures --------------------------------------------------------------------
+
+
+def test_the_readmes_figures_are_the_newest_full_runs() -> None:
+    assert readme.stale() == [], "run: .venv/bin/python -m bench.readme"
+    path, run = readme.newest_run()
+    for generated in (README, IMAGES_README):
+        assert f"at commit {run['machine']['commit']} on {run['machine']['date'][:10]}" in (
+            generated
+        )
+        assert str(path.relative_to(REPO)) in generated
+    # One set of figures: the section is the only place the README quotes a run.
+    assert README.count("Measured by `make bench`") == 1
+
+
+def test_a_stale_section_is_found(tmp_path: Path) -> None:
+    copied = tmp_path / "README.md"
+    copied.write_text(README.replace("| cold sync, 10k |", "| cold sync, 10k (edited) |"))
+    sections = [readme.Section(copied, "bench", readme_summary)]
+    assert readme.stale(sections) == [copied]
+
+
+def run_with_extra_subject() -> dict[str, Any]:
+    _, run = readme.newest_run()
+    run = copy.deepcopy(run)
+    extra = [
+        {**r, "subject": "kubeproxy-nftables-next", "seconds": r["seconds"] / 2}
+        for r in run["records"]
+        if r["subject"] == OURS and r["kind"] == "cold"
+    ]
+    run["records"] += extra
+    return run
+
+
+def test_the_generator_shows_whatever_subjects_the_run_holds() -> None:
+    text = readme_summary(run_with_extra_subject(), "x.json")
+    header = next(line for line in text.splitlines() if line.startswith("|  |"))
+    assert header.endswith("| kubeproxy-nftables-next |")
+    row = next(line for line in text.splitlines() if line.startswith("| cold sync, 10k |"))
+    assert row.endswith("(0.5x) |")
+    # And leaves out a subject the run does not hold.
+    _, run = readme.newest_run()
+    run = copy.deepcopy(run)
+    run["records"] = [r for r in run["records"] if r["subject"] != IPT_NFT]
+    assert "iptables-nft" not in readme_summary(run, "x.json").splitlines()[3]
+
+
+def sizing_rows() -> dict[str, list[str]]:
+    _, run = readme.newest_run()
+    table = sizing_table(run, "x.json")
+    rows = [line.strip("|").split("|") for line in table.splitlines() if line.startswith("| ")]
+    return {cells[0].strip(): [c.strip() for c in cells[1:]] for cells in rows[1:]}
+
+
+def test_the_daemonsets_memory_request_is_the_sizing_tables() -> None:
+    text = (REPO / "images" / "manifests" / "daemonset.yaml").read_text()
+    sized_for = re.search(r"Memory sized for up to (\w+) Services", text)
+    assert sized_for is not None
+    daemonset = yaml.safe_load(text)
+    (proxy,) = [
+        c for c in daemonset["spec"]["template"]["spec"]["containers"] if c["name"] == "kube-proxy"
+    ]
+    request = proxy["resources"]["requests"]["memory"]
+    assert sizing_rows()[sized_for.group(1)][2] == request
+    assert f"The DaemonSet asks for {request} of memory" in IMAGES_README
+    # Each row: request >= resident, limit >= peak.
+    for resident, peak, req, limit in sizing_rows().values():
+        assert int(req.removesuffix("Mi")) >= float(resident)
+        assert int(limit.removesuffix("Mi")) >= float(peak)
+
+
+# --- the library and the README -----------------------------------------------------------
+
+
+def test_the_readmes_library_example_prints_what_it_shows_as_print_backend_does() -> None:
+    library = section(README, "The core as a library")
+    code = re.search(r"```python\n(.*?)```", library, re.DOTALL)
+    shown = re.search(r"```\n\$ [^\n]*\n(.*?)```", library, re.DOTALL)
+    assert code is not None and shown is not None
+    ran = subprocess.run(
+        [sys.executable, "-c", code.group(1)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    example = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "print_backend.py"), "examples/cluster"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    assert ran.stdout == shown.group(1) == example.stdout
+
+
+def test_every_public_name_is_in_the_readmes_table() -> None:
+    table = section(README, "The core as a library").split("Public names", 1)[1]
+    listed = {
+        name
+        for line in table.splitlines()
+        if line.startswith("| `")
+        for name in re.findall(r"`(\w+)", line.split(" | ")[0])
+    }
+    assert set(kubeproxy.__all__) <= listed, set(kubeproxy.__all__) - listed
+
+
+def test_the_flow_case_section_shows_a_backend_of_ones_own() -> None:
+    text = section(README, "Proving a backend with real packets")
+    assert "`module:attribute`" in text
+    assert re.search(r"--backend [\w.]+:\w+ ", text)
+    help_text = subprocess.run(
+        [sys.executable, "-m", "kubeproxy.testing.flowcases", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    assert "module:attribute" in help_text
+
+
+# --- references and packaging -------------------------------------------------------------
+
+# Documents of the project's shared notes, which a clone of the repository does not hold.
+OUTSIDE = ("DESIGN.md", "upstream-core", "upstream-backends", "nftables-kernel-costs",
+           "anchors-perf-users", "ecosystem.md")  # fmt: skip
+
+
+def tracked_text_files() -> list[Path]:
+    names = subprocess.run(
+        ["git", "-C", str(REPO), "ls-files"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    wanted = (".py", ".md", ".toml", ".yaml", ".yml", ".sh", "Makefile", "Dockerfile")
+    return [REPO / n for n in names if n.endswith(wanted) and (REPO / n).is_file()]
+
+
+def test_nothing_refers_to_a_document_the_repository_lacks() -> None:
+    files = tracked_text_files()
+    present = {p.relative_to(REPO).as_posix() for p in files}
+    basenames = {Path(p).name for p in present}
+    dangling = []
+    for path in files:
+        if path == Path(__file__).resolve():
+            continue  # names them, to look for them
+        text = path.read_text(errors="replace")
+        for name in OUTSIDE:
+            if name in text:
+                dangling.append(f"{path.relative_to(REPO)}: {name}")
+        for ref in re.findall(r"[\w./-]+\.md\b", text):
+            ref = ref.lstrip("./")
+            if ref not in present and Path(ref).name not in basenames:
+                dangling.append(f"{path.relative_to(REPO)}: {ref}")
+    assert dangling == []
+
+
+def test_mypy_overrides_name_modules_the_code_imports() -> None:
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())
+    sources = "\n".join(p.read_text() for p in tracked_text_files() if p.suffix == ".py")
+    for override in config["tool"]["mypy"]["overrides"]:
+        for module in override["module"]:
+            top = module.removesuffix(".*")
+            assert re.search(rf"^\s*(from|import) {re.escape(top)}\b", sources, re.MULTILINE), (
+                f"mypy override for {module}, which nothing imports"
+            )
+
+
+def test_the_build_requirements_can_read_the_license() -> None:
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())
+    (setuptools,) = [r for r in config["build-system"]["requires"] if r.startswith("setuptools")]
+    minimum = re.fullmatch(r"setuptools>=(\d+)(?:\.\d+)*", setuptools)
+    assert minimum is not None, setuptools
+    if isinstance(config["project"]["license"], str):
+        # An SPDX expression in project.license (PEP 639) needs setuptools 77 or later;
+        # older ones reject the metadata, which breaks an offline or distro build.
+        assert int(minimum.group(1)) >= 77
+
+
+def test_every_benchmark_run_says_where_it_was_measured() -> None:
+    runs = [
+        json.loads(p.read_text())
+        for p in (REPO / "bench" / "results").glob("*.json")
+        if p.name != "micro-baseline.json"  # pytest-benchmark's own format
+    ]
+    assert runs
+    for run in runs:
+        assert run["machine"]["commit"] and run["machine"]["date"] and run["command"]
