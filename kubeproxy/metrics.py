@@ -35,7 +35,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-from kubeproxy.health import BackgroundServer, Response
+from kubeproxy.health import DEFAULT_MAX_HANDLERS, BackgroundServer, Response
 from kubeproxy.objects import IPFamily, NamespacedName, ServicePort, ServicePortName
 
 if TYPE_CHECKING:
@@ -545,7 +545,8 @@ class MetricsServer:
     component's generic liveness check, unrelated to the proxy's own health);
     ``/proxyMode`` the mode's name. An empty ``address`` disables the server; binding
     follows :class:`~kubeproxy.health.BackgroundServer` (retry every 5 s, or raise
-    :class:`~kubeproxy.health.ServerBindError` at :meth:`start` with ``hard_fail``).
+    :class:`~kubeproxy.health.ServerBindError` at :meth:`start` with ``hard_fail``), and
+    so do ``backlog`` and ``max_handlers``.
     """
 
     def __init__(
@@ -555,6 +556,8 @@ class MetricsServer:
         *,
         hard_fail: bool = False,
         retry_interval: float = 5.0,
+        backlog: int | None = None,
+        max_handlers: int | None = DEFAULT_MAX_HANDLERS,
     ) -> None:
         self.metrics = metrics
         self.server = BackgroundServer(
@@ -563,6 +566,8 @@ class MetricsServer:
             {"/metrics": self._metrics, "/healthz": self._healthz, "/proxyMode": self._mode},
             hard_fail=hard_fail,
             retry_interval=retry_interval,
+            backlog=backlog,
+            max_handlers=max_handlers,
         )
 
     @property
