@@ -660,9 +660,10 @@ def test_syncs_failing_repeatedly_fail_healthz_and_health_checks_until_one_succe
         )
         assert get("127.0.0.1", port)[0] == 503
         assert not proxier.sync_now()
-        assert "3 syncs in a row" in json.loads(get("127.0.0.1", healthz.port, "/healthz")[2])[
-            "reason"
-        ]
+        assert (
+            "3 syncs in a row"
+            in json.loads(get("127.0.0.1", healthz.port, "/healthz")[2])["reason"]
+        )
 
         # A successful sync repairs it.
         assert proxier.sync_now()
