@@ -304,6 +304,33 @@ def test_service_health_checks_share_one_handler_cap() -> None:
         server.close()
 
 
+def test_capped_handlers_reuse_their_threads() -> None:
+    health = ProxyHealth(60.0, node=NodeInfo(NODE))
+    capped = ProxyHealthServer("127.0.0.1:0", health, max_handlers=3)
+    uncapped = ProxyHealthServer("127.0.0.1:0", health, backlog=5, max_handlers=None)
+    for server in (capped, uncapped):
+        server.start()
+    try:
+        for server in (capped, uncapped):
+            assert server.port
+            port = server.port
+            for _ in range(20):
+                assert get(port, "/livez") == 200
+            busy = idle_clients(port, 3)
+            wait_until(lambda s=server: s.server.slots.active == 3, "three busy handlers")  # type: ignore[misc]
+            for client in busy:
+                client.close()
+            wait_until(lambda s=server: s.server.slots.active == 0, "idle handlers")  # type: ignore[misc]
+        # Capped: at most three threads, kept for the next connections; uncapped: one
+        # new thread per connection, none kept (the standard library's way).
+        assert 1 <= capped.server.slots.workers <= 3
+        assert uncapped.server.slots.workers == 0
+        assert capped.server.slots.peak == uncapped.server.slots.peak == 3
+    finally:
+        for server in (capped, uncapped):
+            server.stop()
+
+
 def test_a_stopping_server_does_not_wait_for_a_handler_slot() -> None:
     health = ProxyHealth(60.0, node=NodeInfo(NODE))
     server = ProxyHealthServer("127.0.0.1:0", health, max_handlers=1)
