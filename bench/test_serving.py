@@ -135,8 +135,15 @@ class ServingResults:
         RESULTS_DIR.mkdir(parents=True, exist_ok=True)
         now = datetime.now(UTC)
         host = platform.node() or "host"
+        commit = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip()
         document = {
             "when": now.isoformat(timespec="seconds"),
+            "commit": commit or None,
             "command": os.environ.get("KPXB_COMMAND", "pytest bench/test_serving.py"),
             "machine": {"cores": os.cpu_count(), "kernel": platform.release()},
             "services": SERVICES,
@@ -154,7 +161,8 @@ class ServingResults:
         lines = [
             "# Serving under load (latest run)",
             "",
-            f"{document['when']}, `{document['command']}`, {document['machine']['cores']} "
+            f"{document['when']}, commit {document['commit']}, `{document['command']}`, "
+            f"{document['machine']['cores']} "
             f"cores, kernel {document['machine']['kernel']}. A proxy holding {SERVICES} "
             f"ClusterIP Services (10 endpoints each) and {HEALTH_CHECKS} LoadBalancer Services "
             "with health-check ports; clients in its namespace, a new connection per request, "
