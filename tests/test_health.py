@@ -190,6 +190,30 @@ def proxy_health() -> Iterator[tuple[ProxyHealth, Clock, ProxyMetrics, ProxyHeal
         server.stop()
 
 
+def failing_healthz(port: int) -> dict[str, Any]:
+    """The body of a ``/healthz`` answer that must be a JSON 503."""
+    status, headers, body = get("127.0.0.1", port, "/healthz")
+    assert status == 503
+    assert headers["content-type"] == "application/json"
+    parsed: dict[str, Any] = json.loads(body)
+    return parsed
+
+
+def ipv4_unhealthy(*, current_time: str) -> dict[str, Any]:
+    """The body when both families synced at T0 and IPv4 is unhealthy."""
+    synced = "2026-01-02T03:04:05Z"
+    return {
+        "lastUpdated": synced,
+        "currentTime": current_time,
+        "nodeEligible": True,
+        "healthy": False,
+        "status": {
+            "IPv4": {"lastUpdated": synced, "healthy": False},
+            "IPv6": {"lastUpdated": synced, "healthy": True},
+        },
+    }
+
+
 def counted(metrics: ProxyMetrics, name: str, code: str) -> float:
     line = f'kubeproxy_proxy_{name}_total{{code="{code}"}} '
     for text in metrics.expose().decode().splitlines():
@@ -220,20 +244,9 @@ def test_healthz_and_livez_bodies_codes_and_headers(
     clock.now += 5
     health.queued_update(V4)
     clock.now += 60.25
-    status, headers, body = get("127.0.0.1", port, "/healthz")
-    assert status == 503
-    assert headers["content-type"] == "application/json"
-    assert json.loads(body) == {
-        "lastUpdated": "2026-01-02T03:04:05Z",
-        "currentTime": "2026-01-02T03:05:10.25Z",
-        "nodeEligible": True,
-        "healthy": False,
-        "status": {
-            "IPv4": {"lastUpdated": "2026-01-02T03:04:05Z", "healthy": False},
-            "IPv6": {"lastUpdated": "2026-01-02T03:04:05Z", "healthy": True},
-        },
-    }
-    assert list(json.loads(body)) == [
+    failed = failing_healthz(port)
+    assert failed == ipv4_unhealthy(current_time="2026-01-02T03:05:10.25Z")
+    assert list(failed) == [
         "lastUpdated",
         "currentTime",
         "nodeEligible",
@@ -279,18 +292,8 @@ def test_healthz_fails_with_the_reason_while_the_data_plane_is_broken(
     clock.now += 2
     health.report_data_plane_broken(V4, FAULT_RULES_REMOVED, "table ip kube-proxy deleted")
 
-    status, headers, body = get("127.0.0.1", port, "/healthz")
-    assert status == 503
-    assert headers["content-type"] == "application/json"
-    assert json.loads(body) == {
-        "lastUpdated": "2026-01-02T03:04:05Z",
-        "currentTime": "2026-01-02T03:04:07Z",
-        "nodeEligible": True,
-        "healthy": False,
-        "status": {
-            "IPv4": {"lastUpdated": "2026-01-02T03:04:05Z", "healthy": False},
-            "IPv6": {"lastUpdated": "2026-01-02T03:04:05Z", "healthy": True},
-        },
+    assert failing_healthz(port) == {
+        **ipv4_unhealthy(current_time="2026-01-02T03:04:07Z"),
         "reason": "IPv4: table ip kube-proxy deleted",
     }
     # Liveness is not the data plane's business: a restart is not the repair.

@@ -37,6 +37,7 @@ from kubeproxy.health import (
 from kubeproxy.metrics import MetricsServer, ProxyMetrics
 from kubeproxy.netns import in_netns
 from kubeproxy.objects import IPFamily, NamespacedName, NodeInfo
+from tests.test_health import lb_service, lb_slice
 
 SOMAXCONN = 5000  # above socket.SOMAXCONN (4096): a listener showing it read the kernel's limit
 BIN = Path(sys.executable).parent
@@ -132,32 +133,8 @@ def write_manifests(directory: Path) -> None:
             "metadata": {"name": NODE},
             "status": {"addresses": [{"type": "InternalIP", "address": NODE_IP}]},
         },
-        {
-            "apiVersion": "v1",
-            "kind": "Service",
-            "metadata": {"name": "lb", "namespace": "demo"},
-            "spec": {
-                "type": "LoadBalancer",
-                "clusterIP": "172.30.0.30",
-                "externalTrafficPolicy": "Local",
-                "healthCheckNodePort": HEALTH_CHECK_PORT,
-                "ports": [{"name": "http", "port": 80, "protocol": "TCP", "nodePort": 30080}],
-            },
-        },
-        {
-            "apiVersion": "discovery.k8s.io/v1",
-            "kind": "EndpointSlice",
-            "metadata": {
-                "name": "lb-1",
-                "namespace": "demo",
-                "labels": {"kubernetes.io/service-name": "lb"},
-            },
-            "addressType": "IPv4",
-            "endpoints": [
-                {"addresses": ["10.244.0.5"], "nodeName": NODE, "conditions": {"ready": True}}
-            ],
-            "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
-        },
+        lb_service(HEALTH_CHECK_PORT),
+        lb_slice([("10.244.0.5", NODE, True)]),
     ]
     (directory / "cluster.yaml").write_text(yaml.safe_dump_all(documents))
 
