@@ -414,7 +414,7 @@ class HandlerSlots:
         self._lock = threading.Lock()
         self._active = 0
         self._peak = 0
-        self._work: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._work: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._workers = 0
         self._idle = 0
 
@@ -460,21 +460,32 @@ class HandlerSlots:
             self._start(functools.partial(self._run_once, handler))
             return
         with self._lock:
+            work = self._work
             start = self._idle == 0
             if start:
                 self._workers += 1
             else:
                 self._idle -= 1
-        self._work.put(handler)
+        work.put(handler)
         if start:
-            self._start(self._worker)
+            self._start(functools.partial(self._worker, work), worker=True)
 
-    def _start(self, target: Callable[[], None]) -> None:
+    def close(self) -> None:
+        """Let the kept threads end (busy ones after their connection); a later
+        :meth:`run` starts new ones. Servers call it when they stop."""
+        with self._lock:
+            retired, count = self._work, self._workers
+            self._work = queue.SimpleQueue()
+            self._workers = self._idle = 0
+        for _ in range(count):
+            retired.put(None)
+
+    def _start(self, target: Callable[[], None], *, worker: bool = False) -> None:
         try:
             threading.Thread(target=target, name=self.name, daemon=True).start()
         except RuntimeError as err:  # no thread to be had: this connection waits for one
             logger.error("%s: cannot start a handler thread: %s", self.name, err)
-            if target == self._worker:
+            if worker:
                 with self._lock:  # the queued handler runs on the next worker that starts
                     self._workers -= 1
             else:
@@ -488,11 +499,12 @@ class HandlerSlots:
         finally:
             self.release()
 
-    def _worker(self) -> None:
-        while True:
-            handler = self._work.get()
+    def _worker(self, work: queue.SimpleQueue[Callable[[], None] | None]) -> None:
+        while (handler := work.get()) is not None:
             self._run_once(handler)
             with self._lock:
+                if work is not self._work:  # closed meanwhile: a None is queued for us
+                    continue
                 self._idle += 1
 
 
@@ -773,6 +785,7 @@ class BackgroundServer:
             server.server_close()
         for thread in threads:
             thread.join(timeout=5)
+        self.slots.close()
         self._bound.clear()
 
 
@@ -1105,6 +1118,7 @@ class ServiceHealthServer:
             loop, self._loop = self._loop, None
         if loop is not None:
             loop.close()
+        self.slots.close()
 
     def answer(self, service: NamespacedName) -> Response:
         """The answer to a probe for ``service``."""

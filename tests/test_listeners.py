@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -306,6 +307,20 @@ def test_capped_handlers_reuse_their_threads() -> None:
     finally:
         for server in (capped, uncapped):
             server.stop()
+    # Stopped: the kept threads end.
+    assert capped.server.slots.workers == 0
+    wait_until(
+        lambda: not [t for t in threading.enumerate() if t.name == "healthz-handler"],
+        "the handler threads to end",
+    )
+    # Started again, it serves with new ones.
+    capped.start()
+    try:
+        assert capped.port
+        assert get(capped.port, "/livez") == 200
+        assert capped.server.slots.workers == 1
+    finally:
+        capped.stop()
 
 
 def test_a_stopping_server_does_not_wait_for_a_handler_slot() -> None:
