@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import subprocess
-import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -33,7 +32,7 @@ from typing import Any
 import pytest
 from pytest_benchmark.fixture import BenchmarkFixture
 
-from bench.harness import ProxyProcess, python_module
+from bench.harness import ProxyProcess, child_process, python_module
 from bench.netns import in_netns, ip, namespace, sysctl
 from bench.servingproc import HEALTHZ_PORT, METRICS_PORT, NODE_ADDRESS
 
@@ -89,34 +88,11 @@ def serving(request: pytest.FixtureRequest) -> Iterator[ServingProxy]:
         sysctl(netns, "net.ipv4.ip_local_port_range", "10000 65000")
         argv = ["--services", str(SERVICES), "--health-checks", str(HEALTH_CHECKS)]
         argv += ["--listeners", listeners]
-        stderr_path = Path(f"/tmp/kpxb-serving-{os.getpid()}-{time.monotonic_ns()}.log")
-        with stderr_path.open("w") as stderr:
-            process = subprocess.Popen(
-                in_netns(netns, python_module("bench.servingproc", *argv)),
-                cwd=REPO,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=stderr,
-                text=True,
-                start_new_session=True,
-            )
-        child = ProxyProcess(process, stderr_path)
-        try:
-            ready = child.wait_ready(600)
+        with child_process(netns, "bench.servingproc", argv) as child:
+            ready = child.ready
             assert ready["ok"], child.stderr_tail()
             assert ready["health_check_listeners"] == HEALTH_CHECKS
             yield ServingProxy(netns, listeners, child)
-        finally:
-            if process.poll() is None and process.stdin is not None:
-                try:
-                    process.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                    process.stdin.close()
-                    process.wait(30)
-                except (OSError, subprocess.TimeoutExpired):
-                    child.kill()
-            if process.stdout is not None:
-                process.stdout.close()
-            stderr_path.unlink(missing_ok=True)
 
 
 class ServingResults:
