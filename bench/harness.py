@@ -30,6 +30,7 @@ __all__ = [
     "ProxyProcessError",
     "ProxyTimeout",
     "apply_nft_file",
+    "child_process",
     "proxy_process",
     "python_module",
 ]
@@ -156,7 +157,19 @@ def proxy_process(
         argv += ["--wide-every", str(wide_every)]
     if node_ip:
         argv += ["--node-ip", node_ip]
-    stderr_path = Path(f"/tmp/kpxb-proxyproc-{os.getpid()}-{time.monotonic_ns()}.log")
+    with child_process(netns, module, argv, ready_timeout_s=ready_timeout_s) as child:
+        yield child
+
+
+@contextmanager
+def child_process(
+    netns: str, module: str, argv: Sequence[str], *, ready_timeout_s: float = 600.0
+) -> Iterator[ProxyProcess]:
+    """Run ``python -m module argv`` in ``netns``, speaking the proxy child's line
+    protocol; wait for its ready line, and on exit send ``quit`` (killed after 30 s)."""
+    stderr_path = Path(
+        f"/tmp/kpxb-{module.rpartition('.')[2]}-{os.getpid()}-{time.monotonic_ns()}.log"
+    )
     with stderr_path.open("w") as stderr:
         process = subprocess.Popen(
             in_netns(netns, python_module(module, *argv)),

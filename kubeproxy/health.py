@@ -9,19 +9,35 @@ Semantics follow upstream kube-proxy (``pkg/proxy/healthcheck``, 1.33+):
   (upstream: twice ``syncPeriod``). The node is *eligible* unless it is being deleted or
   carries the cluster autoscaler's ``ToBeDeletedByClusterAutoscaler`` taint (or is not
   known yet).
-* :class:`ProxyHealthServer` serves ``/healthz`` (200 iff healthy and the node eligible)
-  and ``/livez`` (200 iff healthy) with upstream's JSON body and headers.
+* Beyond upstream, :class:`ProxyHealth` also holds *data-plane faults*: what the proxy
+  knows the kernel lacks of what it last wrote (rules removed by someone else and not yet
+  repaired, syncs failing repeatedly), reported and cleared by whoever detects them
+  (:meth:`ProxyHealth.report_data_plane_broken`,
+  :meth:`ProxyHealth.report_data_plane_repaired`). A node that answers 200 while its
+  rules are gone receives load-balancer traffic it cannot deliver.
+* :class:`ProxyHealthServer` serves ``/healthz`` (200 iff healthy, no data-plane fault and
+  the node eligible; a fault's reason is in the body) and ``/livez`` (200 iff healthy)
+  with upstream's JSON body and headers.
 * :class:`ServiceHealthServer` opens one listener per ``healthCheckNodePort`` (Services
   of type LoadBalancer with ``externalTrafficPolicy: Local``) and answers 200 when the
-  Service has local ready endpoints and the proxy is healthy, 503 otherwise.
+  Service has local ready endpoints and the proxy is healthy with no data-plane fault,
+  503 otherwise.
 * :class:`HealthObserver` ties them to a :class:`~kubeproxy.proxier.Proxier`: it is a
-  :class:`~kubeproxy.proxier.SyncObserver` (queued / finished syncs) and its
-  :meth:`HealthObserver.after_sync` is a :class:`~kubeproxy.proxier.SyncHook`.
+  :class:`~kubeproxy.proxier.SyncObserver` (queued / finished syncs; repeated failed
+  syncs become a data-plane fault) and its :meth:`HealthObserver.after_sync` is a
+  :class:`~kubeproxy.proxier.SyncHook`.
 
 :class:`BackgroundServer` is the small HTTP server both this module and
 :mod:`kubeproxy.metrics` use: bound to ``host:port``, retried every few seconds when the
 address is taken, or failing at once with ``hard_fail`` (upstream's
 ``bindAddressHardFail``).
+
+Every listener here asks for the kernel's longest accept queue (:func:`listen_backlog`)
+and runs at most :data:`DEFAULT_MAX_HANDLERS` connection handlers at once
+(:class:`HandlerSlots`): load balancers and kubelets probe in bursts, and a burst that
+overflows a short accept queue (the standard library's default is 5) costs clients a
+SYN retransmit (1 s, then 3 s), enough to fail a probe; past the cap, connections wait
+in that queue instead of each taking a thread.
 """
 
 from __future__ import annotations
@@ -32,6 +48,7 @@ import functools
 import ipaddress
 import json
 import logging
+import queue
 import selectors
 import socket
 import threading
@@ -51,8 +68,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_HEALTHZ_ADDRESS",
+    "DEFAULT_MAX_HANDLERS",
+    "FAULT_RULES_REMOVED",
+    "FAULT_SYNC_FAILURES",
+    "SYNC_FAILURE_THRESHOLD",
     "BackgroundServer",
+    "DataPlaneFault",
     "FamilyHealth",
+    "HandlerSlots",
     "HealthMetrics",
     "HealthObserver",
     "HealthStatus",
@@ -64,6 +87,7 @@ __all__ = [
     "ServerBindError",
     "ServiceHealthServer",
     "format_time",
+    "listen_backlog",
     "parse_bind_address",
 ]
 
@@ -72,7 +96,31 @@ logger = logging.getLogger(__name__)
 DEFAULT_HEALTHZ_ADDRESS: Final = "0.0.0.0:10256"
 """Upstream's default ``healthzBindAddress``."""
 
+DEFAULT_MAX_HANDLERS: Final = 128
+"""Connection handlers one server runs at once; more connections wait in the accept queue.
+
+Enough that the slow clients a server meets in practice (a handler drops a request not
+sent in full within 30 s) leave room for probes, few enough that a flood costs a bounded
+number of threads and their stacks. Throughput does not need more: two cores answer
+health probes faster than new threads could be scheduled.
+"""
+
+FAULT_RULES_REMOVED: Final = "rules-removed"
+"""The ``cause`` for :meth:`ProxyHealth.report_data_plane_broken` when rules the proxy
+wrote were removed (or changed) by someone else and not yet repaired."""
+
+FAULT_SYNC_FAILURES: Final = "sync-failures"
+"""The ``cause`` :class:`HealthObserver` reports when syncs fail repeatedly."""
+
+SYNC_FAILURE_THRESHOLD: Final = 2
+"""Failed syncs of a family in a row that make a data-plane fault.
+
+One failure can be a passing refusal that the retry mends; a second one, a retry
+interval later (``syncPeriod``), means the kernel stays behind what the proxy wants.
+"""
+
 _RETRY_INTERVAL: Final = 5.0
+_SOMAXCONN_PATH: Final = "/proc/sys/net/core/somaxconn"
 _NO_IPV6: Final = (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL, errno.EPROTONOSUPPORT)
 _JSON_HEADERS: Final = {"Content-Type": "application/json", "X-Content-Type-Options": "nosniff"}
 
@@ -108,48 +156,92 @@ class FamilyHealth:
 
 
 @dataclass(frozen=True, slots=True)
+class DataPlaneFault:
+    """Something the kernel lacks of what the proxy last wrote, as reported.
+
+    ``cause`` names the detector (:data:`FAULT_RULES_REMOVED`,
+    :data:`FAULT_SYNC_FAILURES`, or a name of the caller's own); ``since`` is the
+    wall-clock time of the first report since the last repair.
+    """
+
+    family: IPFamily
+    cause: str
+    reason: str
+    since: float
+
+    def describe(self) -> str:
+        """``IPv4: <reason>``: one line for logs and the ``/healthz`` body."""
+        return f"{self.family}: {self.reason}"
+
+
+@dataclass(frozen=True, slots=True)
 class HealthStatus:
     """What :meth:`ProxyHealth.health` found.
 
     ``last_updated`` is the latest successful sync of any family (None before the
     first); ``status`` has an entry per family that has synced at least once.
+    ``healthy`` is upstream's verdict (no change has waited too long); ``faults`` are
+    the data-plane faults reported now, which :attr:`serving` adds to it.
     """
 
     last_updated: float | None
     current_time: float
     healthy: bool
     status: Mapping[IPFamily, FamilyHealth] = field(default_factory=dict)
+    faults: tuple[DataPlaneFault, ...] = ()
 
-    def to_json(self, *, last_updated: float | None, node_eligible: bool | None) -> str:
+    @property
+    def serving(self) -> bool:
+        """Healthy and no data-plane fault: whether traffic sent here is delivered."""
+        return self.healthy and not self.faults
+
+    def to_json(
+        self,
+        *,
+        last_updated: float | None,
+        node_eligible: bool | None,
+        with_faults: bool = False,
+    ) -> str:
         """The compact JSON body upstream sends (keys in upstream's order).
 
         ``last_updated`` is the top-level value to report (upstream reports the current
-        time on a 200); ``node_eligible`` is left out when None (``/livez``).
+        time on a 200); ``node_eligible`` is left out when None (``/livez``). With
+        ``with_faults`` (``/healthz``) a fault makes ``healthy`` false (for its family
+        too) and adds ``reason``: every fault's description, joined by ``"; "``. Without
+        faults the body has exactly upstream's keys.
         """
+        faulty = {fault.family for fault in self.faults} if with_faults else set()
         body: dict[str, Any] = {
             "lastUpdated": format_time(last_updated),
             "currentTime": format_time(self.current_time),
         }
         if node_eligible is not None:
             body["nodeEligible"] = node_eligible
-        body["healthy"] = self.healthy
+        body["healthy"] = self.healthy and not faulty
         if self.status:
             body["status"] = {
                 family.value: {
                     "lastUpdated": format_time(state.last_updated),
-                    "healthy": state.healthy,
+                    "healthy": state.healthy and family not in faulty,
                 }
                 for family, state in sorted(self.status.items())
             }
+        if faulty:
+            body["reason"] = "; ".join(fault.describe() for fault in self.faults)
         return json.dumps(body, separators=(",", ":"))
 
 
 class ProxyHealth:
-    """Per-family sync timestamps and the node's eligibility; thread-safe.
+    """Per-family sync timestamps, data-plane faults and the node's eligibility;
+    thread-safe.
 
     ``clock`` returns wall-clock seconds (it also stamps the reported times).
     ``node`` is the node as known at start; None means unknown, which makes the node
     ineligible (as upstream's newest code) until :meth:`set_node` is called.
+
+    Data-plane faults (:meth:`report_data_plane_broken`) are for whoever learns that the
+    kernel no longer holds what the proxy last wrote; each is kept per family and cause
+    until that cause's :meth:`report_data_plane_repaired`.
     """
 
     def __init__(
@@ -166,6 +258,7 @@ class ProxyHealth:
         self._lock = threading.Lock()
         self._last_updated: dict[IPFamily, float] = {}
         self._oldest_queued: dict[IPFamily, float] = {}
+        self._faults: dict[tuple[IPFamily, str], DataPlaneFault] = {}
         self._node = node
 
     def queued_update(self, family: IPFamily) -> None:
@@ -178,6 +271,54 @@ class ProxyHealth:
         with self._lock:
             self._oldest_queued.pop(family, None)
             self._last_updated[family] = self.clock()
+
+    def report_data_plane_broken(self, family: IPFamily, cause: str, reason: str) -> None:
+        """Report that the kernel no longer holds what the proxy last wrote for ``family``.
+
+        From now until :meth:`report_data_plane_repaired` with the same ``family`` and
+        ``cause``, ``/healthz`` answers 503 with ``reason`` in its JSON body (``healthy``
+        false, ``reason`` "IPv4: <reason>") and every HealthCheckNodePort answers 503
+        (``serviceProxyHealthy`` false), so load balancers stop sending traffic the node
+        cannot deliver. ``/livez`` is not affected: restarting the proxy is not the
+        repair, the proxy's own full sync is.
+
+        ``cause`` names the detector: :data:`FAULT_RULES_REMOVED` for rules removed or
+        changed by someone else, :data:`FAULT_SYNC_FAILURES` (reported by
+        :class:`HealthObserver`) for repeated failed syncs, or any name of the caller's.
+        Faults of different causes are independent: one detector's repair never clears
+        another's fault. Reporting again updates the reason and keeps the first time;
+        the first report of a fault logs one warning.
+        """
+        if not cause or not reason:
+            raise ValueError("a data-plane fault needs a cause and a reason")
+        with self._lock:
+            previous = self._faults.get((family, cause))
+            since = self.clock() if previous is None else previous.since
+            self._faults[family, cause] = DataPlaneFault(family, cause, reason, since)
+        if previous is None:
+            logger.warning("Data plane broken (%s), /healthz fails: %s: %s", cause, family, reason)
+
+    def report_data_plane_repaired(self, family: IPFamily, cause: str) -> None:
+        """Clear the fault ``cause`` reported for ``family`` (nothing if none is set).
+
+        Call it once the kernel holds what the proxy wrote again (after the repairing
+        sync succeeded). Logs one line when a fault was set.
+        """
+        with self._lock:
+            fault = self._faults.pop((family, cause), None)
+            now = self.clock()
+        if fault is not None:
+            logger.info(
+                "Data plane repaired (%s) for %s after %.1fs", cause, family, now - fault.since
+            )
+
+    def data_plane_faults(self) -> tuple[DataPlaneFault, ...]:
+        """The faults reported and not repaired, oldest first."""
+        with self._lock:
+            return self._sorted_faults()
+
+    def _sorted_faults(self) -> tuple[DataPlaneFault, ...]:
+        return tuple(sorted(self._faults.values(), key=lambda f: (f.since, f.family, f.cause)))
 
     def set_node(self, node: NodeInfo | None) -> None:
         """The node as last seen (None: not known)."""
@@ -205,11 +346,16 @@ class ProxyHealth:
                 healthy = healthy and family_healthy
                 status[family] = FamilyHealth(last, family_healthy)
             last_updated = max(self._last_updated.values(), default=None)
-        return HealthStatus(last_updated, now, healthy, status)
+            faults = self._sorted_faults()
+        return HealthStatus(last_updated, now, healthy, status, faults)
 
     def healthy(self) -> bool:
-        """Shorthand for ``health().healthy``."""
+        """Shorthand for ``health().healthy`` (upstream's verdict, faults aside)."""
         return self.health().healthy
+
+    def serving(self) -> bool:
+        """Shorthand for ``health().serving``: healthy and no data-plane fault."""
+        return self.health().serving
 
 
 class HealthMetrics(Protocol):
@@ -222,6 +368,144 @@ class HealthMetrics(Protocol):
     def livez_response(self, code: int) -> None:
         """A ``/livez`` answer with status ``code`` was sent."""
         ...
+
+
+# --- listeners that hold bursts --------------------------------------------------------
+
+
+def listen_backlog() -> int:
+    """The accept queue to ask ``listen()`` for: the kernel's limit, ``net.core.somaxconn``.
+
+    Read from this network namespace's ``/proc/sys`` (the kernel silently caps any larger
+    request at it); :data:`socket.SOMAXCONN` when it cannot be read.
+    """
+    try:
+        with open(_SOMAXCONN_PATH, encoding="ascii") as file:
+            value = int(file.read().strip())
+    except (OSError, ValueError):
+        return socket.SOMAXCONN
+    return value if value > 0 else socket.SOMAXCONN
+
+
+class HandlerSlots:
+    """At most ``limit`` connection handlers at once (None: no limit), and the threads
+    that run them; thread-safe.
+
+    A server's accept loop takes a slot (:meth:`acquire`) for each connection and hands
+    the connection to :meth:`run`; the slot comes back when the handler ends. Under a
+    flood the accept loop waits for a slot and the kernel's accept queue holds the
+    connections: clients queue, threads and memory stay bounded.
+
+    With a limit, handler threads are kept and reused (at most ``limit`` of them, idle
+    ones waiting for work): starting a thread waits for it to run, a hand-over of the
+    interpreter lock that, among a hundred busy handlers, costs milliseconds. Measured
+    here (2 cores, 200 clients each opening a connection per request, 1000 health-check
+    listeners): an accept loop starting a thread per connection answered 1,200-2,100
+    connections a second, reused workers 3,500-3,600. Without a limit each connection
+    gets a new thread, as the standard library's servers do.
+    """
+
+    def __init__(self, limit: int | None = DEFAULT_MAX_HANDLERS, name: str = "handler") -> None:
+        if limit is not None and limit < 1:
+            raise ValueError(f"handler limit must be >= 1 or None, got {limit}")
+        self.limit = limit
+        self.name = name
+        self._semaphore = threading.BoundedSemaphore(limit) if limit is not None else None
+        self._lock = threading.Lock()
+        self._active = 0
+        self._peak = 0
+        self._work: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._workers = 0
+        self._idle = 0
+
+    @property
+    def active(self) -> int:
+        """Handlers running now."""
+        with self._lock:
+            return self._active
+
+    @property
+    def peak(self) -> int:
+        """The most handlers that ran at once."""
+        with self._lock:
+            return self._peak
+
+    @property
+    def workers(self) -> int:
+        """Handler threads kept for reuse (0 without a limit)."""
+        with self._lock:
+            return self._workers
+
+    def acquire(self, closed: Callable[[], bool], poll: float = 0.1) -> bool:
+        """Wait for a slot; False (no slot taken) once ``closed()`` is true."""
+        while self._semaphore is not None and not self._semaphore.acquire(timeout=poll):
+            if closed():
+                return False
+        with self._lock:
+            self._active += 1
+            self._peak = max(self._peak, self._active)
+        return True
+
+    def release(self) -> None:
+        """Give a slot back (a handler ended)."""
+        with self._lock:
+            self._active -= 1
+        if self._semaphore is not None:
+            self._semaphore.release()
+
+    def run(self, handler: Callable[[], None]) -> None:
+        """Run ``handler`` in a handler thread, for a slot the caller acquired; the slot
+        is given back when it ends (or here, if no thread can be started)."""
+        if self._semaphore is None:
+            self._start(functools.partial(self._run_once, handler))
+            return
+        with self._lock:
+            work = self._work
+            start = self._idle == 0
+            if start:
+                self._workers += 1
+            else:
+                self._idle -= 1
+        work.put(handler)
+        if start:
+            self._start(functools.partial(self._worker, work), worker=True)
+
+    def close(self) -> None:
+        """Let the kept threads end (busy ones after their connection); a later
+        :meth:`run` starts new ones. Servers call it when they stop."""
+        with self._lock:
+            retired, count = self._work, self._workers
+            self._work = queue.SimpleQueue()
+            self._workers = self._idle = 0
+        for _ in range(count):
+            retired.put(None)
+
+    def _start(self, target: Callable[[], None], *, worker: bool = False) -> None:
+        try:
+            threading.Thread(target=target, name=self.name, daemon=True).start()
+        except RuntimeError as err:  # no thread to be had: this connection waits for one
+            logger.error("%s: cannot start a handler thread: %s", self.name, err)
+            if worker:
+                with self._lock:  # the queued handler runs on the next worker that starts
+                    self._workers -= 1
+            else:
+                self.release()
+
+    def _run_once(self, handler: Callable[[], None]) -> None:
+        try:
+            handler()
+        except Exception:
+            logger.exception("%s failed", self.name)
+        finally:
+            self.release()
+
+    def _worker(self, work: queue.SimpleQueue[Callable[[], None] | None]) -> None:
+        while (handler := work.get()) is not None:
+            self._run_once(handler)
+            with self._lock:
+                if work is not self._work:  # closed meanwhile: a None is queued for us
+                    continue
+                self._idle += 1
 
 
 # --- a small HTTP server --------------------------------------------------------------
@@ -314,7 +598,11 @@ class _RoutingHandler(BaseHTTPRequestHandler):
 
 
 class _RoutedServer(ThreadingHTTPServer):
-    """A threading HTTP server carrying its routes; dual-stack on a wildcard host."""
+    """A threading HTTP server carrying its routes; dual-stack on a wildcard host.
+
+    ``backlog`` is the listen queue; ``slots`` caps the handler threads (the serving
+    loop waits for a free one before it accepts again).
+    """
 
     daemon_threads = True
 
@@ -325,10 +613,15 @@ class _RoutedServer(ThreadingHTTPServer):
         port: int,
         routes: Mapping[str, Route],
         *,
+        backlog: int,
+        slots: HandlerSlots,
         dual_stack: bool = True,
     ) -> None:
         self.label = label
         self.routes = routes
+        self.request_queue_size = backlog
+        self.slots = slots
+        self.closing = threading.Event()
         self._dual_stack = dual_stack and _is_wildcard(host) and socket.has_ipv6
         if self._dual_stack:
             self.address_family = socket.AF_INET6
@@ -350,6 +643,14 @@ class _RoutedServer(ThreadingHTTPServer):
         self.server_name = str(self.server_address[0])
         self.server_port = int(self.server_address[1])
 
+    def verify_request(self, request: Any, client_address: Any) -> bool:
+        """Take a handler slot before the request is handled (waits while all are busy)."""
+        return self.slots.acquire(self.closing.is_set)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """Handle the connection in a handler thread, which gives the slot back."""
+        self.slots.run(functools.partial(self.process_request_thread, request, client_address))
+
 
 class BackgroundServer:
     """An HTTP server on ``host:port`` serving ``routes`` from a thread of its own.
@@ -358,6 +659,11 @@ class BackgroundServer:
     An empty ``address`` disables the server. When the address cannot be bound,
     :meth:`start` raises :class:`ServerBindError` with ``hard_fail``; otherwise it logs
     and keeps retrying every ``retry_interval`` seconds until it binds or is stopped.
+
+    ``backlog`` is the listen queue (None: :func:`listen_backlog`, the kernel's limit);
+    ``max_handlers`` caps the connections handled at once (None: no cap); see
+    :class:`HandlerSlots`. The benchmarks pass ``backlog=5, max_handlers=None``, the
+    standard library's defaults, as the baseline.
     """
 
     def __init__(
@@ -368,13 +674,19 @@ class BackgroundServer:
         *,
         hard_fail: bool = False,
         retry_interval: float = _RETRY_INTERVAL,
+        backlog: int | None = None,
+        max_handlers: int | None = DEFAULT_MAX_HANDLERS,
     ) -> None:
+        if backlog is not None and backlog < 1:
+            raise ValueError(f"listen backlog must be >= 1, got {backlog}")
         self.label = label
         self.address = address
         self.host, self.requested_port = parse_bind_address(address) if address else ("", 0)
         self.routes = dict(routes)
         self.hard_fail = hard_fail
         self.retry_interval = retry_interval
+        self.backlog = backlog
+        self.slots = HandlerSlots(max_handlers, name=f"{label}-handler")
         self._lock = threading.Lock()
         self._server: _RoutedServer | None = None
         self._threads: list[threading.Thread] = []
@@ -421,16 +733,23 @@ class BackgroundServer:
         thread.start()
 
     def _try_bind(self) -> OSError | None:
+        make = functools.partial(
+            _RoutedServer,
+            self.label,
+            self.host,
+            self.requested_port,
+            self.routes,
+            backlog=self.backlog if self.backlog is not None else listen_backlog(),
+            slots=self.slots,
+        )
         try:
-            server = _RoutedServer(self.label, self.host, self.requested_port, self.routes)
+            server = make()
         except OSError as err:
             if not (_is_wildcard(self.host) and err.errno in _NO_IPV6):
                 return err
             # IPv6 disabled on this host: the wildcard means every IPv4 address.
             try:
-                server = _RoutedServer(
-                    self.label, self.host, self.requested_port, self.routes, dual_stack=False
-                )
+                server = make(dual_stack=False)
             except OSError as ipv4_err:
                 return ipv4_err
         thread = threading.Thread(
@@ -461,10 +780,12 @@ class BackgroundServer:
             server, self._server = self._server, None
             threads, self._threads = self._threads, []
         if server is not None:
+            server.closing.set()  # a serving loop waiting for a handler slot gives up
             server.shutdown()
             server.server_close()
         for thread in threads:
             thread.join(timeout=5)
+        self.slots.close()
         self._bound.clear()
 
 
@@ -474,12 +795,14 @@ class BackgroundServer:
 class ProxyHealthServer:
     """``/healthz`` and ``/livez`` on the healthz address (default ``0.0.0.0:10256``).
 
-    ``/healthz``: 200 when healthy and the node is eligible, else 503. ``/livez``: 200
-    when healthy, else 503. Both send compact JSON (``lastUpdated``, ``currentTime``,
+    ``/healthz``: 200 when healthy, with no data-plane fault, and the node is eligible,
+    else 503 (a fault adds its ``reason`` to the body). ``/livez``: 200 when healthy,
+    else 503. Both send compact JSON (``lastUpdated``, ``currentTime``,
     [``nodeEligible``,] ``healthy``, ``status`` per family) with ``Content-Type:
     application/json`` and ``X-Content-Type-Options: nosniff``; on a 200 ``lastUpdated``
     is the current time (upstream keeps this for old probes). Each answer is counted in
-    ``metrics`` when given. Call :meth:`start` and :meth:`stop`.
+    ``metrics`` when given. Call :meth:`start` and :meth:`stop`. ``backlog`` and
+    ``max_handlers`` are :class:`BackgroundServer`'s.
     """
 
     def __init__(
@@ -490,6 +813,8 @@ class ProxyHealthServer:
         *,
         hard_fail: bool = False,
         retry_interval: float = _RETRY_INTERVAL,
+        backlog: int | None = None,
+        max_handlers: int | None = DEFAULT_MAX_HANDLERS,
     ) -> None:
         self.health = health
         self.metrics = metrics
@@ -499,6 +824,8 @@ class ProxyHealthServer:
             {"/healthz": self.healthz, "/livez": self.livez},
             hard_fail=hard_fail,
             retry_interval=retry_interval,
+            backlog=backlog,
+            max_handlers=max_handlers,
         )
 
     @property
@@ -518,11 +845,11 @@ class ProxyHealthServer:
         """The ``/healthz`` answer."""
         status = self.health.health()
         eligible = self.health.node_eligible()
-        code = 200 if status.healthy and eligible else 503
+        code = 200 if status.serving and eligible else 503
         if self.metrics is not None:
             self.metrics.healthz_response(code)
         reported = status.current_time if code == 200 else status.last_updated
-        body = status.to_json(last_updated=reported, node_eligible=eligible)
+        body = status.to_json(last_updated=reported, node_eligible=eligible, with_faults=True)
         return code, _JSON_HEADERS, body.encode()
 
     def livez(self) -> Response:
@@ -543,10 +870,13 @@ class _AcceptLoop:
     """One thread accepting on many listening sockets; each connection gets a thread.
 
     A thread per listener would wake up hundreds of times a second with many
-    LoadBalancer Services; one epoll set costs nothing while idle.
+    LoadBalancer Services; one epoll set costs nothing while idle. Handler threads take
+    a slot of ``slots`` before the connection is accepted: while all are busy the loop
+    waits and connections queue in the listeners' accept queues.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, slots: HandlerSlots) -> None:
+        self.slots = slots
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -555,9 +885,10 @@ class _AcceptLoop:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def add(self, sock: socket.socket, on_accept: Callable[[socket.socket], None]) -> None:
-        """Start accepting on ``sock`` (non-blocking, listening)."""
-        self._selector.register(sock, selectors.EVENT_READ, on_accept)
+    def add(self, sock: socket.socket, handle: Callable[[socket.socket], None]) -> None:
+        """Start accepting on ``sock`` (non-blocking, listening); ``handle`` runs in a
+        thread of its own for each connection, which it must close."""
+        self._selector.register(sock, selectors.EVENT_READ, handle)
 
     def remove(self, sock: socket.socket) -> None:
         """Stop accepting on ``sock`` and close it."""
@@ -593,14 +924,15 @@ class _AcceptLoop:
                     with contextlib.suppress(OSError):
                         self._wake_r.recv(64)
                     continue
+                if not self.slots.acquire(lambda: self._closed):
+                    return
                 listener: socket.socket = key.fileobj  # type: ignore[assignment]
                 try:
                     conn, _ = listener.accept()
-                except (BlockingIOError, InterruptedError):
+                except OSError:  # nothing to accept any more, or closed under us by remove()
+                    self.slots.release()
                     continue
-                except OSError:  # closed under us by remove()
-                    continue
-                key.data(conn)
+                self.slots.run(functools.partial(key.data, conn))
 
 
 class _ServiceHandler(BaseHTTPRequestHandler):
@@ -652,12 +984,17 @@ class ServiceHealthServer:
     ``addresses`` are the node addresses to listen on; None listens on the family's
     wildcard address (IPv6 sockets are IPv6-only, so an IPv4 and an IPv6 server can
     share port numbers). An answer is 200 when the Service has local ready endpoints
-    and ``health`` says the proxy is healthy, else 503, with upstream's tab-indented
-    JSON body and the ``X-Load-Balancing-Endpoint-Weight`` header.
+    and ``health`` says the proxy is serving (healthy, no data-plane fault), else 503,
+    with upstream's tab-indented JSON body and the ``X-Load-Balancing-Endpoint-Weight``
+    header.
 
     A port that cannot be opened is logged, reported to ``on_listen_error`` (the binary
     posts a ``FailedToStartServiceHealthcheck`` event) and retried at the next
     :meth:`sync_services`.
+
+    One thread accepts on every listener; ``backlog`` (None: :func:`listen_backlog`)
+    is each listener's accept queue and ``max_handlers`` (None: no cap) the probes
+    answered at once across all of them (:class:`HandlerSlots`).
     """
 
     def __init__(
@@ -668,11 +1005,17 @@ class ServiceHealthServer:
         addresses: Sequence[IPAddress] | None = None,
         node_name: str = "",
         on_listen_error: ListenErrorCallback | None = None,
+        backlog: int | None = None,
+        max_handlers: int | None = DEFAULT_MAX_HANDLERS,
     ) -> None:
+        if backlog is not None and backlog < 1:
+            raise ValueError(f"listen backlog must be >= 1, got {backlog}")
         self.family = family
         self.health = health
         self.node_name = node_name
         self.on_listen_error = on_listen_error
+        self.backlog = backlog
+        self.slots = HandlerSlots(max_handlers, name=f"health-check-{family.value}")
         self._addresses = self._checked(addresses)
         self._lock = threading.Lock()
         self._listeners: dict[NamespacedName, _Listener] = {}
@@ -775,6 +1118,7 @@ class ServiceHealthServer:
             loop, self._loop = self._loop, None
         if loop is not None:
             loop.close()
+        self.slots.close()
 
     def answer(self, service: NamespacedName) -> Response:
         """The answer to a probe for ``service``."""
@@ -785,7 +1129,7 @@ class ServiceHealthServer:
             # Closed between accept and request: upstream answers with nothing.
             logger.error("Received a request for closed health check %s", service)
             return 200, {}, b""
-        healthy = self.health.healthy()
+        healthy = self.health.serving()
         body = (
             "{\n"
             '\t"service": {\n'
@@ -803,7 +1147,7 @@ class ServiceHealthServer:
         if not 0 <= port <= 65535:
             raise OSError(f"port {port} out of range")
         if self._loop is None:
-            self._loop = _AcceptLoop(f"health-checks-{self.family.value}")
+            self._loop = _AcceptLoop(f"health-checks-{self.family.value}", self.slots)
         loop = self._loop
         hosts = (
             [self._wildcard()]
@@ -819,7 +1163,7 @@ class ServiceHealthServer:
                 sock.close()
             raise
         for sock in sockets:
-            loop.add(sock, functools.partial(self._accepted, name=name))
+            loop.add(sock, functools.partial(self._serve, name=name))
         return sockets
 
     def _wildcard(self) -> str:
@@ -833,7 +1177,7 @@ class ServiceHealthServer:
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             sock.bind((host, port))
-            sock.listen(64)
+            sock.listen(self.backlog if self.backlog is not None else listen_backlog())
             sock.setblocking(False)
         except OSError:
             sock.close()
@@ -846,12 +1190,6 @@ class ServiceHealthServer:
                 self._loop.remove(sock)
             else:
                 sock.close()
-
-    def _accepted(self, conn: socket.socket, name: NamespacedName) -> None:
-        thread = threading.Thread(
-            target=self._serve, args=(conn, name), name=f"health-check-{name}", daemon=True
-        )
-        thread.start()
 
     def _serve(self, conn: socket.socket, name: NamespacedName) -> None:
         conn.setblocking(True)
@@ -875,7 +1213,10 @@ class HealthObserver:
     """Feeds :class:`ProxyHealth` and the per-family :class:`ServiceHealthServer`\\ s.
 
     As a :class:`~kubeproxy.proxier.SyncObserver`: a queued sync marks a change as
-    waiting, a successful sync marks the family as updated. Give :meth:`after_sync` to
+    waiting, a successful sync marks the family as updated; ``sync_failure_threshold``
+    failed syncs of a family in a row report a :data:`FAULT_SYNC_FAILURES` data-plane
+    fault (with the last error), which the next successful sync repairs. Give
+    :meth:`after_sync` to
     the proxier as a :class:`~kubeproxy.proxier.SyncHook`: after each successful sync
     it records the node (for eligibility), moves the family's Service health server to
     the resolved ``nodePortAddresses`` (all addresses when they match all), and syncs
@@ -886,9 +1227,15 @@ class HealthObserver:
         self,
         health: ProxyHealth,
         service_health: Mapping[IPFamily, ServiceHealthServer] | None = None,
+        *,
+        sync_failure_threshold: int = SYNC_FAILURE_THRESHOLD,
     ) -> None:
+        if sync_failure_threshold < 1:
+            raise ValueError(f"sync failure threshold must be >= 1, got {sync_failure_threshold}")
         self.health = health
         self.service_health: dict[IPFamily, ServiceHealthServer] = dict(service_health or {})
+        self.sync_failure_threshold = sync_failure_threshold
+        self._failures_in_a_row: dict[IPFamily, int] = {}
 
     def sync_queued(self, family: IPFamily) -> None:
         """A change waits for ``family``."""
@@ -902,9 +1249,21 @@ class HealthObserver:
         error: BaseException | None,
         snapshot_sizes: tuple[int, int],
     ) -> None:
-        """A successful sync makes ``family`` up to date."""
+        """A successful sync makes ``family`` up to date; failures in a row are a fault."""
         if error is None:
+            self._failures_in_a_row.pop(family, None)
             self.health.updated(family)
+            self.health.report_data_plane_repaired(family, FAULT_SYNC_FAILURES)
+            return
+        count = self._failures_in_a_row.get(family, 0) + 1
+        self._failures_in_a_row[family] = count
+        if count >= self.sync_failure_threshold:
+            kind = "full" if full else "partial"
+            self.health.report_data_plane_broken(
+                family,
+                FAULT_SYNC_FAILURES,
+                f"{count} syncs in a row failed, the last ({kind}): {_first_line(error)}",
+            )
 
     def endpoints_trigger_times(self, family: IPFamily, times: list[float]) -> None:
         """Not used for health."""
@@ -924,3 +1283,10 @@ class HealthObserver:
         """Close every Service health server."""
         for server in self.service_health.values():
             server.close()
+
+
+def _first_line(error: BaseException, limit: int = 300) -> str:
+    """An error as one bounded line (nft's messages run over many lines)."""
+    lines = str(error).strip().splitlines()
+    text = lines[0] if lines else type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -38,7 +38,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-from kubeproxy.health import BackgroundServer, Response
+from kubeproxy.health import DEFAULT_MAX_HANDLERS, BackgroundServer, Response
 from kubeproxy.objects import IPFamily, NamespacedName, ServicePort, ServicePortName
 
 if TYPE_CHECKING:
@@ -600,9 +600,11 @@ class MetricsServer:
     ``/proxyMode`` the mode's name; ``/configz`` the effective configuration ``configz``
     as JSON under :data:`CONFIGZ_GROUP`, as upstream serves it (upstream shows its
     internal configuration type; this is the ``v1alpha1`` document ``--write-config-to``
-    writes, the form an operator can read back). An empty ``address`` disables the server; binding
+    writes, the form an operator can read back). An empty ``address`` disables the server;
+    binding
     follows :class:`~kubeproxy.health.BackgroundServer` (retry every 5 s, or raise
-    :class:`~kubeproxy.health.ServerBindError` at :meth:`start` with ``hard_fail``).
+    :class:`~kubeproxy.health.ServerBindError` at :meth:`start` with ``hard_fail``), and
+    so do ``backlog`` and ``max_handlers``.
     """
 
     def __init__(
@@ -613,6 +615,8 @@ class MetricsServer:
         hard_fail: bool = False,
         retry_interval: float = 5.0,
         configz: Mapping[str, object] | None = None,
+        backlog: int | None = None,
+        max_handlers: int | None = DEFAULT_MAX_HANDLERS,
     ) -> None:
         self.metrics = metrics
         self._configz = json.dumps({CONFIGZ_GROUP: dict(configz or {})}).encode()
@@ -627,6 +631,8 @@ class MetricsServer:
             },
             hard_fail=hard_fail,
             retry_interval=retry_interval,
+            backlog=backlog,
+            max_handlers=max_handlers,
         )
 
     @property

@@ -23,6 +23,9 @@ import kubeproxy.health as health_module
 from kubeproxy.backend import ProxySnapshot, SyncChanges, SyncError
 from kubeproxy.config import ProxierConfig
 from kubeproxy.health import (
+    FAULT_RULES_REMOVED,
+    FAULT_SYNC_FAILURES,
+    DataPlaneFault,
     HealthObserver,
     ProxyHealth,
     ProxyHealthServer,
@@ -136,6 +139,41 @@ def test_node_eligibility() -> None:
         ProxyHealth(0, Clock())
 
 
+def test_data_plane_faults_are_kept_per_family_and_cause() -> None:
+    clock = Clock()
+    health = ProxyHealth(60.0, clock, node=NodeInfo(NODE))
+    health.updated(V4)
+    assert health.serving() and health.data_plane_faults() == ()
+
+    health.report_data_plane_broken(V4, FAULT_RULES_REMOVED, "chain services deleted")
+    clock.now += 1
+    health.report_data_plane_broken(V6, FAULT_SYNC_FAILURES, "2 syncs in a row failed")
+    status = health.health()
+    assert status.healthy, "upstream's verdict is about waiting changes only"
+    assert not status.serving and not health.serving()
+    assert status.faults == (
+        DataPlaneFault(V4, FAULT_RULES_REMOVED, "chain services deleted", T0),
+        DataPlaneFault(V6, FAULT_SYNC_FAILURES, "2 syncs in a row failed", T0 + 1),
+    )
+
+    # Reporting again updates the reason and keeps the first time.
+    clock.now += 1
+    health.report_data_plane_broken(V4, FAULT_RULES_REMOVED, "map service-ips flushed")
+    assert health.data_plane_faults()[0] == DataPlaneFault(
+        V4, FAULT_RULES_REMOVED, "map service-ips flushed", T0
+    )
+    # A repair clears its own cause and family only.
+    health.report_data_plane_repaired(V4, FAULT_SYNC_FAILURES)
+    health.report_data_plane_repaired(V6, FAULT_RULES_REMOVED)
+    assert len(health.data_plane_faults()) == 2
+    health.report_data_plane_repaired(V4, FAULT_RULES_REMOVED)
+    assert [f.family for f in health.data_plane_faults()] == [V6]
+    health.report_data_plane_repaired(V6, FAULT_SYNC_FAILURES)
+    assert health.serving() and health.data_plane_faults() == ()
+    with pytest.raises(ValueError):
+        health.report_data_plane_broken(V4, FAULT_RULES_REMOVED, "")
+
+
 # --- /healthz and /livez --------------------------------------------------------------
 
 
@@ -150,6 +188,30 @@ def proxy_health() -> Iterator[tuple[ProxyHealth, Clock, ProxyMetrics, ProxyHeal
         yield health, clock, metrics, server
     finally:
         server.stop()
+
+
+def failing_healthz(port: int) -> dict[str, Any]:
+    """The body of a ``/healthz`` answer that must be a JSON 503."""
+    status, headers, body = get("127.0.0.1", port, "/healthz")
+    assert status == 503
+    assert headers["content-type"] == "application/json"
+    parsed: dict[str, Any] = json.loads(body)
+    return parsed
+
+
+def ipv4_unhealthy(*, current_time: str) -> dict[str, Any]:
+    """The body when both families synced at T0 and IPv4 is unhealthy."""
+    synced = "2026-01-02T03:04:05Z"
+    return {
+        "lastUpdated": synced,
+        "currentTime": current_time,
+        "nodeEligible": True,
+        "healthy": False,
+        "status": {
+            "IPv4": {"lastUpdated": synced, "healthy": False},
+            "IPv6": {"lastUpdated": synced, "healthy": True},
+        },
+    }
 
 
 def counted(metrics: ProxyMetrics, name: str, code: str) -> float:
@@ -182,20 +244,9 @@ def test_healthz_and_livez_bodies_codes_and_headers(
     clock.now += 5
     health.queued_update(V4)
     clock.now += 60.25
-    status, headers, body = get("127.0.0.1", port, "/healthz")
-    assert status == 503
-    assert headers["content-type"] == "application/json"
-    assert json.loads(body) == {
-        "lastUpdated": "2026-01-02T03:04:05Z",
-        "currentTime": "2026-01-02T03:05:10.25Z",
-        "nodeEligible": True,
-        "healthy": False,
-        "status": {
-            "IPv4": {"lastUpdated": "2026-01-02T03:04:05Z", "healthy": False},
-            "IPv6": {"lastUpdated": "2026-01-02T03:04:05Z", "healthy": True},
-        },
-    }
-    assert list(json.loads(body)) == [
+    failed = failing_healthz(port)
+    assert failed == ipv4_unhealthy(current_time="2026-01-02T03:05:10.25Z")
+    assert list(failed) == [
         "lastUpdated",
         "currentTime",
         "nodeEligible",
@@ -228,6 +279,45 @@ def test_healthz_and_livez_bodies_codes_and_headers(
     assert counted(metrics, "healthz", "503") == 2
     assert counted(metrics, "livez", "200") == 2
     assert counted(metrics, "livez", "503") == 1
+
+
+def test_healthz_fails_with_the_reason_while_the_data_plane_is_broken(
+    proxy_health: tuple[ProxyHealth, Clock, ProxyMetrics, ProxyHealthServer],
+) -> None:
+    health, clock, metrics, server = proxy_health
+    assert server.port
+    port = server.port
+    health.updated(V4)
+    health.updated(V6)
+    clock.now += 2
+    health.report_data_plane_broken(V4, FAULT_RULES_REMOVED, "table ip kube-proxy deleted")
+
+    assert failing_healthz(port) == {
+        **ipv4_unhealthy(current_time="2026-01-02T03:04:07Z"),
+        "reason": "IPv4: table ip kube-proxy deleted",
+    }
+    # Liveness is not the data plane's business: a restart is not the repair.
+    status, _, body = get("127.0.0.1", port, "/livez")
+    assert status == 200 and "reason" not in json.loads(body)
+
+    health.report_data_plane_broken(V6, FAULT_SYNC_FAILURES, "2 syncs in a row failed")
+    reason = json.loads(get("127.0.0.1", port, "/healthz")[2])["reason"]
+    assert reason == "IPv4: table ip kube-proxy deleted; IPv6: 2 syncs in a row failed"
+
+    # Repaired: 200 again, with upstream's keys only.
+    health.report_data_plane_repaired(V4, FAULT_RULES_REMOVED)
+    health.report_data_plane_repaired(V6, FAULT_SYNC_FAILURES)
+    status, _, body = get("127.0.0.1", port, "/healthz")
+    assert status == 200
+    assert list(json.loads(body)) == [
+        "lastUpdated",
+        "currentTime",
+        "nodeEligible",
+        "healthy",
+        "status",
+    ]
+    assert counted(metrics, "healthz", "503") == 2
+    assert counted(metrics, "healthz", "200") == 1
 
 
 def test_health_server_on_ipv6_loopback() -> None:
@@ -307,6 +397,15 @@ def test_service_health_answers(
     assert status == 503
     assert body == expected_body("web", 2, False)
     health.updated(V4)
+
+    # So does a broken data plane, until it is repaired.
+    health.report_data_plane_broken(V4, FAULT_RULES_REMOVED, "rules removed")
+    status, headers, body = get("127.0.0.1", web)
+    assert status == 503
+    assert headers["x-load-balancing-endpoint-weight"] == "2"
+    assert body == expected_body("web", 2, False)
+    health.report_data_plane_repaired(V4, FAULT_RULES_REMOVED)
+    assert get("127.0.0.1", web)[0] == 200
 
     # Endpoints absent from the map count as zero.
     server.sync_endpoints({})
@@ -523,6 +622,64 @@ def test_health_observer_drives_health_and_service_checks() -> None:
         observer.close()
 
 
+def test_syncs_failing_repeatedly_fail_healthz_and_health_checks_until_one_succeeds() -> None:
+    clock = Clock()
+    health = ProxyHealth(60.0, clock)
+    service_health = ServiceHealthServer(V4, health, node_name=NODE)
+    observer = HealthObserver(health, {V4: service_health}, sync_failure_threshold=2)
+    healthz = ProxyHealthServer("127.0.0.1:0", health)
+    backend = Backend()
+    proxier = Proxier(
+        V4,
+        ProxierConfig(node_name=NODE, node_port_addresses=("localhost",)),
+        backend,
+        host_addresses=lambda: [LOCALHOST],
+        observer=ObserverGroup([observer]),
+        after_sync=[observer.after_sync],
+        wall_clock=lambda: 0.0,
+    )
+    port = free_port()
+    healthz.start()
+    try:
+        assert healthz.port
+        proxier.on_service_add(lb_service(port))
+        proxier.on_endpoint_slice_add(lb_slice([("10.244.0.5", NODE, True)]))
+        proxier.on_services_synced()
+        proxier.on_endpoint_slices_synced()
+        assert get("127.0.0.1", port)[0] == 200
+        assert get("127.0.0.1", healthz.port, "/healthz")[0] == 200
+
+        # One failed sync is forgiven (the retry may mend it); the second is a fault,
+        # long before a waiting change would time out.
+        backend.failures += [SyncError("nft: Operation not permitted\n(details)")] * 3
+        assert not proxier.sync_now()
+        assert health.serving()
+        assert not proxier.sync_now()
+        assert health.healthy() and not health.serving()
+        status, _, body = get("127.0.0.1", healthz.port, "/healthz")
+        assert status == 503
+        assert json.loads(body)["reason"] == (
+            "IPv4: 2 syncs in a row failed, the last (full): nft: Operation not permitted"
+        )
+        assert get("127.0.0.1", port)[0] == 503
+        assert not proxier.sync_now()
+        assert (
+            "3 syncs in a row"
+            in json.loads(get("127.0.0.1", healthz.port, "/healthz")[2])["reason"]
+        )
+
+        # A successful sync repairs it.
+        assert proxier.sync_now()
+        assert health.serving()
+        assert get("127.0.0.1", healthz.port, "/healthz")[0] == 200
+        assert get("127.0.0.1", port)[0] == 200
+    finally:
+        healthz.stop()
+        observer.close()
+    with pytest.raises(ValueError):
+        HealthObserver(health, sync_failure_threshold=0)
+
+
 # --- kernel: wildcard listeners in a namespace of our own -----------------------------
 
 
@@ -592,10 +749,10 @@ def test_wildcard_falls_back_to_ipv4_when_ipv6_is_missing(
     real = health_module._RoutedServer
 
     class WithoutIPv6(real):  # type: ignore[misc, valid-type]
-        def __init__(self, *args: Any, dual_stack: bool = True) -> None:
+        def __init__(self, *args: Any, dual_stack: bool = True, **kwargs: Any) -> None:
             if dual_stack:
                 raise OSError(errno.EAFNOSUPPORT, os.strerror(errno.EAFNOSUPPORT))
-            super().__init__(*args, dual_stack=False)
+            super().__init__(*args, dual_stack=False, **kwargs)
 
     monkeypatch.setattr(health_module, "_RoutedServer", WithoutIPv6)
     server = ProxyHealthServer("0.0.0.0:0", ProxyHealth(60.0, Clock(), node=NodeInfo(NODE)))

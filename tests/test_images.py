@@ -1,8 +1,9 @@
 """The container image and the manifests in images/.
 
-Every manifest is checked against the Kubernetes API schema (the official client's
-models: a document must come back field for field after deserializing and serializing,
-so typos and unknown fields show); the ConfigMap's configuration and the DaemonSet's
+Every manifest is checked against the Kubernetes API schema twice: by the official
+client's models (a document must come back field for field after deserializing and
+serializing, so typos and unknown fields show) and by kubernetes-validate's strict JSON
+schemas for Kubernetes 1.35; the ConfigMap's configuration and the DaemonSet's
 commands must be what our binary accepts; the ClusterRole must allow exactly the API
 calls a daemon run makes. Docker cannot run here: the Dockerfile is checked as text.
 """
@@ -20,6 +21,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
 import pytest
 import yaml
 from kubernetes import client
@@ -131,6 +133,30 @@ def test_the_schema_check_catches_unknown_fields_and_bad_types() -> None:
     wrong["spec"]["template"]["spec"]["hostNetwork"] = {"yes": True}
     with pytest.raises(Exception, match=r"hostNetwork|host_network"):
         round_trip(wrong)
+
+
+# kubernetes-validate's JSON schemas (from the API's OpenAPI document; "strict" rejects
+# properties the API does not define), for the oldest Kubernetes release we deploy to.
+VALIDATE_VERSION = "1.35.0"
+
+
+@pytest.mark.parametrize("doc", documents(), ids=lambda d: f"{d['kind']}/{d['metadata']['name']}")
+def test_manifest_passes_kubernetes_validate_strict(doc: dict[str, Any]) -> None:
+    kubernetes_validate.validate(doc, VALIDATE_VERSION, strict=True)
+
+
+def test_kubernetes_validate_rejects_what_the_api_would() -> None:
+    daemonset = the("DaemonSet")
+    typo = copy.deepcopy(daemonset)
+    typo["spec"]["template"]["spec"]["containers"][0]["securityContext"]["seccompProfil"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError, match="seccompProfil"):
+        kubernetes_validate.validate(typo, VALIDATE_VERSION, strict=True)
+    wrong = copy.deepcopy(daemonset)
+    wrong["spec"]["template"]["spec"]["containers"][0]["securityContext"][
+        "allowPrivilegeEscalation"
+    ] = "no"
+    with pytest.raises(kubernetes_validate.ValidationError, match="boolean"):
+        kubernetes_validate.validate(wrong, VALIDATE_VERSION, strict=True)
 
 
 def test_everything_lives_in_kube_system() -> None:
@@ -249,6 +275,8 @@ def test_proxy_container_runs_with_three_capabilities_and_the_host_network() -> 
     assert security["capabilities"]["drop"] == ["ALL"]
     assert {f"CAP_{name}" for name in security["capabilities"]["add"]} == needed
     assert security["readOnlyRootFilesystem"] is True
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["seccompProfile"] == {"type": "RuntimeDefault"}
     volumes = {v["name"]: v for v in spec["volumes"]}
     assert volumes["xtables-lock"]["hostPath"] == {
         "path": "/run/xtables.lock",
