@@ -113,6 +113,8 @@ class ContainerSpec:
     timeout: int | None = None
     size: int | None = None
     comment: str | None = None
+    typeof: bool = False
+    """``type`` holds expressions, written ``typeof`` (see :class:`~.objects.Set`)."""
 
 
 @dataclass(frozen=True, slots=True)
