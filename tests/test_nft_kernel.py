@@ -22,6 +22,8 @@ import pytest
 from kubeproxy.backend import ProxySnapshot, SyncChanges, SyncError
 from kubeproxy.backends.nftables import NftablesBackend, cleanup, create_backend
 from kubeproxy.backends.nftables.exec import LibNftables
+from kubeproxy.backends.nftables.inspect import served_frontends, slots_of
+from kubeproxy.backends.nftables.objects import Family
 from kubeproxy.config import ProxierConfig
 from kubeproxy.objects import (
     CategorizedEndpoints,
@@ -171,27 +173,16 @@ def test_refused_transaction_leaves_the_previous_rules(topology: Topology) -> No
     node = topology.node
     backend = create_backend(IPFamily.IPV4, CONFIG, netns=node)
     backend.sync(snapshot(10), full())
-    # Someone else puts an element where our next incremental sync will add its own: the
-    # kernel refuses our whole transaction (EEXIST).
+    generation = backend.generation
+    # Someone else puts an element where our next incremental sync will add its own
+    # (slot 0 of bulk/s99, another endpoint): the kernel refuses the whole transaction.
     nft_in(
         node,
-        "add element ip kube-proxy no-endpoint-services { 172.30.16.99 . tcp . 80 : drop }",
+        f"add element ip kube-proxy endpoints-tcp.g{generation} "
+        "{ 172.30.16.99 . tcp . 80 . 0 : 192.0.2.9 . 9 }",
     )
     before = nft_in(node, "list", "table", "ip", "kube-proxy")
     grown = snapshot(100)
-    name = ServicePortName(NamespacedName("bulk", "s99"), "http", Protocol.TCP)
-    empty = dict(grown.categorized)
-    empty[name] = CategorizedEndpoints()
-    grown = ProxySnapshot(
-        grown.family,
-        grown.node,
-        grown.services,
-        grown.endpoints,
-        empty,
-        grown.service_cidrs,
-        grown.node_port_addresses,
-        grown.local_detector,
-    )
     with pytest.raises(SyncError, match="File exists"):
         backend.sync(grown, SyncChanges(full=False, changed_services=_bulk(10, 100)))
     assert nft_in(node, "list", "table", "ip", "kube-proxy") == before
@@ -203,8 +194,16 @@ def test_refused_transaction_leaves_the_previous_rules(topology: Topology) -> No
             return sock.recv(64)
 
     assert topology.in_namespace(topology.client, echo) == b"still\n"
-    # The next sync re-reads the kernel and converges.
+    # The next sync is a full one: a new generation, written beside the damaged one.
     backend.sync(grown, SyncChanges(full=False))
     assert backend.last_sync_full
-    listing = nft_in(node, "list", "map", "ip", "kube-proxy", "no-endpoint-services")
-    assert "172.30.16.99 . tcp . 80 : goto reject-chain" in listing
+    assert backend.generation == generation + 1
+    nft = LibNftables(node)
+    key = ("172.30.16.99", "tcp", "80")
+    assert key in served_frontends(nft, Family.IP)
+    assert sorted(slots_of(nft, Family.IP, key)) == [
+        ("10.181.1.140", "8080"),
+        ("10.181.1.141", "8080"),
+        ("10.181.1.142", "8080"),
+    ]
+    assert topology.in_namespace(topology.client, echo) == b"still\n"

@@ -1,4 +1,4 @@
-"""NftablesBackend on FakeNft: full and incremental syncs, conflicts, failures, stale chains."""
+"""ChainNftablesBackend (the per-Service-chain structure) on FakeNft: full and incremental syncs, conflicts, failures, stale chains."""
 
 from __future__ import annotations
 
@@ -14,7 +14,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
 
 from kubeproxy.backend import NodePortAddresses, SyncChanges, SyncError
-from kubeproxy.backends.nftables import NftablesBackend, create_backend, render_transactions
+from kubeproxy.backends.nftables import (
+    ChainNftablesBackend,
+    create_chain_backend,
+    render_transactions,
+)
 from kubeproxy.backends.nftables.fake import FakeNft
 from kubeproxy.backends.nftables.objects import Element, Family, NftError
 from kubeproxy.backends.nftables.transaction import Transaction
@@ -50,8 +54,8 @@ def backend(
     family: IPFamily = IPFamily.IPV4,
     config: ProxierConfig = CONFIG,
     ports_per_transaction: int = 2000,
-) -> NftablesBackend:
-    return NftablesBackend(
+) -> ChainNftablesBackend:
+    return ChainNftablesBackend(
         family,
         config,
         executor=fake,
@@ -685,7 +689,7 @@ def test_dry_run_with_a_fake_renders_a_cold_sync() -> None:
     world = World()
     world.add(cip(1), ep("10.180.0.1"))
     fake = FakeNft()
-    b = NftablesBackend(IPFamily.IPV4, CONFIG, executor=fake)  # support check included
+    b = ChainNftablesBackend(IPFamily.IPV4, CONFIG, executor=fake)  # support check included
     b.sync(world.snapshot(), full())
     text = render_transactions(fake.transactions)
     assert text.startswith("# transaction 1: ")
@@ -695,7 +699,7 @@ def test_dry_run_with_a_fake_renders_a_cold_sync() -> None:
 
 def test_create_backend_refuses_a_missing_namespace() -> None:
     with pytest.raises(NftError):
-        create_backend(IPFamily.IPV4, CONFIG, netns="kpxr-does-not-exist")
+        create_chain_backend(IPFamily.IPV4, CONFIG, netns="kpxr-does-not-exist")
 
 
 def test_wrong_family_snapshot_is_refused() -> None:

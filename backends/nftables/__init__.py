@@ -4,9 +4,11 @@ Public API:
 
 * :func:`create_backend` - the ``kubeproxy.backends`` entry point: a backend for one
   family, programming the current network namespace or ``netns`` through libnftables;
-* :class:`NftablesBackend` - the backend itself; give it ``executor=FakeNft()`` for a dry
-  run (the fake starts empty, so the first sync is a cold one) and read the fake's
-  transactions (see :func:`render_transactions`);
+* :class:`NftablesBackend` - the backend itself (the map structure); give it
+  ``executor=FakeNft()`` for a dry run (the fake starts empty, so the first sync is a cold
+  one) and read the fake's transactions (see :func:`render_transactions`);
+* :func:`create_chain_backend` and :class:`ChainNftablesBackend` - the previous,
+  per-Service-chain structure, kept so benchmarks measure both side by side;
 * :func:`cleanup` - delete our two tables (``ip kube-proxy``, ``ip6 kube-proxy``) and
   nothing else.
 
@@ -17,8 +19,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from kubeproxy.backends.nftables.backend import NftablesBackend
 from kubeproxy.backends.nftables.objects import Family, NftError, Table, is_not_found
-from kubeproxy.backends.nftables.proxier import NftablesBackend
+from kubeproxy.backends.nftables.proxier import ChainNftablesBackend
 from kubeproxy.backends.nftables.structure import TABLE
 from kubeproxy.backends.nftables.transaction import Transaction
 from kubeproxy.config import ProxierConfig
@@ -26,9 +29,11 @@ from kubeproxy.objects import IPFamily
 
 __all__ = [
     "TABLE",
+    "ChainNftablesBackend",
     "NftablesBackend",
     "cleanup",
     "create_backend",
+    "create_chain_backend",
     "render_transactions",
 ]
 
@@ -43,6 +48,15 @@ def create_backend(
     from kubeproxy.backends.nftables.exec import LibNftables
 
     return NftablesBackend(family, config, executor=LibNftables(netns=netns))
+
+
+def create_chain_backend(
+    family: IPFamily, config: ProxierConfig, *, netns: str | None = None
+) -> ChainNftablesBackend:
+    """The per-Service-chain structure (the previous default), for comparisons."""
+    from kubeproxy.backends.nftables.exec import LibNftables
+
+    return ChainNftablesBackend(family, config, executor=LibNftables(netns=netns))
 
 
 def cleanup(netns: str | None = None) -> None:

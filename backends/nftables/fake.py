@@ -127,6 +127,9 @@ _TYPEOF_TYPES = {
     "ct original ip6 daddr": "ipv6_addr",
     "meta l4proto": "inet_proto",
     "th dport": "inet_service",
+    "tcp dport": "inet_service",
+    "udp dport": "inet_service",
+    "sctp dport": "inet_service",
     "th sport": "inet_service",
     "meta mark": "mark",
 }
@@ -511,7 +514,11 @@ def _apply_set(run: _Run, key: _Key, verb: str, obj: Set | Map, command: str) ->
             return
         if verb == "create":
             raise _error(errno.EEXIST, command, f"{noun} exists")
-        if old.is_map != new.is_map or old.key_types + old.value_types != new.key_types + new.value_types or old.flags != new.flags:
+        if (
+            old.is_map != new.is_map
+            or old.key_types + old.value_types != new.key_types + new.value_types
+            or old.flags != new.flags
+        ):
             raise _error(errno.EEXIST, command, f"{noun} exists with another type or flags")
         spec = old.spec
         if obj.size is not None:

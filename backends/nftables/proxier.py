@@ -1,4 +1,10 @@
-"""NftablesBackend: keeps the kube-proxy tables in step with the core's snapshots.
+"""ChainNftablesBackend: the per-Service-chain structure (the previous default).
+
+Kept selectable (``kubeproxy.backends.nftables:create_chain_backend``, the benchmarks'
+"per-Service chains" subject) so every figure of the map structure
+(:mod:`~kubeproxy.backends.nftables.backend`) is measured next to it. Its incremental
+syncs cost time proportional to the whole table (each adds jumps or verdict elements,
+which make the kernel re-validate every chain); see the package README.
 
 The backend remembers what it last applied (per-service chain names, the elements of every
 set and map, reference counts of shared set elements) and sends only differences:
@@ -63,7 +69,7 @@ from kubeproxy.objects import (
     ServicePortName,
 )
 
-__all__ = ["NftablesBackend"]
+__all__ = ["ChainNftablesBackend"]
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +179,7 @@ class _Batches:
     command, and every chain an element points at already exists.
     """
 
-    def __init__(self, backend: NftablesBackend) -> None:
+    def __init__(self, backend: ChainNftablesBackend) -> None:
         self._backend = backend
         self.tx = backend._new_transaction()
         self._ports = 0
@@ -210,8 +216,8 @@ class _Batches:
         self._ports = 0
 
 
-class NftablesBackend:
-    """The nftables backend of one IP family (see the module documentation).
+class ChainNftablesBackend:
+    """The per-Service-chain nftables backend of one family (see the module documentation).
 
     ``executor`` runs transactions and lists (``LibNftables`` in production, ``FakeNft``
     in tests and for dry runs); ``clock`` is a monotonic clock in seconds. Attributes for
