@@ -174,6 +174,7 @@ def test_refused_transaction_leaves_the_previous_rules(topology: Topology) -> No
     backend = create_backend(IPFamily.IPV4, CONFIG, netns=node)
     backend.sync(snapshot(10), full())
     generation = backend.generation
+    assert generation is not None
     # Someone else puts an element where our next incremental sync will add its own
     # (slot 0 of bulk/s99, another endpoint): the kernel refuses the whole transaction.
     nft_in(

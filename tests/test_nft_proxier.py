@@ -1,4 +1,7 @@
-"""ChainNftablesBackend (the per-Service-chain structure) on FakeNft: full and incremental syncs, conflicts, failures, stale chains."""
+"""ChainNftablesBackend (the per-Service-chain structure) on FakeNft.
+
+Full and incremental syncs, conflicts, failures, stale chains.
+"""
 
 from __future__ import annotations
 
