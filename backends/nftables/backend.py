@@ -225,7 +225,7 @@ class NftablesBackend:
         *,
         executor: NftExecutor,
         clock: Callable[[], float] = time.monotonic,
-        elements_per_transaction: int = 50_000,
+        elements_per_transaction: int = 10_000,
         support_check: bool = True,
     ) -> None:
         if elements_per_transaction < 1:
@@ -514,6 +514,9 @@ class NftablesBackend:
             for name in claims.resolve():
                 if name not in plans:
                     plans[name] = self._plan(snapshot, name)
+        for name in plans:
+            if name in claims.skipped:
+                plans[name] = None
         ops = _Ops(self, self.elements_per_transaction)
         chains = self._dedicated_chains
         for plan in plans.values():
@@ -532,11 +535,8 @@ class NftablesBackend:
                     if held is not None:
                         old[key] = held
         new: dict[Key, Frontend] = {}
-        for name, plan in plans.items():
-            if plan is None or name in claims.skipped:
-                plans[name] = None
-                continue
-            for fe in plan.frontends:
+        for plan in plans.values():
+            for fe in plan.frontends if plan is not None else ():
                 new[fe.key] = fe
         for key in sorted(old.keys() | new.keys()):
             self._diff_frontend(ops, key, old.get(key), new.get(key))
