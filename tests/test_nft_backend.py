@@ -106,8 +106,10 @@ def test_a_service_is_data_behind_a_few_fixed_rules() -> None:
     assert lines(dump, r"element ip kube-proxy (internal-2|endpoints-tcp|cluster-ips)") == [
         "add element ip kube-proxy cluster-ips { 172.30.0.10 }",
         "add element ip kube-proxy internal-2.g1 { 172.30.0.10 . tcp . 80 }",
-        "add element ip kube-proxy endpoints-tcp.g1 { 172.30.0.10 . tcp . 80 . 0 : 10.180.0.1 . 8080 }",
-        "add element ip kube-proxy endpoints-tcp.g1 { 172.30.0.10 . tcp . 80 . 1 : 10.180.0.2 . 8080 }",
+        "add element ip kube-proxy endpoints-tcp.g1 "
+        "{ 172.30.0.10 . tcp . 80 . 0 : 10.180.0.1 . 8080 }",
+        "add element ip kube-proxy endpoints-tcp.g1 "
+        "{ 172.30.0.10 . tcp . 80 . 1 : 10.180.0.2 . 8080 }",
     ]
     # The NodePort is masqueraded (externalTrafficPolicy: Cluster) and has its own slots.
     assert "add rule ip kube-proxy nodeport-2.g1 jump mark-for-masquerade" in dump
@@ -460,7 +462,7 @@ def normalized(fake: FakeNft, family: Family = Family.IP) -> dict[str, object]:
         elif isinstance(obj, Set | Map):
             sets[obj.name] = []
         elif isinstance(obj, Element):
-            sets[obj.container].append(obj.key + (":",) + obj.value)
+            sets[obj.container].append((*obj.key, ":", *obj.value))
     gens = {g for name in [*chains, *sets] if (g := generation_of(name)) is not None}
     assert len(gens) == 1, f"more than one generation left: {sorted(gens)}"
     empty = {n for n in sets if CLASS_NAME.fullmatch(n) and not sets[n]}
@@ -491,10 +493,8 @@ def normalized(fake: FakeNft, family: Family = Family.IP) -> dict[str, object]:
     live = [r for n, rules in chains.items() if n not in empty for r in rules if not reads_empty(r)]
     used = {m for r in live for m in re.findall(r"goto (\S+)", r)}
     for name, rules in chains.items():
-        if (
-            name in empty
-            or (CLASS_NAME.fullmatch(name) or name.startswith("pick"))
-            and (name not in used)
+        if name in empty or (
+            (CLASS_NAME.fullmatch(name) or name.startswith("pick")) and name not in used
         ):
             continue
         kept = [strip(r) for r in rules if not reads_empty(r)]
