@@ -20,7 +20,12 @@ from pathlib import Path
 import pytest
 
 from kubeproxy.backend import ProxySnapshot, SyncChanges, SyncError
-from kubeproxy.backends.nftables import NftablesBackend, cleanup, create_backend
+from kubeproxy.backends.nftables import (
+    NftablesBackend,
+    cleanup,
+    create_backend,
+    create_chain_backend,
+)
 from kubeproxy.backends.nftables.exec import LibNftables
 from kubeproxy.backends.nftables.inspect import served_frontends, slots_of
 from kubeproxy.backends.nftables.objects import Family
@@ -98,6 +103,34 @@ def test_restart_keeps_connections_and_serves_new_ones(topology: Topology) -> No
         assert second.last_transactions >= 2
 
     assert_restart_keeps_connections(topology, restart)
+
+
+def test_upgrade_from_per_service_chains_keeps_connections(topology: Topology) -> None:
+    """An upgrade in place: the per-Service-chain structure's table, then this version."""
+    old = create_chain_backend(IPFamily.IPV4, CONFIG, netns=topology.node)
+    old.sync(snapshot(300), full())
+    clock = [100.0]
+    new = NftablesBackend(
+        IPFamily.IPV4, CONFIG, executor=LibNftables(topology.node), clock=lambda: clock[0]
+    )
+
+    def upgrade() -> None:
+        new.sync(snapshot(2000), full())
+        assert new.last_transactions >= 2
+
+    assert_restart_keeps_connections(topology, upgrade)
+    # A second later what the old structure left is deleted, and the Service still works.
+    clock[0] += 1.0
+    new.sync(snapshot(2000), SyncChanges(full=False))
+    assert new.stale_chain_failures == 0
+    listing = nft_in(topology.node, "list", "table", "ip", "kube-proxy")
+    chains = [
+        line.split()[1] for line in listing.splitlines() if line.lstrip().startswith("chain ")
+    ]
+    assert "service-ips" not in listing
+    assert chains and not [c for c in chains if "/" in c]  # per-Service chains all have a '/'
+
+    assert_restart_keeps_connections(topology, lambda: new.sync(snapshot(2000), full()))
 
 
 # Foreign tables and cleanup --------------------------------------------------------------
