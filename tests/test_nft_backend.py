@@ -249,15 +249,19 @@ def test_scaling_moves_the_frontend_between_classes_and_fills_holes() -> None:
         ("10.180.0.3", "8080"),
         ("10.180.0.2", "8080"),
     ]
-    # Up to four: a class seen for the first time brings its chain and one rule.
+    # Up to four: a class seen for the first time brings its chain and one rule, in a
+    # transaction before the elements (an empty class set matches nothing meanwhile).
     web(world, "10.180.0.2", "10.180.0.3", "10.180.0.7", "10.180.0.8")
+    count = len(fake.transactions)
     b.sync(world.snapshot(), changed(name))
-    text = fake.transactions[-1].render()
-    assert "add chain ip kube-proxy internal-4.g1" in text
+    structure, elements = (tx.render() for tx in fake.transactions[count:])
+    assert "add chain ip kube-proxy internal-4.g1" in structure
     assert (
         "add rule ip kube-proxy service-frontends "
         "ip daddr . meta l4proto . th dport @internal-4.g1 goto internal-4.g1"
-    ) in text
+    ) in structure
+    assert "element" not in structure and "rule" not in elements
+    assert "add element ip kube-proxy internal-4.g1 { 172.30.0.10 . tcp . 80 }" in elements
 
 
 def test_removing_a_service_removes_its_data() -> None:

@@ -38,6 +38,7 @@ from typing import Any
 
 from kubeproxy.backend import ProxySnapshot, SkippedPorts, SyncChanges, SyncError
 from kubeproxy.backends.nftables.claims import Claims
+from kubeproxy.backends.nftables.elements import ElementBatch
 from kubeproxy.backends.nftables.exec import NftExecutor, check_support
 from kubeproxy.backends.nftables.frontends import (
     KIND_IP,
@@ -58,6 +59,7 @@ from kubeproxy.backends.nftables.layout import (
     affinity_rules,
     class_chain,
     class_rule,
+    element_types,
     fixed_chains,
     generation_of,
     pick_chain,
@@ -180,18 +182,40 @@ class _Ops:
             self.commit()
 
     def commit(self) -> None:
+        """Commit what is queued: the chains and sets of :attr:`tx` first (nft text),
+        then the elements as one netlink batch when every container's types allow it,
+        else as part of the same text transaction (which keeps them atomic with it)."""
         tx = self.tx
-        for container, keys in self._deletes.items():
+        types = self._backend._element_types
+        deletes, adds = self._deletes, self._adds
+        self._deletes, self._adds, self._count = {}, {}, 0
+        self.tx = self._backend._new_transaction()
+        if all(c in types for c in (*deletes, *adds)):
+            self._run(tx)
+            batch = ElementBatch(
+                tx.family,
+                tx.table,
+                types,
+                [(c, k) for c, keys in deletes.items() for k in keys],
+                [(c, k, v) for c, items in adds.items() for k, v in items],
+            )
+            if len(batch):
+                self._backend._executor.write_elements(batch)
+                self.operations += len(batch)
+                self.transactions += 1
+            return
+        for container, keys in deletes.items():
             for key in keys:
                 tx.delete_element(container, key)
-        for container, items in self._adds.items():
+        for container, items in adds.items():
             tx.add_elements(container, items)
-        self._deletes, self._adds, self._count = {}, {}, 0
+        self._run(tx)
+
+    def _run(self, tx: Transaction) -> None:
         if tx.num_operations:
             self._backend._run(tx)
             self.operations += tx.num_operations
             self.transactions += 1
-        self.tx = self._backend._new_transaction()
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,6 +296,8 @@ class NftablesBackend:
         # Affinity frontends whose entries may point astray, and IPv6 per-port maps.
         self._affinity_losses: set[Key] = set()
         self._map_losses: dict[str, frozenset[str]] = {}
+        # The data types of every container whose elements go over netlink.
+        self._element_types: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
 
     # Backend protocol -------------------------------------------------------------------
 
@@ -410,7 +436,7 @@ class NftablesBackend:
         tx = ops.tx
         tx.add(Table(comment=TABLE_COMMENT))
         for spec in (*public_containers(self._tokens), *self._names.containers(self._tokens)):
-            _add_container(tx, spec)
+            self._declare(tx, spec)
         for chain in self._fixed_chains():
             if chain.hook is None:
                 tx.add_chain(chain.name)
@@ -437,6 +463,14 @@ class NftablesBackend:
         for key in [k for k in self._stale if k in wanted]:
             del self._stale[key]
         return ops
+
+    def _declare(self, tx: Transaction, spec: ContainerSpec) -> None:
+        """Queue ``add`` of a container, and note its element types if netlink can send
+        its elements."""
+        _add_container(tx, spec)
+        types = element_types(spec, self._tokens)
+        if types is not None:
+            self._element_types[spec.name] = types
 
     def _list_names(self) -> tuple[set[str], set[str]]:
         ex = self._executor
@@ -573,7 +607,7 @@ class NftablesBackend:
                         tx.add_chain(chain.name)
                         tx.add_rules(chain.name, chain.rules)
                         self._picks.add(pick)
-                _add_container(tx, names.class_set(cls, tokens))
+                self._declare(tx, names.class_set(cls, tokens))
                 chain = class_chain(names, cls, self._ctx)
                 tx.add_chain(chain.name)
                 tx.add_rules(chain.name, chain.rules)
@@ -582,7 +616,7 @@ class NftablesBackend:
                     tx.add_rule(frontends, class_rule(names, cls, tokens))
                 self._classes.append(cls)
             if fe.affinity and (fe.kind, fe.affinity) not in self._affinity:
-                _add_container(tx, names.affinity_set(fe.kind, fe.affinity, tokens))
+                self._declare(tx, names.affinity_set(fe.kind, fe.affinity, tokens))
                 if self.generation == names.gen:
                     tx.add_rules(
                         AFFINITY_RECORD, affinity_rules(names, fe.kind, fe.affinity, tokens)

@@ -27,6 +27,7 @@ import weakref
 from collections.abc import Iterable
 from typing import Any, Protocol
 
+from kubeproxy.backends.nftables.elements import ElementBatch, ElementWriter
 from kubeproxy.backends.nftables.objects import (
     Chain,
     Element,
@@ -89,6 +90,11 @@ class NftExecutor(Protocol):
 
     def check(self, tx: Transaction) -> None:
         """Check ``tx`` against the current state without applying it (dry run)."""
+        ...
+
+    def write_elements(self, batch: ElementBatch) -> None:
+        """Apply element changes atomically, as :meth:`run` of the same ``add``/``delete
+        element`` commands would (same errors), without nft's parser where possible."""
         ...
 
     def list_chains(self, family: Family, table: str) -> dict[str, str | None]:
@@ -200,12 +206,15 @@ class LibNftables(NftExecutor):
         self._lib.buffer_output(ctx)
         self._lib.buffer_error(ctx)
         self._finalizer = weakref.finalize(self, self._lib.ctx_free, ctx)
+        self._writer: ElementWriter | None = None
 
     def close(self) -> None:
         """Free the library context; the executor cannot be used afterwards."""
         with self._lock:
             self._ctx = None
             self._finalizer()
+            if self._writer is not None:
+                self._writer.close()
 
     def __enter__(self) -> LibNftables:
         return self
@@ -294,6 +303,15 @@ class LibNftables(NftExecutor):
             dry_run=True,
             what=f"check of {tx.family} {tx.table}",
         )
+
+    def write_elements(self, batch: ElementBatch) -> None:
+        """Apply element changes over a netlink socket of ours (see
+        :mod:`~kubeproxy.backends.nftables.elements`), in the executor's namespace."""
+        if not len(batch):
+            return
+        if self._writer is None:
+            self._writer = ElementWriter(self.netns)
+        self._writer.send(batch)
 
     def run_text(self, text: str) -> str:
         """Run raw nft commands and return their (text) output."""

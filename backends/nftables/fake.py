@@ -44,6 +44,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
+from kubeproxy.backends.nftables.elements import ElementBatch
 from kubeproxy.backends.nftables.exec import NftExecutor
 from kubeproxy.backends.nftables.objects import (
     Chain,
@@ -238,6 +239,18 @@ class FakeNft(NftExecutor):
                 err, self.fail_next = self.fail_next, None
                 raise err
             self._tables = self._apply(_ops_of(tx))
+
+    def write_elements(self, batch: ElementBatch) -> None:
+        """The batch as the ``delete``/``add element`` transaction it stands for (so it is
+        checked, recorded in :attr:`transactions` and refused exactly like one)."""
+        if not len(batch):
+            return
+        tx = Transaction(batch.family, batch.table)
+        for container, key in batch.deletes:
+            tx.delete_element(container, key)
+        for container, key, value in batch.adds:
+            tx.add_element(container, key, value, is_map=bool(batch.types[container][1]))
+        self.run(tx)
 
     def check(self, tx: Transaction) -> None:
         """Raise :class:`NftError` if :meth:`run` would; never change anything."""

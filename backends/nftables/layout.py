@@ -24,6 +24,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kubeproxy.backends.nftables.elements import supports
 from kubeproxy.backends.nftables.frontends import (
     KIND_IP,
     KIND_NODEPORT,
@@ -50,6 +51,7 @@ __all__ = [
     "Pick",
     "class_chain",
     "class_rule",
+    "element_types",
     "fixed_chains",
     "generation_of",
     "pick_chain",
@@ -218,6 +220,47 @@ def _frontend(kind: str, tokens: FamilyTokens) -> str:
     if kind == KIND_IP:
         return f"{tokens.table_family} daddr . meta l4proto . th dport"
     return "meta l4proto . th dport"
+
+
+_TYPEOF_TYPES = {
+    "ip daddr": "ipv4_addr",
+    "ip saddr": "ipv4_addr",
+    "ip6 daddr": "ipv6_addr",
+    "ip6 saddr": "ipv6_addr",
+    "meta l4proto": "inet_proto",
+    "th dport": "inet_service",
+    **{f"{proto} dport": "inet_service" for proto in AFFINITY_PROTOCOLS},
+}
+
+
+def element_types(
+    spec: ContainerSpec, tokens: FamilyTokens
+) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """The data types of a container's key and value parts, if its elements can be sent
+    as a netlink batch (see :mod:`~kubeproxy.backends.nftables.elements`): not for
+    interval sets, timeouts or verdict maps."""
+    if "interval" in spec.flags or spec.timeout is not None or "timeout" in spec.flags:
+        return None
+    key, _, value = spec.type.partition(" : ")
+
+    def parts(text: str) -> tuple[str, ...] | None:
+        if not text:
+            return ()
+        out = []
+        for part in text.split(" . "):
+            if spec.typeof:
+                datatype = "integer" if part.startswith("numgen ") else _TYPEOF_TYPES.get(part)
+            else:
+                datatype = part
+            if datatype is None or not supports((datatype,)):
+                return None
+            out.append(datatype)
+        return tuple(out)
+
+    key_types, value_types = parts(key), parts(value)
+    if key_types is None or value_types is None or (spec.is_map and not value_types):
+        return None
+    return key_types, value_types
 
 
 def pick_chain(names: GenNames, pick: Pick, tokens: FamilyTokens) -> FixedChain:
