@@ -130,8 +130,8 @@ def restitch(old: tuple[str, ...], new: tuple[str, ...]) -> tuple[str, ...]:
     when the list shrinks, the last slots move into the holes. Choosing by ``numgen
     random mod N`` stays uniform whatever the order.
     """
-    if old == new:
-        return old
+    if old == new or not old:
+        return old if old == new else new
     wanted = set(new)
     slots: list[str | None] = [e if e in wanted else None for e in old]
     placed = {e for e in slots if e is not None}

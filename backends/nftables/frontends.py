@@ -21,6 +21,7 @@ structure); this module only says *which* class and lists each frontend gets.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from kubeproxy.backends.nftables.naming import port_identity
@@ -179,6 +180,16 @@ def _check(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) -> 
             raise InvalidPort(f"source range {cidr} is not {ctx.tokens.family}")
 
 
+# One object per distinct class, not one per frontend.
+_class = functools.lru_cache(maxsize=4096)(ClassSpec)
+
+
+@functools.lru_cache(maxsize=4096)
+def _port_text(port: int) -> str:
+    # One string per port number, not one per frontend (100k frontends hold a few).
+    return str(port)
+
+
 def _keys(endpoints: tuple[Endpoint, ...]) -> tuple[str, ...]:
     return tuple(sorted(ep.key for ep in endpoints))
 
@@ -193,7 +204,7 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
     _check(ctx, port, eps)
     ipv6 = ctx.tokens.family is IPFamily.IPV6
     proto = port.protocol.lower
-    port_text = str(port.port)
+    port_text = _port_text(port.port)
     cip = str(port.cluster_ip)
     affinity = port.session_affinity_seconds
     data_affinity = affinity > 0 and not ipv6
@@ -212,7 +223,7 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
     cluster_key: Key = (cip, proto, port_text)
     claims: set[Key] = {cluster_key}
     internal_cls = (
-        ClassSpec(KIND_IP, SHAPE_INTERNAL, len(internal), 0, data_affinity) if internal else None
+        _class(KIND_IP, SHAPE_INTERNAL, len(internal), 0, data_affinity) if internal else None
     )
     frontends.append(
         Frontend(
@@ -234,7 +245,7 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
             claims.add(key)
             external_keys.append((KIND_IP, key))
     if port.node_port:
-        node_key: Key = (proto, str(port.node_port))
+        node_key: Key = (proto, _port_text(port.node_port))
         claims.add(node_key)
         external_keys.append((KIND_NODEPORT, node_key))
 
@@ -248,9 +259,7 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
             shape = SHAPE_EXTERNAL
             served = bool(cluster)
         for kind, key in external_keys:
-            cls = (
-                ClassSpec(kind, shape, len(main), len(shortcut), data_affinity) if served else None
-            )
+            cls = _class(kind, shape, len(main), len(shortcut), data_affinity) if served else None
             frontends.append(
                 Frontend(
                     kind,
