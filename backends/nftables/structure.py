@@ -1,4 +1,5 @@
-"""The fixed part of the kube-proxy table: base chains, helper chains, sets and maps.
+"""Names, family words and container specs shared by both structures, and the fixed part
+of the per-Service-chain structure's table (the map structure's is in :mod:`.layout`).
 
 Everything here is a pure function of a few inputs (family, masquerade mark, NodePort
 addresses, service CIDRs). The per-service part lives in :mod:`.services`. Names, hooks,
