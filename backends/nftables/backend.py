@@ -1,6 +1,6 @@
 """NftablesBackend: the map structure, kept in step with the core's snapshots.
 
-Why this shape (measured in ``reference/nftables-kernel-costs.md`` and ``bench/``): the
+Why this shape (measured on these machines; ``make bench`` shows it side by side): the
 kernel re-validates a whole table whenever a commit adds a rule or a verdict element
 that can jump, goto or NAT (12 ms in a near-empty table on these machines, growing with
 every chain), libnftables lists a table's chains and sets before every run, and each

@@ -1,7 +1,6 @@
 """Set and map elements sent as one nf_tables netlink batch, without nft's parser.
 
-Why hand-written (measured on these machines, ``reference/nftables-kernel-costs.md`` and
-``bench/``): libnftables parses every element as text and builds its own objects before
+Why hand-written (measured on these machines, and in ``bench/``): libnftables parses every element as text and builds its own objects before
 it encodes them; in the map structure's cold sync that was 12 us per element, two thirds
 of a 10k-Service sync, and nft's memory grows with every element of a transaction.
 pyroute2's nfnetlink messages took 47 us per element to encode, and each of its writes

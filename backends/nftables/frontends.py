@@ -12,7 +12,7 @@ NodePort), and each frontend becomes data elements only:
   affinity record sets.
 
 An endpoint change therefore touches data elements only, and the kernel never
-re-validates the table for it (``reference/nftables-kernel-costs.md``).
+re-validates the table for it (see the package README).
 
 Behaviour follows upstream kube-proxy's nftables mode (the same decisions as
 :mod:`~kubeproxy.backends.nftables.services`, which renders the per-Service-chain
