@@ -1,8 +1,9 @@
 """Set and map elements sent as one nf_tables netlink batch, without nft's parser.
 
-Why hand-written (measured on these machines, and in ``bench/``): libnftables parses every element as text and builds its own objects before
-it encodes them; in the map structure's cold sync that was 12 us per element, two thirds
-of a 10k-Service sync, and nft's memory grows with every element of a transaction.
+Why hand-written (measured on these machines, and in ``bench/``): libnftables parses
+every element as text and builds its own objects before it encodes them; in the map
+structure's cold sync that was 12 us per element, two thirds of a 10k-Service sync, and
+nft's memory grows with every element of a transaction.
 pyroute2's nfnetlink messages took 47 us per element to encode, and each of its writes
 waits on an asyncio loop (0.5 ms for one element). Packing the few data types our
 containers use with :mod:`struct` costs 2-3 us per element and sends a batch of any size

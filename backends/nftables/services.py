@@ -2,10 +2,10 @@
 
 This is the previous default structure (:class:`~.proxier.ChainNftablesBackend`), kept
 for side-by-side benchmarks; the map structure reuses :func:`render_port` for IPv6
-session-affinity ports and :class:`RenderContext` everywhere. Behaviour follows upstream kube-proxy's nftables mode; the structure does not (see the
-package README): no endpoint chains, no per-service anonymous sets, one shared affinity
-map, endpoint choice by a cascade of plain ``numgen`` rules (two levels above
-:data:`CASCADE_MAX` endpoints).
+session-affinity ports and :class:`RenderContext` everywhere. Behaviour follows upstream
+kube-proxy's nftables mode; the structure does not: no endpoint chains, no per-service
+anonymous sets, one shared affinity map, endpoint choice by a cascade of plain ``numgen``
+rules (two levels above :data:`CASCADE_MAX` endpoints).
 """
 
 from __future__ import annotations
