@@ -569,4 +569,36 @@ def _support_checks(family: Family) -> list[tuple[str, Transaction]]:
             f"{other} . 80 }} meta l4proto tcp dnat to {dnat_to}",
         )
     checks.append(("session affinity (dynamic map)", tx))
+
+    # The map structure: endpoint slots chosen by numgen from a typeof map, and (IPv4)
+    # affinity recorded after DNAT from the connection's original destination.
+    tx = Transaction(family, _SUPPORT_TABLE)
+    base(tx)
+    tx.add(
+        Map(
+            "slots",
+            f"{ip} daddr . meta l4proto . th dport . numgen random mod 1 : {ip} daddr . tcp dport",
+            typeof=True,
+        )
+    )
+    tx.add_rule(
+        "target", f"dnat to {ip} daddr . meta l4proto . th dport . numgen random mod 2 map @slots"
+    )
+    if family is not Family.IP6:
+        tx.add(
+            Map(
+                "record",
+                f"{addr_type} . {addr_type} . inet_proto . inet_service : "
+                f"{addr_type} . inet_service",
+                flags=("dynamic", "timeout"),
+                timeout=10800,
+            )
+        )
+        tx.add(Chain("filtered", type="filter", hook="forward", priority=0))
+        tx.add_rule(
+            "filtered",
+            "meta l4proto tcp update @record { ip saddr . ct original ip daddr . meta l4proto . "
+            "ct original proto-dst timeout 10s : ip daddr . th dport }",
+        )
+    checks.append(("endpoint slots (numgen over a typeof map)", tx))
     return checks
