@@ -34,20 +34,26 @@ from kubeproxy.backends.nftables.objects import (
 from kubeproxy.config import LocalDetector, ProxierConfig
 from kubeproxy.objects import Endpoint, IPFamily, Protocol, ServicePort, ServicePortName
 from tests.snapshots import (
+    PROPERTY_NAMES,
     V4_DETECTOR,
+    V6_DETECTOR,
     Clock,
     World,
     WorldMachine,
     changed,
+    endpoint_sets,
     ep,
     full,
+    service_ports,
     spn,
+    to_v6,
+    to_v6_net,
+    v6_world,
 )
 
 ip = ipaddress.ip_address
 net = ipaddress.ip_network
 CONFIG = ProxierConfig(node_name="test-node")
-V6_DETECTOR = LocalDetector(V4_DETECTOR.mode, (net("fd00::/64"),))
 
 
 def backend(
@@ -431,7 +437,7 @@ def test_affinity_entries_of_removed_endpoints_are_deleted() -> None:
 
 
 def test_ipv6_affinity_keeps_per_port_chains() -> None:
-    world = _v6_world()
+    world = v6_world()
     name = world.add(
         ServicePort(spn("v6"), ip("fd00:96::10"), 80, Protocol.TCP, session_affinity_seconds=60),
         Endpoint(ip("fd00:180::1"), 8080),
@@ -508,59 +514,11 @@ def normalized(fake: FakeNft, family: Family = Family.IP) -> dict[str, object]:
     return out
 
 
-_NAMES = [spn(f"s{i}") for i in range(6)] + [spn("s0", "alt", proto=Protocol.UDP)]
-_EPS = [f"10.180.{i}.{j}" for i in range(3) for j in range(1, 4)]
-
-
-@st.composite
-def service_ports(draw: st.DrawFn, name: ServicePortName) -> ServicePort:
-    n = int(name.service.name[1:])
-    return ServicePort(
-        name,
-        # A few shared IPs and ports make key conflicts likely.
-        ip(f"172.30.0.{draw(st.sampled_from([n, n, 1, 2]))}"),
-        draw(st.sampled_from([80, 80, 443])),
-        name.protocol,
-        node_port=draw(st.sampled_from([0, 0, 30000 + n, 30001])),
-        external_ips=tuple(
-            draw(st.sets(st.sampled_from([ip("5.5.5.5"), ip("5.5.5.6")]), max_size=2))
-        ),
-        load_balancer_vips=tuple(draw(st.sets(st.sampled_from([ip("6.6.6.6")]), max_size=1))),
-        load_balancer_source_ranges=tuple(
-            draw(
-                st.sets(st.sampled_from([net("203.0.113.0/25"), net("192.168.0.0/16")]), max_size=2)
-            )
-        ),
-        session_affinity_seconds=draw(st.sampled_from([0, 0, 10, 10800])),
-        internal_policy_local=draw(st.booleans()),
-        external_policy_local=draw(st.booleans()),
-    )
-
-
-@st.composite
-def endpoint_sets(draw: st.DrawFn) -> tuple[Endpoint, ...]:
-    count = draw(st.sampled_from([0, 1, 2, 3, 20]))
-    if count == 20:
-        return tuple(ep(f"10.181.{k}.1", local=k % 3 == 0) for k in range(count))
-    addrs = draw(st.lists(st.sampled_from(_EPS), min_size=count, max_size=count, unique=True))
-    return tuple(
-        ep(
-            a,
-            draw(st.sampled_from([8080, 9090])),
-            local=draw(st.booleans()),
-            ready=(ready := draw(st.booleans()) or draw(st.booleans())),
-            serving=ready or draw(st.booleans()),
-            terminating=not ready,
-        )
-        for a in addrs
-    )
-
-
 class IncrementalEqualsFull(WorldMachine):
     """Random changes applied incrementally end where a fresh full sync starts."""
 
     family = IPFamily.IPV4
-    names = _NAMES
+    names = PROPERTY_NAMES
 
     def __init__(self) -> None:
         super().__init__()
@@ -644,43 +602,29 @@ IncrementalEqualsFull.TestCase.settings = settings(
 TestIncrementalEqualsFull = IncrementalEqualsFull.TestCase
 
 
-def _v6(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> ipaddress.IPv6Address:
-    return ipaddress.IPv6Address(f"fd00::{':'.join(str(b) for b in addr.packed)}")
-
-
-def _v6_net(cidr: ipaddress.IPv4Network | ipaddress.IPv6Network) -> ipaddress.IPv6Network:
-    return ipaddress.IPv6Network(f"{_v6(cidr.network_address)}/{96 + cidr.prefixlen}")
-
-
-def _v6_world() -> World:
-    return World(
-        IPFamily.IPV6,
-        node_port_addresses=NodePortAddresses(addresses=(ip("2001:db8::1"),)),
-        detector=V6_DETECTOR,
-        service_cidrs=(net("fd00:10:96::/112"),),
-    )
-
-
 class IncrementalEqualsFull6(IncrementalEqualsFull):
     """The same on IPv6 (per-port chains for affinity, bracketed endpoints)."""
 
     family = IPFamily.IPV6
 
     def new_world(self) -> World:
-        return _v6_world()
+        return v6_world()
 
     def convert(self, port: ServicePort) -> ServicePort:
         return replace(
             port,
-            cluster_ip=_v6(port.cluster_ip),
-            external_ips=tuple(_v6(a) for a in port.external_ips),
-            load_balancer_vips=tuple(_v6(a) for a in port.load_balancer_vips),
-            load_balancer_source_ranges=tuple(_v6_net(c) for c in port.load_balancer_source_ranges),
+            cluster_ip=to_v6(port.cluster_ip),
+            external_ips=tuple(to_v6(a) for a in port.external_ips),
+            load_balancer_vips=tuple(to_v6(a) for a in port.load_balancer_vips),
+            load_balancer_source_ranges=tuple(
+                to_v6_net(c) for c in port.load_balancer_source_ranges
+            ),
         )
 
     def convert_eps(self, eps: tuple[Endpoint, ...]) -> tuple[Endpoint, ...]:
         return tuple(
-            Endpoint(_v6(e.ip), e.port, e.is_local, e.ready, e.serving, e.terminating) for e in eps
+            Endpoint(to_v6(e.ip), e.port, e.is_local, e.ready, e.serving, e.terminating)
+            for e in eps
         )
 
 

@@ -6,7 +6,6 @@ Full and incremental syncs, conflicts, failures, stale chains.
 from __future__ import annotations
 
 import difflib
-import ipaddress
 import logging
 import re
 from dataclasses import replace
@@ -35,19 +34,25 @@ from kubeproxy.objects import (
 )
 from tests.snapshots import (
     NODE,
+    PROPERTY_NAMES,
     V4_DETECTOR,
+    V6_DETECTOR,
     Clock,
     World,
     WorldMachine,
     changed,
+    endpoint_sets,
     ep,
     full,
     ip,
     net,
+    service_ports,
     spn,
+    to_v6,
+    to_v6_net,
+    v6_world,
 )
 
-V6_DETECTOR = LocalDetector(LocalDetectMode.CLUSTER_CIDR, (net("fd00:10::/64"),))
 CONFIG = ProxierConfig(node_name=NODE)
 
 
@@ -712,59 +717,12 @@ def test_wrong_family_snapshot_is_refused() -> None:
 
 # Property: incremental syncs converge to exactly what a fresh full sync writes ------------
 
-_NAMES = [spn(f"s{i}") for i in range(6)] + [spn("s0", "alt", proto=Protocol.UDP)]
-_EPS = [f"10.180.{i}.{j}" for i in range(3) for j in range(1, 4)]
-
-
-@st.composite
-def service_ports(draw: st.DrawFn, name: ServicePortName) -> ServicePort:
-    n = int(name.service.name[1:])
-    return ServicePort(
-        name,
-        # A few shared IPs and ports make key conflicts likely.
-        ip(f"172.30.0.{draw(st.sampled_from([n, n, 1, 2]))}"),
-        draw(st.sampled_from([80, 80, 443])),
-        name.protocol,
-        node_port=draw(st.sampled_from([0, 0, 30000 + n, 30001])),
-        external_ips=tuple(
-            draw(st.sets(st.sampled_from([ip("5.5.5.5"), ip("5.5.5.6")]), max_size=2))
-        ),
-        load_balancer_vips=tuple(draw(st.sets(st.sampled_from([ip("6.6.6.6")]), max_size=1))),
-        load_balancer_source_ranges=tuple(
-            draw(
-                st.sets(st.sampled_from([net("203.0.113.0/25"), net("192.168.0.0/16")]), max_size=2)
-            )
-        ),
-        session_affinity_seconds=draw(st.sampled_from([0, 0, 10, 10800])),
-        internal_policy_local=draw(st.booleans()),
-        external_policy_local=draw(st.booleans()),
-    )
-
-
-@st.composite
-def endpoint_sets(draw: st.DrawFn) -> tuple[Endpoint, ...]:
-    count = draw(st.sampled_from([0, 1, 2, 3, 20]))
-    if count == 20:
-        return tuple(ep(f"10.181.{k}.1", local=k % 3 == 0) for k in range(count))
-    addrs = draw(st.lists(st.sampled_from(_EPS), min_size=count, max_size=count, unique=True))
-    return tuple(
-        ep(
-            a,
-            draw(st.sampled_from([8080, 9090])),
-            local=draw(st.booleans()),
-            ready=(ready := draw(st.booleans()) or draw(st.booleans())),
-            serving=ready or draw(st.booleans()),
-            terminating=not ready,
-        )
-        for a in addrs
-    )
-
 
 class IncrementalEqualsFull(WorldMachine):
     """Random changes applied incrementally end where a fresh full sync starts."""
 
     family = IPFamily.IPV4
-    names = _NAMES
+    names = PROPERTY_NAMES
 
     def __init__(self) -> None:
         super().__init__()
@@ -843,40 +801,31 @@ IncrementalEqualsFull.TestCase.settings = settings(
 TestIncrementalEqualsFull = IncrementalEqualsFull.TestCase
 
 
-def _v6(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> ipaddress.IPv6Address:
-    return ipaddress.IPv6Address(f"fd00::{':'.join(str(b) for b in addr.packed)}")
-
-
-def _v6_net(
-    cidr: ipaddress.IPv4Network | ipaddress.IPv6Network,
-) -> ipaddress.IPv6Network:
-    return ipaddress.IPv6Network(f"{_v6(cidr.network_address)}/{96 + cidr.prefixlen}")
-
-
 class IncrementalEqualsFull6(IncrementalEqualsFull):
     """The same on IPv6 (per-port affinity maps, bracketed endpoints)."""
 
     family = IPFamily.IPV6
 
     def new_world(self) -> World:
-        return _v6_world()
+        return v6_world()
 
     def convert(self, port: ServicePort, eps: tuple[Endpoint, ...]) -> tuple[ServicePort, ...]:
         return (
             replace(
                 port,
-                cluster_ip=_v6(port.cluster_ip),
-                external_ips=tuple(_v6(a) for a in port.external_ips),
-                load_balancer_vips=tuple(_v6(a) for a in port.load_balancer_vips),
+                cluster_ip=to_v6(port.cluster_ip),
+                external_ips=tuple(to_v6(a) for a in port.external_ips),
+                load_balancer_vips=tuple(to_v6(a) for a in port.load_balancer_vips),
                 load_balancer_source_ranges=tuple(
-                    _v6_net(c) for c in port.load_balancer_source_ranges
+                    to_v6_net(c) for c in port.load_balancer_source_ranges
                 ),
             ),
         )
 
     def convert_eps(self, eps: tuple[Endpoint, ...]) -> tuple[Endpoint, ...]:
         return tuple(
-            Endpoint(_v6(e.ip), e.port, e.is_local, e.ready, e.serving, e.terminating) for e in eps
+            Endpoint(to_v6(e.ip), e.port, e.is_local, e.ready, e.serving, e.terminating)
+            for e in eps
         )
 
 
@@ -892,15 +841,6 @@ TestIncrementalEqualsFull6 = IncrementalEqualsFull6.TestCase
 # IPv6 session affinity: per-port maps ---------------------------------------------------
 
 
-def _v6_world() -> World:
-    return World(
-        IPFamily.IPV6,
-        node_port_addresses=NodePortAddresses(addresses=(ip("2001:db8::1"),)),
-        detector=V6_DETECTOR,
-        service_cidrs=(net("fd00:10:96::/112"),),
-    )
-
-
 def _v6_port(seconds: int = 600) -> ServicePort:
     return ServicePort(
         spn("web6"), ip("fd00:10:96::10"), 80, Protocol.TCP, session_affinity_seconds=seconds
@@ -911,7 +851,7 @@ def test_ipv6_affinity_maps_live_and_die_with_their_port() -> None:
     fake = FakeNft()
     clock = Clock()
     b = backend(fake, clock, family=IPFamily.IPV6)
-    world = _v6_world()
+    world = v6_world()
     world.add(_v6_port(), ep("fd00:10::a1"), ep("fd00:10::a2"))
     b.sync(world.snapshot(), full())
     maps = [m for m in fake.list_sets(Family.IP6, "kube-proxy") if m.startswith("affinity-")]
@@ -944,7 +884,7 @@ def test_ipv6_affinity_maps_live_and_die_with_their_port() -> None:
 
 def test_ipv6_affinity_maps_found_at_restart() -> None:
     fake = FakeNft()
-    world = _v6_world()
+    world = v6_world()
     world.add(_v6_port(), ep("fd00:10::a1"))
     backend(fake, family=IPFamily.IPV6).sync(world.snapshot(), full())
     (name,) = [m for m in fake.list_sets(Family.IP6, "kube-proxy") if m.startswith("affinity-")]

@@ -40,6 +40,7 @@ from kubeproxy.backends.nftables.structure import (
     FamilyTokens,
     FixedChain,
     Names,
+    base_chains,
 )
 from kubeproxy.objects import IPFamily
 
@@ -406,9 +407,6 @@ def fixed_chains(
         guard = np_guard = f"{ip} daddr @{Names.NODEPORT_IPS}"
     ipv6 = tokens.family is IPFamily.IPV6
 
-    def new(target: str) -> str:
-        return f"ct state new jump {target}"
-
     record = () if ipv6 else (f"ct state new ct status dnat jump {AFFINITY_RECORD}",)
     services: list[str] = []
     nodeports: list[str] = []
@@ -426,42 +424,7 @@ def fixed_chains(
         record_rules.extend(affinity_rules(names, kind, timeout, tokens))
     cidrs = list(service_cidrs)
     return (
-        FixedChain(
-            Names.FILTER_PREROUTING_PRE_DNAT,
-            (new(Names.FIREWALL_CHECK),),
-            "filter",
-            "prerouting",
-            -110,
-        ),
-        FixedChain(
-            Names.FILTER_OUTPUT_PRE_DNAT, (new(Names.FIREWALL_CHECK),), "filter", "output", -110
-        ),
-        FixedChain(
-            Names.FILTER_INPUT,
-            (new(Names.NODEPORT_ENDPOINTS_CHECK), new(Names.SERVICE_ENDPOINTS_CHECK), *record),
-            "filter",
-            "input",
-            0,
-        ),
-        FixedChain(
-            Names.FILTER_FORWARD,
-            (new(Names.SERVICE_ENDPOINTS_CHECK), new(Names.CLUSTER_IPS_CHECK), *record),
-            "filter",
-            "forward",
-            0,
-        ),
-        FixedChain(
-            Names.FILTER_OUTPUT,
-            (new(Names.SERVICE_ENDPOINTS_CHECK), new(Names.CLUSTER_IPS_CHECK), *record),
-            "filter",
-            "output",
-            0,
-        ),
-        FixedChain(Names.NAT_PREROUTING, (f"jump {Names.SERVICES}",), "nat", "prerouting", -100),
-        FixedChain(Names.NAT_OUTPUT, (f"jump {Names.SERVICES}",), "nat", "output", -100),
-        FixedChain(
-            Names.NAT_POSTROUTING, (f"jump {Names.MASQUERADING}",), "nat", "postrouting", 100
-        ),
+        *base_chains(record),
         FixedChain(Names.SERVICES, tuple(services)),
         FixedChain(SERVICE_FRONTENDS, tuple(ip_classes)),
         FixedChain(NODEPORT_FRONTENDS, tuple(nodeports)),

@@ -27,6 +27,7 @@ __all__ = [
     "FixedChain",
     "FixedStructure",
     "Names",
+    "base_chains",
     "fixed_structure",
     "tokens_for",
 ]
@@ -214,6 +215,56 @@ def _nodeport_ips(tokens: FamilyTokens, addresses: NodePortAddresses) -> tuple[s
     return tuple(result)
 
 
+def base_chains(after_dnat: tuple[str, ...] = ()) -> tuple[FixedChain, ...]:
+    """Upstream's base chains (names, hooks, priorities) and the jumps they hold.
+
+    Both structures have exactly these (other components rely on them); ``after_dnat``
+    rules are appended to the three filter chains that see packets after DNAT.
+    """
+
+    def new(target: str) -> str:
+        return f"ct state new jump {target}"
+
+    return (
+        FixedChain(
+            Names.FILTER_PREROUTING_PRE_DNAT,
+            (new(Names.FIREWALL_CHECK),),
+            "filter",
+            "prerouting",
+            -110,
+        ),
+        FixedChain(
+            Names.FILTER_OUTPUT_PRE_DNAT, (new(Names.FIREWALL_CHECK),), "filter", "output", -110
+        ),
+        FixedChain(
+            Names.FILTER_INPUT,
+            (new(Names.NODEPORT_ENDPOINTS_CHECK), new(Names.SERVICE_ENDPOINTS_CHECK), *after_dnat),
+            "filter",
+            "input",
+            0,
+        ),
+        FixedChain(
+            Names.FILTER_FORWARD,
+            (new(Names.SERVICE_ENDPOINTS_CHECK), new(Names.CLUSTER_IPS_CHECK), *after_dnat),
+            "filter",
+            "forward",
+            0,
+        ),
+        FixedChain(
+            Names.FILTER_OUTPUT,
+            (new(Names.SERVICE_ENDPOINTS_CHECK), new(Names.CLUSTER_IPS_CHECK), *after_dnat),
+            "filter",
+            "output",
+            0,
+        ),
+        FixedChain(Names.NAT_PREROUTING, (f"jump {Names.SERVICES}",), "nat", "prerouting", -100),
+        FixedChain(Names.NAT_OUTPUT, (f"jump {Names.SERVICES}",), "nat", "output", -100),
+        FixedChain(
+            Names.NAT_POSTROUTING, (f"jump {Names.MASQUERADING}",), "nat", "postrouting", 100
+        ),
+    )
+
+
 def fixed_structure(
     family: IPFamily,
     masquerade_mark: int,
@@ -246,46 +297,8 @@ def fixed_structure(
             f"meta l4proto . th dport vmap @{Names.NO_ENDPOINT_NODEPORTS}"
         )
 
-    def new(target: str) -> str:
-        return f"ct state new jump {target}"
-
     chains = (
-        FixedChain(
-            Names.FILTER_PREROUTING_PRE_DNAT,
-            (new(Names.FIREWALL_CHECK),),
-            "filter",
-            "prerouting",
-            -110,
-        ),
-        FixedChain(
-            Names.FILTER_OUTPUT_PRE_DNAT, (new(Names.FIREWALL_CHECK),), "filter", "output", -110
-        ),
-        FixedChain(
-            Names.FILTER_INPUT,
-            (new(Names.NODEPORT_ENDPOINTS_CHECK), new(Names.SERVICE_ENDPOINTS_CHECK)),
-            "filter",
-            "input",
-            0,
-        ),
-        FixedChain(
-            Names.FILTER_FORWARD,
-            (new(Names.SERVICE_ENDPOINTS_CHECK), new(Names.CLUSTER_IPS_CHECK)),
-            "filter",
-            "forward",
-            0,
-        ),
-        FixedChain(
-            Names.FILTER_OUTPUT,
-            (new(Names.SERVICE_ENDPOINTS_CHECK), new(Names.CLUSTER_IPS_CHECK)),
-            "filter",
-            "output",
-            0,
-        ),
-        FixedChain(Names.NAT_PREROUTING, (f"jump {Names.SERVICES}",), "nat", "prerouting", -100),
-        FixedChain(Names.NAT_OUTPUT, (f"jump {Names.SERVICES}",), "nat", "output", -100),
-        FixedChain(
-            Names.NAT_POSTROUTING, (f"jump {Names.MASQUERADING}",), "nat", "postrouting", 100
-        ),
+        *base_chains(),
         FixedChain(Names.SERVICES, (f"{lookup} vmap @{Names.SERVICE_IPS}", nodeport_dispatch)),
         FixedChain(
             Names.SERVICE_ENDPOINTS_CHECK, (f"{lookup} vmap @{Names.NO_ENDPOINT_SERVICES}",)
