@@ -5,7 +5,6 @@ structure, and the property that incremental syncs end where a fresh full sync s
 
 from __future__ import annotations
 
-import difflib
 import ipaddress
 import logging
 import re
@@ -14,9 +13,8 @@ from dataclasses import replace
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import invariant, rule
 
-from kubeproxy.backend import NodePortAddresses, SyncChanges, SyncError
+from kubeproxy.backend import Backend, SyncChanges, SyncError
 from kubeproxy.backends.nftables import ChainNftablesBackend, NftablesBackend
 from kubeproxy.backends.nftables.backend import restitch
 from kubeproxy.backends.nftables.fake import FakeNft, parse_commands
@@ -33,21 +31,14 @@ from kubeproxy.backends.nftables.objects import (
 )
 from kubeproxy.config import LocalDetector, ProxierConfig
 from kubeproxy.objects import Endpoint, IPFamily, Protocol, ServicePort, ServicePortName
+from tests.nftmachine import NftWorldMachine, V6Machine
 from tests.snapshots import (
-    PROPERTY_NAMES,
-    V4_DETECTOR,
-    V6_DETECTOR,
     Clock,
     World,
-    WorldMachine,
     changed,
-    endpoint_sets,
     ep,
     full,
-    service_ports,
     spn,
-    to_v6,
-    to_v6_net,
     v6_world,
 )
 
@@ -514,83 +505,16 @@ def normalized(fake: FakeNft, family: Family = Family.IP) -> dict[str, object]:
     return out
 
 
-class IncrementalEqualsFull(WorldMachine):
-    """Random changes applied incrementally end where a fresh full sync starts."""
+class IncrementalEqualsFull(NftWorldMachine):
+    """Incremental syncs end where a fresh full sync starts, generation and slot
+    numbering aside (:func:`normalized`)."""
 
-    family = IPFamily.IPV4
-    names = PROPERTY_NAMES
+    def make_backend(self, fake: FakeNft, clock: Clock, *, small: bool) -> Backend:
+        return backend(fake, clock, self.family, elements_per_transaction=4 if small else 10_000)
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.fake = FakeNft()
-        self.clock = Clock()
-        # Tiny transactions: a sync is split, as a big one would be.
-        self.backend = backend(self.fake, self.clock, self.family, elements_per_transaction=4)
-        self.backend.sync(self.world.snapshot(), full())
-
-    def convert(self, port: ServicePort) -> ServicePort:
-        return port
-
-    def convert_eps(self, eps: tuple[Endpoint, ...]) -> tuple[Endpoint, ...]:
-        return eps
-
-    def draw_port(self, data: st.DataObject, name: ServicePortName) -> ServicePort:
-        return self.convert(data.draw(service_ports(name)))
-
-    def draw_endpoints(self, data: st.DataObject) -> tuple[Endpoint, ...]:
-        return self.convert_eps(data.draw(endpoint_sets()))
-
-    @rule(masquerade=st.booleans(), match_all=st.booleans())
-    def settings_change(self, masquerade: bool, match_all: bool) -> None:
-        v6 = self.family is IPFamily.IPV6
-        self.world.detector = (
-            (V6_DETECTOR if v6 else V4_DETECTOR) if masquerade else LocalDetector()
-        )
-        address = ip("2001:db8::1") if v6 else ip("192.168.0.2")
-        self.world.node_port_addresses = (
-            NodePortAddresses(match_all=True)
-            if match_all
-            else NodePortAddresses(addresses=(address,))
-        )
-
-    # Binary fractions keep the fake clock exact.
-    @rule(advance=st.sampled_from([0.0, 0.5, 1.0]), as_full=st.booleans())
-    def sync(self, advance: float, as_full: bool) -> None:
-        self.clock.now += advance
-        self.backend.sync(self.world.snapshot(), self.changes(as_full))
-        self.pending.clear()
-
-    @rule()
-    def refused_sync(self) -> None:
-        self.fake.fail_next = NftError("refused")
-        before = self.fake.dump()
-        try:
-            self.backend.sync(self.world.snapshot(), self.changes())
-        except SyncError:
-            assert self.fake.dump() == before
-        else:
-            # Nothing to send: the fake was not called; clear the trap.
-            self.fake.fail_next = None
-            self.pending.clear()
-
-    @invariant()
-    def converges(self) -> None:
-        snapshot = self.world.snapshot()
-        self.backend.sync(snapshot, self.changes())
-        self.pending.clear()
-        self.clock.now += 1.0
-        self.backend.sync(snapshot, SyncChanges(full=False))
-        fresh = FakeNft()
-        backend(fresh, family=self.family).sync(snapshot, full())
+    def state(self, fake: FakeNft) -> list[str]:
         family = Family.IP if self.family is IPFamily.IPV4 else Family.IP6
-        got, want = normalized(self.fake, family), normalized(fresh, family)
-        if got != want:
-            diff = difflib.unified_diff(
-                [f"{k}: {v}" for k, v in sorted(want.items())],
-                [f"{k}: {v}" for k, v in sorted(got.items())],
-                lineterm="",
-            )
-            raise AssertionError("\n".join(diff))
+        return [f"{k}: {v}" for k, v in sorted(normalized(fake, family).items())]
 
 
 IncrementalEqualsFull.TestCase.settings = settings(
@@ -602,30 +526,8 @@ IncrementalEqualsFull.TestCase.settings = settings(
 TestIncrementalEqualsFull = IncrementalEqualsFull.TestCase
 
 
-class IncrementalEqualsFull6(IncrementalEqualsFull):
+class IncrementalEqualsFull6(V6Machine, IncrementalEqualsFull):
     """The same on IPv6 (per-port chains for affinity, bracketed endpoints)."""
-
-    family = IPFamily.IPV6
-
-    def new_world(self) -> World:
-        return v6_world()
-
-    def convert(self, port: ServicePort) -> ServicePort:
-        return replace(
-            port,
-            cluster_ip=to_v6(port.cluster_ip),
-            external_ips=tuple(to_v6(a) for a in port.external_ips),
-            load_balancer_vips=tuple(to_v6(a) for a in port.load_balancer_vips),
-            load_balancer_source_ranges=tuple(
-                to_v6_net(c) for c in port.load_balancer_source_ranges
-            ),
-        )
-
-    def convert_eps(self, eps: tuple[Endpoint, ...]) -> tuple[Endpoint, ...]:
-        return tuple(
-            Endpoint(to_v6(e.ip), e.port, e.is_local, e.ready, e.serving, e.terminating)
-            for e in eps
-        )
 
 
 IncrementalEqualsFull6.TestCase.settings = settings(

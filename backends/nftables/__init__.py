@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from kubeproxy.backends.nftables.backend import NftablesBackend
-from kubeproxy.backends.nftables.objects import Family, NftError, Table, is_not_found
+from kubeproxy.backends.nftables.objects import Family
 from kubeproxy.backends.nftables.proxier import ChainNftablesBackend
 from kubeproxy.backends.nftables.structure import TABLE
 from kubeproxy.backends.nftables.transaction import Transaction
@@ -65,17 +65,11 @@ def cleanup(netns: str | None = None) -> None:
     Never touches any other table. Raises :class:`NftError` if a deletion fails for
     another reason than the table being absent.
     """
-    from kubeproxy.backends.nftables.exec import LibNftables
+    from kubeproxy.backends.nftables.exec import LibNftables, delete_table
 
     executor = LibNftables(netns=netns)
     for family in (Family.IP, Family.IP6):
-        tx = Transaction(family, TABLE)
-        tx.delete(Table())
-        try:
-            executor.run(tx)
-        except NftError as err:
-            if not is_not_found(err):
-                raise
+        delete_table(executor, family, TABLE)
 
 
 def render_transactions(transactions: Iterable[Transaction]) -> str:

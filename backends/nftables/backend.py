@@ -39,7 +39,7 @@ from typing import Any
 from kubeproxy.backend import ProxySnapshot, SkippedPorts, SyncChanges, SyncError
 from kubeproxy.backends.nftables.claims import Claims
 from kubeproxy.backends.nftables.elements import ElementBatch
-from kubeproxy.backends.nftables.exec import NftExecutor, check_support
+from kubeproxy.backends.nftables.exec import NftExecutor, check_support, delete_table
 from kubeproxy.backends.nftables.frontends import (
     KIND_IP,
     ClassSpec,
@@ -73,9 +73,13 @@ from kubeproxy.backends.nftables.objects import (
     NftError,
     Set,
     Table,
-    is_not_found,
 )
-from kubeproxy.backends.nftables.services import AFFINITY6_MAP_TYPE, Key, RenderContext
+from kubeproxy.backends.nftables.services import (
+    AFFINITY6_MAP_TYPE,
+    Key,
+    RenderContext,
+    context_or_default,
+)
 from kubeproxy.backends.nftables.structure import (
     AFFINITY_TIMEOUT,
     TABLE,
@@ -337,13 +341,7 @@ class NftablesBackend:
 
     def cleanup(self) -> None:
         """Delete our table (a missing table is fine) and forget all state."""
-        tx = self._new_transaction()
-        tx.delete(Table())
-        try:
-            self._executor.run(tx)
-        except NftError as err:
-            if not is_not_found(err):
-                raise
+        delete_table(self._executor, self._nft_family, TABLE)
         self._reset_model(0)
         self._stale.clear()
         self.generation = None
@@ -364,7 +362,13 @@ class NftablesBackend:
         addresses = snapshot.node.addresses_of(self._family)
         context = (detector, self._config.masquerade_all, addresses)
         if self._inputs is None or self._inputs.context != context or self._ctx is None:
-            self._ctx = self._build_context(detector, addresses)
+            self._ctx = context_or_default(
+                self._tokens,
+                detector,
+                masquerade_all=self._config.masquerade_all,
+                node_addresses=addresses,
+                logger=log,
+            )
         node_ports = snapshot.node_port_addresses
         cidrs = snapshot.service_cidrs or self._config.service_cidrs
         return _Inputs(
@@ -373,23 +377,6 @@ class NftablesBackend:
             () if node_ports.match_all else self._nodeport_ips(node_ports.addresses),
             tuple(str(c) for c in cidrs if c.version == self._family.version),
         )
-
-    def _build_context(self, detector: Any, addresses: tuple[Any, ...]) -> RenderContext:
-        try:
-            return RenderContext.build(
-                self._tokens,
-                detector,
-                masquerade_all=self._config.masquerade_all,
-                node_addresses=addresses,
-            )
-        except ValueError as err:
-            log.error("ignoring the local-traffic detector: %s", err)
-            return RenderContext.build(
-                self._tokens,
-                type(detector)(),
-                masquerade_all=self._config.masquerade_all,
-                node_addresses=addresses,
-            )
 
     def _nodeport_ips(self, addresses: Iterable[Any]) -> tuple[Key, ...]:
         out: list[Key] = []

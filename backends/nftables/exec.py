@@ -46,6 +46,7 @@ __all__ = [
     "LibNftables",
     "NftExecutor",
     "check_support",
+    "delete_table",
     "errno_from_message",
     "parse_version",
 ]
@@ -459,6 +460,17 @@ def _atom_from_json(value: Any) -> str:
         if word in _VERDICT_WORDS:
             return str(word)
     raise NftError(f"unexpected value in nft's JSON output: {value!r}")
+
+
+def delete_table(executor: NftExecutor, family: Family, table: str) -> None:
+    """Delete ``table`` of ``family`` with everything in it; a missing table is fine."""
+    tx = Transaction(family, table)
+    tx.delete(Table())
+    try:
+        executor.run(tx)
+    except NftError as err:
+        if err.errno != errno.ENOENT:
+            raise
 
 
 def check_support(executor: NftExecutor, family: Family = Family.IP) -> None:

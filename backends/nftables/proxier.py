@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from kubeproxy.backend import ProxySnapshot, SkippedPorts, SyncChanges, SyncError
 from kubeproxy.backends.nftables.claims import Claims
-from kubeproxy.backends.nftables.exec import NftExecutor, check_support
+from kubeproxy.backends.nftables.exec import NftExecutor, check_support, delete_table
 from kubeproxy.backends.nftables.naming import ChainPrefix, is_affinity_map, is_service_chain
 from kubeproxy.backends.nftables.objects import (
     Chain,
@@ -48,6 +48,7 @@ from kubeproxy.backends.nftables.services import (
     Key,
     PortRules,
     RenderContext,
+    context_or_default,
     render_port,
 )
 from kubeproxy.backends.nftables.structure import (
@@ -320,13 +321,7 @@ class ChainNftablesBackend:
 
     def cleanup(self) -> None:
         """Delete our table (a missing table is fine) and forget all state."""
-        tx = self._new_transaction()
-        tx.delete(Table())
-        try:
-            self._executor.run(tx)
-        except NftError as err:
-            if not is_not_found(err):
-                raise
+        delete_table(self._executor, self._nft_family, TABLE)
         self._reset()
 
     # Syncs -------------------------------------------------------------------------------------
@@ -483,21 +478,13 @@ class ChainNftablesBackend:
         inputs = (detector, self._config.masquerade_all, addresses)
         if self._ctx is not None and self._ctx_inputs == inputs:
             return self._ctx
-        try:
-            ctx = RenderContext.build(
-                tokens_for(self._family),
-                detector,
-                masquerade_all=self._config.masquerade_all,
-                node_addresses=addresses,
-            )
-        except ValueError as err:
-            log.error("ignoring the local-traffic detector: %s", err)
-            ctx = RenderContext.build(
-                tokens_for(self._family),
-                type(detector)(),
-                masquerade_all=self._config.masquerade_all,
-                node_addresses=addresses,
-            )
+        ctx = context_or_default(
+            tokens_for(self._family),
+            detector,
+            masquerade_all=self._config.masquerade_all,
+            node_addresses=addresses,
+            logger=log,
+        )
         self._ctx_inputs = inputs
         return ctx
 
