@@ -36,6 +36,7 @@ Record = dict[str, Any]
 
 _STYLE = {
     "kubeproxy-nftables": ("tab:blue", "o"),
+    "kubeproxy-nftables-chains": ("tab:purple", "v"),
     "kubeproxy-iptables-nft": ("tab:orange", "s"),
     "kubeproxy-iptables-legacy": ("tab:red", "D"),
     "upstream-nft": ("tab:gray", "^"),
