@@ -28,7 +28,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after choosing the backend
 from matplotlib.axes import Axes
 
-from bench.report import NO_RULES, SUBJECT_ORDER, SUBJECT_TITLES
+from bench.targets import NO_RULES, SUBJECT_ORDER, SUBJECT_TITLES
 
 __all__ = ["main", "write_plots"]
 

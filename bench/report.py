@@ -58,6 +58,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+# The subjects and the target checks live in bench.targets; re-exported here, where
+# callers (bench.readme, tests/test_docs.py) have always found them.
 from bench.targets import (
     CHAINS,
     IPT_LEGACY,

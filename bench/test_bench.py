@@ -51,7 +51,7 @@ from bench.harness import (
 )
 from bench.netns import namespace
 from bench.proxyproc import DAEMON_MIN_SYNC_PERIOD
-from bench.report import NO_RULES, Results
+from bench.report import Results
 from bench.subjects import (
     IPTABLES_LEGACY,
     IPTABLES_NFT,
@@ -62,6 +62,7 @@ from bench.subjects import (
     installed_services,
 )
 from bench.synthetic import CLUSTER_PORT, TARGET_PORT, build_services, synthetic_service
+from bench.targets import NO_RULES
 from bench.upstream_structure import write_upstream_ruleset
 from bench.wholeproc import binary_argv, chain_binary_argv, write_manifests
 
@@ -316,12 +317,30 @@ MIX_CASES = [
 @pytest.mark.parametrize(("subject", "services"), MIX_CASES)
 def test_cold_mix(results: Results, subject: Subject, services: int) -> None:
     """1 Service in 100 has 250 endpoints, the others 10."""
+    _cold_variant(
+        results,
+        subject,
+        services,
+        "mix",
+        {"wide_every": MIX_EVERY},
+        mix=f"1 in {MIX_EVERY} with {MIX_ENDPOINTS}",
+    )
+
+
+def _cold_variant(
+    results: Results,
+    subject: Subject,
+    services: int,
+    purpose: str,
+    cluster: dict[str, Any],
+    **shape: Any,
+) -> None:
+    """A cold sync of another cluster shape (``cluster``: :func:`proxy_process` options),
+    recorded with ``shape`` (what tells it from the plain N x 10 records)."""
     _needs(subject)
     with (
-        namespace("mix") as netns,
-        proxy_process(
-            netns, services, ENDPOINTS, backend=subject.backend, wide_every=MIX_EVERY
-        ) as proxy,
+        namespace(purpose) as netns,
+        proxy_process(netns, services, ENDPOINTS, backend=subject.backend, **cluster) as proxy,
     ):
         answer, peaks = _sync(proxy)
         record = _sync_record(
@@ -333,7 +352,7 @@ def test_cold_mix(results: Results, subject: Subject, services: int) -> None:
             peaks,
             proxy.ready,
             endpoints=ENDPOINTS,
-            mix=f"1 in {MIX_EVERY} with {MIX_ENDPOINTS}",
+            **shape,
         )
         if not record["timed_out"]:
             assert record["ok"]
@@ -355,28 +374,14 @@ AFFINITY_CASES = [
 @pytest.mark.parametrize(("subject", "services"), AFFINITY_CASES)
 def test_cold_affinity(results: Results, subject: Subject, services: int) -> None:
     """Every Service with ClientIP session affinity (10800 s)."""
-    _needs(subject)
-    with (
-        namespace("aff") as netns,
-        proxy_process(
-            netns, services, ENDPOINTS, backend=subject.backend, affinity_seconds=AFFINITY_SECONDS
-        ) as proxy,
-    ):
-        answer, peaks = _sync(proxy)
-        record = _sync_record(
-            results,
-            "cold",
-            subject,
-            services,
-            answer,
-            peaks,
-            proxy.ready,
-            endpoints=ENDPOINTS,
-            affinity=True,
-        )
-        if not record["timed_out"]:
-            assert record["ok"]
-            assert installed_services(subject, netns) == services
+    _cold_variant(
+        results,
+        subject,
+        services,
+        "aff",
+        {"affinity_seconds": AFFINITY_SECONDS},
+        affinity=True,
+    )
 
 
 # Data plane ------------------------------------------------------------------------------
