@@ -355,46 +355,41 @@ def _incremental_at(
     return one(records, kind="incremental", subject=subject, services=services, op=op)
 
 
+def _median_limit(
+    records: Sequence[Record], target: str, cases: Sequence[tuple[str, int, str]], limit: float
+) -> TargetCheck:
+    """Every ``(label, Services, op)`` incremental median of ours within ``limit`` ms."""
+    ours = [(label, _incremental_at(records, OURS, n, op)) for label, n, op in cases]
+    theirs = [(label, _incremental_at(records, CHAINS, n, op)) for label, n, op in cases]
+    measured = ", ".join(f"{label} {_ms(r)} ms" for label, r in ours)
+    if any(r for _, r in theirs):
+        measured += _chains_note(", ".join(f"{label} {_ms(r)}" for label, r in theirs))
+    found = [r for _, r in ours if r is not None]
+    return _issue11(
+        target,
+        measured if found else "not measured",
+        None
+        if len(found) < len(cases)
+        else all(r["ok"] and r["median_ms"] <= limit for r in found),
+    )
+
+
 def _change_targets(records: Sequence[Record]) -> list[TargetCheck]:
     checks = []
-    ours = [(n, _incremental_at(records, OURS, n, "endpoint")) for n in (10_000, 30_000)]
-    theirs = [_incremental_at(records, CHAINS, n, "endpoint") for n in (10_000, 30_000)]
-    measured = ", ".join(f"{size_label(n)} {_ms(r)} ms" for n, r in ours)
-    measured += _chains_note(
-        ", ".join(f"{size_label(n)} {_ms(r)}" for (n, _), r in zip(ours, theirs, strict=True))
-        if any(theirs)
-        else ""
-    )
-    found = [r for _, r in ours if r is not None]
     checks.append(
-        _issue11(
+        _median_limit(
+            records,
             f"endpoint change <= {ENDPOINT_CHANGE_MAX_MS:g} ms at 10k and at 30k (median)",
-            measured if found else "not measured",
-            None
-            if len(found) < len(ours)
-            else all(r["ok"] and r["median_ms"] <= ENDPOINT_CHANGE_MAX_MS for r in found),
+            [("10k", 10_000, "endpoint"), ("30k", 30_000, "endpoint")],
+            ENDPOINT_CHANGE_MAX_MS,
         )
     )
-    pairs = [
-        (
-            op,
-            _incremental_at(records, OURS, 30_000, op),
-            _incremental_at(records, CHAINS, 30_000, op),
-        )
-        for op in ("add", "remove")
-    ]
-    measured = ", ".join(f"{op} {_ms(r)} ms" for op, r, _ in pairs)
-    measured += _chains_note(
-        ", ".join(f"{op} {_ms(c)}" for op, _, c in pairs) if any(c for _, _, c in pairs) else ""
-    )
-    mine = [r for _, r, _ in pairs if r is not None]
     checks.append(
-        _issue11(
+        _median_limit(
+            records,
             f"Service add and remove <= {SERVICE_CHANGE_MAX_MS:g} ms at 30k (median)",
-            measured if mine else "not measured",
-            None
-            if len(mine) < len(pairs)
-            else all(r["ok"] and r["median_ms"] <= SERVICE_CHANGE_MAX_MS for r in mine),
+            [("add", 30_000, "add"), ("remove", 30_000, "remove")],
+            SERVICE_CHANGE_MAX_MS,
         )
     )
     ratios: list[tuple[str, float]] = []

@@ -154,6 +154,21 @@ def _sync(proxy: ProxyProcess) -> tuple[dict[str, Any] | None, dict[str, Any] | 
     return answer, proxy.request("rss")
 
 
+def _synced(
+    results: Results,
+    kind: str,
+    subject: Subject,
+    services: int,
+    proxy: ProxyProcess,
+    **fields: Any,
+) -> dict[str, Any]:
+    """A first sync of ``proxy`` (:func:`_sync`), recorded (:func:`_sync_record`)."""
+    answer, peaks = _sync(proxy)
+    return _sync_record(
+        results, kind, subject, services, answer, peaks, proxy.ready, endpoints=ENDPOINTS, **fields
+    )
+
+
 # Control plane ---------------------------------------------------------------------------
 
 # Sizes per subject: (Services, incremental syncs too, restart too, in bench-quick).
@@ -245,17 +260,7 @@ def test_control_plane(
             return
 
         with proxy_process(netns, services, ENDPOINTS, backend=subject.backend) as proxy:
-            answer, peaks = _sync(proxy)
-            record = _sync_record(
-                results,
-                "restart",
-                subject,
-                services,
-                answer,
-                peaks,
-                proxy.ready,
-                endpoints=ENDPOINTS,
-            )
+            record = _synced(results, "restart", subject, services, proxy)
             if record["timed_out"]:
                 return
             assert record["ok"], f"{subject.name}: restart sync failed"
@@ -342,18 +347,7 @@ def _cold_variant(
         namespace(purpose) as netns,
         proxy_process(netns, services, ENDPOINTS, backend=subject.backend, **cluster) as proxy,
     ):
-        answer, peaks = _sync(proxy)
-        record = _sync_record(
-            results,
-            "cold",
-            subject,
-            services,
-            answer,
-            peaks,
-            proxy.ready,
-            endpoints=ENDPOINTS,
-            **shape,
-        )
+        record = _synced(results, "cold", subject, services, proxy, **shape)
         if not record["timed_out"]:
             assert record["ok"]
             assert installed_services(subject, netns) == services
