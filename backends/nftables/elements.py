@@ -19,11 +19,12 @@ so nothing is read from the kernel first. Supported types: ``ipv4_addr``, ``ipv6
 from __future__ import annotations
 
 import errno as _errno
+import functools
 import os
 import socket
 import struct
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kubeproxy.backends.nftables.objects import Family, NftError, validate_name
@@ -112,6 +113,75 @@ def _string(text: str) -> bytes:
     return text.encode() + b"\0"
 
 
+_SIZES = {"ipv4_addr": 4, "ipv6_addr": 16, "inet_proto": 4, "inet_service": 4, "integer": 4}
+
+
+class _Codec:
+    """Packs the elements of one container type. Every element of a container has the
+    same attribute layout, so the headers around its key and value are computed once;
+    parts that repeat (protocols, ports, slot numbers) are encoded once and cached."""
+
+    def __init__(self, key_types: tuple[str, ...], value_types: tuple[str, ...]) -> None:
+        self.key_types, self.value_types = key_types, value_types
+        key_len = sum(_SIZES[t] for t in key_types)
+        value_len = sum(_SIZES[t] for t in value_types)
+        key_nest = 4 + 4 + key_len
+        data_nest = 4 + 4 + value_len if value_types else 0
+        self.size = 4 + key_nest + data_nest
+        key_head = _NLA.pack(key_nest, _NFTA_SET_ELEM_KEY | _NLA_F_NESTED) + _NLA.pack(
+            4 + key_len, _NFTA_DATA_VALUE
+        )
+        # With a value (additions to a map), and without (set elements, deletions).
+        self.head = _NLA.pack(self.size, _NFTA_LIST_ELEM | _NLA_F_NESTED) + key_head
+        self.head_key_only = _NLA.pack(4 + key_nest, _NFTA_LIST_ELEM | _NLA_F_NESTED) + key_head
+        self.middle = (
+            _NLA.pack(data_nest, _NFTA_SET_ELEM_DATA | _NLA_F_NESTED)
+            + _NLA.pack(4 + value_len, _NFTA_DATA_VALUE)
+            if value_types
+            else b""
+        )
+        self.key_parts = tuple(_part_encoder(t) for t in key_types)
+        self.value_parts = tuple(_part_encoder(t) for t in value_types)
+
+    def element(self, key: Key, value: Key) -> bytes:
+        """One element's attribute; raises ValueError for a part that is not its type."""
+        if len(key) != len(self.key_parts):
+            raise ValueError(f"the key has {len(key)} parts, the type {len(self.key_parts)}")
+        packed = b"".join([f(p) for f, p in zip(self.key_parts, key, strict=True)])
+        if not value:
+            return self.head_key_only + packed
+        if len(value) != len(self.value_parts):
+            raise ValueError(f"the value has {len(value)} parts, the type {len(self.value_parts)}")
+        values = b"".join([f(p) for f, p in zip(self.value_parts, value, strict=True)])
+        return self.head + packed + self.middle + values
+
+    def valid(self, key: Key, value: Key) -> bool:
+        try:
+            self.element(key, value)
+        except ValueError:
+            return False
+        return True
+
+
+@functools.lru_cache(maxsize=64)
+def _codec(key_types: tuple[str, ...], value_types: tuple[str, ...]) -> _Codec:
+    return _Codec(key_types, value_types)
+
+
+def _part_encoder(datatype: str) -> Callable[[str], bytes]:
+    if datatype == "ipv4_addr":
+        # inet_pton is strict (no "10.1" shorthands) and in C: no cache needed.
+        def ipv4(text: str) -> bytes:
+            try:
+                return socket.inet_pton(socket.AF_INET, text)
+            except OSError:
+                raise ValueError(f"{text!r} is not an ipv4_addr") from None
+
+        return ipv4
+    # Everything else repeats a lot: validate and encode each distinct text once.
+    return functools.lru_cache(maxsize=65536)(functools.partial(encode_part, datatype))
+
+
 @dataclass(frozen=True, slots=True)
 class ElementBatch:
     """Element changes for one table, committed as one transaction.
@@ -172,7 +242,7 @@ class ElementWriter:
         if not len(batch):
             return
         validate_name("table", batch.table)
-        encoded: list[tuple[int, int, str, list[bytes], list[str]]] = []
+        encoded: list[tuple[int, int, str, list[bytes], list[Key]]] = []
         for verb, items in (("delete", batch.deletes), ("add", batch.adds)):
             grouped: dict[str, list[tuple[Key, Key]]] = {}
             for item in items:
@@ -189,60 +259,39 @@ class ElementWriter:
 
     def _encode(
         self, batch: ElementBatch, verb: str, container: str, pairs: list[tuple[Key, Key]]
-    ) -> list[tuple[int, int, str, list[bytes], list[str]]]:
+    ) -> list[tuple[int, int, str, list[bytes], list[Key]]]:
         validate_name("set", container)
         types = batch.types.get(container)
         if types is None or not supports(types[0]) or not supports(types[1]):
             raise NftError(f"no supported data types known for {container}", _errno.EINVAL)
-        key_types, value_types = types
+        codec = _codec(*types)
         kind = _NFT_MSG_DELSETELEM if verb == "delete" else _NFT_MSG_NEWSETELEM
         flags = 0 if verb == "delete" else _NLM_F_CREATE
-        messages: list[tuple[int, int, str, list[bytes], list[str]]] = []
-        elements: list[bytes] = []
-        texts: list[str] = []
-        size = 0
-        for key, value in pairs:
+        per_message = max(1, _MESSAGE_BYTES // codec.size)
+        messages: list[tuple[int, int, str, list[bytes], list[Key]]] = []
+        for start in range(0, len(pairs), per_message):
+            chunk = pairs[start : start + per_message]
             try:
-                if len(key) != len(key_types) or (value and len(value) != len(value_types)):
-                    raise ValueError("wrong number of parts")
-                attrs = _nested(
-                    _NFTA_SET_ELEM_KEY,
-                    _attr(
-                        _NFTA_DATA_VALUE,
-                        b"".join(map(encode_part, key_types, key)),
-                    ),
-                )
-                if value:
-                    attrs += _nested(
-                        _NFTA_SET_ELEM_DATA,
-                        _attr(_NFTA_DATA_VALUE, b"".join(map(encode_part, value_types, value))),
-                    )
+                elements = [codec.element(key, value) for key, value in chunk]
             except ValueError as err:
+                bad = next(k for k, v in chunk if not codec.valid(k, v))
                 raise NftError(
-                    f"element {' . '.join(key)} of {container}: {err}", _errno.EINVAL
+                    f"element {' . '.join(bad)} of {container}: {err}", _errno.EINVAL
                 ) from None
-            element = _nested(_NFTA_LIST_ELEM, attrs)
-            if elements and size + len(element) > _MESSAGE_BYTES:
-                messages.append((kind, flags, container, elements, texts))
-                elements, texts, size = [], [], 0
-            elements.append(element)
-            texts.append(" . ".join(key))
-            size += len(element)
-        if elements:
-            messages.append((kind, flags, container, elements, texts))
+            messages.append((kind, flags, container, elements, [k for k, _v in chunk]))
         return messages
 
     def _transact(
         self,
         family: Family,
         table: str,
-        messages: list[tuple[int, int, str, list[bytes], list[str]]],
+        messages: list[tuple[int, int, str, list[bytes], list[Key]]],
     ) -> None:
         nfgen_family = _FAMILY_NUMBERS[family]
         begin = self._next()
         parts = [self._control(_NFNL_MSG_BATCH_BEGIN, begin)]
-        pending: dict[int, tuple[str, str, list[str]]] = {}
-        for kind, flags, container, elements, texts in messages:
+        pending: dict[int, tuple[str, str, list[Key]]] = {}
+        for kind, flags, container, elements, keys in messages:
             seq = self._next()
             body = (
                 _attr(_NFTA_SET_ELEM_LIST_TABLE, _string(table))
@@ -258,12 +307,12 @@ class ElementWriter:
                 + payload
             )
             verb = "delete" if kind == _NFT_MSG_DELSETELEM else "add"
-            pending[seq] = (verb, container, texts)
+            pending[seq] = (verb, container, keys)
         parts.append(self._control(_NFNL_MSG_BATCH_END, self._next()))
         self._exchange(b"".join(parts), begin, pending)
 
     def _exchange(
-        self, payload: bytes, begin: int, pending: dict[int, tuple[str, str, list[str]]]
+        self, payload: bytes, begin: int, pending: dict[int, tuple[str, str, list[Key]]]
     ) -> None:
         """Send an encoded batch and wait for the kernel's verdict (the kernel's part)."""
         self._ensure_buffer(len(payload))
@@ -291,7 +340,7 @@ class ElementWriter:
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, want)
         self._sndbuf = want
 
-    def _collect(self, begin: int, pending: dict[int, tuple[str, str, list[str]]]) -> None:
+    def _collect(self, begin: int, pending: dict[int, tuple[str, str, list[Key]]]) -> None:
         """Read the acknowledgement of every message; the first error wins.
 
         The kernel acknowledges every message that asked for it, whether the batch
@@ -317,10 +366,10 @@ class ElementWriter:
             raise failure
 
     @staticmethod
-    def _failure(code: int, where: tuple[str, str, list[str]] | None) -> NftError:
+    def _failure(code: int, where: tuple[str, str, list[Key]] | None) -> NftError:
         reason = os.strerror(code)
         if where is None:
             return NftError(f"element transaction refused: {reason}", code)
-        verb, container, texts = where
-        shown = ", ".join(texts[:3]) + (", ..." if len(texts) > 3 else "")
+        verb, container, keys = where
+        shown = ", ".join(" . ".join(k) for k in keys[:3]) + (", ..." if len(keys) > 3 else "")
         return NftError(f"{verb} element {container} {{ {shown} }}: {reason}", code)

@@ -484,8 +484,21 @@ def check_support(executor: NftExecutor, family: Family = Family.IP) -> None:
     if parse_version(version) < MIN_NFT_VERSION:
         wanted = ".".join(map(str, MIN_NFT_VERSION))
         raise NftError(f"nftables {version} is too old: nftables mode needs {wanted} or newer")
+    checks = _support_checks(Family(family))
+    # All checks in one dry run (every check is a dry-run transaction of its own, 10-20 ms
+    # each: this is start-up time); only when that fails, one by one to say which.
+    combined = Transaction(Family(family), _SUPPORT_TABLE)
+    for _feature, tx in checks:
+        for _verb, obj in tx.operations():
+            combined.add(obj)
+    try:
+        executor.check(combined)
+    except NftError:
+        pass
+    else:
+        return
     failures: list[str] = []
-    for feature, tx in _support_checks(Family(family)):
+    for feature, tx in checks:
         try:
             executor.check(tx)
         except NftError as err:
