@@ -127,6 +127,14 @@ class _PortState:
     dedicated: Dedicated | None
 
 
+_SLOT_TEXTS = tuple(str(i) for i in range(1024))
+
+
+def _slot_text(index: int) -> str:
+    # One string per slot number, shared by every key that has it.
+    return _SLOT_TEXTS[index] if index < len(_SLOT_TEXTS) else str(index)
+
+
 def restitch(old: tuple[str, ...], new: tuple[str, ...]) -> tuple[str, ...]:
     """Slots for the endpoints ``new``, moving as few as possible from ``old``.
 
@@ -712,6 +720,11 @@ class NftablesBackend:
     def _slots(
         ops: _Ops, container: str, key: Key, old: tuple[str, ...], endpoints: tuple[str, ...]
     ) -> tuple[str, ...]:
+        if not old:
+            # A new frontend (every frontend of a full sync): its endpoints in order.
+            for index, endpoint in enumerate(endpoints):
+                ops.add(container, (*key, _slot_text(index)), endpoint_value(endpoint))
+            return endpoints
         slots = restitch(old, endpoints)
         if slots == old:
             return old
@@ -720,7 +733,7 @@ class NftablesBackend:
             after = slots[index] if index < len(slots) else None
             if before == after:
                 continue
-            slot = (*key, str(index))
+            slot = (*key, _slot_text(index))
             if before is not None:
                 ops.delete(container, slot)
             if after is not None:

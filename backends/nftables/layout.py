@@ -107,6 +107,8 @@ class GenNames:
         self.gen = gen
         suffix = f".g{gen}"
         self.suffix = suffix
+        # Names are asked for per frontend (100k times in a big sync): built once each.
+        self._memo: dict[tuple[object, ...], str] = {}
         self.no_endpoint_reject = f"no-endpoint-reject{suffix}"
         self.no_endpoint_drop = f"no-endpoint-drop{suffix}"
         self.no_endpoint_nodeports_reject = f"no-endpoint-nodeports-reject{suffix}"
@@ -120,10 +122,15 @@ class GenNames:
     def slots(self, kind: str, shortcut: bool, proto: str) -> str:
         """The endpoint-slot map of ``kind`` frontends of one protocol (main list, or the
         short-circuit list of Local-policy frontends)."""
+        memo = ("slots", kind, shortcut, proto)
+        found = self._memo.get(memo)
+        if found is not None:
+            return found
         head = "endpoints" if kind == KIND_IP else "nodeport-endpoints"
         if shortcut:
             head = f"shortcut-{head}"
-        return f"{head}-{proto}{self.suffix}"
+        name = self._memo[memo] = f"{head}-{proto}{self.suffix}"
+        return name
 
     def no_endpoint(self, kind: str, verdict: str) -> str:
         """The set of ``kind`` frontends without endpoints whose packets get ``verdict``."""
@@ -135,6 +142,10 @@ class GenNames:
 
     def cls(self, spec: ClassSpec) -> str:
         """The set and the chain of one class (a set and a chain may share a name)."""
+        memo = ("cls", spec)
+        found = self._memo.get(memo)
+        if found is not None:
+            return found
         if spec.kind == KIND_IP:
             head = "internal" if spec.shape == SHAPE_INTERNAL else "external"
         else:
@@ -144,7 +155,8 @@ class GenNames:
             name = f"{head}-local-{spec.count}-{spec.shortcut}"
         if spec.affinity:
             name += "-affinity"
-        return name + self.suffix
+        found = self._memo[memo] = name + self.suffix
+        return found
 
     def pick(self, pick: Pick) -> str:
         """The chain of one pick."""
