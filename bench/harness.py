@@ -33,6 +33,7 @@ __all__ = [
     "child_process",
     "proxy_process",
     "python_module",
+    "run_measured",
 ]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,12 +100,12 @@ class ProxyProcess:
         self.ready = self._read(timeout_s)
         return self.ready
 
-    def request(self, op: str, timeout_s: float = 900.0) -> dict[str, Any]:
-        """Send one command and return the child's answer."""
+    def request(self, op: str, timeout_s: float = 900.0, **args: Any) -> dict[str, Any]:
+        """Send one command (``op`` and its ``args``) and return the child's answer."""
         stdin = self._process.stdin
         if stdin is None:
             raise ProxyProcessError("proxy child has no stdin")
-        stdin.write(json.dumps({"op": op}) + "\n")
+        stdin.write(json.dumps({"op": op, **args}) + "\n")
         stdin.flush()
         answer = self._read(timeout_s)
         if answer.get("ok") is False:
@@ -138,12 +139,15 @@ def proxy_process(
     backend: str = "nftables",
     wide_every: int = 0,
     node_ip: str | None = None,
+    min_sync_period: float = 0.0,
     ready_timeout_s: float = 600.0,
 ) -> Iterator[ProxyProcess]:
     """Start our proxy in ``netns`` with a synthetic cluster; stop it on exit.
 
     ``extras`` adds Services ``(index, endpoint count)`` on top of the ``services`` ones;
-    ``wide_every`` K gives every K-th Service 250 endpoints (the mix). ``backend``
+    ``wide_every`` K gives every K-th Service 250 endpoints (the mix);
+    ``min_sync_period`` is the proxier's (only its own sync loop, the churn, heeds it).
+    ``backend``
     :data:`UPSTREAM_BACKEND` starts :mod:`bench.upstreamproc` instead, which answers
     the same commands by applying upstream's structure with ``nft``.
     """
@@ -157,6 +161,8 @@ def proxy_process(
         argv += ["--wide-every", str(wide_every)]
     if node_ip:
         argv += ["--node-ip", node_ip]
+    if min_sync_period:
+        argv += ["--min-sync-period", str(min_sync_period)]
     with child_process(netns, module, argv, ready_timeout_s=ready_timeout_s) as child:
         yield child
 
@@ -203,7 +209,7 @@ def child_process(
 
 @dataclass(frozen=True, slots=True)
 class ApplyResult:
-    """One ``nft -f`` run: wall time, the nft process's peak memory, outcome."""
+    """One measured process (``nft -f``, a proxy binary): wall time, peak memory, outcome."""
 
     seconds: float
     peak_rss_mb: float
@@ -212,18 +218,22 @@ class ApplyResult:
     stderr: str
 
 
-def apply_nft_file(netns: str, path: Path, *, timeout_s: float = 1800.0) -> ApplyResult:
-    """Run ``nft -f path`` in ``netns``; measure its wall time and peak RSS (wait4).
+def run_measured(
+    netns: str, argv: Sequence[str], *, timeout_s: float = 1800.0, cwd: Path | None = None
+) -> ApplyResult:
+    """Run ``argv`` in ``netns``; measure its wall time, from start to exit, and its peak
+    RSS (``wait4``: ``ip netns exec`` execs the command in place, so the child's rusage
+    is the command's, and the largest of the processes it waited for).
 
-    ``ip netns exec`` execs nft in place, so the child's own rusage is nft's. After
-    ``timeout_s`` the process is killed and the result says so.
+    After ``timeout_s`` the process is killed and the result says so.
     """
     with tempfile.TemporaryFile("w+") as errors:
         start = time.perf_counter()
         process = subprocess.Popen(
-            in_netns(netns, ["nft", "-f", str(path)]),
+            in_netns(netns, list(argv)),
             stdout=subprocess.DEVNULL,
             stderr=errors,
+            cwd=cwd,
         )
         seconds, status, usage, timed_out = _wait_with_usage(process, start, timeout_s)
         errors.seek(0)
@@ -236,6 +246,11 @@ def apply_nft_file(netns: str, path: Path, *, timeout_s: float = 1800.0) -> Appl
         timed_out=timed_out,
         stderr=stderr[-2000:],
     )
+
+
+def apply_nft_file(netns: str, path: Path, *, timeout_s: float = 1800.0) -> ApplyResult:
+    """Run ``nft -f path`` in ``netns`` (:func:`run_measured`)."""
+    return run_measured(netns, ["nft", "-f", str(path)], timeout_s=timeout_s)
 
 
 def _wait_with_usage(

@@ -28,7 +28,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after choosing the backend
 from matplotlib.axes import Axes
 
-from bench.report import NO_RULES, SUBJECT_ORDER, SUBJECT_TITLES
+from bench.targets import NO_RULES, SUBJECT_ORDER, SUBJECT_TITLES
 
 __all__ = ["main", "write_plots"]
 
@@ -36,6 +36,7 @@ Record = dict[str, Any]
 
 _STYLE = {
     "kubeproxy-nftables": ("tab:blue", "o"),
+    "kubeproxy-nftables-chains": ("tab:purple", "v"),
     "kubeproxy-iptables-nft": ("tab:orange", "s"),
     "kubeproxy-iptables-legacy": ("tab:red", "D"),
     "upstream-nft": ("tab:gray", "^"),

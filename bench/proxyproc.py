@@ -14,8 +14,18 @@ one JSON line per command line:
 * ``{"op": "endpoint"}``: change one endpoint of one Service, sync; ``{"op": "add"}``:
   add one Service with its endpoints, sync; ``{"op": "remove"}``: delete one Service
   and its slices, sync (each rotates through the Services);
+* ``{"op": "churn", "seconds": S, "rate": R, "seed": N}``: the proxier's own sync loop
+  (:meth:`kubeproxy.proxier.Proxier.run`, rate-limited by ``--min-sync-period`` as the
+  daemon's is) runs for S seconds while R random endpoint changes per second arrive
+  through the handlers; the answer lists every sync the loop ran (its duration as the
+  core measures it, and how many Services it carried) and the process CPU time spent
+  meanwhile (:meth:`BenchProxy.churn`);
 * ``{"op": "rss"}``: peak resident memory of this process and of its children;
 * ``{"op": "quit"}``.
+
+The ready line carries ``input_kb``: how much the resident size grew while the synthetic
+cluster (the :class:`~bench.synthetic.SyntheticService` list, the Service and
+EndpointSlice dicts) was built, the benchmark's own share of the proxy's peak.
 
 Every answer to a sync carries ``tool_s`` and ``tool_calls``: the time spent inside the
 kernel tools during it (libnftables calls, ``iptables-restore`` and other tool processes;
@@ -33,10 +43,15 @@ import importlib
 import ipaddress
 import json
 import logging
+import math
+import random
 import resource
+import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any, cast
 
@@ -51,12 +66,22 @@ from bench.synthetic import (
     mixed_services,
     synthetic_service,
 )
-from kubeproxy.backend import Backend, BackendFactory
+from kubeproxy.backend import Backend, BackendFactory, ProxySnapshot, SyncChanges
 from kubeproxy.config import LocalDetectMode, LocalDetector, ProxierConfig
 from kubeproxy.objects import IPAddress, IPFamily, NodeInfo
-from kubeproxy.proxier import Proxier
+from kubeproxy.proxier import NullObserver, Proxier
+from kubeproxy.proxyconfig import KubeProxyNFTablesConfiguration
 
-__all__ = ["BenchProxy", "bench_config", "load_backend_factory", "main"]
+__all__ = [
+    "DAEMON_MIN_SYNC_PERIOD",
+    "BenchProxy",
+    "SyncLog",
+    "SyncRecord",
+    "bench_config",
+    "load_backend_factory",
+    "main",
+    "percentile",
+]
 
 log = logging.getLogger(__name__)
 
@@ -65,14 +90,23 @@ _SPARE_OFFSET = 14
 _PAGE_KB = resource.getpagesize() // 1024
 
 
-def bench_config() -> ProxierConfig:
-    """The proxier settings of every benchmark: ClusterCIDR detector, our service CIDR."""
+DAEMON_MIN_SYNC_PERIOD = KubeProxyNFTablesConfiguration().min_sync_period.seconds
+"""``nftables.minSyncPeriod``'s default (1 s): how often ``kube-proxy-nftables`` syncs at
+most, which is what batches a stream of changes (the churn benchmark runs with it)."""
+
+
+def bench_config(min_sync_period: float = 0.0) -> ProxierConfig:
+    """The proxier settings of every benchmark: ClusterCIDR detector, our service CIDR.
+
+    ``min_sync_period`` 0 for the benchmarks that call :meth:`Proxier.sync_now` after
+    each change; the churn benchmark passes :data:`DAEMON_MIN_SYNC_PERIOD`.
+    """
     return ProxierConfig(
         node_name=NODE_NAME,
         local_detector=LocalDetector(LocalDetectMode.CLUSTER_CIDR, (POD_CIDR,)),
         service_cidrs=(SERVICE_CIDR,),
         node_port_addresses=("primary",),  # the kube-proxy-nftables default
-        min_sync_period=0.0,
+        min_sync_period=min_sync_period,
     )
 
 
@@ -100,6 +134,48 @@ def _peaks() -> dict[str, int]:
     }
 
 
+@dataclass(frozen=True, slots=True)
+class SyncRecord:
+    """One sync as the core saw it: when it ended, full or not, how long, ok or not."""
+
+    ended: float
+    full: bool
+    seconds: float
+    ok: bool
+
+
+class SyncLog(NullObserver):
+    """Every sync the proxier ran (a :class:`~kubeproxy.proxier.SyncObserver`), and how
+    many Services each successful one carried (as an after-sync hook)."""
+
+    def __init__(self) -> None:
+        self.syncs: list[SyncRecord] = []
+        self.changed: list[int] = []
+
+    def sync_finished(
+        self,
+        family: IPFamily,
+        full: bool,
+        duration: float,
+        error: BaseException | None,
+        snapshot_sizes: tuple[int, int],
+    ) -> None:
+        """Record the sync."""
+        self.syncs.append(SyncRecord(time.perf_counter(), full, duration, error is None))
+
+    def __call__(self, proxier: Proxier, snapshot: ProxySnapshot, changes: SyncChanges) -> None:
+        """After a successful sync: the number of Services it changed."""
+        self.changed.append(len(changes.changed_services))
+
+
+def percentile(ordered: Sequence[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile (0 < q <= 1) of sorted values; 0 when empty."""
+    if not ordered:
+        return 0.0
+    rank = math.ceil(q * len(ordered))
+    return ordered[min(len(ordered), max(1, rank)) - 1]
+
+
 class BenchProxy:
     """A Proxier over a real backend, with the synthetic cluster it is fed."""
 
@@ -115,9 +191,16 @@ class BenchProxy:
         self.services = list(services)
         self.config = config or bench_config()
         self.clock = clock or toolclock.ToolClock()
+        self.sync_log = SyncLog()
         node = NodeInfo(name=self.config.node_name, addresses=(node_ip,))
         self.proxier = Proxier(
-            IPFamily.IPV4, self.config, backend, node=node, host_addresses=lambda: [node_ip]
+            IPFamily.IPV4,
+            self.config,
+            backend,
+            node=node,
+            host_addresses=lambda: [node_ip],
+            observer=self.sync_log,
+            after_sync=(self.sync_log,),
         )
         self._service_dicts = [s.service_dict() for s in self.services]
         self._slice_dicts = [d for s in self.services for d in s.slice_dicts()]
@@ -166,10 +249,11 @@ class BenchProxy:
         seconds = time.perf_counter() - start
         return {"ok": ok, "seconds": seconds, **self.clock.since(mark)}
 
-    def change_endpoint(self) -> dict[str, Any]:
-        """Swap the last endpoint of the next Service with a spare address, and sync."""
-        service = self.services[self._endpoint_turn % len(self.services)]
-        self._endpoint_turn += 1
+    def _endpoint_change(
+        self, service: SyntheticService
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The slices of ``service`` before and after its last endpoint is swapped for a
+        spare address (or back); the new state becomes the current one."""
         if len(service.endpoints) > _SPARE_OFFSET:
             raise ValueError(f"{service.port_label}: no spare address for an endpoint change")
         current = self._endpoints_now.get(service.index, service.endpoints)
@@ -180,13 +264,77 @@ class BenchProxy:
         changed = (*current[:-1], last)
         old = service.slice_dicts(current, generation=generation)
         new = service.slice_dicts(changed, generation=generation + 1)
+        self._endpoints_now[service.index] = changed
+        self._generation[service.index] = generation + 1
+        return old, new
+
+    def change_endpoint(self) -> dict[str, Any]:
+        """Swap the last endpoint of the next Service with a spare address, and sync."""
+        service = self.services[self._endpoint_turn % len(self.services)]
+        self._endpoint_turn += 1
+        old, new = self._endpoint_change(service)
         mark, start = self.clock.snapshot(), time.perf_counter()
         for before, after in zip(old, new, strict=True):
             self.proxier.on_endpoint_slice_update(before, after)
-        result = self._timed_sync(start, mark)
-        self._endpoints_now[service.index] = changed
-        self._generation[service.index] = generation + 1
-        return result
+        return self._timed_sync(start, mark)
+
+    def churn(self, seconds: float, rate: float, seed: int = 11) -> dict[str, Any]:
+        """Endpoint changes of random Services at ``rate`` per second for ``seconds``,
+        through the handlers, while the proxier's own sync loop batches them.
+
+        The changes are built before the clock starts (the informer's decoding is not
+        modelled); the handler calls run on this thread at their due times, the syncs
+        on the loop's thread, as in the daemon. ``cpu_s`` is this process's CPU time
+        (every thread: handlers, syncs, libnftables) over the ``wall_s`` window; the
+        syncs are those that ended inside it.
+        """
+        rng = random.Random(seed)
+        count = round(seconds * rate)
+        changes = [
+            self._endpoint_change(self.services[rng.randrange(len(self.services))])
+            for _ in range(count)
+        ]
+        stop = threading.Event()
+        loop = threading.Thread(target=self.proxier.run, args=(stop,), name="sync-loop")
+        first, first_changed = len(self.sync_log.syncs), len(self.sync_log.changed)
+        late = 0.0
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        start = time.perf_counter()
+        loop.start()
+        for number, (old, new) in enumerate(changes):
+            delay = start + number / rate - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            else:
+                late = max(late, -delay)
+            for previous, current in zip(old, new, strict=True):
+                self.proxier.on_endpoint_slice_update(previous, current)
+        time.sleep(max(0.0, start + seconds - time.perf_counter()))
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        end = time.perf_counter()
+        stop.set()
+        loop.join()
+        syncs = [s for s in self.sync_log.syncs[first:] if s.ended <= end]
+        durations = sorted(s.seconds for s in syncs)
+        changed = self.sync_log.changed[first_changed:][: sum(s.ok for s in syncs)]
+        cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        return {
+            "ok": bool(syncs) and all(s.ok for s in syncs),
+            "wall_s": end - start,
+            "cpu_s": cpu,
+            "changes": count,
+            "late_max_s": late,
+            "syncs": len(syncs),
+            "full_syncs": sum(s.full for s in syncs),
+            "failed_syncs": sum(not s.ok for s in syncs),
+            "sync_p50_ms": 1000 * percentile(durations, 0.5),
+            "sync_p99_ms": 1000 * percentile(durations, 0.99),
+            "sync_max_ms": 1000 * (durations[-1] if durations else 0.0),
+            "sync_mean_ms": 1000 * (statistics.fmean(durations) if durations else 0.0),
+            "services_per_sync_median": statistics.median(changed) if changed else 0,
+            "min_sync_period_s": self.config.min_sync_period,
+            **_peaks(),
+        }
 
     def add_service(self) -> dict[str, Any]:
         """Add one new Service with its endpoints, and sync."""
@@ -239,10 +387,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--wide-endpoints", type=int, default=250)
     parser.add_argument("--node-ip", default=str(NODE_IP))
+    parser.add_argument(
+        "--min-sync-period",
+        type=float,
+        default=0.0,
+        help="the proxier's minSyncPeriod (only the churn's sync loop heeds it)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     # Before any backend module is imported (a backend may bind subprocess.Popen).
     clock = toolclock.install()
+    config = bench_config(args.min_sync_period)
+    backend = load_backend_factory(args.backend)(IPFamily.IPV4, config, netns=args.netns)
+    # Everything from here to the ready line is the synthetic input (and an idle Proxier).
+    before_input_kb = _rss_now_kb()
 
     if args.wide_every:
         services = mixed_services(
@@ -258,19 +416,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     for index, count in map(_parse_extra, args.extra):
         services.append(synthetic_service(index, count, affinity_seconds=args.affinity_seconds))
-    config = bench_config()
-    backend = load_backend_factory(args.backend)(IPFamily.IPV4, config, netns=args.netns)
     proxy = BenchProxy(
         services, backend, node_ip=ipaddress.IPv4Address(args.node_ip), config=config, clock=clock
     )
-    ops: dict[str, Callable[[], dict[str, Any]]] = {
-        "cold": proxy.cold,
-        "endpoint": proxy.change_endpoint,
-        "add": proxy.add_service,
-        "remove": proxy.remove_service,
-        "rss": lambda: {**_peaks(), "tool_peak_kb": clock.peak_kb},
+    ops: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+        "cold": lambda _: proxy.cold(),
+        "endpoint": lambda _: proxy.change_endpoint(),
+        "add": lambda _: proxy.add_service(),
+        "remove": lambda _: proxy.remove_service(),
+        "churn": lambda c: proxy.churn(
+            float(c["seconds"]), float(c["rate"]), int(c.get("seed", 11))
+        ),
+        "rss": lambda _: {**_peaks(), "tool_peak_kb": clock.peak_kb},
     }
-    _emit({"event": "ready", **_peaks()})
+    ready = _peaks()
+    ready["input_kb"] = ready["rss_now_kb"] - before_input_kb
+    _emit({"event": "ready", **ready})
     for line in sys.stdin:
         command = json.loads(line)
         op = command.get("op")
@@ -281,7 +442,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if handler is None:
             _emit({"event": "error", "error": f"unknown op {op!r}"})
             continue
-        _emit({"event": op, **handler()})
+        _emit({"event": op, **handler(command)})
     return 0
 
 

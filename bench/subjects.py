@@ -21,6 +21,7 @@ __all__ = [
     "IPTABLES_LEGACY",
     "IPTABLES_NFT",
     "NFTABLES",
+    "NFTABLES_CHAINS",
     "SUBJECTS",
     "UPSTREAM",
     "Subject",
@@ -33,8 +34,11 @@ class Subject:
     """One side of a comparison.
 
     ``rules`` says where its Service dispatch lives: ``nft`` (the ``service-ips`` map of
-    ``table ip kube-proxy``), or ``iptables-nft`` / ``iptables-legacy`` (the nat
-    ``KUBE-SERVICES`` chain, read with that variant's tool).
+    ``table ip kube-proxy``: the per-Service-chain structure and upstream's),
+    ``nft-maps`` (the frontend class sets of the map structure's newest generation, read
+    with :func:`kubeproxy.backends.nftables.inspect.served_frontends`), or
+    ``iptables-nft`` / ``iptables-legacy`` (the nat ``KUBE-SERVICES`` chain, read with
+    that variant's tool).
     """
 
     name: str
@@ -48,7 +52,15 @@ class Subject:
         return self.module is None or importlib.util.find_spec(self.module) is not None
 
 
-NFTABLES = Subject("kubeproxy-nftables", "nftables", "ours: nftables", "nft")
+NFTABLES = Subject("kubeproxy-nftables", "nftables", "ours: nftables (maps)", "nft-maps")
+"""The nftables backend as shipped (the ``nftables`` entry point): the map structure."""
+NFTABLES_CHAINS = Subject(
+    "kubeproxy-nftables-chains",
+    "kubeproxy.backends.nftables:create_chain_backend",
+    "ours: nftables, per-Service chains (before)",
+    "nft",
+)
+"""The previous nftables structure (a chain per Service port), measured next to it."""
 IPTABLES_NFT = Subject(
     "kubeproxy-iptables-nft",
     # The node's variant, detected as upstream's iptables-wrapper does: nft in a fresh
@@ -69,7 +81,7 @@ UPSTREAM = Subject(
     "upstream-nft", UPSTREAM_BACKEND, "upstream's nftables structure (nft -f)", "nft"
 )
 
-SUBJECTS = (NFTABLES, IPTABLES_NFT, IPTABLES_LEGACY, UPSTREAM)
+SUBJECTS = (NFTABLES, NFTABLES_CHAINS, IPTABLES_NFT, IPTABLES_LEGACY, UPSTREAM)
 
 
 def _nft_map_size(netns: str, name: str) -> int:
@@ -95,8 +107,21 @@ def _iptables_service_jumps(netns: str, variant: str) -> int:
     return sum(" -j KUBE-SVC-" in line for line in result.stdout.splitlines())
 
 
+def _map_structure_frontends(netns: str) -> int:
+    """Service-IP frontends (``(ip, proto, port)``; NodePorts left out) the map structure
+    dispatches in ``netns``."""
+    from kubeproxy.backends.nftables.exec import LibNftables
+    from kubeproxy.backends.nftables.inspect import served_frontends
+    from kubeproxy.backends.nftables.objects import Family
+
+    with LibNftables(netns=netns) as executor:
+        return sum(len(key) == 3 for key in served_frontends(executor, Family.IP))
+
+
 def installed_services(subject: Subject, netns: str) -> int:
     """How many Service ports the kernel in ``netns`` dispatches: proof of a commit."""
     if subject.rules == "nft":
         return _nft_map_size(netns, "service-ips")
+    if subject.rules == "nft-maps":
+        return _map_structure_frontends(netns)
     return _iptables_service_jumps(netns, subject.rules.removeprefix("iptables-"))

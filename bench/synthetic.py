@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cache
 from typing import Any
 
 __all__ = [
@@ -88,23 +89,78 @@ def endpoint_ips(index: int, count: int) -> tuple[ipaddress.IPv4Address, ...]:
     return tuple(base + k for k in range(count))
 
 
+# Constant parts of the dicts, one object each, shared by every Service and slice. The
+# proxy never mutates what it is fed (kubeproxy/parse.py and the change trackers only read
+# it and build their own objects), and the dicts stay plain dicts and lists, equal to
+# unshared ones: sharing changes the benchmark's own memory (about half of the synthetic
+# input at 100k Services), not what the proxy receives.
+_NAMESPACES = tuple(f"ns{k}" for k in range(64))
+_NODE_NAMES = tuple(f"node-{k}" for k in range(_OTHER_NODES))
+_READY = {"ready": True, "serving": True, "terminating": False}
+_IP_FAMILIES = ["IPv4"]
+_MANAGED_BY = "endpointslice-controller.k8s.io"
+
+
+@cache
+def _service_ports(name: str, port: int, protocol: str, target_port: int) -> list[dict[str, Any]]:
+    return [{"name": name, "port": port, "protocol": protocol, "targetPort": target_port}]
+
+
+@cache
+def _slice_ports(name: str, port: int, protocol: str) -> list[dict[str, Any]]:
+    return [{"name": name, "port": port, "protocol": protocol}]
+
+
+@cache
+def _affinity_config(seconds: int) -> dict[str, Any]:
+    return {"clientIP": {"timeoutSeconds": seconds}}
+
+
 @dataclass(frozen=True, slots=True)
 class SyntheticService:
     """One single-port TCP ClusterIP Service with its ready endpoints.
 
-    ``affinity_seconds`` is the ClientIP session-affinity timeout, 0 for none.
+    Only the index, the endpoint count and the affinity are stored: names, addresses and
+    the endpoint list are computed on demand (:attr:`endpoints`), so 100k of these take a
+    few MB instead of the 120 MB that stored tuples of addresses took.
+    ``affinity_seconds`` is the ClientIP session-affinity timeout, 0 for none;
+    ``explicit_endpoints`` replaces the computed list (:meth:`with_endpoints`).
     """
 
     index: int
-    namespace: str
-    name: str
-    cluster_ip: ipaddress.IPv4Address
-    endpoints: tuple[ipaddress.IPv4Address, ...]
+    endpoint_count: int
     affinity_seconds: int = 0
+    explicit_endpoints: tuple[ipaddress.IPv4Address, ...] | None = None
     port: int = CLUSTER_PORT
     target_port: int = TARGET_PORT
     port_name: str = _PORT_NAME
     protocol: str = "TCP"
+
+    @property
+    def namespace(self) -> str:
+        """``ns<index % 64>``."""
+        return _NAMESPACES[self.index % len(_NAMESPACES)]
+
+    @property
+    def name(self) -> str:
+        """``svc-<index>``."""
+        return f"svc-{self.index}"
+
+    @property
+    def cluster_ip(self) -> ipaddress.IPv4Address:
+        """The ClusterIP (:func:`service_ip`)."""
+        return service_ip(self.index)
+
+    @property
+    def endpoints(self) -> tuple[ipaddress.IPv4Address, ...]:
+        """The endpoint addresses (:func:`endpoint_ips`, or the explicit ones)."""
+        if self.explicit_endpoints is not None:
+            return self.explicit_endpoints
+        return endpoint_ips(self.index, self.endpoint_count)
+
+    def with_endpoints(self, endpoints: Sequence[ipaddress.IPv4Address]) -> SyntheticService:
+        """This Service with another endpoint list (an endpoint change)."""
+        return replace(self, endpoint_count=len(endpoints), explicit_endpoints=tuple(endpoints))
 
     @property
     def port_identity(self) -> str:
@@ -118,31 +174,25 @@ class SyntheticService:
 
     def service_dict(self) -> dict[str, Any]:
         """The Service as the API server would return it (JSON form)."""
+        name, cluster_ip = self.name, str(self.cluster_ip)
         spec: dict[str, Any] = {
             "type": "ClusterIP",
-            "clusterIP": str(self.cluster_ip),
-            "clusterIPs": [str(self.cluster_ip)],
-            "ipFamilies": ["IPv4"],
+            "clusterIP": cluster_ip,
+            "clusterIPs": [cluster_ip],
+            "ipFamilies": _IP_FAMILIES,
             "ipFamilyPolicy": "SingleStack",
             "internalTrafficPolicy": "Cluster",
-            "ports": [
-                {
-                    "name": self.port_name,
-                    "port": self.port,
-                    "protocol": self.protocol,
-                    "targetPort": self.target_port,
-                }
-            ],
-            "selector": {"app": self.name},
+            "ports": _service_ports(self.port_name, self.port, self.protocol, self.target_port),
+            "selector": {"app": name},
             "sessionAffinity": "ClientIP" if self.affinity_seconds else "None",
         }
         if self.affinity_seconds:
-            spec["sessionAffinityConfig"] = {"clientIP": {"timeoutSeconds": self.affinity_seconds}}
+            spec["sessionAffinityConfig"] = _affinity_config(self.affinity_seconds)
         return {
             "apiVersion": "v1",
             "kind": "Service",
             "metadata": {
-                "name": self.name,
+                "name": name,
                 "namespace": self.namespace,
                 "uid": f"00000000-0000-4000-8000-{self.index:012d}",
                 "resourceVersion": "1",
@@ -163,31 +213,31 @@ class SyntheticService:
             addresses[start : start + _SLICE_CAPACITY]
             for start in range(0, len(addresses), _SLICE_CAPACITY)
         ] or [()]
+        name, namespace, version = self.name, self.namespace, str(generation)
+        ports = _slice_ports(self.port_name, self.target_port, self.protocol)
         return [
             {
                 "apiVersion": "discovery.k8s.io/v1",
                 "kind": "EndpointSlice",
                 "metadata": {
-                    "name": f"{self.name}-{number:05d}",
-                    "namespace": self.namespace,
+                    "name": f"{name}-{number:05d}",
+                    "namespace": namespace,
                     "labels": {
-                        "kubernetes.io/service-name": self.name,
-                        "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io",
+                        "kubernetes.io/service-name": name,
+                        "endpointslice.kubernetes.io/managed-by": _MANAGED_BY,
                     },
-                    "resourceVersion": str(generation),
+                    "resourceVersion": version,
                 },
                 "addressType": "IPv4",
                 "endpoints": [
                     {
                         "addresses": [str(ip)],
-                        "conditions": {"ready": True, "serving": True, "terminating": False},
-                        "nodeName": f"node-{int(ip) % _OTHER_NODES}",
+                        "conditions": _READY,
+                        "nodeName": _NODE_NAMES[int(ip) % _OTHER_NODES],
                     }
                     for ip in chunk
                 ],
-                "ports": [
-                    {"name": self.port_name, "port": self.target_port, "protocol": self.protocol}
-                ],
+                "ports": ports,
             }
             for number, chunk in enumerate(chunks)
         ]
@@ -197,14 +247,10 @@ def synthetic_service(
     index: int, endpoint_count: int, *, affinity_seconds: int = 0
 ) -> SyntheticService:
     """Service ``index`` with ``endpoint_count`` endpoints, named ``ns<index % 64>/svc-<index>``."""
-    return SyntheticService(
-        index=index,
-        namespace=f"ns{index % 64}",
-        name=f"svc-{index}",
-        cluster_ip=service_ip(index),
-        endpoints=endpoint_ips(index, endpoint_count),
-        affinity_seconds=affinity_seconds,
-    )
+    service_ip(index)  # raises when the index is outside the address plan
+    if not 0 <= endpoint_count < _WIDE_STRIDE:
+        raise ValueError(f"endpoint count {endpoint_count} outside 0..{_WIDE_STRIDE - 1}")
+    return SyntheticService(index, endpoint_count, affinity_seconds)
 
 
 def build_services(

@@ -1,11 +1,12 @@
-"""Benchmarks of our backends side by side, and of upstream's nftables structure (issue 7).
+"""Benchmarks of our backends side by side, and of upstream's nftables structure (issues 7, 11).
 
 Run by ``make bench`` (everything) and ``make bench-quick`` (``-m quick``); never by
 ``make test``. Every measurement runs in fresh network namespaces (``kpxb-*``), deleted
 afterwards. Figures land in ``bench/results/`` (see :mod:`bench.report`). The subjects
-(:mod:`bench.subjects`): our proxy over nftables, over iptables (iptables-nft, the node's
-default variant, and iptables-legacy), and upstream's nftables rule structure applied
-with ``nft``.
+(:mod:`bench.subjects`): our proxy over nftables (the map structure, and the previous
+per-Service-chain structure next to it), over iptables (iptables-nft, the node's default
+variant, and iptables-legacy), and upstream's nftables rule structure applied with
+``nft``.
 
 * control plane (:func:`test_control_plane`): a fresh child process is fed N Services x
   10 endpoints as Kubernetes dicts and syncs once into an empty namespace (cold); then a
@@ -16,7 +17,11 @@ with ``nft``.
 * the 250-endpoint mix (:func:`test_cold_mix`) and session affinity
   (:func:`test_cold_affinity`): cold syncs only;
 * data plane (:func:`test_first_connection`): real TCP connects from a client namespace
-  through the node namespace holding the rules to the endpoint namespace.
+  through the node namespace holding the rules to the endpoint namespace;
+* whole process (:func:`test_whole_process`): ``kube-proxy-nftables --manifests DIR
+  --once`` from start to exit against ``nft -f`` of upstream's structure;
+* churn (:func:`test_churn`): random endpoint changes at a steady rate through the
+  proxier's own rate-limited sync loop; syncs per second, sync times, CPU share.
 
 Where a subject stops (sizes it is not run at) is stated next to its sizes below, and in
 the README: never a number that was not measured.
@@ -29,24 +34,37 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import pytest
 from pytest_benchmark.fixture import BenchmarkFixture
 
 from bench.dataplane import measure_connects, topology
-from bench.harness import ProxyProcess, ProxyTimeout, proxy_process
+from bench.harness import (
+    ApplyResult,
+    ProxyProcess,
+    ProxyTimeout,
+    apply_nft_file,
+    proxy_process,
+    run_measured,
+)
 from bench.netns import namespace
-from bench.report import NO_RULES, Results
+from bench.proxyproc import DAEMON_MIN_SYNC_PERIOD
+from bench.report import Results
 from bench.subjects import (
     IPTABLES_LEGACY,
     IPTABLES_NFT,
     NFTABLES,
+    NFTABLES_CHAINS,
     UPSTREAM,
     Subject,
     installed_services,
 )
-from bench.synthetic import CLUSTER_PORT, TARGET_PORT, synthetic_service
+from bench.synthetic import CLUSTER_PORT, TARGET_PORT, build_services, synthetic_service
+from bench.targets import NO_RULES
+from bench.upstream_structure import write_upstream_ruleset
+from bench.wholeproc import binary_argv, chain_binary_argv, write_manifests
 
 K = 1000
 ENDPOINTS = 10
@@ -86,9 +104,14 @@ def _sync_record(
     services: int,
     answer: dict[str, Any] | None,
     peaks: dict[str, Any] | None,
+    ready: dict[str, Any] | None = None,
     **fields: Any,
 ) -> dict[str, Any]:
-    """One cold or restart record; ``answer`` None means the sync timed out (killed)."""
+    """One cold or restart record; ``answer`` None means the sync timed out (killed).
+
+    ``ready`` is the child's ready line: ``input_kb``, the synthetic input's share of
+    the proxy's resident size.
+    """
     ours = subject is not UPSTREAM
     if answer is None:
         return results.add(
@@ -114,6 +137,7 @@ def _sync_record(
         proxy_peak_mb=_mb(peaks["maxrss_self_kb"]) if ours and peaks else None,
         rss_after_mb=_mb(peaks["rss_now_kb"]) if ours and peaks else None,
         tool_peak_mb=_mb(peaks.get("tool_peak_kb", answer.get("tool_peak_kb", 0))),
+        input_mb=_mb(ready["input_kb"]) if ours and ready and "input_kb" in ready else None,
         ok=bool(answer["ok"]),
         timed_out=False,
         **fields,
@@ -130,19 +154,43 @@ def _sync(proxy: ProxyProcess) -> tuple[dict[str, Any] | None, dict[str, Any] | 
     return answer, proxy.request("rss")
 
 
+def _synced(
+    results: Results,
+    kind: str,
+    subject: Subject,
+    services: int,
+    proxy: ProxyProcess,
+    **fields: Any,
+) -> dict[str, Any]:
+    """A first sync of ``proxy`` (:func:`_sync`), recorded (:func:`_sync_record`)."""
+    answer, peaks = _sync(proxy)
+    return _sync_record(
+        results, kind, subject, services, answer, peaks, proxy.ready, endpoints=ENDPOINTS, **fields
+    )
+
+
 # Control plane ---------------------------------------------------------------------------
 
 # Sizes per subject: (Services, incremental syncs too, restart too, in bench-quick).
-# Where a row stops, it is for the run's length (about 20 minutes here in all), never a
-# failure. iptables-nft takes 1-3 minutes per full sync at 30k here; iptables-legacy,
-# which replaces the whole table in the kernel on every restore (1-1.5 s per incremental
-# sync at 10k already), stops at 10k; upstream's structure takes minutes at 10k (it grows
-# faster than linearly) and is not run at 30k, its incremental syncs run to 5k. Incremental
-# syncs at 30k run for nftables only.
+# Where a row stops, it is for the run's length (this file: about 35 minutes here), never
+# a failure. The map structure runs to 100k (issue 11's scale point: a cold sync takes
+# about 35 s there); the per-Service-chain structure to 30k as before (a cold sync takes
+# 30 s there and incremental syncs 0.2 s, growing with the table). iptables-nft takes
+# 1-3 minutes per full sync at 30k here; iptables-legacy, which replaces the whole table
+# in the kernel on every restore (1-1.5 s per incremental sync at 10k already), stops at
+# 10k; upstream's structure takes minutes at 10k (it grows faster than linearly) and is
+# not run at 30k, its incremental syncs run to 5k.
 CONTROL_SIZES: dict[Subject, tuple[tuple[int, bool, bool, bool], ...]] = {
     NFTABLES: (
         (1 * K, True, True, True),
         (5 * K, False, True, True),
+        (10 * K, True, True, False),
+        (30 * K, True, True, False),
+        (100 * K, True, True, False),
+    ),
+    NFTABLES_CHAINS: (
+        (1 * K, True, True, True),
+        (5 * K, False, True, False),
         (10 * K, True, True, False),
         (30 * K, True, True, False),
     ),
@@ -201,7 +249,7 @@ def test_control_plane(
             _pedantic(benchmark, lambda: cold.append(_sync(proxy)))
         answer, peaks = cold[0]
         record = _sync_record(
-            results, "cold", subject, services, answer, peaks, endpoints=ENDPOINTS
+            results, "cold", subject, services, answer, peaks, proxy.ready, endpoints=ENDPOINTS
         )
         benchmark.extra_info.update(record)
         if record["timed_out"]:
@@ -212,10 +260,7 @@ def test_control_plane(
             return
 
         with proxy_process(netns, services, ENDPOINTS, backend=subject.backend) as proxy:
-            answer, peaks = _sync(proxy)
-            record = _sync_record(
-                results, "restart", subject, services, answer, peaks, endpoints=ENDPOINTS
-            )
+            record = _synced(results, "restart", subject, services, proxy)
             if record["timed_out"]:
                 return
             assert record["ok"], f"{subject.name}: restart sync failed"
@@ -264,6 +309,8 @@ def _incremental(
 MIX_CASES = [
     pytest.param(NFTABLES, 1 * K, marks=quick, id="nftables-1k"),
     pytest.param(NFTABLES, 10 * K, id="nftables-10k"),
+    pytest.param(NFTABLES_CHAINS, 1 * K, marks=quick, id="nftables-chains-1k"),
+    pytest.param(NFTABLES_CHAINS, 10 * K, id="nftables-chains-10k"),
     pytest.param(IPTABLES_NFT, 10 * K, id="iptables-nft-10k"),
     pytest.param(IPTABLES_LEGACY, 10 * K, id="iptables-legacy-10k"),
     pytest.param(UPSTREAM, 1 * K, marks=quick, id="upstream-1k"),
@@ -275,24 +322,32 @@ MIX_CASES = [
 @pytest.mark.parametrize(("subject", "services"), MIX_CASES)
 def test_cold_mix(results: Results, subject: Subject, services: int) -> None:
     """1 Service in 100 has 250 endpoints, the others 10."""
+    _cold_variant(
+        results,
+        subject,
+        services,
+        "mix",
+        {"wide_every": MIX_EVERY},
+        mix=f"1 in {MIX_EVERY} with {MIX_ENDPOINTS}",
+    )
+
+
+def _cold_variant(
+    results: Results,
+    subject: Subject,
+    services: int,
+    purpose: str,
+    cluster: dict[str, Any],
+    **shape: Any,
+) -> None:
+    """A cold sync of another cluster shape (``cluster``: :func:`proxy_process` options),
+    recorded with ``shape`` (what tells it from the plain N x 10 records)."""
     _needs(subject)
     with (
-        namespace("mix") as netns,
-        proxy_process(
-            netns, services, ENDPOINTS, backend=subject.backend, wide_every=MIX_EVERY
-        ) as proxy,
+        namespace(purpose) as netns,
+        proxy_process(netns, services, ENDPOINTS, backend=subject.backend, **cluster) as proxy,
     ):
-        answer, peaks = _sync(proxy)
-        record = _sync_record(
-            results,
-            "cold",
-            subject,
-            services,
-            answer,
-            peaks,
-            endpoints=ENDPOINTS,
-            mix=f"1 in {MIX_EVERY} with {MIX_ENDPOINTS}",
-        )
+        record = _synced(results, "cold", subject, services, proxy, **shape)
         if not record["timed_out"]:
             assert record["ok"]
             assert installed_services(subject, netns) == services
@@ -302,6 +357,9 @@ AFFINITY_CASES = [
     pytest.param(NFTABLES, 1 * K, marks=quick, id="nftables-1k"),
     pytest.param(NFTABLES, 5 * K, id="nftables-5k"),
     pytest.param(NFTABLES, 10 * K, id="nftables-10k"),
+    pytest.param(NFTABLES_CHAINS, 1 * K, marks=quick, id="nftables-chains-1k"),
+    pytest.param(NFTABLES_CHAINS, 5 * K, id="nftables-chains-5k"),
+    pytest.param(NFTABLES_CHAINS, 10 * K, id="nftables-chains-10k"),
     pytest.param(UPSTREAM, 1 * K, id="upstream-1k"),
 ]
 
@@ -310,30 +368,29 @@ AFFINITY_CASES = [
 @pytest.mark.parametrize(("subject", "services"), AFFINITY_CASES)
 def test_cold_affinity(results: Results, subject: Subject, services: int) -> None:
     """Every Service with ClientIP session affinity (10800 s)."""
-    _needs(subject)
-    with (
-        namespace("aff") as netns,
-        proxy_process(
-            netns, services, ENDPOINTS, backend=subject.backend, affinity_seconds=AFFINITY_SECONDS
-        ) as proxy,
-    ):
-        answer, peaks = _sync(proxy)
-        record = _sync_record(
-            results, "cold", subject, services, answer, peaks, endpoints=ENDPOINTS, affinity=True
-        )
-        if not record["timed_out"]:
-            assert record["ok"]
-            assert installed_services(subject, netns) == services
+    _cold_variant(
+        results,
+        subject,
+        services,
+        "aff",
+        {"affinity_seconds": AFFINITY_SECONDS},
+        affinity=True,
+    )
 
 
 # Data plane ------------------------------------------------------------------------------
 
 # iptables-legacy's data path is x_tables (the same linear rule walk as iptables-nft's,
-# another implementation); it stops at 10k for the run's length, like its syncs.
+# another implementation); it stops at 10k for the run's length, like its syncs. The map
+# structure runs to 100k (issue 11: flat from 1k to 100k), the chain structure to 30k.
 DATAPLANE_CASES = [
     pytest.param(NFTABLES, 1 * K, marks=quick, id="nftables-1k"),
     pytest.param(NFTABLES, 10 * K, id="nftables-10k"),
     pytest.param(NFTABLES, 30 * K, id="nftables-30k"),
+    pytest.param(NFTABLES, 100 * K, id="nftables-100k"),
+    pytest.param(NFTABLES_CHAINS, 1 * K, marks=quick, id="nftables-chains-1k"),
+    pytest.param(NFTABLES_CHAINS, 10 * K, id="nftables-chains-10k"),
+    pytest.param(NFTABLES_CHAINS, 30 * K, id="nftables-chains-30k"),
     pytest.param(IPTABLES_NFT, 1 * K, marks=quick, id="iptables-nft-1k"),
     pytest.param(IPTABLES_NFT, 10 * K, id="iptables-nft-10k"),
     pytest.param(IPTABLES_NFT, 30 * K, id="iptables-nft-30k"),
@@ -399,3 +456,139 @@ def test_first_connection_baseline(results: Results) -> None:
         "dataplane", NO_RULES, services=0, case="direct", overhead_us=0.0, **asdict(latency)
     )
     assert latency.failures <= CONNECTS // 100
+
+
+# Whole process -----------------------------------------------------------------------------
+
+# Our binaries run this many times each (a fresh namespace every time; the median counts):
+# a run takes seconds, so one noisy run would swing the ratio. Upstream's nft -f runs once
+# (half a minute at 5k: noise is a small share of it).
+WHOLE_PROCESS_ROUNDS = 3
+
+WHOLE_PROCESS_CASES = [
+    pytest.param(1 * K, marks=quick, id="1k"),
+    pytest.param(5 * K, id="5k"),
+]
+
+
+def _whole_process_record(
+    results: Results, subject: Subject, services: int, runs: list[ApplyResult], how: str
+) -> dict[str, Any]:
+    seconds = sorted(r.seconds for r in runs)
+    return results.add(
+        "whole_process",
+        subject.name,
+        services=services,
+        endpoints=ENDPOINTS,
+        how=how,
+        rounds=len(runs),
+        seconds=statistics.median(seconds),
+        min_s=seconds[0],
+        max_s=seconds[-1],
+        peak_mb=max(r.peak_rss_mb for r in runs),
+        ok=all(r.ok for r in runs),
+        timed_out=any(r.timed_out for r in runs),
+    )
+
+
+@pytest.mark.timeout(3 * WHOLE_PROCESS_ROUNDS * SYNC_TIMEOUT_S + 600)
+@pytest.mark.parametrize("services", WHOLE_PROCESS_CASES)
+def test_whole_process(results: Results, services: int, tmp_path: Path) -> None:
+    """``kube-proxy-nftables --manifests DIR --once`` vs ``nft -f`` of upstream's structure.
+
+    Each from process start to exit in a fresh namespace: our binary's whole start-up
+    (imports, the cleanup of other modes' leftovers, reading the manifests, the sync),
+    nft's parsing and commit. The per-Service-chain structure runs through the same
+    start-up with its backend swapped in (:mod:`bench.wholeproc`).
+    """
+    cluster = build_services(services, ENDPOINTS)
+    manifests = write_manifests(tmp_path / "manifests", cluster)
+    ruleset = tmp_path / "upstream.nft"
+    write_upstream_ruleset(ruleset, cluster)
+    del cluster
+    ours = (
+        (NFTABLES, binary_argv(manifests), "kube-proxy-nftables --manifests DIR --once"),
+        (NFTABLES_CHAINS, chain_binary_argv(manifests), "the same, chain backend swapped in"),
+    )
+    for subject, argv, how in ours:
+        runs = []
+        for _ in range(WHOLE_PROCESS_ROUNDS):
+            with namespace("wp") as netns:
+                run = run_measured(netns, argv, timeout_s=SYNC_TIMEOUT_S, cwd=tmp_path)
+                runs.append(run)
+                assert run.ok, f"{subject.name}: {run.stderr}"
+                assert installed_services(subject, netns) == services
+        _whole_process_record(results, subject, services, runs, how)
+    with namespace("wp") as netns:
+        run = apply_nft_file(netns, ruleset, timeout_s=SYNC_TIMEOUT_S)
+        _whole_process_record(results, UPSTREAM, services, [run], "nft -f FILE")
+        if not run.timed_out:
+            assert run.ok, run.stderr
+            assert installed_services(UPSTREAM, netns) == services
+
+
+# Churn -------------------------------------------------------------------------------------
+
+CHURN_RATE = 50.0  # endpoint changes per second (issue 11)
+CHURN_SECONDS = 60.0
+
+# (subject, Services, seconds). The chain structure runs too: a sync there costs a few
+# hundred ms at 30k, so its loop is busy a good part of each second, but the run's length
+# is the same 60 s plus its cold sync (30 s).
+CHURN_CASES = [
+    pytest.param(NFTABLES, 1 * K, 10.0, marks=quick, id="nftables-1k-10s"),
+    pytest.param(NFTABLES, 30 * K, CHURN_SECONDS, id="nftables-30k"),
+    pytest.param(NFTABLES_CHAINS, 30 * K, CHURN_SECONDS, id="nftables-chains-30k"),
+]
+
+
+@pytest.mark.timeout(2 * SYNC_TIMEOUT_S + 600)
+@pytest.mark.parametrize(("subject", "services", "seconds"), CHURN_CASES)
+def test_churn(results: Results, subject: Subject, services: int, seconds: float) -> None:
+    """Random endpoint changes at :data:`CHURN_RATE` per second through the proxier's own
+    sync loop, rate-limited by the default ``minSyncPeriod`` as in ``kube-proxy-nftables``.
+
+    After an untimed cold sync: syncs per second, the core's sync times (p50, p99), how
+    many Services a sync carries, and the process's CPU time over the window.
+    """
+    _needs(subject)
+    with (
+        namespace("churn") as netns,
+        proxy_process(
+            netns,
+            services,
+            ENDPOINTS,
+            backend=subject.backend,
+            min_sync_period=DAEMON_MIN_SYNC_PERIOD,
+        ) as proxy,
+    ):
+        answer, _ = _sync(proxy)
+        assert answer is not None and answer["ok"], f"{subject.name}: cold sync failed"
+        churn = proxy.request(
+            "churn", timeout_s=seconds + SYNC_TIMEOUT_S, seconds=seconds, rate=CHURN_RATE
+        )
+        assert installed_services(subject, netns) == services
+    wall = churn["wall_s"]
+    results.add(
+        "churn",
+        subject.name,
+        services=services,
+        endpoints=ENDPOINTS,
+        rate=CHURN_RATE,
+        seconds=wall,
+        changes=churn["changes"],
+        syncs=churn["syncs"],
+        syncs_per_s=churn["syncs"] / wall,
+        full_syncs=churn["full_syncs"],
+        failed_syncs=churn["failed_syncs"],
+        sync_p50_ms=churn["sync_p50_ms"],
+        sync_p99_ms=churn["sync_p99_ms"],
+        sync_max_ms=churn["sync_max_ms"],
+        services_per_sync=churn["services_per_sync_median"],
+        cpu_s=churn["cpu_s"],
+        cpu_share=churn["cpu_s"] / wall,
+        late_max_s=churn["late_max_s"],
+        min_sync_period_s=churn["min_sync_period_s"],
+        ok=bool(churn["ok"]),
+    )
+    assert churn["ok"], f"{subject.name}: a sync failed during the churn"

@@ -6,6 +6,10 @@ backend reaches the kernel:
 * libnftables, called in-process through ctypes by the nftables backend: every
   ``nft_run_cmd_from_filename`` call (nft's parsing, the netlink exchange and the
   kernel's commit, all inside that C call) is timed;
+* the map structure's element batches, which skip libnftables (its own netlink socket,
+  ``kubeproxy.backends.nftables.elements``): every transaction on that socket (assembling
+  the already encoded messages, the send, the kernel's commit, reading the acks) is timed
+  as ``netlink elements``, the encoding of the elements before it is not;
 * tool processes (``iptables-restore``, ``iptables-save``, ``iptables``, ``nft``...):
   :class:`subprocess.Popen` is replaced by a subclass that times each process from its
   start to the moment it is reaped, whatever wrapper (``subprocess.run``, ``check_output``)
@@ -33,6 +37,7 @@ from typing import Any
 __all__ = ["ToolClock", "install", "tool_name"]
 
 _LIBNFTABLES = "libnftables"
+_NETLINK_ELEMENTS = "netlink elements"
 _SAMPLE_S = 0.005
 
 
@@ -200,4 +205,10 @@ def install() -> ToolClock:
     except Exception:  # no libnftables here: the nftables backend fails on its own
         return clock
     lib.run_file = _timed(clock, _LIBNFTABLES, lib.run_file)
+    try:
+        elements = importlib.import_module("kubeproxy.backends.nftables.elements")
+    except ImportError:  # a checkout whose backend sends every element through nft
+        return clock
+    writer = elements.ElementWriter
+    writer._transact = _timed(clock, _NETLINK_ELEMENTS, writer._transact)
     return clock

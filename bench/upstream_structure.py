@@ -20,7 +20,7 @@ import base64
 import hashlib
 import ipaddress
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench.synthetic import NODE_IP, POD_CIDR, SERVICE_CIDR, SyntheticService
@@ -406,7 +406,7 @@ class UpstreamModel:
         spare = first + spare_offset
         original_last = first + (len(service.endpoints) - 1)
         last = original_last if service.endpoints[-1] == spare else spare
-        changed = replace(service, endpoints=(*service.endpoints[:-1], last))
+        changed = service.with_endpoints((*service.endpoints[:-1], last))
         self.services[index] = changed
         lines = list(_service(changed, self.options, elements=False))
         gone = set(self._chains(service)) - set(self._chains(changed))

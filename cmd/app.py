@@ -1050,6 +1050,8 @@ def _assemble(
     executor = conntrack if conntrack is not None else NetlinkConntrack(netns)
     reconciler = ConntrackReconciler(executor, metrics)
     gc_tuner = GcTuner(families, gc_ops)
+    # A process that syncs once and exits has no long life to tune the collector for.
+    tuning = () if options.once or options.dry_run else (gc_tuner,)
     proxiers: dict[IPFamily, Proxier] = {}
     for family, backend in backends.items():
         extra = tuple(backend_hooks(backend, metrics)) if backend_hooks is not None else ()
@@ -1063,7 +1065,7 @@ def _assemble(
             host_addresses=list_host_addresses,
             observer=ObserverGroup([metrics, parts.observer, *observers]),
             conntrack=reconciler,
-            after_sync=(metrics.after_sync, parts.observer.after_sync, *hooks, gc_tuner),
+            after_sync=(metrics.after_sync, parts.observer.after_sync, *hooks, *tuning),
         )
         metrics.track(proxiers[family])
     return Daemon(

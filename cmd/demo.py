@@ -199,18 +199,19 @@ def run_demo(manifests: Path) -> int:
         if _netns_exec(NODE, *argv).returncode != 0:
             print("kube-proxy-nftables failed", file=sys.stderr)
             return 1
-        print(f"\n$ ip netns exec {NODE} nft list map ip kube-proxy service-ips")
+        # The class rules, then the endpoint slots they choose from (pure data).
+        print(f"\n$ ip netns exec {NODE} nft list chain ip kube-proxy service-frontends")
         listing = _netns_exec(
-            NODE, "nft", "list", "map", "ip", "kube-proxy", "service-ips", capture=True
+            NODE, "nft", "list", "chain", "ip", "kube-proxy", "service-frontends", capture=True
         ).stdout
         print(listing, end="")
-        web_chain = re.search(r"172\.30\.0\.10 \. tcp \. 80 : goto ([^\s,}]+)", listing)
-        if web_chain is not None:
-            chain = web_chain.group(1).strip('"')
-            print(f"\n$ ip netns exec {NODE} nft list chain ip kube-proxy {chain}")
+        generation = re.search(r"\.g([0-9]+)\b", listing)
+        if generation is not None:
+            slots = f"endpoints-tcp.g{generation.group(1)}"
+            print(f"\n$ ip netns exec {NODE} nft list map ip kube-proxy {slots}")
             print(
                 _netns_exec(
-                    NODE, "nft", "list", "chain", "ip", "kube-proxy", chain, capture=True
+                    NODE, "nft", "list", "map", "ip", "kube-proxy", slots, capture=True
                 ).stdout,
                 end="",
             )

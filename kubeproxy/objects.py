@@ -168,6 +168,9 @@ class Endpoint:
     terminating: bool = False
     zone_hints: frozenset[str] = frozenset()
     node_hints: frozenset[str] = frozenset()
+    remote: bool = False
+    """Known to run on another node (its ``nodeName`` names another node): it can never
+    be the source of a hairpin connection through this node."""
     key: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -180,7 +183,7 @@ class Endpoint:
 
 
 def _endpoint_maker() -> Callable[
-    [IPAddress, int, str, bool, bool, bool, bool, frozenset[str], frozenset[str]], Endpoint
+    [IPAddress, int, str, bool, bool, bool, bool, frozenset[str], frozenset[str], bool], Endpoint
 ]:
     # A frozen dataclass sets every field through object.__setattr__; at hundreds of
     # thousands of endpoints per start-up that was most of the parsing time. Writing the
@@ -190,6 +193,7 @@ def _endpoint_maker() -> Callable[
     set_local, set_ready = setters["is_local"], setters["ready"]
     set_serving, set_terminating = setters["serving"], setters["terminating"]
     set_zone_hints, set_node_hints = setters["zone_hints"], setters["node_hints"]
+    set_remote = setters["remote"]
     new = object.__new__
 
     def make(
@@ -202,6 +206,7 @@ def _endpoint_maker() -> Callable[
         terminating: bool,
         zone_hints: frozenset[str],
         node_hints: frozenset[str],
+        remote: bool = False,
     ) -> Endpoint:
         endpoint: Endpoint = new(Endpoint)
         set_ip(endpoint, ip)
@@ -212,6 +217,7 @@ def _endpoint_maker() -> Callable[
         set_terminating(endpoint, terminating)
         set_zone_hints(endpoint, zone_hints)
         set_node_hints(endpoint, node_hints)
+        set_remote(endpoint, remote)
         set_key(endpoint, key)
         return endpoint
 
@@ -222,7 +228,7 @@ make_endpoint = _endpoint_maker()
 """Build an :class:`Endpoint` fast, from already validated parts and its precomputed key.
 
 ``make_endpoint(ip, port, key, is_local, ready, serving, terminating, zone_hints,
-node_hints)`` equals ``Endpoint(ip, port, is_local, ...)`` when ``key`` is
+node_hints, remote)`` equals ``Endpoint(ip, port, is_local, ...)`` when ``key`` is
 ``endpoint_string(ip, port)``; the parser uses it for the hundreds of thousands of
 endpoints of a big cluster.
 """

@@ -541,6 +541,7 @@ def endpoint_with_port(endpoint: Endpoint, port: int) -> Endpoint:
         endpoint.terminating,
         endpoint.zone_hints,
         endpoint.node_hints,
+        endpoint.remote,
     )
 
 
@@ -624,6 +625,7 @@ def parse_endpoint_slice(
     version = family.version
     # Never equal to a nodeName when this proxy has no node name.
     local_node: object = node_name if node_name else _NEVER
+    known_node = bool(node_name)
     for index, raw in enumerate(context.sequence(obj.get("endpoints"), "endpoints")):
         # The common shapes are checked inline: this loop runs for every endpoint of
         # the cluster at start-up.
@@ -660,6 +662,7 @@ def parse_endpoint_slice(
                 terminating = context.boolean(
                     terminating, "endpoints[{}].conditions.terminating", False, index
                 )
+        node = entry.get("nodeName")
         zone_hints = node_hints = _EMPTY
         hints = entry.get("hints")
         if hints is not None:
@@ -674,12 +677,13 @@ def parse_endpoint_slice(
                 f"{address_text}:{first_port}"
                 if address_text is not None
                 else endpoint_string(address, first_port),
-                entry.get("nodeName") == local_node,
+                node == local_node,
                 ready,
                 serving,
                 terminating,
                 zone_hints,
                 node_hints,
+                known_node and type(node) is str and node != node_name,
             )
         )
     endpoints.sort(key=_endpoint_sort_key)

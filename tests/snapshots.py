@@ -1,7 +1,8 @@
 """Snapshots for the backends' unit tests: a mutable set of Services and endpoints of one
 family (:class:`World`) that builds a :class:`~kubeproxy.backend.ProxySnapshot` the way
 the core does, the small builders the proxier tests of every backend share, and the
-common rules of their incremental-equals-full state machines (:class:`WorldMachine`).
+common rules of their incremental-equals-full state machines (:class:`WorldMachine`),
+with the random Service ports and endpoints both nftables structures' machines draw.
 """
 
 from __future__ import annotations
@@ -159,3 +160,75 @@ class WorldMachine(RuleBasedStateMachine):
         name = data.draw(st.sampled_from(sorted(self.world.services)))
         self.world.remove(name)
         self.pending.add(name.service)
+
+
+# Random worlds for the backends' incremental-equals-full state machines ----------------
+
+V6_DETECTOR = LocalDetector(LocalDetectMode.CLUSTER_CIDR, (net("fd00:10::/64"),))
+PROPERTY_NAMES = [spn(f"s{i}") for i in range(6)] + [spn("s0", "alt", proto=Protocol.UDP)]
+_PROPERTY_EPS = [f"10.180.{i}.{j}" for i in range(3) for j in range(1, 4)]
+
+
+@st.composite
+def service_ports(draw: st.DrawFn, name: ServicePortName) -> ServicePort:
+    n = int(name.service.name[1:])
+    return ServicePort(
+        name,
+        # A few shared IPs and ports make key conflicts likely.
+        ip(f"172.30.0.{draw(st.sampled_from([n, n, 1, 2]))}"),
+        draw(st.sampled_from([80, 80, 443])),
+        name.protocol,
+        node_port=draw(st.sampled_from([0, 0, 30000 + n, 30001])),
+        external_ips=tuple(
+            draw(st.sets(st.sampled_from([ip("5.5.5.5"), ip("5.5.5.6")]), max_size=2))
+        ),
+        load_balancer_vips=tuple(draw(st.sets(st.sampled_from([ip("6.6.6.6")]), max_size=1))),
+        load_balancer_source_ranges=tuple(
+            draw(
+                st.sets(st.sampled_from([net("203.0.113.0/25"), net("192.168.0.0/16")]), max_size=2)
+            )
+        ),
+        session_affinity_seconds=draw(st.sampled_from([0, 0, 10, 10800])),
+        internal_policy_local=draw(st.booleans()),
+        external_policy_local=draw(st.booleans()),
+    )
+
+
+@st.composite
+def endpoint_sets(draw: st.DrawFn) -> tuple[Endpoint, ...]:
+    count = draw(st.sampled_from([0, 1, 2, 3, 20]))
+    if count == 20:
+        return tuple(ep(f"10.181.{k}.1", local=k % 3 == 0) for k in range(count))
+    addrs = draw(
+        st.lists(st.sampled_from(_PROPERTY_EPS), min_size=count, max_size=count, unique=True)
+    )
+    return tuple(
+        ep(
+            a,
+            draw(st.sampled_from([8080, 9090])),
+            local=draw(st.booleans()),
+            ready=(ready := draw(st.booleans()) or draw(st.booleans())),
+            serving=ready or draw(st.booleans()),
+            terminating=not ready,
+        )
+        for a in addrs
+    )
+
+
+def to_v6(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> ipaddress.IPv6Address:
+    return ipaddress.IPv6Address(f"fd00::{':'.join(str(b) for b in addr.packed)}")
+
+
+def to_v6_net(
+    cidr: ipaddress.IPv4Network | ipaddress.IPv6Network,
+) -> ipaddress.IPv6Network:
+    return ipaddress.IPv6Network(f"{to_v6(cidr.network_address)}/{96 + cidr.prefixlen}")
+
+
+def v6_world() -> World:
+    return World(
+        IPFamily.IPV6,
+        node_port_addresses=NodePortAddresses(addresses=(ip("2001:db8::1"),)),
+        detector=V6_DETECTOR,
+        service_cidrs=(net("fd00:10:96::/112"),),
+    )

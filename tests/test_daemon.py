@@ -31,6 +31,7 @@ from kubeproxy.backend import Backend
 from kubeproxy.backends import nftables
 from kubeproxy.backends.nftables.exec import LibNftables
 from kubeproxy.backends.nftables.fake import FakeNft
+from kubeproxy.backends.nftables.inspect import served_frontends
 from kubeproxy.backends.nftables.objects import Family
 from kubeproxy.cmd.app import (
     Daemon,
@@ -137,7 +138,7 @@ class FakeBackends:
         fake = self.fakes[family]
         if not fake.table_exists(table_family, nftables.TABLE):
             return set()
-        return {e.key for e in fake.list_elements(table_family, nftables.TABLE, "service-ips")}
+        return {k for k in served_frontends(fake, table_family) if len(k) == 3}
 
 
 def recording_gc() -> tuple[GcOps, list[str]]:
@@ -233,7 +234,7 @@ class Kernel:
     def service_ips(self) -> set[tuple[str, ...]]:
         if not self.table_exists():
             return set()
-        return {e.key for e in self.nft.list_elements(Family.IP, nftables.TABLE, "service-ips")}
+        return {k for k in served_frontends(self.nft, Family.IP) if len(k) == 3}
 
     def close(self) -> None:
         self.nft.close()

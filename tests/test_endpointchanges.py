@@ -426,6 +426,7 @@ def reference_merge(
                     terminating=e.terminating,
                     zone_hints=e.zone_hints,
                     node_hints=e.node_hints,
+                    remote=e.remote,
                 )
                 candidates.setdefault(name, {}).setdefault(copy.key, []).append(copy)
     merged: dict[ServicePortName, tuple[Endpoint, ...]] = {}

@@ -161,6 +161,18 @@ def test_check_support_on_the_fake() -> None:
     check_support(FakeNft(version="1.0.1"))
 
 
+def test_check_support_is_one_dry_run_when_everything_works() -> None:
+    class Counting(FakeNft):
+        calls = 0
+
+        def check(self, tx: Transaction) -> None:
+            Counting.calls += 1
+            super().check(tx)
+
+    check_support(Counting(), Family.IP)
+    assert Counting.calls == 1
+
+
 def test_check_support_names_the_missing_feature() -> None:
     class NoFib(FakeNft):
         def check(self, tx: Transaction) -> None:

@@ -20,8 +20,15 @@ from pathlib import Path
 import pytest
 
 from kubeproxy.backend import ProxySnapshot, SyncChanges, SyncError
-from kubeproxy.backends.nftables import NftablesBackend, cleanup, create_backend
+from kubeproxy.backends.nftables import (
+    NftablesBackend,
+    cleanup,
+    create_backend,
+    create_chain_backend,
+)
 from kubeproxy.backends.nftables.exec import LibNftables
+from kubeproxy.backends.nftables.inspect import served_frontends, slots_of
+from kubeproxy.backends.nftables.objects import Family
 from kubeproxy.config import ProxierConfig
 from kubeproxy.objects import (
     CategorizedEndpoints,
@@ -98,6 +105,34 @@ def test_restart_keeps_connections_and_serves_new_ones(topology: Topology) -> No
     assert_restart_keeps_connections(topology, restart)
 
 
+def test_upgrade_from_per_service_chains_keeps_connections(topology: Topology) -> None:
+    """An upgrade in place: the per-Service-chain structure's table, then this version."""
+    old = create_chain_backend(IPFamily.IPV4, CONFIG, netns=topology.node)
+    old.sync(snapshot(300), full())
+    clock = [100.0]
+    new = NftablesBackend(
+        IPFamily.IPV4, CONFIG, executor=LibNftables(topology.node), clock=lambda: clock[0]
+    )
+
+    def upgrade() -> None:
+        new.sync(snapshot(2000), full())
+        assert new.last_transactions >= 2
+
+    assert_restart_keeps_connections(topology, upgrade)
+    # A second later what the old structure left is deleted, and the Service still works.
+    clock[0] += 1.0
+    new.sync(snapshot(2000), SyncChanges(full=False))
+    assert new.stale_chain_failures == 0
+    listing = nft_in(topology.node, "list", "table", "ip", "kube-proxy")
+    chains = [
+        line.split()[1] for line in listing.splitlines() if line.lstrip().startswith("chain ")
+    ]
+    assert "service-ips" not in listing
+    assert chains and not [c for c in chains if "/" in c]  # per-Service chains all have a '/'
+
+    assert_restart_keeps_connections(topology, lambda: new.sync(snapshot(2000), full()))
+
+
 # Foreign tables and cleanup --------------------------------------------------------------
 
 FOREIGN = """
@@ -171,27 +206,17 @@ def test_refused_transaction_leaves_the_previous_rules(topology: Topology) -> No
     node = topology.node
     backend = create_backend(IPFamily.IPV4, CONFIG, netns=node)
     backend.sync(snapshot(10), full())
-    # Someone else puts an element where our next incremental sync will add its own: the
-    # kernel refuses our whole transaction (EEXIST).
+    generation = backend.generation
+    assert generation is not None
+    # Someone else puts an element where our next incremental sync will add its own
+    # (slot 0 of bulk/s99, another endpoint): the kernel refuses the whole transaction.
     nft_in(
         node,
-        "add element ip kube-proxy no-endpoint-services { 172.30.16.99 . tcp . 80 : drop }",
+        f"add element ip kube-proxy endpoints-tcp.g{generation} "
+        "{ 172.30.16.99 . tcp . 80 . 0 : 192.0.2.9 . 9 }",
     )
     before = nft_in(node, "list", "table", "ip", "kube-proxy")
     grown = snapshot(100)
-    name = ServicePortName(NamespacedName("bulk", "s99"), "http", Protocol.TCP)
-    empty = dict(grown.categorized)
-    empty[name] = CategorizedEndpoints()
-    grown = ProxySnapshot(
-        grown.family,
-        grown.node,
-        grown.services,
-        grown.endpoints,
-        empty,
-        grown.service_cidrs,
-        grown.node_port_addresses,
-        grown.local_detector,
-    )
     with pytest.raises(SyncError, match="File exists"):
         backend.sync(grown, SyncChanges(full=False, changed_services=_bulk(10, 100)))
     assert nft_in(node, "list", "table", "ip", "kube-proxy") == before
@@ -203,8 +228,16 @@ def test_refused_transaction_leaves_the_previous_rules(topology: Topology) -> No
             return sock.recv(64)
 
     assert topology.in_namespace(topology.client, echo) == b"still\n"
-    # The next sync re-reads the kernel and converges.
+    # The next sync is a full one: a new generation, written beside the damaged one.
     backend.sync(grown, SyncChanges(full=False))
     assert backend.last_sync_full
-    listing = nft_in(node, "list", "map", "ip", "kube-proxy", "no-endpoint-services")
-    assert "172.30.16.99 . tcp . 80 : goto reject-chain" in listing
+    assert backend.generation == generation + 1
+    nft = LibNftables(node)
+    key = ("172.30.16.99", "tcp", "80")
+    assert key in served_frontends(nft, Family.IP)
+    assert sorted(slots_of(nft, Family.IP, key)) == [
+        ("10.181.1.140", "8080"),
+        ("10.181.1.141", "8080"),
+        ("10.181.1.142", "8080"),
+    ]
+    assert topology.in_namespace(topology.client, echo) == b"still\n"

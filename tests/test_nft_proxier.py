@@ -1,46 +1,47 @@
-"""NftablesBackend on FakeNft: full and incremental syncs, conflicts, failures, stale chains."""
+"""ChainNftablesBackend (the per-Service-chain structure) on FakeNft.
+
+Full and incremental syncs, conflicts, failures, stale chains.
+"""
 
 from __future__ import annotations
 
-import difflib
-import ipaddress
 import logging
 import re
 from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, settings
-from hypothesis import strategies as st
-from hypothesis.stateful import invariant, rule
 
-from kubeproxy.backend import NodePortAddresses, SyncChanges, SyncError
-from kubeproxy.backends.nftables import NftablesBackend, create_backend, render_transactions
+from kubeproxy.backend import Backend, NodePortAddresses, SyncChanges, SyncError
+from kubeproxy.backends.nftables import (
+    ChainNftablesBackend,
+    create_chain_backend,
+    render_transactions,
+)
 from kubeproxy.backends.nftables.fake import FakeNft
 from kubeproxy.backends.nftables.objects import Element, Family, NftError
 from kubeproxy.backends.nftables.transaction import Transaction
 from kubeproxy.config import LocalDetectMode, LocalDetector, ProxierConfig
 from kubeproxy.objects import (
-    Endpoint,
     IPFamily,
     Protocol,
     ServicePort,
-    ServicePortName,
 )
+from tests.nftmachine import NftWorldMachine, V6Machine
 from tests.snapshots import (
     NODE,
-    V4_DETECTOR,
+    V6_DETECTOR,
     Clock,
     World,
-    WorldMachine,
     changed,
     ep,
     full,
     ip,
     net,
     spn,
+    v6_world,
 )
 
-V6_DETECTOR = LocalDetector(LocalDetectMode.CLUSTER_CIDR, (net("fd00:10::/64"),))
 CONFIG = ProxierConfig(node_name=NODE)
 
 
@@ -50,8 +51,8 @@ def backend(
     family: IPFamily = IPFamily.IPV4,
     config: ProxierConfig = CONFIG,
     ports_per_transaction: int = 2000,
-) -> NftablesBackend:
-    return NftablesBackend(
+) -> ChainNftablesBackend:
+    return ChainNftablesBackend(
         family,
         config,
         executor=fake,
@@ -685,7 +686,7 @@ def test_dry_run_with_a_fake_renders_a_cold_sync() -> None:
     world = World()
     world.add(cip(1), ep("10.180.0.1"))
     fake = FakeNft()
-    b = NftablesBackend(IPFamily.IPV4, CONFIG, executor=fake)  # support check included
+    b = ChainNftablesBackend(IPFamily.IPV4, CONFIG, executor=fake)  # support check included
     b.sync(world.snapshot(), full())
     text = render_transactions(fake.transactions)
     assert text.startswith("# transaction 1: ")
@@ -695,7 +696,7 @@ def test_dry_run_with_a_fake_renders_a_cold_sync() -> None:
 
 def test_create_backend_refuses_a_missing_namespace() -> None:
     with pytest.raises(NftError):
-        create_backend(IPFamily.IPV4, CONFIG, netns="kpxr-does-not-exist")
+        create_chain_backend(IPFamily.IPV4, CONFIG, netns="kpxr-does-not-exist")
 
 
 def test_wrong_family_snapshot_is_refused() -> None:
@@ -705,126 +706,15 @@ def test_wrong_family_snapshot_is_refused() -> None:
 
 # Property: incremental syncs converge to exactly what a fresh full sync writes ------------
 
-_NAMES = [spn(f"s{i}") for i in range(6)] + [spn("s0", "alt", proto=Protocol.UDP)]
-_EPS = [f"10.180.{i}.{j}" for i in range(3) for j in range(1, 4)]
 
+class IncrementalEqualsFull(NftWorldMachine):
+    """Incremental syncs end exactly where a fresh full sync starts: the same dump."""
 
-@st.composite
-def service_ports(draw: st.DrawFn, name: ServicePortName) -> ServicePort:
-    n = int(name.service.name[1:])
-    return ServicePort(
-        name,
-        # A few shared IPs and ports make key conflicts likely.
-        ip(f"172.30.0.{draw(st.sampled_from([n, n, 1, 2]))}"),
-        draw(st.sampled_from([80, 80, 443])),
-        name.protocol,
-        node_port=draw(st.sampled_from([0, 0, 30000 + n, 30001])),
-        external_ips=tuple(
-            draw(st.sets(st.sampled_from([ip("5.5.5.5"), ip("5.5.5.6")]), max_size=2))
-        ),
-        load_balancer_vips=tuple(draw(st.sets(st.sampled_from([ip("6.6.6.6")]), max_size=1))),
-        load_balancer_source_ranges=tuple(
-            draw(
-                st.sets(st.sampled_from([net("203.0.113.0/25"), net("192.168.0.0/16")]), max_size=2)
-            )
-        ),
-        session_affinity_seconds=draw(st.sampled_from([0, 0, 10, 10800])),
-        internal_policy_local=draw(st.booleans()),
-        external_policy_local=draw(st.booleans()),
-    )
+    def make_backend(self, fake: FakeNft, clock: Clock, *, small: bool) -> Backend:
+        return backend(fake, clock, self.family, ports_per_transaction=3 if small else 2000)
 
-
-@st.composite
-def endpoint_sets(draw: st.DrawFn) -> tuple[Endpoint, ...]:
-    count = draw(st.sampled_from([0, 1, 2, 3, 20]))
-    if count == 20:
-        return tuple(ep(f"10.181.{k}.1", local=k % 3 == 0) for k in range(count))
-    addrs = draw(st.lists(st.sampled_from(_EPS), min_size=count, max_size=count, unique=True))
-    return tuple(
-        ep(
-            a,
-            draw(st.sampled_from([8080, 9090])),
-            local=draw(st.booleans()),
-            ready=(ready := draw(st.booleans()) or draw(st.booleans())),
-            serving=ready or draw(st.booleans()),
-            terminating=not ready,
-        )
-        for a in addrs
-    )
-
-
-class IncrementalEqualsFull(WorldMachine):
-    """Random changes applied incrementally end where a fresh full sync starts."""
-
-    family = IPFamily.IPV4
-    names = _NAMES
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fake = FakeNft()
-        self.clock = Clock()
-        self.backend = backend(self.fake, self.clock, self.family, ports_per_transaction=3)
-        self.backend.sync(self.world.snapshot(), full())
-
-    def convert(self, port: ServicePort, eps: tuple[Endpoint, ...]) -> tuple[ServicePort, ...]:
-        return (port,)
-
-    def convert_eps(self, eps: tuple[Endpoint, ...]) -> tuple[Endpoint, ...]:
-        return eps
-
-    def draw_port(self, data: st.DataObject, name: ServicePortName) -> ServicePort:
-        return self.convert(data.draw(service_ports(name)), ())[0]
-
-    def draw_endpoints(self, data: st.DataObject) -> tuple[Endpoint, ...]:
-        return self.convert_eps(data.draw(endpoint_sets()))
-
-    @rule(
-        masquerade=st.sampled_from([V4_DETECTOR, LocalDetector()]),
-        match_all=st.booleans(),
-    )
-    def settings_change(self, masquerade: LocalDetector, match_all: bool) -> None:
-        self.world.detector = masquerade
-        self.world.node_port_addresses = (
-            NodePortAddresses(match_all=True)
-            if match_all
-            else NodePortAddresses(addresses=(ip("192.168.0.2"),))
-        )
-        if self.family is IPFamily.IPV6:
-            self.world.detector = V6_DETECTOR if masquerade.mode is V4_DETECTOR.mode else masquerade
-            if not match_all:
-                self.world.node_port_addresses = NodePortAddresses(addresses=(ip("2001:db8::1"),))
-
-    # Binary fractions keep the fake clock exact (1.0 after 0.4 steps is 0.9999...).
-    @rule(advance=st.sampled_from([0.0, 0.5, 1.0]), as_full=st.booleans())
-    def sync(self, advance: float, as_full: bool) -> None:
-        self.clock.now += advance
-        self.backend.sync(self.world.snapshot(), self.changes(as_full))
-        self.pending.clear()
-
-    @rule()
-    def refused_sync(self) -> None:
-        self.fake.fail_next = NftError("refused")
-        before = self.fake.dump()
-        try:
-            self.backend.sync(self.world.snapshot(), self.changes())
-        except SyncError:
-            assert self.fake.dump() == before
-        else:
-            # Nothing to send: the fake was not called; clear the trap.
-            self.fake.fail_next = None
-            self.pending.clear()
-
-    @invariant()
-    def converges(self) -> None:
-        snapshot = self.world.snapshot()
-        self.backend.sync(snapshot, self.changes())
-        self.pending.clear()
-        self.clock.now += 1.0
-        self.backend.sync(snapshot, SyncChanges(full=False))
-        fresh = FakeNft()
-        backend(fresh, family=self.family).sync(snapshot, full())
-        got, want = self.fake.dump(), fresh.dump()
-        assert got == want, "\n".join(difflib.unified_diff(want.splitlines(), got.splitlines()))
+    def state(self, fake: FakeNft) -> list[str]:
+        return fake.dump().splitlines()
 
 
 IncrementalEqualsFull.TestCase.settings = settings(
@@ -836,41 +726,8 @@ IncrementalEqualsFull.TestCase.settings = settings(
 TestIncrementalEqualsFull = IncrementalEqualsFull.TestCase
 
 
-def _v6(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> ipaddress.IPv6Address:
-    return ipaddress.IPv6Address(f"fd00::{':'.join(str(b) for b in addr.packed)}")
-
-
-def _v6_net(
-    cidr: ipaddress.IPv4Network | ipaddress.IPv6Network,
-) -> ipaddress.IPv6Network:
-    return ipaddress.IPv6Network(f"{_v6(cidr.network_address)}/{96 + cidr.prefixlen}")
-
-
-class IncrementalEqualsFull6(IncrementalEqualsFull):
+class IncrementalEqualsFull6(V6Machine, IncrementalEqualsFull):
     """The same on IPv6 (per-port affinity maps, bracketed endpoints)."""
-
-    family = IPFamily.IPV6
-
-    def new_world(self) -> World:
-        return _v6_world()
-
-    def convert(self, port: ServicePort, eps: tuple[Endpoint, ...]) -> tuple[ServicePort, ...]:
-        return (
-            replace(
-                port,
-                cluster_ip=_v6(port.cluster_ip),
-                external_ips=tuple(_v6(a) for a in port.external_ips),
-                load_balancer_vips=tuple(_v6(a) for a in port.load_balancer_vips),
-                load_balancer_source_ranges=tuple(
-                    _v6_net(c) for c in port.load_balancer_source_ranges
-                ),
-            ),
-        )
-
-    def convert_eps(self, eps: tuple[Endpoint, ...]) -> tuple[Endpoint, ...]:
-        return tuple(
-            Endpoint(_v6(e.ip), e.port, e.is_local, e.ready, e.serving, e.terminating) for e in eps
-        )
 
 
 IncrementalEqualsFull6.TestCase.settings = settings(
@@ -885,15 +742,6 @@ TestIncrementalEqualsFull6 = IncrementalEqualsFull6.TestCase
 # IPv6 session affinity: per-port maps ---------------------------------------------------
 
 
-def _v6_world() -> World:
-    return World(
-        IPFamily.IPV6,
-        node_port_addresses=NodePortAddresses(addresses=(ip("2001:db8::1"),)),
-        detector=V6_DETECTOR,
-        service_cidrs=(net("fd00:10:96::/112"),),
-    )
-
-
 def _v6_port(seconds: int = 600) -> ServicePort:
     return ServicePort(
         spn("web6"), ip("fd00:10:96::10"), 80, Protocol.TCP, session_affinity_seconds=seconds
@@ -904,7 +752,7 @@ def test_ipv6_affinity_maps_live_and_die_with_their_port() -> None:
     fake = FakeNft()
     clock = Clock()
     b = backend(fake, clock, family=IPFamily.IPV6)
-    world = _v6_world()
+    world = v6_world()
     world.add(_v6_port(), ep("fd00:10::a1"), ep("fd00:10::a2"))
     b.sync(world.snapshot(), full())
     maps = [m for m in fake.list_sets(Family.IP6, "kube-proxy") if m.startswith("affinity-")]
@@ -937,7 +785,7 @@ def test_ipv6_affinity_maps_live_and_die_with_their_port() -> None:
 
 def test_ipv6_affinity_maps_found_at_restart() -> None:
     fake = FakeNft()
-    world = _v6_world()
+    world = v6_world()
     world.add(_v6_port(), ep("fd00:10::a1"))
     backend(fake, family=IPFamily.IPV6).sync(world.snapshot(), full())
     (name,) = [m for m in fake.list_sets(Family.IP6, "kube-proxy") if m.startswith("affinity-")]

@@ -640,10 +640,15 @@ def test_endpoint_slice_basics() -> None:
             terminating=True,
             zone_hints=frozenset({"z1", "z2"}),
             node_hints=frozenset({"n"}),
+            remote=True,
         ),
         Endpoint(ip("10.0.0.2"), 8080, is_local=True),
     )
     assert [e.key for e in parsed.endpoints] == ["10.0.0.10:8080", "10.0.0.2:8080"]
+    # Without a node name of its own, the proxy cannot tell another node's endpoints.
+    anonymous = parse_endpoint_slice(obj, V4, "")
+    assert anonymous is not None
+    assert not any(e.remote or e.is_local for e in anonymous.endpoints)
 
 
 @pytest.mark.parametrize(

@@ -4,9 +4,11 @@ Public API:
 
 * :func:`create_backend` - the ``kubeproxy.backends`` entry point: a backend for one
   family, programming the current network namespace or ``netns`` through libnftables;
-* :class:`NftablesBackend` - the backend itself; give it ``executor=FakeNft()`` for a dry
-  run (the fake starts empty, so the first sync is a cold one) and read the fake's
-  transactions (see :func:`render_transactions`);
+* :class:`NftablesBackend` - the backend itself (the map structure); give it
+  ``executor=FakeNft()`` for a dry run (the fake starts empty, so the first sync is a cold
+  one) and read the fake's transactions (see :func:`render_transactions`);
+* :func:`create_chain_backend` and :class:`ChainNftablesBackend` - the previous,
+  per-Service-chain structure, kept so benchmarks measure both side by side;
 * :func:`cleanup` - delete our two tables (``ip kube-proxy``, ``ip6 kube-proxy``) and
   nothing else.
 
@@ -17,8 +19,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kubeproxy.backends.nftables.objects import Family, NftError, Table, is_not_found
-from kubeproxy.backends.nftables.proxier import NftablesBackend
+from kubeproxy.backends.nftables.backend import NftablesBackend
+from kubeproxy.backends.nftables.objects import Family
+from kubeproxy.backends.nftables.proxier import ChainNftablesBackend
 from kubeproxy.backends.nftables.structure import TABLE
 from kubeproxy.backends.nftables.transaction import Transaction
 from kubeproxy.config import ProxierConfig
@@ -26,9 +29,11 @@ from kubeproxy.objects import IPFamily
 
 __all__ = [
     "TABLE",
+    "ChainNftablesBackend",
     "NftablesBackend",
     "cleanup",
     "create_backend",
+    "create_chain_backend",
     "render_transactions",
 ]
 
@@ -45,23 +50,26 @@ def create_backend(
     return NftablesBackend(family, config, executor=LibNftables(netns=netns))
 
 
+def create_chain_backend(
+    family: IPFamily, config: ProxierConfig, *, netns: str | None = None
+) -> ChainNftablesBackend:
+    """The per-Service-chain structure (the previous default), for comparisons."""
+    from kubeproxy.backends.nftables.exec import LibNftables
+
+    return ChainNftablesBackend(family, config, executor=LibNftables(netns=netns))
+
+
 def cleanup(netns: str | None = None) -> None:
     """Delete ``table ip kube-proxy`` and ``table ip6 kube-proxy`` (missing ones are fine).
 
     Never touches any other table. Raises :class:`NftError` if a deletion fails for
     another reason than the table being absent.
     """
-    from kubeproxy.backends.nftables.exec import LibNftables
+    from kubeproxy.backends.nftables.exec import LibNftables, delete_table
 
     executor = LibNftables(netns=netns)
     for family in (Family.IP, Family.IP6):
-        tx = Transaction(family, TABLE)
-        tx.delete(Table())
-        try:
-            executor.run(tx)
-        except NftError as err:
-            if not is_not_found(err):
-                raise
+        delete_table(executor, family, TABLE)
 
 
 def render_transactions(transactions: Iterable[Transaction]) -> str:

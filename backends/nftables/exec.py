@@ -27,6 +27,7 @@ import weakref
 from collections.abc import Iterable
 from typing import Any, Protocol
 
+from kubeproxy.backends.nftables.elements import ElementBatch, ElementWriter
 from kubeproxy.backends.nftables.objects import (
     Chain,
     Element,
@@ -45,6 +46,7 @@ __all__ = [
     "LibNftables",
     "NftExecutor",
     "check_support",
+    "delete_table",
     "errno_from_message",
     "parse_version",
 ]
@@ -89,6 +91,11 @@ class NftExecutor(Protocol):
 
     def check(self, tx: Transaction) -> None:
         """Check ``tx`` against the current state without applying it (dry run)."""
+        ...
+
+    def write_elements(self, batch: ElementBatch) -> None:
+        """Apply element changes atomically, as :meth:`run` of the same ``add``/``delete
+        element`` commands would (same errors), without nft's parser where possible."""
         ...
 
     def list_chains(self, family: Family, table: str) -> dict[str, str | None]:
@@ -200,12 +207,15 @@ class LibNftables(NftExecutor):
         self._lib.buffer_output(ctx)
         self._lib.buffer_error(ctx)
         self._finalizer = weakref.finalize(self, self._lib.ctx_free, ctx)
+        self._writer: ElementWriter | None = None
 
     def close(self) -> None:
         """Free the library context; the executor cannot be used afterwards."""
         with self._lock:
             self._ctx = None
             self._finalizer()
+            if self._writer is not None:
+                self._writer.close()
 
     def __enter__(self) -> LibNftables:
         return self
@@ -294,6 +304,15 @@ class LibNftables(NftExecutor):
             dry_run=True,
             what=f"check of {tx.family} {tx.table}",
         )
+
+    def write_elements(self, batch: ElementBatch) -> None:
+        """Apply element changes over a netlink socket of ours (see
+        :mod:`~kubeproxy.backends.nftables.elements`), in the executor's namespace."""
+        if not len(batch):
+            return
+        if self._writer is None:
+            self._writer = ElementWriter(self.netns)
+        self._writer.send(batch)
 
     def run_text(self, text: str) -> str:
         """Run raw nft commands and return their (text) output."""
@@ -443,6 +462,17 @@ def _atom_from_json(value: Any) -> str:
     raise NftError(f"unexpected value in nft's JSON output: {value!r}")
 
 
+def delete_table(executor: NftExecutor, family: Family, table: str) -> None:
+    """Delete ``table`` of ``family`` with everything in it; a missing table is fine."""
+    tx = Transaction(family, table)
+    tx.delete(Table())
+    try:
+        executor.run(tx)
+    except NftError as err:
+        if err.errno != errno.ENOENT:
+            raise
+
+
 def check_support(executor: NftExecutor, family: Family = Family.IP) -> None:
     """Raise :class:`NftError` with a clear message unless nftables mode can work here.
 
@@ -454,8 +484,21 @@ def check_support(executor: NftExecutor, family: Family = Family.IP) -> None:
     if parse_version(version) < MIN_NFT_VERSION:
         wanted = ".".join(map(str, MIN_NFT_VERSION))
         raise NftError(f"nftables {version} is too old: nftables mode needs {wanted} or newer")
+    checks = _support_checks(Family(family))
+    # All checks in one dry run (every check is a dry-run transaction of its own, 10-20 ms
+    # each: this is start-up time); only when that fails, one by one to say which.
+    combined = Transaction(Family(family), _SUPPORT_TABLE)
+    for _feature, tx in checks:
+        for _verb, obj in tx.operations():
+            combined.add(obj)
+    try:
+        executor.check(combined)
+    except NftError:
+        pass
+    else:
+        return
     failures: list[str] = []
-    for feature, tx in _support_checks(Family(family)):
+    for feature, tx in checks:
         try:
             executor.check(tx)
         except NftError as err:
@@ -551,4 +594,36 @@ def _support_checks(family: Family) -> list[tuple[str, Transaction]]:
             f"{other} . 80 }} meta l4proto tcp dnat to {dnat_to}",
         )
     checks.append(("session affinity (dynamic map)", tx))
+
+    # The map structure: endpoint slots chosen by numgen from a typeof map, and (IPv4)
+    # affinity recorded after DNAT from the connection's original destination.
+    tx = Transaction(family, _SUPPORT_TABLE)
+    base(tx)
+    tx.add(
+        Map(
+            "slots",
+            f"{ip} daddr . meta l4proto . th dport . numgen random mod 1 : {ip} daddr . tcp dport",
+            typeof=True,
+        )
+    )
+    tx.add_rule(
+        "target", f"dnat to {ip} daddr . meta l4proto . th dport . numgen random mod 2 map @slots"
+    )
+    if family is not Family.IP6:
+        tx.add(
+            Map(
+                "record",
+                f"{addr_type} . {addr_type} . inet_proto . inet_service : "
+                f"{addr_type} . inet_service",
+                flags=("dynamic", "timeout"),
+                timeout=10800,
+            )
+        )
+        tx.add(Chain("filtered", type="filter", hook="forward", priority=0))
+        tx.add_rule(
+            "filtered",
+            "meta l4proto tcp update @record { ip saddr . ct original ip daddr . meta l4proto . "
+            "ct original proto-dst timeout 10s : ip daddr . th dport }",
+        )
+    checks.append(("endpoint slots (numgen over a typeof map)", tx))
     return checks

@@ -44,6 +44,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
+from kubeproxy.backends.nftables.elements import ElementBatch
 from kubeproxy.backends.nftables.exec import NftExecutor
 from kubeproxy.backends.nftables.objects import (
     Chain,
@@ -101,12 +102,12 @@ class _SetState:
     @property
     def key_types(self) -> tuple[str, ...]:
         spec = self.spec
-        return tuple((spec.key_type if isinstance(spec, Map) else spec.type).split(" . "))
+        return _datatypes(spec.key_type if isinstance(spec, Map) else spec.type, spec.typeof)
 
     @property
     def value_types(self) -> tuple[str, ...]:
         spec = self.spec
-        return tuple(spec.value_type.split(" . ")) if isinstance(spec, Map) else ()
+        return _datatypes(spec.value_type, spec.typeof) if isinstance(spec, Map) else ()
 
     @property
     def flags(self) -> frozenset[str]:
@@ -115,6 +116,35 @@ class _SetState:
         if self.spec.timeout is not None:
             flags.add("timeout")
         return frozenset(flags)
+
+
+# The data type of each expression a ``typeof`` declaration may name (what nft derives).
+_TYPEOF_TYPES = {
+    "ip saddr": "ipv4_addr",
+    "ip daddr": "ipv4_addr",
+    "ip6 saddr": "ipv6_addr",
+    "ip6 daddr": "ipv6_addr",
+    "ct original ip daddr": "ipv4_addr",
+    "ct original ip6 daddr": "ipv6_addr",
+    "meta l4proto": "inet_proto",
+    "th dport": "inet_service",
+    "tcp dport": "inet_service",
+    "udp dport": "inet_service",
+    "sctp dport": "inet_service",
+    "th sport": "inet_service",
+    "meta mark": "mark",
+}
+
+
+def _datatypes(text: str, typeof: bool) -> tuple[str, ...]:
+    parts = tuple(text.split(" . "))
+    if not typeof:
+        return parts
+    # A numgen or hash result is a plain 32-bit integer.
+    return tuple(
+        "integer" if part.startswith(("numgen ", "jhash ")) else _TYPEOF_TYPES.get(part, part)
+        for part in parts
+    )
 
 
 @dataclass(slots=True)
@@ -209,6 +239,18 @@ class FakeNft(NftExecutor):
                 err, self.fail_next = self.fail_next, None
                 raise err
             self._tables = self._apply(_ops_of(tx))
+
+    def write_elements(self, batch: ElementBatch) -> None:
+        """The batch as the ``delete``/``add element`` transaction it stands for (so it is
+        checked, recorded in :attr:`transactions` and refused exactly like one)."""
+        if not len(batch):
+            return
+        tx = Transaction(batch.family, batch.table)
+        for container, key in batch.deletes:
+            tx.delete_element(container, key)
+        for container, key, value in batch.adds:
+            tx.add_element(container, key, value, is_map=bool(batch.types[container][1]))
+        self.run(tx)
 
     def check(self, tx: Transaction) -> None:
         """Raise :class:`NftError` if :meth:`run` would; never change anything."""
@@ -485,7 +527,11 @@ def _apply_set(run: _Run, key: _Key, verb: str, obj: Set | Map, command: str) ->
             return
         if verb == "create":
             raise _error(errno.EEXIST, command, f"{noun} exists")
-        if old.is_map != new.is_map or old.spec.type != obj.type or old.flags != new.flags:
+        if (
+            old.is_map != new.is_map
+            or old.key_types + old.value_types != new.key_types + new.value_types
+            or old.flags != new.flags
+        ):
             raise _error(errno.EEXIST, command, f"{noun} exists with another type or flags")
         spec = old.spec
         if obj.size is not None:
@@ -653,6 +699,8 @@ def _canonical(datatype: str, part: str, interval: bool) -> str | None:
             if part.isdigit():
                 return part if int(part) <= 255 else None
             return part if part in _PROTOCOLS else None
+        if datatype == "integer":
+            return part if part.isdigit() and int(part) < 2**32 else None
         if datatype == "mark":
             value = int(part, 0)
             return part if 0 <= value < 2**32 else None
@@ -798,6 +846,8 @@ def _parse_object(noun: str, rest: str) -> list[NftObject]:
     timeout = int(props.pop("timeout").removesuffix("s")) if "timeout" in props else None
     size = int(props.pop("size")) if "size" in props else None
     kind = Map if noun == "map" else Set
+    if "typeof" in props:
+        return [kind(name, props.pop("typeof"), flags, timeout, size, comment, typeof=True)]
     return [kind(name, props.pop("type", ""), flags, timeout, size, comment)]
 
 

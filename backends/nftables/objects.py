@@ -58,6 +58,12 @@ CHAIN_POLICIES = frozenset({"accept", "drop"})
 _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_./-]*")
 # A data type name ("ipv4_addr") or a concatenation of them ("ipv4_addr . inet_service").
 _TYPE_RE = re.compile(r"[a-z][a-z0-9_]*(?: \. [a-z][a-z0-9_]*)*")
+# A ``typeof`` declaration: expressions of one or more words ("ip daddr", "numgen random
+# mod 1"), concatenated with " . ". Needed where no named type fits: a numgen result in a
+# concatenated key is a plain 32-bit integer, which ``type`` cannot spell.
+_TYPEOF_WORD = r"[a-z0-9][a-z0-9_-]*"
+_TYPEOF_EXPR = rf"{_TYPEOF_WORD}(?: {_TYPEOF_WORD})*"
+_TYPEOF_RE = re.compile(rf"{_TYPEOF_EXPR}(?: \. {_TYPEOF_EXPR})*")
 # One element key/value part: words separated by single spaces, none of them a lone '.' or
 # ':' (the concatenation and key/value separators); no character that ends an element, a
 # command or a line ('#' starts an nft comment).
@@ -268,11 +274,17 @@ def _validate_set_common(
     _validate_positive(f"{kind} {name}: size", size)
 
 
+def _type_ok(text: object, typeof: bool) -> bool:
+    pattern = _TYPEOF_RE if typeof else _TYPE_RE
+    return isinstance(text, str) and pattern.fullmatch(text) is not None
+
+
 @dataclass(frozen=True, slots=True)
 class Set:
     """A named set; ``type`` is a data type or a concatenation (``ipv4_addr . inet_service``).
 
-    ``timeout`` is in seconds.
+    ``timeout`` is in seconds. With ``typeof``, ``type`` holds expressions instead of
+    type names (``ip daddr . numgen random mod 1``) and is written ``typeof ...``.
     """
 
     name: str
@@ -281,11 +293,12 @@ class Set:
     timeout: int | None = None
     size: int | None = None
     comment: str | None = None
+    typeof: bool = False
 
     def validate(self) -> None:
         """Raise :class:`NftError` if the set cannot be written."""
         _validate_set_common("set", self.name, self.flags, self.timeout, self.size, self.comment)
-        if not isinstance(self.type, str) or _TYPE_RE.fullmatch(self.type) is None:
+        if not _type_ok(self.type, self.typeof):
             raise _invalid(f"set {self.name}: invalid type {self.type!r}")
 
 
@@ -293,6 +306,7 @@ class Set:
 class Map:
     """A named map; ``type`` is ``"<key type> : <value type>"``, e.g.
     ``"ipv4_addr . inet_proto . inet_service : verdict"``. ``timeout`` is in seconds.
+    With ``typeof``, both sides hold expressions (see :class:`Set`).
     """
 
     name: str
@@ -301,12 +315,13 @@ class Map:
     timeout: int | None = None
     size: int | None = None
     comment: str | None = None
+    typeof: bool = False
 
     def validate(self) -> None:
         """Raise :class:`NftError` if the map cannot be written."""
         _validate_set_common("map", self.name, self.flags, self.timeout, self.size, self.comment)
         key, sep, value = self.type.partition(" : ") if isinstance(self.type, str) else ("", "", "")
-        if not sep or _TYPE_RE.fullmatch(key) is None or _TYPE_RE.fullmatch(value) is None:
+        if not sep or not _type_ok(key, self.typeof) or not _type_ok(value, self.typeof):
             raise _invalid(f"map {self.name}: invalid type {self.type!r} (want 'KEY : VALUE')")
 
     @property

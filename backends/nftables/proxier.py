@@ -1,4 +1,10 @@
-"""NftablesBackend: keeps the kube-proxy tables in step with the core's snapshots.
+"""ChainNftablesBackend: the per-Service-chain structure (the previous default).
+
+Kept selectable (``kubeproxy.backends.nftables:create_chain_backend``, the benchmarks'
+"per-Service chains" subject) so every figure of the map structure
+(:mod:`~kubeproxy.backends.nftables.backend`) is measured next to it. Its incremental
+syncs cost time proportional to the whole table (each adds jumps or verdict elements,
+which make the kernel re-validate every chain); see the package README.
 
 The backend remembers what it last applied (per-service chain names, the elements of every
 set and map, reference counts of shared set elements) and sends only differences:
@@ -25,7 +31,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kubeproxy.backend import ProxySnapshot, SkippedPorts, SyncChanges, SyncError
-from kubeproxy.backends.nftables.exec import NftExecutor, check_support
+from kubeproxy.backends.nftables.claims import Claims
+from kubeproxy.backends.nftables.exec import NftExecutor, check_support, delete_table
 from kubeproxy.backends.nftables.naming import ChainPrefix, is_affinity_map, is_service_chain
 from kubeproxy.backends.nftables.objects import (
     Chain,
@@ -41,6 +48,7 @@ from kubeproxy.backends.nftables.services import (
     Key,
     PortRules,
     RenderContext,
+    context_or_default,
     render_port,
 )
 from kubeproxy.backends.nftables.structure import (
@@ -62,7 +70,7 @@ from kubeproxy.objects import (
     ServicePortName,
 )
 
-__all__ = ["NftablesBackend"]
+__all__ = ["ChainNftablesBackend"]
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +180,7 @@ class _Batches:
     command, and every chain an element points at already exists.
     """
 
-    def __init__(self, backend: NftablesBackend) -> None:
+    def __init__(self, backend: ChainNftablesBackend) -> None:
         self._backend = backend
         self.tx = backend._new_transaction()
         self._ports = 0
@@ -209,8 +217,8 @@ class _Batches:
         self._ports = 0
 
 
-class NftablesBackend:
-    """The nftables backend of one IP family (see the module documentation).
+class ChainNftablesBackend:
+    """The per-Service-chain nftables backend of one family (see the module documentation).
 
     ``executor`` runs transactions and lists (``LibNftables`` in production, ``FakeNft``
     in tests and for dry runs); ``clock`` is a monotonic clock in seconds. Attributes for
@@ -256,10 +264,7 @@ class NftablesBackend:
         self._ports: dict[ServicePortName, _PortState] = {}
         # Every port of the last snapshot, programmed or not, by Service.
         self._by_service: dict[NamespacedName, set[ServicePortName]] = {}
-        self._wants: dict[ServicePortName, frozenset[Key]] = {}
-        self._claimant: dict[Key, ServicePortName] = {}
-        self._contested: dict[Key, set[ServicePortName]] = {}
-        self._skipped: dict[ServicePortName, str] = {}
+        self._claims = Claims(log)
         self._unrenderable = SkippedPorts(log)
         self._set_refs: dict[str, dict[Key, int]] = {name: {} for name in _SHARED_SETS}
         self._elements: dict[str, dict[Key, tuple[str, ...]]] = {name: {} for name in _DIFFED}
@@ -316,13 +321,7 @@ class NftablesBackend:
 
     def cleanup(self) -> None:
         """Delete our table (a missing table is fine) and forget all state."""
-        tx = self._new_transaction()
-        tx.delete(Table())
-        try:
-            self._executor.run(tx)
-        except NftError as err:
-            if not is_not_found(err):
-                raise
+        delete_table(self._executor, self._nft_family, TABLE)
         self._reset()
 
     # Syncs -------------------------------------------------------------------------------------
@@ -339,9 +338,7 @@ class NftablesBackend:
         self._read_kernel()
         self._ports = {}
         self._by_service = {}
-        self._wants = {}
-        self._claimant = {}
-        self._contested = {}
+        self._claims.reset()
         self._set_refs = {name: {} for name in _SHARED_SETS}
         fixed = self._fixed_for(snapshot)
         ctx = self._context_for(snapshot)
@@ -385,7 +382,7 @@ class NftablesBackend:
         ports: set[ServicePortName] = set()
         if ctx != self._ctx:
             # Masquerading or detection changed: every port's chains change.
-            ports.update(self._wants)
+            ports.update(self._claims.wants)
             ports.update(self._unrenderable)
             ports.update(snapshot.services.keys())
             self._ctx = ctx
@@ -481,21 +478,13 @@ class NftablesBackend:
         inputs = (detector, self._config.masquerade_all, addresses)
         if self._ctx is not None and self._ctx_inputs == inputs:
             return self._ctx
-        try:
-            ctx = RenderContext.build(
-                tokens_for(self._family),
-                detector,
-                masquerade_all=self._config.masquerade_all,
-                node_addresses=addresses,
-            )
-        except ValueError as err:
-            log.error("ignoring the local-traffic detector: %s", err)
-            ctx = RenderContext.build(
-                tokens_for(self._family),
-                type(detector)(),
-                masquerade_all=self._config.masquerade_all,
-                node_addresses=addresses,
-            )
+        ctx = context_or_default(
+            tokens_for(self._family),
+            detector,
+            masquerade_all=self._config.masquerade_all,
+            node_addresses=addresses,
+            logger=log,
+        )
         self._ctx_inputs = inputs
         return ctx
 
@@ -515,13 +504,14 @@ class NftablesBackend:
         chains; deletions of keys and shared set elements nobody wants any more go last.
         """
         renders: dict[ServicePortName, PortRules | None] = {}
+        claims = self._claims
         for name in names:
-            self._release(name)
+            claims.release(name)
             renders[name] = rules = self._render(snapshot, name, ctx)
             if rules is not None:
-                self._claim(name, rules.claims)
-        if self._contested or self._skipped:
-            for name in self._resolve_conflicts():
+                claims.claim(name, rules.claims)
+        if claims.unsettled:
+            for name in claims.resolve():
                 if name not in renders:
                     renders[name] = self._render(snapshot, name, ctx)
         dropped: list[tuple[str, Key]] = []
@@ -529,7 +519,7 @@ class NftablesBackend:
         added: list[tuple[tuple[str, Key, tuple[str, ...]], ...]] = []
         # Full syncs go in the snapshot's order; sorting 30k dataclass keys costs ~0.5 s.
         for name in renders:
-            rules = None if name in self._skipped else renders[name]
+            rules = None if name in claims.skipped else renders[name]
             old = self._ports.pop(name, None)
             new_chains: tuple[str, ...] = ()
             if rules is not None:
@@ -664,64 +654,6 @@ class NftablesBackend:
             elif not hosts <= wanted[name]:
                 self._map_losses.append((name, wanted[name]))
 
-    # Conflicts ----------------------------------------------------------------------------------
-
-    def _claim(self, name: ServicePortName, keys: frozenset[Key]) -> None:
-        self._wants[name] = keys
-        claimant = self._claimant
-        for key in keys:
-            other = claimant.setdefault(key, name)
-            if other != name:
-                self._contested.setdefault(key, {other}).add(name)
-
-    def _release(self, name: ServicePortName) -> None:
-        keys = self._wants.pop(name, None)
-        if not keys:
-            return
-        claimant = self._claimant
-        contested = self._contested
-        for key in keys:
-            rivals = contested.get(key)
-            if rivals is None:
-                if claimant.get(key) == name:
-                    del claimant[key]
-                continue
-            rivals.discard(name)
-            claimant[key] = next(iter(rivals))
-            if len(rivals) == 1:
-                del contested[key]
-
-    def _resolve_conflicts(self) -> list[ServicePortName]:
-        """Decide which contested ports are skipped; return the ports whose fate changed.
-
-        The first port in :class:`ServicePortName` order that claims a key keeps it; a port
-        that loses any key is skipped entirely. Ports with no contested key never lose.
-        """
-        candidates: set[ServicePortName] = set(self._skipped)
-        for rivals in self._contested.values():
-            candidates.update(rivals)
-        owner: dict[Key, ServicePortName] = {}
-        skipped: dict[ServicePortName, str] = {}
-        for name in sorted(candidates):
-            keys = self._wants.get(name)
-            if keys is None:
-                continue
-            clash = sorted(k for k in keys if k in owner)
-            if clash:
-                key = clash[0]
-                skipped[name] = f"{' . '.join(key)} is already used by service port {owner[key]}"
-                continue
-            for key in keys:
-                if key in self._contested:
-                    owner[key] = name
-        changed = [n for n in self._skipped if n not in skipped]
-        for name, reason in skipped.items():
-            if self._skipped.get(name) != reason:
-                log.error("skipping service port %s: %s", name, reason)
-                changed.append(name)
-        self._skipped = skipped
-        return changed
-
     def _clean_affinity_maps(self) -> None:
         """Best effort: drop entries of per-port IPv6 maps whose endpoint went away."""
         losses = self._map_losses
@@ -743,7 +675,7 @@ class NftablesBackend:
 
     def _current_affinity(self, frontend: Key, into: dict[Key, set[Key]]) -> None:
         """Record the endpoints allowed behind ``frontend`` by the port that holds it now."""
-        holder = self._claimant.get(frontend)
+        holder = self._claims.claimant.get(frontend)
         state = self._ports.get(holder) if holder is not None else None
         aff = state.affinity if state is not None else None
         if aff is not None and (frontend in aff.frontends or frontend == aff.node_port):
@@ -837,7 +769,7 @@ class NftablesBackend:
                 allowed = current.get(frontend)
             elif node_port in current_node_ports or node_port in scope_node_ports:
                 # A NodePort entry: its address is a node's, no Service claims it.
-                if self._claimant.get(frontend) is not None:
+                if self._claims.claimant.get(frontend) is not None:
                     continue
                 allowed = current_node_ports.get(node_port)
             elif full:

@@ -1,13 +1,16 @@
-"""The desired chains and map elements of one Service port (pure functions).
+"""The per-Service-chain structure: the chains and map elements of one Service port.
 
-Behaviour follows upstream kube-proxy's nftables mode; the structure does not (see the
-package README): no endpoint chains, no per-service anonymous sets, one shared affinity
-map, endpoint choice by a cascade of plain ``numgen`` rules (two levels above
-:data:`CASCADE_MAX` endpoints).
+This is the previous default structure (:class:`~.proxier.ChainNftablesBackend`), kept
+for side-by-side benchmarks; the map structure reuses :func:`render_port` for IPv6
+session-affinity ports and :class:`RenderContext` everywhere. Behaviour follows upstream
+kube-proxy's nftables mode; the structure does not: no endpoint chains, no per-service
+anonymous sets, one shared affinity map, endpoint choice by a cascade of plain ``numgen``
+rules (two levels above :data:`CASCADE_MAX` endpoints).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Sequence
@@ -38,6 +41,7 @@ __all__ = [
     "Key",
     "PortRules",
     "RenderContext",
+    "context_or_default",
     "render_port",
 ]
 
@@ -143,6 +147,27 @@ class RenderContext:
             masq = ""
         addresses = tuple(a for a in node_addresses if a.version == tokens.family.version)
         return cls(tokens, masq, local, addresses)
+
+
+def context_or_default(
+    tokens: FamilyTokens,
+    detector: LocalDetector,
+    *,
+    masquerade_all: bool,
+    node_addresses: Sequence[IPAddress],
+    logger: logging.Logger,
+) -> RenderContext:
+    """:meth:`RenderContext.build`, or, for a detector nft cannot take, the context
+    without a detector, with one error line on ``logger`` (the Services still work)."""
+    try:
+        return RenderContext.build(
+            tokens, detector, masquerade_all=masquerade_all, node_addresses=node_addresses
+        )
+    except ValueError as err:
+        logger.error("ignoring the local-traffic detector: %s", err)
+        return RenderContext.build(
+            tokens, type(detector)(), masquerade_all=masquerade_all, node_addresses=node_addresses
+        )
 
 
 def _check_port(what: str, value: int, *, zero_ok: bool = False) -> None:

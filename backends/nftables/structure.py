@@ -1,4 +1,5 @@
-"""The fixed part of the kube-proxy table: base chains, helper chains, sets and maps.
+"""Names, family words and container specs shared by both structures, and the fixed part
+of the per-Service-chain structure's table (the map structure's is in :mod:`.layout`).
 
 Everything here is a pure function of a few inputs (family, masquerade mark, NodePort
 addresses, service CIDRs). The per-service part lives in :mod:`.services`. Names, hooks,
@@ -26,6 +27,7 @@ __all__ = [
     "FixedChain",
     "FixedStructure",
     "Names",
+    "base_chains",
     "fixed_structure",
     "tokens_for",
 ]
@@ -113,6 +115,8 @@ class ContainerSpec:
     timeout: int | None = None
     size: int | None = None
     comment: str | None = None
+    typeof: bool = False
+    """``type`` holds expressions, written ``typeof`` (see :class:`~.objects.Set`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +215,56 @@ def _nodeport_ips(tokens: FamilyTokens, addresses: NodePortAddresses) -> tuple[s
     return tuple(result)
 
 
+def base_chains(after_dnat: tuple[str, ...] = ()) -> tuple[FixedChain, ...]:
+    """Upstream's base chains (names, hooks, priorities) and the jumps they hold.
+
+    Both structures have exactly these (other components rely on them); ``after_dnat``
+    rules are appended to the three filter chains that see packets after DNAT.
+    """
+
+    def new(target: str) -> str:
+        return f"ct state new jump {target}"
+
+    return (
+        FixedChain(
+            Names.FILTER_PREROUTING_PRE_DNAT,
+            (new(Names.FIREWALL_CHECK),),
+            "filter",
+            "prerouting",
+            -110,
+        ),
+        FixedChain(
+            Names.FILTER_OUTPUT_PRE_DNAT, (new(Names.FIREWALL_CHECK),), "filter", "output", -110
+        ),
+        FixedChain(
+            Names.FILTER_INPUT,
+            (new(Names.NODEPORT_ENDPOINTS_CHECK), new(Names.SERVICE_ENDPOINTS_CHECK), *after_dnat),
+            "filter",
+            "input",
+            0,
+        ),
+        FixedChain(
+            Names.FILTER_FORWARD,
+            (new(Names.SERVICE_ENDPOINTS_CHECK), new(Names.CLUSTER_IPS_CHECK), *after_dnat),
+            "filter",
+            "forward",
+            0,
+        ),
+        FixedChain(
+            Names.FILTER_OUTPUT,
+            (new(Names.SERVICE_ENDPOINTS_CHECK), new(Names.CLUSTER_IPS_CHECK), *after_dnat),
+            "filter",
+            "output",
+            0,
+        ),
+        FixedChain(Names.NAT_PREROUTING, (f"jump {Names.SERVICES}",), "nat", "prerouting", -100),
+        FixedChain(Names.NAT_OUTPUT, (f"jump {Names.SERVICES}",), "nat", "output", -100),
+        FixedChain(
+            Names.NAT_POSTROUTING, (f"jump {Names.MASQUERADING}",), "nat", "postrouting", 100
+        ),
+    )
+
+
 def fixed_structure(
     family: IPFamily,
     masquerade_mark: int,
@@ -243,46 +297,8 @@ def fixed_structure(
             f"meta l4proto . th dport vmap @{Names.NO_ENDPOINT_NODEPORTS}"
         )
 
-    def new(target: str) -> str:
-        return f"ct state new jump {target}"
-
     chains = (
-        FixedChain(
-            Names.FILTER_PREROUTING_PRE_DNAT,
-            (new(Names.FIREWALL_CHECK),),
-            "filter",
-            "prerouting",
-            -110,
-        ),
-        FixedChain(
-            Names.FILTER_OUTPUT_PRE_DNAT, (new(Names.FIREWALL_CHECK),), "filter", "output", -110
-        ),
-        FixedChain(
-            Names.FILTER_INPUT,
-            (new(Names.NODEPORT_ENDPOINTS_CHECK), new(Names.SERVICE_ENDPOINTS_CHECK)),
-            "filter",
-            "input",
-            0,
-        ),
-        FixedChain(
-            Names.FILTER_FORWARD,
-            (new(Names.SERVICE_ENDPOINTS_CHECK), new(Names.CLUSTER_IPS_CHECK)),
-            "filter",
-            "forward",
-            0,
-        ),
-        FixedChain(
-            Names.FILTER_OUTPUT,
-            (new(Names.SERVICE_ENDPOINTS_CHECK), new(Names.CLUSTER_IPS_CHECK)),
-            "filter",
-            "output",
-            0,
-        ),
-        FixedChain(Names.NAT_PREROUTING, (f"jump {Names.SERVICES}",), "nat", "prerouting", -100),
-        FixedChain(Names.NAT_OUTPUT, (f"jump {Names.SERVICES}",), "nat", "output", -100),
-        FixedChain(
-            Names.NAT_POSTROUTING, (f"jump {Names.MASQUERADING}",), "nat", "postrouting", 100
-        ),
+        *base_chains(),
         FixedChain(Names.SERVICES, (f"{lookup} vmap @{Names.SERVICE_IPS}", nodeport_dispatch)),
         FixedChain(
             Names.SERVICE_ENDPOINTS_CHECK, (f"{lookup} vmap @{Names.NO_ENDPOINT_SERVICES}",)

@@ -499,7 +499,7 @@ def _render_object(prefix: str, verb: str, kind: int, obj: Any) -> str:
             if obj.policy is not None:
                 body.append(f"policy {obj.policy} ;")
     else:
-        body.append(f"type {obj.type} ;")
+        body.append(f"{'typeof' if obj.typeof else 'type'} {obj.type} ;")
         if obj.flags:
             body.append(f"flags {','.join(obj.flags)} ;")
         if obj.timeout is not None:
