@@ -8,14 +8,17 @@ Public API:
   run (the fake starts empty, so the first sync is a cold one) and read the fake's
   transactions (see :func:`render_transactions`);
 * :func:`cleanup` - delete our two tables (``ip kube-proxy``, ``ip6 kube-proxy``) and
-  nothing else.
+  nothing else;
+* :func:`watchers` - what finds changes others make to our tables, at once (self-healing,
+  :mod:`kubeproxy.selfheal`; see :mod:`~kubeproxy.backends.nftables.monitor`).
 
 The rule structure and its reasons are in this package's README.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from kubeproxy.backends.nftables.objects import Family, NftError, Table, is_not_found
 from kubeproxy.backends.nftables.proxier import NftablesBackend
@@ -24,12 +27,17 @@ from kubeproxy.backends.nftables.transaction import Transaction
 from kubeproxy.config import ProxierConfig
 from kubeproxy.objects import IPFamily
 
+if TYPE_CHECKING:
+    from kubeproxy.backend import Backend
+    from kubeproxy.selfheal import Watcher
+
 __all__ = [
     "TABLE",
     "NftablesBackend",
     "cleanup",
     "create_backend",
     "render_transactions",
+    "watchers",
 ]
 
 
@@ -70,3 +78,11 @@ def render_transactions(transactions: Iterable[Transaction]) -> str:
     for number, tx in enumerate(transactions, 1):
         parts.append(f"# transaction {number}: {tx.num_operations} operations\n{tx.render()}")
     return "".join(parts)
+
+
+def watchers(backends: Sequence[Backend], netns: str | None = None) -> list[Watcher]:
+    """Watchers reporting other processes' changes to the tables of ``backends`` (one per
+    family, in ``netns`` if given), for :class:`~kubeproxy.selfheal.SelfHealer`."""
+    from kubeproxy.backends.nftables import monitor
+
+    return monitor.watchers([b.family for b in backends], netns)
