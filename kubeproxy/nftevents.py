@@ -274,33 +274,35 @@ class Commit:
 
 
 class CommitAssembler:
-    """Groups messages into commits: the relevant changes seen since the last ``NEWGEN``.
+    """Groups the relevant changes of a commit, counted by object, until its ``NEWGEN``."""
 
-    ``relevant`` is asked about every change (it runs once a message, so it must be
-    cheap); the assembler counts the relevant ones by object.
-    """
-
-    def __init__(self, relevant: Callable[[ObjectChange], bool], keep: int = 1000) -> None:
-        self._relevant = relevant
+    def __init__(self, keep: int = 1000) -> None:
         self.keep = keep
         self._counts: dict[ObjectKey, int] = {}
 
-    def feed(self, item: ObjectChange | Generation) -> Commit | None:
-        """Take one message; a :class:`Commit` when it closed one holding relevant changes."""
-        if isinstance(item, Generation):
-            counts, self._counts = self._counts, {}
-            if not counts:
-                return None
-            return Commit(item.generation, item.portid, item.pid, item.process, counts)
-        if self._relevant(item):
-            key = (item.op, item.family, item.table, item.name)
-            if key not in self._counts and len(self._counts) >= self.keep:
-                key = (item.op, item.family, item.table, "")
-            self._counts[key] = self._counts.get(key, 0) + 1
-        return None
+    @property
+    def pending(self) -> bool:
+        """Whether relevant changes wait for their ``NEWGEN``."""
+        return bool(self._counts)
+
+    def add(self, change: ObjectChange) -> None:
+        """Count one relevant change."""
+        key = (change.op, change.family, change.table, change.name)
+        if key not in self._counts and len(self._counts) >= self.keep:
+            key = (change.op, change.family, change.table, "")
+        self._counts[key] = self._counts.get(key, 0) + 1
+
+    def close(self, generation: Generation) -> Commit | None:
+        """The commit ``generation`` ends (None when it held nothing relevant)."""
+        counts, self._counts = self._counts, {}
+        if not counts:
+            return None
+        return Commit(
+            generation.generation, generation.portid, generation.pid, generation.process, counts
+        )
 
     def discard(self) -> None:
-        """Forget a partly seen commit (after lost messages)."""
+        """Forget a commit (ours, or cut by lost messages)."""
         self._counts = {}
 
 
@@ -736,9 +738,11 @@ class NftablesEventWatcher:
         own.netns_cookie = events.netns_cookie
         dropped = own.refresh() | {events.portid}
         events.ignore_portids(dropped)
-        assembler = CommitAssembler(self.interest.relevant)
+        assembler = CommitAssembler()
+        relevant = self.interest.relevant
         # Commits never interleave (the kernel serializes them), so the messages of one
-        # run from its first to its NEWGEN: judge the sender at the first one.
+        # run from its first to its NEWGEN: the sender is judged at its first relevant
+        # message (a commit touching nothing of ours costs no look at /proc at all).
         sender: int | None = None
         sender_is_us = False
         self.ready.set()
@@ -755,6 +759,23 @@ class NftablesEventWatcher:
                 for item in parse_datagram(datagram):
                     if item.portid in dropped:
                         continue  # ours, queued before the filter knew the socket
+                    if isinstance(item, Generation):
+                        ours = sender_is_us and item.portid == sender
+                        sender = None
+                        if not assembler.pending:
+                            continue
+                        if ours or own.is_ours(item.portid, item.pid):
+                            assembler.discard()
+                            continue
+                        commit = assembler.close(item)
+                        if commit is not None:
+                            for change in self.interest.describe(commit):
+                                report(change)
+                        continue
+                    if item.portid == sender and sender_is_us:
+                        continue
+                    if not relevant(item):
+                        continue
                     if item.portid != sender:
                         sender = item.portid
                         sender_is_us = own.is_ours(sender, 0, wait=0.0)
@@ -762,17 +783,9 @@ class NftablesEventWatcher:
                             # A socket of ours sent its first commit: filter it from now on.
                             dropped = own.sockets | {events.portid}
                             events.ignore_portids(dropped)
-                    if isinstance(item, Generation):
-                        sender = None
-                        if sender_is_us or own.is_ours(item.portid, item.pid):
-                            assembler.discard()
+                        if sender_is_us:
                             continue
-                    elif sender_is_us:
-                        continue
-                    commit = assembler.feed(item)
-                    if commit is not None:
-                        for change in self.interest.describe(commit):
-                            report(change)
+                    assembler.add(item)
 
     def _lost(self, report: Callable[[ExternalChange], None]) -> None:
         level = logging.DEBUG if self._lost_logged else logging.WARNING

@@ -352,11 +352,11 @@ def test_summarize_names_few_objects_and_counts_all() -> None:
 
 
 def test_the_assembler_bounds_what_it_keeps() -> None:
-    assembler = CommitAssembler(lambda change: change.table == "t", keep=2)
+    assembler = CommitAssembler(keep=2)
     for index in range(5):
-        assert assembler.feed(ObjectChange("DELCHAIN", "ip", "t", f"c{index}", 9)) is None
-    assert assembler.feed(ObjectChange("DELCHAIN", "ip", "other", "x", 9)) is None
-    commit = assembler.feed(Generation(3, 9, 99, "nft"))
+        assembler.add(ObjectChange("DELCHAIN", "ip", "t", f"c{index}", 9))
+    assert assembler.pending
+    commit = assembler.close(Generation(3, 9, 99, "nft"))
     assert commit is not None
     assert commit.counts == {
         ("DELCHAIN", "ip", "t", "c0"): 1,
@@ -364,7 +364,8 @@ def test_the_assembler_bounds_what_it_keeps() -> None:
         ("DELCHAIN", "ip", "t", ""): 3,
     }
     # Nothing relevant: no commit.
-    assert assembler.feed(Generation(4, 9, 99, "nft")) is None
+    assert not assembler.pending
+    assert assembler.close(Generation(4, 9, 99, "nft")) is None
 
 
 def test_a_commit_judged_while_a_child_is_spawned_waits_for_its_pid() -> None:
