@@ -342,19 +342,16 @@ def rules_of(topo: Topology, family: IPFamily, chain: str) -> int:
 
 
 def element_of_service(topo: Topology, family: IPFamily) -> tuple[str, str]:
-    """(set or map, key) of an element of our table naming the echo cluster IP (or the
-    first element found when none does)."""
-    fam = Family.IP if family is IPFamily.IPV4 else Family.IP6
-    first: tuple[str, str] | None = None
-    with LibNftables(netns=topo.node) as reader:
-        for name in reader.list_sets(fam, nftables.TABLE):
-            for element in reader.list_elements(fam, nftables.TABLE, name):
-                key = " . ".join(element.key)
-                if VIPS[family] in element.key:
-                    return name, key
-                first = first or (name, key)
-    assert first is not None, "our table holds no element at all"
-    return first
+    """(map or set, key) of an element of our table naming the echo cluster IP, a map's
+    first (a map element is what sends the address somewhere)."""
+    found = [
+        (not is_map, name, key)
+        for name, key, is_map in all_elements(topo, family)
+        if VIPS[family] in key.split(" . ")
+    ]
+    assert found, "no element of our table names the echo cluster IP"
+    _, container, key = min(found)
+    return container, key
 
 
 def test_nftables_mode_repairs_what_others_remove(
@@ -416,7 +413,7 @@ def test_nftables_mode_repairs_what_others_remove(
                     caplog,
                     f"1 element deleted (from {container})",
                 )
-                assert any(key == k for _, k in all_elements(topo, family))
+                assert any(key == k for _, k, _ in all_elements(topo, family))
         assert daemon.healer.reports, "nothing was reported"
 
 
@@ -425,11 +422,12 @@ def daemon_chains(topo: Topology, family: IPFamily) -> list[str]:
     return [i["chain"]["name"] for i in items if "chain" in i]
 
 
-def all_elements(topo: Topology, family: IPFamily) -> list[tuple[str, str]]:
+def all_elements(topo: Topology, family: IPFamily) -> list[tuple[str, str, bool]]:
+    """(set or map, key, in a map) of every element of our table."""
     fam = Family.IP if family is IPFamily.IPV4 else Family.IP6
     with LibNftables(netns=topo.node) as reader:
         return [
-            (name, " . ".join(element.key))
+            (name, " . ".join(element.key), element.is_map)
             for name in reader.list_sets(fam, nftables.TABLE)
             for element in reader.list_elements(fam, nftables.TABLE, name)
         ]
