@@ -9,8 +9,11 @@ what changed, never to the number of Services.
 
 Syncs are requested with :meth:`Proxier.sync` and run by a
 :class:`~kubeproxy.runner.BoundedFrequencyRunner` (:meth:`Proxier.run`), or run at once
-with :meth:`Proxier.sync_now`. Nothing is synced before the source has delivered both its
-initial Services and EndpointSlices.
+with :meth:`Proxier.sync_now`; :meth:`Proxier.request_full_sync` asks for a full one (the
+self-healing core does, when someone else changed our rules). A failed partial sync is
+followed at once by a full one; a failed full sync is retried after the runner's backoff
+(1 s, doubling up to the sync period). Nothing is synced before the source has delivered
+both its initial Services and EndpointSlices.
 
 What happens around a sync plugs in from outside: a :class:`SyncObserver` (several through
 :class:`ObserverGroup`) hears about queued and finished syncs; :class:`SyncHook` callables
