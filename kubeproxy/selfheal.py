@@ -123,6 +123,11 @@ class WatchHost(Protocol):
         sync would fool)."""
         ...
 
+    @property
+    def repairing(self) -> frozenset[IPFamily]:
+        """The families whose repair was asked for and has not completed yet."""
+        ...
+
 
 class Watcher(Protocol):
     """Notices changes of our kernel state made by others (one thread each)."""
@@ -337,7 +342,8 @@ class PeriodicCheck:
 
     ``check`` returns the changes found (an empty list when all is well); ``ready`` says
     whether checking makes sense yet (e.g. not before our first full sync wrote what is
-    checked).
+    checked). A check of ``family`` is skipped while that family's repair is under way:
+    what it would find is what is being repaired (another watcher reported it first).
     """
 
     def __init__(
@@ -347,6 +353,7 @@ class PeriodicCheck:
         interval: float,
         *,
         ready: Callable[[], bool] = lambda: True,
+        family: IPFamily | None = None,
     ) -> None:
         if interval <= 0:
             raise ValueError(f"{name}: the check interval must be positive, not {interval}")
@@ -354,6 +361,7 @@ class PeriodicCheck:
         self._check = check
         self.interval = interval
         self._ready = ready
+        self.family = family
         self.checks = 0
         """How many checks ran (for tests)."""
 
@@ -370,6 +378,8 @@ class PeriodicCheck:
                 continue
             try:
                 with host.syncs_held():
+                    if self.family in host.repairing:
+                        continue
                     found = self._check()
                     self.checks += 1
             except Exception as err:  # a failing check must not end the checking

@@ -134,6 +134,8 @@ class Host:
     def report(self, change: ExternalChange) -> None:
         self.reports.append(change)
 
+    repairing: frozenset[IPFamily] = frozenset()
+
     @contextlib.contextmanager
     def syncs_held(self) -> Iterator[None]:
         with self.lock:

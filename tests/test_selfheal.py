@@ -238,6 +238,8 @@ class Host:
     def report(self, change: ExternalChange) -> None:
         self.reports.append(change)
 
+    repairing: frozenset[IPFamily] = frozenset()
+
     @contextlib.contextmanager
     def syncs_held(self) -> Iterator[None]:
         self.held += 1
@@ -277,6 +279,23 @@ def test_a_periodic_check_reports_what_it_finds_while_syncs_are_held(
     assert any("tool missing" in r.getMessage() for r in caplog.records)
     with pytest.raises(ValueError):
         PeriodicCheck("bad", check, 0)
+
+
+def test_a_periodic_check_waits_while_its_family_is_repaired() -> None:
+    calls: list[float] = []
+
+    def check() -> list[ExternalChange]:
+        calls.append(time.monotonic())
+        return [ExternalChange("canary", "gone", V4)]
+
+    host = Host()
+    host.repairing = frozenset({V4})  # another watcher reported it: being repaired
+    periodic = PeriodicCheck("canary", check, 0.001, family=V4)
+    run_until(periodic, host, lambda: host.held >= 20)
+    assert calls == [] and host.reports == []
+    host.repairing = frozenset({V6})
+    run_until(periodic, host, lambda: bool(host.reports))
+    assert calls and [r.family for r in host.reports][:1] == [V4]
 
 
 def test_a_broken_watcher_is_logged_and_the_proxy_goes_on(

@@ -114,7 +114,7 @@ def canary_watcher(backend: IptablesBackend, interval: float = CANARY_INTERVAL) 
         )
         return [ExternalChange(KIND_CANARY, detail, family)]
 
-    return PeriodicCheck(f"iptables-canary-{family.value}", check, interval)
+    return PeriodicCheck(f"iptables-canary-{family.value}", check, interval, family=family)
 
 
 def watchers(
