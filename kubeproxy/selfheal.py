@@ -19,6 +19,13 @@ The pieces:
   burst of reports costs one sync). Once a full sync has succeeded after the reports, it
   logs how long the repair took and tells the health state again.
 
+Two writers that each repair what the other writes never stop (a second proxy on the
+node during a rolling update with surge, say, or a firewall reloading in a loop). So
+when a family's reports keep coming, each within :data:`STREAK_WINDOW` of the last, the
+first :data:`FREE_REPAIRS` are repaired at once and later ones after 1 s, 2 s, 4 s... up
+to :data:`MAX_REPAIR_DELAY` (said once in the log): the fight slows down to one full sync
+every half minute instead of one a second.
+
 A watcher sees only what changed, never what it means: reacting with a full sync keeps
 every backend's structure its own business.
 """
@@ -26,6 +33,7 @@ every backend's structure its own business.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -43,6 +51,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EVENT_INTERVAL",
+    "FREE_REPAIRS",
     "KINDS",
     "KIND_CANARY",
     "KIND_CHAIN",
@@ -53,6 +62,8 @@ __all__ = [
     "KIND_RULE",
     "KIND_SET",
     "KIND_TABLE",
+    "MAX_REPAIR_DELAY",
+    "STREAK_WINDOW",
     "ExternalChange",
     "ExternalChangeCounter",
     "KernelStateReporter",
@@ -98,6 +109,15 @@ KINDS: Final = (
 
 EVENT_INTERVAL: Final = 60.0
 """At most one Event a minute: a firewall reloading in a loop must not flood the API."""
+
+STREAK_WINDOW: Final = 10.0
+"""Reports of a family closer than this to the previous one make a streak."""
+
+FREE_REPAIRS: Final = 5
+"""Repairs of a streak done at once; later ones wait 1 s, 2 s, 4 s... (see below)."""
+
+MAX_REPAIR_DELAY: Final = 30.0
+"""The longest wait of a repair in a streak."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,13 +201,32 @@ class _Repair:
         self.kinds: list[str] = []
 
 
+class _Streak:
+    """Reports of a family coming one shortly after the other."""
+
+    __slots__ = ("count", "delayed", "last", "pending")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.delayed = 0
+        self.last = 0.0
+        self.pending = False
+
+
+def _start_timer(delay: float, action: Callable[[], None]) -> None:
+    timer = threading.Timer(delay, action)
+    timer.daemon = True
+    timer.start()
+
+
 class SelfHealer:
     """The :class:`WatchHost` of the binaries: reports become full syncs, log lines,
     metrics, Events and health changes (see the module documentation).
 
     ``proxiers`` by family; ``counter``, ``events`` and ``kernel_state`` are optional.
     :meth:`after_sync` must run after every successful sync of every proxier (the daemon
-    wires it as a :class:`~kubeproxy.proxier.SyncHook`). ``clock`` is monotonic seconds.
+    wires it as a :class:`~kubeproxy.proxier.SyncHook`). ``clock`` is monotonic seconds;
+    ``schedule(delay, action)`` runs a delayed repair request (a daemon timer thread).
     """
 
     def __init__(
@@ -199,6 +238,7 @@ class SelfHealer:
         kernel_state: KernelStateReporter | None = None,
         clock: Callable[[], float] = time.monotonic,
         event_interval: float = EVENT_INTERVAL,
+        schedule: Callable[[float, Callable[[], None]], None] = _start_timer,
     ) -> None:
         self.proxiers = dict(proxiers)
         self.counter = counter
@@ -210,6 +250,8 @@ class SelfHealer:
         self._repairs: dict[IPFamily, _Repair] = {}
         self._last_event: float | None = None
         self._unposted = 0
+        self._schedule = schedule
+        self._streaks: dict[IPFamily, _Streak] = {}
         self.reports: list[ExternalChange] = []
         """Every change reported, in order (for tests and debugging; bounded)."""
         self.repaired: list[tuple[IPFamily, float]] = []
@@ -245,7 +287,49 @@ class SelfHealer:
                 _safely(self.kernel_state.kernel_diverged, family, change.detail)
         self._post(change, now)
         for family in families:
-            self.proxiers[family].request_full_sync()
+            delay = self._delay(family, now)
+            if delay is None:
+                continue  # a delayed request is already waiting
+            if delay == 0:
+                self.proxiers[family].request_full_sync()
+            else:
+                self._schedule(delay, functools.partial(self._request_late, family))
+
+    def _delay(self, family: IPFamily, now: float) -> float | None:
+        """0 to repair at once, the seconds to wait in a long streak, or None when a
+        delayed repair is already on its way."""
+        with self._lock:
+            streak = self._streaks.get(family)
+            if streak is None or now - streak.last > STREAK_WINDOW:
+                streak = self._streaks[family] = _Streak()
+            streak.count += 1
+            streak.last = now
+            if streak.count <= FREE_REPAIRS:
+                return 0.0
+            if streak.pending:
+                return None
+            streak.pending = True
+            streak.delayed += 1
+            delay = min(2.0 ** (streak.delayed - 1), MAX_REPAIR_DELAY)
+        level = logging.WARNING if streak.delayed == 1 else logging.DEBUG
+        logger.log(
+            level,
+            "%s rules keep being changed by someone else (%d times, each within %gs of the "
+            "last: another proxy on this node, or a firewall reloading in a loop?); "
+            "repairing in %gs, then less and less often while it goes on",
+            family,
+            streak.count,
+            STREAK_WINDOW,
+            delay,
+        )
+        return delay
+
+    def _request_late(self, family: IPFamily) -> None:
+        with self._lock:
+            streak = self._streaks.get(family)
+            if streak is not None:
+                streak.pending = False
+        self.proxiers[family].request_full_sync()
 
     @contextlib.contextmanager
     def syncs_held(self) -> Iterator[None]:

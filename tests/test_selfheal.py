@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 from ipaddress import ip_address
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import yaml
@@ -176,6 +176,54 @@ def test_events_are_posted_at_most_once_a_minute() -> None:
         "table deleted; repairing with a full sync",
         "rules deleted; repairing with a full sync (2 more such changes since the last event)",
     ]
+
+
+class RequestRecorder:
+    """Stands in for a proxier: records full-sync requests (at the fake clock's time)."""
+
+    def __init__(self, family: IPFamily, clock: Clock) -> None:
+        self.family = family
+        self.clock = clock
+        self.requests: list[float] = []
+
+    def request_full_sync(self) -> None:
+        self.requests.append(self.clock.t)
+
+
+def test_repairs_slow_down_when_someone_keeps_undoing_them(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = Clock()
+    start = clock.t
+    scheduled: list[tuple[float, Any]] = []
+    proxier = RequestRecorder(V4, clock)
+    healer = SelfHealer(
+        {V4: cast(Proxier, proxier)},
+        clock=clock,
+        schedule=lambda delay, action: scheduled.append((clock.t + delay, action)),
+    )
+
+    def report_at(t: float) -> None:
+        clock.t = start + t
+        while scheduled and scheduled[0][0] <= clock.t:
+            when, action = scheduled.pop(0)
+            clock.t = when
+            action()
+            clock.t = start + t
+        healer.report(ExternalChange("rule", "rules deleted", V4))
+
+    with caplog.at_level(logging.WARNING, logger="kubeproxy.selfheal"):
+        # Another writer undoes our rules every second: five repairs at once, then
+        # waits of 1, 2, 4 s; reports while one waits ride on it.
+        for second in range(16):
+            report_at(second)
+    assert [r - start for r in proxier.requests] == [0, 1, 2, 3, 4, 6, 8, 12]
+    assert [when - start for when, _ in scheduled] == [12 + 8]
+    slowing = [r for r in caplog.records if "keep being changed" in r.getMessage()]
+    assert len(slowing) == 1 and "repairing in 1s" in slowing[0].getMessage()
+    # Quiet for longer than the streak window: the next one is repaired at once again.
+    report_at(40)
+    assert proxier.requests[-1] - start == 40
 
 
 def test_a_failing_metric_or_event_never_stops_the_repair(
