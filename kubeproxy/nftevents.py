@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import logging
 import os
 import select
@@ -450,14 +451,20 @@ class ChildProcesses:
     A child commits through a socket of its own; its port id is normally its pid (as we
     see it), and the commit's ``NEWGEN`` pid is its pid where we share the initial pid
     namespace. The executor wraps each spawn in :meth:`spawning` so that a watcher
-    judging a commit while a child is being started waits for its pid. The last
-    ``remember`` pids are kept (they may be judged after the child exited).
+    judging a commit while a child is being started waits for its pid, and says when
+    the child is gone (:meth:`exited`). The last ``remember`` pids are kept (a commit may
+    be judged after its child exited); the ones still running are what
+    :meth:`subscribe` callbacks get, so the watcher's kernel filter drops their messages
+    (a full iptables sync at 10k Services sends hundreds of MB of them) without ever
+    filtering a pid that a foreign process might get next.
     """
 
     def __init__(self, remember: int = 256) -> None:
         self._pids: deque[int] = deque(maxlen=remember)
+        self._running: set[int] = set()
         self._pending = 0
         self._changed = threading.Condition()
+        self._subscribers: list[Callable[[frozenset[int]], None]] = []
 
     @contextlib.contextmanager
     def spawning(self) -> Iterator[Callable[[int], None]]:
@@ -474,7 +481,40 @@ class ChildProcesses:
     def _note(self, pid: int) -> None:
         with self._changed:
             self._pids.append(pid)
+            self._running.add(pid)
             self._changed.notify_all()
+            running = frozenset(self._running)
+            subscribers = list(self._subscribers)
+        for callback in subscribers:
+            callback(running)
+
+    def exited(self, pid: int) -> None:
+        """The child ``pid`` is gone (its commits, if any, were all sent)."""
+        with self._changed:
+            self._running.discard(pid)
+            running = frozenset(self._running)
+            subscribers = list(self._subscribers)
+        for callback in subscribers:
+            callback(running)
+
+    @property
+    def running(self) -> frozenset[int]:
+        """The children started and not yet gone."""
+        with self._changed:
+            return frozenset(self._running)
+
+    def subscribe(self, callback: Callable[[frozenset[int]], None]) -> Callable[[], None]:
+        """Call ``callback(running pids)`` whenever a child starts or ends; returns the
+        function that stops it."""
+        with self._changed:
+            self._subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            with self._changed:
+                if callback in self._subscribers:
+                    self._subscribers.remove(callback)
+
+        return unsubscribe
 
     def spawned(self, *ids: int, wait: float = 1.0) -> bool:
         """Whether any of ``ids`` is a recent child; waits up to ``wait`` seconds for
@@ -532,23 +572,25 @@ class EventsLost(OSError):
     """The socket buffer overflowed: messages were dropped (``ENOBUFS``)."""
 
 
+_FILTER_MAX_PORTIDS: Final = 1000
+
+
 def _drop_portids_program(portids: Iterable[int]) -> bytes:
     """A classic BPF program dropping datagrams whose first message came from ``portids``.
 
     ``ld [12]`` loads ``nlmsg_pid`` big-endian while the kernel wrote it in host order, so
     the constants are byte-swapped on little-endian hosts. One commit's messages share a
     port id, and the kernel packs only one commit's messages into a datagram, so the first
-    message speaks for the whole datagram.
+    message speaks for the whole datagram. Each ``jeq`` is followed by its own ``ret #0``
+    (jump offsets are 8 bits: no common drop instruction can be reached from far away).
     """
-    wanted = sorted({p for p in portids if p})
-    keys = [int.from_bytes(p.to_bytes(4, sys.byteorder), "big") for p in wanted]
+    wanted = sorted({p for p in portids if p})[:_FILTER_MAX_PORTIDS]
     program = [(0x20, 0, 0, 12)]  # ld [12]
-    for index, key in enumerate(keys):
-        # jeq #key: jump to "drop" (the last instruction), else fall through.
-        to_drop = len(keys) - index
-        program.append((0x15, to_drop, 0, key))
+    for portid in wanted:
+        key = int.from_bytes(portid.to_bytes(4, sys.byteorder), "big")
+        program.append((0x15, 0, 1, key))  # jeq #key: the next instruction, else skip it
+        program.append((0x06, 0, 0, 0))  # ret #0: drop
     program.append((0x06, 0, 0, 0xFFFFFFFF))  # ret #-1: keep
-    program.append((0x06, 0, 0, 0))  # ret #0: drop
     return b"".join(struct.pack("=HBBI", *insn) for insn in program)
 
 
@@ -568,6 +610,8 @@ class EventSocket:
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
         self.netns_cookie = _netns_cookie(self._sock)
         self._filter: bytes | None = None
+        # The watcher's thread and the threads spawning our tools both set the filter.
+        self._filter_lock = threading.Lock()
 
     @staticmethod
     def _open() -> socket.socket:
@@ -592,12 +636,13 @@ class EventSocket:
     def ignore_portids(self, portids: Iterable[int]) -> None:
         """Have the kernel drop messages committed through these sockets (ours)."""
         code = _drop_portids_program(portids)
-        if code == self._filter:
-            return
-        buffer = ctypes.create_string_buffer(code)
-        fprog = struct.pack("@HP", len(code) // 8, ctypes.addressof(buffer))
-        self._sock.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER, fprog)
-        self._filter = code
+        with self._filter_lock:
+            if code == self._filter or self._sock.fileno() < 0:
+                return
+            buffer = ctypes.create_string_buffer(code)
+            fprog = struct.pack("@HP", len(code) // 8, ctypes.addressof(buffer))
+            self._sock.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER, fprog)
+            self._filter = code
 
     def receive(self, timeout: float) -> list[bytes]:
         """The datagrams waiting, after waiting up to ``timeout`` seconds for the first.
@@ -620,7 +665,8 @@ class EventSocket:
 
     def close(self) -> None:
         """Close the socket."""
-        self._sock.close()
+        with self._filter_lock:
+            self._sock.close()
 
 
 def _getgen_request(sequence: int) -> bytes:
@@ -649,6 +695,33 @@ def read_generation(netns: str | None = None, timeout: float = 2.0) -> int:
         raise OSError(errno.EPROTO, "no generation in the kernel's answer")
 
     return run_in_netns(netns, ask) if netns is not None else ask()
+
+
+class _KernelFilter:
+    """What a watcher's socket has the kernel drop: our sockets' messages, and those of
+    the children of ours running now (updated from the threads that spawn them)."""
+
+    def __init__(self, events: EventSocket, sockets: set[int]) -> None:
+        self._events = events
+        self._lock = threading.Lock()
+        self.sockets = frozenset(sockets)
+        self._running: dict[int, frozenset[int]] = {}
+        self._apply()
+
+    def set_sockets(self, sockets: set[int]) -> None:
+        """Our sockets' port ids changed (a new one sent its first commit)."""
+        with self._lock:
+            self.sockets = frozenset(sockets)
+            self._apply()
+
+    def set_running(self, registry: ChildProcesses, running: frozenset[int]) -> None:
+        """The children of ``registry`` running now."""
+        with self._lock:
+            self._running[id(registry)] = running
+            self._apply()
+
+    def _apply(self) -> None:
+        self._events.ignore_portids(self.sockets.union(*self._running.values()))
 
 
 # --- the watcher ------------------------------------------------------------------------------
@@ -736,8 +809,22 @@ class NftablesEventWatcher:
     ) -> None:
         own = self.own
         own.netns_cookie = events.netns_cookie
-        dropped = own.refresh() | {events.portid}
-        events.ignore_portids(dropped)
+        dropped = _KernelFilter(events, own.refresh() | {events.portid})
+        stops = [c.subscribe(functools.partial(dropped.set_running, c)) for c in own.children]
+        try:
+            self._read(events, stop, report, dropped)
+        finally:
+            for unsubscribe in stops:
+                unsubscribe()
+
+    def _read(
+        self,
+        events: EventSocket,
+        stop: threading.Event,
+        report: Callable[[ExternalChange], None],
+        dropped: _KernelFilter,
+    ) -> None:
+        own = self.own
         assembler = CommitAssembler()
         relevant = self.interest.relevant
         # Commits never interleave (the kernel serializes them), so the messages of one
@@ -757,7 +844,7 @@ class NftablesEventWatcher:
                 continue
             for datagram in datagrams:
                 for item in parse_datagram(datagram):
-                    if item.portid in dropped:
+                    if item.portid in dropped.sockets:
                         continue  # ours, queued before the filter knew the socket
                     if isinstance(item, Generation):
                         ours = sender_is_us and item.portid == sender
@@ -779,10 +866,9 @@ class NftablesEventWatcher:
                     if item.portid != sender:
                         sender = item.portid
                         sender_is_us = own.is_ours(sender, 0, wait=0.0)
-                        if own.sockets - dropped:
+                        if own.sockets - dropped.sockets:
                             # A socket of ours sent its first commit: filter it from now on.
-                            dropped = own.sockets | {events.portid}
-                            events.ignore_portids(dropped)
+                            dropped.set_sockets(own.sockets | {events.portid})
                         if sender_is_us:
                             continue
                     assembler.add(item)

@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import os
 import socket
+import subprocess
 import threading
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -23,12 +25,14 @@ import pytest
 from kubeproxy.backends.iptables.monitor import OurChains
 from kubeproxy.backends.iptables.proxier import owns_chain
 from kubeproxy.backends.ipvs.rules import CHAINS as IPVS_CHAINS
+from kubeproxy.backends.nftables.exec import LibNftables
 from kubeproxy.backends.nftables.monitor import OurTables
 from kubeproxy.nftevents import (
     ChildProcesses,
     Commit,
     CommitAssembler,
     EventsLost,
+    EventSocket,
     Generation,
     Interest,
     NftablesEventWatcher,
@@ -36,6 +40,7 @@ from kubeproxy.nftevents import (
     OwnWriters,
     own_netlink_portids,
     parse_datagram,
+    read_generation,
     summarize,
 )
 from kubeproxy.objects import IPFamily
@@ -406,3 +411,74 @@ def test_own_netlink_portids_finds_our_nfnetlink_sockets() -> None:
             other.bind((0x7654321, 0))
             assert 0x7654321 not in own_netlink_portids(cookie)
     assert portid not in own_netlink_portids(cookie)
+
+
+def test_the_running_children_are_filtered_in_the_kernel_while_they_run() -> None:
+    registry = ChildProcesses()
+    own = OwnWriters([registry], portids=lambda: {OUR_PORTID})
+    stop = threading.Event()
+    released = threading.Event()
+
+    class Waiting(FakeEvents):
+        def receive(self, timeout: float) -> list[bytes]:
+            released.wait(5)
+            stop.set()
+            return []
+
+    events = Waiting([], stop)
+    watcher = NftablesEventWatcher(
+        OurChains(owns_chain, BOTH),
+        own=own,
+        socket_factory=lambda _ns: events,  # type: ignore[arg-type,return-value]
+    )
+    thread = threading.Thread(target=watcher.run, args=(stop, Host()))
+    thread.start()
+    assert watcher.ready.wait(5)
+    with registry.spawning() as note:
+        note(4001)
+    with registry.spawning() as note:
+        note(4002)
+    registry.exited(4001)
+    released.set()
+    thread.join(5)
+    assert events.filters == [
+        {OUR_PORTID, events.portid},
+        {OUR_PORTID, events.portid, 4001},
+        {OUR_PORTID, events.portid, 4001, 4002},
+        {OUR_PORTID, events.portid, 4002},
+    ]
+    # Gone from the filter, still known as ours (its commit may be judged later).
+    assert registry.running == {4002}
+    assert own.is_ours(4001, 0, wait=0)
+    # The watcher stopped listening to the registry.
+    with registry.spawning() as note:
+        note(4003)
+    assert len(events.filters) == 4
+
+
+@pytest.mark.kernel
+def test_the_kernel_filter_drops_our_commits_and_keeps_others() -> None:
+    netns = f"kpxev-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", netns], check=True)
+    try:
+        events = EventSocket(netns)
+        with LibNftables(netns=netns) as ours:
+            ours.run_text("add table ip t\n")  # binds its socket
+            events.receive(0.3)
+            mine = own_netlink_portids(events.netns_cookie)
+            assert mine
+            # Hundreds of port ids (more than an 8-bit jump could span), ours among them.
+            events.ignore_portids(set(range(70000, 70400)) | mine)
+            ours.run_text("add chain ip t c\n")
+            assert events.receive(0.3) == []
+            subprocess.run(
+                ["ip", "netns", "exec", netns, "nft", "add", "chain", "ip", "t", "d"], check=True
+            )
+            seen = [item for d in events.receive(1.0) for item in parse_datagram(d)]
+            assert [(i.op, i.name) for i in seen if isinstance(i, ObjectChange)] == [
+                ("NEWCHAIN", "d")
+            ]
+            assert read_generation(netns) >= 3
+        events.close()
+    finally:
+        subprocess.run(["ip", "netns", "del", netns], check=False)

@@ -282,13 +282,16 @@ class IptablesCommands:
                 note(process.pid)
         except FileNotFoundError as err:
             raise IptablesError(f"{argv[0]}: not found ({err.filename})") from err
-        with process:
-            try:
-                stdout, stderr = process.communicate(stdin, timeout=self.timeout)
-            except subprocess.TimeoutExpired as err:
-                process.kill()
-                process.communicate()
-                raise IptablesError(f"{argv[0]}: no answer after {self.timeout} s") from err
+        try:
+            with process:
+                try:
+                    stdout, stderr = process.communicate(stdin, timeout=self.timeout)
+                except subprocess.TimeoutExpired as err:
+                    process.kill()
+                    process.communicate()
+                    raise IptablesError(f"{argv[0]}: no answer after {self.timeout} s") from err
+        finally:
+            self.children.exited(process.pid)
         return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
     def restore(self, family: IPFamily, text: str, *, counters: bool = False) -> None:
