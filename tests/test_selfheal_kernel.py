@@ -162,6 +162,21 @@ def proxy(
         daemon.stop()
 
 
+@contextlib.contextmanager
+def proxied_cluster(
+    tmp_path: Path, bulk: int, mode: str, factory: BackendFactory, watchers: WatcherFactory
+) -> Iterator[tuple[Topology, Daemon]]:
+    """The cluster written, the proxy running, both cluster IPs answering."""
+    write_cluster(tmp_path, bulk)
+    with (
+        client_node_server(PREFIX, ipv6=True) as topo,
+        proxy(topo, tmp_path, mode, factory, watchers) as daemon,
+    ):
+        for vip in VIPS.values():
+            wait_for(answering(topo, vip), f"{vip} answering")
+        yield topo, daemon
+
+
 # --- observing --------------------------------------------------------------------------------
 
 
@@ -358,15 +373,9 @@ def test_nftables_mode_repairs_what_others_remove(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO)
-    write_cluster(tmp_path, bulk=5)
-    with (
-        client_node_server(PREFIX, ipv6=True) as topo,
-        proxy(
-            topo, tmp_path, "nftables", nftables.create_backend, mode_watchers("nftables")
-        ) as daemon,
-    ):
-        for vip in VIPS.values():
-            wait_for(answering(topo, vip), f"{vip} answering")
+    with proxied_cluster(
+        tmp_path, 5, "nftables", nftables.create_backend, mode_watchers("nftables")
+    ) as (topo, daemon):
         ordinary_changes_count_nothing(tmp_path, daemon)
         with Prober(topo) as prober:
             scene = Scene(topo, daemon, prober)
@@ -502,18 +511,12 @@ def test_iptables_nft_mode_repairs_what_others_remove(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO)
-    write_cluster(tmp_path, bulk=3)
-    with (
-        client_node_server(PREFIX, ipv6=True) as topo,
-        proxy(
-            topo, tmp_path, "iptables", iptables.create_backend, mode_watchers("iptables")
-        ) as daemon,
-    ):
+    with proxied_cluster(
+        tmp_path, 3, "iptables", iptables.create_backend, mode_watchers("iptables")
+    ) as (topo, daemon):
         backend = daemon.proxiers[IPFamily.IPV4].backend
         assert isinstance(backend, iptables.IptablesBackend)
         assert backend.executor.variant.value == "nft"
-        for vip in VIPS.values():
-            wait_for(answering(topo, vip), f"{vip} answering")
         ordinary_changes_count_nothing(tmp_path, daemon)
         with Prober(topo) as prober:
             scene = Scene(topo, daemon, prober)
@@ -555,24 +558,23 @@ def test_iptables_legacy_canary_finds_a_flushed_table(
 ) -> None:
     """No events with iptables-legacy: the canary check finds the flush."""
     caplog.set_level(logging.INFO)
-    write_cluster(tmp_path, bulk=1)
 
     def fast_canaries(backends: Any, netns: str | None) -> list[Any]:
         return list(iptables_monitor.watchers(backends, netns, canary_interval=0.3))
 
     with (
-        client_node_server(PREFIX, ipv6=True) as topo,
-        proxy(topo, tmp_path, "iptables", iptables.create_legacy_backend, fast_canaries) as daemon,
+        proxied_cluster(tmp_path, 1, "iptables", iptables.create_legacy_backend, fast_canaries) as (
+            topo,
+            daemon,
+        ),
+        Prober(topo) as prober,
     ):
-        for vip in VIPS.values():
-            wait_for(answering(topo, vip), f"{vip} answering")
-        with Prober(topo) as prober:
-            scene = Scene(topo, daemon, prober)
-            for family in VIPS:
-                tool = "iptables-legacy" if family is IPFamily.IPV4 else "ip6tables-legacy"
+        scene = Scene(topo, daemon, prober)
+        for family in VIPS:
+            tool = "iptables-legacy" if family is IPFamily.IPV4 else "ip6tables-legacy"
 
-                def flush(f: IPFamily = family, t: str = tool) -> None:
-                    iptables_in(topo, f, "-t", "nat", "-F", tool=t)
-                    iptables_in(topo, f, "-t", "nat", "-X", tool=t)
+            def flush(f: IPFamily = family, t: str = tool) -> None:
+                iptables_in(topo, f, "-t", "nat", "-F", tool=t)
+                iptables_in(topo, f, "-t", "nat", "-X", tool=t)
 
-                scene.expect_repair(flush, {(family, "canary"): 1}, caplog, "canary chain")
+            scene.expect_repair(flush, {(family, "canary"): 1}, caplog, "canary chain")
