@@ -469,6 +469,8 @@ class PeriodicCheck:
             except Exception as err:  # a failing check must not end the checking
                 logger.warning("%s: check failed: %s", self._name, err)
                 continue
+            if self.family in host.repairing:
+                continue  # reported meanwhile by another watcher (events come first)
             for change in found:
                 host.report(change)
 
