@@ -1071,9 +1071,8 @@ def _assemble(
     reconciler = ConntrackReconciler(executor, metrics)
     gc_tuner = GcTuner(families, gc_ops)
     watching = list(watchers(list(backends.values()), netns)) if watchers is not None else []
-    # The health state learns of repairs through SelfHealer.kernel_state once it can say
-    # so on /healthz (it cannot yet).
-    healer = SelfHealer({}, counter=metrics, events=events)
+    # /healthz answers 503 from a report of rules changed by others until their repair.
+    healer = SelfHealer({}, counter=metrics, events=events, kernel_state=parts.health)
     healing = (healer.after_sync, *(w.after_sync for w in watching))
     proxiers: dict[IPFamily, Proxier] = {}
     for family, backend in backends.items():

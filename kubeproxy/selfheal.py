@@ -14,7 +14,9 @@ The pieces:
 * the :class:`SelfHealer` is that host: for each report it logs one line saying what was
   found changed, counts it (``kubeproxy_sync_proxy_rules_external_changes_total`` by
   ``kind``), posts a Warning Event about the Node (at most one a minute), tells the health
-  state (:class:`KernelStateReporter`) and asks the proxier of the family for a full sync
+  state (:class:`KernelStateReporter`, the daemon's
+  :class:`~kubeproxy.health.ProxyHealth`: ``/healthz`` answers 503 with what was found
+  until the repair) and asks the proxier of the family for a full sync
   (:meth:`~kubeproxy.proxier.Proxier.request_full_sync`, coalesced by its runner, so a
   burst of reports costs one sync). Once a full sync has succeeded after the reports, it
   logs how long the repair took and tells the health state again.
@@ -42,6 +44,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Protocol
 
 from kubeproxy.events import ACTION_REPAIR, REASON_RULES_CHANGED_EXTERNALLY
+from kubeproxy.health import FAULT_RULES_REMOVED
 from kubeproxy.objects import IPFamily
 
 if TYPE_CHECKING:
@@ -176,17 +179,16 @@ class ExternalChangeCounter(Protocol):
 
 
 class KernelStateReporter(Protocol):
-    """Where the health state learns that the kernel no longer holds what we wrote.
+    """Where the health state learns that the kernel no longer holds what we wrote
+    (:class:`~kubeproxy.health.ProxyHealth` is one: ``/healthz`` then answers 503 with
+    the reason, and HealthCheckNodePorts too, until the repair). The self-healer reports
+    with the cause :data:`~kubeproxy.health.FAULT_RULES_REMOVED`."""
 
-    The hook for ``/healthz`` (it should answer 503 with the reason meanwhile); nothing
-    implements it in the core yet.
-    """
-
-    def kernel_diverged(self, family: IPFamily, reason: str) -> None:
-        """The kernel lost rules of ``family``; a repair is under way."""
+    def report_data_plane_broken(self, family: IPFamily, cause: str, reason: str) -> None:
+        """The kernel lost rules of ``family`` (``reason``); a repair is under way."""
         ...
 
-    def kernel_restored(self, family: IPFamily) -> None:
+    def report_data_plane_repaired(self, family: IPFamily, cause: str) -> None:
         """The repair of ``family`` succeeded."""
         ...
 
@@ -284,7 +286,12 @@ class SelfHealer:
             if self.counter is not None:
                 _safely(self.counter.external_change, family, change.kind)
             if self.kernel_state is not None:
-                _safely(self.kernel_state.kernel_diverged, family, change.detail)
+                _safely(
+                    self.kernel_state.report_data_plane_broken,
+                    family,
+                    FAULT_RULES_REMOVED,
+                    f"rules changed by someone else, repairing: {change.detail}",
+                )
         self._post(change, now)
         for family in families:
             delay = self._delay(family, now)
@@ -360,7 +367,7 @@ class SelfHealer:
             ", ".join(dict.fromkeys(repair.kinds)),
         )
         if self.kernel_state is not None:
-            _safely(self.kernel_state.kernel_restored, family)
+            _safely(self.kernel_state.report_data_plane_repaired, family, FAULT_RULES_REMOVED)
 
     @property
     def repairing(self) -> frozenset[IPFamily]:

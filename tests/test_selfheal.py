@@ -5,6 +5,7 @@ check over the in-memory iptables, and the daemon's wiring of watchers."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 import time
@@ -27,6 +28,7 @@ from kubeproxy.cmd.app import build_daemon
 from kubeproxy.cmd.modes import MODES
 from kubeproxy.config import ProxierConfig
 from kubeproxy.events import FakeEventRecorder
+from kubeproxy.health import FAULT_RULES_REMOVED, ProxyHealth
 from kubeproxy.metrics import ProxyMetrics
 from kubeproxy.nftevents import NftablesEventWatcher
 from kubeproxy.objects import IPFamily, Protocol, ServicePort
@@ -62,10 +64,12 @@ class KernelState:
     def __init__(self) -> None:
         self.calls: list[tuple[str, IPFamily]] = []
 
-    def kernel_diverged(self, family: IPFamily, reason: str) -> None:
+    def report_data_plane_broken(self, family: IPFamily, cause: str, reason: str) -> None:
+        assert cause == FAULT_RULES_REMOVED and reason.startswith("rules changed by someone")
         self.calls.append(("diverged", family))
 
-    def kernel_restored(self, family: IPFamily) -> None:
+    def report_data_plane_repaired(self, family: IPFamily, cause: str) -> None:
+        assert cause == FAULT_RULES_REMOVED
         self.calls.append(("restored", family))
 
 
@@ -479,3 +483,23 @@ def test_the_daemon_runs_the_watchers_and_repairs(tmp_path: Path) -> None:
         'kubeproxy_sync_proxy_rules_external_changes_total{ip_family="IPv4",kind="rule"} 0' in text
     )
     assert daemon.healer.join(1) == []
+
+
+def test_healthz_fails_from_the_report_until_the_repair() -> None:
+    proxier, _ = make_proxier(V4)
+    health = ProxyHealth(60.0)
+    healer = SelfHealer({V4: proxier}, kernel_state=health)
+    assert health.health().serving
+    healer.report(ExternalChange("table", "table ip kube-proxy: 1 table deleted", V4))
+    status = health.health()
+    assert not status.serving
+    body = json.loads(status.to_json(last_updated=None, node_eligible=True, with_faults=True))
+    assert body["healthy"] is False
+    assert body["reason"] == (
+        "IPv4: rules changed by someone else, repairing: table ip kube-proxy: 1 table deleted"
+    )
+    snapshot: Any = None
+    healer.after_sync(proxier, snapshot, SyncChanges(full=False))
+    assert not health.health().serving  # a partial sync repairs nothing
+    healer.after_sync(proxier, snapshot, SyncChanges(full=True))
+    assert health.health().serving

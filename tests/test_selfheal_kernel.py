@@ -334,6 +334,12 @@ class Scene:
         assert len(warnings) == sum(counted.values()), warnings
         assert all(found in message for message in warnings), warnings
         assert self.foreign_table() == self.firewall, "the foreign table was touched"
+        # /healthz failed meanwhile (the health state said so) and is back to 200.
+        broken = [
+            r for r in caplog.records if "Data plane broken (rules-removed)" in r.getMessage()
+        ]
+        assert len(broken) == len(families), [r.getMessage() for r in broken]
+        assert self.daemon.health.data_plane_faults() == ()
 
 
 # --- nftables mode ---------------------------------------------------------------------------
