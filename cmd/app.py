@@ -1073,7 +1073,7 @@ def _assemble(
     watching = list(watchers(list(backends.values()), netns)) if watchers is not None else []
     # /healthz answers 503 from a report of rules changed by others until their repair.
     healer = SelfHealer({}, counter=metrics, events=events, kernel_state=parts.health)
-    healing = (healer.after_sync, *(w.after_sync for w in watching))
+    healing = tuple(w.after_sync for w in watching)
     proxiers: dict[IPFamily, Proxier] = {}
     for family, backend in backends.items():
         extra = tuple(backend_hooks(backend, metrics)) if backend_hooks is not None else ()
@@ -1085,7 +1085,7 @@ def _assemble(
             backend,
             node=node,
             host_addresses=list_host_addresses,
-            observer=ObserverGroup([metrics, parts.observer, *observers]),
+            observer=ObserverGroup([metrics, parts.observer, *observers, healer]),
             conntrack=reconciler,
             after_sync=(
                 metrics.after_sync,

@@ -194,12 +194,13 @@ class KernelStateReporter(Protocol):
 
 
 class _Repair:
-    """A family's repair under way: since when, and what was found."""
+    """A family's repair under way: since when, the latest report, and what was found."""
 
-    __slots__ = ("kinds", "since")
+    __slots__ = ("kinds", "latest", "since")
 
     def __init__(self, since: float) -> None:
         self.since = since
+        self.latest = since
         self.kinds: list[str] = []
 
 
@@ -226,9 +227,12 @@ class SelfHealer:
     metrics, Events and health changes (see the module documentation).
 
     ``proxiers`` by family; ``counter``, ``events`` and ``kernel_state`` are optional.
-    :meth:`after_sync` must run after every successful sync of every proxier (the daemon
-    wires it as a :class:`~kubeproxy.proxier.SyncHook`). ``clock`` is monotonic seconds;
-    ``schedule(delay, action)`` runs a delayed repair request (a daemon timer thread).
+    It hears every sync of every proxier as a :class:`~kubeproxy.proxier.SyncObserver`
+    (the daemon puts it in their observers): a successful full sync that *started* after
+    the latest report of its family ends the repair (one already running when the damage
+    was done may have listed the kernel before it). ``clock`` is monotonic seconds, the
+    proxiers' clock; ``schedule(delay, action)`` runs a delayed repair request (a daemon
+    timer thread).
     """
 
     def __init__(
@@ -275,7 +279,9 @@ class SelfHealer:
             self.reports.append(change)
             del self.reports[:-1000]
             for family in families:
-                self._repairs.setdefault(family, _Repair(now)).kinds.append(change.kind)
+                repair = self._repairs.setdefault(family, _Repair(now))
+                repair.kinds.append(change.kind)
+                repair.latest = now
         logger.warning(
             "Rules changed by someone else (%s, %s): %s; full sync requested",
             "/".join(str(f) for f in families),
@@ -346,18 +352,32 @@ class SelfHealer:
                 stack.enter_context(self.proxiers[family].syncs_held())
             yield
 
-    # SyncHook -----------------------------------------------------------------------------
+    # SyncObserver ---------------------------------------------------------------------------
 
-    def after_sync(self, proxier: Proxier, snapshot: ProxySnapshot, changes: SyncChanges) -> None:
-        """A full sync after reports of this family ends the repair."""
-        if not changes.full:
+    def sync_queued(self, family: IPFamily) -> None:
+        """Nothing to do when a sync is asked for."""
+
+    def endpoints_trigger_times(self, family: IPFamily, times: list[float]) -> None:
+        """Nothing to do with trigger times."""
+
+    def sync_finished(
+        self,
+        family: IPFamily,
+        full: bool,
+        duration: float,
+        error: BaseException | None,
+        snapshot_sizes: tuple[int, int],
+    ) -> None:
+        """A successful full sync begun after the family's latest report ends its repair."""
+        if error is not None or not full:
             return
-        family = proxier.family
+        now = self.clock()
         with self._lock:
-            repair = self._repairs.pop(family, None)
-            if repair is None:
+            repair = self._repairs.get(family)
+            if repair is None or now - duration < repair.latest:
                 return
-            took = self.clock() - repair.since
+            del self._repairs[family]
+            took = now - repair.since
             self.repaired.append((family, took))
             del self.repaired[:-1000]
         logger.info(

@@ -17,7 +17,7 @@ from typing import Any, cast
 import pytest
 import yaml
 
-from kubeproxy.backend import ProxySnapshot, SyncChanges
+from kubeproxy.backend import ProxySnapshot, SyncChanges, SyncError
 from kubeproxy.backends.iptables import IptablesBackend
 from kubeproxy.backends.iptables.exec import IptablesVariant
 from kubeproxy.backends.iptables.fake import FakeIptables
@@ -126,31 +126,37 @@ def test_a_report_asks_for_a_full_sync_and_says_what_was_found(
     assert other.sync_now() and not other_backend.last.full
 
 
-def test_the_first_full_sync_after_reports_ends_the_repair(
+def test_the_first_full_sync_begun_after_the_reports_ends_the_repair(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    healer, pairs, _, _, state, clock = healer_with(V4)
-    proxier, _ = pairs[V4]
+    healer, _, _, _, state, clock = healer_with(V4)
     healer.report(ExternalChange("table", "table deleted", V4))
     clock.t += 0.5
     healer.report(ExternalChange("rule", "rules deleted", V4))
     clock.t += 0.25
-    snapshot: Any = None
-    healer.after_sync(proxier, snapshot, SyncChanges(full=False))
+    healer.sync_finished(V4, False, 0.1, None, (1, 1))  # partial: repairs nothing
+    healer.sync_finished(V4, True, 0.1, SyncError("refused"), (1, 1))  # failed
+    # A full sync already running at the second report may have listed the kernel
+    # before that damage: it does not count.
+    healer.sync_finished(V4, True, 0.3, None, (1, 1))
     assert healer.repairing == {V4}
     caplog.set_level(logging.INFO, logger="kubeproxy.selfheal")
     caplog.clear()
-    healer.after_sync(proxier, snapshot, SyncChanges(full=True))
+    clock.t += 0.5
+    healer.sync_finished(V4, True, 0.4, None, (1, 1))
     assert healer.repairing == frozenset()
-    assert healer.repaired == [(V4, 0.75)]
+    assert healer.repaired == [(V4, 1.25)]
     assert state.calls == [("diverged", V4), ("diverged", V4), ("restored", V4)]
     (line,) = caplog.records
     assert line.getMessage() == (
-        "IPv4 rules repaired 0.75s after someone else changed them (table, rule)"
+        "IPv4 rules repaired 1.25s after someone else changed them (table, rule)"
     )
     # A later full sync with nothing reported is no repair.
-    healer.after_sync(proxier, snapshot, SyncChanges(full=True))
-    assert healer.repaired == [(V4, 0.75)]
+    healer.sync_finished(V4, True, 0.1, None, (1, 1))
+    assert healer.repaired == [(V4, 1.25)]
+    # The other observer events mean nothing here.
+    healer.sync_queued(V4)
+    healer.endpoints_trigger_times(V4, [1.0])
 
 
 def test_a_change_of_no_family_concerns_every_family() -> None:
@@ -498,8 +504,7 @@ def test_healthz_fails_from_the_report_until_the_repair() -> None:
     assert body["reason"] == (
         "IPv4: rules changed by someone else, repairing: table ip kube-proxy: 1 table deleted"
     )
-    snapshot: Any = None
-    healer.after_sync(proxier, snapshot, SyncChanges(full=False))
+    healer.sync_finished(V4, False, 0.0, None, (1, 1))
     assert not health.health().serving  # a partial sync repairs nothing
-    healer.after_sync(proxier, snapshot, SyncChanges(full=True))
+    healer.sync_finished(V4, True, 0.0, None, (1, 1))
     assert health.health().serving
