@@ -828,10 +828,15 @@ class NftablesEventWatcher:
         assembler = CommitAssembler()
         relevant = self.interest.relevant
         # Commits never interleave (the kernel serializes them), so the messages of one
-        # run from its first to its NEWGEN: the sender is judged at its first relevant
-        # message (a commit touching nothing of ours costs no look at /proc at all).
+        # run from its first to its NEWGEN, all from one port id. A message from another
+        # port id starts the next commit: if the previous one's NEWGEN never came (lost
+        # with an overflow, already reported), its changes are dropped rather than
+        # counted into the next one. The sender is judged at its commit's first relevant
+        # message (a commit touching nothing of ours costs no look at /proc at all). The
+        # rest of a commit cut by an overflow is reported like any other: a second full
+        # sync rather than a change gone unseen.
         sender: int | None = None
-        sender_is_us = False
+        sender_is_us: bool | None = None
         self.ready.set()
         logger.info("Watching %s for changes by others (nf_tables events)", self.interest.what)
         while not stop.is_set():
@@ -846,12 +851,14 @@ class NftablesEventWatcher:
                 for item in parse_datagram(datagram):
                     if item.portid in dropped.sockets:
                         continue  # ours, queued before the filter knew the socket
+                    if item.portid != sender:
+                        assembler.discard()  # a commit whose NEWGEN was lost
+                        sender, sender_is_us = item.portid, None
                     if isinstance(item, Generation):
-                        ours = sender_is_us and item.portid == sender
                         sender = None
                         if not assembler.pending:
                             continue
-                        if ours or own.is_ours(item.portid, item.pid):
+                        if sender_is_us or own.is_ours(item.portid, item.pid):
                             assembler.discard()
                             continue
                         commit = assembler.close(item)
@@ -859,13 +866,10 @@ class NftablesEventWatcher:
                             for change in self.interest.describe(commit):
                                 report(change)
                         continue
-                    if item.portid == sender and sender_is_us:
+                    if sender_is_us or not relevant(item):
                         continue
-                    if not relevant(item):
-                        continue
-                    if item.portid != sender:
-                        sender = item.portid
-                        sender_is_us = own.is_ours(sender, 0, wait=0.0)
+                    if sender_is_us is None:
+                        sender_is_us = own.is_ours(item.portid, 0, wait=0.0)
                         if own.sockets - dropped.sockets:
                             # A socket of ours sent its first commit: filter it from now on.
                             dropped.set_sockets(own.sockets | {events.portid})

@@ -482,3 +482,19 @@ def test_the_kernel_filter_drops_our_commits_and_keeps_others() -> None:
         events.close()
     finally:
         subprocess.run(["ip", "netns", "del", netns], check=False)
+
+
+def test_a_commit_whose_end_was_lost_is_not_counted_into_the_next() -> None:
+    own = OwnWriters(portids=lambda: {OUR_PORTID})
+    ruleset = datagrams("flush-ruleset")
+    # The overflow took the end of flush ruleset (its last datagrams, NEWGEN included);
+    # what was read of it must not be counted into the next commit, someone's element
+    # deletion.
+    cut = [d for d in ruleset if not any(isinstance(i, Generation) for i in parse_datagram(d))]
+    lost = EventsLost(errno.ENOBUFS, "dropped")
+    reports, _ = watch(OurTables(BOTH), [cut, lost, datagrams("delete-element")], own)
+    assert [(r.kind, r.family) for r in reports] == [("missed-events", None), ("element", V4)]
+    assert "table" not in reports[1].detail.split(":")[1]
+    reports, _ = watch(OurTables(BOTH), [cut + datagrams("delete-element")], own)
+    assert [(r.kind, r.family) for r in reports] == [("element", V4)]
+    assert reports[0].detail.startswith("table ip kube-proxy: 1 element deleted")
