@@ -339,7 +339,8 @@ def _case(
         round(outage, 3),
         len(failed),
         0,
-        outage <= cold + 1.0,
+        # Rules fully back (the proxy's repair) and connections working, both in time.
+        max(outage, took) <= cold + 1.0,
     )
 
 
