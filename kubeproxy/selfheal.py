@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Final, Protocol
 from kubeproxy.events import ACTION_REPAIR, REASON_RULES_CHANGED_EXTERNALLY
 from kubeproxy.health import FAULT_RULES_REMOVED
 from kubeproxy.objects import IPFamily
+from kubeproxy.proxier import NullObserver
 
 if TYPE_CHECKING:
     from kubeproxy.backend import ProxySnapshot, SyncChanges
@@ -222,7 +223,7 @@ def _start_timer(delay: float, action: Callable[[], None]) -> None:
     timer.start()
 
 
-class SelfHealer:
+class SelfHealer(NullObserver):
     """The :class:`WatchHost` of the binaries: reports become full syncs, log lines,
     metrics, Events and health changes (see the module documentation).
 
@@ -352,13 +353,7 @@ class SelfHealer:
                 stack.enter_context(self.proxiers[family].syncs_held())
             yield
 
-    # SyncObserver ---------------------------------------------------------------------------
-
-    def sync_queued(self, family: IPFamily) -> None:
-        """Nothing to do when a sync is asked for."""
-
-    def endpoints_trigger_times(self, family: IPFamily, times: list[float]) -> None:
-        """Nothing to do with trigger times."""
+    # SyncObserver (the other events are NullObserver's no-ops) --------------------------------
 
     def sync_finished(
         self,
