@@ -86,6 +86,7 @@ from kubeproxy.objects import IPAddress, IPFamily, IPNetwork, NamespacedName, No
 from kubeproxy.parse import InvalidObject, parse_node
 from kubeproxy.proxier import DualStackProxier, ObserverGroup, Proxier, SyncHook, SyncObserver
 from kubeproxy.proxyconfig import KubeProxyConntrackConfiguration, config_document
+from kubeproxy.selfheal import SelfHealer, Watcher
 from kubeproxy.sources.manifests import ManifestSource
 from kubeproxy.sysctl import (
     DEFAULT_HASHSIZE_PATH,
@@ -114,6 +115,7 @@ __all__ = [
     "StartupError",
     "StartupInterrupted",
     "StartupWarning",
+    "WatcherFactory",
     "apply_oom_score_adj",
     "build_daemon",
     "conntrack_sysctls",
@@ -147,6 +149,10 @@ BackendHooks = Callable[[Backend, ProxyMetrics], Sequence[SyncHook | SyncObserve
 """Extra pieces a binary wires for its kind of backend (backend-specific metrics): a
 callable one runs as an after-sync hook, one with ``sync_finished`` hears every sync of
 its family (failed ones too) as a :class:`~kubeproxy.proxier.SyncObserver`."""
+
+WatcherFactory = Callable[[Sequence[Backend], str | None], Sequence[Watcher]]
+"""Makes a mode's self-healing watchers for its backends (one per family) in a network
+namespace (None: the current one); see :mod:`kubeproxy.selfheal`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -570,7 +576,8 @@ class Daemon:
 
     The attributes are the pieces, for tests and for the binaries: ``proxiers`` by family,
     ``handler`` (the proxier, or a :class:`~kubeproxy.proxier.DualStackProxier`), the
-    ``metrics`` and ``health`` state and their servers, ``events``, the ``source``.
+    ``metrics`` and ``health`` state and their servers, ``events``, the ``source``, the
+    self-healing ``healer`` and its ``watchers`` (started by :meth:`start` only).
     """
 
     def __init__(
@@ -590,6 +597,8 @@ class Daemon:
         events: EventSink,
         gc_tuner: GcTuner,
         stop: threading.Event,
+        healer: SelfHealer | None = None,
+        watchers: Sequence[Watcher] = (),
         startup_warnings: Sequence[StartupWarning] = (),
         before_first_sync: Callable[[], object] | None = None,
     ) -> None:
@@ -613,6 +622,8 @@ class Daemon:
         self.health_observer = health_observer
         self.events = events
         self.gc_tuner = gc_tuner
+        self.healer = healer if healer is not None else SelfHealer(self.proxiers)
+        self.watchers = tuple(watchers)
         self.startup_warnings = tuple(startup_warnings)
         self._before_first_sync = before_first_sync
         self._stop = stop
@@ -649,6 +660,8 @@ class Daemon:
         self._serve(self.metrics_server.start, REASON_FAILED_METRICS)
         self._prepare_first_sync()
         self.events.starting()
+        # Watching starts before the first sync, so nothing done after it goes unseen.
+        self.healer.start(self.watchers, self._stop)
         self.gate.bind(self.handler)
         for proxier in self.proxiers.values():
             self._spawn(f"sync-loop-{proxier.family.value}", self._sync_loop, proxier)
@@ -695,6 +708,8 @@ class Daemon:
             thread.join(timeout)
             if thread.is_alive():
                 logger.warning("Thread %s did not stop within %gs", thread.name, timeout)
+        for name in self.healer.join(timeout):
+            logger.warning("Thread %s did not stop within %gs", name, timeout)
         self.health_server.stop()
         self.metrics_server.stop()
         self.health_observer.close()
@@ -881,6 +896,7 @@ def build_daemon(
     exit: Callable[[int], object] | None = None,
     gc_ops: GcOps | None = None,
     backend_hooks: BackendHooks | None = None,
+    watchers: WatcherFactory | None = None,
     startup_warnings: Sequence[StartupWarning] = (),
     stop: threading.Event | None = None,
     before_first_sync: Callable[[], object] | None = None,
@@ -896,7 +912,8 @@ def build_daemon(
     :class:`~kubeproxy.events.EventRecorder` with the API, a :class:`LoggingEventSink`
     with manifests. ``privileged`` applies :func:`privileged_setup` (through ``paths``
     and ``sysctl_files``). ``exit`` is what the NodeWatcher calls when the Node's IPs
-    change (default: end the process). ``startup_warnings`` are posted as events when the
+    change (default: end the process). ``watchers`` makes the mode's self-healing
+    watchers (none without it). ``startup_warnings`` are posted as events when the
     daemon starts. ``before_first_sync`` runs once every backend exists and (for a
     daemon) the servers are bound, right before the first sync: the binaries remove the
     other modes' rules there, so a mode that cannot run, or a server that cannot bind
@@ -941,6 +958,7 @@ def build_daemon(
             ipv6_supported=ipv6_supported,
             gc_ops=gc_ops,
             backend_hooks=backend_hooks,
+            watchers=watchers,
             startup_warnings=startup_warnings,
             before_first_sync=before_first_sync,
         )
@@ -1023,11 +1041,13 @@ def _assemble(
     ipv6_supported: bool | None,
     gc_ops: GcOps | None,
     backend_hooks: BackendHooks | None,
+    watchers: WatcherFactory | None,
     startup_warnings: Sequence[StartupWarning],
     before_first_sync: Callable[[], object] | None,
 ) -> Daemon:
     """Everything after the source, in upstream's order: node IPs and families, events,
-    the privileged set-up, backends, servers, the conntrack reconciler, proxiers."""
+    the privileged set-up, backends, servers, the conntrack reconciler, proxiers; then
+    the self-healing watchers."""
     node = _node_info(source.node, options.node_name, list_host_addresses())
     node_ips = detect_node_ips(
         host_ips(node.addresses),
@@ -1052,6 +1072,10 @@ def _assemble(
     gc_tuner = GcTuner(families, gc_ops)
     # A process that syncs once and exits has no long life to tune the collector for.
     tuning = () if options.once or options.dry_run else (gc_tuner,)
+    watching = list(watchers(list(backends.values()), netns)) if watchers is not None else []
+    # /healthz answers 503 from a report of rules changed by others until their repair.
+    healer = SelfHealer({}, counter=metrics, events=events, kernel_state=parts.health)
+    healing = tuple(w.after_sync for w in watching)
     proxiers: dict[IPFamily, Proxier] = {}
     for family, backend in backends.items():
         extra = tuple(backend_hooks(backend, metrics)) if backend_hooks is not None else ()
@@ -1063,11 +1087,18 @@ def _assemble(
             backend,
             node=node,
             host_addresses=list_host_addresses,
-            observer=ObserverGroup([metrics, parts.observer, *observers]),
+            observer=ObserverGroup([metrics, parts.observer, *observers, healer]),
             conntrack=reconciler,
-            after_sync=(metrics.after_sync, parts.observer.after_sync, *hooks, *tuning),
+            after_sync=(
+                metrics.after_sync,
+                parts.observer.after_sync,
+                *hooks,
+                *healing,
+                *tuning,
+            ),
         )
         metrics.track(proxiers[family])
+    healer.proxiers.update(proxiers)
     return Daemon(
         options=options,
         node=node,
@@ -1083,6 +1114,8 @@ def _assemble(
         events=events,
         gc_tuner=gc_tuner,
         stop=stop,
+        healer=healer,
+        watchers=watching,
         startup_warnings=startup_warnings,
         before_first_sync=before_first_sync,
     )
@@ -1117,6 +1150,7 @@ def run_daemon(
     *,
     mode: str = "nftables",
     backend_hooks: BackendHooks | None = None,
+    watchers: WatcherFactory | None = None,
     paths: HostPaths | None = None,
     **build: Any,
 ) -> int:
@@ -1125,8 +1159,8 @@ def run_daemon(
     ``--init-only`` does :func:`privileged_setup` and returns; ``--once``/``--dry-run``
     sync once after the initial list, without the privileged set-up (``--dry-run`` also
     without the conntrack cleanup and events, so nothing outside the backend's executor
-    is touched); otherwise the daemon runs until SIGTERM or SIGINT. ``build`` goes to
-    :func:`build_daemon`.
+    is touched); otherwise the daemon runs until SIGTERM or SIGINT, with the self-healing
+    ``watchers`` (not for one-shot runs). ``build`` goes to :func:`build_daemon`.
     """
     if options.init_only:
         privileged_setup(options, paths)
@@ -1134,6 +1168,7 @@ def run_daemon(
         return 0
     if options.once or options.dry_run:
         build["privileged"] = False
+        watchers = None
     if options.dry_run:
         build.setdefault("conntrack", FakeConntrack())
         build.setdefault("events", LoggingEventSink(options.node_name))
@@ -1145,6 +1180,7 @@ def run_daemon(
                 backend_factory,
                 mode=mode,
                 backend_hooks=backend_hooks,
+                watchers=watchers,
                 paths=paths,
                 stop=stop,
                 **build,

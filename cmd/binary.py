@@ -201,6 +201,7 @@ def run(
         factory,
         mode=mode.name,
         backend_hooks=mode.hooks,
+        watchers=mode.watchers,
         startup_warnings=warnings,
         **build,
     )

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol, TextIO, runtime_checkabl
 
 from kubeproxy.backend import Backend, BackendFactory
 from kubeproxy.capabilities import CAP_NET_ADMIN
-from kubeproxy.cmd.app import BackendHooks
+from kubeproxy.cmd.app import BackendHooks, WatcherFactory
 from kubeproxy.config import ProxierConfig
 from kubeproxy.metrics import ProxyMetrics
 from kubeproxy.objects import IPFamily
@@ -27,6 +27,7 @@ from kubeproxy.proxier import NullObserver, Proxier, SyncHook, SyncObserver
 
 if TYPE_CHECKING:
     from kubeproxy.backend import ProxySnapshot, SyncChanges
+    from kubeproxy.selfheal import Watcher
 
 __all__ = [
     "IPTABLES_BASED",
@@ -284,7 +285,9 @@ class Mode:
     ``netns`` (raising on a real error; an error saying ``kernel lacks ...`` means there
     can be nothing to remove); ``dry_run()`` makes a :class:`DryRun` (None: not
     available); ``hooks`` wires the mode's own metrics; ``capabilities`` are those the
-    mode cannot work without (``CAP_NET_ADMIN`` for ours), checked before anything else.
+    mode cannot work without (``CAP_NET_ADMIN`` for ours), checked before anything else;
+    ``watchers(backends, netns)`` makes what finds changes others make to the mode's
+    rules (self-healing; None: none).
     """
 
     name: str
@@ -293,6 +296,7 @@ class Mode:
     hooks: BackendHooks
     dry_run: Callable[[], DryRun] | None = None
     capabilities: tuple[str, ...] = ()
+    watchers: WatcherFactory | None = None
 
     @property
     def iptables_based(self) -> bool:
@@ -327,7 +331,11 @@ def _backend_mode(
             return
         module.cleanup(netns=netns, **cleanup_options)
 
-    return Mode(name, factory, cleanup, hooks, dry_run, (CAP_NET_ADMIN,))
+    def watchers(backends: Sequence[Backend], netns: str | None) -> Sequence[Watcher]:
+        found: Sequence[Watcher] = _module(name).watchers(backends, netns)
+        return found
+
+    return Mode(name, factory, cleanup, hooks, dry_run, (CAP_NET_ADMIN,), watchers)
 
 
 MODES: Final[Mapping[str, Mode]] = {

@@ -6,7 +6,8 @@ once the proxy runs (the "birth cry"), ``FailedToStartProxierHealthcheck`` and
 ``bindAddressHardFail``, ``IPVSDeprecation`` (action ``ProxyModeCheck``) in ipvs mode,
 ``ProxyModeDefaulted`` (action ``ProxyModeCheck``) when the multi-mode binary runs without
 a configured mode (upstream 1.37 posts an event then; its reason was not verified, the
-name is ours), and
+name is ours), ``ProxyRulesChangedExternally`` (action ``RepairProxyRules``, ours) when
+someone else removed our rules and a repair started (:mod:`kubeproxy.selfheal`), and
 ``FailedToStartServiceHealthcheck`` (action ``Listen``) about a Service. Each regards the
 Node by a reference whose UID is the node name, like upstream's ``NodeRef``.
 
@@ -31,6 +32,7 @@ from typing import Any, Protocol
 __all__ = [
     "ACTION_LISTEN",
     "ACTION_PROXY_MODE_CHECK",
+    "ACTION_REPAIR",
     "ACTION_START",
     "NORMAL",
     "REASON_FAILED_HEALTHCHECK",
@@ -38,6 +40,7 @@ __all__ = [
     "REASON_FAILED_SERVICE_HEALTHCHECK",
     "REASON_IPVS_DEPRECATION",
     "REASON_PROXY_MODE_DEFAULTED",
+    "REASON_RULES_CHANGED_EXTERNALLY",
     "REASON_STARTING",
     "WARNING",
     "EventRecorder",
@@ -61,10 +64,13 @@ REASON_FAILED_SERVICE_HEALTHCHECK = "FailedToStartServiceHealthcheck"
 # Upstream 1.37 (PR #139957) posts an event when the mode was defaulted; its exact reason
 # could not be verified from the reference material, so this one is ours.
 REASON_PROXY_MODE_DEFAULTED = "ProxyModeDefaulted"
+# Ours: someone else changed our kernel rules, and we repair them (kubeproxy.selfheal).
+REASON_RULES_CHANGED_EXTERNALLY = "ProxyRulesChangedExternally"
 
 ACTION_START = "StartKubeProxy"
 ACTION_PROXY_MODE_CHECK = "ProxyModeCheck"
 ACTION_LISTEN = "Listen"
+ACTION_REPAIR = "RepairProxyRules"
 
 # The API server rejects a longer note.
 _NOTE_LIMIT = 1024

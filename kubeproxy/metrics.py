@@ -12,7 +12,10 @@ or ``IPv6``) plus the process collector's ``process_*`` metrics, and is fed by:
 * :meth:`ProxyMetrics.track`, which makes the change-tracker counters (pending and
   total Service and EndpointSlice changes) readable at scrape time;
 * the health servers (:class:`~kubeproxy.health.HealthMetrics`) and the conntrack
-  reconciler (:meth:`ProxyMetrics.conntrack_reconciled`).
+  reconciler (:meth:`ProxyMetrics.conntrack_reconciled`);
+* the self-healing core (:meth:`ProxyMetrics.external_change`): our
+  ``kubeproxy_sync_proxy_rules_external_changes_total{ip_family,kind}``, changes of our
+  rules made by someone else and repaired (not an upstream metric).
 
 :class:`MetricsServer` serves ``/metrics``, ``/healthz`` (``ok``), ``/proxyMode`` and
 ``/configz`` (the effective configuration, as upstream) on the metrics address (default
@@ -40,6 +43,7 @@ from prometheus_client.registry import Collector
 
 from kubeproxy.health import DEFAULT_MAX_HANDLERS, BackgroundServer, Response
 from kubeproxy.objects import IPFamily, NamespacedName, ServicePort, ServicePortName
+from kubeproxy.selfheal import KINDS
 
 if TYPE_CHECKING:
     from kubeproxy.backend import ProxySnapshot, SyncChanges
@@ -409,6 +413,13 @@ class ProxyMetrics:
             "conntrack_reconciler_deleted_entries_total",
             "Cumulative conntrack flows deleted by conntrack reconciler",
         )
+        # Ours, not upstream's: see kubeproxy.selfheal.
+        self.external_changes = counter(
+            "sync_proxy_rules_external_changes_total",
+            "Cumulative changes of the proxy rules by someone else, found and repaired, by"
+            " what was found",
+            ["ip_family", "kind"],
+        )
         self.sync_failures: Counter | None = None
         self.nftables_cleanup_failures: Counter | None = None
         self.iptables_partial_restore_failures: Counter | None = None
@@ -467,9 +478,12 @@ class ProxyMetrics:
         """Report ``proxier``'s change trackers in the pending/total change metrics.
 
         Track both proxiers of a dual-stack pair: totals add up (a Service event counts
-        once per family, as upstream), pending counts add up.
+        once per family, as upstream), pending counts add up. The family's external-change
+        counters start at 0 for every kind, so that rates and alerts see them.
         """
         self.track_trackers(proxier.service_changes, proxier.endpoint_changes)
+        for kind in KINDS:
+            self.external_changes.labels(proxier.family.value, kind)
 
     def track_trackers(
         self, services: ServiceChangeTracker, endpoints: EndpointsChangeTracker
@@ -544,6 +558,11 @@ class ProxyMetrics:
         """Record one conntrack reconciliation: its duration and the flows it deleted."""
         self.conntrack_duration.labels(family.value).observe(seconds)
         self.conntrack_deleted.labels(family.value).inc(deleted)
+
+    def external_change(self, family: IPFamily, kind: str) -> None:
+        """Someone else changed our rules in ``family``; ``kind`` says what was found
+        (:data:`kubeproxy.selfheal.KINDS`)."""
+        self.external_changes.labels(family.value, kind).inc()
 
     # Backend-specific
 

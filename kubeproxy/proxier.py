@@ -9,8 +9,11 @@ what changed, never to the number of Services.
 
 Syncs are requested with :meth:`Proxier.sync` and run by a
 :class:`~kubeproxy.runner.BoundedFrequencyRunner` (:meth:`Proxier.run`), or run at once
-with :meth:`Proxier.sync_now`. Nothing is synced before the source has delivered both its
-initial Services and EndpointSlices.
+with :meth:`Proxier.sync_now`; :meth:`Proxier.request_full_sync` asks for a full one (the
+self-healing core does, when someone else changed our rules). A failed partial sync is
+followed at once by a full one; a failed full sync is retried after the runner's backoff
+(1 s, doubling up to the sync period). Nothing is synced before the source has delivered
+both its initial Services and EndpointSlices.
 
 What happens around a sync plugs in from outside: a :class:`SyncObserver` (several through
 :class:`ObserverGroup`) hears about queued and finished syncs; :class:`SyncHook` callables
@@ -23,11 +26,12 @@ endpoints.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 import typing
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -431,6 +435,20 @@ class Proxier:
         self._notify(self._observer.sync_queued, self._family)
         self._runner.run()
 
+    def request_full_sync(self) -> None:
+        """Ask for a full sync soon: the kernel may no longer hold what we wrote (someone
+        else changed it). Coalesced with every other request; nothing happens before the
+        proxier is initialized (its first sync is full anyway)."""
+        with self._state_lock:
+            self._full_requested = True
+        self._sync_if_initialized()
+
+    @contextlib.contextmanager
+    def syncs_held(self) -> Iterator[None]:
+        """A block during which no sync of this proxier runs (it waits for one under way)."""
+        with self._sync_lock:
+            yield
+
     def run(self, stop: threading.Event) -> None:
         """Run the sync loop in this thread until ``stop`` is set."""
         self._runner.loop(stop)
@@ -438,23 +456,31 @@ class Proxier:
     def sync_now(self) -> bool:
         """Sync once, now, in this thread; True on success.
 
-        Returns False without doing anything before the proxier is initialized.
+        Returns False without doing anything before the proxier is initialized. A failure
+        has the sync loop retry after its backoff.
         """
         with self._sync_lock:
             if not self.initialized:
                 logger.debug("%s proxier not initialized yet; not syncing", self._family)
                 return False
-            return self._sync_locked()
+            ok = self._sync_locked()
+        self._runner.ran_outside(ok)
+        return ok
 
     def _sync_if_initialized(self) -> None:
         if self.initialized:
             self.sync()
 
     def _run_sync(self) -> None:
-        if not self.initialized:
-            return
-        if not self.sync_now():
-            raise RunFailed(f"{self._family} sync failed")
+        with self._sync_lock:
+            if not self.initialized:
+                return
+            ok = self._sync_locked()
+            partial = not self._attempted_full
+        if not ok:
+            # A failed partial sync is followed at once by a full one (the next sync is
+            # full after any failure); a failed full sync waits for the backoff.
+            raise RunFailed(f"{self._family} sync failed", retry_now=partial)
 
     def _sync_locked(self) -> bool:
         start = self._clock()

@@ -1,7 +1,8 @@
 """Namespaces, connections and snapshots for the kernel tests of several backends.
 
 * :func:`client_node_server`: three namespaces, ``client (10.0.0.2) -- node -- server
-  (10.180.0.10, an echo server on 8080)``, the node routing between them;
+  (10.180.0.10, an echo server on 8080)``, the node routing between them (with
+  ``ipv6``, also ``fd00::2 -- fd00::1 | fd00:180::1 -- fd00:180::10``);
   :func:`echo_snapshot` proxies ClusterIP 172.30.0.10:80 to that server (plus bulk
   Services), and :func:`assert_restart_keeps_connections` checks a backend restart
   against live traffic through it;
@@ -16,6 +17,7 @@ deleted whatever happens.
 from __future__ import annotations
 
 import contextlib
+import functools
 import ipaddress
 import os
 import socket
@@ -51,6 +53,7 @@ from kubeproxy.testing.netns import (
 T = TypeVar("T")
 
 ECHO_VIP, ECHO_SERVER_IP = "172.30.0.10", "10.180.0.10"
+ECHO_SERVER_IP6 = "fd00:180::10"
 
 
 def ip(*args: str) -> None:
@@ -79,6 +82,7 @@ class Topology:
     client: str
     server: str
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    ipv6: bool = False
 
     def in_namespace(self, netns: str, fn: Callable[[], T]) -> T:
         """Run ``fn`` in a thread that has entered ``netns``; return its result."""
@@ -104,9 +108,14 @@ class Topology:
 
 
 ECHO_SERVER = """
-import socket, threading
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("0.0.0.0", 8080)); s.listen(512)
+import socket, sys, threading
+if sys.argv[1:] == ["6"]:
+    s = socket.socket(socket.AF_INET6)
+    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1); s.bind(("::", 8080))
+else:
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("0.0.0.0", 8080))
+s.listen(512)
 def serve(c):
     with c:
         while True:
@@ -121,10 +130,11 @@ while True:
 
 
 @contextlib.contextmanager
-def client_node_server(prefix: str) -> Iterator[Topology]:
-    """The three namespaces ``<prefix>-<pid>-node|cli|srv``, the echo server running."""
+def client_node_server(prefix: str, *, ipv6: bool = False) -> Iterator[Topology]:
+    """The three namespaces ``<prefix>-<pid>-node|cli|srv``, the echo server running
+    (with ``ipv6``, on both families)."""
     names_prefix = f"{prefix}-{os.getpid()}"
-    topo = Topology(f"{names_prefix}-node", f"{names_prefix}-cli", f"{names_prefix}-srv")
+    topo = Topology(f"{names_prefix}-node", f"{names_prefix}-cli", f"{names_prefix}-srv", ipv6=ipv6)
     names = [topo.node, topo.client, topo.server]
     to_client, to_server = f"{prefix}-c", f"{prefix}-s"
     try:
@@ -146,12 +156,15 @@ def client_node_server(prefix: str) -> Iterator[Topology]:
             ip("-n", name, "link", "set", "eth0", "up")
             ip("-n", name, "route", "add", "default", "via", gateway)
         run_in(topo.node, "sysctl", "-qw", "net.ipv4.ip_forward=1")
-        server = subprocess.Popen(
-            ["ip", "netns", "exec", topo.server, sys.executable, "-c", ECHO_SERVER],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        topo.processes.append(server)
+        if ipv6:
+            _add_ipv6(topo, to_client, to_server)
+        for version in ("4", "6") if ipv6 else ("4",):
+            server = subprocess.Popen(
+                ["ip", "netns", "exec", topo.server, sys.executable, "-c", ECHO_SERVER, version],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            topo.processes.append(server)
         _wait_for_server(topo)
         yield topo
     finally:
@@ -162,17 +175,38 @@ def client_node_server(prefix: str) -> Iterator[Topology]:
             subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
 
 
+def _add_ipv6(topo: Topology, to_client: str, to_server: str) -> None:
+    """The IPv6 side: no duplicate address detection, so addresses work at once."""
+    for name in (topo.node, topo.client, topo.server):
+        run_in(name, "sysctl", "-qw", "net.ipv6.conf.all.accept_dad=0")
+        run_in(name, "sysctl", "-qw", "net.ipv6.conf.default.accept_dad=0")
+    run_in(topo.node, "sysctl", "-qw", "net.ipv6.conf.all.forwarding=1")
+    for link, addr in ((to_client, "fd00::1/64"), (to_server, "fd00:180::1/64")):
+        ip("-n", topo.node, "addr", "add", addr, "dev", link, "nodad")
+    for name, addr, gateway in (
+        (topo.client, "fd00::2/64", "fd00::1"),
+        (topo.server, f"{ECHO_SERVER_IP6}/64", "fd00:180::1"),
+    ):
+        ip("-n", name, "addr", "add", addr, "dev", "eth0", "nodad")
+        ip("-n", name, "-6", "route", "add", "default", "via", gateway)
+
+
 def _wait_for_server(topo: Topology) -> None:
-    def probe() -> bool:
+    servers = [ECHO_SERVER_IP, ECHO_SERVER_IP6] if topo.ipv6 else [ECHO_SERVER_IP]
+
+    def probe(address: str) -> bool:
         for _ in range(100):
             try:
-                with socket.create_connection((ECHO_SERVER_IP, 8080), timeout=0.2):
+                with socket.create_connection((address, 8080), timeout=0.2):
                     return True
             except OSError:
                 time.sleep(0.05)
         return False
 
-    assert topo.in_namespace(topo.node, probe), "echo server did not come up"
+    for address in servers:
+        assert topo.in_namespace(topo.node, functools.partial(probe, address)), (
+            f"echo server did not come up on {address}"
+        )
 
 
 def echo_port_name(prefix: str) -> ServicePortName:

@@ -239,6 +239,15 @@ UPSTREAM = {
         {"ip_family"},
     ),
 }
+# Ours, not upstream's, in every mode: repairs of rules someone else changed.
+OURS_IN_EVERY_MODE = {
+    "kubeproxy_sync_proxy_rules_external_changes_total": (
+        "counter",
+        "Cumulative changes of the proxy rules by someone else, found and repaired, by what"
+        " was found",
+        {"ip_family", "kind"},
+    ),
+}
 NFTABLES_ONLY = {
     "kubeproxy_sync_proxy_rules_nftables_sync_failures_total": (
         "counter",
@@ -286,6 +295,7 @@ def exercise(metrics: ProxyMetrics) -> None:
         metrics.nftables_cleanup_failed(family)
         metrics.iptables_partial_restore_failed(family)
         metrics.iptables_rules(family, "nat", 10, 4)
+        metrics.external_change(family, "table")
         metrics.no_local_endpoints.labels("internal", family.value).set(0)
         metrics.no_local_endpoints.labels("external", family.value).set(0)
     metrics.healthz_response(200)
@@ -322,7 +332,7 @@ def test_names_types_help_and_labels_are_upstreams(
     metrics = ProxyMetrics(mode=mode, process_metrics=False)
     exercise(metrics)
     families = parse(metrics.expose().decode())
-    expected = {**UPSTREAM, **specific}
+    expected = {**UPSTREAM, **OURS_IN_EVERY_MODE, **specific}
     ours = {name: f for name, f in families.items() if name.startswith("kubeproxy_")}
     assert set(ours) == set(expected)
     for name, (kind, help_text, labels) in expected.items():

@@ -34,6 +34,7 @@ from kubeproxy.objects import (
 from kubeproxy.proxier import DualStackProxier, NullObserver, Proxier
 from kubeproxy.sources.manifests import ManifestSource
 from kubeproxy.topology import categorize_endpoints
+from tests.test_runner import FakeClock as RunnerClock
 
 V4 = IPFamily.IPV4
 V6 = IPFamily.IPV6
@@ -810,6 +811,49 @@ def test_run_loop_syncs_on_request() -> None:
         thread.join(5)
     assert not thread.is_alive()
     assert spn("web") in backend.last.services
+
+
+def looped(
+    backend: RecordingBackend, end: float, *, min_sync: float = 0.5
+) -> tuple[Proxier, list[tuple[float, bool]], Callable[[], None], RunnerClock]:
+    """A proxier whose loop runs on the runner tests' fake clock until ``end``; the
+    (clock time, full) of each sync, what runs the loop, and the clock."""
+    stop = threading.Event()
+    clock = RunnerClock(stop)
+    syncs: list[tuple[float, bool]] = []
+    original = backend.sync
+
+    def sync(snapshot: ProxySnapshot, changes: SyncChanges) -> None:
+        syncs.append((clock.t, changes.full))
+        original(snapshot, changes)
+
+    backend.sync = sync  # type: ignore[method-assign]
+    config = ProxierConfig(node_name=NODE, min_sync_period=min_sync, sync_period=30)
+    proxier = Proxier(V4, config, backend, runner_clock=clock)
+    clock.at(end, stop.set)
+    return proxier, syncs, lambda: proxier.run(stop), clock
+
+
+def test_a_failed_partial_sync_is_followed_at_once_by_a_full_one() -> None:
+    backend = RecordingBackend()
+    proxier, syncs, run, clock = looped(backend, 5)
+    two_services(proxier)
+    initialized(proxier)  # the first (full) sync, outside the loop
+    backend.failures.append(SyncError("No such file or directory"))
+    clock.at(2, lambda: proxier.on_service_delete(service("web", "172.30.0.10")))
+    run()
+    # The partial sync at 2 fails; the full one follows at once, not a sync period later.
+    assert syncs == [(0.0, True), (2.0, False), (2.0, True)]
+
+
+def test_a_failed_first_sync_is_retried_after_the_backoff() -> None:
+    backend = RecordingBackend()
+    backend.failures.append(SyncError("refused"))
+    proxier, syncs, run, _ = looped(backend, 5)
+    two_services(proxier)
+    initialized(proxier)  # fails, outside the loop
+    run()
+    assert syncs == [(0.0, True), (1.0, True)]
 
 
 # --- dual stack ---------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""BoundedFrequencyRunner timing rules, driven by a fake clock (no real sleeping)."""
+"""BoundedFrequencyRunner timing rules, driven by a fake clock (no real sleeping), and its
+retry backoff as a property of any sequence of outcomes."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import time
 from collections.abc import Callable
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kubeproxy.runner import BoundedFrequencyRunner, MonotonicClock, RunFailed
 
@@ -53,6 +56,7 @@ class Harness:
         min_interval: float = 1.0,
         retry_interval: float = 5.0,
         max_interval: float = 10.0,
+        initial_retry: float = 1.0,
     ) -> None:
         self.stop = threading.Event()
         self.clock = FakeClock(self.stop)
@@ -65,6 +69,7 @@ class Harness:
             retry_interval,
             max_interval,
             clock=self.clock,
+            initial_retry=initial_retry,
         )
 
     def _fn(self) -> None:
@@ -111,38 +116,144 @@ def test_request_after_min_interval_runs_immediately() -> None:
     assert h.loop_until(14.5) == [0, 3, 4, 14]
 
 
-def test_failure_retries_after_retry_interval(caplog: pytest.LogCaptureFixture) -> None:
+def fail_partial() -> None:
+    raise RunFailed("partial sync failed", retry_now=True)
+
+
+def test_failure_retries_after_the_first_backoff(caplog: pytest.LogCaptureFixture) -> None:
     h = Harness()
     h.behaviour = [fail]
     h.runner.run()
     with caplog.at_level(logging.ERROR, logger="kubeproxy.runner"):
-        assert h.loop_until(16) == [0, 5, 15]
+        assert h.loop_until(12) == [0, 1, 11]
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1
     assert "test-runner" in errors[0].getMessage()
     assert "kernel said no" in errors[0].getMessage()
+    assert "within 1s" in errors[0].getMessage()
     assert errors[0].exc_info is not None
 
 
-def test_retry_is_capped_by_max_interval() -> None:
-    h = Harness(retry_interval=30)
+@pytest.mark.parametrize(
+    ("retry", "runs"),
+    [
+        # Waits 1, 2, 4, then 5 (the retry interval) twice; the success starts the
+        # periodic interval afresh.
+        (5, [0, 1, 3, 7, 12, 17, 27]),
+        # Failures never stop the loop, however many.
+        (2, [0, 1, 3, 5, 7, 9, 19, 29]),
+    ],
+)
+def test_backoff_doubles_up_to_the_retry_interval(retry: float, runs: list[float]) -> None:
+    h = Harness(retry_interval=retry)
+    h.behaviour = [fail] * 5
+    h.runner.run()
+    assert h.loop_until(30) == runs
+
+
+def test_a_success_resets_the_backoff() -> None:
+    h = Harness(retry_interval=8)
+    h.behaviour = [fail, fail, lambda: None, fail]
+    h.runner.run()
+    h.clock.at(3.5, h.runner.run)
+    # fail at 0 (+1), fail at 1 (+2), success at 3; the request at 3.5 waits for the min
+    # interval (4), fails, and backs off 1 s again, not 4.
+    assert h.loop_until(6) == [0, 1, 3, 4, 5]
+
+
+def test_backoff_is_capped_by_max_interval() -> None:
+    h = Harness(retry_interval=30, initial_retry=30)
     h.behaviour = [fail]
     h.runner.run()
     assert h.loop_until(21) == [0, 10, 20]
 
 
-def test_retry_shorter_than_min_interval_waits_min_interval() -> None:
+def test_backoff_shorter_than_min_interval_waits_min_interval() -> None:
     h = Harness(min_interval=2, retry_interval=0.5)
     h.behaviour = [fail, fail]
     h.runner.run()
     assert h.loop_until(13) == [0, 2, 4]
 
 
-def test_repeated_failures_never_stop_the_loop() -> None:
-    h = Harness()
-    h.behaviour = [fail] * 5
+def test_a_failed_partial_run_is_retried_at_once() -> None:
+    h = Harness(min_interval=1)
+    h.behaviour = [fail_partial]
     h.runner.run()
-    assert h.loop_until(31) == [0, 5, 10, 15, 20, 25]
+    # No backoff and no min-interval rest: the retry (a full sync) starts right away.
+    assert h.loop_until(12) == [0, 0, 10]
+
+
+def test_the_at_once_retry_is_granted_once_in_a_row(caplog: pytest.LogCaptureFixture) -> None:
+    h = Harness()
+    h.behaviour = [fail_partial, fail_partial, fail_partial]
+    h.runner.run()
+    with caplog.at_level(logging.ERROR, logger="kubeproxy.runner"):
+        assert h.loop_until(4) == [0, 0, 1, 1]
+    messages = [r.getMessage() for r in caplog.records]
+    assert ["at once" in m for m in messages] == [True, False, True]
+    assert all(not r.exc_info for r in caplog.records)
+
+
+def test_a_failure_outside_the_loop_is_retried_after_the_backoff() -> None:
+    h = Harness()
+    h.runner.ran_outside(False)
+    assert h.loop_until(12) == [1, 11]
+
+
+def test_a_success_outside_the_loop_resets_the_backoff() -> None:
+    h = Harness(retry_interval=8)
+    h.behaviour = [fail, fail]
+    h.runner.run()
+    h.clock.at(2, lambda: h.runner.ran_outside(True))
+    h.clock.at(2.5, lambda: h.runner.ran_outside(False))
+    # fail at 0 (+1), fail at 1 (+2 -> 3); the outside success at 2 resets the count and
+    # the outside failure at 2.5 brings the next run forward to 3.5 (+1), not 2.5 + 4.
+    assert h.loop_until(4) == [0, 1, 3]
+
+
+def test_an_outside_failure_never_delays_a_run() -> None:
+    h = Harness(retry_interval=8)
+    h.runner.run()
+    h.clock.at(5, lambda: h.runner.ran_outside(False))
+    h.clock.at(5.5, h.runner.run)
+    # The noted failure brings the next run forward to 6; the request at 5.5 is served
+    # as usual, and its success puts the periodic run back to 10 s later.
+    assert h.loop_until(15) == [0, 5.5]
+
+
+@given(
+    outcomes=st.lists(st.sampled_from(["ok", "fail", "partial"]), min_size=1, max_size=25),
+    min_interval=st.sampled_from([0.0, 0.5, 1.0, 2.0]),
+    initial_retry=st.sampled_from([0.25, 1.0, 3.0]),
+    retry_interval=st.sampled_from([1.0, 5.0, 30.0]),
+)
+def test_backoff_property(
+    outcomes: list[str], min_interval: float, initial_retry: float, retry_interval: float
+) -> None:
+    """Whatever the outcomes, the gaps between runs follow the backoff rules."""
+    max_interval = 10.0
+    h = Harness(min_interval, retry_interval, max_interval, initial_retry)
+    h.behaviour = [{"ok": lambda: None, "fail": fail, "partial": fail_partial}[o] for o in outcomes]
+    expected = [0.0]
+    failures, retried_now = 0, False
+    for outcome in outcomes:
+        now = expected[-1]
+        if outcome == "ok":
+            failures, retried_now = 0, False
+            expected.append(now + max_interval)
+        elif outcome == "partial" and not retried_now:
+            retried_now = True
+            expected.append(now)
+        else:
+            failures += 1
+            retried_now = False
+            wait = min(initial_retry * 2 ** (failures - 1), retry_interval, max_interval)
+            # Never sooner than the min interval, never later than the ceiling.
+            assert wait <= min(retry_interval, max_interval)
+            expected.append(now + max(wait, min_interval))
+    h.runner.run()
+    runs = h.loop_until(expected[-1] + 0.001)
+    assert runs == pytest.approx(expected)
 
 
 def test_run_failed_logs_one_short_line(caplog: pytest.LogCaptureFixture) -> None:
@@ -153,7 +264,7 @@ def test_run_failed_logs_one_short_line(caplog: pytest.LogCaptureFixture) -> Non
     h.behaviour = [already_logged]
     h.runner.run()
     with caplog.at_level(logging.ERROR, logger="kubeproxy.runner"):
-        assert h.loop_until(6) == [0, 5]
+        assert h.loop_until(6) == [0, 1]
     (record,) = caplog.records
     assert not record.exc_info
     assert "sync failed" in record.getMessage()
@@ -211,6 +322,8 @@ def test_zero_min_interval() -> None:
 def test_invalid_intervals(min_interval: float, retry: float, max_interval: float) -> None:
     with pytest.raises(ValueError):
         BoundedFrequencyRunner("bad", lambda: None, min_interval, retry, max_interval)
+    with pytest.raises(ValueError):
+        BoundedFrequencyRunner("bad", lambda: None, 0, 1, 1, initial_retry=0)
 
 
 def test_real_clock_runs_on_request_and_stops_promptly() -> None:

@@ -12,7 +12,9 @@ Public API:
   backend's :class:`~kubeproxy.backends.iptables.nfacct.NetlinkNFAcct`) adds upstream's
   packet counters to the rules;
 * :func:`cleanup` - remove every chain any iptables-mode kube-proxy made, in both
-  families and both variants, and nothing else.
+  families and both variants, and nothing else;
+* :func:`watchers` - what finds changes others make to our chains (self-healing,
+  :mod:`kubeproxy.selfheal`; see :mod:`~kubeproxy.backends.iptables.monitor`).
 
 The chains, the rule structure and our one extension (rejecting unknown ports of cluster
 IPs, dropping unallocated service IPs) are described in this package's README.
@@ -22,8 +24,9 @@ from __future__ import annotations
 
 import logging
 import shutil
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kubeproxy.backends.iptables.exec import (
     IptablesCommands,
@@ -41,11 +44,15 @@ from kubeproxy.config import ProxierConfig
 from kubeproxy.netns import run_in_netns
 from kubeproxy.objects import IPFamily
 
+if TYPE_CHECKING:
+    from kubeproxy.selfheal import Watcher
+
 __all__ = [
     "IptablesBackend",
     "cleanup",
     "create_backend",
     "create_legacy_backend",
+    "watchers",
 ]
 
 log = logging.getLogger(__name__)
@@ -139,3 +146,12 @@ def cleanup(netns: str | None = None, *, wait: float = 5.0) -> None:
             cleanup_family(executor, family, tables)
     if denied:
         raise denied[0]
+
+
+def watchers(backends: Sequence[IptablesBackend], netns: str | None = None) -> list[Watcher]:
+    """Watchers reporting others' changes to the chains of ``backends`` (one per family,
+    in ``netns`` if given), for :class:`~kubeproxy.selfheal.SelfHealer`: canary checks,
+    and nf_tables events with iptables-nft."""
+    from kubeproxy.backends.iptables import monitor
+
+    return monitor.watchers(backends, netns)

@@ -47,6 +47,7 @@ from kubeproxy.backends.iptables.restore import (
 )
 from kubeproxy.capabilities import CAP_NET_ADMIN, CAP_NET_RAW, missing_capabilities
 from kubeproxy.netns import netns_path, run_in_netns
+from kubeproxy.nftevents import ChildProcesses
 from kubeproxy.objects import IPFamily
 
 __all__ = [
@@ -193,6 +194,10 @@ class IptablesExecutor(Protocol):
         """The names of all chains in ``table``, built-in ones included."""
         ...
 
+    def chain_exists(self, family: IPFamily, table: str, chain: str) -> bool:
+        """Whether ``chain`` exists in ``table`` (without reading the whole table)."""
+        ...
+
 
 def tool_name(variant: IptablesVariant, family: IPFamily, suffix: str = "") -> str:
     """The binary for ``variant`` and ``family``: ``tool_name(NFT, IPV6, "-restore")`` is
@@ -236,6 +241,9 @@ class IptablesCommands:
     ``variant`` ``None`` picks the node's variant with :func:`detect_variant`. ``wait``
     is the seconds iptables-legacy waits for the xtables lock (``-w``); iptables-nft takes
     no lock, and its tools are not given ``-w``. ``timeout`` bounds each tool run.
+
+    :attr:`children` knows the tools this executor started lately, so that the
+    self-healing watcher can tell their nf_tables commits (iptables-nft) from others'.
     """
 
     def __init__(
@@ -251,6 +259,7 @@ class IptablesCommands:
         self.variant = variant if variant is not None else detect_variant(netns)
         self.wait = wait
         self.timeout = timeout
+        self.children = ChildProcesses()
 
     def _wait_args(self) -> list[str]:
         if self.variant is IptablesVariant.LEGACY and self.wait > 0:
@@ -258,19 +267,32 @@ class IptablesCommands:
         return []
 
     def _run(self, argv: list[str], stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+        command = [*self._prefix, *argv]
         try:
-            return subprocess.run(
-                [*self._prefix, *argv],
-                input=stdin,
-                capture_output=True,
-                text=True,
-                timeout=self.timeout,
-                check=False,
-            )
+            # Popen rather than subprocess.run: the child's pid must be known (children)
+            # before it commits, which an iptables-restore does only after its input.
+            with self.children.spawning() as note:
+                process = subprocess.Popen(
+                    command,
+                    stdin=subprocess.PIPE if stdin is not None else None,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+                note(process.pid)
         except FileNotFoundError as err:
             raise IptablesError(f"{argv[0]}: not found ({err.filename})") from err
-        except subprocess.TimeoutExpired as err:
-            raise IptablesError(f"{argv[0]}: no answer after {self.timeout} s") from err
+        try:
+            with process:
+                try:
+                    stdout, stderr = process.communicate(stdin, timeout=self.timeout)
+                except subprocess.TimeoutExpired as err:
+                    process.kill()
+                    process.communicate()
+                    raise IptablesError(f"{argv[0]}: no answer after {self.timeout} s") from err
+        finally:
+            self.children.exited(process.pid)
+        return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
     def restore(self, family: IPFamily, text: str, *, counters: bool = False) -> None:
         """``iptables-restore --noflush`` of ``text``; raises :class:`IptablesError`."""
@@ -383,6 +405,29 @@ class IptablesCommands:
     def chains(self, family: IPFamily, table: str) -> set[str]:
         """Chain names from ``iptables-save -t table`` (its ``:CHAIN`` lines)."""
         return _chains_of(self.save(family, table))
+
+    def chain_exists(self, family: IPFamily, table: str, chain: str) -> bool:
+        """``iptables -t table -S chain``: 0 when the chain exists, 1 when it does not.
+
+        Upstream's canary check does the same (``-L chain``); iptables-nft then fetches
+        that chain alone, not the table.
+        """
+        argv = [
+            tool_name(self.variant, family),
+            *self._wait_args(),
+            "-t",
+            check_table(table),
+            "-S",
+            check_chain_name(chain),
+        ]
+        result = self._run(argv)
+        if result.returncode in (0, 1):
+            return result.returncode == 0
+        raise IptablesError(
+            f"iptables -t {table} -S {chain}: {result.stderr.strip()}",
+            returncode=result.returncode,
+            stderr=result.stderr,
+        )
 
 
 def _save_quietly(prefix: list[str], argv: list[str]) -> tuple[str, bool]:

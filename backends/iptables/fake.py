@@ -533,6 +533,10 @@ class FakeIptables:
         """All chain names in ``table``, built-in ones included."""
         return set(self._table(family, table))
 
+    def chain_exists(self, family: IPFamily, table: str, chain: str) -> bool:
+        """Whether ``chain`` is in ``table``."""
+        return chain in self._table(family, table)
+
     def _single_rule(
         self, family: IPFamily, table: str, chain: str, args: Sequence[str]
     ) -> tuple[_Chain, tuple[str, ...]]:

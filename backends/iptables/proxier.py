@@ -278,6 +278,30 @@ class IptablesBackend:
             except OSError as err:
                 log.error("cannot set route_localnet (localhost NodePorts will not work): %s", err)
 
+    @property
+    def executor(self) -> IptablesExecutor:
+        """What runs the iptables tools (the self-healing watchers read its children)."""
+        return self._executor
+
+    def missing_canaries(self) -> list[str]:
+        """The tables whose ``KUBE-PROXY-CANARY`` someone removed (or, in mangle, flushed):
+        someone flushed those tables. Empty before our first full sync and while one is
+        due (nothing to compare with). Checks in milliseconds (``iptables -C``/``-S``);
+        a flushed mangle canary gets its rule back on the way.
+        """
+        if self._fixed is None or self._need_full:
+            return []
+        missing = [] if self._canary_present() else [MANGLE]
+        for table in (NAT, FILTER):
+            try:
+                present = self._executor.chain_exists(self._family, table, CANARY)
+            except IptablesError as err:
+                log.debug("cannot look for the %s canary: %s", table, err)
+                continue
+            if not present:
+                missing.append(table)
+        return missing
+
     def cleanup(self) -> None:
         """Remove every chain and jump rule iptables mode made in this family; forget state."""
         cleanup_family(self._executor, self._family)
@@ -579,6 +603,11 @@ _OUR_CHAINS = {
 }
 # Older kube-proxy versions called the Local-policy chains KUBE-XLB-.
 _CLEANUP_PREFIXES = (*PER_SERVICE_PREFIXES, "KUBE-XLB-")
+
+
+def owns_chain(table: str, name: str) -> bool:
+    """Whether ``name`` in ``table`` is a chain iptables mode makes (kubelet's are not)."""
+    return name in _OUR_CHAINS.get(table, ()) or name.startswith(_CLEANUP_PREFIXES)
 
 
 def _target(words: list[str]) -> str | None:

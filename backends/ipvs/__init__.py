@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Final
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Final
 
 from kubeproxy.backends.ipvs.ipset import IPSetCommands, IPSetError
 from kubeproxy.backends.ipvs.netlink import (
@@ -39,6 +40,9 @@ from kubeproxy.config import ProxierConfig
 from kubeproxy.netlink import check_netns
 from kubeproxy.objects import IPFamily
 
+if TYPE_CHECKING:
+    from kubeproxy.selfheal import Watcher
+
 __all__ = [
     "DEPRECATION_MESSAGE",
     "DUMMY_DEVICE",
@@ -46,6 +50,7 @@ __all__ = [
     "IPVSUnsupported",
     "cleanup",
     "create_backend",
+    "watchers",
 ]
 
 log = logging.getLogger(__name__)
@@ -138,3 +143,29 @@ def cleanup(netns: str | None = None) -> None:
         ipvs.close()
     if errors:
         raise errors[0]
+
+
+def watchers(backends: Sequence[IPVSBackend], netns: str | None = None) -> list[Watcher]:
+    """Watchers reporting others' changes to the iptables chains of ``backends`` (one per
+    family, in ``netns`` if given): nf_tables events where iptables is iptables-nft.
+
+    ipvs mode writes no canary chains, and neither IPVS nor ipsets announce changes, so
+    its virtual servers and sets are put back by the periodic full sync only.
+    """
+    from kubeproxy.backends.iptables.exec import IptablesVariant
+    from kubeproxy.backends.iptables.monitor import event_watcher
+    from kubeproxy.backends.ipvs.rules import CHAINS
+    from kubeproxy.nftevents import ChildProcesses
+
+    nft = [b for b in backends if b.iptables.variant is IptablesVariant.NFT]
+    if not nft:
+        return []
+    children = [
+        c for b in nft if isinstance(c := getattr(b.iptables, "children", None), ChildProcesses)
+    ]
+    owned = frozenset(CHAINS)
+    return [
+        event_watcher(
+            lambda table, chain: (table, chain) in owned, [b.family for b in nft], children, netns
+        )
+    ]

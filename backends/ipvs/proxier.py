@@ -315,6 +315,11 @@ class IPVSBackend:
     # Backend protocol -----------------------------------------------------------------------
 
     @property
+    def iptables(self) -> IptablesExecutor:
+        """What runs the iptables tools (the self-healing watcher reads its children)."""
+        return self._iptables
+
+    @property
     def family(self) -> IPFamily:
         """The IP family this backend programs."""
         return self._family

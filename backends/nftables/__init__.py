@@ -10,14 +10,17 @@ Public API:
 * :func:`create_chain_backend` and :class:`ChainNftablesBackend` - the previous,
   per-Service-chain structure, kept so benchmarks measure both side by side;
 * :func:`cleanup` - delete our two tables (``ip kube-proxy``, ``ip6 kube-proxy``) and
-  nothing else.
+  nothing else;
+* :func:`watchers` - what finds changes others make to our tables, at once (self-healing,
+  :mod:`kubeproxy.selfheal`; see :mod:`~kubeproxy.backends.nftables.monitor`).
 
 The rule structure and its reasons are in this package's README.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from kubeproxy.backends.nftables.backend import NftablesBackend
 from kubeproxy.backends.nftables.objects import Family
@@ -27,6 +30,10 @@ from kubeproxy.backends.nftables.transaction import Transaction
 from kubeproxy.config import ProxierConfig
 from kubeproxy.objects import IPFamily
 
+if TYPE_CHECKING:
+    from kubeproxy.backend import Backend
+    from kubeproxy.selfheal import Watcher
+
 __all__ = [
     "TABLE",
     "ChainNftablesBackend",
@@ -35,6 +42,7 @@ __all__ = [
     "create_backend",
     "create_chain_backend",
     "render_transactions",
+    "watchers",
 ]
 
 
@@ -78,3 +86,11 @@ def render_transactions(transactions: Iterable[Transaction]) -> str:
     for number, tx in enumerate(transactions, 1):
         parts.append(f"# transaction {number}: {tx.num_operations} operations\n{tx.render()}")
     return "".join(parts)
+
+
+def watchers(backends: Sequence[Backend], netns: str | None = None) -> list[Watcher]:
+    """Watchers reporting other processes' changes to the tables of ``backends`` (one per
+    family, in ``netns`` if given), for :class:`~kubeproxy.selfheal.SelfHealer`."""
+    from kubeproxy.backends.nftables import monitor
+
+    return monitor.watchers([b.family for b in backends], netns)
