@@ -672,7 +672,10 @@ def test_verbose_logs_are_ours_only() -> None:
     assert quiet.returncode == 0, quiet.stderr
     loggers = {line.split()[3] for line in quiet.stderr.splitlines() if line[:1] in "IWE"}
     assert loggers and all(name.startswith("kubeproxy.") for name in loggers), loggers
+    # A library named by --vmodule logs again: tests/test_logs.py checks it on the very
+    # configuration this binary applies (no library logs on this path any more: the host
+    # addresses no longer come through pyroute2).
     asked = subprocess.run(
         [*argv, "-v", "4", "--vmodule=pyroute2*=4"], capture_output=True, text=True, timeout=60
     )
-    assert "pyroute2." in asked.stderr
+    assert asked.returncode == 0, asked.stderr
