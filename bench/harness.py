@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import select
 import signal
 import subprocess
@@ -227,21 +226,25 @@ def run_measured(
 
     After ``timeout_s`` the process is killed and the result says so.
     """
-    with tempfile.TemporaryFile("w+") as errors:
+    with tempfile.TemporaryFile("w+") as errors, tempfile.NamedTemporaryFile() as report:
         start = time.perf_counter()
         process = subprocess.Popen(
-            in_netns(netns, list(argv)),
+            python_module("bench.peak", report.name, "--", *in_netns(netns, list(argv))),
             stdout=subprocess.DEVNULL,
             stderr=errors,
             cwd=cwd,
+            # Its own session: a timed-out command is killed with the wrapper.
+            start_new_session=True,
         )
-        seconds, status, usage, timed_out = _wait_with_usage(process, start, timeout_s)
+        seconds, status, timed_out = _wait_for(process, start, timeout_s)
         errors.seek(0)
         stderr = errors.read()
+        measured = json.loads(Path(report.name).read_text() or "{}")
     process.returncode = os.waitstatus_to_exitcode(status)
     return ApplyResult(
-        seconds=seconds,
-        peak_rss_mb=usage.ru_maxrss / _KB_PER_MB,
+        # The wrapper's own figures when it got to write them (not after a kill).
+        seconds=measured.get("seconds", seconds),
+        peak_rss_mb=measured.get("maxrss_kb", 0) / _KB_PER_MB,
         ok=process.returncode == 0 and not timed_out,
         timed_out=timed_out,
         stderr=stderr[-2000:],
@@ -253,19 +256,19 @@ def apply_nft_file(netns: str, path: Path, *, timeout_s: float = 1800.0) -> Appl
     return run_measured(netns, ["nft", "-f", str(path)], timeout_s=timeout_s)
 
 
-def _wait_with_usage(
+def _wait_for(
     process: subprocess.Popen[bytes], start: float, timeout_s: float
-) -> tuple[float, int, resource.struct_rusage, bool]:
+) -> tuple[float, int, bool]:
     deadline = start + timeout_s
     timed_out = False
     while True:
-        pid, status, usage = os.wait4(process.pid, os.WNOHANG)
+        pid, status = os.waitpid(process.pid, os.WNOHANG)
         if pid:
             break
         if time.perf_counter() > deadline:
-            process.kill()
+            os.killpg(process.pid, signal.SIGKILL)
             timed_out = True
-            pid, status, usage = os.wait4(process.pid, 0)
+            pid, status = os.waitpid(process.pid, 0)
             break
         time.sleep(0.005)
-    return time.perf_counter() - start, status, usage, timed_out
+    return time.perf_counter() - start, status, timed_out
