@@ -321,9 +321,11 @@ WHOLE_PROCESS_MIN_RATIO = 10.0  # upstream's nft -f / our binary, 5k x 10
 AFFINITY_MAX_RATIO = 2.0
 FIRST_CONNECTION_MAX_RATIO = 1.10  # p50 at N / p50 at 1k; 1000 endpoints / 2 endpoints
 CHURN_CPU_MAX = 0.10  # share of one core
-# Restart against cold: the same work on the same input in two processes; their peak and
-# resident sizes differ by a few MB run to run (allocator arenas), so "no more memory"
-# allows 2 %. Time gets no slack (a restart here is 15-25 % faster than a cold sync).
+# Restart against cold: the same work on the same input in two processes (the map
+# structure's restart writes a new generation, as a cold sync does, plus one listing of
+# chain and set names); peak and resident sizes differ by a few MB run to run (allocator
+# arenas) and times by 1-2 % (at 1k-30k in one run: restart 0.2-2 % faster or slower),
+# so "no slower, no more memory" allows 2 % either way.
 RESTART_MEMORY_SLACK = 1.02
 
 
@@ -464,12 +466,11 @@ def _scale_targets(records: Sequence[Record]) -> list[TargetCheck]:
                 continue
             digits = 1 if unit == "s" else 0
             parts.append(f"{label} {restart_value:.{digits}f} vs {cold_value:.{digits}f} {unit}")
-            slack = 1.0 if unit == "s" else RESTART_MEMORY_SLACK
-            holds = holds and restart_value <= cold_value * slack
+            holds = holds and restart_value <= cold_value * RESTART_MEMORY_SLACK
         checks.append(
             _issue11(
                 "restart over a 100k table no slower than cold, no more memory (restart vs "
-                f"cold; memory within {RESTART_MEMORY_SLACK - 1:.0%})",
+                f"cold, within {RESTART_MEMORY_SLACK - 1:.0%}: two identical runs' spread)",
                 ", ".join(parts),
                 holds,
             )
