@@ -410,6 +410,25 @@ def test_a_bad_port_is_skipped_and_the_others_are_programmed(
     ]
 
 
+def test_a_loopback_nodeport_address_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    world = World()
+    name = web(world, "10.180.0.1", node_port=30080)
+    world.node_port_addresses = NodePortAddresses(addresses=(ip("127.0.0.1"), ip("192.168.0.2")))
+    fake = FakeNft()
+    b = backend(fake)
+    with caplog.at_level(logging.ERROR):
+        b.sync(world.snapshot(), full())
+        web(world, "10.180.0.2", node_port=30080)
+        b.sync(world.snapshot(), changed(name))
+        b.sync(world.snapshot(), full())
+    assert [r.getMessage() for r in caplog.records] == [
+        "skipping NodePort address 127.0.0.1: localhost NodePorts are not supported"
+    ]
+    assert [e.key for e in fake.list_elements(Family.IP, "kube-proxy", "nodeport-ips")] == [
+        ("192.168.0.2",)
+    ]
+
+
 def test_affinity_entries_of_removed_endpoints_are_deleted() -> None:
     world = World()
     name = web(world, "10.180.0.1", "10.180.0.2", session_affinity_seconds=60)

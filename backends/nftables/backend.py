@@ -36,7 +36,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from kubeproxy.backend import ProxySnapshot, SkippedPorts, SyncChanges, SyncError
+from kubeproxy.backend import (
+    NodePortAddresses,
+    ProxySnapshot,
+    SkippedPorts,
+    SyncChanges,
+    SyncError,
+)
 from kubeproxy.backends.nftables.claims import Claims
 from kubeproxy.backends.nftables.elements import ElementBatch
 from kubeproxy.backends.nftables.exec import NftExecutor, check_support, delete_table
@@ -291,6 +297,8 @@ class NftablesBackend:
         self._need_full = True
         self._inputs: _Inputs | None = None
         self._ctx: RenderContext | None = None
+        self._node_ports: NodePortAddresses | None = None
+        self._nodeport_keys: tuple[Key, ...] = ()
         self._reset_model(0)
 
     def _reset_model(self, gen: int) -> None:
@@ -299,7 +307,6 @@ class NftablesBackend:
         self._by_service: dict[NamespacedName, set[ServicePortName]] = {}
         self._held: dict[Key, _Held] = {}
         self._refs: dict[str, dict[Key, int]] = {name: {} for name in _SHARED}
-        self._firewall: dict[Key, tuple[str, ...]] = {}
         self._classes: list[ClassSpec] = []
         self._picks: set[Pick] = set()
         self._affinity: list[tuple[str, int]] = []
@@ -378,11 +385,17 @@ class NftablesBackend:
                 logger=log,
             )
         node_ports = snapshot.node_port_addresses
+        if node_ports != self._node_ports:
+            # Resolved (and a loopback address logged) once per change, not every sync.
+            self._node_ports = node_ports
+            self._nodeport_keys = (
+                () if node_ports.match_all else self._nodeport_ips(node_ports.addresses)
+            )
         cidrs = snapshot.service_cidrs or self._config.service_cidrs
         return _Inputs(
             context,
             node_ports.match_all,
-            () if node_ports.match_all else self._nodeport_ips(node_ports.addresses),
+            self._nodeport_keys,
             tuple(str(c) for c in cidrs if c.version == self._family.version),
         )
 
