@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kubeproxy.backend import Backend, SyncChanges, SyncError
+from kubeproxy.backend import Backend, NodePortAddresses, SyncChanges, SyncError
 from kubeproxy.backends.nftables import ChainNftablesBackend, NftablesBackend
 from kubeproxy.backends.nftables.backend import restitch
 from kubeproxy.backends.nftables.fake import FakeNft, parse_commands
