@@ -98,6 +98,17 @@ def cluster_options(**fields: Any) -> DaemonOptions:
 GC_UNTOUCHED = GcOps(collect=lambda: 0, freeze=lambda: None, set_threshold=lambda *_: None)
 
 
+def offline(**build: Any) -> dict[str, Any]:
+    """What the daemon is given here besides options and factory: no kernel, no host."""
+    return {
+        "host_addresses": FakeHostAddresses(),
+        "conntrack": FakeConntrack(),
+        "ipv6_supported": False,
+        "gc_ops": GC_UNTOUCHED,
+        **build,
+    }
+
+
 def get(port: int | None, path: str) -> tuple[int, str]:
     assert port is not None, "server not bound"
     try:
@@ -225,14 +236,7 @@ def test_a_proxy_plugs_in_its_name_metrics_health_and_events(
     daemon = build_daemon(
         cluster_options(),
         backends,
-        name="my-proxy",
-        backend_hooks=plugged,
-        events=events,
-        host_addresses=FakeHostAddresses(),
-        conntrack=FakeConntrack(),
-        privileged=False,
-        ipv6_supported=False,
-        gc_ops=GC_UNTOUCHED,
+        **offline(name="my-proxy", backend_hooks=plugged, events=events, privileged=False),
     )
     try:
         (context,) = plugged.contexts
@@ -266,15 +270,7 @@ def test_a_proxy_plugs_in_its_name_metrics_health_and_events(
 
 
 def test_without_an_api_server_events_are_logged() -> None:
-    daemon = build_daemon(
-        cluster_options(),
-        Backends(),
-        host_addresses=FakeHostAddresses(),
-        conntrack=FakeConntrack(),
-        privileged=False,
-        ipv6_supported=False,
-        gc_ops=GC_UNTOUCHED,
-    )
+    daemon = build_daemon(cluster_options(), Backends(), **offline(privileged=False))
     try:
         assert isinstance(daemon.events, LoggingEventSink)
     finally:
@@ -283,14 +279,7 @@ def test_without_an_api_server_events_are_logged() -> None:
 
 def test_run_daemon_once_returns_the_exit_code() -> None:
     backends = Backends()
-    code = run_daemon(
-        cluster_options(once=True),
-        backends,
-        host_addresses=FakeHostAddresses(),
-        conntrack=FakeConntrack(),
-        ipv6_supported=False,
-        gc_ops=GC_UNTOUCHED,
-    )
+    code = run_daemon(cluster_options(once=True), backends, **offline())
     assert code == 0
     assert "demo/web:http 172.30.0.10:80/TCP" in backends.made[0].synced[-1]
 
@@ -302,12 +291,4 @@ def test_a_backend_that_cannot_be_made_stops_the_start() -> None:
         raise OSError("kernel lacks nf_tables (test)")
 
     with pytest.raises(StartupError, match="cannot set up the IPv4 backend: kernel lacks"):
-        build_daemon(
-            cluster_options(),
-            broken,
-            host_addresses=FakeHostAddresses(),
-            conntrack=FakeConntrack(),
-            privileged=False,
-            ipv6_supported=False,
-            gc_ops=GC_UNTOUCHED,
-        )
+        build_daemon(cluster_options(), broken, **offline(privileged=False))
