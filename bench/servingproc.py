@@ -5,7 +5,7 @@ Run inside the namespace it programs (:data:`NODE_ADDRESS` must be on one of its
 
     ip netns exec NS python -m bench.servingproc --services 10000 --health-checks 1000
 
-It wires what the daemon wires (``kubeproxy.cmd.app``), through the core's public API
+It wires what the daemon wires (:mod:`kubeproxy.daemon`), through the core's public API
 only: a :class:`~kubeproxy.proxier.Proxier` over the ``nftables`` backend entry point,
 :class:`~kubeproxy.metrics.ProxyMetrics` tracking it, :class:`~kubeproxy.health.ProxyHealth`
 fed by a :class:`~kubeproxy.health.HealthObserver`, ``/healthz`` on ``0.0.0.0:10256``,

@@ -16,7 +16,7 @@ modes made (:func:`~kubeproxy.cmd.modes.cleanup_all`); a normal start removes th
 kind of mode's leftovers (:func:`~kubeproxy.cmd.modes.platform_cleanup`) once its own
 backends exist and its servers are bound, right before its first sync. A process without
 the capabilities its mode needs (``CAP_NET_ADMIN``) stops at once with one line saying
-so. The start-up sequence is :func:`kubeproxy.cmd.app.run_daemon`'s.
+so. The start-up sequence is the library daemon's (:func:`kubeproxy.daemon.run_daemon`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any, Final, TextIO
 
 from kubeproxy.capabilities import missing_capabilities
-from kubeproxy.cmd.app import StartupWarning, run_daemon
 from kubeproxy.cmd.modes import MODES, Mode, cleanup_all, platform_cleanup
 from kubeproxy.cmd.options import (
     MODE_DEFAULTED_MESSAGE,
@@ -41,6 +40,7 @@ from kubeproxy.cmd.options import (
     parse_options,
     usage,
 )
+from kubeproxy.daemon import StartupWarning, run_daemon
 from kubeproxy.events import (
     ACTION_PROXY_MODE_CHECK,
     REASON_IPVS_DEPRECATION,
@@ -157,7 +157,7 @@ def run(
 
     ``modes`` replaces the mode table (:data:`~kubeproxy.cmd.modes.MODES`; tests pass
     fakes), ``out`` standard output; ``build`` goes to
-    :func:`~kubeproxy.cmd.app.run_daemon` (``netns`` also to the cleanups).
+    :func:`~kubeproxy.daemon.run_daemon` (``netns`` also to the cleanups).
     """
     out = out if out is not None else sys.stdout
     table = modes if modes is not None else MODES

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any, Final, Protocol, TextIO, runtime_checkabl
 
 from kubeproxy.backend import Backend, BackendFactory
 from kubeproxy.capabilities import CAP_NET_ADMIN
-from kubeproxy.cmd.app import BackendHooks, WatcherFactory
 from kubeproxy.config import ProxierConfig
+from kubeproxy.daemon import BackendContext, BackendHooks, WatcherFactory
 from kubeproxy.metrics import ProxyMetrics
 from kubeproxy.objects import IPFamily
 from kubeproxy.proxier import NullObserver, Proxier, SyncHook, SyncObserver
@@ -31,7 +31,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "IPTABLES_BASED",
+    "IPTABLES_HOOKS",
     "MODES",
+    "NFTABLES_HOOKS",
     "XTABLES_LOCK_WAIT",
     "BackendCounters",
     "CleanupFailureCounter",
@@ -156,6 +158,24 @@ def iptables_hooks(backend: Backend, metrics: ProxyMetrics) -> Sequence[SyncHook
     if isinstance(backend, IptablesCounters):
         return (BackendCounters(backend, metrics),)
     return ()
+
+
+def _per_backend(
+    hooks: Callable[[Backend, ProxyMetrics], Sequence[SyncHook | SyncObserver]],
+) -> BackendHooks:
+    """``hooks`` as the daemon calls them, with the backend's context."""
+
+    def wire(context: BackendContext) -> Sequence[SyncHook | SyncObserver]:
+        return hooks(context.backend, context.metrics)
+
+    return wire
+
+
+NFTABLES_HOOKS: Final = _per_backend(nftables_hooks)
+"""nftables mode's backend hooks for the daemon (:func:`nftables_hooks`)."""
+
+IPTABLES_HOOKS: Final = _per_backend(iptables_hooks)
+"""iptables and ipvs modes' backend hooks for the daemon (:func:`iptables_hooks`)."""
 
 
 # --- dry runs -----------------------------------------------------------------------------
@@ -339,9 +359,9 @@ def _backend_mode(
 
 
 MODES: Final[Mapping[str, Mode]] = {
-    "nftables": _backend_mode("nftables", nftables_hooks, NftablesDryRun),
-    "iptables": _backend_mode("iptables", iptables_hooks, IptablesDryRun, wait=XTABLES_LOCK_WAIT),
-    "ipvs": _backend_mode("ipvs", iptables_hooks, IPVSDryRun),
+    "nftables": _backend_mode("nftables", NFTABLES_HOOKS, NftablesDryRun),
+    "iptables": _backend_mode("iptables", IPTABLES_HOOKS, IptablesDryRun, wait=XTABLES_LOCK_WAIT),
+    "ipvs": _backend_mode("ipvs", IPTABLES_HOOKS, IPVSDryRun),
 }
 """Our modes, in the order ``--cleanup`` removes their leftovers."""
 

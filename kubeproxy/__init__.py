@@ -3,9 +3,13 @@
 The core tracks Services, EndpointSlices and the Node, batches their changes, applies
 traffic policy and topology once, and hands each backend a consistent, already computed
 view (:class:`ProxySnapshot`). Backends (``kubeproxy.backends.nftables``, or your own)
-implement :class:`Backend`. The public names are listed in ``__all__``; everything else is
-internal and may change.
+implement :class:`Backend`. The whole node daemon (upstream's start-up, the API source
+with its wait for the Node, health and metrics servers, Events, the run loop) is
+:mod:`kubeproxy.daemon`: :func:`run_daemon` runs a backend of yours as a node's proxy.
+The public names are listed in ``__all__``; everything else is internal and may change.
 """
+
+from typing import TYPE_CHECKING, Any
 
 from kubeproxy.backend import (
     Backend,
@@ -36,11 +40,56 @@ from kubeproxy.servicechanges import ServiceChangeTracker, ServicePortMap
 from kubeproxy.sources.manifests import ManifestSource
 from kubeproxy.topology import categorize_endpoints
 
+if TYPE_CHECKING:
+    from kubeproxy.daemon import (
+        BackendContext,
+        BackendHooks,
+        Daemon,
+        DaemonOptions,
+        StartupError,
+        build_daemon,
+        run_daemon,
+    )
+
+# The daemon's names are imported on first use: its servers and metrics (prometheus-client,
+# http.server) took ``import kubeproxy`` from 74 to 188 ms here (python -X importtime),
+# which every flow-case run and backend import would pay without using them.
+_DAEMON_NAMES = frozenset(
+    {
+        "BackendContext",
+        "BackendHooks",
+        "Daemon",
+        "DaemonOptions",
+        "StartupError",
+        "build_daemon",
+        "run_daemon",
+    }
+)
+
+
+def __getattr__(name: str) -> Any:
+    """The daemon's public names (:mod:`kubeproxy.daemon`), imported when first asked for."""
+    if name in _DAEMON_NAMES:
+        from kubeproxy import daemon
+
+        return getattr(daemon, name)
+    raise AttributeError(f"module 'kubeproxy' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """Every name, the daemon's included (for completion and documentation tools)."""
+    return sorted(set(globals()) | _DAEMON_NAMES)
+
+
 __all__ = [
     "Backend",
+    "BackendContext",
     "BackendFactory",
+    "BackendHooks",
     "BoundedFrequencyRunner",
     "CategorizedEndpoints",
+    "Daemon",
+    "DaemonOptions",
     "DualStackProxier",
     "Endpoint",
     "EndpointsChangeTracker",
@@ -65,8 +114,11 @@ __all__ = [
     "ServicePortMap",
     "ServicePortName",
     "SkippedPorts",
+    "StartupError",
     "SyncChanges",
     "SyncError",
     "SyncObserver",
+    "build_daemon",
     "categorize_endpoints",
+    "run_daemon",
 ]

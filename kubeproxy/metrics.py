@@ -41,7 +41,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-from kubeproxy.health import DEFAULT_MAX_HANDLERS, BackgroundServer, Response
+from kubeproxy.httpserving import DEFAULT_MAX_HANDLERS, BackgroundServer, Response
 from kubeproxy.objects import IPFamily, NamespacedName, ServicePort, ServicePortName
 from kubeproxy.selfheal import KINDS
 
@@ -621,8 +621,8 @@ class MetricsServer:
     internal configuration type; this is the ``v1alpha1`` document ``--write-config-to``
     writes, the form an operator can read back). An empty ``address`` disables the server;
     binding
-    follows :class:`~kubeproxy.health.BackgroundServer` (retry every 5 s, or raise
-    :class:`~kubeproxy.health.ServerBindError` at :meth:`start` with ``hard_fail``), and
+    follows :class:`~kubeproxy.httpserving.BackgroundServer` (retry every 5 s, or raise
+    :class:`~kubeproxy.httpserving.ServerBindError` at :meth:`start` with ``hard_fail``), and
     so do ``backlog`` and ``max_handlers``.
     """
 

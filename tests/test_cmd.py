@@ -1,5 +1,5 @@
 """The binaries and their wiring: flags, --help/--version/--write-config-to, --dry-run,
---once, --cleanup, the `make run` demo, and the pieces of kubeproxy.cmd.app.
+--once, --cleanup, the `make run` demo, and the pieces of the library daemon (kubeproxy.daemon).
 
 The option parsing itself is tested in test_options.py; the daemon end to end in
 test_daemon.py.
@@ -26,24 +26,21 @@ import pytest
 from kubeproxy.backends import nftables
 from kubeproxy.backends.nftables.fake import FakeNft
 from kubeproxy.cmd import nftables as nft_binary
-from kubeproxy.cmd.app import (
+from kubeproxy.cmd.binary import run as binary_run
+from kubeproxy.cmd.options import parse_options
+from kubeproxy.config import ProxierConfig
+from kubeproxy.daemon import LoggingEventSink
+from kubeproxy.daemon.gate import HandlerGate
+from kubeproxy.daemon.gctuning import GcOps, GcTuner
+from kubeproxy.daemon.nodeips import (
     LOOPBACK_MESSAGE,
-    GcOps,
-    GcTuner,
-    HandlerGate,
-    LoggingEventSink,
     NodeIPs,
-    apply_oom_score_adj,
-    conntrack_sysctls,
     detect_families,
     detect_node_ips,
     expand_primary,
     host_ips,
-    privileged_setup,
 )
-from kubeproxy.cmd.binary import run as binary_run
-from kubeproxy.cmd.options import parse_options
-from kubeproxy.config import ProxierConfig
+from kubeproxy.daemon.privileged import apply_oom_score_adj, conntrack_sysctls, privileged_setup
 from kubeproxy.events import ObjectReference
 from kubeproxy.metrics import ProxyMetrics
 from kubeproxy.netlink import FakeHostAddresses
@@ -522,7 +519,7 @@ def test_conntrack_sysctls_from_the_configuration() -> None:
 def test_privileged_setup_logs_refusals_and_carries_on(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from kubeproxy.cmd.app import HostPaths
+    from kubeproxy.daemon.privileged import HostPaths
 
     netfilter = tmp_path / "sys" / "net" / "netfilter"
     netfilter.mkdir(parents=True)
@@ -548,7 +545,7 @@ def test_oom_score_adj(tmp_path: Path) -> None:
 
 
 def test_logging_event_sink(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="kubeproxy.cmd.app")
+    caplog.set_level(logging.INFO, logger="kubeproxy.daemon")
     sink = LoggingEventSink("node-a")
     sink.starting()
     sink.record(

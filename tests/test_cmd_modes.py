@@ -39,7 +39,6 @@ from kubeproxy.cmd import iptables as iptables_binary
 from kubeproxy.cmd import ipvs as ipvs_binary
 from kubeproxy.cmd import multimode
 from kubeproxy.cmd import nftables as nftables_binary
-from kubeproxy.cmd.app import GcOps, SourceTuning
 from kubeproxy.cmd.binary import IPVS_DEPRECATION_MESSAGE, Binary, run
 from kubeproxy.cmd.modes import (
     MODES,
@@ -54,6 +53,8 @@ from kubeproxy.cmd.modes import (
 from kubeproxy.cmd.options import MODE_DEFAULTED_MESSAGE
 from kubeproxy.config import ProxierConfig
 from kubeproxy.conntrack import FakeConntrack
+from kubeproxy.daemon.gctuning import GcOps
+from kubeproxy.daemon.sources import SourceTuning
 from kubeproxy.metrics import ProxyMetrics
 from kubeproxy.netlink import FakeHostAddresses
 from kubeproxy.objects import IPFamily
@@ -531,8 +532,8 @@ def test_dry_run_prints_the_restore_inputs_in_iptables_mode() -> None:
 def test_the_iptables_backends_counts_reach_the_daemons_metrics() -> None:
     from kubeproxy.backends.iptables import IptablesBackend
     from kubeproxy.backends.iptables.fake import FakeIptables
-    from kubeproxy.cmd.app import build_daemon
     from kubeproxy.cmd.options import parse_options
+    from kubeproxy.daemon import build_daemon
 
     examples = Path(__file__).resolve().parent.parent / "examples" / "cluster"
     backends: list[IptablesBackend] = []

@@ -33,21 +33,20 @@ from kubeproxy.backends.nftables.exec import LibNftables
 from kubeproxy.backends.nftables.fake import FakeNft
 from kubeproxy.backends.nftables.inspect import served_frontends
 from kubeproxy.backends.nftables.objects import Family
-from kubeproxy.cmd.app import (
-    Daemon,
-    GcOps,
-    HostPaths,
-    LoggingEventSink,
-    SourceTuning,
-    StartupError,
-    StartupInterrupted,
-    build_daemon,
-    conntrack_sysctls,
-    run_daemon,
-)
 from kubeproxy.cmd.options import Options, parse_options
 from kubeproxy.config import ProxierConfig
 from kubeproxy.conntrack import FakeConntrack, NetlinkConntrack
+from kubeproxy.daemon import (
+    Daemon,
+    LoggingEventSink,
+    StartupError,
+    StartupInterrupted,
+    build_daemon,
+    run_daemon,
+)
+from kubeproxy.daemon.gctuning import GcOps
+from kubeproxy.daemon.privileged import HostPaths, conntrack_sysctls
+from kubeproxy.daemon.sources import SourceTuning
 from kubeproxy.netlink import FakeHostAddresses, HostAddresses
 from kubeproxy.objects import IPFamily, Protocol
 from kubeproxy.proxier import DualStackProxier, Proxier
@@ -509,7 +508,7 @@ def test_dual_stack_falls_back_when_the_ipv6_backend_cannot_run(
     fake: FakeAPIServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     fake.apply(node(NODE, addresses=["203.0.113.7", "2001:db8::7"]))
-    caplog.set_level(logging.INFO, logger="kubeproxy.cmd.app")
+    caplog.set_level(logging.INFO, logger="kubeproxy.daemon")
     daemon = build_daemon(
         api_options(fake),
         FakeBackends(fail=[IPFamily.IPV6]),

@@ -5,7 +5,9 @@
   generator shows whatever subjects a run holds;
 * the DaemonSet's memory request is the sizing table's for the size its comment names;
 * the library example runs and prints what the README shows, the same lines as
-  ``examples/print_backend.py``; every public name is in the README's table;
+  ``examples/print_backend.py``; the README shows the example daemon
+  (``examples/nft_clusterip``) as it is, docstrings aside; every public name is in the
+  README's table;
 * nothing refers to a document the repository does not hold, and the mypy overrides name
   modules the code imports;
 * the build requirements can read the project's metadata.
@@ -13,6 +15,7 @@
 
 from __future__ import annotations
 
+import ast
 import copy
 import json
 import re
@@ -137,6 +140,26 @@ def test_the_readmes_library_example_prints_what_it_shows_as_print_backend_does(
         timeout=60,
     )
     assert ran.stdout == shown.group(1) == example.stdout
+
+
+def without_docstrings(source: str) -> str:
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef) and body:
+            first = body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
+def test_the_readme_shows_the_example_daemon_as_it_is() -> None:
+    text = section(README, "The core as a library").split("### A whole proxy", 1)[1]
+    code = re.search(r"```python\n(.*?)```", text, re.DOTALL)
+    assert code is not None
+    example = (REPO / "examples" / "nft_clusterip" / "nft_clusterip.py").read_text()
+    assert without_docstrings(code.group(1)) == without_docstrings(example)
+    assert "run_daemon(options, ClusterIPBackend" in code.group(1)
 
 
 def test_every_public_name_is_in_the_readmes_table() -> None:

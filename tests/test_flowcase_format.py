@@ -25,7 +25,14 @@ from kubeproxy.testing.cases import (
 )
 from kubeproxy.testing.node import STANDARD_NODE
 from kubeproxy.testing.runner import flow_id
-from kubeproxy.testing.scene import BRIDGE_INTERFACE, POD_INTERFACE_PREFIX, Role, plan_scene
+from kubeproxy.testing.scene import (
+    BRIDGE_INTERFACE,
+    POD_INTERFACE_PREFIX,
+    SELF_ADDRESSED_MARK,
+    Role,
+    Scene,
+    plan_scene,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "flowcases" / "examples"
@@ -355,6 +362,30 @@ def test_external_sources_of_the_example() -> None:
     plan = plan_scene(case)
     assert set(plan.external) == {ip("203.0.113.2"), ip("203.0.113.130")}
     assert 30080 in plan.ports and 30082 not in plan.ports
+
+
+def test_every_external_source_has_a_place_of_its_own() -> None:
+    # 1.2.3.4 is a load-balancer IP that also sends: to itself (the node's connection
+    # handed back from the VIP) and to the node port; another client targets it.
+    flows = (
+        "- {name: a, sourceIP: 203.0.113.2, destIP: 1.2.3.4, destPort: 80, output: DROP}\n"
+        "- {name: b, sourceIP: 1.2.3.4, destIP: 1.2.3.4, destPort: 80, output: DROP}\n"
+        "- {name: c, sourceIP: 1.2.3.4, destIP: 192.168.0.2, destPort: 30000, output: DROP}\n"
+        "- {name: d, sourceIP: 10.0.0.2, destIP: 10.0.0.2, destPort: 80, output: DROP}"
+    )
+    (case,) = parse_case_file(case_text(flows)).cases
+    plan = plan_scene(case)
+    assert plan.external == (ip("203.0.113.2"), ip("1.2.3.4"))
+    assert plan.self_addressed == (ip("1.2.3.4"),), "only external sources are marked"
+    scene = Scene(plan, run_id="plan1")
+    try:
+        sent_from = [scene.client_namespace(flow.source_ip) for _, flow in case.flows]
+        assert sent_from[1] == sent_from[2] != sent_from[0]
+        assert scene.outside_ns not in sent_from and set(sent_from) <= set(scene.namespaces)
+        marks = [scene.source_mark(flow) for _, flow in case.flows]
+        assert marks == [0, SELF_ADDRESSED_MARK, 0, 0]
+    finally:
+        scene.close()
 
 
 def test_proxier_config_of_the_standard_node() -> None:

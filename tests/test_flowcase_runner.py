@@ -162,10 +162,14 @@ class ScriptedProber(Prober):
         super().__init__(ClientPorts())
         self.script = script
         self.batches: list[int] = []
+        self.marks: set[int] = set()
         self.sent = 0
 
-    async def attempts(self, netns_fd: int, flow: Flow, count: int) -> list[Observation]:
+    async def attempts(
+        self, netns_fd: int, flow: Flow, count: int, *, mark: int = 0
+    ) -> list[Observation]:
         self.batches.append(count)
+        self.marks.add(mark)
         out = [self.script(self.sent + i) for i in range(count)]
         self.sent += count
         return out
@@ -192,6 +196,14 @@ def test_probe_rounds(flow: Flow, script: Callable[[int], Observation], batches:
     observations = asyncio.run(probe_flow(prober, -1, flow))
     assert prober.batches == batches
     assert len(observations) == sum(batches)
+    assert prober.marks == {0}
+
+
+def test_every_attempt_of_a_flow_carries_its_mark() -> None:
+    prober = ScriptedProber(lambda i: seen((A, B)[i % 2]))
+    asyncio.run(probe_flow(prober, -1, make_flow(TWO), mark=0x6B70))
+    asyncio.run(probe_flow(prober, -1, make_flow(TWO, affinity=True), mark=0x6B70))
+    assert prober.marks == {0x6B70}
 
 
 def test_client_ports_never_repeat_and_avoid_listeners() -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-import kubeproxy.health as health_module
+import kubeproxy.httpserving as httpserving_module
 from kubeproxy.backend import ProxySnapshot, SyncChanges, SyncError
 from kubeproxy.config import ProxierConfig
 from kubeproxy.health import (
@@ -746,7 +746,7 @@ def test_wildcard_health_address_is_dual_stack(namespace: str) -> None:
 def test_wildcard_falls_back_to_ipv4_when_ipv6_is_missing(
     namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = health_module._RoutedServer
+    real = httpserving_module._RoutedServer
 
     class WithoutIPv6(real):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, dual_stack: bool = True, **kwargs: Any) -> None:
@@ -754,7 +754,7 @@ def test_wildcard_falls_back_to_ipv4_when_ipv6_is_missing(
                 raise OSError(errno.EAFNOSUPPORT, os.strerror(errno.EAFNOSUPPORT))
             super().__init__(*args, dual_stack=False, **kwargs)
 
-    monkeypatch.setattr(health_module, "_RoutedServer", WithoutIPv6)
+    monkeypatch.setattr(httpserving_module, "_RoutedServer", WithoutIPv6)
     server = ProxyHealthServer("0.0.0.0:0", ProxyHealth(60.0, Clock(), node=NodeInfo(NODE)))
     in_namespace(namespace, server.start)
     try:

@@ -31,11 +31,12 @@ from kubeproxy.backends import nftables
 from kubeproxy.backends.iptables.exec import IptablesVariant, needed_capabilities
 from kubeproxy.backends.nftables.fake import FakeNft
 from kubeproxy.capabilities import CAP_SYS_RESOURCE
-from kubeproxy.cmd.app import SourceTuning, build_daemon
 from kubeproxy.cmd.modes import MODES
 from kubeproxy.cmd.options import Options, parse_options
 from kubeproxy.config import ProxierConfig
 from kubeproxy.conntrack import FakeConntrack
+from kubeproxy.daemon import build_daemon
+from kubeproxy.daemon.sources import SourceTuning
 from kubeproxy.health import ProxyHealth, ProxyHealthServer
 from kubeproxy.netlink import FakeHostAddresses
 from kubeproxy.objects import IPFamily

@@ -24,9 +24,9 @@ from kubeproxy.backends.iptables.fake import FakeIptables
 from kubeproxy.backends.iptables.monitor import canary_watcher
 from kubeproxy.backends.iptables.monitor import watchers as iptables_watchers
 from kubeproxy.backends.nftables.fake import FakeNft
-from kubeproxy.cmd.app import build_daemon
 from kubeproxy.cmd.modes import MODES
 from kubeproxy.config import ProxierConfig
+from kubeproxy.daemon import build_daemon
 from kubeproxy.events import FakeEventRecorder
 from kubeproxy.health import FAULT_RULES_REMOVED, ProxyHealth
 from kubeproxy.metrics import ProxyMetrics

@@ -42,10 +42,10 @@ from kubeproxy.backends.iptables import monitor as iptables_monitor
 from kubeproxy.backends.iptables.proxier import owns_chain
 from kubeproxy.backends.nftables.exec import LibNftables
 from kubeproxy.backends.nftables.objects import Family
-from kubeproxy.cmd.app import Daemon, WatcherFactory, build_daemon
 from kubeproxy.cmd.modes import MODES
 from kubeproxy.cmd.options import parse_options
 from kubeproxy.conntrack import NetlinkConntrack
+from kubeproxy.daemon import Daemon, WatcherFactory, build_daemon
 from kubeproxy.netlink import HostAddresses
 from kubeproxy.objects import IPFamily
 from kubeproxy.proxier import Proxier

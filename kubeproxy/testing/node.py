@@ -11,9 +11,18 @@ from kubeproxy.objects import IPAddress, IPFamily, IPNetwork, NodeInfo
 from kubeproxy.testing.cases import ProxierOverrides
 
 __all__ = [
+    "BRIDGE_INTERFACE",
+    "POD_INTERFACE_PREFIX",
     "STANDARD_NODE",
     "StandardNode",
 ]
+
+BRIDGE_INTERFACE: Final = "kpxfbr0"
+"""The node's pod bridge (for a BridgeInterface local-traffic detector)."""
+POD_INTERFACE_PREFIX: Final = "kpxfpod"
+"""The node-side name prefix of every pod veth, bridged or routed (for an
+InterfaceNamePrefix detector: it matches only routed pods, whose traffic enters the node
+on the veth; bridged pods' traffic enters on the bridge)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,9 +64,6 @@ class StandardNode:
         NodeCIDR carries no CIDRs: the proxier takes them from :meth:`node_info`. The
         interface modes name the scene's pod bridge and pod veth prefix.
         """
-        # Imported here, not at the top: the scene imports this module.
-        from kubeproxy.testing.scene import BRIDGE_INTERFACE, POD_INTERFACE_PREFIX
-
         if mode is None or mode is LocalDetectMode.CLUSTER_CIDR:
             return LocalDetector(LocalDetectMode.CLUSTER_CIDR, self.pod_cidrs)
         if mode is LocalDetectMode.BRIDGE_INTERFACE:

@@ -299,7 +299,8 @@ async def _check_flows(
     async def check(flow: Flow) -> Verdict:
         try:
             namespace = scene.fd(scene.client_namespace(flow.source_ip))
-            return judge(flow, await probe_flow(prober, namespace, flow))
+            mark = scene.source_mark(flow)
+            return judge(flow, await probe_flow(prober, namespace, flow, mark=mark))
         except Exception as err:  # one broken probe must not hide the other flows
             logger.exception("probing %s", flow)
             return Verdict(False, f"the runner failed to probe this flow: {err!r}")

@@ -5,7 +5,9 @@ run's own namespaces, none in the namespace the runner started in)::
 
     pod clients, endpoints                node
     (one netns per IP) --veth-- kpxfbr0 (pod bridge)
-                                kpxfext (node addresses) --veth-- "ext": external clients
+                                kpxfext (node addresses) --veth-- "ext" (a bridge) --veth--
+                                                                   "x<N>": one external
+                                                                   client per address
                                 kpxfwld (default route)  --veth-- "wld": catch-all listeners
 
 or, with routed pods (:attr:`ScenePlan.routed_pods`, chosen for an InterfaceNamePrefix
@@ -33,17 +35,28 @@ local-traffic detector, as a CNI such as Calico builds it)::
   input interface. The node's own pod-network addresses (the masquerade source towards
   the pods) sit on its loopback instead of the bridge.
 * An endpoint IP that is a node address listens on the node itself.
-* External clients sit in one namespace routed to the node; the node routes their
-  addresses back to it.
+* Each external client address is a namespace of its own (``x<N>``), all on one link
+  with the node (a bridge in the "ext" namespace), routed to the node, and listening on
+  its address like an endpoint: a flow from one external client to another one's
+  address (a load-balancer IP that also sends, say) reaches the node, and whatever the
+  node leaves alone arrives at that client. The node routes each address back to its link.
+* A flow from an external address to that same address (an LB handing the node packets
+  from its own VIP: upstream's "same node to LB, SNATted to the LB IP") leaves the
+  client's namespace with the address as its source, as a SNAT would leave it: its
+  sockets carry a mark (:data:`SELF_ADDRESSED_MARK`) that a policy route placed before
+  the local table sends to the node instead of the loopback, and the namespace accepts
+  the replies from its own address (``accept_local``).
 * The world namespace, through a policy route that makes every address arriving from the
   node local, answers anything: whatever the node forwards unchanged is answered as "the
   original destination", whatever it DNATs to an address nobody else owns is answered
   under that address. Replies come back through the node, so its conntrack sees both
   directions. Only a real drop stays silent.
 
-:class:`Scene` builds it, hands out the namespace to send each flow from, and removes
-everything it created on :meth:`Scene.close` (also from ``finally`` blocks, on SIGINT and
-SIGTERM through the callers, and at interpreter exit as a last resort).
+:class:`Scene` builds it from a :class:`~kubeproxy.testing.plan.ScenePlan` (what the case
+needs: :func:`~kubeproxy.testing.plan.plan_scene`), hands out the namespace to send each
+flow from (and the mark its sockets carry), and removes everything it created on
+:meth:`Scene.close` (also from ``finally`` blocks, on SIGINT and SIGTERM through the
+callers, and at interpreter exit as a last resort).
 """
 
 from __future__ import annotations
@@ -56,14 +69,11 @@ import os
 import secrets
 import signal
 import threading
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
-from enum import StrEnum
-from typing import Any, Final
+from collections.abc import Iterable, Iterator
+from typing import Final
 
-from kubeproxy.config import LocalDetectMode
 from kubeproxy.objects import IPAddress, IPFamily, Protocol
-from kubeproxy.testing.cases import Case, OutputKind, StepAction
+from kubeproxy.testing.cases import Flow
 from kubeproxy.testing.netns import (
     CommandRunner,
     NamespaceError,
@@ -74,7 +84,8 @@ from kubeproxy.testing.netns import (
     open_namespace,
     write_sysctl,
 )
-from kubeproxy.testing.node import STANDARD_NODE, StandardNode
+from kubeproxy.testing.node import BRIDGE_INTERFACE, POD_INTERFACE_PREFIX
+from kubeproxy.testing.plan import Role, ScenePlan, plan_scene
 from kubeproxy.testing.traffic import ListenerServer, make_listener
 
 __all__ = [
@@ -82,6 +93,7 @@ __all__ = [
     "EXTERNAL_INTERFACE",
     "NAME_PREFIX",
     "POD_INTERFACE_PREFIX",
+    "SELF_ADDRESSED_MARK",
     "WORLD_INTERFACE",
     "Role",
     "Scene",
@@ -94,14 +106,11 @@ logger = logging.getLogger(__name__)
 
 NAME_PREFIX: Final = "kpxf-"
 """Every namespace (and the listener thread) of a run is named ``kpxf-<run id>-...``."""
-BRIDGE_INTERFACE: Final = "kpxfbr0"
-"""The node's pod bridge (for a BridgeInterface local-traffic detector)."""
-POD_INTERFACE_PREFIX: Final = "kpxfpod"
-"""The node-side name prefix of every pod veth, bridged or routed (for an
-InterfaceNamePrefix detector: it matches only routed pods, whose traffic enters the node
-on the veth; bridged pods' traffic enters on the bridge)."""
 EXTERNAL_INTERFACE: Final = "kpxfext"
 """The node's link to the external clients; it holds the node addresses."""
+SELF_ADDRESSED_MARK: Final = 0x6B70
+"""The socket mark of a flow from an external address to itself: the client's policy
+route sends it to the node (never to its own loopback)."""
 WORLD_INTERFACE: Final = "kpxfwld"
 """The node's default route: the link to the catch-all world."""
 
@@ -113,6 +122,8 @@ _PEER_LINK_LOCAL_V6: Final = ipaddress.IPv6Address("fe80::2")
 _CATCH_ALL_TABLE: Final = 100
 _ROUTED_GATEWAY_MAC: Final = "02:6b:70:78:66:02"
 _ROUTED_GATEWAY_V4: Final = ipaddress.IPv4Address("169.254.1.1")
+_HUB_BRIDGE: Final = "br0"
+_SELF_ROUTE_TABLE: Final = 101
 _NEIGHBOUR_QUEUE_BYTES: Final = "4194304"
 
 _COMMON_SYSCTLS: Final = (
@@ -131,6 +142,13 @@ _COMMON_SYSCTLS: Final = (
     ("net.ipv6.icmp.ratemask", ""),
     ("net.ipv6.icmp.ratelimit", "0"),
 )
+# The external clients' link is a plain wire: no netfilter on its bridge.
+_HUB_SYSCTLS: Final = (
+    ("net.bridge.bridge-nf-call-iptables", "0"),
+    ("net.bridge.bridge-nf-call-ip6tables", "0"),
+)
+# A client sending to its own address takes its replies from that address.
+_SELF_ADDRESSED_SYSCTLS: Final = (("net.ipv4.conf.all.accept_local", "1"),)
 _NODE_SYSCTLS: Final = (
     ("net.ipv4.ip_forward", "1"),
     ("net.ipv6.conf.all.forwarding", "1"),
@@ -145,136 +163,9 @@ class SceneError(RuntimeError):
     """The scene could not be built (the message says which step failed)."""
 
 
-class Role(StrEnum):
-    """Where a flow's source lives."""
-
-    NODE = "node"
-    ENDPOINT = "endpoint"
-    POD = "pod"
-    EXTERNAL = "external"
-
-
-@dataclass(frozen=True, slots=True)
-class ScenePlan:
-    """What a case needs in its scene, computed from the case alone.
-
-    ``endpoints`` and ``pods`` get a namespace each behind the bridge (or on a routed
-    veth each when ``routed_pods``); ``external`` are the outside's client addresses;
-    ``node_extra`` are loopback destinations the node listens on; ``ports`` is every port
-    a listener answers on (TCP and UDP). ``bridge_addresses`` are the node's own
-    addresses in the pod networks, used by no flow: on the bridge, or on the node's
-    loopback when the pods are routed.
-    """
-
-    node: StandardNode
-    bridge_addresses: tuple[ipaddress.IPv4Interface | ipaddress.IPv6Interface, ...]
-    endpoints: tuple[IPAddress, ...]
-    pods: tuple[IPAddress, ...]
-    external: tuple[IPAddress, ...]
-    node_extra: tuple[IPAddress, ...]
-    ports: tuple[int, ...]
-    routed_pods: bool = False
-
-    def role_of(self, source: IPAddress) -> Role:
-        """Where a flow from ``source`` is sent from."""
-        if source in self.node.addresses or source.is_loopback:
-            return Role.NODE
-        if source in self.endpoints:
-            return Role.ENDPOINT
-        if source in self.pods:
-            return Role.POD
-        return Role.EXTERNAL
-
-
 def _nodad(address: IPAddress) -> str:
     # Duplicate address detection would keep a new IPv6 address unusable for a while.
     return " nodad" if address.version == 6 else ""
-
-
-def _usable(address: IPAddress) -> bool:
-    return not (
-        address.is_loopback
-        or address.is_multicast
-        or address.is_unspecified
-        or address.is_link_local
-        or address.is_reserved
-    )
-
-
-def _slice_addresses(slice_: Mapping[str, Any]) -> Iterator[IPAddress]:
-    for endpoint in slice_.get("endpoints") or ():
-        if not isinstance(endpoint, Mapping):
-            continue
-        for text in endpoint.get("addresses") or ():
-            # The core rejects what is not an IP; the scene only skips it.
-            with contextlib.suppress(ValueError, TypeError):
-                address = ipaddress.ip_address(text)
-                if _usable(address):
-                    yield address
-
-
-def _slice_ports(slice_: Mapping[str, Any]) -> Iterator[int]:
-    for port in slice_.get("ports") or ():
-        if isinstance(port, Mapping):
-            number = port.get("port")
-            if isinstance(number, int) and not isinstance(number, bool) and 0 < number < 65536:
-                yield number
-
-
-def plan_scene(case: Case, node: StandardNode = STANDARD_NODE) -> ScenePlan:
-    """Work out the scene a case needs: its endpoints, clients and ports.
-
-    The pods are routed, each on its own veth, exactly when the case's local-traffic
-    detector is InterfaceNamePrefix (made for such pods: behind a bridge it never sees
-    them); otherwise they sit behind the bridge.
-    """
-    endpoints: dict[IPAddress, None] = {}
-    ports: set[int] = set()
-    for step in case.steps:
-        if step.action is not StepAction.APPLY:
-            continue
-        for slice_ in step.endpoint_slices:
-            endpoints.update(dict.fromkeys(_slice_addresses(slice_)))
-            ports.update(_slice_ports(slice_))
-    flows = [flow for _, flow in case.flows]
-    for flow in flows:
-        ports.add(flow.dest_port)
-        if flow.output.kind is OutputKind.ENDPOINTS:
-            for address, port in flow.output.endpoints:
-                ports.add(port)
-                if _usable(address):
-                    endpoints.setdefault(address)
-    node_addresses = set(node.addresses)
-    endpoint_ips = tuple(a for a in endpoints if a not in node_addresses)
-    pods: dict[IPAddress, None] = {}
-    external: dict[IPAddress, None] = {}
-    node_extra: dict[IPAddress, None] = {}
-    for flow in flows:
-        source = flow.source_ip
-        if source in node_addresses or source in endpoints or source.is_loopback:
-            pass
-        elif source in node.pod_cidr(IPFamily.of(source)):
-            pods.setdefault(source)
-        else:
-            external.setdefault(source)
-        if flow.dest_ip.is_loopback:
-            node_extra.setdefault(flow.dest_ip)
-    used = set(endpoints) | set(pods) | set(external) | {f.dest_ip for f in flows}
-    bridge = []
-    for family in (IPFamily.IPV4, IPFamily.IPV6):
-        cidr = node.pod_cidr(family)
-        address = next(a for a in cidr.hosts() if a not in used and a not in node_addresses)
-        bridge.append(ipaddress.ip_interface(f"{address}/{cidr.prefixlen}"))
-    return ScenePlan(
-        node=node,
-        bridge_addresses=tuple(bridge),
-        endpoints=endpoint_ips,
-        pods=tuple(pods),
-        external=tuple(external),
-        node_extra=tuple(node_extra),
-        ports=tuple(sorted(ports)),
-        routed_pods=case.overrides.local_detector is LocalDetectMode.INTERFACE_NAME_PREFIX,
-    )
 
 
 # Scenes still open, closed at interpreter exit if a caller could not (an exception in
@@ -330,6 +221,7 @@ class Scene:
         self.world_ns = f"{base}-wld"
         self.endpoint_ns = {ip: f"{base}-ep{i}" for i, ip in enumerate(plan.endpoints)}
         self.pod_ns = {ip: f"{base}-pod{i}" for i, ip in enumerate(plan.pods)}
+        self.external_ns = {ip: f"{base}-x{i}" for i, ip in enumerate(plan.external)}
         self._created: list[str] = []
         self._fds: dict[str, int] = {}
         self.listeners = ListenerServer(f"{base}-listeners")
@@ -344,6 +236,7 @@ class Scene:
             self.world_ns,
             *self.endpoint_ns.values(),
             *self.pod_ns.values(),
+            *self.external_ns.values(),
         ]
 
     def __enter__(self) -> Scene:
@@ -366,7 +259,14 @@ class Scene:
             return self.endpoint_ns[source]
         if role is Role.POD:
             return self.pod_ns[source]
-        return self.outside_ns
+        return self.external_ns[source]
+
+    def source_mark(self, flow: Flow) -> int:
+        """The socket mark a flow's connections carry: :data:`SELF_ADDRESSED_MARK` for
+        one from an external address to itself, 0 for every other."""
+        if flow.dest_ip == flow.source_ip and self.plan.role_of(flow.source_ip) is Role.EXTERNAL:
+            return SELF_ADDRESSED_MARK
+        return 0
 
     def build(self) -> None:
         """Create everything; on any failure remove what was made and raise SceneError."""
@@ -393,11 +293,16 @@ class Scene:
             self._fds[name] = open_namespace(name)
             write_sysctl(self._fds[name], _COMMON_SYSCTLS)
         write_sysctl(self._fds[self.node_ns], _NODE_SYSCTLS)
+        write_sysctl(self._fds[self.outside_ns], _HUB_SYSCTLS)
+        for ip in self.plan.self_addressed:
+            write_sysctl(self._fds[self.external_ns[ip]], _SELF_ADDRESSED_SYSCTLS)
         self._batch(self.node_ns, self._node_commands())
         self._batch(self.outside_ns, self._outside_commands())
         self._batch(self.world_ns, self._world_commands())
         for ip, name in (*self.endpoint_ns.items(), *self.pod_ns.items()):
             self._batch(name, self._pod_commands(ip))
+        for ip, name in self.external_ns.items():
+            self._batch(name, self._external_commands(ip))
         # Many parallel first packets may wait for one neighbour resolution; the default
         # queue (about a hundred packets) would drop the rest and cost a 1 s
         # retransmission. Only per-device settings exist outside the initial namespace.
@@ -503,16 +408,39 @@ class Scene:
             yield f"route add {ip}/{ip.max_prefixlen} dev {veth}"
 
     def _outside_commands(self) -> Iterator[str]:
-        plan = self.plan
+        # One link for the node and every external client: a bridge, nothing routed here.
         yield "link set lo up"
-        yield f"addr add {_PEER_LINK_LOCAL_V6}/64 dev eth0 nodad"
-        for ip in plan.external:
-            yield f"addr add {ip}/{ip.max_prefixlen} dev eth0{_nodad(ip)}"
+        bridge = "type bridge stp_state 0 forward_delay 0 mcast_snooping 0"
+        yield f"link add {_HUB_BRIDGE} {bridge}"
+        yield f"link set {_HUB_BRIDGE} up"
+        yield f"link set eth0 master {_HUB_BRIDGE}"
         yield "link set eth0 up"
-        primary_v4 = plan.node.addresses_of(IPFamily.IPV4)[0]
-        yield f"route add {primary_v4}/32 dev eth0 scope link"
-        yield f"route add default via {primary_v4} dev eth0"
-        yield f"route add default via {_NODE_LINK_LOCAL_V6} dev eth0"
+        for index, name in enumerate(self.external_ns.values()):
+            yield f"link add x{index} type veth peer name eth0 netns {name}"
+            yield f"link set x{index} master {_HUB_BRIDGE}"
+            yield f"link set x{index} up"
+
+    def _external_commands(self, ip: IPAddress) -> Iterator[str]:
+        gateways = (
+            (str(self.plan.node.addresses_of(IPFamily.IPV4)[0]), ""),
+            (str(_NODE_LINK_LOCAL_V6), "-6 "),
+        )
+        yield "link set lo up"
+        yield f"addr add {ip}/{ip.max_prefixlen} dev eth0{_nodad(ip)}"
+        yield "link set eth0 up"
+        yield f"route add {gateways[0][0]}/32 dev eth0 scope link"
+        for gateway, _ in gateways:
+            yield f"route add default via {gateway} dev eth0"
+        if ip not in self.plan.self_addressed:
+            return
+        # Marked sockets go to the node even to this namespace's own address: their
+        # route comes before the local table's.
+        prefix = "-6 " if ip.version == 6 else ""
+        gateway = gateways[1][0] if ip.version == 6 else gateways[0][0]
+        yield f"route add default via {gateway} dev eth0 table {_SELF_ROUTE_TABLE}"
+        yield f"{prefix}rule add fwmark {SELF_ADDRESSED_MARK} lookup {_SELF_ROUTE_TABLE} pref 10"
+        yield f"{prefix}rule add lookup local pref 20"
+        yield f"{prefix}rule del pref 0 lookup local"
 
     def _world_commands(self) -> Iterator[str]:
         yield "link set lo up"
@@ -560,7 +488,8 @@ class Scene:
         where: list[tuple[str, IPAddress | None, int, bool]] = []
         for address in (*plan.node.addresses, *plan.node_extra):
             where.append((self.node_ns, address, 4, False))
-        for address, name in (*self.endpoint_ns.items(), *self.pod_ns.items()):
+        clients = (*self.endpoint_ns.items(), *self.pod_ns.items(), *self.external_ns.items())
+        for address, name in clients:
             where.append((name, address, 4, False))
         where.append((self.world_ns, None, 4, True))
         where.append((self.world_ns, None, 6, True))

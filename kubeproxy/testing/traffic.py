@@ -320,17 +320,23 @@ class Prober:
         self.timeout = timeout
         self._limit = asyncio.Semaphore(parallel)
 
-    async def attempts(self, netns_fd: int, flow: Flow, count: int) -> list[Observation]:
+    async def attempts(
+        self, netns_fd: int, flow: Flow, count: int, *, mark: int = 0
+    ) -> list[Observation]:
         """``count`` attempts of ``flow`` from the namespace ``netns_fd``, in parallel."""
-        return list(await asyncio.gather(*(self.attempt(netns_fd, flow) for _ in range(count))))
+        tries = (self.attempt(netns_fd, flow, mark=mark) for _ in range(count))
+        return list(await asyncio.gather(*tries))
 
-    async def attempt(self, netns_fd: int, flow: Flow) -> Observation:
-        """One new connection (TCP) or one datagram from a new socket (UDP)."""
+    async def attempt(self, netns_fd: int, flow: Flow, *, mark: int = 0) -> Observation:
+        """One new connection (TCP) or one datagram from a new socket (UDP); ``mark``
+        (``SO_MARK``) selects the client namespace's policy route when not 0."""
         async with self._limit:
             kind = socket.SOCK_STREAM if flow.protocol is Protocol.TCP else socket.SOCK_DGRAM
             with entered(netns_fd):
                 sock = socket.socket(_family(flow.source_ip), kind)
             try:
+                if mark:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, mark)
                 return await self._exchange(sock, flow)
             finally:
                 sock.close()
@@ -412,20 +418,23 @@ BALANCED_ROUNDS: Final = 3
 """Rounds before a listed endpoint that never answered counts as missing."""
 
 
-async def probe_flow(prober: Prober, netns_fd: int, flow: Flow) -> list[Observation]:
-    """Every attempt a flow needs, per its expected output."""
+async def probe_flow(
+    prober: Prober, netns_fd: int, flow: Flow, *, mark: int = 0
+) -> list[Observation]:
+    """Every attempt a flow needs, per its expected output (sockets marked with ``mark``)."""
     output = flow.output
     if output.kind is not OutputKind.ENDPOINTS:
-        return await prober.attempts(netns_fd, flow, FIXED_ATTEMPTS)
+        return await prober.attempts(netns_fd, flow, FIXED_ATTEMPTS, mark=mark)
     if flow.affinity:
         # The first connection creates the affinity entry; parallel first packets
         # could race it and prove nothing.
-        first = await prober.attempts(netns_fd, flow, 1)
-        return first + await prober.attempts(netns_fd, flow, AFFINITY_ATTEMPTS - 1)
+        first = await prober.attempts(netns_fd, flow, 1, mark=mark)
+        return first + await prober.attempts(netns_fd, flow, AFFINITY_ATTEMPTS - 1, mark=mark)
     seen: list[Observation] = []
     listed = set(output.endpoints)
     for _ in range(BALANCED_ROUNDS):
-        seen += await prober.attempts(netns_fd, flow, balanced_attempts(len(listed)))
+        count = balanced_attempts(len(listed))
+        seen += await prober.attempts(netns_fd, flow, count, mark=mark)
         answered = {o.endpoint for o in seen if o.outcome is Outcome.ANSWERED}
         # Stop as soon as the verdict is known: everything listed was seen, or something
         # went wrong that more rounds cannot undo.

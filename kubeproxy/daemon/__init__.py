@@ -1,0 +1,72 @@
+"""The whole node daemon as a library: upstream kube-proxy's start-up and run loop over the core.
+
+Give it options and a backend factory and it does what a kube-proxy does on a node::
+
+    from kubeproxy.daemon import DaemonOptions, run_daemon
+
+    options = DaemonOptions.from_file("/var/lib/kube-proxy/config.conf", mode="nftables")
+    sys.exit(run_daemon(options, my_backend_factory, name="my-proxy"))
+
+The binaries (:mod:`kubeproxy.cmd`) are this plus upstream's flags, the table of our
+modes (their dry runs, backend-specific metrics, self-healing watchers, and the removal
+of the other modes' rules) and ``main()``. The steps, each in the module named after it,
+follow upstream (``cmd/kube-proxy/app/server.go`` and ``server_linux.go``):
+
+1. :mod:`~kubeproxy.daemon.options`: :class:`DaemonOptions`, the validated
+   configuration (from a ``KubeProxyConfiguration`` or upstream's flags);
+2. ``init_only``: the privileged set-up (:mod:`~kubeproxy.daemon.privileged`: conntrack
+   sysctls, ``oomScoreAdj``), then exit 0;
+3. :func:`build_daemon` (:mod:`~kubeproxy.daemon.startup`): the source
+   (:mod:`~kubeproxy.daemon.sources`: a manifests directory, or the API server with a
+   wait of up to five minutes for this Node; what it delivers waits in a
+   :class:`~kubeproxy.daemon.gate.HandlerGate`), the node IPs and families
+   (:mod:`~kubeproxy.daemon.nodeips`), the event sink (:mod:`~kubeproxy.daemon.events`),
+   the privileged set-up, one backend per family (a mode that cannot run stops here),
+   health and metrics (:mod:`~kubeproxy.daemon.serving`), the conntrack reconciler, one
+   proxier per family with the proxy's own hooks (:mod:`~kubeproxy.daemon.hooks`), the
+   self-healing watchers;
+4. :meth:`Daemon.start` (:mod:`~kubeproxy.daemon.daemon`): post the start-up warnings,
+   bind the health and metrics servers (with ``bindAddressHardFail`` a failure is fatal,
+   after a Warning event), run the ``before_first_sync`` step (the binaries remove the
+   other modes' rules there), post ``Starting``, hand the proxiers what the source
+   delivered (the first sync) and start the sync loops;
+5. SIGTERM or SIGINT (:func:`run_daemon`, :mod:`~kubeproxy.daemon.run`): stop the servers
+   and threads; the kernel rules stay in place, for the next instance to take over.
+
+``once`` (and ``dry_run``) syncs once after the initial list instead of steps 4-5
+(``before_first_sync`` still runs first), without the privileged set-up: a one-shot sync
+is a tool run, not a node's proxy, and must not retune the host's conntrack table.
+
+Where we differ from upstream: ``init_only`` does not contact the API server (the
+privileged set-up needs nothing from it, and an init container should not wait for the
+Node); the source is started before the proxiers exist (our sources deliver the Node
+with everything else), so the gate holds what it delivers until then; the other modes'
+rules are removed only once this mode's backends exist and its servers are bound, so a
+failed start leaves the node's rules alone; and once every family has completed its
+first full sync the process freezes its long-lived objects out of the garbage
+collector's reach (:class:`~kubeproxy.daemon.gctuning.GcTuner`).
+
+Nothing here imports a backend or :mod:`kubeproxy.cmd`.
+"""
+
+from kubeproxy.daemon.daemon import Daemon
+from kubeproxy.daemon.errors import StartupError, StartupInterrupted
+from kubeproxy.daemon.events import LoggingEventSink, StartupWarning
+from kubeproxy.daemon.hooks import BackendContext, BackendHooks, WatcherFactory
+from kubeproxy.daemon.options import DaemonOptions
+from kubeproxy.daemon.run import run_daemon
+from kubeproxy.daemon.startup import build_daemon
+
+__all__ = [
+    "BackendContext",
+    "BackendHooks",
+    "Daemon",
+    "DaemonOptions",
+    "LoggingEventSink",
+    "StartupError",
+    "StartupInterrupted",
+    "StartupWarning",
+    "WatcherFactory",
+    "build_daemon",
+    "run_daemon",
+]

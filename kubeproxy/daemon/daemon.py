@@ -1,0 +1,213 @@
+"""The running proxy: :class:`Daemon` starts its servers and sync loops, and stops them.
+
+:func:`~kubeproxy.daemon.build_daemon` makes one (everything that could stop a start has
+happened by then, except binding the servers); :meth:`Daemon.start` runs it, or
+:meth:`Daemon.sync_once` syncs once; :meth:`Daemon.stop` leaves the kernel rules in place
+for the next instance to take over.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final
+
+from kubeproxy.daemon.errors import StartupError
+from kubeproxy.daemon.events import StartupWarning
+from kubeproxy.daemon.gate import HandlerGate
+from kubeproxy.daemon.gctuning import GcTuner
+from kubeproxy.daemon.nodeips import NodeIPs
+from kubeproxy.daemon.options import DaemonOptions
+from kubeproxy.daemon.sources import NODE_WAIT_TIMEOUT, STOP_TIMEOUT, StartedSource
+from kubeproxy.events import (
+    ACTION_START,
+    REASON_FAILED_HEALTHCHECK,
+    REASON_FAILED_METRICS,
+    EventSink,
+)
+from kubeproxy.health import HealthObserver, ProxyHealth, ProxyHealthServer, ServerBindError
+from kubeproxy.metrics import MetricsServer, ProxyMetrics
+from kubeproxy.objects import IPFamily, NodeInfo
+from kubeproxy.proxier import DualStackProxier, Proxier
+from kubeproxy.selfheal import SelfHealer, Watcher
+
+__all__ = ["Daemon"]
+
+logger = logging.getLogger(__name__)
+
+_POLL: Final = 0.05
+
+
+class Daemon:
+    """The proxy, built by :func:`~kubeproxy.daemon.build_daemon`: :meth:`start`,
+    :meth:`stop`, or :meth:`sync_once`.
+
+    The attributes are the pieces, for tests and for whoever embeds it: ``proxiers`` by
+    family, ``handler`` (the proxier, or a :class:`~kubeproxy.proxier.DualStackProxier`),
+    the ``metrics`` and ``health`` state and their servers, ``events``, the ``source``,
+    the self-healing ``healer`` and its ``watchers`` (started by :meth:`start` only), and
+    ``name``, the proxy's name in the logs.
+    """
+
+    def __init__(
+        self,
+        *,
+        options: DaemonOptions,
+        node: NodeInfo,
+        node_ips: NodeIPs,
+        proxiers: Mapping[IPFamily, Proxier],
+        source: StartedSource,
+        gate: HandlerGate,
+        metrics: ProxyMetrics,
+        metrics_server: MetricsServer,
+        health: ProxyHealth,
+        health_server: ProxyHealthServer,
+        health_observer: HealthObserver,
+        events: EventSink,
+        gc_tuner: GcTuner,
+        stop: threading.Event,
+        healer: SelfHealer | None = None,
+        watchers: Sequence[Watcher] = (),
+        startup_warnings: Sequence[StartupWarning] = (),
+        before_first_sync: Callable[[], object] | None = None,
+        name: str = "kube-proxy",
+    ) -> None:
+        self.options = options
+        self.name = name
+        self.node = node
+        self.node_ips = node_ips
+        self.proxiers = dict(proxiers)
+        self.families = list(self.proxiers)
+        self.handler: Proxier | DualStackProxier = (
+            DualStackProxier(self.proxiers[IPFamily.IPV4], self.proxiers[IPFamily.IPV6])
+            if len(self.proxiers) == 2
+            else self.proxiers[IPFamily.IPV4]
+        )
+        self._source = source
+        self.source = source.source
+        self.gate = gate
+        self.metrics = metrics
+        self.metrics_server = metrics_server
+        self.health = health
+        self.health_server = health_server
+        self.health_observer = health_observer
+        self.events = events
+        self.gc_tuner = gc_tuner
+        self.healer = healer if healer is not None else SelfHealer(self.proxiers)
+        self.watchers = tuple(watchers)
+        self.startup_warnings = tuple(startup_warnings)
+        self._before_first_sync = before_first_sync
+        self._stop = stop
+        self._threads: list[threading.Thread] = []
+        self._stopped = False
+
+    @property
+    def stopping(self) -> bool:
+        """Whether a stop was requested."""
+        return self._stop.is_set()
+
+    def request_stop(self) -> None:
+        """Ask :meth:`wait` to return (safe from a signal handler)."""
+        self._stop.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until a stop is requested; False if ``timeout`` seconds passed first."""
+        return self._stop.wait(timeout)
+
+    def start(self) -> None:
+        """Post the start-up warnings, serve health and metrics, run the
+        ``before_first_sync`` step (removing other modes' rules), post ``Starting``, sync,
+        and run the sync loops.
+
+        Raises :class:`StartupError` when a server cannot bind with
+        ``bindAddressHardFail`` (after posting the Warning event upstream posts); nothing
+        of ``before_first_sync`` has run then.
+        """
+        if self._threads:
+            raise RuntimeError("the daemon is already running")
+        for warning in self.startup_warnings:
+            self.events.warning(warning.reason, warning.action, warning.note)
+        self._serve(self.health_server.start, REASON_FAILED_HEALTHCHECK)
+        self._serve(self.metrics_server.start, REASON_FAILED_METRICS)
+        self._prepare_first_sync()
+        self.events.starting()
+        # Watching starts before the first sync, so nothing done after it goes unseen.
+        self.healer.start(self.watchers, self._stop)
+        self.gate.bind(self.handler)
+        for proxier in self.proxiers.values():
+            self._spawn(f"sync-loop-{proxier.family.value}", self._sync_loop, proxier)
+        if self._source.poll is not None:
+            self._spawn("manifests", self._source.poll, self._stop)
+        logger.info("%s started for node %s", self.name, self.node.name)
+
+    def sync_once(self, timeout: float = NODE_WAIT_TIMEOUT) -> bool:
+        """Sync once after the source's initial list (``--once``); True on success.
+
+        The valid objects are synced even when the source reported input it could not
+        use (a manifest file that did not parse); that is still a failure, logged once
+        more at the end, so a pre-flight check or CI run notices.
+        """
+        self._prepare_first_sync()
+        self.gate.bind(self.handler)
+        if not self._source.wait_synced(timeout):
+            logger.error("The initial list did not complete within %gs", timeout)
+            return False
+        deadline = time.monotonic() + timeout
+        while not self.handler.initialized:
+            if self._stop.is_set() or time.monotonic() > deadline:
+                return False
+            self._stop.wait(_POLL)
+        synced = self.handler.sync_now()
+        problems = self._source.problems()
+        if problems:
+            logger.error(
+                "Synced what could be used; %d input problem(s): %s",
+                len(problems),
+                "; ".join(problems),
+            )
+        return synced and not problems
+
+    def stop(self, timeout: float = STOP_TIMEOUT) -> None:
+        """Stop everything this daemon runs; the kernel rules stay as they are."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._stop.set()
+        if not self._source.join(timeout):
+            logger.warning("The source did not stop within %gs", timeout)
+        for thread in self._threads:
+            thread.join(timeout)
+            if thread.is_alive():
+                logger.warning("Thread %s did not stop within %gs", thread.name, timeout)
+        for name in self.healer.join(timeout):
+            logger.warning("Thread %s did not stop within %gs", name, timeout)
+        self.health_server.stop()
+        self.metrics_server.stop()
+        self.health_observer.close()
+        close = getattr(self.events, "close", None)
+        if callable(close):
+            close(timeout)
+        logger.info("%s stopped; the rules stay in place", self.name)
+
+    def _prepare_first_sync(self) -> None:
+        step, self._before_first_sync = self._before_first_sync, None
+        if step is not None:
+            step()
+
+    def _serve(self, start: Callable[[], None], reason: str) -> None:
+        try:
+            start()
+        except ServerBindError as err:
+            self.events.warning(reason, ACTION_START, str(err))
+            raise StartupError(str(err)) from err
+
+    def _spawn(self, name: str, target: Callable[..., None], *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _sync_loop(self, proxier: Proxier) -> None:
+        self.metrics.sync_loop_started(proxier.family)
+        proxier.run(self._stop)

@@ -1,0 +1,83 @@
+"""Tuning the garbage collector once the working set is built: :class:`GcTuner`."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+from kubeproxy.objects import IPFamily
+
+if TYPE_CHECKING:
+    from kubeproxy.backend import ProxySnapshot, SyncChanges
+    from kubeproxy.proxier import Proxier
+
+__all__ = ["GC_THRESHOLDS", "GcOps", "GcTuner"]
+
+logger = logging.getLogger(__name__)
+
+GC_THRESHOLDS: Final = (20_000, 10, 10)
+"""The collector's thresholds once the working set is frozen (Python's default: 700, 10, 10)."""
+
+
+def _set_threshold(gen0: int, gen1: int, gen2: int) -> None:
+    gc.set_threshold(gen0, gen1, gen2)
+
+
+@dataclass(frozen=True, slots=True)
+class GcOps:
+    """The garbage-collector calls :class:`GcTuner` makes (tests record them instead)."""
+
+    collect: Callable[[], int] = gc.collect
+    freeze: Callable[[], None] = gc.freeze
+    set_threshold: Callable[[int, int, int], None] = _set_threshold
+
+
+class GcTuner:
+    """A :class:`~kubeproxy.proxier.SyncHook`: once every family has completed a full sync,
+    collect, :func:`gc.freeze` and raise the collector's thresholds, once.
+
+    After the first full sync the process holds its working set (about 720,000 objects at
+    30k Services, proxy core alone) for the rest of its life; frozen, collections no
+    longer scan it, and higher thresholds make them rarer. Collecting first keeps start-up
+    garbage out of the frozen generation. Measured on this project's machine (proxy core
+    with a no-op backend, 30k Services, 5,000 partial syncs): 38 ms in the collector by
+    default, 22 ms frozen, none with the raised thresholds as well. The collector is a
+    small share of a sync either way; with the in-memory nftables fake as the backend the
+    difference was lost in the noise.
+    """
+
+    def __init__(
+        self,
+        families: Iterable[IPFamily],
+        ops: GcOps | None = None,
+        thresholds: tuple[int, int, int] = GC_THRESHOLDS,
+    ) -> None:
+        self.ops = ops or GcOps()
+        self.thresholds = thresholds
+        self._waiting = set(families)
+        self._lock = threading.Lock()
+        self.done = False
+
+    def __call__(self, proxier: Proxier, snapshot: ProxySnapshot, changes: SyncChanges) -> None:
+        """Note a successful sync; tune the collector after the last family's first full one."""
+        if not changes.full:
+            return
+        with self._lock:
+            if self.done:
+                return
+            self._waiting.discard(snapshot.family)
+            if self._waiting:
+                return
+            self.done = True
+        self.ops.collect()
+        self.ops.freeze()
+        self.ops.set_threshold(*self.thresholds)
+        logger.info(
+            "First full sync done: %d objects frozen out of the garbage collector; thresholds %s",
+            gc.get_freeze_count(),
+            self.thresholds,
+        )

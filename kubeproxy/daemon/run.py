@@ -1,0 +1,120 @@
+"""Running the proxy until it is stopped: :func:`run_daemon`, the daemon's main loop.
+
+It picks what ``options`` ask for: ``--init-only`` (the privileged set-up, then exit),
+``--once``/``--dry-run`` (sync once after the initial list) or a daemon running until
+SIGTERM or SIGINT, and turns a failed start into one error line and an exit code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+from types import FrameType
+from typing import Any
+
+from kubeproxy.backend import BackendFactory
+from kubeproxy.conntrack import FakeConntrack
+from kubeproxy.daemon.daemon import Daemon
+from kubeproxy.daemon.errors import StartupError, StartupInterrupted
+from kubeproxy.daemon.events import LoggingEventSink
+from kubeproxy.daemon.hooks import BackendHooks, WatcherFactory
+from kubeproxy.daemon.options import DaemonOptions
+from kubeproxy.daemon.privileged import HostPaths, privileged_setup
+from kubeproxy.daemon.startup import build_daemon
+
+__all__ = ["run_daemon"]
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _stopping_on_signals(stop: threading.Event) -> Iterator[None]:
+    """SIGTERM and SIGINT set ``stop`` inside the block; the old handlers come back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set handlers
+        return
+
+    def handle(signum: int, _frame: FrameType | None) -> None:
+        # Leave the rules in place: the next instance takes the table over as it is.
+        logger.info("Received signal %d, stopping (rules stay in place)", signum)
+        stop.set()
+
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def run_daemon(
+    options: DaemonOptions,
+    backend_factory: BackendFactory,
+    *,
+    mode: str = "nftables",
+    backend_hooks: BackendHooks | None = None,
+    watchers: WatcherFactory | None = None,
+    paths: HostPaths | None = None,
+    **build: Any,
+) -> int:
+    """Run the proxy as ``options`` say; returns the process exit code.
+
+    ``init_only`` (``--init-only``) does
+    :func:`~kubeproxy.daemon.privileged.privileged_setup` and returns; ``once`` or
+    ``dry_run`` sync once after the initial list, without the privileged set-up
+    (``dry_run`` also without the conntrack cleanup and events, so nothing outside the
+    backend's executor is touched: the binaries pass a factory over in-memory fakes);
+    otherwise the daemon runs until SIGTERM or SIGINT, with the self-healing ``watchers``
+    (not for one-shot runs). A start that fails is one error line and exit code 1; a stop
+    before the start completed is 0. ``build`` goes to
+    :func:`~kubeproxy.daemon.build_daemon` (``name``, ``api``, ``netns``, executors...).
+    """
+    if options.init_only:
+        privileged_setup(options, paths)
+        logger.info("System initialized and --init-only specified; exiting")
+        return 0
+    if options.once or options.dry_run:
+        build["privileged"] = False
+        watchers = None
+    if options.dry_run:
+        build.setdefault("conntrack", FakeConntrack())
+        build.setdefault("events", LoggingEventSink(options.node_name))
+    stop = threading.Event()
+    with _stopping_on_signals(stop):
+        try:
+            daemon = build_daemon(
+                options,
+                backend_factory,
+                mode=mode,
+                backend_hooks=backend_hooks,
+                watchers=watchers,
+                paths=paths,
+                stop=stop,
+                **build,
+            )
+        except StartupInterrupted as err:
+            logger.info("%s; exiting", err)
+            return 0
+        except StartupError as err:
+            logger.error("%s", err)
+            return 1
+        try:
+            return _run(daemon, once=options.once or options.dry_run)
+        finally:
+            daemon.stop()
+
+
+def _run(daemon: Daemon, *, once: bool) -> int:
+    """Sync once, or start and run until stopped; the exit code."""
+    if once:
+        return 0 if daemon.sync_once() else 1
+    try:
+        daemon.start()
+    except StartupError as err:
+        logger.error("%s", err)
+        return 1
+    daemon.wait()
+    return 0

@@ -1,0 +1,84 @@
+"""Health and metrics wiring: upstream's servers, and the health checks per family.
+
+``/healthz`` and ``/livez`` (:class:`~kubeproxy.health.ProxyHealthServer`, unhealthy when
+a change has waited two ``syncPeriod``s, or while a data-plane fault is reported),
+``/metrics``, ``/proxyMode`` and ``/configz`` (:class:`~kubeproxy.metrics.MetricsServer`),
+and one :class:`~kubeproxy.health.ServiceHealthServer` per family for the
+HealthCheckNodePorts, whose listen failures become Events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kubeproxy.daemon.options import DaemonOptions
+from kubeproxy.events import (
+    ACTION_LISTEN,
+    REASON_FAILED_SERVICE_HEALTHCHECK,
+    WARNING,
+    EventSink,
+    ObjectReference,
+)
+from kubeproxy.health import HealthObserver, ProxyHealth, ProxyHealthServer, ServiceHealthServer
+from kubeproxy.metrics import MetricsServer, ProxyMetrics
+from kubeproxy.objects import IPFamily, NamespacedName, NodeInfo
+from kubeproxy.proxyconfig import config_document
+
+__all__ = ["Servers", "health_and_metrics", "listen_error_reporter"]
+
+
+def listen_error_reporter(events: EventSink) -> Callable[[NamespacedName, int, str], None]:
+    """What a HealthCheckNodePort that cannot listen reports: a Warning Event about its
+    Service (upstream's ``FailedToStartServiceHealthcheck``)."""
+
+    def report(service: NamespacedName, port: int, message: str) -> None:
+        ref = ObjectReference.service(service.namespace, service.name, uid=str(service))
+        events.record(WARNING, REASON_FAILED_SERVICE_HEALTHCHECK, ACTION_LISTEN, message, ref)
+
+    return report
+
+
+@dataclass(frozen=True, slots=True)
+class Servers:
+    """The metrics and health state, their servers, and the per-family health checks
+    (the HealthCheckNodePorts, fed by :attr:`observer`)."""
+
+    metrics: ProxyMetrics
+    metrics_server: MetricsServer
+    health: ProxyHealth
+    health_server: ProxyHealthServer
+    observer: HealthObserver
+
+
+def health_and_metrics(
+    options: DaemonOptions,
+    mode: str,
+    node: NodeInfo,
+    sync_period: float,
+    families: Sequence[IPFamily],
+    events: EventSink,
+) -> Servers:
+    """Upstream's servers: metrics, /healthz and /livez (2 x syncPeriod), Service checks."""
+    hard_fail = options.bind_address_hard_fail
+    metrics = ProxyMetrics(mode=mode)
+    health = ProxyHealth(2 * sync_period, node=node)
+    report = listen_error_reporter(events)
+    service_health = {
+        family: ServiceHealthServer(
+            family, health, node_name=options.node_name, on_listen_error=report
+        )
+        for family in families
+    }
+    return Servers(
+        metrics,
+        MetricsServer(
+            options.metrics_bind_address,
+            metrics,
+            hard_fail=hard_fail,
+            configz=config_document(options.configuration),
+        ),
+        health,
+        ProxyHealthServer(options.healthz_bind_address, health, metrics, hard_fail=hard_fail),
+        HealthObserver(health, service_health),
+    )
