@@ -7,6 +7,7 @@ it there and never in the host namespace.
 from __future__ import annotations
 
 import json
+import math
 import os
 import select
 import signal
@@ -14,15 +15,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from bench.netns import in_netns
 
+if TYPE_CHECKING:
+    from pytest_benchmark.fixture import BenchmarkFixture
+
 __all__ = [
+    "REPO",
     "UPSTREAM_BACKEND",
     "ApplyResult",
     "ProxyProcess",
@@ -30,13 +35,28 @@ __all__ = [
     "ProxyTimeout",
     "apply_nft_file",
     "child_process",
+    "percentile",
     "proxy_process",
     "python_module",
     "run_measured",
+    "time_once",
 ]
 
 REPO = Path(__file__).resolve().parents[1]
 _KB_PER_MB = 1024
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The nearest-rank ``q`` quantile (0 < q <= 1) of ``values``; None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered), max(1, math.ceil(q * len(ordered)))) - 1]
+
+
+def time_once(benchmark: BenchmarkFixture, target: Callable[[], object]) -> None:
+    """Time ``target`` once with pytest-benchmark (whose ``pedantic`` is untyped)."""
+    benchmark.pedantic(target, rounds=1, iterations=1)  # type: ignore[no-untyped-call]
 
 
 def python_module(module: str, *args: str) -> list[str]:

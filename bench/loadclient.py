@@ -25,23 +25,15 @@ import argparse
 import asyncio
 import itertools
 import json
-import math
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["LoadResult", "main", "percentile", "run_load"]
+from bench.harness import percentile
 
-
-def percentile(values: Sequence[float], fraction: float) -> float | None:
-    """The nearest-rank percentile of ``values`` (None when empty)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, math.ceil(fraction * len(ordered)))
-    return ordered[rank - 1]
+__all__ = ["LoadResult", "main", "run_load"]
 
 
 @dataclass(slots=True)

@@ -43,7 +43,6 @@ import importlib
 import ipaddress
 import json
 import logging
-import math
 import random
 import resource
 import statistics
@@ -56,11 +55,13 @@ from importlib.metadata import entry_points
 from typing import Any, cast
 
 from bench import toolclock
+from bench.harness import percentile
 from bench.synthetic import (
     NODE_IP,
     NODE_NAME,
     POD_CIDR,
     SERVICE_CIDR,
+    EndpointSwaps,
     SyntheticService,
     build_services,
     mixed_services,
@@ -78,15 +79,14 @@ __all__ = [
     "SyncLog",
     "SyncRecord",
     "bench_config",
+    "emit",
     "load_backend_factory",
     "main",
-    "percentile",
 ]
 
 log = logging.getLogger(__name__)
 
 _ADDED_INDEX_BASE = 100_000  # indexes of Services added during incremental runs
-_SPARE_OFFSET = 14
 _PAGE_KB = resource.getpagesize() // 1024
 
 
@@ -182,14 +182,6 @@ class SyncLog(NullObserver):
         self.changed.append(len(changes.changed_services))
 
 
-def percentile(ordered: Sequence[float], q: float) -> float:
-    """The nearest-rank ``q`` quantile (0 < q <= 1) of sorted values; 0 when empty."""
-    if not ordered:
-        return 0.0
-    rank = math.ceil(q * len(ordered))
-    return ordered[min(len(ordered), max(1, rank)) - 1]
-
-
 class BenchProxy:
     """A Proxier over a real backend, with the synthetic cluster it is fed."""
 
@@ -218,8 +210,7 @@ class BenchProxy:
         )
         self._service_dicts = [s.service_dict() for s in self.services]
         self._slice_dicts = [d for s in self.services for d in s.slice_dicts()]
-        self._endpoints_now: dict[int, tuple[ipaddress.IPv4Address, ...]] = {}
-        self._generation: dict[int, int] = {}
+        self._swaps = EndpointSwaps()
         self._endpoint_turn = 0
         self._removed = 0
         self._added = 0
@@ -263,30 +254,11 @@ class BenchProxy:
         seconds = time.perf_counter() - start
         return {"ok": ok, "seconds": seconds, **self.clock.since(mark)}
 
-    def _endpoint_change(
-        self, service: SyntheticService
-    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """The slices of ``service`` before and after its last endpoint is swapped for a
-        spare address (or back); the new state becomes the current one."""
-        if len(service.endpoints) > _SPARE_OFFSET:
-            raise ValueError(f"{service.port_label}: no spare address for an endpoint change")
-        current = self._endpoints_now.get(service.index, service.endpoints)
-        generation = self._generation.get(service.index, 1)
-        # The spare address sits in the Service's own 16-address block, past its endpoints.
-        spare = service.endpoints[0] + _SPARE_OFFSET
-        last = service.endpoints[-1] if current[-1] == spare else spare
-        changed = (*current[:-1], last)
-        old = service.slice_dicts(current, generation=generation)
-        new = service.slice_dicts(changed, generation=generation + 1)
-        self._endpoints_now[service.index] = changed
-        self._generation[service.index] = generation + 1
-        return old, new
-
     def change_endpoint(self) -> dict[str, Any]:
         """Swap the last endpoint of the next Service with a spare address, and sync."""
         service = self.services[self._endpoint_turn % len(self.services)]
         self._endpoint_turn += 1
-        old, new = self._endpoint_change(service)
+        old, new = self._swaps.swap(service)
         mark, start = self.clock.snapshot(), time.perf_counter()
         for before, after in zip(old, new, strict=True):
             self.proxier.on_endpoint_slice_update(before, after)
@@ -305,8 +277,7 @@ class BenchProxy:
         rng = random.Random(seed)
         count = round(seconds * rate)
         changes = [
-            self._endpoint_change(self.services[rng.randrange(len(self.services))])
-            for _ in range(count)
+            self._swaps.swap(self.services[rng.randrange(len(self.services))]) for _ in range(count)
         ]
         stop = threading.Event()
         loop = threading.Thread(target=self.proxier.run, args=(stop,), name="sync-loop")
@@ -341,8 +312,8 @@ class BenchProxy:
             "syncs": len(syncs),
             "full_syncs": sum(s.full for s in syncs),
             "failed_syncs": sum(not s.ok for s in syncs),
-            "sync_p50_ms": 1000 * percentile(durations, 0.5),
-            "sync_p99_ms": 1000 * percentile(durations, 0.99),
+            "sync_p50_ms": 1000 * (percentile(durations, 0.5) or 0.0),
+            "sync_p99_ms": 1000 * (percentile(durations, 0.99) or 0.0),
             "sync_max_ms": 1000 * (durations[-1] if durations else 0.0),
             "sync_mean_ms": 1000 * (statistics.fmean(durations) if durations else 0.0),
             "services_per_sync_median": statistics.median(changed) if changed else 0,
@@ -369,10 +340,7 @@ class BenchProxy:
         self._removed += 1
         service = self.services[-self._removed]
         service_dict = service.service_dict()
-        slices = service.slice_dicts(
-            self._endpoints_now.pop(service.index, service.endpoints),
-            generation=self._generation.pop(service.index, 1),
-        )
+        slices = self._swaps.forget(service)
         mark, start = self.clock.snapshot(), time.perf_counter()
         self.proxier.on_service_delete(service_dict)
         for slice_ in slices:
@@ -445,22 +413,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     ready = _peaks()
     ready["input_kb"] = ready["rss_now_kb"] - before_input_kb
-    _emit({"event": "ready", **ready})
+    emit({"event": "ready", **ready})
     for line in sys.stdin:
         command = json.loads(line)
         op = command.get("op")
         if op == "quit":
-            _emit({"event": "bye", **_peaks()})
+            emit({"event": "bye", **_peaks()})
             return 0
         handler = ops.get(op) if isinstance(op, str) else None
         if handler is None:
-            _emit({"event": "error", "error": f"unknown op {op!r}"})
+            emit({"event": "error", "error": f"unknown op {op!r}"})
             continue
-        _emit({"event": op, **handler(command)})
+        emit({"event": op, **handler(command)})
     return 0
 
 
-def _emit(message: dict[str, Any]) -> None:
+def emit(message: dict[str, Any]) -> None:
+    """One JSON line on standard output, flushed (the parent reads line by line)."""
     sys.stdout.write(json.dumps(message) + "\n")
     sys.stdout.flush()
 

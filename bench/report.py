@@ -58,12 +58,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-# The subjects and the target checks live in bench.targets; re-exported here, where
-# callers (bench.readme, tests/test_docs.py) have always found them.
 from bench.targets import (
     CHAINS,
-    IPT_LEGACY,
-    IPT_NFT,
     NO_RULES,
     OURS,
     SUBJECT_ORDER,
@@ -81,17 +77,7 @@ from bench.targets import (
 )
 
 __all__ = [
-    "CHAINS",
-    "IPT_LEGACY",
-    "IPT_NFT",
-    "NO_RULES",
-    "OURS",
-    "SUBJECT_ORDER",
-    "SUBJECT_TITLES",
-    "UPSTREAM",
     "Results",
-    "TargetCheck",
-    "evaluate_targets",
     "machine_info",
     "readme_summary",
     "render_markdown",
@@ -227,7 +213,7 @@ def _sync_table(records: Sequence[Record], kind: str, **shape: bool) -> list[str
     others = [s for s in subjects if s != OURS]
     header = [
         "Services",
-        *(SUBJECT_TITLES.get(s, s) for s in subjects),
+        *(_title(s) for s in subjects),
         *(f"{_title(s)} / {_title(OURS)}" for s in others if OURS in subjects),
     ]
     rows = []
@@ -425,7 +411,7 @@ def _tools_table(records: Sequence[Record]) -> list[str]:
     for r in sorted(
         (r for r in records if r["kind"] in ("cold", "restart") and plain(r) and r["ok"]),
         key=lambda r: (
-            SUBJECT_ORDER.index(r["subject"]) if r["subject"] in SUBJECT_ORDER else 99,
+            _subject_rank(r["subject"]),
             r["services"],
             r["kind"],
         ),
@@ -439,7 +425,7 @@ def _tools_table(records: Sequence[Record]) -> list[str]:
         if parts:
             rows.append(
                 (
-                    str(SUBJECT_TITLES.get(r["subject"], r["subject"])),
+                    _title(r["subject"]),
                     size_label(r["services"]),
                     r["kind"],
                     ", ".join(parts),
@@ -455,7 +441,7 @@ def _incremental_table(records: Sequence[Record]) -> list[str]:
     if not found:
         return []
     subjects = _present(records, "incremental")
-    header = ["Services", "change", *(SUBJECT_TITLES.get(s, s) for s in subjects)]
+    header = ["Services", "change", *(_title(s) for s in subjects)]
     rows = []
     for n in sorted({r["services"] for r in found}):
         for op in ("endpoint", "add", "remove"):
@@ -479,7 +465,7 @@ def _dataplane_table(records: Sequence[Record]) -> list[str]:
     ordered = sorted(
         found,
         key=lambda r: (
-            SUBJECT_ORDER.index(r["subject"]) if r["subject"] in SUBJECT_ORDER else 99,
+            _subject_rank(r["subject"]),
             r["services"],
             _CASE_ORDER.get(r["case"], 99),
             r["case"],
@@ -498,7 +484,7 @@ def _dataplane_table(records: Sequence[Record]) -> list[str]:
         ),
         (
             (
-                str(SUBJECT_TITLES.get(r["subject"], r["subject"])),
+                _title(r["subject"]),
                 size_label(r["services"]),
                 r["case"],
                 f"{r['p50_us']:.1f}",
@@ -531,7 +517,7 @@ def _dataplane_summary(records: Sequence[Record]) -> list[str]:
             r = one(found, subject=s, services=n)
             row.append("-" if r is None else f"{r['p50_us']:.1f} ({r['p99_us']:.0f})")
         rows.append(row)
-    lines = _table(["Services installed", *(SUBJECT_TITLES.get(s, s) for s in subjects)], rows)
+    lines = _table(["Services installed", *(_title(s) for s in subjects)], rows)
     base = one(records, kind="dataplane", subject=NO_RULES, case="direct")
     if base:
         lines += [

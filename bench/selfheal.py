@@ -44,16 +44,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.dataplane import REPO, topology
+from bench.dataplane import topology
 from bench.netns import in_netns
 from bench.synthetic import (
     CLUSTER_PORT,
-    NODE_IP,
     NODE_NAME,
     POD_CIDR,
     build_services,
     service_ip,
 )
+from bench.wholeproc import binary_path, write_manifests
 from kubeproxy.backends.iptables.proxier import owns_chain
 from kubeproxy.backends.nftables.exec import LibNftables
 from kubeproxy.backends.nftables.objects import Family
@@ -122,21 +122,6 @@ class Prober:
     def close(self) -> None:
         self.process.kill()
         self.process.wait()
-
-
-def _write_cluster(directory: Path, services: int, endpoints: int) -> None:
-    node = {
-        "apiVersion": "v1",
-        "kind": "Node",
-        "metadata": {"name": NODE_NAME},
-        "status": {"addresses": [{"type": "InternalIP", "address": str(NODE_IP)}]},
-    }
-    objects: list[dict[str, Any]] = [node]
-    for service in build_services(services, endpoints):
-        objects.append(service.service_dict())
-        objects.extend(service.slice_dicts())
-    # JSON: the manifests source reads it with the json module, much faster than YAML.
-    (directory / "cluster.json").write_text(json.dumps({"kind": "List", "items": objects}))
 
 
 def _run(netns: str, *argv: str, stdin: str | None = None) -> str:
@@ -241,12 +226,11 @@ def measure(
     ``keep_log`` if given)."""
     with tempfile.TemporaryDirectory(prefix="kpxb-selfheal-") as tmp, topology(1) as topo:
         directory = Path(tmp) / "cluster"
-        directory.mkdir()
-        _write_cluster(directory, services, endpoints)
+        write_manifests(directory, build_services(services, endpoints))
         log_path = Path(tmp) / "proxy.log"
         metrics_port = 10249
         argv = [
-            str(REPO / ".venv" / "bin" / f"kube-proxy-{mode}"),
+            str(binary_path(f"kube-proxy-{mode}")),
             f"--hostname-override={NODE_NAME}",
             f"--manifests={directory}",
             f"--cluster-cidr={POD_CIDR}",

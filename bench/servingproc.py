@@ -36,12 +36,16 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from importlib.metadata import entry_points
-from typing import Any, cast
+from typing import Any
 
-from bench.proxyproc import bench_config
-from bench.synthetic import NODE_NAME, SyntheticService, build_services, synthetic_service
-from kubeproxy.backend import BackendFactory
+from bench.proxyproc import bench_config, emit, load_backend_factory
+from bench.synthetic import (
+    NODE_NAME,
+    EndpointSwaps,
+    SyntheticService,
+    build_services,
+    synthetic_service,
+)
 from kubeproxy.health import HealthObserver, ProxyHealth, ProxyHealthServer, ServiceHealthServer
 from kubeproxy.metrics import MetricsServer, ProxyMetrics
 from kubeproxy.objects import IPFamily, NodeInfo
@@ -96,8 +100,7 @@ class ServingProxy:
 
     def __init__(self, services: Sequence[SyntheticService], health_checks: int, mode: str):
         settings = LISTENER_SETTINGS[mode]
-        found = entry_points(group="kubeproxy.backends", name="nftables")
-        factory = cast(BackendFactory, next(iter(found)).load())
+        factory = load_backend_factory("nftables")
         config = bench_config()
         node = NodeInfo(name=NODE_NAME, addresses=(NODE_ADDRESS,))
         self.metrics = ProxyMetrics(mode="nftables")
@@ -123,6 +126,7 @@ class ServingProxy:
         self.services = list(services)
         self.health_checks = health_checks
         self._turn = 0
+        self._swaps = EndpointSwaps()
         self._churning = threading.Event()
         self._churn_thread: threading.Thread | None = None
         self._sync_seconds: list[float] = []
@@ -177,18 +181,10 @@ class ServingProxy:
         }
 
     def _churn(self) -> None:
-        # Service index -> (its endpoints now, the generation of its slices)
-        state: dict[int, tuple[tuple[Any, ...], int]] = {}
         while self._churning.is_set():
             service = self.services[self._turn % len(self.services)]
             self._turn += 1
-            current, generation = state.get(service.index, (service.endpoints, 1))
-            # Swap the last endpoint for a spare address of the Service's block, and back.
-            spare = service.endpoints[0] + 14
-            changed = (*current[:-1], service.endpoints[-1] if current[-1] == spare else spare)
-            old = service.slice_dicts(current, generation=generation)
-            new = service.slice_dicts(changed, generation=generation + 1)
-            state[service.index] = (changed, generation + 1)
+            old, new = self._swaps.swap(service)
             for previous, updated in zip(old, new, strict=True):
                 self.proxier.on_endpoint_slice_update(previous, updated)
             started = time.perf_counter()
@@ -214,25 +210,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     proxy = ServingProxy(build_services(args.services, 10), args.health_checks, args.listeners)
 
-    def say(message: dict[str, Any]) -> None:
-        sys.stdout.write(json.dumps(message) + "\n")
-        sys.stdout.flush()
-
     try:
-        say(proxy.start())
+        emit(proxy.start())
         for line in sys.stdin:
             op = json.loads(line).get("op")
             if op == "quit":
                 break
             if op == "churn-on":
-                say(proxy.churn_on())
+                emit(proxy.churn_on())
             elif op == "churn-off":
-                say(proxy.churn_off())
+                emit(proxy.churn_off())
             else:
-                say({"event": "error", "error": f"unknown op {op!r}"})
+                emit({"event": "error", "error": f"unknown op {op!r}"})
     except Exception as err:
         log.exception("serving proxy failed")
-        say({"event": "error", "error": str(err)})
+        emit({"event": "error", "error": str(err)})
         return 1
     finally:
         proxy.stop()

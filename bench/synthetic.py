@@ -32,6 +32,7 @@ __all__ = [
     "POD_CIDR",
     "SERVICE_CIDR",
     "TARGET_PORT",
+    "EndpointSwaps",
     "SyntheticService",
     "all_slice_dicts",
     "build_services",
@@ -241,6 +242,41 @@ class SyntheticService:
             }
             for number, chunk in enumerate(chunks)
         ]
+
+
+class EndpointSwaps:
+    """Endpoint changes for the benchmarks: each swaps a Service's last endpoint for a
+    spare address of its own 16-address block (past its endpoints), or back, and bumps its
+    slices' generation. Remembers each changed Service's current endpoints."""
+
+    SPARE_OFFSET = 14
+    """Where the spare address sits in a Service's block (so at most 14 endpoints)."""
+
+    def __init__(self) -> None:
+        self._now: dict[int, tuple[ipaddress.IPv4Address, ...]] = {}
+        self._generation: dict[int, int] = {}
+
+    def swap(self, service: SyntheticService) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The slices of ``service`` before and after the swap; the new state is kept."""
+        if len(service.endpoints) > self.SPARE_OFFSET:
+            raise ValueError(f"{service.port_label}: no spare address for an endpoint change")
+        current = self._now.get(service.index, service.endpoints)
+        generation = self._generation.get(service.index, 1)
+        spare = service.endpoints[0] + self.SPARE_OFFSET
+        last = service.endpoints[-1] if current[-1] == spare else spare
+        changed = (*current[:-1], last)
+        old = service.slice_dicts(current, generation=generation)
+        new = service.slice_dicts(changed, generation=generation + 1)
+        self._now[service.index] = changed
+        self._generation[service.index] = generation + 1
+        return old, new
+
+    def forget(self, service: SyntheticService) -> list[dict[str, Any]]:
+        """The current slices of ``service`` (to delete them); its state is dropped."""
+        return service.slice_dicts(
+            self._now.pop(service.index, service.endpoints),
+            generation=self._generation.pop(service.index, 1),
+        )
 
 
 def synthetic_service(

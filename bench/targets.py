@@ -147,7 +147,7 @@ def _cold_targets(records: Sequence[Record]) -> list[TargetCheck]:
     )
     r30k = _cold(records, 30_000)
     if r30k:
-        peak = (r30k.get("proxy_peak_mb") or 0) + (r30k.get("tool_peak_mb") or 0)
+        peak = _peak_mb(r30k)
         measured = f"{r30k['seconds']:.2f} s, peak {peak:.0f} MB"
         holds: bool | None = r30k["ok"] and r30k["seconds"] <= 45.0 and peak <= 1536
     else:

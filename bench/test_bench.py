@@ -32,7 +32,6 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -48,6 +47,7 @@ from bench.harness import (
     apply_nft_file,
     proxy_process,
     run_measured,
+    time_once,
 )
 from bench.netns import namespace
 from bench.proxyproc import DAEMON_MIN_SYNC_PERIOD
@@ -81,11 +81,6 @@ CONNECTS = 2000
 SYNC_TIMEOUT_S = float(os.environ.get("KPXB_SYNC_TIMEOUT_S", "600"))
 
 quick = pytest.mark.quick
-
-
-def _pedantic(benchmark: BenchmarkFixture, target: Callable[[], object]) -> None:
-    """Time ``target`` once (pytest-benchmark is untyped here)."""
-    benchmark.pedantic(target, rounds=1, iterations=1)  # type: ignore[no-untyped-call]
 
 
 def _mb(kb: int) -> float:
@@ -246,7 +241,7 @@ def test_control_plane(
     with namespace("cp") as netns:
         cold: list[tuple[dict[str, Any] | None, dict[str, Any] | None]] = []
         with proxy_process(netns, services, ENDPOINTS, backend=subject.backend) as proxy:
-            _pedantic(benchmark, lambda: cold.append(_sync(proxy)))
+            time_once(benchmark, lambda: cold.append(_sync(proxy)))
         answer, peaks = cold[0]
         record = _sync_record(
             results, "cold", subject, services, answer, peaks, proxy.ready, endpoints=ENDPOINTS

@@ -22,18 +22,18 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import subprocess
 from collections.abc import Iterator
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import pytest
 from pytest_benchmark.fixture import BenchmarkFixture
 
-from bench.harness import ProxyProcess, child_process, python_module
+from bench.conftest import RESULTS_DIR
+from bench.harness import REPO, ProxyProcess, child_process, python_module, time_once
 from bench.netns import in_netns, ip, namespace, sysctl
+from bench.report import machine_info
 from bench.servingproc import HEALTHZ_PORT, METRICS_PORT, NODE_ADDRESS
 
 SERVICES = 10_000
@@ -46,8 +46,6 @@ TIMEOUT_S = 3.0  # a request unanswered after this long failed, as a probe would
 TARGET_CLIENTS = 200
 TARGET_P99_MS = 250.0
 TARGET_SCRAPE_MS = 100.0
-REPO = Path(__file__).resolve().parents[1]
-RESULTS_DIR = Path(os.environ.get("KPXB_RESULTS_DIR") or REPO / "bench" / "results")
 
 
 class ServingProxy:
@@ -110,18 +108,13 @@ class ServingResults:
             return
         RESULTS_DIR.mkdir(parents=True, exist_ok=True)
         now = datetime.now(UTC)
-        host = platform.node() or "host"
-        commit = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout.strip()
+        machine = machine_info()
+        host = machine["host"]
         document = {
             "when": now.isoformat(timespec="seconds"),
-            "commit": commit or None,
+            "commit": machine["commit"] or None,
             "command": os.environ.get("KPXB_COMMAND", "pytest bench/test_serving.py"),
-            "machine": {"cores": os.cpu_count(), "kernel": platform.release()},
+            "machine": machine,
             "services": SERVICES,
             "health_checks": HEALTH_CHECKS,
             "timeout_s": TIMEOUT_S,
@@ -138,7 +131,7 @@ class ServingResults:
             "# Serving under load (latest run)",
             "",
             f"{document['when']}, commit {document['commit']}, `{document['command']}`, "
-            f"{document['machine']['cores']} "
+            f"{document['machine']['nproc']} "
             f"cores, kernel {document['machine']['kernel']}. A proxy holding {SERVICES} "
             f"ClusterIP Services (10 endpoints each) and {HEALTH_CHECKS} LoadBalancer Services "
             "with health-check ports; clients in its namespace, a new connection per request, "
@@ -219,7 +212,7 @@ def _measure(
         found.append(serving.load(host, ports, path, clients, LOAD_SECONDS))
 
     benchmark.group = f"serving {target}, {clients} clients"
-    benchmark.pedantic(run, rounds=1, iterations=1)  # type: ignore[no-untyped-call]
+    time_once(benchmark, run)
     summary = found[0]
     benchmark.extra_info.update(summary)
     return summary
@@ -268,7 +261,7 @@ def test_serving_metrics_scrape_while_syncing(
             found.append(serving.load("127.0.0.1", [METRICS_PORT], "/metrics", 1, SCRAPE_SECONDS))
 
         benchmark.group = "serving /metrics while syncing"
-        benchmark.pedantic(run, rounds=1, iterations=1)  # type: ignore[no-untyped-call]
+        time_once(benchmark, run)
     finally:
         churn = serving.child.request("churn-off")
     summary = found[0]

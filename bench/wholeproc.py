@@ -26,7 +26,14 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import python_module
-from bench.synthetic import NODE_IP, NODE_NAME, POD_CIDR, SERVICE_CIDR, SyntheticService
+from bench.synthetic import (
+    NODE_IP,
+    NODE_NAME,
+    POD_CIDR,
+    SERVICE_CIDR,
+    SyntheticService,
+    all_slice_dicts,
+)
 
 __all__ = [
     "BINARY_NAME",
@@ -64,7 +71,7 @@ def write_manifests(directory: Path, services: Sequence[SyntheticService]) -> Pa
     """Write ``services`` (and their EndpointSlices, and the Node) into ``directory``."""
     directory.mkdir(parents=True, exist_ok=True)
     _write_list(directory / "services.json", (s.service_dict() for s in services))
-    _write_list(directory / "endpointslices.json", (d for s in services for d in s.slice_dicts()))
+    _write_list(directory / "endpointslices.json", all_slice_dicts(services))
     (directory / "node.json").write_text(json.dumps(node_manifest()))
     return directory
 
@@ -88,9 +95,9 @@ def proxy_flags(manifests: Path) -> list[str]:
     ]
 
 
-def binary_path() -> Path:
-    """The installed ``kube-proxy-nftables`` next to this interpreter (the venv's bin)."""
-    return Path(sys.executable).parent / BINARY_NAME
+def binary_path(name: str = BINARY_NAME) -> Path:
+    """The installed binary ``name`` next to this interpreter (the venv's bin)."""
+    return Path(sys.executable).parent / name
 
 
 def binary_argv(manifests: Path) -> list[str]:

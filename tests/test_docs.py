@@ -29,7 +29,8 @@ import yaml
 
 import kubeproxy
 from bench import readme
-from bench.report import IPT_NFT, OURS, readme_summary, sizing_table
+from bench.report import readme_summary, sizing_table
+from bench.targets import IPT_NFT, OURS
 
 REPO = Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text()

@@ -264,7 +264,7 @@ class Scene:
     def source_mark(self, flow: Flow) -> int:
         """The socket mark a flow's connections carry: :data:`SELF_ADDRESSED_MARK` for
         one from an external address to itself, 0 for every other."""
-        if flow.dest_ip == flow.source_ip and self.plan.role_of(flow.source_ip) is Role.EXTERNAL:
+        if flow.dest_ip == flow.source_ip and flow.source_ip in self.plan.self_addressed:
             return SELF_ADDRESSED_MARK
         return 0
 
@@ -421,22 +421,19 @@ class Scene:
             yield f"link set x{index} up"
 
     def _external_commands(self, ip: IPAddress) -> Iterator[str]:
-        gateways = (
-            (str(self.plan.node.addresses_of(IPFamily.IPV4)[0]), ""),
-            (str(_NODE_LINK_LOCAL_V6), "-6 "),
-        )
+        gateway4 = str(self.plan.node.addresses_of(IPFamily.IPV4)[0])
+        gateway6 = str(_NODE_LINK_LOCAL_V6)
         yield "link set lo up"
         yield f"addr add {ip}/{ip.max_prefixlen} dev eth0{_nodad(ip)}"
         yield "link set eth0 up"
-        yield f"route add {gateways[0][0]}/32 dev eth0 scope link"
-        for gateway, _ in gateways:
-            yield f"route add default via {gateway} dev eth0"
+        yield f"route add {gateway4}/32 dev eth0 scope link"
+        yield f"route add default via {gateway4} dev eth0"
+        yield f"route add default via {gateway6} dev eth0"
         if ip not in self.plan.self_addressed:
             return
         # Marked sockets go to the node even to this namespace's own address: their
         # route comes before the local table's.
-        prefix = "-6 " if ip.version == 6 else ""
-        gateway = gateways[1][0] if ip.version == 6 else gateways[0][0]
+        prefix, gateway = ("-6 ", gateway6) if ip.version == 6 else ("", gateway4)
         yield f"route add default via {gateway} dev eth0 table {_SELF_ROUTE_TABLE}"
         yield f"{prefix}rule add fwmark {SELF_ADDRESSED_MARK} lookup {_SELF_ROUTE_TABLE} pref 10"
         yield f"{prefix}rule add lookup local pref 20"
