@@ -321,3 +321,7 @@ class EndpointsMap(dict[ServicePortName, tuple[Endpoint, ...]]):
     def local_ready_endpoints(self) -> dict[NamespacedName, int]:
         """Per Service, how many distinct local IPs are ready (terminating ones are not)."""
         return dict(self._local_ready)
+
+    def local_ready_count(self, service: NamespacedName) -> int:
+        """How many distinct local IPs of ``service`` are ready (0 when none)."""
+        return self._local_ready.get(service, 0)

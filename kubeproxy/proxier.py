@@ -32,6 +32,7 @@ import threading
 import time
 import typing
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from types import MappingProxyType
 from typing import Any
 
@@ -54,7 +55,7 @@ from kubeproxy.objects import (
 )
 from kubeproxy.parse import InvalidObject, describe, parse_node
 from kubeproxy.runner import BoundedFrequencyRunner, Clock, RunFailed
-from kubeproxy.servicechanges import ServiceChangeTracker, ServicePortMap
+from kubeproxy.servicechanges import ServiceChangeTracker, ServicePortMap, UdpFrontend
 from kubeproxy.topology import categorize_endpoints
 
 __all__ = [
@@ -73,6 +74,8 @@ FULL_SYNC_PERIOD = 3600.0
 """Seconds between periodic full syncs (upstream's ``FullSyncPeriod``, one hour)."""
 
 _NO_ENDPOINTS: tuple[Endpoint, ...] = ()
+_K = typing.TypeVar("_K")
+_PortsAt: typing.TypeAlias = Mapping[_K, AbstractSet[ServicePortName]]
 _NO_CATEGORIES = CategorizedEndpoints()
 
 
@@ -159,8 +162,10 @@ class SyncHook(typing.Protocol):
 
     ``snapshot`` is what the backend was given (valid only during the call); ``changes``
     what changed. The hook may call the proxier's read methods
-    (:meth:`Proxier.health_check_node_ports`, :meth:`Proxier.local_ready_endpoints`,
-    :meth:`Proxier.ports_of`), not :meth:`Proxier.sync_now`. Exceptions are logged.
+    (:meth:`Proxier.health_check_node_port`, :meth:`Proxier.local_ready_count`,
+    :meth:`Proxier.ports_of`, :meth:`Proxier.udp_frontends`...), not
+    :meth:`Proxier.sync_now`. Exceptions are logged. A hook's work should follow
+    ``changes`` (the changed Services on a partial sync), never the whole snapshot.
     """
 
     def __call__(self, proxier: Proxier, snapshot: ProxySnapshot, changes: SyncChanges) -> None:
@@ -183,9 +188,10 @@ class Proxier:
 
     ``node`` is the node as known before any Node object arrives (default: just its name).
     ``host_addresses`` lists the host's addresses for ``nodePortAddresses``; it is called
-    on full syncs and node changes only, and when absent the node's own addresses stand
-    in. ``clock`` (monotonic) times syncs and the periodic full sync; ``wall_clock`` is the
-    EndpointSlice tracker's clock for trigger times. ``full_sync_period`` is both the
+    at every sync (as upstream reads them), and a sync that finds them changed is a full
+    one; when absent the node's own addresses stand in. ``clock`` (monotonic) times
+    syncs and the periodic full sync; ``wall_clock`` is the EndpointSlice tracker's
+    clock for trigger times. ``full_sync_period`` is both the
     longest time between syncs and between full syncs. ``runner_clock`` drives the sync
     loop (tests pass a fake one).
 
@@ -324,10 +330,25 @@ class Proxier:
         with self._sync_lock:
             return self._services.health_check_node_ports()
 
+    def health_check_node_port(self, service: NamespacedName) -> int:
+        """The health-check node port of one Service as of the last sync (0: none)."""
+        with self._sync_lock:
+            return self._services.health_check_node_port(service)
+
     def local_ready_endpoints(self) -> dict[NamespacedName, int]:
         """Distinct local ready endpoint IPs per Service, as of the last sync."""
         with self._sync_lock:
             return self._endpoints.local_ready_endpoints()
+
+    def local_ready_count(self, service: NamespacedName) -> int:
+        """Distinct local ready endpoint IPs of one Service, as of the last sync."""
+        with self._sync_lock:
+            return self._endpoints.local_ready_count(service)
+
+    def udp_frontends(self) -> tuple[_PortsAt[UdpFrontend], _PortsAt[int]]:
+        """The UDP ports answering at each (address, port) frontend and at each NodePort,
+        as of the last sync: read-only views, valid while syncs are held (in a hook)."""
+        return self._services.udp_frontends, self._services.udp_node_ports
 
     def ports_of(self, service: NamespacedName) -> frozenset[ServicePortName]:
         """The port names of one Service as of the last sync (empty if it has none)."""
@@ -562,11 +583,22 @@ class Proxier:
             or self._last_full_sync is None
             or start - self._last_full_sync >= self.full_sync_period
         )
+        # The host's addresses are read at every sync, as upstream does (a netlink dump
+        # of the host's few addresses, about 30 us): an address added to the node is
+        # served from the next sync on, and a change makes that sync a full one.
+        previous_node_ports = node_ports = self._node_port_addresses
+        if self._host_addresses is not None or full or self._node_ports_stale or node_ports is None:
+            node_ports = self._node_port_addresses = self._resolve_node_ports(node)
+            if previous_node_ports is not None and node_ports != previous_node_ports:
+                logger.info(
+                    "%s: nodePortAddresses now resolve to %s",
+                    self._family,
+                    _describe_node_ports(node_ports),
+                )
+                full = True
         self._attempted_full = full
         if full_requested and self._config.local_detector.mode is LocalDetectMode.NODE_CIDR:
             self._local_detector = self._detector_for(node)
-        if full or self._node_ports_stale or self._node_port_addresses is None:
-            self._node_port_addresses = self._resolve_node_ports(node)
         cidrs = override if override is not None else self._config.service_cidrs
         services, endpoints, categorized = self._snapshot_views
         snapshot = ProxySnapshot(
@@ -576,7 +608,7 @@ class Proxier:
             endpoints=endpoints,
             categorized=categorized,
             service_cidrs=tuple(c for c in cidrs if c.version == self._family.version),
-            node_port_addresses=self._node_port_addresses,
+            node_port_addresses=node_ports,
             local_detector=self._local_detector,
             ports_by_service=self._services.ports_by_service,
         )
@@ -644,6 +676,7 @@ class Proxier:
 
     def _resolve_node_ports(self, node: NodeInfo) -> NodePortAddresses:
         previous = self._node_port_addresses
+        failing = self._node_ports_stale and previous is not None
         self._node_ports_stale = False
         addresses: Sequence[IPAddress]
         if self._host_addresses is None:
@@ -652,12 +685,13 @@ class Proxier:
             try:
                 addresses = self._host_addresses()
             except Exception as err:  # netlink trouble must not stop proxying
-                logger.error(
-                    "%s: cannot list host addresses for nodePortAddresses (%s); keeping the"
-                    " previous ones",
-                    self._family,
-                    err,
-                )
+                if not failing:  # one line per outage, not one per sync
+                    logger.error(
+                        "%s: cannot list host addresses for nodePortAddresses (%s); keeping"
+                        " the previous ones",
+                        self._family,
+                        err,
+                    )
                 self._node_ports_stale = True  # retry on the next sync
                 if previous is not None:
                     return previous
@@ -669,6 +703,12 @@ class Proxier:
     @staticmethod
     def _notify(callback: Callable[..., None], *args: Any) -> None:
         _notify(callback, *args)
+
+
+def _describe_node_ports(node_ports: NodePortAddresses) -> str:
+    if node_ports.match_all:
+        return "every local address"
+    return ", ".join(map(str, node_ports.addresses)) or "no address"
 
 
 class DualStackProxier:

@@ -628,11 +628,12 @@ def test_node_change_without_zone_change_is_full_but_not_recategorized(
     assert backend.last.node_port_addresses.addresses == (ip_address("192.168.50.3"),)
     assert len(calls) == 2
 
-    # An identical Node (a status heartbeat, say) changes nothing.
+    # An identical Node (a status heartbeat, say) changes nothing (the host's addresses
+    # are read at every sync, and they did not change either).
     proxier.on_node_update(node_object(addresses=["192.168.50.3"]))
     proxier.sync_now()
     assert not backend.last.full
-    assert len(calls) == 2
+    assert len(calls) == 3
 
 
 def test_node_deletion_and_foreign_or_invalid_nodes_keep_last_node(
@@ -661,7 +662,7 @@ def test_default_node_is_named_after_config() -> None:
 # --- node ports, local detector, service CIDRs --------------------------------------
 
 
-def test_node_port_addresses_resolved_on_full_syncs_only() -> None:
+def test_node_port_addresses_follow_the_host_at_every_sync() -> None:
     host = [ip_address("192.168.50.2"), ip_address("10.0.0.1"), ip_address("127.0.0.1")]
     calls: list[int] = []
 
@@ -678,14 +679,21 @@ def test_node_port_addresses_resolved_on_full_syncs_only() -> None:
         addresses=(ip_address("127.0.0.1"), ip_address("192.168.50.2")),
         cidrs=(ip_network("192.168.50.0/24"), ip_network("127.0.0.0/8")),
     )
+    # Unchanged addresses: a partial sync reads them and stays partial.
+    proxier.on_service_add(service("web"))
+    proxier.sync_now()
+    assert len(calls) == 2 and not backend.last.full
+    # A new address in the CIDRs is served by the very next sync, a full one.
     host.append(ip_address("192.168.50.9"))
     proxier.sync_now()
-    assert len(calls) == 1
-    assert ip_address("192.168.50.9") not in backend.last.node_port_addresses.addresses
-    clock.t += 3600
-    proxier.sync_now()
-    assert len(calls) == 2
+    assert len(calls) == 3
+    assert backend.last.full
     assert ip_address("192.168.50.9") in backend.last.node_port_addresses.addresses
+    # And one that goes away, too.
+    host.remove(ip_address("192.168.50.2"))
+    proxier.sync_now()
+    assert backend.last.full
+    assert ip_address("192.168.50.2") not in backend.last.node_port_addresses.addresses
 
 
 def test_host_address_failure_keeps_previous_and_retries(
@@ -712,8 +720,10 @@ def test_host_address_failure_keeps_previous_and_retries(
         assert proxier.sync_now()
     assert "netlink down" in caplog.text
     assert backend.last.node_port_addresses.addresses == (ip_address("192.168.50.2"),)
+    # Logged once per outage; the retry at the next sync finds the new address.
     proxier.sync_now()
-    assert not backend.last.full
+    assert backend.last.full
+    assert caplog.text.count("netlink down") == 1
     assert list(backend.last.node_port_addresses.addresses) == [
         ip_address("192.168.50.2"),
         ip_address("192.168.50.7"),
