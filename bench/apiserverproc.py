@@ -15,7 +15,8 @@ command line:
   flipping the ``ready`` condition of the slice's last endpoint (the Service's endpoints
   change, whatever its shape) and stamping the slice's
   ``endpoints.kubernetes.io/last-change-trigger-time`` with the time of the update, as the
-  EndpointSlice controller does; the slices are taken in turn from a shuffled list;
+  EndpointSlice controller does (:func:`bench.daemonbench.flip_last_endpoint`); the
+  slices are taken in turn from a shuffled list;
 * ``{"op": "churn", "seconds": S, "rate": R}``: R such updates per second for S seconds,
   at their due times; answers how many, and how late the latest one was;
 * ``{"op": "quit"}``.
@@ -33,12 +34,11 @@ import random
 import sys
 import time
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from bench.daemonbench import flip_last_endpoint
 from bench.proxyproc import emit
-from kubeproxy.endpointchanges import ANNOTATION_LAST_CHANGE_TRIGGER_TIME
 from kubeproxy.testing.fakeapi import FakeAPIServer
 
 __all__ = ["SliceToucher", "load_manifests", "main"]
@@ -58,11 +58,6 @@ def load_manifests(fake: FakeAPIServer, directory: Path) -> int:
     return count
 
 
-def _trigger_time(moment: float) -> str:
-    """RFC 3339 with microseconds, as the annotation carries it (the proxy parses it)."""
-    return datetime.fromtimestamp(moment, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
 class SliceToucher:
     """Endpoint changes through the API: each update flips one slice's last endpoint."""
 
@@ -80,22 +75,12 @@ class SliceToucher:
         self._turn = 0
 
     def touch(self) -> None:
-        """Update the next slice: its last endpoint's ``ready`` flipped, the trigger time now."""
+        """Update the next slice (:func:`bench.daemonbench.flip_last_endpoint`, now)."""
         namespace, name = self._slices[self._turn % len(self._slices)]
         self._turn += 1
-        current = self.fake.get("EndpointSlice", namespace, name)
+        current = self.fake.get("EndpointSlice", namespace, name, copy=False)
         assert current is not None
-        last = current["endpoints"][-1]
-        conditions = dict(last.get("conditions") or {})
-        ready = not conditions.get("ready", True)
-        conditions.update(ready=ready, serving=ready)
-        current["endpoints"][-1] = {**last, "conditions": conditions}
-        metadata = current["metadata"]
-        metadata["annotations"] = {
-            **(metadata.get("annotations") or {}),
-            ANNOTATION_LAST_CHANGE_TRIGGER_TIME: _trigger_time(time.time()),
-        }
-        self.fake.apply(current, copy=False)
+        self.fake.apply(flip_last_endpoint(current, time.time()), copy=False)
 
     def churn(self, seconds: float, rate: float) -> dict[str, Any]:
         """``rate`` updates per second for ``seconds``, each at its due time."""

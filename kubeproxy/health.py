@@ -47,7 +47,7 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler
@@ -75,6 +75,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_HEALTHZ_ADDRESS",
     "DEFAULT_MAX_HANDLERS",
+    "FAULT_FIRST_SYNC",
     "FAULT_RULES_REMOVED",
     "FAULT_SYNC_FAILURES",
     "SYNC_FAILURE_THRESHOLD",
@@ -108,6 +109,9 @@ wrote were removed (or changed) by someone else and not yet repaired."""
 
 FAULT_SYNC_FAILURES: Final = "sync-failures"
 """The ``cause`` :class:`HealthObserver` reports when syncs fail repeatedly."""
+
+FAULT_FIRST_SYNC: Final = "first-sync"
+"""The ``cause`` of :meth:`ProxyHealth.await_first_sync`: the rules are not written yet."""
 
 SYNC_FAILURE_THRESHOLD: Final = 2
 """Failed syncs of a family in a row that make a data-plane fault.
@@ -265,6 +269,22 @@ class ProxyHealth:
         with self._lock:
             self._oldest_queued.pop(family, None)
             self._last_updated[family] = self.clock()
+            self._faults.pop((family, FAULT_FIRST_SYNC), None)
+
+    def await_first_sync(self, families: Iterable[IPFamily]) -> None:
+        """Until each of ``families`` has synced once (:meth:`updated`), hold the
+        :data:`FAULT_FIRST_SYNC` fault for it: ``/healthz`` and the HealthCheckNodePorts
+        answer 503 ("waiting for the first sync"), ``/livez`` 200. A proxy serving its
+        health endpoints from the first second of a long start (100k Services) must not
+        draw load-balancer traffic to a node whose rules are not written yet."""
+        with self._lock:
+            now = self.clock()
+            for family in families:
+                if family not in self._last_updated:
+                    self._faults.setdefault(
+                        (family, FAULT_FIRST_SYNC),
+                        DataPlaneFault(family, FAULT_FIRST_SYNC, "waiting for the first sync", now),
+                    )
 
     def report_data_plane_broken(self, family: IPFamily, cause: str, reason: str) -> None:
         """Report that the kernel no longer holds what the proxy last wrote for ``family``.

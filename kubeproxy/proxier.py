@@ -188,8 +188,9 @@ class Proxier:
 
     ``node`` is the node as known before any Node object arrives (default: just its name).
     ``host_addresses`` lists the host's addresses for ``nodePortAddresses``; it is called
-    at every sync (as upstream reads them), and a sync that finds them changed is a full
-    one; when absent the node's own addresses stand in. ``clock`` (monotonic) times
+    on full syncs, node changes and after :meth:`host_addresses_changed`, and a sync that
+    finds them resolving differently is a full one; when absent the node's own addresses
+    stand in. ``clock`` (monotonic) times
     syncs and the periodic full sync; ``wall_clock`` is the EndpointSlice tracker's
     clock for trigger times. ``full_sync_period`` is both the
     longest time between syncs and between full syncs. ``runner_clock`` drives the sync
@@ -245,6 +246,8 @@ class Proxier:
         self._node = node if node is not None else NodeInfo(name=config.node_name)
         # A node or service-CIDR change: the next sync is full.
         self._full_requested = False
+        # The host's addresses changed: read them at the next sync.
+        self._addresses_changed = False
         self._recategorize_all = True
         self._service_cidrs_override: tuple[IPNetwork, ...] | None = None
         self._services_synced = False
@@ -456,6 +459,14 @@ class Proxier:
         self._notify(self._observer.sync_queued, self._family)
         self._runner.run()
 
+    def host_addresses_changed(self) -> None:
+        """An address was added to or removed from the host (an
+        :class:`~kubeproxy.netlink.AddressWatcher` says so): read them again and sync
+        soon; the sync is a full one if ``nodePortAddresses`` resolve differently."""
+        with self._state_lock:
+            self._addresses_changed = True
+        self._sync_if_initialized()
+
     def request_full_sync(self) -> None:
         """Ask for a full sync soon: the kernel may no longer hold what we wrote (someone
         else changed it). Coalesced with every other request; nothing happens before the
@@ -565,6 +576,7 @@ class Proxier:
         with self._state_lock:
             node = self._node
             full_requested, self._full_requested = self._full_requested, False
+            addresses_changed, self._addresses_changed = self._addresses_changed, False
             recategorize_all, self._recategorize_all = self._recategorize_all, False
             override = self._service_cidrs_override
         try:
@@ -583,11 +595,11 @@ class Proxier:
             or self._last_full_sync is None
             or start - self._last_full_sync >= self.full_sync_period
         )
-        # The host's addresses are read at every sync, as upstream does (a netlink dump
-        # of the host's few addresses, about 30 us): an address added to the node is
-        # served from the next sync on, and a change makes that sync a full one.
+        # The host's addresses are read on full syncs and when they changed (an address
+        # watcher says so: host_addresses_changed); a change of what they resolve to
+        # makes this sync a full one.
         previous_node_ports = node_ports = self._node_port_addresses
-        if self._host_addresses is not None or full or self._node_ports_stale or node_ports is None:
+        if full or self._node_ports_stale or node_ports is None or addresses_changed:
             node_ports = self._node_port_addresses = self._resolve_node_ports(node)
             if previous_node_ports is not None and node_ports != previous_node_ports:
                 logger.info(
@@ -805,6 +817,11 @@ class DualStackProxier:
         """Give the CIDRs to both proxiers (each keeps its family's)."""
         self.ipv4.on_service_cidrs_changed(cidrs)
         self.ipv6.on_service_cidrs_changed(cidrs)
+
+    def host_addresses_changed(self) -> None:
+        """Tell both proxiers."""
+        self.ipv4.host_addresses_changed()
+        self.ipv6.host_addresses_changed()
 
     def sync(self) -> None:
         """Ask both proxiers for a sync."""

@@ -36,7 +36,9 @@ from kubeproxy.daemon.gctuning import GcOps
 from kubeproxy.netlink import FakeHostAddresses
 from kubeproxy.objects import IPFamily
 from kubeproxy.proxyconfig import defaults
-from kubeproxy.testing.fakeapi import endpoint_slice, node, service
+from kubeproxy.sources.kubernetes import KubernetesSource
+from kubeproxy.sources.manifests import ManifestSource
+from kubeproxy.testing.fakeapi import FakeAPIServer, endpoint_slice, node, service
 from kubeproxy.testing.workcount import Work, count_work
 
 NODE = "cost-node"
@@ -147,22 +149,38 @@ def write_list(path: Path, items: Sequence[dict[str, Any]]) -> None:
     path.write_text(json.dumps({"apiVersion": "v1", "kind": "List", "items": list(items)}))
 
 
-def write_cluster(directory: Path, count: int) -> None:
-    pairs = list(cluster_services(count))
-    write_list(directory / "services.json", [svc for svc, _ in pairs])
-    write_list(directory / "slices.json", [slice_ for _, slice_ in pairs])
-    write_list(directory / "node.json", [node(NODE, addresses=["127.0.0.1"], pod_cidrs=[])])
-    write_list(directory / "lb.json", changing(True))
+def cluster_objects(count: int) -> list[dict[str, Any]]:
+    """The N Services and their slices, this node's Node, and the changing Service."""
+    objects: list[dict[str, Any]] = [node(NODE, addresses=["192.0.2.10"], pod_cidrs=[])]
+    for pair in cluster_services(count):
+        objects.extend(pair)
+    return [*objects, *changing(True)]
 
 
-GC_UNTOUCHED = GcOps(collect=lambda: 0, freeze=lambda: None, set_threshold=lambda *_: None)
+GC_UNTOUCHED = GcOps(
+    collect=lambda: 0,
+    freeze=lambda: None,
+    set_threshold=lambda *_: None,
+    disable=lambda: None,
+    enable=lambda: None,
+)
 
 
-def built(directory: Path) -> Daemon:
+def built(*, manifests: Path | None = None, api: FakeAPIServer | None = None) -> Daemon:
+    """The daemon over the cluster of a manifests directory or of the fake API server;
+    health checks on 127.0.0.1 (``nodePortAddresses``), no kernel."""
     configuration = dataclasses.replace(
-        defaults(), hostname_override=NODE, node_port_addresses=("127.0.0.1/32",)
+        defaults(),
+        hostname_override=NODE,
+        node_port_addresses=("127.0.0.1/32",),
+        cluster_cidr="10.200.0.0/13",
     )
-    options = DaemonOptions.from_configuration(configuration, mode="nftables", manifests=directory)
+    options = DaemonOptions.from_configuration(
+        configuration,
+        mode="nftables",
+        manifests=manifests,
+        master=api.url if api is not None else "",
+    )
     # Three UDP flows to the changing Service, answered by the endpoint that flips.
     conntrack = FakeConntrack(
         Flow(ip(f"10.1.0.{k}"), 40000 + k, ip("10.95.0.10"), 53, ip("10.250.0.2"), 5353)
@@ -171,7 +189,8 @@ def built(directory: Path) -> Daemon:
     return build_daemon(
         options,
         null_backend,
-        host_addresses=FakeHostAddresses([ip("127.0.0.1")]),
+        api=api.api_client() if api is not None else None,
+        host_addresses=FakeHostAddresses([ip("127.0.0.1"), ip("192.0.2.10")]),
         conntrack=conntrack,
         ipv6_supported=False,
         gc_ops=GC_UNTOUCHED,
@@ -180,34 +199,67 @@ def built(directory: Path) -> Daemon:
     )
 
 
-def manifests_change_cost(tmp_path: Path, count: int) -> Work:
-    directory = tmp_path / str(count)
-    directory.mkdir()
-    write_cluster(directory, count)
-    daemon = built(directory)
-    try:
-        daemon.gate.bind(daemon.handler)
+def measured(daemon: Daemon, deliver: Callable[[dict[str, Any]], None]) -> Work:
+    """The first sync, then the work of one endpoint change: delivered, then synced."""
+    assert daemon.sync_once(timeout=300)
+    turn = [True]
+
+    def change() -> None:
+        turn[0] = not turn[0]
+        deliver(changing(turn[0])[1])
         assert daemon.handler.sync_now()
-        source = daemon.source
-        ready = [True]
 
-        def change() -> None:
-            ready[0] = not ready[0]
-            write_list(directory / "lb.json", changing(ready[0]))
-            assert source.poll()  # type: ignore[union-attr]
-            assert daemon.handler.sync_now()
+    change()  # warm: first-time paths (imports, caches) are not the change's cost
+    change()
+    _, work = count_work(change)
+    return work
 
-        change()  # warm: first-time paths (imports, caches) are not the change's cost
-        change()
-        _, work = count_work(change)
-        return work
+
+def manifests_change_cost(tmp_path: Path, count: int) -> Work:
+    """Through the manifests source: the changing Service's file rewritten, polled."""
+    directory = tmp_path / f"manifests-{count}"
+    directory.mkdir()
+    objects = cluster_objects(count)
+    write_list(directory / "cluster.json", objects[:-2])
+    write_list(directory / "lb.json", objects[-2:])
+    daemon = built(manifests=directory)
+    source = daemon.source
+    assert isinstance(source, ManifestSource)
+
+    def deliver(slice_: dict[str, Any]) -> None:
+        write_list(directory / "lb.json", [objects[-2], slice_])
+        assert source.poll()
+
+    try:
+        return measured(daemon, deliver)
     finally:
         daemon.stop()
 
 
-@pytest.mark.parametrize("path", ["manifests"])
+def api_change_cost(tmp_path: Path, count: int) -> Work:
+    """Through the Kubernetes source: one watch event, as the reflector reads it."""
+    with FakeAPIServer() as fake:
+        for obj in cluster_objects(count):
+            fake.apply(obj, copy=False)
+        daemon = built(api=fake)
+        source = daemon.source
+        assert isinstance(source, KubernetesSource)
+        versions = iter(range(10**9, 2 * 10**9))
+
+        def deliver(slice_: dict[str, Any]) -> None:
+            slice_["metadata"]["resourceVersion"] = str(next(versions))
+            event = {"type": "MODIFIED", "object": slice_}
+            source._endpoint_slices._event(json.dumps(event).encode())
+
+        try:
+            return measured(daemon, deliver)
+        finally:
+            daemon.stop()
+
+
+@pytest.mark.parametrize("path", ["manifests", "api"])
 def test_one_change_costs_the_same_at_1k_and_30k(tmp_path: Path, path: str) -> None:
-    measure: Callable[[Path, int], Work] = manifests_change_cost
+    measure = manifests_change_cost if path == "manifests" else api_change_cost
     small = measure(tmp_path, SMALL)
     large = measure(tmp_path, LARGE)
     assert large.within(small, RATIO, SLACK), f"1k: {small}; 30k: {large}"

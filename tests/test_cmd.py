@@ -455,6 +455,8 @@ def _tuner(families: list[IPFamily]) -> tuple[GcTuner, list[str]]:
         collect=collect,
         freeze=lambda: calls.append("freeze"),
         set_threshold=lambda a, b, c: calls.append(f"threshold {a},{b},{c}"),
+        disable=lambda: calls.append("disable"),
+        enable=lambda: calls.append("enable"),
     )
     return GcTuner(families, ops, thresholds=(5000, 20, 30)), calls
 
@@ -474,6 +476,21 @@ def test_gc_is_tuned_once_after_every_familys_first_full_sync() -> None:
     assert calls == ["collect", "freeze", "threshold 5000,20,30"] and tuner.done
     _sync(tuner, IPFamily.IPV4, True)
     assert len(calls) == 3
+
+
+def test_gc_tuner_holds_the_collector_until_the_first_full_syncs() -> None:
+    tuner, calls = _tuner([IPFamily.IPV4])
+    tuner.hold()
+    tuner.hold()
+    assert calls == ["disable"] and tuner.held
+    _sync(tuner, IPFamily.IPV4, False)
+    assert calls == ["disable"]
+    _sync(tuner, IPFamily.IPV4, True)
+    assert calls == ["disable", "collect", "freeze", "threshold 5000,20,30", "enable"]
+    assert not tuner.held
+    tuner.hold()  # tuned already: nothing more to hold for
+    tuner.release()
+    assert len(calls) == 5
 
 
 def test_gc_tuner_with_the_real_collector() -> None:
@@ -611,7 +628,11 @@ def _dry_run(
             out=out,
             host_addresses=FakeHostAddresses(),
             gc_ops=GcOps(
-                collect=lambda: 0, freeze=lambda: None, set_threshold=lambda a, b, c: None
+                collect=lambda: 0,
+                freeze=lambda: None,
+                set_threshold=lambda a, b, c: None,
+                disable=lambda: None,
+                enable=lambda: None,
             ),
         )
     finally:  # the binary configured the root logger, as a process does

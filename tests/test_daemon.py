@@ -151,6 +151,8 @@ def recording_gc() -> tuple[GcOps, list[str]]:
         collect=collect,
         freeze=lambda: calls.append("freeze"),
         set_threshold=lambda a, b, c: calls.append(f"threshold {a} {b} {c}"),
+        disable=lambda: None,
+        enable=lambda: None,
     )
     return ops, calls
 

@@ -13,6 +13,7 @@ import logging
 import re
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -95,7 +96,13 @@ def cluster_options(**fields: Any) -> DaemonOptions:
 
 
 # The collector's tuning is the process's: a test records it instead of freezing pytest's.
-GC_UNTOUCHED = GcOps(collect=lambda: 0, freeze=lambda: None, set_threshold=lambda *_: None)
+GC_UNTOUCHED = GcOps(
+    collect=lambda: 0,
+    freeze=lambda: None,
+    set_threshold=lambda *_: None,
+    disable=lambda: None,
+    enable=lambda: None,
+)
 
 
 def offline(**build: Any) -> dict[str, Any]:
@@ -292,3 +299,85 @@ def test_a_backend_that_cannot_be_made_stops_the_start() -> None:
 
     with pytest.raises(StartupError, match="cannot set up the IPv4 backend: kernel lacks"):
         build_daemon(cluster_options(), broken, **offline(privileged=False))
+
+
+class GatedBackends(Backends):
+    """Backends whose first sync waits until ``release`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def __call__(
+        self, family: IPFamily, config: ProxierConfig, *, netns: str | None = None
+    ) -> RecordingBackend:
+        backend = super().__call__(family, config, netns=netns)
+        sync = backend.sync
+
+        def gated(snapshot: ProxySnapshot, changes: SyncChanges) -> None:
+            assert self.release.wait(30)
+            sync(snapshot, changes)
+
+        backend.sync = gated  # type: ignore[method-assign]
+        return backend
+
+
+def test_served_early_livez_answers_at_once_and_healthz_503_until_the_first_sync() -> None:
+    backends = GatedBackends()
+    daemon = build_daemon(cluster_options(), backends, **offline(serve_early=True))
+    started = threading.Thread(target=daemon.start)
+    try:
+        # Listening before anything was synced, or even delivered.
+        assert not backends.made[0].synced
+        assert get(daemon.health_server.port, "/livez")[0] == 200
+        code, body = get(daemon.health_server.port, "/healthz")
+        assert code == 503
+        assert json.loads(body)["reason"] == "IPv4: waiting for the first sync"
+        assert get(daemon.metrics_server.port, "/metrics")[0] == 200
+        started.start()  # delivers, and the first sync waits in the backend
+        time.sleep(0.2)
+        assert get(daemon.health_server.port, "/healthz")[0] == 503
+        backends.release.set()
+        started.join(10)
+        wait_for(lambda: get(daemon.health_server.port, "/healthz")[0] == 200, "healthz 200")
+        assert backends.made[0].synced
+    finally:
+        backends.release.set()
+        if started.is_alive():
+            started.join(10)
+        daemon.stop()
+
+
+def test_the_collector_is_held_while_the_cluster_is_read() -> None:
+    calls: list[str] = []
+    ops = GcOps(
+        collect=lambda: calls.append("collect") or 0,
+        freeze=lambda: calls.append("freeze"),
+        set_threshold=lambda *_: calls.append("threshold"),
+        disable=lambda: calls.append("disable"),
+        enable=lambda: calls.append("enable"),
+    )
+    daemon = build_daemon(cluster_options(), Backends(), **offline(gc_ops=ops, privileged=False))
+    try:
+        assert calls == []
+        daemon.start()
+        wait_for(lambda: "enable" in calls, "the collector released")
+        # Held while the cluster was read, tuned after the first full sync, then released.
+        assert calls == ["disable", "collect", "freeze", "threshold", "enable"]
+    finally:
+        daemon.stop()
+    assert calls.count("enable") == 1
+
+
+def test_a_daemon_stopped_before_its_first_sync_releases_the_collector() -> None:
+    calls: list[str] = []
+    ops = GcOps(
+        collect=lambda: 0,
+        freeze=lambda: None,
+        set_threshold=lambda *_: None,
+        disable=lambda: calls.append("disable"),
+        enable=lambda: calls.append("enable"),
+    )
+    code = run_daemon(cluster_options(once=True), Backends(), **offline(gc_ops=ops))
+    assert code == 0
+    assert calls == ["disable", "enable"]

@@ -628,12 +628,11 @@ def test_node_change_without_zone_change_is_full_but_not_recategorized(
     assert backend.last.node_port_addresses.addresses == (ip_address("192.168.50.3"),)
     assert len(calls) == 2
 
-    # An identical Node (a status heartbeat, say) changes nothing (the host's addresses
-    # are read at every sync, and they did not change either).
+    # An identical Node (a status heartbeat, say) changes nothing.
     proxier.on_node_update(node_object(addresses=["192.168.50.3"]))
     proxier.sync_now()
     assert not backend.last.full
-    assert len(calls) == 3
+    assert len(calls) == 2
 
 
 def test_node_deletion_and_foreign_or_invalid_nodes_keep_last_node(
@@ -662,7 +661,7 @@ def test_default_node_is_named_after_config() -> None:
 # --- node ports, local detector, service CIDRs --------------------------------------
 
 
-def test_node_port_addresses_follow_the_host_at_every_sync() -> None:
+def test_node_port_addresses_follow_the_host_when_told() -> None:
     host = [ip_address("192.168.50.2"), ip_address("10.0.0.1"), ip_address("127.0.0.1")]
     calls: list[int] = []
 
@@ -679,21 +678,29 @@ def test_node_port_addresses_follow_the_host_at_every_sync() -> None:
         addresses=(ip_address("127.0.0.1"), ip_address("192.168.50.2")),
         cidrs=(ip_network("192.168.50.0/24"), ip_network("127.0.0.0/8")),
     )
-    # Unchanged addresses: a partial sync reads them and stays partial.
+    # A partial sync does not read them.
     proxier.on_service_add(service("web"))
     proxier.sync_now()
+    assert len(calls) == 1 and not backend.last.full
+    # Told of a change, a sync reads them; unchanged, it stays partial.
+    proxier.host_addresses_changed()
+    proxier.sync_now()
     assert len(calls) == 2 and not backend.last.full
-    # A new address in the CIDRs is served by the very next sync, a full one.
+    # A new address in the CIDRs is served by the next sync, a full one.
     host.append(ip_address("192.168.50.9"))
+    proxier.host_addresses_changed()
     proxier.sync_now()
     assert len(calls) == 3
     assert backend.last.full
     assert ip_address("192.168.50.9") in backend.last.node_port_addresses.addresses
     # And one that goes away, too.
     host.remove(ip_address("192.168.50.2"))
+    proxier.host_addresses_changed()
     proxier.sync_now()
     assert backend.last.full
     assert ip_address("192.168.50.2") not in backend.last.node_port_addresses.addresses
+    proxier.sync_now()
+    assert len(calls) == 4 and not backend.last.full
 
 
 def test_host_address_failure_keeps_previous_and_retries(

@@ -565,12 +565,13 @@ class FakeAPIServer:
             self._record(info.resource, "DELETED", gone, old)
             return True
 
-    def get(self, kind: str, namespace: str, name: str) -> JSONObject | None:
-        """A copy of one stored object, or None."""
+    def get(self, kind: str, namespace: str, name: str, *, copy: bool = True) -> JSONObject | None:
+        """A copy of one stored object, or None (``copy=False``: the stored object itself,
+        not to be changed)."""
         info = self._info_of({"kind": kind})
         with self._lock:
             obj = self._objects[info.resource].get((namespace if info.namespaced else "", name))
-            return _copy.deepcopy(obj) if obj is not None else None
+            return _copy.deepcopy(obj) if obj is not None and copy else obj
 
     def objects(self, kind: str, *, copy: bool = True) -> list[JSONObject]:
         """Copies of every stored object of a kind, in list order (namespace, name).
