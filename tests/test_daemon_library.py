@@ -350,8 +350,13 @@ def test_served_early_livez_answers_at_once_and_healthz_503_until_the_first_sync
 
 def test_the_collector_is_held_while_the_cluster_is_read() -> None:
     calls: list[str] = []
+
+    def collect() -> int:
+        calls.append("collect")
+        return 0
+
     ops = GcOps(
-        collect=lambda: calls.append("collect") or 0,
+        collect=collect,
         freeze=lambda: calls.append("freeze"),
         set_threshold=lambda *_: calls.append("threshold"),
         disable=lambda: calls.append("disable"),
