@@ -42,7 +42,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -51,7 +51,7 @@ from typing import Any
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.harness import REPO, percentile
+from bench.harness import REPO, ProxyProcess, child_process, percentile, python_module
 from bench.netns import in_netns
 from bench.synthetic import (
     NODE_NAME,
@@ -68,6 +68,7 @@ __all__ = [
     "HEALTHZ_PORT",
     "METRICS_PORT",
     "SOURCES",
+    "DaemonCase",
     "HealthProbe",
     "Metrics",
     "NodeProcess",
@@ -79,6 +80,7 @@ __all__ = [
     "partial_syncs",
     "probe_health",
     "rewrite_changing",
+    "run_case",
     "write_cluster",
 ]
 
@@ -487,3 +489,121 @@ def cycle(items: Sequence[Any]) -> Callable[[], Any]:
         return item
 
     return take
+
+
+# One case, end to end ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonCase:
+    """What :func:`run_case` does: ``source`` (:data:`SOURCES`), how many partial syncs
+    to time (0: none), a churn window (0: none) at ``churn_rate`` changes a second, and
+    whether to ask the daemon for its memory split (:mod:`bench.daemonrun`)."""
+
+    source: str
+    rounds: int = 0
+    churn_s: float = 0.0
+    churn_rate: float = 50.0
+    split: bool = False
+
+
+def run_case(
+    netns: str,
+    services: Sequence[SyntheticService],
+    case: DaemonCase,
+    workdir: Path,
+    *,
+    sync_timeout_s: float = 900.0,
+) -> dict[str, Any]:
+    """Start the daemon in ``netns`` over ``services`` as ``case`` says and measure it:
+    start-up (``/livez``, ``/healthz`` from the process start, the first full sync),
+    memory, the partial syncs, the churn, the split. Returns the figures."""
+    if case.source not in SOURCES:
+        raise ValueError(f"unknown source {case.source!r}")
+    manifests = workdir / "manifests"
+    changing = max(case.rounds + 3, 1)
+    moving = write_cluster(
+        manifests, services, changing=changing, as_yaml=case.source == "manifests-yaml"
+    )
+    figures: dict[str, Any] = {"source": case.source, "services": len(services)}
+    with ExitStack() as stack:
+        api = None
+        if case.source == "api":
+            api = stack.enter_context(
+                child_process(
+                    netns,
+                    "bench.apiserverproc",
+                    ["--manifests", str(manifests)],
+                    ready_timeout_s=sync_timeout_s,
+                )
+            )
+            figures["api_load_s"] = api.ready["load_s"]
+        argv = (
+            daemon_argv(api_port=api.ready["port"])
+            if api is not None
+            else daemon_argv(manifests=manifests)
+        )
+        split_file = workdir / "split.json"
+        if case.split:
+            argv = python_module("bench.daemonrun", str(split_file), "--", *argv[1:])
+        node = stack.enter_context(node_process(netns, argv, log=workdir / "daemon.log"))
+        stop = threading.Event()
+        probes: list[HealthProbe] = []
+        prober = threading.Thread(target=lambda: probes.append(probe_health(node, stop)))
+        prober.start()
+        try:
+            figures["first_sync_s"] = node.synced(sync_timeout_s)
+            prober.join(30)
+        finally:
+            stop.set()
+            prober.join(5)
+        probe = probes[0] if probes else HealthProbe()
+        figures.update(
+            livez_s=probe.livez_s,
+            healthz_s=probe.healthz_s,
+            healthz_ok_s=probe.healthz_ok_s,
+            healthz_before_sync=probe.codes_before_ok,
+        )
+        figures["rss_synced_mb"], figures["peak_synced_mb"] = node.memory_mb()
+        if case.rounds:
+            change = _api_changer(api) if api is not None else _file_changer(manifests, moving)
+            figures.update(partial_syncs(node, change, case.rounds))
+        if case.churn_s:
+            if api is None:
+                raise ValueError("churn runs through the API")
+            figures["churn"] = churn(
+                node,
+                lambda: api.request(
+                    "churn",
+                    timeout_s=case.churn_s + 120,
+                    seconds=case.churn_s,
+                    rate=case.churn_rate,
+                ),
+            )
+        figures["rss_mb"], figures["peak_mb"] = node.memory_mb()
+        if case.split:
+            node.process.send_signal(signal.SIGUSR1)
+            node.wait_for(split_file.exists, "the memory split", 600.0, interval=1.0)
+            time.sleep(0.5)  # written whole by now
+            figures["split"] = json.loads(split_file.read_text())
+    figures["ok"] = True
+    return figures
+
+
+def _api_changer(api: ProxyProcess) -> Callable[[], None]:
+    def change() -> None:
+        api.request("touch", count=1)
+
+    return change
+
+
+def _file_changer(directory: Path, slices: Sequence[Mapping[str, Any]]) -> Callable[[], None]:
+    state = [dict(s) for s in slices]
+    turn = cycle(range(len(state)))
+
+    def change() -> None:
+        index = turn()
+        state[index] = flip_last_endpoint(state[index], time.time())
+        rewrite_changing(directory, state)
+
+    return change

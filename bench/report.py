@@ -405,6 +405,90 @@ def _churn_table(records: Sequence[Record]) -> list[str]:
     )
 
 
+def _seconds_or_dash(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _daemon_table(records: Sequence[Record]) -> list[str]:
+    found = sorted(find(records, kind="daemon"), key=lambda r: (r["services"], r["source"]))
+    if not found:
+        return []
+    rows = []
+    for r in found:
+        cold = full_sync(records, r["services"])
+        inproc = one(
+            records, kind="incremental", subject=OURS, services=r["services"], op="endpoint"
+        )
+        split = (
+            f"{r['split_source_mb']:.0f} / {r['split_proxier_mb']:.0f} / "
+            f"{r['split_backend_mb']:.0f}"
+            if r.get("split_source_mb") is not None
+            else "-"
+        )
+        rows.append(
+            (
+                size_label(r["services"]),
+                r["source"],
+                f"{_seconds_or_dash(r.get('livez_s'))} / {_seconds_or_dash(r.get('healthz_s'))}",
+                f"{r['first_sync_s']:.1f}" + (f" ({cold['seconds']:.1f})" if cold else ""),
+                f"{r['peak_mb']:.0f}",
+                split,
+                "-"
+                if r.get("median_ms") is None
+                else f"{r['median_ms']:.2f} / {r['p90_ms']:.2f} / {r['max_ms']:.2f}"
+                + (f" ({inproc['median_ms']:.2f})" if inproc else ""),
+            )
+        )
+    lines = _table(
+        (
+            "Services",
+            "source",
+            "/livez / /healthz listening (s)",
+            "first sync s (in-process cold)",
+            "peak MB",
+            "source / proxier / backend MB",
+            "partial sync p50 / p90 / max ms (in-process p50)",
+        ),
+        rows,
+    )
+    return [
+        *lines,
+        "",
+        "Times from the process start. The first sync is the first full sync the daemon's "
+        "metrics report; a partial sync is the daemon's own "
+        "`kubeproxy_sync_partial_proxy_rules_duration_seconds` for one endpoint change at a "
+        "time (minSyncPeriod 1 s apart), the in-process figure the incremental endpoint "
+        "median of `test_control_plane` in this run.",
+    ]
+
+
+def _daemon_churn_table(records: Sequence[Record]) -> list[str]:
+    found = sorted(find(records, kind="daemon_churn"), key=lambda r: r["services"])
+    if not found:
+        return []
+    return _table(
+        (
+            "Services",
+            "changes/s for s",
+            "partial syncs/s",
+            "mean partial sync (ms)",
+            "network programming p50 / p99 (s, buckets)",
+            "CPU share of one core",
+        ),
+        (
+            (
+                size_label(r["services"]),
+                f"{r['rate']:g} for {r['wall_s']:.0f}",
+                f"{r['syncs_per_s']:.2f}",
+                _seconds_or_dash(r.get("partial_mean_ms")),
+                f"{r.get('programming_p50_s')} / {r.get('programming_p99_s')}",
+                f"{r['cpu_share']:.1%}",
+            )
+            for r in found
+        ),
+    )
+
+
 def _tools_table(records: Sequence[Record]) -> list[str]:
     """Per full sync, the seconds (calls) of each kernel tool that took a tenth or more."""
     rows = []
@@ -532,6 +616,7 @@ _TARGET_TITLES = {
     4: "nftables backend targets (issue 4)",
     11: "nftables at 100k Services: targets (issue 11), the map structure "
     "(chain structure's figures quoted)",
+    20: "The daemon a node runs, against the in-process figures of this run (issue 20)",
 }
 
 
@@ -608,6 +693,11 @@ def render_markdown(run: dict[str, Any]) -> str:
             "(minSyncPeriod 1 s)",
             _churn_table(records),
         ),
+        (
+            "The daemon a node runs (kube-proxy-nftables, started as a process; issue 20)",
+            _daemon_table(records),
+        ),
+        ("The daemon under churn through the API (issue 20)", _daemon_churn_table(records)),
     ]
     for title, lines in sections:
         if lines:
