@@ -15,12 +15,15 @@ passes its own list of :class:`~bench.synthetic.SyntheticService`.
 from __future__ import annotations
 
 import os
+import statistics
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from bench.daemonbench import DaemonCase, run_case
+from bench.harness import percentile, proxy_process
 from bench.netns import namespace
 from bench.report import Results
 from bench.subjects import NFTABLES
@@ -108,3 +111,48 @@ def test_daemon_churn(results: Results, tmp_path: Path, services: int, seconds: 
         ok=bool(churn["partial_syncs"]) and churn["full_syncs"] == 0,
     )
     assert churn["partial_syncs"] > 0
+
+
+# The daemon syncs at most once a second (minSyncPeriod), after a second of idling, where
+# test_control_plane's incremental rounds run back to back: the same in-process proxy at
+# the daemon's cadence tells what the idle second alone costs a sync (caches gone cold).
+CADENCE_S = 1.0
+CADENCE_WARMUP = 3
+
+
+@pytest.mark.timeout(2 * SYNC_TIMEOUT_S + 600)
+@pytest.mark.parametrize(
+    "services",
+    [
+        pytest.param(1 * K, marks=quick, id="1k"),
+        pytest.param(30 * K, id="30k"),
+        pytest.param(100 * K, id="100k"),
+    ],
+)
+def test_in_process_at_the_daemons_cadence(results: Results, services: int) -> None:
+    """test_control_plane's endpoint change, one every :data:`CADENCE_S` seconds."""
+    with (
+        namespace("cad") as netns,
+        proxy_process(netns, services, ENDPOINTS, backend=NFTABLES.backend) as proxy,
+    ):
+        assert proxy.request("cold", timeout_s=SYNC_TIMEOUT_S)["ok"]
+        seconds = []
+        for number in range(CADENCE_WARMUP + ROUNDS):
+            time.sleep(CADENCE_S)
+            answer = proxy.request("endpoint")
+            if number >= CADENCE_WARMUP:
+                seconds.append(answer["seconds"])
+    ordered = sorted(seconds)
+    results.add(
+        "incremental_cadence",
+        NFTABLES.name,
+        services=services,
+        endpoints=ENDPOINTS,
+        op="endpoint",
+        gap_s=CADENCE_S,
+        rounds=len(ordered),
+        median_ms=1000 * statistics.median(ordered),
+        p90_ms=1000 * (percentile(ordered, 0.9) or 0.0),
+        max_ms=1000 * ordered[-1],
+        ok=True,
+    )
