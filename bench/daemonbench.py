@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import signal
 import statistics
@@ -464,6 +465,7 @@ def churn(
     syncs = _count(after, PARTIAL) - _count(before, PARTIAL)
     seconds = _sum(after, PARTIAL) - _sum(before, PARTIAL)
     latency_before, latency_after = _buckets(before, PROGRAMMING), _buckets(after, PROGRAMMING)
+    samples = _count(after, PROGRAMMING) - _count(before, PROGRAMMING)
     return {
         **fed,
         "window_s": window,
@@ -473,10 +475,26 @@ def churn(
         "syncs_per_s": syncs / window,
         "full_syncs": int(_count(after, FULL) - _count(before, FULL)),
         "partial_mean_ms": 1000 * seconds / syncs if syncs else None,
-        "programming_samples": int(_count(after, PROGRAMMING) - _count(before, PROGRAMMING)),
+        "programming_samples": int(samples),
+        "programming_mean_s": (
+            (_sum(after, PROGRAMMING) - _sum(before, PROGRAMMING)) / samples if samples else None
+        ),
+        "programming_over_1s": _share_above(latency_before, latency_after, 1.0),
         "programming_p50_s": _bucket_quantile(latency_before, latency_after, 0.5),
         "programming_p99_s": _bucket_quantile(latency_before, latency_after, 0.99),
     }
+
+
+def _share_above(
+    before: list[tuple[float, float]], after: list[tuple[float, float]], bound: float
+) -> float | None:
+    """The share of the observations between two scrapes above ``bound`` (a bucket's)."""
+    earlier = dict(before)
+    counts = {b: total - earlier.get(b, 0.0) for b, total in after}
+    everything = counts.get(math.inf, 0.0)
+    if not everything or bound not in counts:
+        return None
+    return 1.0 - counts[bound] / everything
 
 
 def cycle(items: Sequence[Any]) -> Callable[[], Any]:

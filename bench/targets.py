@@ -792,11 +792,16 @@ def _daemon_churn_target(records: Sequence[Record]) -> TargetCheck:
     if r is None:
         return _issue20(target, "not measured", None)
     mean, p99 = r.get("partial_mean_ms"), r.get("programming_p99_s")
+    over = r.get("programming_over_1s")
+    latency = r.get("programming_mean_s")
     measured = (
         f"{r['cpu_share']:.1%} of a core, {r['syncs_per_s']:.2f} syncs/s, mean partial "
         f"{'-' if mean is None else f'{mean:.2f}'} ms, programming p50 <= "
         f"{r.get('programming_p50_s')} s, p99 <= {p99} s (histogram buckets, "
-        f"{r.get('programming_samples')} samples)"
+        f"{r.get('programming_samples')} samples"
+        + ("" if latency is None else f"; mean {latency:.2f} s")
+        + ("" if over is None else f"; {over:.1%} over 1 s")
+        + ")"
     )
     return _issue20(
         target,

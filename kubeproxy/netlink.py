@@ -8,10 +8,12 @@ addresses again when, and only when, one was added or removed.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import ipaddress
 import logging
 import os
+import selectors
 import socket
 import struct
 import threading
@@ -190,7 +192,9 @@ class AddressWatcher:
     (caches cold: measured at 30k Services, a quarter of such a partial sync). Listening
     to the kernel's ``RTM_NEWADDR``/``RTM_DELADDR`` events costs nothing while nothing
     changes, and a new address is followed at once instead of at the next unrelated
-    sync. A lost event (the socket's buffer overflowed) counts as a change.
+    sync. A lost event (the socket's buffer overflowed) counts as a change. The thread
+    sleeps until an event comes, :meth:`close` is called, or ``poll_interval`` passes
+    (then it looks at ``stop``).
     """
 
     def __init__(
@@ -199,12 +203,23 @@ class AddressWatcher:
         netns: str | None = None,
         *,
         netns_dir: Path = NETNS_DIR,
-        poll_interval: float = 0.5,
+        poll_interval: float = 5.0,
     ) -> None:
         self.changed = changed
         self.netns = netns
         self._netns_dir = netns_dir
         self.poll_interval = poll_interval
+        self._lock = threading.Lock()
+        self._wake: socket.socket | None = None
+        self._closed = False
+
+    def close(self) -> None:
+        """Have :meth:`run` return now (or as soon as it starts)."""
+        with self._lock:
+            self._closed = True
+            if self._wake is not None:
+                with contextlib.suppress(OSError):
+                    self._wake.send(b"x")
 
     def _open(self) -> socket.socket:
         def make() -> socket.socket:
@@ -222,7 +237,7 @@ class AddressWatcher:
         return run_in_netns(self.netns, make)
 
     def run(self, stop: threading.Event) -> None:
-        """Listen until ``stop`` is set (checked every ``poll_interval`` seconds)."""
+        """Listen until ``stop`` is set (seen within ``poll_interval``) or :meth:`close`."""
         try:
             sock = self._open()
         except (OSError, LookupError, ValueError) as err:  # LookupError: no such netns
@@ -232,13 +247,20 @@ class AddressWatcher:
                 err,
             )
             return
-        with sock:
-            sock.settimeout(self.poll_interval)
-            while not stop.is_set():
+        woken, wake = socket.socketpair()
+        with self._lock:
+            self._wake = wake
+        with sock, woken, wake, selectors.DefaultSelector() as selector:
+            sock.setblocking(False)
+            selector.register(sock, selectors.EVENT_READ)
+            selector.register(woken, selectors.EVENT_READ)
+            while not stop.is_set() and not self._closed:
+                if not selector.select(self.poll_interval):
+                    continue
                 try:
                     data = sock.recv(1 << 16)
-                except TimeoutError:
-                    continue
+                except BlockingIOError:
+                    continue  # the wake-up, not an event
                 except OSError as err:
                     if err.errno != errno.ENOBUFS:
                         logger.error("Watching the host's addresses failed: %s", err)
@@ -247,6 +269,8 @@ class AddressWatcher:
                     continue
                 if _has_address_event(data):
                     self._notify()
+        with self._lock:
+            self._wake = None
 
     def _notify(self) -> None:
         try:

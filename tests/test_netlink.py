@@ -103,7 +103,7 @@ def test_fake_lists_sorted_unique_per_namespace() -> None:
 @pytest.mark.kernel
 def test_address_watcher_hears_addresses_come_and_go(netns: str) -> None:
     heard = threading.Event()
-    watcher = AddressWatcher(heard.set, netns, poll_interval=0.05)
+    watcher = AddressWatcher(heard.set, netns, poll_interval=60.0)
     stop = threading.Event()
     thread = threading.Thread(target=watcher.run, args=(stop,))
     thread.start()
@@ -122,6 +122,7 @@ def test_address_watcher_hears_addresses_come_and_go(netns: str) -> None:
         assert not heard.is_set()
     finally:
         stop.set()
+        watcher.close()
         thread.join(5)
     assert not thread.is_alive()
 

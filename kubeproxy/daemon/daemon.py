@@ -191,6 +191,8 @@ class Daemon:
             return
         self._stopped = True
         self._stop.set()
+        if self.address_watcher is not None:
+            self.address_watcher.close()
         if not self._source.join(timeout):
             logger.warning("The source did not stop within %gs", timeout)
         for thread in self._threads:
