@@ -374,10 +374,13 @@ class HealthProbe:
     codes_before_ok: list[int] = field(default_factory=list)
 
 
-def probe_health(node: NodeProcess, stop: threading.Event, interval: float = 0.05) -> HealthProbe:
+def probe_health(
+    node: NodeProcess, stop: threading.Event, interval: float = 0.05, then: float = 0.25
+) -> HealthProbe:
     """Ask ``/livez`` and ``/healthz`` every ``interval`` seconds from inside the
-    namespace until ``/healthz`` answers 200 or ``stop`` is set (run it in a thread
-    started with the process)."""
+    namespace until they answer, then ``/healthz`` every ``then`` seconds until it
+    answers 200 or ``stop`` is set (run it in a thread started with the process). Not
+    faster once answered: each answer takes the daemon's interpreter lock from its sync."""
     probe = HealthProbe()
     base = f"http://127.0.0.1:{HEALTHZ_PORT}"
 
@@ -400,7 +403,7 @@ def probe_health(node: NodeProcess, stop: threading.Event, interval: float = 0.0
                 return probe
             if code not in probe.codes_before_ok:
                 probe.codes_before_ok.append(code)
-        stop.wait(interval)
+        stop.wait(interval if probe.healthz_s is None else then)
     return probe
 
 
