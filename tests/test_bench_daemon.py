@@ -18,7 +18,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 from bench import daemonbench
 from bench.daemonbench import _bucket_quantile, flip_last_endpoint, write_cluster
 from bench.daemonrun import deep_mb
-from bench.report import render_markdown
+from bench.report import machine_info, render_markdown
 from bench.synthetic import build_services
 from bench.targets import OURS, daemon_targets
 from kubeproxy.endpointchanges import ANNOTATION_LAST_CHANGE_TRIGGER_TIME
@@ -201,15 +201,7 @@ def test_no_daemon_records_give_no_verdict() -> None:
 def test_markdown_shows_the_daemon_next_to_the_in_process_figures() -> None:
     run = {
         "command": "make bench",
-        "machine": {
-            "date": "2026-01-01T00:00:00+00:00",
-            "nproc": 2,
-            "kernel": "6",
-            "nft": "nftables v1.0.6",
-            "python": "3.11",
-            "memory_gb": 23.5,
-            "commit": "abc",
-        },
+        "machine": machine_info(),
         "duration_s": 60.0,
         "records": _good_daemon_run(),
     }

@@ -32,7 +32,6 @@ from kubeproxy.backends.nftables.transaction import Transaction
 from kubeproxy.config import ProxierConfig
 from kubeproxy.conntrack import FakeConntrack, Flow
 from kubeproxy.daemon import Daemon, DaemonOptions, LoggingEventSink, build_daemon
-from kubeproxy.daemon.gctuning import GcOps
 from kubeproxy.netlink import FakeHostAddresses
 from kubeproxy.objects import IPFamily
 from kubeproxy.proxyconfig import defaults
@@ -40,6 +39,7 @@ from kubeproxy.sources.kubernetes import KubernetesSource
 from kubeproxy.sources.manifests import ManifestSource
 from kubeproxy.testing.fakeapi import FakeAPIServer, endpoint_slice, node, service
 from kubeproxy.testing.workcount import Work, count_work
+from tests.gcops import UNTOUCHED
 
 NODE = "cost-node"
 ip = ipaddress.ip_address
@@ -157,13 +157,7 @@ def cluster_objects(count: int) -> list[dict[str, Any]]:
     return [*objects, *changing(True)]
 
 
-GC_UNTOUCHED = GcOps(
-    collect=lambda: 0,
-    freeze=lambda: None,
-    set_threshold=lambda *_: None,
-    disable=lambda: None,
-    enable=lambda: None,
-)
+GC_UNTOUCHED = UNTOUCHED
 
 
 def built(*, manifests: Path | None = None, api: FakeAPIServer | None = None) -> Daemon:

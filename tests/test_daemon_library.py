@@ -40,11 +40,11 @@ from kubeproxy import (
 from kubeproxy.cmd.options import Options, parse_options
 from kubeproxy.conntrack import FakeConntrack
 from kubeproxy.daemon import LoggingEventSink
-from kubeproxy.daemon.gctuning import GcOps
 from kubeproxy.events import FakeEventRecorder
 from kubeproxy.netlink import FakeHostAddresses
 from kubeproxy.proxier import Proxier, SyncHook, SyncObserver
 from kubeproxy.proxyconfig import ConfigError, defaults, parse_config
+from tests.gcops import UNTOUCHED, recording_gc
 
 CLUSTER = Path(__file__).resolve().parent.parent / "examples" / "cluster"
 
@@ -96,13 +96,7 @@ def cluster_options(**fields: Any) -> DaemonOptions:
 
 
 # The collector's tuning is the process's: a test records it instead of freezing pytest's.
-GC_UNTOUCHED = GcOps(
-    collect=lambda: 0,
-    freeze=lambda: None,
-    set_threshold=lambda *_: None,
-    disable=lambda: None,
-    enable=lambda: None,
-)
+GC_UNTOUCHED = UNTOUCHED
 
 
 def offline(**build: Any) -> dict[str, Any]:
@@ -349,40 +343,21 @@ def test_served_early_livez_answers_at_once_and_healthz_503_until_the_first_sync
 
 
 def test_the_collector_is_held_while_the_cluster_is_read() -> None:
-    calls: list[str] = []
-
-    def collect() -> int:
-        calls.append("collect")
-        return 0
-
-    ops = GcOps(
-        collect=collect,
-        freeze=lambda: calls.append("freeze"),
-        set_threshold=lambda *_: calls.append("threshold"),
-        disable=lambda: calls.append("disable"),
-        enable=lambda: calls.append("enable"),
-    )
+    ops, calls = recording_gc()
     daemon = build_daemon(cluster_options(), Backends(), **offline(gc_ops=ops, privileged=False))
     try:
         assert calls == []
         daemon.start()
         wait_for(lambda: "enable" in calls, "the collector released")
         # Held while the cluster was read, tuned after the first full sync, then released.
-        assert calls == ["disable", "collect", "freeze", "threshold", "enable"]
+        assert calls == ["disable", "freeze", "threshold 20000 10 10", "enable"]
     finally:
         daemon.stop()
     assert calls.count("enable") == 1
 
 
 def test_a_daemon_stopped_before_its_first_sync_releases_the_collector() -> None:
-    calls: list[str] = []
-    ops = GcOps(
-        collect=lambda: 0,
-        freeze=lambda: None,
-        set_threshold=lambda *_: None,
-        disable=lambda: calls.append("disable"),
-        enable=lambda: calls.append("enable"),
-    )
+    ops, calls = recording_gc()
     code = run_daemon(cluster_options(once=True), Backends(), **offline(gc_ops=ops))
     assert code == 0
     assert calls == ["disable", "enable"]

@@ -569,21 +569,23 @@ class ManifestSource:
             if old is None
             else identity(kind, _API_VERSIONS[kind][0], namespace, name, old.owner)
         )
-        if kind == SERVICE:
-            if new is None:
-                assert before is not None
-                self.handler.on_service_delete(before)
-            elif before is None:
-                self.handler.on_service_add(new)
-            else:
-                self.handler.on_service_update(before, new)
-        elif new is None:
+        handler = self.handler
+        add, update, delete = (
+            (handler.on_service_add, handler.on_service_update, handler.on_service_delete)
+            if kind == SERVICE
+            else (
+                handler.on_endpoint_slice_add,
+                handler.on_endpoint_slice_update,
+                handler.on_endpoint_slice_delete,
+            )
+        )
+        if new is None:
             assert before is not None
-            self.handler.on_endpoint_slice_delete(before)
+            delete(before)
         elif before is None:
-            self.handler.on_endpoint_slice_add(new)
+            add(new)
         else:
-            self.handler.on_endpoint_slice_update(before, new)
+            update(before, new)
         return True
 
     def _deliver_service_cidrs(self) -> bool:
