@@ -361,3 +361,30 @@ def test_a_daemon_stopped_before_its_first_sync_releases_the_collector() -> None
     code = run_daemon(cluster_options(once=True), Backends(), **offline(gc_ops=ops))
     assert code == 0
     assert calls == ["disable", "enable"]
+
+
+def test_healthz_is_503_all_the_way_to_the_first_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kubeproxy.daemon import startup
+    from kubeproxy.daemon.serving import servers as make_servers
+
+    made: list[Any] = []
+    seen: list[int] = []
+    backends = Backends()
+
+    def noted(*args: Any, **kwargs: Any) -> Any:
+        made.append(make_servers(*args, **kwargs))
+        return made[-1]
+
+    def factory(family: IPFamily, config: ProxierConfig, *, netns: str | None = None) -> Any:
+        # The Node is known by now, the families not yet: still 503.
+        seen.append(get(made[0].health_server.port, "/healthz")[0])
+        return backends(family, config, netns=netns)
+
+    monkeypatch.setattr(startup, "servers", noted)
+    daemon = build_daemon(cluster_options(), factory, **offline(serve_early=True))
+    try:
+        assert seen == [503]
+        daemon.start()
+        wait_for(lambda: get(daemon.health_server.port, "/healthz")[0] == 200, "healthz 200")
+    finally:
+        daemon.stop()

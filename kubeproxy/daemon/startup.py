@@ -154,6 +154,11 @@ def build_daemon(
         return [a for a in lister.list_addresses(netns) if not a.is_link_local]
 
     parts = servers(options, mode, options.config.sync_period)
+    if not (options.once or options.dry_run):
+        # 503 until the first sync, from the start: IPv4 is always proxied (IPv6 joins
+        # once the families are known). Set only then, /healthz answered 200 in the
+        # moment between learning the Node and knowing the families.
+        parts.health.await_first_sync([IPFamily.IPV4])
     # Bound before the API client is made: importing the Kubernetes client alone took
     # 0.35-0.7 s on a loaded machine, and /livez should answer within a second.
     refused = _bind(parts) if serve_early else None
@@ -287,7 +292,7 @@ def _assemble(
     the self-healing watchers."""
     events = wiring.events
     node = node_info(source.node, options.node_name, list_host_addresses())
-    parts.health.set_node(node)
+    parts.health.set_node(node)  # 503 meanwhile: the first sync is awaited already
     node_ips = detect_node_ips(
         host_ips(node.addresses),
         options.configuration.bind_address,
