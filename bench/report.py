@@ -30,6 +30,19 @@ Record kinds and their fields (every record also has ``subject``, one of
 * ``whole_process``: ``services``, ``how`` (the command), ``rounds``, ``seconds`` (median
   from process start to exit), ``min_s``, ``max_s``, ``peak_mb`` (the process's peak RSS,
   ``wait4``), ``ok``, ``timed_out``;
+* ``daemon`` (issue 20: ``kube-proxy-nftables`` started as a process, :mod:`bench.daemonbench`):
+  ``services``, ``source`` (``api``, ``manifests``, ``manifests-yaml``), ``livez_s`` and
+  ``healthz_s`` (first answers, from the process start), ``healthz_before_sync`` (the
+  codes ``/healthz`` gave before its first 200), ``first_sync_s`` (``/healthz`` turning
+  200), ``peak_mb`` and ``rss_mb`` (the daemon's), ``split_source_mb``,
+  ``split_proxier_mb``, ``split_backend_mb`` (where its memory is, at 100k), and with
+  partial syncs ``median_ms``, ``p90_ms``, ``max_ms``, ``mean_ms`` (its own
+  partial-sync metric, one endpoint change at a time), ``ok``;
+* ``daemon_churn``: ``services``, ``rate``, ``wall_s``, ``cpu_share``, ``partial_syncs``,
+  ``syncs_per_s``, ``partial_mean_ms``, ``programming_p50_s``/``programming_p99_s`` (the
+  histogram buckets holding them), ``programming_mean_s``, ``programming_over_1s``, ``ok``;
+* ``incremental_cadence``: ``services``, ``gap_s``, ``median_ms``, ``p90_ms``, ``max_ms``:
+  the in-process endpoint change, one every ``gap_s`` seconds (the daemon's cadence);
 * ``churn``: ``services``, ``rate`` (endpoint changes per second), ``seconds`` (the
   window), ``changes``, ``syncs``, ``syncs_per_s``, ``full_syncs``, ``failed_syncs``,
   ``sync_p50_ms``, ``sync_p99_ms``, ``sync_max_ms`` (the core's sync durations),
@@ -454,8 +467,8 @@ def _daemon_table(records: Sequence[Record]) -> list[str]:
     return [
         *lines,
         "",
-        "Times from the process start. The first sync is the first full sync the daemon's "
-        "metrics report; a partial sync is the daemon's own "
+        "Times from the process start. The first sync ends when `/healthz` turns 200 (it "
+        "answers 503 until every family's first sync); a partial sync is the daemon's own "
         "`kubeproxy_sync_partial_proxy_rules_duration_seconds` for one endpoint change at a "
         "time (minSyncPeriod 1 s apart), the in-process figure the incremental endpoint "
         "median of `test_control_plane` in this run.",
