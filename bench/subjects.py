@@ -16,6 +16,11 @@ from dataclasses import dataclass
 
 from bench.harness import UPSTREAM_BACKEND
 from bench.netns import in_netns
+from kubeproxy.backends.nftables import NftablesBackend
+from kubeproxy.backends.nftables.exec import LibNftables
+from kubeproxy.backends.nftables.layout import DISPATCH_RULES
+from kubeproxy.config import ProxierConfig
+from kubeproxy.objects import IPFamily
 
 __all__ = [
     "IPTABLES_LEGACY",
@@ -125,3 +130,13 @@ def installed_services(subject: Subject, netns: str) -> int:
     if subject.rules == "nft-maps":
         return _map_structure_frontends(netns)
     return _iptables_service_jumps(netns, subject.rules.removeprefix("iptables-"))
+
+
+def rules_dispatch_backend(
+    family: IPFamily, config: ProxierConfig, *, netns: str | None = None
+) -> NftablesBackend:
+    """The map structure with the class dispatch before issue 19: one rule per class,
+    walked in order by every new connection (the ``nftables-rules`` subject)."""
+    return NftablesBackend(
+        family, config, executor=LibNftables(netns=netns), dispatch=DISPATCH_RULES
+    )

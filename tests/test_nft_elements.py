@@ -369,3 +369,52 @@ def test_a_batch_refused_on_its_begin_is_answered_at_once(namespaces: tuple[str,
     assert outcome["errno"] == errno.EPERM, outcome
     assert outcome["error"] == "element transaction refused: Operation not permitted"
     assert outcome["seconds"] < 1.0
+
+
+@pytest.mark.kernel
+def test_a_dump_reads_what_nft_lists(namespaces: tuple[str, str]) -> None:
+    ns, _ = namespaces
+    with LibNftables(ns) as nft:
+        nft.run_text(TABLES)
+        nft.run_text(
+            "add map ip t sticky { type ipv4_addr : ipv4_addr . inet_service ; "
+            "flags dynamic,timeout ; timeout 3h ; }\n"
+            "add element ip t sticky { 10.0.0.5 : 10.180.0.1 . 8080, "
+            "10.0.0.6 timeout 60s : 10.180.0.2 . 9090 }"
+        )
+        writer = ElementWriter(ns)
+        try:
+            writer.send(
+                ElementBatch(
+                    Family.IP,
+                    "t",
+                    TYPES4,
+                    adds=[
+                        (
+                            "slots",
+                            (f"10.96.{i // 200}.{i % 200}", "udp", "53", "0"),
+                            ("10.1.0.1", "53"),
+                        )
+                        for i in range(300)
+                    ],
+                )
+            )
+            sticky = writer.read(
+                Family.IP, "t", "sticky", (("ipv4_addr",), ("ipv4_addr", "inet_service"))
+            )
+            slots = writer.read(Family.IP, "t", "slots", SLOTS4)
+            with pytest.raises(NftError) as missing:
+                writer.read(Family.IP, "t", "nope", SLOTS4)
+        finally:
+            writer.close()
+        listed = {(e.key, e.value) for e in nft.list_elements(Family.IP, "t", "sticky")}
+        assert (
+            set(sticky)
+            == listed
+            == {
+                (("10.0.0.5",), ("10.180.0.1", "8080")),
+                (("10.0.0.6",), ("10.180.0.2", "9090")),
+            }
+        )
+        assert len(slots) == 300 and (("10.96.0.7", "udp", "53", "0"), ("10.1.0.1", "53")) in slots
+        assert missing.value.errno == errno.ENOENT

@@ -217,7 +217,7 @@ def test_refused_transaction_leaves_the_previous_rules(topology: Topology) -> No
     # (slot 0 of bulk/s99, another endpoint): the kernel refuses the whole transaction.
     nft_in(
         node,
-        f"add element ip kube-proxy endpoints-tcp.g{generation} "
+        f"add element ip kube-proxy endpoints-tcp-b2.g{generation} "
         "{ 172.30.16.99 . tcp . 80 . 0 : 192.0.2.9 . 9 }",
     )
     before = nft_in(node, "list", "table", "ip", "kube-proxy")

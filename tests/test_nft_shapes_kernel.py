@@ -225,6 +225,26 @@ def test_a_failed_full_sync_leaves_no_generation_behind(topology: Topology) -> N
     assert _echo(topology) == b"hello\n"
 
 
+def test_each_port_has_affinity_maps_of_its_own_bounded_by_the_kernel(
+    topology: Topology,
+) -> None:
+    # One busy Service cannot fill another's affinity: every port's endpoint lists have
+    # maps of their own, which the kernel bounds at 65535 clients once a rule updates
+    # them (declared without a size, so nothing is allocated up front).
+    snapshot = echo_snapshot(PREFIX, 20)
+    sticky = [
+        (replace(port, session_affinity_seconds=60), snapshot.categorized[name])
+        for name, port in snapshot.services.items()
+        if name.service.namespace == "bulk"
+    ]
+    backend = NftablesBackend(IPFamily.IPV4, CONFIG, executor=LibNftables(topology.node))
+    backend.sync(_with_ports(snapshot, sticky), SyncChanges(full=True))
+    listing = run_in(topology.node, "nft", "list", "table", "ip", "kube-proxy")
+    maps = re.findall(r"map (affinity-[A-Z2-7]{16}) \{\n([^}]*)\}", listing)
+    assert len(maps) == 20
+    assert all("size 65535" in body and "flags dynamic,timeout" in body for _, body in maps)
+
+
 BROKEN = """
 table ip kpxs-broken {
     set members { type ipv4_addr . inet_proto . inet_service ; }

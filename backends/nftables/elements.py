@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from kubeproxy.backends.nftables.objects import Family, NftError, validate_name
 from kubeproxy.netns import run_in_netns
 
-__all__ = ["ElementBatch", "ElementWriter", "encode_part", "supports"]
+__all__ = ["ElementBatch", "ElementWriter", "decode_part", "encode_part", "supports"]
 
 Key = tuple[str, ...]
 
@@ -46,7 +46,10 @@ _NFNL_SUBSYS_NFTABLES = 10
 _NFNL_MSG_BATCH_BEGIN = 0x10
 _NFNL_MSG_BATCH_END = 0x11
 _NFT_MSG_NEWSETELEM = 12
+_NFT_MSG_GETSETELEM = 13
 _NFT_MSG_DELSETELEM = 14
+_NLMSG_DONE = 0x3
+_NLM_F_DUMP = 0x300
 _NLM_F_REQUEST = 0x1
 _NLM_F_ACK = 0x4
 _NLM_F_CREATE = 0x400
@@ -111,6 +114,33 @@ def encode_part(datatype: str, text: str) -> bytes:
             raise ValueError(f"{text!r} is not a 32-bit number")
         return struct.pack("=I", value)
     raise ValueError(f"data type {datatype!r} is not supported")
+
+
+_PROTOCOL_NAMES = {number: name for name, number in _PROTOCOLS.items()}
+
+
+def decode_part(datatype: str, data: bytes) -> str:
+    """One part of a key or value as nft writes it (the inverse of :func:`encode_part`)."""
+    if datatype == "ipv4_addr":
+        return socket.inet_ntop(socket.AF_INET, data[:4])
+    if datatype == "ipv6_addr":
+        return socket.inet_ntop(socket.AF_INET6, data[:16])
+    if datatype == "inet_proto":
+        return _PROTOCOL_NAMES.get(data[0], str(data[0]))
+    if datatype == "inet_service":
+        return str(struct.unpack_from(">H", data)[0])
+    if datatype == "integer":
+        return str(struct.unpack_from("=I", data)[0])
+    raise ValueError(f"data type {datatype!r} is not supported")
+
+
+def _decode(types: tuple[str, ...], data: bytes) -> Key:
+    parts = []
+    offset = 0
+    for datatype in types:
+        parts.append(decode_part(datatype, data[offset:]))
+        offset += _SIZES[datatype]
+    return tuple(parts)
 
 
 def _attr(kind: int, payload: bytes) -> bytes:
@@ -434,6 +464,67 @@ class ElementWriter:
         if failure is not None:
             raise failure
 
+    def read(
+        self,
+        family: Family,
+        table: str,
+        container: str,
+        types: tuple[tuple[str, ...], tuple[str, ...]],
+    ) -> list[tuple[Key, Key]]:
+        """Every element of a set or map as ``(key, value)`` text parts (value ``()`` for
+        a set), by a netlink dump of that container alone.
+
+        Why not libnftables: it builds its cache of the table first, about 11 ms per map
+        in a table of 30k Services, where a dump of a small map takes well under one;
+        reading every affinity map after a restart took 10 s of a 30k-Service cold sync.
+        Raises :class:`NftError` (``ENOENT`` for a missing set) as a refusal would.
+        """
+        validate_name("table", table)
+        validate_name("set", container)
+        if not supports(types[0]) or not supports(types[1]):
+            raise NftError(f"no supported data types known for {container}", _errno.EINVAL)
+        body = (
+            _NFGEN.pack(_FAMILY_NUMBERS[family], 0, 0)
+            + _attr(_NFTA_SET_ELEM_LIST_TABLE, _string(table))
+            + _attr(_NFTA_SET_ELEM_LIST_SET, _string(container))
+        )
+        with self._lock:
+            seq = self._next()
+            message_type = (_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_GETSETELEM
+            request = _HEADER.pack(
+                16 + len(body), message_type, _NLM_F_REQUEST | _NLM_F_DUMP, seq, 0
+            )
+            try:
+                self._drain()
+                self._sock.sendall(request + body)
+                return self._dump(seq, container, types)
+            except OSError as err:
+                self._replace()
+                raise NftError(f"listing {container}: {err}", err.errno or _errno.EIO) from err
+
+    def _dump(
+        self, seq: int, container: str, types: tuple[tuple[str, ...], tuple[str, ...]]
+    ) -> list[tuple[Key, Key]]:
+        out: list[tuple[Key, Key]] = []
+        while True:
+            data = self._sock.recv(1 << 20)
+            offset = 0
+            while offset + _HEADER.size <= len(data):
+                length, kind, _flags, got, _pid = _HEADER.unpack_from(data, offset)
+                if length < _HEADER.size:
+                    break
+                end = offset + length
+                if got == seq:
+                    if kind == _NLMSG_DONE:
+                        return out
+                    if kind == _NLMSG_ERROR:
+                        (code,) = _ERROR.unpack_from(data, offset + _HEADER.size)
+                        if code:
+                            raise NftError(f"listing {container}: {os.strerror(-code)}", -code)
+                    elif kind & 0xFF == _NFT_MSG_NEWSETELEM:
+                        out.extend(_elements(data, offset + _HEADER.size + _NFGEN.size, end, types))
+                offset += (length + 3) & ~3
+
     def _replace(self) -> None:
         """A new socket for the next batch (nothing of this one can be read there)."""
         with contextlib.suppress(OSError):
@@ -533,6 +624,29 @@ def _answers(data: bytes) -> Iterator[tuple[int, int, int | None, str]]:
                         message = value.split(b"\0", 1)[0].decode(errors="replace")
             yield seq, -code, where, message
         offset += (length + 3) & ~3
+
+
+def _elements(
+    data: bytes, start: int, end: int, types: tuple[tuple[str, ...], tuple[str, ...]]
+) -> Iterator[tuple[Key, Key]]:
+    """The ``(key, value)`` of every element in one NEWSETELEM message's attributes."""
+    for kind, payload in _attributes(data, start, end):
+        if kind != _NFTA_SET_ELEM_LIST_ELEMENTS:
+            continue
+        for item_kind, item in _attributes(payload, 0, len(payload)):
+            if item_kind != _NFTA_LIST_ELEM:
+                continue
+            key: Key = ()
+            value: Key = ()
+            for part_kind, part in _attributes(item, 0, len(item)):
+                if part_kind in (_NFTA_SET_ELEM_KEY, _NFTA_SET_ELEM_DATA):
+                    raw = next((v for k, v in _attributes(part, 0, len(part)) if k == 1), b"")
+                    if part_kind == _NFTA_SET_ELEM_KEY:
+                        key = _decode(types[0], raw)
+                    else:
+                        value = _decode(types[1], raw)
+            if key:
+                yield key, value
 
 
 def _attributes(data: bytes, start: int, end: int) -> Iterator[tuple[int, bytes]]:

@@ -106,6 +106,19 @@ class NftExecutor(Protocol):
         """The elements of a set or map; raises :class:`NftError` (ENOENT) if missing."""
         ...
 
+    def read_elements(
+        self,
+        family: Family,
+        table: str,
+        container: str,
+        types: tuple[tuple[str, ...], tuple[str, ...]],
+    ) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
+        """``(key, value)`` of every element of a container of known data types (as
+        :class:`~kubeproxy.backends.nftables.elements.ElementBatch` names them), read
+        without nft's cache of the table where possible; raises like :meth:`list_elements`.
+        """
+        ...
+
     def list_sets(self, family: Family, table: str) -> list[str]:
         """Names of the table's sets and maps; ``[]`` if the table is missing."""
         ...
@@ -313,6 +326,19 @@ class LibNftables(NftExecutor):
         if self._writer is None:
             self._writer = ElementWriter(self.netns)
         self._writer.send(batch)
+
+    def read_elements(
+        self,
+        family: Family,
+        table: str,
+        container: str,
+        types: tuple[tuple[str, ...], tuple[str, ...]],
+    ) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
+        """A netlink dump of one container on the element socket (see
+        :meth:`~kubeproxy.backends.nftables.elements.ElementWriter.read`)."""
+        if self._writer is None:
+            self._writer = ElementWriter(self.netns)
+        return self._writer.read(family, table, container, types)
 
     def run_text(self, text: str) -> str:
         """Run raw nft commands and return their (text) output."""

@@ -75,8 +75,10 @@ DROP = "drop"
 """Endpoints exist, none of them for this frontend's policy: new connections are dropped."""
 
 AFFINITY_MAP_SIZE = 65535
-"""Clients one affinity map holds: upstream bounds each Service's affinity the same way
-(65535 per endpoint set), so one busy Service cannot crowd out another's clients."""
+"""Clients one affinity map holds (the kernel's bound for a set that rules update, see
+:func:`~.layout.affinity_container`): each port's lists have maps of their own, as
+upstream's endpoints have sets of their own, so one busy Service never crowds out
+another's clients."""
 AFFINITY4_MAP_TYPE = "ipv4_addr : ipv4_addr . inet_service"
 """An IPv4 affinity map: client address : endpoint address . port."""
 _CLUSTER_LIST = "service"

@@ -70,10 +70,12 @@ def slots_of(executor: NftExecutor, family: Family, key: Key) -> list[tuple[str,
     proto = key[1] if kind == KIND_IP else key[0]
     if proto not in SLOT_PROTOCOLS:
         return []
-    name = GenNames(gen).slots(kind, False, proto)
-    found = {
-        int(e.key[-1]): e.value
-        for e in executor.list_elements(family, TABLE, name)
-        if e.key[:-1] == key
-    }
+    # The frontend's slots are in the map of its count's bucket: look in each.
+    head = GenNames(gen).slots(kind, False, proto, 1).rpartition("-b")[0] + "-b"
+    found: dict[int, tuple[str, ...]] = {}
+    for name in executor.list_sets(family, TABLE):
+        if name.startswith(head) and generation_of(name) == gen:
+            for element in executor.list_elements(family, TABLE, name):
+                if element.key[:-1] == key:
+                    found[int(element.key[-1])] = element.value
     return [found[i] for i in sorted(found)]

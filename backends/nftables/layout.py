@@ -76,6 +76,7 @@ __all__ = [
     "pick_chain",
     "picks_of",
     "public_containers",
+    "slot_bucket",
     "tree_chains",
     "tree_depth",
 ]
@@ -146,18 +147,36 @@ class GenNames:
         self.firewall_allow = f"firewall-allow{suffix}"
         self.hairpin = f"hairpin-endpoints{suffix}"
 
-    def slots(self, kind: str, shortcut: bool, proto: str) -> str:
+    def slots(self, kind: str, shortcut: bool, proto: str, count: int) -> str:
         """The endpoint-slot map of ``kind`` frontends of one protocol (main list, or the
-        short-circuit list of Local-policy frontends)."""
-        memo = ("slots", kind, shortcut, proto)
+        short-circuit list of Local-policy frontends) with ``count`` endpoints: one map
+        per :func:`slot_bucket` of counts."""
+        bucket = slot_bucket(count)
+        memo = ("slots", kind, shortcut, proto, bucket)
         found = self._memo.get(memo)
         if found is not None:
             return found
         head = "endpoints" if kind == KIND_IP else "nodeport-endpoints"
         if shortcut:
             head = f"shortcut-{head}"
-        name = self._memo[memo] = f"{head}-{proto}{self.suffix}"
+        name = self._memo[memo] = f"{head}-{proto}-b{bucket}{self.suffix}"
         return name
+
+    def slot_maps(self, pick: Pick, tokens: FamilyTokens) -> tuple[ContainerSpec, ...]:
+        """The endpoint-slot maps a pick reads, one per protocol."""
+        key = f"{_frontend(pick.kind, tokens)} . numgen random mod 1"
+        ip = tokens.table_family
+        # One map per protocol: nft types the value's port by protocol, and a "th dport"
+        # value would not list back into a valid declaration.
+        return tuple(
+            ContainerSpec(
+                self.slots(pick.kind, pick.shortcut, proto, pick.count),
+                True,
+                f"{key} : {ip} daddr . {proto} dport",
+                typeof=True,
+            )
+            for proto in SLOT_PROTOCOLS
+        )
 
     def no_endpoint(self, kind: str, verdict: str) -> str:
         """The set of ``kind`` frontends without endpoints whose packets get ``verdict``."""
@@ -228,22 +247,7 @@ class GenNames:
         addr = tokens.addr_type
         frontend = f"{addr} . inet_proto . inet_service"
         nodeport = "inet_proto . inet_service"
-        specs = []
-        for kind in (KIND_IP, KIND_NODEPORT):
-            key = f"{_frontend(kind, tokens)} . numgen random mod 1"
-            for shortcut in (False, True):
-                for proto in SLOT_PROTOCOLS:
-                    # One map per protocol: nft types the value's port by protocol, and a
-                    # "th dport" value would not list back into a valid declaration.
-                    specs.append(
-                        ContainerSpec(
-                            self.slots(kind, shortcut, proto),
-                            True,
-                            f"{key} : {ip} daddr . {proto} dport",
-                            typeof=True,
-                        )
-                    )
-        specs += [
+        specs = [
             ContainerSpec(self.no_endpoint_reject, False, frontend),
             ContainerSpec(self.no_endpoint_drop, False, frontend),
             ContainerSpec(self.no_endpoint_nodeports_reject, False, nodeport),
@@ -280,6 +284,21 @@ class GenNames:
 
 
 _PLURAL = {KIND_IP: "ips", KIND_NODEPORT: "nodeports"}
+
+
+def slot_bucket(count: int) -> int:
+    """The slot map of frontends with ``count`` endpoints: counts share a map when they
+    have the same bit length (1, 2-3, 4-7, ... 512-1023 ...).
+
+    Why not one map for every count: the kernel checks each element added to a map
+    against every rule that reads the map (``nft_validate_register_store`` per binding),
+    and every pick chain, one per endpoint count, reads its slot maps. With the several
+    hundred counts of a real cluster's 30k Services, filling the slots took 4 s of
+    kernel time, against 0.9 s for the same number of elements in a cluster of one count.
+    A frontend whose count changes bucket moves all its slots; within a bucket, one
+    endpoint changed is still one slot rewritten.
+    """
+    return max(1, count).bit_length()
 
 
 def class_numbers(depth: int) -> list[int]:
@@ -403,7 +422,7 @@ def pick_chain(names: GenNames, pick: Pick, tokens: FamilyTokens) -> FixedChain:
         # nft adds the "meta l4proto <proto>" match the map's value type implies.
         rules.append(
             f"dnat to {_frontend(pick.kind, tokens)} . numgen random mod {pick.count} "
-            f"map @{names.slots(pick.kind, pick.shortcut, proto)}"
+            f"map @{names.slots(pick.kind, pick.shortcut, proto, pick.count)}"
         )
     return FixedChain(names.pick(pick), tuple(rules))
 
@@ -514,10 +533,16 @@ def public_containers(tokens: FamilyTokens) -> tuple[ContainerSpec, ...]:
     )
 
 
-def affinity_container(name: str, map_type: str, size: int) -> ContainerSpec:
-    """A content-named affinity map (outside generations: its entries outlive them)."""
+def affinity_container(name: str, map_type: str) -> ContainerSpec:
+    """A content-named affinity map (outside generations: its entries outlive them).
+
+    No ``size``: the kernel bounds a set that rules ``update`` at 65535 entries when none
+    is given (what upstream's per-endpoint affinity sets get, and what the map then
+    lists), without allocating for them. A declared ``size 65535`` preallocates its hash
+    table instead: 800 such maps took 4 s to create and 1.3 GB of kernel memory here.
+    """
     return ContainerSpec(
-        name, True, map_type, flags=("dynamic", "timeout"), timeout=AFFINITY_TIMEOUT, size=size
+        name, True, map_type, flags=("dynamic", "timeout"), timeout=AFFINITY_TIMEOUT
     )
 
 
