@@ -380,6 +380,7 @@ def parse_options(
         raise _named(err, config_file, given) from None
     except ValueError as err:
         raise OptionsError(str(err)) from None
+    warnings.extend(settled.config.feature_gates.warnings)
     return Options(
         configuration=settled.configuration,
         config=settled.config,

@@ -56,7 +56,7 @@ CONFIG = ProxierConfig(node_name="kpxr-node")
 pytestmark = pytest.mark.kernel
 
 test_flow_cases = flow_test(
-    ["flowcases/examples/*.yaml", "flowcases/behaviour/*.yaml"],
+    ["flowcases/examples/*.yaml", "flowcases/behaviour/*.yaml", "flowcases/nftables/*.yaml"],
     backend="nftables",
     base=REPO,
     marks=[pytest.mark.kernel],

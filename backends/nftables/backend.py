@@ -98,6 +98,7 @@ from kubeproxy.backends.nftables.structure import (
 )
 from kubeproxy.backends.nftables.transaction import Transaction
 from kubeproxy.config import ProxierConfig
+from kubeproxy.featuregates import KUBE_PROXY_NFTABLES_LOCALHOST_NODEPORTS
 from kubeproxy.objects import IPFamily, NamespacedName, ServicePortName
 
 __all__ = ["NftablesBackend"]
@@ -257,7 +258,9 @@ class NftablesBackend:
     :attr:`sync_failures`, :attr:`stale_chain_failures` (failed deletions of unused
     objects), :attr:`affinity_cleanup_failures`; for tests and logs:
     :attr:`last_operations`, :attr:`last_transactions`, :attr:`last_sync_full`,
-    :attr:`generation`.
+    :attr:`generation`. ``kept`` names objects (``chain NAME``, ``set NAME``) that another
+    part of this proxy keeps in our table (localhost NodePorts' reject rules): never
+    deleted as unused.
     """
 
     def __init__(
@@ -269,6 +272,7 @@ class NftablesBackend:
         clock: Callable[[], float] = time.monotonic,
         elements_per_transaction: int = 10_000,
         support_check: bool = True,
+        kept: Iterable[str] = (),
     ) -> None:
         if elements_per_transaction < 1:
             raise ValueError("elements_per_transaction must be at least 1")
@@ -292,6 +296,8 @@ class NftablesBackend:
         # "chain NAME" / "set NAME" of objects nothing uses any more -> since when.
         self._stale: dict[str, float] = {}
         self._base_recreated = False
+        # Objects other parts of this proxy keep in our table ("chain NAME", "set NAME").
+        self._kept = frozenset(kept)
         self._claims = Claims(log)
         self._unrenderable = SkippedPorts(log)
         self._need_full = True
@@ -405,7 +411,11 @@ class NftablesBackend:
             if ip.version != self._family.version:
                 continue
             if ip.is_loopback:
-                log.error("skipping NodePort address %s: localhost NodePorts are not supported", ip)
+                if not self._config.feature_gates.enabled(KUBE_PROXY_NFTABLES_LOCALHOST_NODEPORTS):
+                    log.error(
+                        "skipping NodePort address %s: localhost NodePorts are not supported", ip
+                    )
+                # With the gate on, a userspace proxy serves them (localhost.py).
                 continue
             if (str(ip),) not in out:
                 out.append((str(ip),))
@@ -489,7 +499,7 @@ class NftablesBackend:
 
     def _wanted_names(self) -> set[str]:
         names = self._names
-        wanted = {f"chain {n}" for n in FIXED_CHAINS}
+        wanted = {f"chain {n}" for n in FIXED_CHAINS} | self._kept
         wanted.update(f"set {c.name}" for c in public_containers(self._tokens))
         wanted.update(f"set {c.name}" for c in names.containers(self._tokens))
         for spec in self._classes:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from kubeproxy.config import ProxierConfig
+from kubeproxy.featuregates import FeatureGates
 from kubeproxy.objects import IPNetwork
 from kubeproxy.proxyconfig import (
     ConfigError,
@@ -178,5 +179,11 @@ class DaemonOptions:
 
     @property
     def feature_gates(self) -> Mapping[str, bool]:
-        """``featureGates`` (``--feature-gates``)."""
+        """``featureGates`` (``--feature-gates``) as given."""
         return self.configuration.feature_gates
+
+    @property
+    def gates(self) -> FeatureGates:
+        """The effective feature gates (every known gate; see
+        :mod:`kubeproxy.featuregates`)."""
+        return self.config.feature_gates

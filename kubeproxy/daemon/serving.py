@@ -2,7 +2,8 @@
 
 ``/healthz`` and ``/livez`` (:class:`~kubeproxy.health.ProxyHealthServer`, unhealthy when
 a change has waited two ``syncPeriod``s, or while a data-plane fault is reported),
-``/metrics``, ``/proxyMode`` and ``/configz`` (:class:`~kubeproxy.metrics.MetricsServer`),
+``/metrics`` (with the feature gates' ``kubernetes_feature_enabled``), ``/proxyMode`` and
+``/configz`` (:class:`~kubeproxy.metrics.MetricsServer`),
 and one :class:`~kubeproxy.health.ServiceHealthServer` per family for the
 HealthCheckNodePorts, whose listen failures become Events.
 """
@@ -20,6 +21,7 @@ from kubeproxy.events import (
     EventSink,
     ObjectReference,
 )
+from kubeproxy.featuregates import FeatureEnabledCollector
 from kubeproxy.health import HealthObserver, ProxyHealth, ProxyHealthServer, ServiceHealthServer
 from kubeproxy.metrics import MetricsServer, ProxyMetrics
 from kubeproxy.objects import IPFamily, NamespacedName, NodeInfo
@@ -62,6 +64,7 @@ def health_and_metrics(
     """Upstream's servers: metrics, /healthz and /livez (2 x syncPeriod), Service checks."""
     hard_fail = options.bind_address_hard_fail
     metrics = ProxyMetrics(mode=mode)
+    metrics.registry.register(FeatureEnabledCollector(options.gates))
     health = ProxyHealth(2 * sync_period, node=node)
     report = listen_error_reporter(events)
     service_health = {
