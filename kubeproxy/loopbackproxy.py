@@ -219,8 +219,8 @@ class LocalNodePortProxy:
         return frozenset(self._listeners)
 
     def sync(self, targets: Iterable[NodePortTarget], timeout: float = 30.0) -> None:
-        """Serve exactly ``targets``: listeners not among them go (with their
-        connections), new ones are created, the others get the new endpoints."""
+        """Serve exactly ``targets``: listeners not among them (or without endpoints) go,
+        with their connections; new ones are created, the others get the new endpoints."""
         wanted = self._by_port(targets)
         self._call(lambda: self._replace(wanted), timeout)
 
@@ -232,8 +232,10 @@ class LocalNodePortProxy:
     ) -> None:
         """Serve ``targets`` (created or updated) and stop serving the ports ``removed``;
         the other listeners are left alone."""
-        wanted = self._by_port(targets)
-        gone = [port for port in removed if port not in wanted]
+        listed = list(targets)
+        wanted = self._by_port(listed)
+        empty = [t.node_port for t in listed if not t.endpoints]
+        gone = [port for port in (*removed, *empty) if port not in wanted]
         self._call(lambda: self._change(wanted, gone), timeout)
 
     def close(self, timeout: float = 10.0) -> None:
@@ -253,6 +255,8 @@ class LocalNodePortProxy:
     def _by_port(targets: Iterable[NodePortTarget]) -> dict[int, NodePortTarget]:
         by_port: dict[int, NodePortTarget] = {}
         for target in sorted(targets, key=lambda t: (t.node_port, str(t.name))):
+            if not target.endpoints:
+                continue  # nothing to serve: no listener (connections refused), as upstream
             if target.node_port in by_port:
                 # The API server refuses a NodePort twice; keep the first, say so.
                 logger.error(
