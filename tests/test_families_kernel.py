@@ -14,13 +14,10 @@ import contextlib
 import dataclasses
 import ipaddress
 import logging
-import os
 import socket
 import subprocess
 import time
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,75 +31,28 @@ from kubeproxy.daemon.gctuning import GcOps
 from kubeproxy.objects import IPFamily, Protocol
 from kubeproxy.proxyconfig import defaults
 from kubeproxy.testing.fakeapi import endpoint_slice, node, service
-from kubeproxy.testing.netns import (
-    SubprocessRunner,
-    add_namespaces,
-    delete_namespaces,
-    entered,
-    open_namespace,
-    write_sysctl,
-)
+from kubeproxy.testing.netns import entered
 from kubeproxy.testing.traffic import ListenerServer, make_listener
+from tests.kernelkit import NodeAndPod, node_and_pod
 
 pytestmark = pytest.mark.kernel
 
 NODE = "kpxfam-node"
 NODE_V4, NODE_V6 = "192.168.72.2", "fd00:72::2"
-POD_V4, POD_V6 = "10.244.72.21", "fd00:72:1::21"
+POD_V4, POD_V4_UNUSED, POD_V6 = "10.244.0.21", "10.244.0.22", "fd00:244::21"
 SVC_V4, SVC_V6 = "172.30.72.10", "fd00:96::72:10"
 GC_UNTOUCHED = GcOps(collect=lambda: 0, freeze=lambda: None, set_threshold=lambda *_: None)
 
 
-@dataclass(frozen=True)
-class Scene:
-    """A node namespace and a pod namespace (both families), and a descriptor on each."""
-
-    node: str
-    node_fd: int
-    pod_fd: int
+@contextlib.contextmanager
+def scene() -> Iterator[NodeAndPod]:
+    """The node and pod namespaces, both families."""
+    with node_and_pod("kpxfam", NODE_V4, (POD_V4, POD_V4_UNUSED), ipv6=(NODE_V6, POD_V6)) as pair:
+        yield pair
 
 
 @contextlib.contextmanager
-def scene() -> Iterator[Scene]:
-    run_id = uuid.uuid4().hex[:6]
-    names = [f"kpxfam-{run_id}-node", f"kpxfam-{run_id}-pod"]
-    node_if, pod_if = f"kpxfam{run_id}n", f"kpxfam{run_id}p"
-    runner = SubprocessRunner()
-    fds: list[int] = []
-    try:
-        add_namespaces(runner, names)
-        fds = [open_namespace(names[0]), open_namespace(names[1])]
-        for fd in fds:
-            # Neighbour discovery waits for no duplicate-address detection here.
-            write_sysctl(
-                fd,
-                [("net.ipv6.conf.all.accept_dad", "0"), ("net.ipv6.conf.default.accept_dad", "0")],
-            )
-        runner(
-            ["ip", "-n", names[0], "-batch", "-"],
-            stdin=f"link set lo up\naddr add {NODE_V4}/32 dev lo\n"
-            f"addr add {NODE_V6}/128 dev lo nodad\n"
-            f"link add {node_if} type veth peer name {pod_if} netns {names[1]}\n"
-            f"addr add 10.244.72.1/24 dev {node_if}\n"
-            f"addr add fd00:72:1::1/64 dev {node_if} nodad\nlink set {node_if} up\n"
-            f"route add 172.30.0.0/16 dev {node_if}\nroute add fd00:96::/64 dev {node_if}\n",
-        )
-        runner(
-            ["ip", "-n", names[1], "-batch", "-"],
-            stdin=f"link set lo up\naddr add {POD_V4}/24 dev {pod_if}\n"
-            f"addr add {POD_V6}/64 dev {pod_if} nodad\nlink set {pod_if} up\n"
-            "route add default via 10.244.72.1\nroute add default via fd00:72:1::1\n",
-        )
-        yield Scene(names[0], fds[0], fds[1])
-    finally:
-        for fd in fds:
-            os.close(fd)
-        left = delete_namespaces(runner, names)
-        assert not left, f"namespaces left behind: {left}"
-
-
-@contextlib.contextmanager
-def endpoints(where: Scene) -> Iterator[None]:
+def endpoints(where: NodeAndPod) -> Iterator[None]:
     """Both pod addresses listen on TCP 80 (answering with what they saw), and answer
     the node directly (a fresh veth takes a moment before IPv6 neighbours resolve)."""
     server = ListenerServer("kpxfam")
@@ -159,7 +109,7 @@ def answers(netns_fd: int, address: str) -> bool:
 
 
 @contextlib.contextmanager
-def synced_daemon(where: Scene, directory: Path, **build: Any) -> Iterator[Daemon]:
+def synced_daemon(where: NodeAndPod, directory: Path, **build: Any) -> Iterator[Daemon]:
     """The library daemon of nftables mode in the node namespace, synced once; its rules
     are removed afterwards."""
     daemon = build_daemon(
@@ -180,44 +130,54 @@ def synced_daemon(where: Scene, directory: Path, **build: Any) -> Iterator[Daemo
             proxier.backend.cleanup()
 
 
-def test_the_second_family_runs_without_a_node_address_of_it(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize(
+    ("node_addresses", "ipv6_supported", "families", "line"),
+    [
+        # The Node knows no IPv6 address; the kernel's own answer says IPv6 is here.
+        pytest.param(
+            [NODE_V4],
+            None,
+            [IPFamily.IPV4, IPFamily.IPV6],
+            'kube-proxy running in dual-stack mode primary ipFamily="IPv4"',
+            id="second family without a node address of it",
+        ),
+        pytest.param(
+            [NODE_V4, NODE_V6],
+            False,
+            [IPFamily.IPV4],
+            'kube-proxy running in single-stack mode ipFamily="IPv4"',
+            id="kernel without the second family",
+        ),
+        pytest.param(
+            [NODE_V6, NODE_V4],
+            True,
+            [IPFamily.IPV4, IPFamily.IPV6],
+            'kube-proxy running in dual-stack mode primary ipFamily="IPv6"',
+            id="IPv6-primary node",
+        ),
+    ],
+)
+def test_families_as_upstream_picks_them(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    node_addresses: list[str],
+    ipv6_supported: bool | None,
+    families: list[IPFamily],
+    line: str,
 ) -> None:
     caplog.set_level(logging.INFO, logger="kubeproxy.daemon")
-    # The Node knows no IPv6 address; the kernel's own answer says IPv6 is here.
-    directory = manifests(tmp_path, [NODE_V4])
-    with scene() as where, endpoints(where), synced_daemon(where, directory) as daemon:
-        assert daemon.families == [IPFamily.IPV4, IPFamily.IPV6]
-        assert daemon.node_ips.ipv6.is_loopback
-        assert answers(where.node_fd, SVC_V6), "the IPv6 cluster IP answers"
+    directory = manifests(tmp_path, node_addresses)
+    build = {} if ipv6_supported is None else {"ipv6_supported": ipv6_supported}
+    with scene() as where, endpoints(where), synced_daemon(where, directory, **build) as daemon:
+        primary = IPFamily.IPV6 if ":" in node_addresses[0] else IPFamily.IPV4
+        assert daemon.node_ips.primary_family is primary
+        assert daemon.families == families
         assert answers(where.node_fd, SVC_V4), "the IPv4 cluster IP answers"
-    assert 'kube-proxy running in dual-stack mode primary ipFamily="IPv4"' in caplog.messages
-
-
-def test_a_kernel_without_the_second_family_runs_single_stack(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    caplog.set_level(logging.INFO, logger="kubeproxy.daemon")
-    with scene() as where, endpoints(where):
-        directory = manifests(tmp_path, [NODE_V4, NODE_V6])
-        with synced_daemon(where, directory, ipv6_supported=False) as daemon:
-            assert daemon.families == [IPFamily.IPV4]
-            assert answers(where.node_fd, SVC_V4)
-            assert not answers(where.node_fd, SVC_V6), "no IPv6 proxier, no IPv6 rules"
-    assert 'kube-proxy running in single-stack mode ipFamily="IPv4"' in caplog.messages
-
-
-def test_an_ipv6_primary_node_runs_both_families(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    caplog.set_level(logging.INFO, logger="kubeproxy.daemon")
-    with scene() as where, endpoints(where):
-        directory = manifests(tmp_path, [NODE_V6, NODE_V4])
-        with synced_daemon(where, directory, ipv6_supported=True) as daemon:
-            assert daemon.node_ips.primary_family is IPFamily.IPV6
-            assert daemon.families == [IPFamily.IPV4, IPFamily.IPV6]
-            assert answers(where.node_fd, SVC_V6) and answers(where.node_fd, SVC_V4)
-    assert 'kube-proxy running in dual-stack mode primary ipFamily="IPv6"' in caplog.messages
+        v6 = IPFamily.IPV6 in families
+        assert answers(where.node_fd, SVC_V6) is v6, "IPv6 rules iff an IPv6 proxier"
+        if v6 and NODE_V6 not in node_addresses:
+            assert daemon.node_ips.ipv6.is_loopback, "the loopback stands in for it"
+    assert line in caplog.messages
 
 
 def test_a_primary_family_the_kernel_lacks_stops_the_start(tmp_path: Path) -> None:

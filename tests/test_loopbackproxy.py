@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import random
 import socket
 import threading
@@ -27,13 +26,8 @@ import pytest
 from kubeproxy.localnodeports import NodePortTarget
 from kubeproxy.loopbackproxy import LocalNodePortProxy
 from kubeproxy.objects import IPFamily, NamespacedName, Protocol, ServicePortName
-from kubeproxy.testing.netns import (
-    SubprocessRunner,
-    add_namespaces,
-    delete_namespaces,
-    entered,
-    open_namespace,
-)
+from kubeproxy.testing.netns import SubprocessRunner, entered
+from tests.kernelkit import lone_namespace
 
 pytestmark = pytest.mark.kernel
 
@@ -58,18 +52,8 @@ class Netns:
 
 @pytest.fixture
 def netns() -> Iterator[Netns]:
-    name = f"kpxlp-{uuid.uuid4().hex[:8]}"
-    runner = SubprocessRunner()
-    add_namespaces(runner, [name])
-    fd = -1
-    try:
-        runner(["ip", "-n", name, "link", "set", "lo", "up"])
-        fd = open_namespace(name)
-        yield Netns(name, fd)
-    finally:
-        if fd >= 0:
-            os.close(fd)
-        assert not delete_namespaces(runner, [name])
+    with lone_namespace("kpxlp") as made:
+        yield Netns(made.name, made.fd)
 
 
 class Backend:

@@ -9,10 +9,8 @@ off, the same sync goes through libnftables alone and the kernel ends up the sam
 from __future__ import annotations
 
 import errno
-import os
 import socket
 import subprocess
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,13 +28,8 @@ from kubeproxy.config import ProxierConfig
 from kubeproxy.featuregates import resolve
 from kubeproxy.metrics import expose
 from kubeproxy.objects import IPFamily, Protocol
-from kubeproxy.testing.netns import (
-    SubprocessRunner,
-    add_namespaces,
-    delete_namespaces,
-    entered,
-    open_namespace,
-)
+from kubeproxy.testing.netns import entered
+from tests.kernelkit import lone_namespace
 from tests.snapshots import World, ep, full, spn
 from tests.test_nft_localhost import port
 
@@ -45,18 +38,8 @@ pytestmark = pytest.mark.kernel
 
 @pytest.fixture
 def netns() -> Iterator[tuple[str, int]]:
-    name = f"kpxlk-{uuid.uuid4().hex[:8]}"
-    runner = SubprocessRunner()
-    add_namespaces(runner, [name])
-    fd = -1
-    try:
-        runner(["ip", "-n", name, "link", "set", "lo", "up"])
-        fd = open_namespace(name)
-        yield name, fd
-    finally:
-        if fd >= 0:
-            os.close(fd)
-        assert not delete_namespaces(runner, [name])
+    with lone_namespace("kpxlk") as made:
+        yield made.name, made.fd
 
 
 def refused(fd: int, protocol: Protocol, port_number: int) -> bool:

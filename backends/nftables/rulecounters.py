@@ -14,13 +14,13 @@ statement and a ``comment``, the comment and the packets counted.
 from __future__ import annotations
 
 import errno
-import os
 import socket
 import struct
 from collections.abc import Iterator
 from typing import Final
 
 from kubeproxy.backends.nftables.objects import Family, NftError
+from kubeproxy.netlink import netlink_dump
 from kubeproxy.netns import run_in_netns
 
 __all__ = ["parse_rule", "rule_counters"]
@@ -31,8 +31,6 @@ _NFT_MSG_NEWRULE: Final = 6
 _NFT_MSG_GETRULE: Final = 7
 _NLM_F_REQUEST: Final = 0x1
 _NLM_F_DUMP: Final = 0x300
-_NLMSG_ERROR: Final = 2
-_NLMSG_DONE: Final = 3
 _NFTA_RULE_TABLE: Final = 1
 _NFTA_RULE_CHAIN: Final = 2
 _NFTA_RULE_EXPRESSIONS: Final = 4
@@ -119,30 +117,14 @@ def _request(family: Family, table: str, chain: str, seq: int) -> bytes:
     )
 
 
-def _dump(sock: socket.socket, request: bytes, seq: int) -> dict[str, int]:
-    sock.sendall(request)
+def _counters(sock: socket.socket, request: bytes, seq: int) -> dict[str, int]:
     found: dict[str, int] = {}
-    while True:
-        data = sock.recv(1 << 16)
-        offset = 0
-        while offset + _HEADER.size <= len(data):
-            length, kind, _flags, msg_seq, _pid = _HEADER.unpack_from(data, offset)
-            if length < _HEADER.size:
-                return found
-            if msg_seq == seq:
-                if kind == _NLMSG_DONE:
-                    return found
-                if kind == _NLMSG_ERROR:
-                    (code,) = struct.unpack_from("=i", data, offset + _HEADER.size)
-                    if code:
-                        raise NftError(f"listing rules: {os.strerror(-code)}", -code)
-                    return found
-                if kind == (_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_NEWRULE:
-                    start = offset + _HEADER.size + _NFGEN.size
-                    parsed = parse_rule(data[start : offset + length])
-                    if parsed is not None:
-                        found[parsed[0]] = parsed[1]
-            offset += (length + 3) & ~3
+    for kind, payload in netlink_dump(sock, request, seq, "listing rules"):
+        if kind == (_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_NEWRULE:
+            parsed = parse_rule(payload[_NFGEN.size :])
+            if parsed is not None:
+                found[parsed[0]] = parsed[1]
+    return found
 
 
 def rule_counters(
@@ -166,10 +148,8 @@ def rule_counters(
     with sock:
         sock.settimeout(timeout)
         try:
-            return _dump(sock, _request(family, table, chain, 1), 1)
-        except NftError as err:
+            return _counters(sock, _request(family, table, chain, 1), 1)
+        except OSError as err:
             if err.errno == errno.ENOENT:
                 return {}
-            raise
-        except OSError as err:
-            raise NftError(f"listing rules of {family} {table} {chain}: {err}") from err
+            raise NftError(f"listing rules of {family} {table} {chain}: {err}", err.errno) from err
