@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 __all__ = [
     "ALL_ALPHA",
     "ALL_BETA",
+    "COMPONENT_FLAGZ",
+    "COMPONENT_STATUSZ",
     "CONTEXTUAL_LOGGING",
     "DEFAULT_GATES",
     "FEATURES",
@@ -91,6 +93,8 @@ NFTABLES_NETLINK: Final = "NFTablesNetlink"
 LOGGING_ALPHA_OPTIONS: Final = "LoggingAlphaOptions"
 LOGGING_BETA_OPTIONS: Final = "LoggingBetaOptions"
 CONTEXTUAL_LOGGING: Final = "ContextualLogging"
+COMPONENT_FLAGZ: Final = "ComponentFlagz"
+COMPONENT_STATUSZ: Final = "ComponentStatusz"
 
 KUBE_PROXY_GATES: Final[Mapping[str, str]] = {
     KUBE_PROXY_IPVS: "false: ipvs mode refuses to start (one error line, nothing touched)",
@@ -101,8 +105,8 @@ KUBE_PROXY_GATES: Final[Mapping[str, str]] = {
     "own; false: everything through libnftables, nft's own library",
     LOGGING_ALPHA_OPTIONS: "false: logging.options.*.splitStream and infoBufferSize refused",
     LOGGING_BETA_OPTIONS: "false: the json logging format refused",
-    "ComponentFlagz": "/flagz on the metrics server",
-    "ComponentStatusz": "/statusz on the metrics server",
+    COMPONENT_FLAGZ: "/flagz on the metrics server (the flags given, plain text)",
+    COMPONENT_STATUSZ: "/statusz on the metrics server (start, uptime, versions, paths)",
     "PreferSameTrafficDistribution": "GA, locked: node hints read (PreferSameNode)",
     "TopologyAwareHints": "GA, locked: zone hints read",
     "ServiceTrafficDistribution": "GA, locked: trafficDistribution hints read",

@@ -22,9 +22,9 @@ read whole, so its content was assembled from what documents it):
 * kubernetes/kubernetes#137536 (``NFTablesNetlink``, beta, on by default in 1.37), which
   the website's table of that snapshot does not list yet; likewise the other 1.37 gates
   the release's notes name but that table lacks (``EXTRA_137`` below);
-* ``LockToDefault``, which the website does not show: upstream's generated
-  ``test/compatibility_lifecycle/reference/feature_list.md`` and
-  ``versioned_feature_list.yaml`` (1.36 development) and the 1.37 release notes ("GA,
+* ``LockToDefault``, which the website does not show: upstream's generated lists under
+  ``test/compatibility_lifecycle/reference/`` (the markdown feature list and
+  ``versioned_feature_list.yaml``, 1.36 development) and the 1.37 release notes ("GA,
   locked"). Upstream locks a gate when it reaches GA, with the few exceptions listed in
   ``UNLOCKED_GA``; deprecated gates are not locked except those in ``LOCKED_DEPRECATED``.
 
@@ -325,11 +325,11 @@ AllowServiceLBStatusOnNonLB deprecated false
 """
 """Gates of 1.37 the website's table lacks: ``NFTablesNetlink`` (kubernetes#137536) and
 the other gates the 1.37 release notes name; client-go's gates and three deprecated,
-locked gates from ``feature_list.md`` that nothing says were removed."""
+locked gates from upstream's generated feature list that nothing says were removed."""
 
 UNLOCKED_GA: Final = frozenset(
     {
-        # feature_list.md: GA without a lock.
+        # upstream's generated feature list: GA without a lock.
         "InformerResourceVersion",
         # 1.37 release notes: GA, on by default, not (yet) locked.
         "ClusterTrustBundle",
@@ -349,7 +349,7 @@ LOCKED_DEPRECATED: Final = frozenset(
         "AllowServiceLBStatusOnNonLB",
     }
 )
-"""Deprecated gates upstream locks (``feature_list.md``, ``versioned_feature_list.yaml``)."""
+"""Deprecated gates upstream locks (upstream's generated feature lists)."""
 
 GATES_137: Final = _ALPHA_BETA + _GRADUATED + EXTRA_137
 """The whole table, as text."""

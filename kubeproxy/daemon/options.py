@@ -54,6 +54,7 @@ class DaemonOptions:
     directory instead of an API server; ``master`` overrides the API server's address;
     ``once`` syncs once and returns, ``dry_run`` too over the backend the caller gives
     (the binaries pass in-memory fakes), ``init_only`` does the privileged set-up only.
+    ``flags`` are the command-line flags given (name -> value, for ``/flagz``).
     The properties read the configuration under upstream's flag names.
     """
 
@@ -65,6 +66,7 @@ class DaemonOptions:
     once: bool = False
     dry_run: bool = False
     init_only: bool = False
+    flags: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_configuration(
