@@ -319,6 +319,43 @@ def test_local_policy_affinity_records_in_the_list_its_pick_used() -> None:
     assert "affinity-record-nodeports.g1 { tcp . 30080 : goto affinity-split-" in dump
 
 
+def _first(transactions: list[str], text: str) -> int:
+    return next(i for i, tx in enumerate(transactions) if text in tx)
+
+
+def test_a_new_lb_ip_is_never_reachable_before_its_source_ranges() -> None:
+    # One element per transaction: the partial sync is cut as finely as it can be.
+    world = World()
+    world.add(ServicePort(spn("other"), ip("172.30.0.9"), 80, Protocol.TCP), ep("10.180.0.9"))
+    fake = FakeNft()
+    b = backend(fake, elements_per_transaction=1)
+    b.sync(world.snapshot(), full())
+    port = ServicePort(
+        spn("lb"),
+        ip("172.30.0.20"),
+        443,
+        Protocol.TCP,
+        load_balancer_vips=(ip("5.6.7.8"),),
+        load_balancer_source_ranges=(net("203.0.113.0/24"),),
+    )
+    name = world.add(port, ep("10.180.0.1", 8443), ep("10.180.0.2", 8443))
+    start = len(fake.transactions)
+    b.sync(world.snapshot(), changed(name))
+    added = [tx.render() for tx in fake.transactions[start:]]
+    vip = "{ 5.6.7.8 . tcp . 443"
+    reachable = _first(added, f"add element ip kube-proxy dispatch-ips.g1 {vip} }}")
+    assert _first(added, f"add element ip kube-proxy firewall-ips.g1 {vip} }}") <= reachable
+    assert _first(added, f"add element ip kube-proxy firewall-allow.g1 {vip}") <= reachable
+    # And the ranges go only once the VIP is no longer dispatched.
+    world.remove(name)
+    start = len(fake.transactions)
+    b.sync(world.snapshot(), changed(name))
+    removed = [tx.render() for tx in fake.transactions[start:]]
+    gone = _first(removed, f"delete element ip kube-proxy dispatch-ips.g1 {vip} }}")
+    assert _first(removed, f"delete element ip kube-proxy firewall-ips.g1 {vip} }}") >= gone
+    assert _first(removed, f"delete element ip kube-proxy firewall-allow.g1 {vip}") >= gone
+
+
 # Incremental syncs send data only -----------------------------------------------------------
 
 

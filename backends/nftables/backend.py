@@ -116,7 +116,6 @@ STALE_DELAY = 1.0
 
 _FAMILIES = {IPFamily.IPV4: Family.IP, IPFamily.IPV6: Family.IP6}
 _KINDS = (KIND_IP, KIND_NODEPORT)
-_SHARED = (Names.CLUSTER_IPS, Names.HAIRPIN_ENDPOINTS)
 _VALUE_NONE: tuple[str, ...] = ()
 
 
@@ -135,7 +134,8 @@ class _PortState:
 
     keys: tuple[Key, ...]
     firewall: tuple[tuple[Key, tuple[str, ...]], ...]
-    set_elements: tuple[tuple[str, Key], ...]
+    cluster_ip: str
+    hairpin: tuple[str, ...]
     affinity: AffinityPlan | None
 
 
@@ -343,7 +343,9 @@ class NftablesBackend:
         self._ports: dict[ServicePortName, _PortState] = {}
         self._by_service: dict[NamespacedName, set[ServicePortName]] = {}
         self._held: dict[Key, _Held] = {}
-        self._refs: dict[str, dict[Key, int]] = {name: {} for name in _SHARED}
+        # How many ports hold each cluster IP and each hairpin endpoint address.
+        self._cluster_ips: dict[str, int] = {}
+        self._hairpin: dict[str, int] = {}
         self._classes: list[ClassSpec] = []  # rule dispatch: the class rules, in order
         self._class_chains: set[ClassSpec] = set()
         self._picks: set[Pick] = set()
@@ -635,9 +637,7 @@ class NftablesBackend:
         for chain in fixed:
             tx.add_rules(chain.name, chain.rules)
         tx.flush(Set(Names.CLUSTER_IPS, self._tokens.addr_type))
-        tx.add_elements(
-            Names.CLUSTER_IPS, [(k, _VALUE_NONE) for k in self._refs[Names.CLUSTER_IPS]]
-        )
+        tx.add_elements(Names.CLUSTER_IPS, [((k,), _VALUE_NONE) for k in self._cluster_ips])
         tx.flush(Set(Names.NODEPORT_IPS, self._tokens.addr_type))
         tx.add_elements(Names.NODEPORT_IPS, [(k, _VALUE_NONE) for k in self._inputs.nodeport_ips])
 
@@ -804,7 +804,11 @@ class NftablesBackend:
     @staticmethod
     def _port_state(plan: PortPlan) -> _PortState:
         return _PortState(
-            tuple(fe.key for fe in plan.frontends), plan.firewall, plan.set_elements, plan.affinity
+            tuple(fe.key for fe in plan.frontends),
+            plan.firewall,
+            plan.cluster_ip,
+            plan.hairpin,
+            plan.affinity,
         )
 
     def _diff_class(
@@ -955,23 +959,23 @@ class NftablesBackend:
         names = self._names
         if full and plan is not None:
             self._diff_firewall(ops, {}, dict(plan.firewall), adding=True)
-        refs = self._refs
-        for container, key in plan.set_elements if plan else ():
-            counts = refs[container]
-            counts[key] = counts.get(key, 0) + 1
-            if counts[key] == 1:
-                if container == Names.HAIRPIN_ENDPOINTS:
-                    ops.add(names.hairpin, key)
-                elif not full:
-                    ops.add(container, key)
-        for container, key in old.set_elements if old else ():
-            counts = refs[container]
-            left = counts.get(key, 0) - 1
-            if left > 0:
-                counts[key] = left
-                continue
-            counts.pop(key, None)
-            ops.delete(names.hairpin if container == Names.HAIRPIN_ENDPOINTS else container, key)
+        hairpin, cluster_ips = self._hairpin, self._cluster_ips
+        if plan is not None:
+            for host in plan.hairpin:
+                count = hairpin.get(host, 0) + 1
+                hairpin[host] = count
+                if count == 1:
+                    ops.add(names.hairpin, (host, host))
+            count = cluster_ips.get(plan.cluster_ip, 0) + 1
+            cluster_ips[plan.cluster_ip] = count
+            if count == 1 and not full:
+                ops.add(Names.CLUSTER_IPS, (plan.cluster_ip,))
+        if old is not None:
+            for host in old.hairpin:
+                if _release(hairpin, host):
+                    ops.delete(names.hairpin, (host, host))
+            if _release(cluster_ips, old.cluster_ip):
+                ops.delete(Names.CLUSTER_IPS, (old.cluster_ip,))
         self._follow_affinity(old.affinity if old else None, plan.affinity if plan else None, now)
 
     def _follow_affinity(
@@ -1072,6 +1076,16 @@ class NftablesBackend:
                 # An entry may have timed out meanwhile; the next cleanup catches up.
                 self.affinity_cleanup_failures += 1
                 log.warning("deleting %d stale session affinity entries failed: %s", len(tx), err)
+
+
+def _release(counts: dict[str, int], key: str) -> bool:
+    """Count one user of ``key`` less; True when that was the last."""
+    left = counts.get(key, 0) - 1
+    if left > 0:
+        counts[key] = left
+        return False
+    counts.pop(key, None)
+    return True
 
 
 def _content_entries(plan: AffinityPlan | None) -> Iterator[str]:

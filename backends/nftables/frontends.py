@@ -23,6 +23,7 @@ structure); this module only says *which* class and lists each frontend gets.
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass
 
 from kubeproxy.backends.nftables.naming import affinity_map_name, chain_name, port_identity
@@ -34,7 +35,6 @@ from kubeproxy.backends.nftables.services import (
     Key,
     RenderContext,
 )
-from kubeproxy.backends.nftables.structure import Names
 from kubeproxy.objects import CategorizedEndpoints, Endpoint, IPFamily, ServicePort
 
 __all__ = [
@@ -160,15 +160,17 @@ class PortPlan:
     """Everything one Service port puts into the table.
 
     ``firewall`` pairs each load-balancer frontend subject to source ranges with the
-    sources it accepts (CIDRs or addresses). ``set_elements`` are elements ports may
-    share (``cluster-ips``, ``hairpin-endpoints``), reference-counted by the backend.
+    sources it accepts (CIDRs or addresses). ``cluster_ip`` (in ``cluster-ips``) and
+    ``hairpin`` (endpoint addresses, each an ``address . address`` element of
+    ``hairpin-endpoints``) may be shared with other ports: the backend counts them.
     ``claims`` are the keys no other port may use; ``affinity`` the port's ClientIP
     affinity maps and chains.
     """
 
     frontends: tuple[Frontend, ...]
     firewall: tuple[tuple[Key, tuple[str, ...]], ...]
-    set_elements: tuple[tuple[str, Key], ...]
+    cluster_ip: str
+    hairpin: tuple[str, ...]
     claims: frozenset[Key]
     affinity: AffinityPlan | None = None
 
@@ -322,19 +324,19 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
         for vip in dict.fromkeys(port.load_balancer_vips):
             firewall.append(((str(vip), proto, port_text), sources))
 
-    set_elements: list[tuple[str, Key]] = [(Names.CLUSTER_IPS, (cip,))]
-    seen: set[str] = set()
     # Every endpoint, as upstream: a hairpin connection comes from the endpoint itself,
-    # and whether an endpoint runs here is only as good as the node name it names.
-    for ep in eps.all_reachable:
-        host = endpoint_value(ep.key)[0]
-        if host not in seen:
-            seen.add(host)
-            set_elements.append((Names.HAIRPIN_ENDPOINTS, (host, host)))
+    # and whether an endpoint runs here is only as good as the node name it names (with
+    # a --hostname-override it may name none). Measured: at 30k Services x 10 endpoints,
+    # none of them local, this costs 0.4 s of a 5 s cold sync. Addresses are interned:
+    # one string per endpoint, however many ports share it.
+    hairpin = tuple(
+        dict.fromkeys(sys.intern(endpoint_value(ep.key)[0]) for ep in eps.all_reachable)
+    )
     return PortPlan(
         tuple(frontends),
         tuple(firewall),
-        tuple(set_elements),
+        cip,
+        hairpin,
         frozenset(claims),
         affinity.plan() if affinity is not None else None,
     )
