@@ -252,7 +252,7 @@ def test_ipv6_and_dual_stack_outputs() -> None:
             case_text().replace(
                 "family: IPv4", "family: IPv4\n    proxierOverrides: {nodePortAddresses: [bogus]}"
             ),
-            "'bogus' is not a CIDR",
+            "'bogus' is neither a CIDR nor primary, localhost or all",
         ),
     ],
 )

@@ -103,6 +103,7 @@ from kubeproxy.backends.nftables.structure import (
 )
 from kubeproxy.backends.nftables.transaction import Transaction
 from kubeproxy.config import ProxierConfig
+from kubeproxy.featuregates import KUBE_PROXY_NFTABLES_LOCALHOST_NODEPORTS
 from kubeproxy.objects import IPFamily, NamespacedName, ServicePortName
 
 __all__ = ["NftablesBackend"]
@@ -288,7 +289,9 @@ class NftablesBackend:
     metrics: :attr:`sync_failures`, :attr:`stale_chain_failures` (failed deletions of
     unused objects), :attr:`affinity_cleanup_failures`; for tests and logs:
     :attr:`last_operations`, :attr:`last_transactions`, :attr:`last_sync_full`,
-    :attr:`generation`.
+    :attr:`generation`. ``kept`` names objects (``chain NAME``, ``set NAME``) that another
+    part of this proxy keeps in our table (localhost NodePorts' reject rules): never
+    deleted as unused.
     """
 
     def __init__(
@@ -301,6 +304,7 @@ class NftablesBackend:
         elements_per_transaction: int = 10_000,
         support_check: bool = True,
         dispatch: str = DISPATCH_TREE,
+        kept: Iterable[str] = (),
     ) -> None:
         if elements_per_transaction < 1:
             raise ValueError("elements_per_transaction must be at least 1")
@@ -330,6 +334,8 @@ class NftablesBackend:
         self._present: set[str] = set()
         self._content_refs: dict[str, int] = {}
         self._base_recreated = False
+        # Objects other parts of this proxy keep in our table ("chain NAME", "set NAME").
+        self._kept = frozenset(kept)
         self._claims = Claims(log)
         self._unrenderable = SkippedPorts(log)
         self._need_full = True
@@ -450,7 +456,11 @@ class NftablesBackend:
             if ip.version != self._family.version:
                 continue
             if ip.is_loopback:
-                log.error("skipping NodePort address %s: localhost NodePorts are not supported", ip)
+                if not self._config.feature_gates.enabled(KUBE_PROXY_NFTABLES_LOCALHOST_NODEPORTS):
+                    log.error(
+                        "skipping NodePort address %s: localhost NodePorts are not supported", ip
+                    )
+                # With the gate on, a userspace proxy serves them (localhost.py).
                 continue
             if (str(ip),) not in out:
                 out.append((str(ip),))
@@ -591,7 +601,7 @@ class NftablesBackend:
 
     def _wanted_names(self) -> set[str]:
         names, tokens = self._names, self._tokens
-        wanted = {f"chain {n}" for n in fixed_chain_names(self._dispatch)}
+        wanted = {f"chain {n}" for n in fixed_chain_names(self._dispatch)} | self._kept
         wanted.update(f"set {c.name}" for c in public_containers(tokens))
         wanted.update(f"set {c.name}" for c in names.containers(tokens, self._dispatch))
         wanted.update(f"chain {n}" for n in affinity_dispatch_chains(names, tokens))

@@ -40,7 +40,11 @@ __all__ = [
 
 _TOP_KEYS: Final = frozenset({"test", "cases"})
 _CASE_KEYS: Final = frozenset({"name", "family", "proxierOverrides", "steps"})
-_OVERRIDE_KEYS: Final = frozenset({"masqueradeAll", "nodePortAddresses", "localDetector"})
+_OVERRIDE_KEYS: Final = frozenset(
+    {"masqueradeAll", "nodePortAddresses", "localDetector", "featureGates"}
+)
+# Our extension of FORMAT.md: upstream's nodePortAddresses keywords beside CIDRs.
+_NODE_PORT_KEYWORDS: Final = frozenset({"primary", "localhost", "all"})
 # Our extension of FORMAT.md: every local-traffic detector mode, by its flag spelling.
 _LOCAL_DETECTORS: Final = {
     "none": LocalDetectMode.NONE,
@@ -179,13 +183,15 @@ class ProxierOverrides:
     """``proxierOverrides``: ``None`` keeps the standard test node's value.
 
     ``local_detector`` is the chosen local-traffic detector mode; ``local_detector_none``
-    is true exactly when that mode is ``none``.
+    is true exactly when that mode is ``none``. ``feature_gates`` are upstream's feature
+    gates to set (name, value), in the case's order.
     """
 
     masquerade_all: bool | None = None
     node_port_addresses: tuple[str, ...] | None = None
     local_detector_none: bool = False
     local_detector: LocalDetectMode | None = None
+    feature_gates: tuple[tuple[str, bool], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,10 +343,13 @@ class _Parser:
             for i, entry in enumerate(entries):
                 at = f"{where}.nodePortAddresses[{i}]"
                 text = self.text(at, entry)
-                try:
-                    ipaddress.ip_network(text, strict=False)
-                except ValueError:
-                    raise self.error(at, f"{text!r} is not a CIDR") from None
+                if text not in _NODE_PORT_KEYWORDS:
+                    try:
+                        ipaddress.ip_network(text, strict=False)
+                    except ValueError:
+                        raise self.error(
+                            at, f"{text!r} is neither a CIDR nor primary, localhost or all"
+                        ) from None
                 checked.append(text)
             node_port_addresses = tuple(checked)
         local_detector = None
@@ -353,11 +362,18 @@ class _Parser:
                     f"{where}.localDetector", f"expected one of {known}, got {value!r}"
                 )
             local_detector = mode
+        gates: list[tuple[str, bool]] = []
+        if "featureGates" in obj:
+            raw_gates = self.mapping(f"{where}.featureGates", obj["featureGates"])
+            for gate, value in raw_gates.items():
+                at = f"{where}.featureGates.{gate}"
+                gates.append((self.text(at, gate), self.boolean(at, value)))
         return ProxierOverrides(
             masquerade_all,
             node_port_addresses,
             local_detector is LocalDetectMode.NONE,
             local_detector,
+            tuple(gates),
         )
 
     def step(
