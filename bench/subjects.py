@@ -27,6 +27,7 @@ __all__ = [
     "IPTABLES_NFT",
     "NFTABLES",
     "NFTABLES_CHAINS",
+    "NFTABLES_RULES",
     "SUBJECTS",
     "UPSTREAM",
     "Subject",
@@ -66,6 +67,13 @@ NFTABLES_CHAINS = Subject(
     "nft",
 )
 """The previous nftables structure (a chain per Service port), measured next to it."""
+NFTABLES_RULES = Subject(
+    "kubeproxy-nftables-rules",
+    "bench.subjects:rules_dispatch_backend",
+    "ours: nftables (maps), one rule per class (before)",
+    "nft-maps",
+)
+"""The map structure with the class dispatch before issue 19 (one rule per class)."""
 IPTABLES_NFT = Subject(
     "kubeproxy-iptables-nft",
     # The node's variant, detected as upstream's iptables-wrapper does: nft in a fresh
@@ -86,7 +94,7 @@ UPSTREAM = Subject(
     "upstream-nft", UPSTREAM_BACKEND, "upstream's nftables structure (nft -f)", "nft"
 )
 
-SUBJECTS = (NFTABLES, NFTABLES_CHAINS, IPTABLES_NFT, IPTABLES_LEGACY, UPSTREAM)
+SUBJECTS = (NFTABLES, NFTABLES_RULES, NFTABLES_CHAINS, IPTABLES_NFT, IPTABLES_LEGACY, UPSTREAM)
 
 
 def _nft_map_size(netns: str, name: str) -> int:

@@ -362,6 +362,8 @@ class NftablesBackend:
         self._by_number: dict[str, dict[int, ClassSpec]] = {kind: {} for kind in _KINDS}
         self._depth: dict[str, int] = dict.fromkeys(_KINDS, 0)
         self._tree: dict[str, tuple[str, ...]] = {}
+        # Whether a class got a number since the tree chains were written.
+        self._tree_stale = True
         self._content_refs = {}
         # Affinity maps whose entries may point at endpoints gone: name -> allowed values.
         self._map_losses: dict[str, frozenset[Key]] = {}
@@ -772,12 +774,14 @@ class NftablesBackend:
         self._depth[kind] = depth
         self._numbers[cls] = free
         taken[free] = cls
+        self._tree_stale = True
 
     def _update_tree(self, tx: Transaction) -> None:
         """Write the dispatch-tree chains that are new or changed: new chains first
         (a parent's rules go to them), then their rules."""
-        if self._dispatch != DISPATCH_TREE:
+        if self._dispatch != DISPATCH_TREE or not self._tree_stale:
             return
+        self._tree_stale = False
         wanted: dict[str, tuple[str, ...]] = {}
         for kind in _KINDS:
             wanted.update(
