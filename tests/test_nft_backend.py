@@ -290,17 +290,21 @@ def test_session_affinity_is_per_port_and_list() -> None:
     )
 
 
+LOCAL_STICKY = ServicePort(
+    spn("web"),
+    ip("172.30.0.10"),
+    80,
+    Protocol.TCP,
+    node_port=30080,
+    external_policy_local=True,
+    session_affinity_seconds=60,
+)
+"""A Local-policy NodePort with ClientIP affinity."""
+
+
 def test_local_policy_affinity_records_in_the_list_its_pick_used() -> None:
     world = World()
-    port = ServicePort(
-        spn("web"),
-        ip("172.30.0.10"),
-        80,
-        Protocol.TCP,
-        node_port=30080,
-        external_policy_local=True,
-        session_affinity_seconds=60,
-    )
+    port = LOCAL_STICKY
     world.add(port, ep("10.180.0.1", local=True), ep("10.180.0.2"))
     fake = FakeNft()
     backend(fake).sync(world.snapshot(), full())
@@ -638,15 +642,7 @@ def test_short_circuit_affinity_entries_of_removed_endpoints_are_deleted() -> No
     # Pods and the node itself pick from every endpoint of a Local-policy NodePort: their
     # entries sit in the cluster list's map and go with the endpoint too.
     world = World()
-    port = ServicePort(
-        spn("web"),
-        ip("172.30.0.10"),
-        80,
-        Protocol.TCP,
-        node_port=30080,
-        external_policy_local=True,
-        session_affinity_seconds=60,
-    )
+    port = LOCAL_STICKY
     name = world.add(port, ep("10.180.0.1", local=True), ep("10.180.0.2"))
     fake, clock = FakeNft(), Clock()
     b = backend(fake, clock)
