@@ -160,11 +160,15 @@ def proxy_process(
     node_ip: str | None = None,
     min_sync_period: float = 0.0,
     ready_timeout_s: float = 600.0,
+    mix: str = "uniform",
+    class_ladder: bool = False,
 ) -> Iterator[ProxyProcess]:
     """Start our proxy in ``netns`` with a synthetic cluster; stop it on exit.
 
     ``extras`` adds Services ``(index, endpoint count)`` on top of the ``services`` ones;
-    ``wide_every`` K gives every K-th Service 250 endpoints (the mix);
+    ``wide_every`` K gives every K-th Service 250 endpoints (the mix); ``mix`` is
+    ``uniform`` or ``realistic`` (:func:`bench.synthetic.realistic_services`, ``endpoints``
+    unused); ``class_ladder`` gives Service i i+1 endpoints;
     ``min_sync_period`` is the proxier's (only its own sync loop, the churn, heeds it).
     ``backend``
     :data:`UPSTREAM_BACKEND` starts :mod:`bench.upstreamproc` instead, which answers
@@ -182,6 +186,10 @@ def proxy_process(
         argv += ["--node-ip", node_ip]
     if min_sync_period:
         argv += ["--min-sync-period", str(min_sync_period)]
+    if mix != "uniform":
+        argv += ["--mix", mix]
+    if class_ladder:
+        argv += ["--class-ladder"]
     with child_process(netns, module, argv, ready_timeout_s=ready_timeout_s) as child:
         yield child
 

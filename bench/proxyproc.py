@@ -7,7 +7,10 @@ Run inside the namespace it programs::
 It builds the Services and EndpointSlices as Kubernetes JSON dicts, creates the backend
 (``--backend``: a ``kubeproxy.backends`` entry point name, or ``module:function``) and a
 :class:`kubeproxy.proxier.Proxier`, prints ``{"event": "ready", ...}`` and then answers
-one JSON line per command line:
+one JSON line per command line. ``--mix realistic`` builds the realistic mix instead
+(:func:`bench.synthetic.realistic_services`: both families, so a backend per family
+behind a :class:`~kubeproxy.proxier.DualStackProxier`); ``--class-ladder N`` builds N
+ClusterIP Services with 1 to N endpoints (N endpoint-count classes).
 
 * ``{"op": "cold"}``: feed every object to the proxier, mark the sources synced, sync
   once; the timings (the end-to-end figure: objects in memory to rules committed);
@@ -58,19 +61,24 @@ from bench import toolclock
 from bench.harness import percentile
 from bench.synthetic import (
     NODE_IP,
+    NODE_IP6,
     NODE_NAME,
     POD_CIDR,
+    POD_CIDR6,
     SERVICE_CIDR,
+    SERVICE_CIDR6,
     EndpointSwaps,
     SyntheticService,
     build_services,
     mixed_services,
+    realistic_service,
+    realistic_services,
     synthetic_service,
 )
 from kubeproxy.backend import Backend, BackendFactory, ProxySnapshot, SyncChanges
 from kubeproxy.config import LocalDetectMode, LocalDetector, ProxierConfig
 from kubeproxy.objects import IPAddress, IPFamily, NodeInfo
-from kubeproxy.proxier import NullObserver, Proxier
+from kubeproxy.proxier import DualStackProxier, NullObserver, Proxier
 from kubeproxy.proxyconfig import KubeProxyNFTablesConfiguration
 
 __all__ = [
@@ -103,8 +111,8 @@ def bench_config(min_sync_period: float = 0.0) -> ProxierConfig:
     """
     return ProxierConfig(
         node_name=NODE_NAME,
-        local_detector=LocalDetector(LocalDetectMode.CLUSTER_CIDR, (POD_CIDR,)),
-        service_cidrs=(SERVICE_CIDR,),
+        local_detector=LocalDetector(LocalDetectMode.CLUSTER_CIDR, (POD_CIDR, POD_CIDR6)),
+        service_cidrs=(SERVICE_CIDR, SERVICE_CIDR6),
         node_port_addresses=("primary",),  # the kube-proxy-nftables default
         min_sync_period=min_sync_period,
     )
@@ -193,21 +201,36 @@ class BenchProxy:
         node_ip: IPAddress = NODE_IP,
         config: ProxierConfig | None = None,
         clock: toolclock.ToolClock | None = None,
+        backend6: Backend | None = None,
+        realistic: bool = False,
     ) -> None:
         self.services = list(services)
         self.config = config or bench_config()
         self.clock = clock or toolclock.ToolClock()
         self.sync_log = SyncLog()
-        node = NodeInfo(name=self.config.node_name, addresses=(node_ip,))
-        self.proxier = Proxier(
-            IPFamily.IPV4,
-            self.config,
-            backend,
-            node=node,
-            host_addresses=lambda: [node_ip],
-            observer=self.sync_log,
-            after_sync=(self.sync_log,),
-        )
+        addresses = (node_ip,) if backend6 is None else (node_ip, NODE_IP6)
+        node = NodeInfo(name=self.config.node_name, addresses=addresses)
+
+        def proxier(family: IPFamily, of_family: Backend) -> Proxier:
+            return Proxier(
+                family,
+                self.config,
+                of_family,
+                node=node,
+                host_addresses=lambda: list(addresses),
+                observer=self.sync_log,
+                after_sync=(self.sync_log,),
+            )
+
+        self.proxier: Proxier | DualStackProxier = proxier(IPFamily.IPV4, backend)
+        if backend6 is not None:
+            self.proxier = DualStackProxier(self.proxier, proxier(IPFamily.IPV6, backend6))
+        self._realistic = realistic
+        self._added_rng = random.Random(7)
+        # Services whose endpoints an endpoint change can swap (see EndpointSwaps).
+        self._swappable = [
+            s for s in self.services if len(s.endpoints) <= EndpointSwaps.SPARE_OFFSET
+        ]
         self._service_dicts = [s.service_dict() for s in self.services]
         self._slice_dicts = [d for s in self.services for d in s.slice_dicts()]
         self._swaps = EndpointSwaps()
@@ -256,7 +279,7 @@ class BenchProxy:
 
     def change_endpoint(self) -> dict[str, Any]:
         """Swap the last endpoint of the next Service with a spare address, and sync."""
-        service = self.services[self._endpoint_turn % len(self.services)]
+        service = self._swappable[self._endpoint_turn % len(self._swappable)]
         self._endpoint_turn += 1
         old, new = self._swaps.swap(service)
         mark, start = self.clock.snapshot(), time.perf_counter()
@@ -276,9 +299,8 @@ class BenchProxy:
         """
         rng = random.Random(seed)
         count = round(seconds * rate)
-        changes = [
-            self._swaps.swap(self.services[rng.randrange(len(self.services))]) for _ in range(count)
-        ]
+        swappable = self._swappable
+        changes = [self._swaps.swap(swappable[rng.randrange(len(swappable))]) for _ in range(count)]
         stop = threading.Event()
         loop = threading.Thread(target=self.proxier.run, args=(stop,), name="sync-loop")
         first, first_changed = len(self.sync_log.syncs), len(self.sync_log.changed)
@@ -322,11 +344,14 @@ class BenchProxy:
         }
 
     def add_service(self) -> dict[str, Any]:
-        """Add one new Service with its endpoints, and sync."""
-        width = len(self.services[0].endpoints) if self.services else 1
-        service = synthetic_service(
-            _ADDED_INDEX_BASE + self._added, width, affinity_seconds=self._affinity
-        )
+        """Add one new Service with its endpoints (one of the realistic mix's shapes, with
+        it), and sync."""
+        index = _ADDED_INDEX_BASE + self._added
+        if self._realistic:
+            service = realistic_service(index, self._added_rng, iter(()))
+        else:
+            width = len(self.services[0].endpoints) if self.services else 1
+            service = synthetic_service(index, width, affinity_seconds=self._affinity)
         self._added += 1
         service_dict, slices = service.service_dict(), service.slice_dicts()
         mark, start = self.clock.snapshot(), time.perf_counter()
@@ -368,6 +393,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--wide-every", type=int, default=0, help="every K-th Service gets --wide-endpoints"
     )
     parser.add_argument("--wide-endpoints", type=int, default=250)
+    parser.add_argument(
+        "--mix", choices=("uniform", "realistic"), default="uniform", help="the cluster's shape"
+    )
+    parser.add_argument("--class-ladder", action="store_true", help="Service i has i+1 endpoints")
     parser.add_argument("--node-ip", default=str(NODE_IP))
     parser.add_argument(
         "--min-sync-period",
@@ -380,11 +409,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Before any backend module is imported (a backend may bind subprocess.Popen).
     clock = toolclock.install()
     config = bench_config(args.min_sync_period)
-    backend = load_backend_factory(args.backend)(IPFamily.IPV4, config, netns=args.netns)
+    factory = load_backend_factory(args.backend)
+    backend = factory(IPFamily.IPV4, config, netns=args.netns)
+    realistic = args.mix == "realistic"
+    backend6 = factory(IPFamily.IPV6, config, netns=args.netns) if realistic else None
     # Everything from here to the ready line is the synthetic input (and an idle Proxier).
     before_input_kb = _rss_now_kb()
 
-    if args.wide_every:
+    if realistic:
+        services = realistic_services(args.services)
+    elif args.class_ladder:
+        services = [synthetic_service(index, index + 1) for index in range(args.services)]
+    elif args.wide_every:
         services = mixed_services(
             args.services,
             args.endpoints,
@@ -399,7 +435,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     for index, count in map(_parse_extra, args.extra):
         services.append(synthetic_service(index, count, affinity_seconds=args.affinity_seconds))
     proxy = BenchProxy(
-        services, backend, node_ip=ipaddress.IPv4Address(args.node_ip), config=config, clock=clock
+        services,
+        backend,
+        node_ip=ipaddress.IPv4Address(args.node_ip),
+        config=config,
+        clock=clock,
+        backend6=backend6,
+        realistic=realistic,
     )
     ops: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
         "cold": lambda _: proxy.cold(),

@@ -629,8 +629,75 @@ _TARGET_TITLES = {
     4: "nftables backend targets (issue 4)",
     11: "nftables at 100k Services: targets (issue 11), the map structure "
     "(chain structure's figures quoted)",
+    19: "Real clusters: targets (issue 19), the map structure (one rule per class, before, quoted)",
     20: "The daemon a node runs, against the in-process figures of this run (issue 20)",
 }
+
+
+def _realistic_table(records: Sequence[Record]) -> list[str]:
+    """Per size and subject: the uniform and the realistic mix's full syncs, the
+    realistic mix's incremental medians and first connections."""
+    found = [r for r in records if str(r["kind"]).startswith("realistic_")]
+    if not found:
+        return []
+
+    def cell(r: Record | None) -> str:
+        if r is None:
+            return "-"
+        return f"{_sync_cell(r)}, {(r.get('proxy_peak_mb') or 0):.0f} MB"
+
+    rows = []
+    for n in sorted({r["services"] for r in found}):
+        for subject in _present(records, "realistic_cold"):
+            uniform = one(records, kind="cold", subject=subject, services=n, endpoints=10)
+            medians = [
+                one(records, kind="realistic_incremental", subject=subject, services=n, op=op)
+                for op in ("endpoint", "add", "remove")
+            ]
+            connects = [
+                one(records, kind="realistic_dataplane", subject=subject, services=n, case=case)
+                for case in ("service", "direct")
+            ]
+            rows.append(
+                (
+                    size_label(n),
+                    _title(subject),
+                    cell(uniform if uniform is not None and plain(uniform) else None),
+                    cell(one(records, kind="realistic_cold", subject=subject, services=n)),
+                    cell(one(records, kind="realistic_restart", subject=subject, services=n)),
+                    " / ".join("-" if m is None else f"{m['median_ms']:.2f}" for m in medians),
+                    " / ".join("-" if c is None else f"{c['p50_us']:.1f}" for c in connects),
+                )
+            )
+    return _table(
+        (
+            "Services",
+            "subject",
+            "uniform cold",
+            "realistic cold",
+            "realistic restart",
+            "endpoint / add / remove",
+            "first connection p50 us: Service / direct",
+        ),
+        rows,
+    )
+
+
+def _classes_table(records: Sequence[Record]) -> list[str]:
+    found = find(records, kind="dataplane_classes")
+    if not found:
+        return []
+    rows = []
+    for subject in _present(records, "dataplane_classes"):
+        for classes in sorted({r["classes"] for r in found if r["subject"] == subject}):
+            cells = []
+            for case in ("last-class", "first-class", "direct"):
+                r = one(found, subject=subject, classes=classes, case=case)
+                cells.append("-" if r is None else f"{r['p50_us']:.1f} ({r['p99_us']:.0f})")
+            rows.append((_title(subject), str(classes), *cells))
+    return _table(
+        ("subject", "classes", "the last class", "the first class", "no Service (direct)"), rows
+    )
 
 
 def render_markdown(run: dict[str, Any]) -> str:
@@ -705,6 +772,16 @@ def render_markdown(run: dict[str, Any]) -> str:
             "Churn: random endpoint changes through the proxier's own sync loop "
             "(minSyncPeriod 1 s)",
             _churn_table(records),
+        ),
+        (
+            "The realistic mix next to the uniform one (issue 19): seconds (kernel tools), "
+            "peak MB, incremental medians in ms",
+            _realistic_table(records),
+        ),
+        (
+            "Endpoint-count classes and the first packet: p50 (p99) microseconds per new "
+            "connection",
+            _classes_table(records),
         ),
         (
             "The daemon a node runs (kube-proxy-nftables, started as a process; issue 20)",

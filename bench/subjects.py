@@ -16,12 +16,18 @@ from dataclasses import dataclass
 
 from bench.harness import UPSTREAM_BACKEND
 from bench.netns import in_netns
+from kubeproxy.backends.nftables import NftablesBackend
+from kubeproxy.backends.nftables.exec import LibNftables
+from kubeproxy.backends.nftables.layout import DISPATCH_RULES
+from kubeproxy.config import ProxierConfig
+from kubeproxy.objects import IPFamily
 
 __all__ = [
     "IPTABLES_LEGACY",
     "IPTABLES_NFT",
     "NFTABLES",
     "NFTABLES_CHAINS",
+    "NFTABLES_RULES",
     "SUBJECTS",
     "UPSTREAM",
     "Subject",
@@ -61,6 +67,13 @@ NFTABLES_CHAINS = Subject(
     "nft",
 )
 """The previous nftables structure (a chain per Service port), measured next to it."""
+NFTABLES_RULES = Subject(
+    "kubeproxy-nftables-rules",
+    "bench.subjects:rules_dispatch_backend",
+    "ours: nftables (maps), one rule per class (before)",
+    "nft-maps",
+)
+"""The map structure with the class dispatch before issue 19 (one rule per class)."""
 IPTABLES_NFT = Subject(
     "kubeproxy-iptables-nft",
     # The node's variant, detected as upstream's iptables-wrapper does: nft in a fresh
@@ -81,7 +94,7 @@ UPSTREAM = Subject(
     "upstream-nft", UPSTREAM_BACKEND, "upstream's nftables structure (nft -f)", "nft"
 )
 
-SUBJECTS = (NFTABLES, NFTABLES_CHAINS, IPTABLES_NFT, IPTABLES_LEGACY, UPSTREAM)
+SUBJECTS = (NFTABLES, NFTABLES_RULES, NFTABLES_CHAINS, IPTABLES_NFT, IPTABLES_LEGACY, UPSTREAM)
 
 
 def _nft_map_size(netns: str, name: str) -> int:
@@ -125,3 +138,13 @@ def installed_services(subject: Subject, netns: str) -> int:
     if subject.rules == "nft-maps":
         return _map_structure_frontends(netns)
     return _iptables_service_jumps(netns, subject.rules.removeprefix("iptables-"))
+
+
+def rules_dispatch_backend(
+    family: IPFamily, config: ProxierConfig, *, netns: str | None = None
+) -> NftablesBackend:
+    """The map structure with the class dispatch before issue 19: one rule per class,
+    walked in order by every new connection (the ``nftables-rules`` subject)."""
+    return NftablesBackend(
+        family, config, executor=LibNftables(netns=netns), dispatch=DISPATCH_RULES
+    )

@@ -13,12 +13,17 @@ Address plan (IPv4, no overlap between the ranges):
   Service index;
 * endpoints of wide Services (more than 15): ``10.192.0.0/10``, 4096 addresses per slot;
 * both endpoint ranges sit in the pod CIDR ``10.128.0.0/9`` (inside ``10.0.0.0/8``), which
-  the data-plane topology routes to one endpoint namespace as local addresses.
+  the data-plane topology routes to one endpoint namespace as local addresses;
+* the realistic mix (:func:`realistic_services`) adds load-balancer IPs in
+  ``198.18.0.0/15``, external IPs in ``100.64.0.0/10``, and for its IPv6 and dual-stack
+  Services ClusterIPs in ``fd00:96::/108``, endpoints in ``fd00:128::/64`` (narrow) and
+  ``fd00:192::/64`` (wide), load-balancer IPs in ``2001:db8:18::/64``.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import cache
@@ -28,9 +33,12 @@ __all__ = [
     "CLUSTER_PORT",
     "MAX_SERVICES",
     "NODE_IP",
+    "NODE_IP6",
     "NODE_NAME",
     "POD_CIDR",
+    "POD_CIDR6",
     "SERVICE_CIDR",
+    "SERVICE_CIDR6",
     "TARGET_PORT",
     "EndpointSwaps",
     "SyntheticService",
@@ -38,12 +46,23 @@ __all__ = [
     "build_services",
     "endpoint_ips",
     "mixed_services",
+    "realistic_service",
+    "realistic_services",
     "service_ip",
     "synthetic_service",
 ]
 
 SERVICE_CIDR = ipaddress.IPv4Network("10.96.0.0/12")
+SERVICE_CIDR6 = ipaddress.IPv6Network("fd00:96::/108")
 POD_CIDR = ipaddress.IPv4Network("10.128.0.0/9")
+POD_CIDR6 = ipaddress.IPv6Network("fd00:128::/56")
+_NARROW_POOL6 = ipaddress.IPv6Network("fd00:128::/64")
+_WIDE_POOL6 = ipaddress.IPv6Network("fd00:128:0:1::/64")
+_LB_POOL = ipaddress.IPv4Network("198.18.0.0/15")
+_LB_POOL6 = ipaddress.IPv6Network("2001:db8:18::/64")
+_EXTERNAL_POOL = ipaddress.IPv4Network("100.64.0.0/10")
+_SOURCE_RANGES = ["203.0.113.0/24", "198.51.100.0/24"]
+_NODE_PORTS = range(30000, 32700)
 _NARROW_POOL = ipaddress.IPv4Network("10.128.0.0/10")
 _WIDE_POOL = ipaddress.IPv4Network("10.192.0.0/10")
 _NARROW_STRIDE = 16
@@ -56,6 +75,8 @@ NODE_NAME = "kpxb-node"
 NODE_IP = ipaddress.IPv4Address("10.99.1.1")
 """The node's primary address (NodePorts would listen there; the data-plane topology's
 node side of the link to the endpoints)."""
+NODE_IP6 = ipaddress.IPv6Address("fd00:99:1::1")
+"""The node's IPv6 address (the realistic mix's IPv6 NodePorts)."""
 
 CLUSTER_PORT = 80
 TARGET_PORT = 8080
@@ -69,6 +90,16 @@ def service_ip(index: int) -> ipaddress.IPv4Address:
     if not 0 <= index < MAX_SERVICES:
         raise ValueError(f"service index {index} outside 0..{MAX_SERVICES - 1}")
     return SERVICE_CIDR.network_address + 1 + index
+
+
+def endpoint_ips6(index: int, count: int) -> tuple[ipaddress.IPv6Address, ...]:
+    """:func:`endpoint_ips`, in the IPv6 pools (the same layout)."""
+    if count < _NARROW_STRIDE:
+        base = _NARROW_POOL6.network_address + index * _NARROW_STRIDE + 1
+    else:
+        slots = _WIDE_POOL.num_addresses // _WIDE_STRIDE
+        base = _WIDE_POOL6.network_address + (index % slots) * _WIDE_STRIDE + 1
+    return tuple(base + k for k in range(count))
 
 
 def endpoint_ips(index: int, count: int) -> tuple[ipaddress.IPv4Address, ...]:
@@ -99,12 +130,27 @@ _NAMESPACES = tuple(f"ns{k}" for k in range(64))
 _NODE_NAMES = tuple(f"node-{k}" for k in range(_OTHER_NODES))
 _READY = {"ready": True, "serving": True, "terminating": False}
 _IP_FAMILIES = ["IPv4"]
+_FAMILY_LISTS = {"IPv4": _IP_FAMILIES, "IPv6": ["IPv6"], "dual": ["IPv4", "IPv6"]}
 _MANAGED_BY = "endpointslice-controller.k8s.io"
 
 
 @cache
 def _service_ports(name: str, port: int, protocol: str, target_port: int) -> list[dict[str, Any]]:
     return [{"name": name, "port": port, "protocol": protocol, "targetPort": target_port}]
+
+
+def _node_port_ports(
+    name: str, port: int, protocol: str, target_port: int, node_port: int
+) -> list[dict[str, Any]]:
+    return [
+        {
+            "name": name,
+            "port": port,
+            "protocol": protocol,
+            "targetPort": target_port,
+            "nodePort": node_port,
+        }
+    ]
 
 
 @cache
@@ -126,16 +172,30 @@ class SyntheticService:
     few MB instead of the 120 MB that stored tuples of addresses took.
     ``affinity_seconds`` is the ClientIP session-affinity timeout, 0 for none;
     ``explicit_endpoints`` replaces the computed list (:meth:`with_endpoints`).
+
+    The realistic mix's shapes: ``service_type`` (``ClusterIP``, ``NodePort``,
+    ``LoadBalancer``; ``node_port`` 0 for a LoadBalancer without one), the traffic
+    policies, ``source_ranges`` (a LoadBalancer's), ``external_ip``, ``family``
+    (``IPv4``, ``IPv6`` or ``dual``) and ``local_endpoints`` (how many of the endpoints,
+    the first ones, run on this node).
     """
 
     index: int
     endpoint_count: int
     affinity_seconds: int = 0
-    explicit_endpoints: tuple[ipaddress.IPv4Address, ...] | None = None
+    explicit_endpoints: tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, ...] | None = None
     port: int = CLUSTER_PORT
     target_port: int = TARGET_PORT
     port_name: str = _PORT_NAME
     protocol: str = "TCP"
+    service_type: str = "ClusterIP"
+    node_port: int = 0
+    external_local: bool = False
+    internal_local: bool = False
+    source_ranges: bool = False
+    external_ip: bool = False
+    family: str = "IPv4"
+    local_endpoints: int = 0
 
     @property
     def namespace(self) -> str:
@@ -148,18 +208,52 @@ class SyntheticService:
         return f"svc-{self.index}"
 
     @property
-    def cluster_ip(self) -> ipaddress.IPv4Address:
-        """The ClusterIP (:func:`service_ip`)."""
+    def cluster_ip(self) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+        """The ClusterIP of the primary family (:func:`service_ip`)."""
+        if self.family == "IPv6":
+            return SERVICE_CIDR6.network_address + 1 + self.index
         return service_ip(self.index)
 
     @property
-    def endpoints(self) -> tuple[ipaddress.IPv4Address, ...]:
-        """The endpoint addresses (:func:`endpoint_ips`, or the explicit ones)."""
+    def cluster_ips(self) -> list[str]:
+        """Every ClusterIP (both families for a dual-stack Service)."""
+        ips = [str(self.cluster_ip)]
+        if self.family == "dual":
+            ips.append(str(SERVICE_CIDR6.network_address + 1 + self.index))
+        return ips
+
+    @property
+    def endpoints(self) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, ...]:
+        """The endpoint addresses of the primary family (:func:`endpoint_ips`, or the
+        explicit ones)."""
         if self.explicit_endpoints is not None:
             return self.explicit_endpoints
+        if self.family == "IPv6":
+            return endpoint_ips6(self.index, self.endpoint_count)
         return endpoint_ips(self.index, self.endpoint_count)
 
-    def with_endpoints(self, endpoints: Sequence[ipaddress.IPv4Address]) -> SyntheticService:
+    @property
+    def load_balancer_ips(self) -> list[str]:
+        """The ingress IPs of a LoadBalancer (both families for a dual-stack one)."""
+        if self.service_type != "LoadBalancer":
+            return []
+        ips = []
+        if self.family != "IPv6":
+            ips.append(str(_LB_POOL.network_address + 1 + self.index))
+        if self.family != "IPv4":
+            ips.append(str(_LB_POOL6.network_address + 1 + self.index))
+        return ips
+
+    def frontends4(self) -> int:
+        """How many IPv4 Service-IP frontends (``ip . proto . port``) the Service has."""
+        if self.family == "IPv6":
+            return 0
+        lb = 1 if self.service_type == "LoadBalancer" else 0
+        return 1 + lb + (1 if self.external_ip else 0)
+
+    def with_endpoints(
+        self, endpoints: Sequence[ipaddress.IPv4Address | ipaddress.IPv6Address]
+    ) -> SyntheticService:
         """This Service with another endpoint list (an endpoint change)."""
         return replace(self, endpoint_count=len(endpoints), explicit_endpoints=tuple(endpoints))
 
@@ -175,21 +269,31 @@ class SyntheticService:
 
     def service_dict(self) -> dict[str, Any]:
         """The Service as the API server would return it (JSON form)."""
-        name, cluster_ip = self.name, str(self.cluster_ip)
+        name, cluster_ips = self.name, self.cluster_ips
+        if self.node_port:
+            ports = _node_port_ports(
+                self.port_name, self.port, self.protocol, self.target_port, self.node_port
+            )
+        else:
+            ports = _service_ports(self.port_name, self.port, self.protocol, self.target_port)
         spec: dict[str, Any] = {
-            "type": "ClusterIP",
-            "clusterIP": cluster_ip,
-            "clusterIPs": [cluster_ip],
-            "ipFamilies": _IP_FAMILIES,
-            "ipFamilyPolicy": "SingleStack",
-            "internalTrafficPolicy": "Cluster",
-            "ports": _service_ports(self.port_name, self.port, self.protocol, self.target_port),
+            "type": self.service_type,
+            "clusterIP": cluster_ips[0],
+            "clusterIPs": cluster_ips,
+            "ipFamilies": _FAMILY_LISTS[self.family],
+            "ipFamilyPolicy": "RequireDualStack" if self.family == "dual" else "SingleStack",
+            "internalTrafficPolicy": "Local" if self.internal_local else "Cluster",
+            "ports": ports,
             "selector": {"app": name},
             "sessionAffinity": "ClientIP" if self.affinity_seconds else "None",
         }
         if self.affinity_seconds:
             spec["sessionAffinityConfig"] = _affinity_config(self.affinity_seconds)
-        return {
+        if self.service_type != "ClusterIP" or self.external_ip:
+            spec["externalTrafficPolicy"] = "Local" if self.external_local else "Cluster"
+        if self.external_ip:
+            spec["externalIPs"] = [str(_EXTERNAL_POOL.network_address + 1 + self.index)]
+        service: dict[str, Any] = {
             "apiVersion": "v1",
             "kind": "Service",
             "metadata": {
@@ -200,9 +304,20 @@ class SyntheticService:
             },
             "spec": spec,
         }
+        if self.service_type == "LoadBalancer":
+            if not self.node_port:
+                spec["allocateLoadBalancerNodePorts"] = False
+            if self.source_ranges:
+                spec["loadBalancerSourceRanges"] = _SOURCE_RANGES
+            service["status"] = {
+                "loadBalancer": {"ingress": [{"ip": ip} for ip in self.load_balancer_ips]}
+            }
+        return service
 
     def slice_dicts(
-        self, endpoints: Sequence[ipaddress.IPv4Address] | None = None, generation: int = 1
+        self,
+        endpoints: Sequence[ipaddress.IPv4Address | ipaddress.IPv6Address] | None = None,
+        generation: int = 1,
     ) -> list[dict[str, Any]]:
         """The Service's EndpointSlices (at most 100 endpoints each), JSON form.
 
@@ -210,18 +325,32 @@ class SyntheticService:
         ``generation`` goes into ``resourceVersion`` so updates differ from the original.
         """
         addresses = self.endpoints if endpoints is None else tuple(endpoints)
+        slices = self._slices(addresses, "IPv6" if self.family == "IPv6" else "IPv4", generation)
+        if self.family == "dual":
+            second = endpoint_ips6(self.index, self.endpoint_count)
+            slices += self._slices(second, "IPv6", generation, suffix="-v6")
+        return slices
+
+    def _slices(
+        self,
+        addresses: Sequence[ipaddress.IPv4Address | ipaddress.IPv6Address],
+        address_type: str,
+        generation: int,
+        suffix: str = "",
+    ) -> list[dict[str, Any]]:
         chunks = [
             addresses[start : start + _SLICE_CAPACITY]
             for start in range(0, len(addresses), _SLICE_CAPACITY)
         ] or [()]
         name, namespace, version = self.name, self.namespace, str(generation)
         ports = _slice_ports(self.port_name, self.target_port, self.protocol)
+        local = self.local_endpoints
         return [
             {
                 "apiVersion": "discovery.k8s.io/v1",
                 "kind": "EndpointSlice",
                 "metadata": {
-                    "name": f"{name}-{number:05d}",
+                    "name": f"{name}{suffix}-{number:05d}",
                     "namespace": namespace,
                     "labels": {
                         "kubernetes.io/service-name": name,
@@ -229,14 +358,16 @@ class SyntheticService:
                     },
                     "resourceVersion": version,
                 },
-                "addressType": "IPv4",
+                "addressType": address_type,
                 "endpoints": [
                     {
                         "addresses": [str(ip)],
                         "conditions": _READY,
-                        "nodeName": _NODE_NAMES[int(ip) % _OTHER_NODES],
+                        "nodeName": NODE_NAME
+                        if number * _SLICE_CAPACITY + k < local
+                        else _NODE_NAMES[int(ip) % _OTHER_NODES],
                     }
-                    for ip in chunk
+                    for k, ip in enumerate(chunk)
                 ],
                 "ports": ports,
             }
@@ -253,7 +384,7 @@ class EndpointSwaps:
     """Where the spare address sits in a Service's block (so at most 14 endpoints)."""
 
     def __init__(self) -> None:
-        self._now: dict[int, tuple[ipaddress.IPv4Address, ...]] = {}
+        self._now: dict[int, tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, ...]] = {}
         self._generation: dict[int, int] = {}
 
     def swap(self, service: SyntheticService) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -330,3 +461,75 @@ def all_slice_dicts(services: Sequence[SyntheticService]) -> Iterator[dict[str, 
     """Every EndpointSlice of ``services``, in order."""
     for service in services:
         yield from service.slice_dicts()
+
+
+REALISTIC_SEED = 19
+"""The seed of the benchmarks' realistic mix (every run builds the same cluster)."""
+
+
+def _endpoint_count(rng: random.Random) -> int:
+    """Heavy-tailed: most Services have 1-3 endpoints, a Pareto tail reaches 1000."""
+    draw = rng.random()
+    if draw < 0.30:
+        return 1
+    if draw < 0.52:
+        return 2
+    if draw < 0.65:
+        return 3
+    return min(1000, int(4 / (1.0 - rng.random())))
+
+
+def realistic_service(
+    index: int, rng: random.Random, node_ports: Iterator[int]
+) -> SyntheticService:
+    """One Service of the realistic mix, drawn from ``rng`` (see
+    :func:`realistic_services`); ``node_ports`` hands out NodePorts until it runs out."""
+    count = _endpoint_count(rng)
+    draw = rng.random()
+    service_type = "ClusterIP"
+    if draw < 0.08:
+        service_type = "LoadBalancer"
+    elif draw < 0.12:
+        service_type = "NodePort"
+    external_ip = service_type == "ClusterIP" and rng.random() < 0.02
+    node_port = 0
+    if service_type != "ClusterIP":
+        node_port = next(node_ports, 0)
+        if not node_port and service_type == "NodePort":
+            service_type = "LoadBalancer"  # no NodePort left: a LoadBalancer without one
+    external = service_type != "ClusterIP" or external_ip
+    external_local = external and rng.random() < 0.30
+    internal_local = rng.random() < 0.02
+    family = rng.choices(("IPv4", "IPv6", "dual"), (0.85, 0.10, 0.05))[0]
+    local = 0
+    if external_local or internal_local:
+        local = min(count, rng.choice((0, 1, 1, 2)))
+    return SyntheticService(
+        index,
+        count,
+        affinity_seconds=10800 if rng.random() < 0.03 else 0,
+        service_type=service_type,
+        node_port=node_port,
+        external_local=external_local,
+        internal_local=internal_local,
+        source_ranges=service_type == "LoadBalancer" and rng.random() < 0.20,
+        external_ip=external_ip,
+        family=family,
+        local_endpoints=local,
+    )
+
+
+def realistic_services(count: int, seed: int = REALISTIC_SEED) -> list[SyntheticService]:
+    """``count`` Services shaped like a real cluster's (issue 19), deterministic by ``seed``.
+
+    Endpoint counts are heavy-tailed (30 % one endpoint, 22 % two, 13 % three, the rest
+    a Pareto tail from 4 to 1000: several hundred distinct counts at 30k Services); 8 %
+    are LoadBalancers (a fifth with source ranges) and 4 % NodePorts, with NodePorts
+    until the 30000-32699 range runs out (later LoadBalancers have none); 30 % of those
+    and of the ClusterIPs with an external IP (2 %) have ``externalTrafficPolicy:
+    Local``, 2 % ``internalTrafficPolicy: Local``, with 0-2 endpoints on this node; 3 %
+    ClientIP affinity; 85 % IPv4, 10 % IPv6 and 5 % dual-stack.
+    """
+    rng = random.Random(seed)
+    node_ports = iter(_NODE_PORTS)
+    return [realistic_service(index, rng, node_ports) for index in range(count)]

@@ -23,6 +23,7 @@ __all__ = [
     "IPT_NFT",
     "NO_RULES",
     "OURS",
+    "RULES",
     "SUBJECT_ORDER",
     "SUBJECT_TITLES",
     "UPSTREAM",
@@ -33,6 +34,7 @@ __all__ = [
     "evaluate_targets",
     "find",
     "full_sync",
+    "issue19_targets",
     "one",
     "plain",
     "scale_targets",
@@ -41,14 +43,16 @@ __all__ = [
 ]
 
 OURS = "kubeproxy-nftables"  # the map structure: the nftables backend as shipped
+RULES = "kubeproxy-nftables-rules"  # the map structure's class dispatch before issue 19
 CHAINS = "kubeproxy-nftables-chains"  # the per-Service-chain structure it replaced
 IPT_NFT = "kubeproxy-iptables-nft"
 IPT_LEGACY = "kubeproxy-iptables-legacy"
 UPSTREAM = "upstream-nft"
 NO_RULES = "no-rules"  # the data-plane baseline: the topology without any rules
-SUBJECT_ORDER = (OURS, CHAINS, IPT_NFT, IPT_LEGACY, UPSTREAM)
+SUBJECT_ORDER = (OURS, RULES, CHAINS, IPT_NFT, IPT_LEGACY, UPSTREAM)
 SUBJECT_TITLES = {
     OURS: "nftables (maps)",
+    RULES: "nftables (maps, class rules, before)",
     CHAINS: "nftables (chains, before)",
     IPT_NFT: "iptables-nft",
     IPT_LEGACY: "iptables-legacy",
@@ -651,6 +655,82 @@ def scale_targets(records: Sequence[Record]) -> list[TargetCheck]:
     ]
 
 
+CLASS_DELTA_MAX_US = 3.0  # issue 19: 500 classes vs 5, per new connection (p50)
+REALISTIC_CHANGE_MAX_MS = 1.0  # issue 19: per-change median on the realistic mix
+
+
+def _issue19(target: str, measured: str, holds: bool | None) -> TargetCheck:
+    return TargetCheck(target, measured, holds, issue=19)
+
+
+def _class_targets(records: Sequence[Record]) -> list[TargetCheck]:
+    def p50(subject: str, classes: int, case: str) -> float | None:
+        r = one(records, kind="dataplane_classes", subject=subject, classes=classes, case=case)
+        return None if r is None else float(r["p50_us"])
+
+    checks = []
+    for case, what in (("last-class", "the last class"), ("direct", "traffic to no Service")):
+        few, many = p50(OURS, 5, case), p50(OURS, 500, case)
+        before = (p50(RULES, 5, case), p50(RULES, 500, case))
+        note = ""
+        if before[0] is not None and before[1] is not None:
+            note = f" (one rule per class, before: {before[0]:.1f} -> {before[1]:.1f} us)"
+        if few is None or many is None:
+            checks.append(_issue19(f"500 classes vs 5, {what}", "not measured", None))
+            continue
+        checks.append(
+            _issue19(
+                f"500 classes cost at most {CLASS_DELTA_MAX_US:.0f} us more per new connection "
+                f"than 5, for {what} (p50)",
+                f"{few:.1f} -> {many:.1f} us ({many - few:+.1f}){note}",
+                many - few <= CLASS_DELTA_MAX_US,
+            )
+        )
+    return checks
+
+
+def _realistic_targets(records: Sequence[Record]) -> list[TargetCheck]:
+    checks = []
+    colds = find(records, kind="realistic_cold", subject=OURS)
+    checks.append(
+        _issue19(
+            "the realistic mix syncs at every size (cold and restart)",
+            ", ".join(
+                f"{size_label(r['services'])} {r['seconds']:.1f} s, peak {_peak_mb(r):.0f} MB"
+                for r in sorted(colds, key=lambda r: r["services"])
+            )
+            or "not measured",
+            all(r["ok"] for r in [*colds, *find(records, kind="realistic_restart", subject=OURS)])
+            if colds
+            else None,
+        )
+    )
+    cases = [(n, op) for n in (30_000, 100_000) for op in ("endpoint", "add", "remove")]
+    found = [
+        (n, op, one(records, kind="realistic_incremental", subject=OURS, services=n, op=op))
+        for n, op in cases
+    ]
+    measured = [(n, op, r) for n, op, r in found if r is not None]
+    checks.append(
+        _issue19(
+            f"realistic mix: endpoint change, Service add and remove <= "
+            f"{REALISTIC_CHANGE_MAX_MS:.0f} ms median at 30k and 100k",
+            ", ".join(f"{size_label(n)} {op} {r['median_ms']:.2f} ms" for n, op, r in measured)
+            or "not measured",
+            all(r["median_ms"] <= REALISTIC_CHANGE_MAX_MS for _, _, r in measured)
+            if len(measured) == len(cases)
+            else None,
+        )
+    )
+    return checks
+
+
+def issue19_targets(records: Sequence[Record]) -> list[TargetCheck]:
+    """Issue 19's targets: the first packet flat in the number of classes, and the
+    realistic mix syncing at every size with per-change costs as on the uniform one."""
+    return [*_class_targets(records), *_realistic_targets(records)]
+
+
 # Issue 20: the daemon a node runs, next to the in-process figures of the same run ----------
 
 DAEMON_PARTIAL_MAX_RATIO = 2.0  # the daemon's partial-sync median / in-process endpoint median
@@ -856,5 +936,10 @@ def daemon_targets(records: Sequence[Record]) -> list[TargetCheck]:
 
 
 def evaluate_targets(records: Sequence[Record]) -> list[TargetCheck]:
-    """Every target (issue 4's, issue 11's, issue 20's) against the records of one run."""
-    return backend_targets(records) + scale_targets(records) + daemon_targets(records)
+    """Every target (issue 4's, 11's, 19's and 20's) against the records of one run."""
+    return (
+        backend_targets(records)
+        + scale_targets(records)
+        + issue19_targets(records)
+        + daemon_targets(records)
+    )

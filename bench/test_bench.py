@@ -21,7 +21,13 @@ variant, and iptables-legacy), and upstream's nftables rule structure applied wi
 * whole process (:func:`test_whole_process`): ``kube-proxy-nftables --manifests DIR
   --once`` from start to exit against ``nft -f`` of upstream's structure;
 * churn (:func:`test_churn`): random endpoint changes at a steady rate through the
-  proxier's own rate-limited sync loop; syncs per second, sync times, CPU share.
+  proxier's own rate-limited sync loop; syncs per second, sync times, CPU share;
+* the realistic mix (issue 19, :func:`test_realistic`): cold, restart and incremental
+  syncs and first connections on a cluster shaped like a real one (heavy-tailed endpoint
+  counts, every Service shape, both families), the shipped class dispatch next to the
+  one before (one rule per class);
+* classes (:func:`test_first_connection_classes`): first connections with 5 and 500
+  endpoint-count classes, to the last class and to no Service.
 
 Where a subject stops (sizes it is not run at) is stated next to its sizes below, and in
 the README: never a number that was not measured.
@@ -30,7 +36,9 @@ the README: never a number that was not measured.
 from __future__ import annotations
 
 import os
+import re
 import statistics
+import subprocess
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -49,7 +57,7 @@ from bench.harness import (
     run_measured,
     time_once,
 )
-from bench.netns import namespace
+from bench.netns import in_netns, namespace
 from bench.proxyproc import DAEMON_MIN_SYNC_PERIOD
 from bench.report import Results
 from bench.subjects import (
@@ -57,11 +65,19 @@ from bench.subjects import (
     IPTABLES_NFT,
     NFTABLES,
     NFTABLES_CHAINS,
+    NFTABLES_RULES,
     UPSTREAM,
     Subject,
     installed_services,
 )
-from bench.synthetic import CLUSTER_PORT, TARGET_PORT, build_services, synthetic_service
+from bench.synthetic import (
+    CLUSTER_PORT,
+    TARGET_PORT,
+    SyntheticService,
+    build_services,
+    realistic_services,
+    synthetic_service,
+)
 from bench.targets import NO_RULES
 from bench.upstream_structure import write_upstream_ruleset
 from bench.wholeproc import binary_argv, chain_binary_argv, write_manifests
@@ -158,10 +174,9 @@ def _synced(
     **fields: Any,
 ) -> dict[str, Any]:
     """A first sync of ``proxy`` (:func:`_sync`), recorded (:func:`_sync_record`)."""
+    fields.setdefault("endpoints", ENDPOINTS)
     answer, peaks = _sync(proxy)
-    return _sync_record(
-        results, kind, subject, services, answer, peaks, proxy.ready, endpoints=ENDPOINTS, **fields
-    )
+    return _sync_record(results, kind, subject, services, answer, peaks, proxy.ready, **fields)
 
 
 # Control plane ---------------------------------------------------------------------------
@@ -266,7 +281,14 @@ def test_control_plane(
 
 
 def _incremental(
-    results: Results, subject: Subject, services: int, proxy: ProxyProcess, op: str
+    results: Results,
+    subject: Subject,
+    services: int,
+    proxy: ProxyProcess,
+    op: str,
+    *,
+    kind: str = "incremental",
+    endpoints: int | None = ENDPOINTS,
 ) -> None:
     for _ in range(INCREMENTAL_WARMUP):
         proxy.request(op)
@@ -282,10 +304,10 @@ def _incremental(
     ordered = sorted(a["seconds"] for a in answers)
     tools = sorted(a["tool_s"] for a in answers)
     results.add(
-        "incremental",
+        kind,
         subject.name,
         services=services,
-        endpoints=ENDPOINTS,
+        endpoints=endpoints,
         op=op,
         rounds=len(ordered),
         median_ms=1000 * statistics.median(ordered),
@@ -587,3 +609,131 @@ def test_churn(results: Results, subject: Subject, services: int, seconds: float
         ok=bool(churn["ok"]),
     )
     assert churn["ok"], f"{subject.name}: a sync failed during the churn"
+
+
+# The realistic mix (issue 19) -------------------------------------------------------------
+
+REALISTIC_CASES = [
+    pytest.param(subject, n, marks=[quick] if n == 1 * K else [], id=f"{name}-{_size_id(n)}")
+    for subject, name in ((NFTABLES, "nftables"), (NFTABLES_RULES, "nftables-rules"))
+    for n in (1 * K, 10 * K, 30 * K, 100 * K)
+]
+
+
+def expected_frontends(services: list[SyntheticService]) -> int:
+    """The IPv4 Service-IP frontends the realistic mix dispatches: an internal frontend
+    under ``internalTrafficPolicy: Local`` without a local endpoint has no class."""
+    return sum(
+        s.frontends4() - (1 if s.internal_local and not s.local_endpoints else 0)
+        for s in services
+        if s.family != "IPv6"
+    )
+
+
+@pytest.mark.timeout(4 * SYNC_TIMEOUT_S + 1200)
+@pytest.mark.parametrize(("subject", "services"), REALISTIC_CASES)
+def test_realistic(results: Results, subject: Subject, services: int) -> None:
+    """Cold sync, restart, incremental syncs and first connections on the realistic mix.
+
+    Records of kinds ``realistic_cold``, ``realistic_restart``, ``realistic_incremental``
+    and ``realistic_dataplane`` (endpoints ``None``: the counts vary).
+    """
+    cluster = realistic_services(services)
+    frontends = expected_frontends(cluster)
+    target = next(
+        s
+        for s in cluster[services // 2 :]
+        if s.family == "IPv4"
+        and s.service_type == "ClusterIP"
+        and not (s.internal_local or s.external_ip or s.affinity_seconds)
+        and 2 <= s.endpoint_count <= 15
+    )
+    targets = {
+        "direct": (str(target.endpoints[0]), TARGET_PORT),
+        "service": (str(target.cluster_ip), CLUSTER_PORT),
+    }
+    del cluster
+    with topology() as topo:
+        with proxy_process(
+            topo.node, services, 0, backend=subject.backend, mix="realistic"
+        ) as proxy:
+            cold = _synced(results, "realistic_cold", subject, services, proxy, endpoints=None)
+        assert cold["ok"], f"{subject.name}: realistic cold sync failed"
+        assert installed_services(subject, topo.node) == frontends
+        stats = measure_connects(topo, targets, count=CONNECTS)
+        for case, latency in stats.items():
+            results.add(
+                "realistic_dataplane", subject.name, services=services, case=case, **asdict(latency)
+            )
+            assert latency.failures <= CONNECTS // 100, f"{case}: {latency.failures} failures"
+        with proxy_process(
+            topo.node, services, 0, backend=subject.backend, mix="realistic"
+        ) as proxy:
+            restart = _synced(
+                results, "realistic_restart", subject, services, proxy, endpoints=None
+            )
+            assert restart["ok"], f"{subject.name}: realistic restart failed"
+            for op in ("endpoint", "add", "remove"):
+                _incremental(
+                    results,
+                    subject,
+                    services,
+                    proxy,
+                    op,
+                    kind="realistic_incremental",
+                    endpoints=None,
+                )
+
+
+# Classes and the first packet (issue 19) ------------------------------------------------------
+
+CLASS_COUNTS = (5, 500)
+CLASS_CASES = [
+    pytest.param(subject, classes, id=f"{name}-{classes}")
+    for subject, name in ((NFTABLES, "nftables"), (NFTABLES_RULES, "nftables-rules"))
+    for classes in CLASS_COUNTS
+]
+
+
+def _last_class_count(subject: Subject, netns: str, classes: int) -> int:
+    """The endpoint count of the class whose frontends walk the most: with one rule per
+    class, the last rule's; with the tree, the last class number handed out (the class of
+    the most endpoints: numbers go by popularity, then by class, and all are used once)."""
+    if subject is not NFTABLES_RULES:
+        return classes
+    listed = subprocess.run(
+        in_netns(netns, ["nft", "list", "chain", "ip", "kube-proxy", "service-frontends"]),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    found = re.findall(r"@internal-([0-9]+)\.g[0-9]+ goto", listed)
+    return int(found[-1])
+
+
+@pytest.mark.timeout(SYNC_TIMEOUT_S + 1200)
+@pytest.mark.parametrize(("subject", "classes"), CLASS_CASES)
+def test_first_connection_classes(results: Results, subject: Subject, classes: int) -> None:
+    """``classes`` ClusterIP Services with 1 to ``classes`` endpoints (as many classes):
+    new connections to the Service of the class that walks the most, to the first one,
+    and to an address that is no Service (an endpoint directly)."""
+    with topology() as topo:
+        with proxy_process(
+            topo.node, classes, 0, backend=subject.backend, class_ladder=True
+        ) as proxy:
+            answer, _ = _sync(proxy)
+        assert answer is not None and answer["ok"], f"{subject.name}: sync failed"
+        last = _last_class_count(subject, topo.node, classes)
+        last_service = synthetic_service(last - 1, last)
+        first = synthetic_service(0, 1)
+        targets = {
+            "direct": (str(first.endpoints[0]), TARGET_PORT),
+            "first-class": (str(first.cluster_ip), CLUSTER_PORT),
+            "last-class": (str(last_service.cluster_ip), CLUSTER_PORT),
+        }
+        stats = measure_connects(topo, targets, count=CONNECTS)
+    for case, latency in stats.items():
+        results.add(
+            "dataplane_classes", subject.name, classes=classes, case=case, **asdict(latency)
+        )
+        assert latency.failures <= CONNECTS // 100, f"{case}: {latency.failures} failures"

@@ -140,7 +140,9 @@ def service_chain_base(service: SyntheticService) -> str:
     return hash_and_truncate(service.port_identity)
 
 
-def endpoint_chain_base(service: SyntheticService, endpoint: ipaddress.IPv4Address) -> str:
+def endpoint_chain_base(
+    service: SyntheticService, endpoint: ipaddress.IPv4Address | ipaddress.IPv6Address
+) -> str:
     """The hashed base name of an endpoint's chain and affinity set."""
     return hash_and_truncate(f"{service.port_identity}__{endpoint}/{service.target_port}")
 

@@ -22,7 +22,6 @@ so. The start-up sequence is the library daemon's (:func:`kubeproxy.daemon.run_d
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import logging
 import platform
 import sys
@@ -48,6 +47,7 @@ from kubeproxy.events import (
 )
 from kubeproxy.logs import configure_logging
 from kubeproxy.proxyconfig import write_config
+from kubeproxy.zpages import package_version
 
 __all__ = [
     "IPVS_DEPRECATION_MESSAGE",
@@ -76,10 +76,7 @@ class Binary:
 
 def version() -> str:
     """This package's version (``unknown`` when it is not installed)."""
-    try:
-        return importlib.metadata.version("kubeproxy")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
+    return package_version()
 
 
 def mode_warnings(options: Options) -> list[StartupWarning]:

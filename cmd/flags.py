@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from kubeproxy.featuregates import known_features
 from kubeproxy.proxyconfig import LOG_FORMATS, Duration, VModuleItem
 
 __all__ = [
@@ -160,6 +161,17 @@ def _version(text: str) -> str:
 # --- the parser ---------------------------------------------------------------------------
 
 
+class _Formatter(argparse.HelpFormatter):
+    """argparse's formatter, keeping the line breaks a help text has (upstream's
+    ``--feature-gates`` help lists one gate per line)."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        lines: list[str] = []
+        for line in text.splitlines():
+            lines.extend(super()._split_lines(line, width) or [""])
+        return lines
+
+
 class _Parser(argparse.ArgumentParser):
     """An argument parser that raises :class:`OptionsError` instead of exiting."""
 
@@ -244,7 +256,11 @@ FLAGS: tuple[Flag, ...] = (
     ),
     _list(
         "--feature-gates",
-        help="Comma-separated name=true|false feature gates. " + _IGNORED_WITH_CONFIG,
+        help="A set of key=value pairs that describe feature gates for alpha/experimental "
+        "features (upstream 1.37's gates; GA and deprecated ones are accepted too). "
+        + _IGNORED_WITH_CONFIG
+        + " Options are:\n"
+        + "\n".join(known_features()),
         field="featureGates",
         kind=_feature_gates,
     ),
@@ -632,6 +648,7 @@ def build_parser(prog: str, fixed_mode: str | None = None) -> argparse.ArgumentP
         "configuration file.",
         allow_abbrev=False,
         add_help=False,
+        formatter_class=_Formatter,
         argument_default=argparse.SUPPRESS,
     )
     for flag in FLAGS:

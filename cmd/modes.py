@@ -138,7 +138,11 @@ class BackendCounters(NullObserver):
 
 
 def nftables_hooks(backend: Backend, metrics: ProxyMetrics) -> Sequence[SyncHook | SyncObserver]:
-    """nftables mode: the stale-chain cleanup failure counter."""
+    """nftables mode: the stale-chain cleanup failure counter, and the localhost NodePort
+    metrics of a backend with the ``KubeProxyNFTablesLocalhostNodePorts`` gate on."""
+    if hasattr(backend, "rejected_packets"):
+        localhost = importlib.import_module("kubeproxy.backends.nftables.localhost")
+        localhost.report_metrics(metrics.registry, backend)
     if hasattr(backend, "stale_chain_failures"):
         return (CleanupFailureCounter(backend, metrics),)
     return ()

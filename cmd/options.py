@@ -48,6 +48,7 @@ from kubeproxy.proxyconfig import (
     Duration,
     KubeProxyConfiguration,
     LoggingConfiguration,
+    VModuleItem,
     append_port_if_needed,
     apply_platform_defaults,
     defaults,
@@ -108,6 +109,28 @@ def _merged_gates(values: list[dict[str, bool]]) -> dict[str, bool]:
     for chunk in values:
         gates.update(chunk)
     return gates
+
+
+def _flag_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return ",".join(f"{name}={_flag_text(on)}" for name, on in value.items())
+    if isinstance(value, list):
+        return ",".join(_flag_text(item) for item in value)
+    if isinstance(value, VModuleItem):
+        return f"{value.file_pattern}={value.verbosity}"
+    return str(value)
+
+
+def _flag_values(given: Mapping[str, Any]) -> dict[str, str]:
+    """The flags given on the command line as ``/flagz`` shows them: the flag's name
+    without dashes -> its value as text (lists joined by commas, as pflag prints them)."""
+    return {
+        BY_DEST[dest].names[-1].lstrip("-"): _flag_text(value)
+        for dest, value in given.items()
+        if dest in BY_DEST
+    }
 
 
 def _apply_logging_flags(
@@ -380,6 +403,7 @@ def parse_options(
         raise _named(err, config_file, given) from None
     except ValueError as err:
         raise OptionsError(str(err)) from None
+    warnings.extend(settled.config.feature_gates.warnings)
     return Options(
         configuration=settled.configuration,
         config=settled.config,
@@ -396,4 +420,5 @@ def parse_options(
         init_only=bool(given.get("init_only", False)),
         ignored_flags=ignored,
         warnings=tuple(warnings),
+        flags=_flag_values(given),
     )

@@ -11,6 +11,7 @@ import ipaddress
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from kubeproxy.featuregates import DEFAULT_GATES, FeatureGates
 from kubeproxy.objects import IPFamily, IPNetwork
 
 __all__ = [
@@ -109,6 +110,7 @@ class ProxierConfig:
     localhost_node_ports: bool = True
     tcp_be_liberal: bool = False
     ipvs: IPVSSettings = field(default_factory=IPVSSettings)
+    feature_gates: FeatureGates = DEFAULT_GATES
 
     def __post_init__(self) -> None:
         if not 0 <= self.masquerade_bit <= 31:

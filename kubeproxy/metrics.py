@@ -18,11 +18,12 @@ or ``IPv6``) plus the process collector's ``process_*`` metrics, and is fed by:
   rules made by someone else and repaired (not an upstream metric).
 
 :class:`MetricsServer` serves ``/metrics``, ``/healthz`` (``ok``), ``/proxyMode`` and
-``/configz`` (the effective configuration, as upstream) on the metrics address (default
-``127.0.0.1:10249``). The text is written the way Go's client
-writes it (:func:`expose`): no ``_created`` series, numbers and ``le`` bounds formatted as
-Go formats floats (``le="1"``, not ``le="1.0"``), families sorted by name, so dashboards and
-alerts written against upstream keep matching.
+``/configz`` (the effective configuration, as upstream), and upstream's ``/statusz`` and
+``/flagz`` when their gates are on, on the metrics address (default ``127.0.0.1:10249``).
+The text is written the way Go's client writes it (:func:`expose`): no ``_created``
+series, numbers and ``le`` bounds formatted as Go formats floats (``le="1"``, not
+``le="1.0"``), families sorted by name, so dashboards and alerts written against upstream
+keep matching.
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-from kubeproxy.httpserving import DEFAULT_MAX_HANDLERS, BackgroundServer, Response
+from kubeproxy.httpserving import DEFAULT_MAX_HANDLERS, BackgroundServer, Response, Route
 from kubeproxy.objects import IPFamily, NamespacedName, ServicePort, ServicePortName
 from kubeproxy.selfheal import KINDS
+from kubeproxy.zpages import flagz_page, statusz_page
 
 if TYPE_CHECKING:
     from kubeproxy.backend import ProxySnapshot, SyncChanges
@@ -611,17 +613,25 @@ CONFIGZ_GROUP: Final = "kubeproxy.config.k8s.io"
 """The key ``/configz`` files the configuration under (upstream's configz name)."""
 
 
+_TEXT: Final[Mapping[str, str]] = {
+    "Content-Type": "text/plain; charset=utf-8",
+    "X-Content-Type-Options": "nosniff",
+}
+
+
 class MetricsServer:
-    """``/metrics``, ``/healthz``, ``/proxyMode`` and ``/configz`` on the metrics address.
+    """``/metrics``, ``/healthz``, ``/proxyMode``, ``/configz`` (and the z-pages) on the
+    metrics address.
 
     ``/metrics`` is :meth:`ProxyMetrics.expose`; ``/healthz`` answers ``ok`` (the
     component's generic liveness check, unrelated to the proxy's own health);
     ``/proxyMode`` the mode's name; ``/configz`` the effective configuration ``configz``
     as JSON under :data:`CONFIGZ_GROUP`, as upstream serves it (upstream shows its
     internal configuration type; this is the ``v1alpha1`` document ``--write-config-to``
-    writes, the form an operator can read back). An empty ``address`` disables the server;
-    binding
-    follows :class:`~kubeproxy.httpserving.BackgroundServer` (retry every 5 s, or raise
+    writes, the form an operator can read back). ``statusz`` adds ``/statusz`` and
+    ``flagz`` (flag name -> value) ``/flagz``, upstream's z-pages (:mod:`kubeproxy.zpages`).
+    An empty ``address`` disables the server; binding follows
+    :class:`~kubeproxy.httpserving.BackgroundServer` (retry every 5 s, or raise
     :class:`~kubeproxy.httpserving.ServerBindError` at :meth:`start` with ``hard_fail``), and
     so do ``backlog`` and ``max_handlers``.
     """
@@ -634,20 +644,29 @@ class MetricsServer:
         hard_fail: bool = False,
         retry_interval: float = 5.0,
         configz: Mapping[str, object] | None = None,
+        statusz: bool = False,
+        flagz: Mapping[str, str] | None = None,
         backlog: int | None = None,
         max_handlers: int | None = DEFAULT_MAX_HANDLERS,
     ) -> None:
         self.metrics = metrics
         self._configz = json.dumps({CONFIGZ_GROUP: dict(configz or {})}).encode()
+        self._started = time.time()
+        routes: dict[str, Route] = {
+            "/metrics": self._metrics,
+            "/healthz": self._healthz,
+            "/proxyMode": self._mode,
+            "/configz": self._config,
+        }
+        if flagz is not None:
+            flags_page = flagz_page(flagz)
+            routes["/flagz"] = lambda: (200, _TEXT, flags_page)
+        if statusz:
+            routes["/statusz"] = lambda: (200, _TEXT, statusz_page(self._started, routes))
         self.server = BackgroundServer(
             "metrics",
             address,
-            {
-                "/metrics": self._metrics,
-                "/healthz": self._healthz,
-                "/proxyMode": self._mode,
-                "/configz": self._config,
-            },
+            routes,
             hard_fail=hard_fail,
             retry_interval=retry_interval,
             backlog=backlog,
@@ -672,18 +691,10 @@ class MetricsServer:
 
     @staticmethod
     def _healthz() -> Response:
-        return (
-            200,
-            {"Content-Type": "text/plain; charset=utf-8", "X-Content-Type-Options": "nosniff"},
-            b"ok",
-        )
+        return 200, _TEXT, b"ok"
 
     def _config(self) -> Response:
         return 200, {"Content-Type": "application/json"}, self._configz
 
     def _mode(self) -> Response:
-        return (
-            200,
-            {"Content-Type": "text/plain; charset=utf-8", "X-Content-Type-Options": "nosniff"},
-            self.metrics.mode.encode(),
-        )
+        return 200, _TEXT, self.metrics.mode.encode()

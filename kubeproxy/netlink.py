@@ -17,7 +17,7 @@ import selectors
 import socket
 import struct
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -32,6 +32,7 @@ __all__ = [
     "HostAddresses",
     "NetnsNotFoundError",
     "check_netns",
+    "netlink_dump",
 ]
 
 logger = logging.getLogger(__name__)
@@ -101,32 +102,44 @@ _IFADDRMSG = struct.Struct("=BBBBI")
 _RTATTR = struct.Struct("=HH")
 
 
+def netlink_dump(
+    sock: socket.socket, message: bytes, seq: int, what: str
+) -> Iterator[tuple[int, bytes]]:
+    """Send a dump request (``message``, sequence number ``seq``) and yield each answer's
+    type and payload (after the netlink header) until the dump is done. A refusal raises
+    ``OSError`` with the kernel's errno (``what`` names the request in its message)."""
+    sock.send(message)
+    while True:
+        data = sock.recv(1 << 16)
+        offset = 0
+        while offset + _HEADER.size <= len(data):
+            length, kind, _flags, msg_seq, _pid = _HEADER.unpack_from(data, offset)
+            if length < _HEADER.size:
+                return
+            if msg_seq == seq:
+                if kind == _NLMSG_DONE:
+                    return
+                if kind == _NLMSG_ERROR:
+                    (code,) = struct.unpack_from("=i", data, offset + _HEADER.size)
+                    if code:
+                        raise OSError(-code, f"{what}: {os.strerror(-code)}")
+                    return
+                yield kind, data[offset + _HEADER.size : offset + length]
+            offset += (length + 3) & ~3
+
+
 def _dump_addresses() -> list[IPAddress]:
     with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE) as sock:
         sock.bind((0, 0))
         sock.settimeout(10.0)
         request = _IFADDRMSG.pack(socket.AF_UNSPEC, 0, 0, 0, 0)
-        sock.send(
-            _HEADER.pack(_HEADER.size + len(request), _RTM_GETADDR, _NLM_F_REQUEST_DUMP, 1, 0)
-            + request
-        )
-        found: list[IPAddress | None] = []
-        while True:
-            data = sock.recv(1 << 16)
-            offset = 0
-            while offset + _HEADER.size <= len(data):
-                length, kind, _flags, _seq, _pid = _HEADER.unpack_from(data, offset)
-                if length < _HEADER.size:
-                    return _unique_sorted(found)
-                if kind == _NLMSG_DONE:
-                    return _unique_sorted(found)
-                if kind == _NLMSG_ERROR:
-                    (code,) = struct.unpack_from("=i", data, offset + _HEADER.size)
-                    if code:
-                        raise OSError(-code, f"RTM_GETADDR: {os.strerror(-code)}")
-                elif kind == _RTM_NEWADDR:
-                    found.append(_address_of(data, offset + _HEADER.size, offset + length))
-                offset += (length + 3) & ~3
+        header = _HEADER.pack(_HEADER.size + len(request), _RTM_GETADDR, _NLM_F_REQUEST_DUMP, 1, 0)
+        found = [
+            _address_of(payload, 0, len(payload))
+            for kind, payload in netlink_dump(sock, header + request, 1, "RTM_GETADDR")
+            if kind == _RTM_NEWADDR
+        ]
+        return _unique_sorted(found)
 
 
 def _address_of(data: bytes, start: int, end: int) -> IPAddress | None:

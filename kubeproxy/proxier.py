@@ -678,7 +678,9 @@ class Proxier:
             detector = LocalDetector(LocalDetectMode.NODE_CIDR, node.pod_cidrs)
         local = detector.for_family(self._family)
         if warn and detector.mode is not LocalDetectMode.NONE and not local.implemented:
-            logger.warning(
+            # Info, as upstream logs it: a node runs both families whenever the kernel has
+            # IPv6, and a single-stack cluster has no pod CIDR of the other family.
+            logger.info(
                 "%s: no %s CIDR for local-traffic detection mode %s; not detecting local traffic",
                 self._family,
                 self._family,

@@ -32,6 +32,7 @@ import dataclasses
 import ipaddress
 import re
 from collections.abc import Sequence
+from typing import Final
 
 from kubeproxy.config import IPVSSettings, LocalDetectMode, LocalDetector, ProxierConfig
 from kubeproxy.configfile import (
@@ -67,6 +68,14 @@ from kubeproxy.configmodel import (
     VModuleItem,
     defaults,
 )
+from kubeproxy.featuregates import (
+    KUBE_PROXY_IPVS,
+    LOGGING_ALPHA_OPTIONS,
+    LOGGING_BETA_OPTIONS,
+    FeatureGateError,
+    FeatureGates,
+    resolve,
+)
 from kubeproxy.objects import IPNetwork
 
 __all__ = [
@@ -76,6 +85,7 @@ __all__ = [
     "DEFAULT_HEALTHZ_PORT",
     "DEFAULT_METRICS_PORT",
     "DETECT_LOCAL_MODES",
+    "IPVS_DISABLED_MESSAGE",
     "KIND",
     "LOG_FORMATS",
     "PROXY_MODES",
@@ -99,6 +109,7 @@ __all__ = [
     "config_document",
     "defaults",
     "effective_mode",
+    "feature_gates",
     "load_config_file",
     "parse_config",
     "to_proxier_config",
@@ -289,9 +300,14 @@ def _check_port_range(text: str) -> None:
         raise ConfigError("portRange", f"must be a port range such as 30000-32767, got {text!r}")
 
 
-def _check_logging(cfg: LoggingConfiguration) -> None:
+def _check_logging(cfg: LoggingConfiguration, gates: FeatureGates) -> None:
     if cfg.format not in LOG_FORMATS:
         raise ConfigError("logging.format", f"must be one of text, json, got {cfg.format!r}")
+    if cfg.format == "json" and not gates.enabled(LOGGING_BETA_OPTIONS):
+        # component-base registers the json format behind LoggingBetaOptions.
+        raise ConfigError(
+            "logging.format", f"Log format json is disabled, see {LOGGING_BETA_OPTIONS} feature"
+        )
     if cfg.flush_frequency.nanoseconds <= 0:
         raise ConfigError(
             "logging.flushFrequency", f"must be greater than 0, got {cfg.flush_frequency}"
@@ -304,6 +320,43 @@ def _check_logging(cfg: LoggingConfiguration) -> None:
                 f"logging.vmodule[{i}].filePattern",
                 f"must be a non-empty pattern without ',' or '=', got {item.file_pattern!r}",
             )
+    if not gates.enabled(LOGGING_ALPHA_OPTIONS):
+        # As component-base: the split streams and their buffers are alpha options.
+        for name in ("text", "json"):
+            routing = getattr(cfg.options, name)
+            if routing.split_stream:
+                raise ConfigError(
+                    f"logging.options.{name}.splitStream",
+                    f"Feature {LOGGING_ALPHA_OPTIONS} is disabled",
+                )
+            if not _zero_quantity(routing.info_buffer_size):
+                raise ConfigError(
+                    f"logging.options.{name}.infoBufferSize",
+                    f"Feature {LOGGING_ALPHA_OPTIONS} is disabled",
+                )
+
+
+def _zero_quantity(text: str) -> bool:
+    number = re.match(r"\s*[+-]?(\d+(?:\.\d*)?|\.\d+)", text)
+    return number is None or float(number.group(1)) == 0
+
+
+def feature_gates(cfg: KubeProxyConfiguration) -> FeatureGates:
+    """The effective feature gates of ``cfg`` (upstream 1.37's, see
+    :mod:`kubeproxy.featuregates`); raises :class:`ConfigError` (field ``featureGates``)
+    with upstream's message for an unknown gate or a locked one set against its lock."""
+    try:
+        return resolve(cfg.feature_gates)
+    except FeatureGateError as err:
+        raise ConfigError("featureGates", str(err)) from None
+
+
+IPVS_DISABLED_MESSAGE: Final = (
+    "the ipvs proxy mode is disabled by feature gate KubeProxyIPVS=false; ipvs mode is "
+    "deprecated and will be removed: use nftables (or set KubeProxyIPVS=true, until 1.40 "
+    "turns it off by default)"
+)
+"""Why ipvs mode refuses to start when the ``KubeProxyIPVS`` gate is off (KEP-5495)."""
 
 
 def _check_client(cfg: ClientConnectionConfiguration) -> None:
@@ -377,6 +430,9 @@ def validate(cfg: KubeProxyConfiguration, platform: str = "linux") -> None:
             "mode",
             f"must be iptables, ipvs, nftables or blank (blank means iptables), got {cfg.mode!r}",
         )
+    gates = feature_gates(cfg)
+    if effective_mode(cfg) == "ipvs" and not gates.enabled(KUBE_PROXY_IPVS):
+        raise ConfigError(f"featureGates.{KUBE_PROXY_IPVS}", IPVS_DISABLED_MESSAGE)
     _check_sections(cfg)
     if cfg.config_sync_period.nanoseconds <= 0:
         raise ConfigError(
@@ -392,7 +448,7 @@ def validate(cfg: KubeProxyConfiguration, platform: str = "linux") -> None:
     _check_node_port_addresses(cfg.node_port_addresses)
     _check_detect_local(cfg)
     _check_client(cfg.client_connection)
-    _check_logging(cfg.logging)
+    _check_logging(cfg.logging, gates)
     _check_port_range(cfg.port_range)
     version = cfg.show_hidden_metrics_for_version
     if version and not _HIDDEN_METRICS_VERSION.fullmatch(version):
@@ -456,6 +512,7 @@ def to_proxier_config(
         sync_period=sync.seconds,
         min_sync_period=min_sync.seconds,
         localhost_node_ports=cfg.iptables.localhost_node_ports,
+        feature_gates=feature_gates(cfg),
         tcp_be_liberal=cfg.conntrack.tcp_be_liberal,
         ipvs=IPVSSettings(
             scheduler=cfg.ipvs.scheduler or "rr",

@@ -8,7 +8,9 @@
   against live traffic through it;
 * :func:`node_and_pod`: a node namespace (node IP on lo) and a pod namespace holding two
   endpoint IPs, the Service range routed towards the pods; :func:`answered_by` connects
-  from the node and says which endpoint answered.
+  from the node and says which endpoint answered;
+* :func:`nft_listing_reloads`: whether ``nft list ruleset`` of a namespace, fed to
+  ``nft -f`` in an empty one, loads and lists the same.
 
 Every namespace is named ``<prefix>-...`` (each test file passes its own prefix) and
 deleted whatever happens.
@@ -17,9 +19,11 @@ deleted whatever happens.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import ipaddress
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -48,6 +52,7 @@ from kubeproxy.testing.netns import (
     delete_namespaces,
     entered,
     open_namespace,
+    write_sysctl,
 )
 
 T = TypeVar("T")
@@ -69,6 +74,38 @@ def run_in(netns: str, *argv: str, stdin: str | None = None) -> str:
         text=True,
     )
     return done.stdout
+
+
+_EXPIRES = re.compile(r" expires [0-9hms.]+")
+
+
+def nft_listing_reloads(netns: str) -> str | None:
+    """None when the ruleset of ``netns`` (as ``nft list ruleset`` shows it) loads with
+    ``nft -f`` into an empty namespace and lists the same there; else what went wrong.
+
+    Dynamic-map entries count down while they live, so their ``expires`` are left out
+    of the comparison.
+    """
+    listed = run_in(netns, "nft", "list", "ruleset")
+    scratch = f"kpxl-{os.getpid() % 100000}-{uuid.uuid4().hex[:6]}"
+    ip("netns", "add", scratch)
+    try:
+        loaded = subprocess.run(
+            ["ip", "netns", "exec", scratch, "nft", "-f", "-"],
+            input=listed,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if loaded.returncode != 0:
+            return f"the listing does not load: {' '.join(loaded.stderr.split())[:600]}"
+        again = run_in(scratch, "nft", "list", "ruleset")
+    finally:
+        subprocess.run(["ip", "netns", "delete", scratch], check=False, capture_output=True)
+    if _EXPIRES.sub("", again) != _EXPIRES.sub("", listed):
+        diff = difflib.unified_diff(listed.splitlines(), again.splitlines(), lineterm="", n=0)
+        return "reloaded, it lists otherwise: " + " | ".join(list(diff)[2:8])
+    return None
 
 
 # client -- node -- server ----------------------------------------------------------------
@@ -323,38 +360,87 @@ class NodeAndPod:
     pod_fd: int
 
 
+_NO_DAD = [("net.ipv6.conf.all.accept_dad", "0"), ("net.ipv6.conf.default.accept_dad", "0")]
+
+
 @contextlib.contextmanager
-def node_and_pod(prefix: str, node_ip: str, endpoint_ips: tuple[str, str]) -> Iterator[NodeAndPod]:
+def node_and_pod(
+    prefix: str,
+    node_ip: str,
+    endpoint_ips: tuple[str, str],
+    *,
+    ipv6: tuple[str, str] | None = None,
+) -> Iterator[NodeAndPod]:
     """A node namespace (``node_ip`` on lo, 10.244.0.1 towards the pods) and a pod
     namespace holding both endpoint IPs; a route sends Service IPs (172.30.0.0/16)
-    towards the pods. Both are deleted afterwards, and none may be left behind."""
+    towards the pods. With ``ipv6`` (node IP, pod IP) both are dual-stack too: the node
+    IP on lo, fd00:244::1 towards the pod (in fd00:244::/64), Service IPs fd00:96::/64
+    routed to it, and no duplicate-address detection to wait for. Both are deleted
+    afterwards, and none may be left behind."""
     run_id = uuid.uuid4().hex[:6]
     names = [f"{prefix}-{run_id}-node", f"{prefix}-{run_id}-pod"]
     node_if, pod_if = f"{prefix}{run_id}n", f"{prefix}{run_id}p"
     first, second = endpoint_ips
+    node_v6 = pod_v6 = ""
+    if ipv6 is not None:
+        node_v6 = (
+            f"addr add {ipv6[0]}/128 dev lo nodad\n"
+            f"addr add fd00:244::1/64 dev {node_if} nodad\n"
+            f"route add fd00:96::/64 dev {node_if}\n"
+        )
+        pod_v6 = f"addr add {ipv6[1]}/64 dev {pod_if} nodad\nroute add default via fd00:244::1\n"
     runner = SubprocessRunner()
     fds: list[int] = []
     try:
         add_namespaces(runner, names)
+        fds = [open_namespace(names[0]), open_namespace(names[1])]
+        if ipv6 is not None:
+            for fd in fds:
+                write_sysctl(fd, _NO_DAD)
         runner(
             ["ip", "-n", names[0], "-batch", "-"],
             stdin=f"link set lo up\naddr add {node_ip}/32 dev lo\n"
             f"link add {node_if} type veth peer name {pod_if} netns {names[1]}\n"
             f"addr add 10.244.0.1/24 dev {node_if}\nlink set {node_if} up\n"
-            f"route add 172.30.0.0/16 dev {node_if}\n",
+            f"route add 172.30.0.0/16 dev {node_if}\n{node_v6}",
         )
         runner(
             ["ip", "-n", names[1], "-batch", "-"],
             stdin=f"link set lo up\naddr add {first}/24 dev {pod_if}\n"
             f"addr add {second}/24 dev {pod_if}\nlink set {pod_if} up\n"
-            "route add default via 10.244.0.1\n",
+            f"route add default via 10.244.0.1\n{pod_v6}",
         )
-        fds = [open_namespace(names[0]), open_namespace(names[1])]
         yield NodeAndPod(names[0], names[1], fds[0], fds[1])
     finally:
         for fd in fds:
             os.close(fd)
         left = delete_namespaces(runner, names)
+        assert not left, f"namespaces left behind: {left}"
+
+
+@dataclass(frozen=True)
+class LoneNamespace:
+    """A namespace's name and a descriptor open on it (to enter it)."""
+
+    name: str
+    fd: int
+
+
+@contextlib.contextmanager
+def lone_namespace(prefix: str) -> Iterator[LoneNamespace]:
+    """One namespace with its loopback up, deleted afterwards (none may be left)."""
+    name = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    runner = SubprocessRunner()
+    add_namespaces(runner, [name])
+    fd = -1
+    try:
+        runner(["ip", "-n", name, "link", "set", "lo", "up"])
+        fd = open_namespace(name)
+        yield LoneNamespace(name, fd)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        left = delete_namespaces(runner, [name])
         assert not left, f"namespaces left behind: {left}"
 
 

@@ -14,7 +14,15 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from bench.harness import percentile
 from bench.report import render_markdown, subject_titles
-from bench.targets import CHAINS, OURS, UPSTREAM, evaluate_targets, scale_targets
+from bench.targets import (
+    CHAINS,
+    OURS,
+    RULES,
+    UPSTREAM,
+    evaluate_targets,
+    issue19_targets,
+    scale_targets,
+)
 
 Record = dict[str, Any]
 
@@ -241,9 +249,9 @@ def test_timed_out_100k_cold_sync_misses() -> None:
 def test_issue4_targets_stay_first_and_judge_the_map_structure() -> None:
     checks = evaluate_targets(_good_run())
     issue20 = len([c for c in checks if c.issue == 20])
-    assert [c.issue for c in checks] == [4] * (len(checks) - 12 - issue20) + [11] * 12 + [
-        20
-    ] * issue20
+    assert [c.issue for c in checks] == [4] * (len(checks) - 16 - issue20) + [11] * 12 + [
+        19
+    ] * 4 + [20] * issue20
     ten = next(c for c in checks if c.target.startswith("cold full sync 10k x 10 <= 10 s"))
     assert ten.holds is True and ten.measured == "3.70 s"
 
@@ -290,3 +298,49 @@ def test_runs_name_their_subjects_as_they_were() -> None:
     assert subject_titles({"records": []})[OURS] == "nftables"
     recorded = {OURS: "nftables (maps)", CHAINS: "nftables (chains, before)"}
     assert subject_titles({"records": [], "subject_titles": recorded}) == recorded
+
+
+def _classes(subject: str, classes: int, case: str, p50: float) -> dict[str, Any]:
+    return {
+        "kind": "dataplane_classes",
+        "subject": subject,
+        "classes": classes,
+        "case": case,
+        "p50_us": p50,
+        "p99_us": p50 * 2,
+    }
+
+
+def test_classes_target_judges_the_tree_and_quotes_the_rules() -> None:
+    records = [
+        _classes(OURS, 5, "last-class", 24.0),
+        _classes(OURS, 500, "last-class", 26.5),
+        _classes(OURS, 5, "direct", 22.0),
+        _classes(OURS, 500, "direct", 25.5),
+        _classes(RULES, 5, "last-class", 24.0),
+        _classes(RULES, 500, "last-class", 64.0),
+    ]
+    last, direct, *_ = issue19_targets(records)
+    assert last.holds is True
+    assert last.measured == ("24.0 -> 26.5 us (+2.5) (one rule per class, before: 24.0 -> 64.0 us)")
+    assert direct.holds is False and direct.measured == "22.0 -> 25.5 us (+3.5)"
+
+
+def test_realistic_targets_need_every_size_and_change() -> None:
+    def change(n: int, op: str, ms: float) -> dict[str, Any]:
+        return {
+            "kind": "realistic_incremental",
+            "subject": OURS,
+            "services": n,
+            "op": op,
+            "median_ms": ms,
+        }
+
+    ops = ("endpoint", "add", "remove")
+    records = [change(30_000, op, 0.4) for op in ops]
+    *_, synced, changes = issue19_targets(records)
+    assert synced.holds is None and changes.holds is None
+    records += [change(100_000, op, 0.5) for op in ops]
+    assert issue19_targets(records)[-1].holds is True
+    records.append(change(100_000, "add", 1.5))
+    assert issue19_targets(records)[-1].holds is False

@@ -79,6 +79,15 @@ class NullNft:
     def list_sets(self, family: Family, table: str) -> list[str]:
         return []
 
+    def read_elements(
+        self,
+        family: Family,
+        table: str,
+        container: str,
+        types: tuple[tuple[str, ...], tuple[str, ...]],
+    ) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
+        return []
+
     def table_exists(self, family: Family, table: str) -> bool:
         return False
 

@@ -34,11 +34,13 @@ from kubeproxy.daemon.gate import HandlerGate
 from kubeproxy.daemon.gctuning import GcTuner
 from kubeproxy.daemon.nodeips import (
     LOOPBACK_MESSAGE,
+    FamilyNotSupported,
     NodeIPs,
     detect_families,
     detect_node_ips,
     expand_primary,
     host_ips,
+    kernel_supports_ipv6,
 )
 from kubeproxy.daemon.privileged import apply_oom_score_adj, conntrack_sysctls, privileged_setup
 from kubeproxy.events import ObjectReference
@@ -331,11 +333,32 @@ def test_no_node_ip_means_loopback_and_upstreams_warning(
 def test_families() -> None:
     v4_only = detect_node_ips(ips("10.0.0.1"))
     dual = detect_node_ips(ips("10.0.0.1", "2001:db8::1"))
-    assert detect_families(v4_only, ipv6_supported=True) == [IPFamily.IPV4]
+    # Upstream: the primary family, and the other whenever the kernel supports it.
+    assert detect_families(v4_only, ipv6_supported=True) == [IPFamily.IPV4, IPFamily.IPV6]
+    assert detect_families(v4_only, ipv6_supported=False) == [IPFamily.IPV4]
     assert detect_families(dual, ipv6_supported=False) == [IPFamily.IPV4]
     assert detect_families(dual, ipv6_supported=True) == [IPFamily.IPV4, IPFamily.IPV6]
     v6_only = detect_node_ips(ips("2001:db8::1"))
     assert detect_families(v6_only, ipv6_supported=True) == [IPFamily.IPV4, IPFamily.IPV6]
+    with pytest.raises(FamilyNotSupported, match=r'^no support for primary IP family "IPv6"$'):
+        detect_families(v6_only, ipv6_supported=False)
+    # No node IP at all: loopback stands in, IPv4 primary.
+    assert detect_families(detect_node_ips([]), ipv6_supported=True) == [
+        IPFamily.IPV4,
+        IPFamily.IPV6,
+    ]
+
+
+def test_kernel_without_ipv6_says_so_as_upstream(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    assert not kernel_supports_ipv6(str(tmp_path / "if_inet6"))
+    assert caplog.messages == [
+        f'No kernel support for IPv6 err="stat {tmp_path / "if_inet6"}: No such file or directory"'
+    ]
+    (tmp_path / "if_inet6").write_text("")
+    assert kernel_supports_ipv6(str(tmp_path / "if_inet6"))
 
 
 def test_expand_primary() -> None:

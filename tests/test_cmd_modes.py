@@ -204,6 +204,7 @@ def run_against(
         conntrack=FakeConntrack(),
         privileged=False,
         tuning=BRISK,
+        ipv6_supported=False,  # one family: these tests are about modes
     )
     watcher.done()
     return code, fake.posted_events
@@ -342,6 +343,7 @@ def run_once(fake: FakeAPIServer, binary: Binary, stand_ins: StandIns) -> int:
         gc_ops=NO_GC,
         conntrack=FakeConntrack(),
         tuning=BRISK,
+        ipv6_supported=False,  # one family: these tests are about modes
     )
 
 

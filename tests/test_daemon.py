@@ -431,7 +431,9 @@ def test_manifests_daemon_uses_the_manifest_node(tmp_path: Path) -> None:
     )
     assert isinstance(daemon.events, LoggingEventSink)
     assert str(daemon.node_ips.primary) == "203.0.113.7"
-    assert daemon.families == [IPFamily.IPV4]  # no IPv6 node address: single-stack
+    # As upstream: both families whenever the kernel has IPv6, node IPv6 address or not.
+    assert daemon.families == [IPFamily.IPV4, IPFamily.IPV6]
+    assert daemon.node_ips.ipv6.is_loopback
     # nodePortAddresses: [primary] became the node IP, as upstream expands it at start-up.
     assert daemon.proxiers[IPFamily.IPV4]._config.node_port_addresses == ("203.0.113.7/32",)
     assert backends.service_ips() == set(), "nothing is synced before start()"
@@ -505,7 +507,7 @@ def test_dual_stack_falls_back_when_the_ipv6_backend_cannot_run(
     )
     try:
         assert daemon.families == [IPFamily.IPV4]
-        assert "kube-proxy running in single-stack mode (IP family IPv4)" in caplog.messages
+        assert 'kube-proxy running in single-stack mode ipFamily="IPv4"' in caplog.messages
         assert any("Cannot set up the IPv6 backend" in m for m in caplog.messages)
     finally:
         daemon.stop()

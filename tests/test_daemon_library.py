@@ -248,7 +248,7 @@ def test_a_proxy_plugs_in_its_name_metrics_health_and_events(
         wait_for(lambda: bool(backends.made[0].synced), "the first sync")
         assert "demo/web:http 172.30.0.10:80/TCP" in backends.made[0].synced[0]
         assert "my-proxy started for node demo-node" in caplog.messages
-        assert "my-proxy running in single-stack mode (IP family IPv4)" in caplog.messages
+        assert 'my-proxy running in single-stack mode ipFamily="IPv4"' in caplog.messages
         assert "Using nftables Proxier" in caplog.messages
         assert events.reasons() == ["Starting"]
 

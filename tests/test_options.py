@@ -181,8 +181,8 @@ def test_flags_set_their_fields() -> None:
         "--ipvs-scheduler=wrr",
         "--ipvs-sync-period=20s",
         "--ipvs-exclude-cidrs=10.0.0.0/8,fd00::/8",
-        "--feature-gates=A=true,B=false",
-        "--feature-gates=C=1",
+        "--feature-gates=KubeProxyNFTablesLocalhostNodePorts=true,ContextualLogging=false",
+        "--feature-gates=LoggingAlphaOptions=1",
         "--profiling",
         "--bind-address-hard-fail",
         "--iptables-localhost-nodeports=false",
@@ -199,7 +199,13 @@ def test_flags_set_their_fields() -> None:
     assert options.config_sync_period == 60.0
     assert cfg.ipvs.scheduler == "wrr"
     assert cfg.ipvs.exclude_cidrs == ("10.0.0.0/8", "fd00::/8")
-    assert options.feature_gates == {"A": True, "B": False, "C": True}
+    assert options.feature_gates == {
+        "KubeProxyNFTablesLocalhostNodePorts": True,
+        "ContextualLogging": False,
+        "LoggingAlphaOptions": True,
+    }
+    assert options.gates.enabled("KubeProxyNFTablesLocalhostNodePorts")
+    assert not options.gates.enabled("ContextualLogging")
     assert options.enable_profiling and options.bind_address_hard_fail
     assert cfg.iptables.localhost_node_ports is False
     assert options.config.sync_period == 20.0
@@ -271,7 +277,12 @@ def test_write_config_to_writes_the_effective_configuration(tmp_path: Path) -> N
 
 
 def test_logging_flags() -> None:
-    options = _nft("-v=5", "--logging-format=json", "--log-json-split-stream")
+    options = _nft(
+        "-v=5",
+        "--logging-format=json",
+        "--log-json-split-stream",
+        "--feature-gates=LoggingAlphaOptions=true",
+    )
     assert (options.verbosity, options.logging_format) == (5, "json")
     assert options.logging.options.json.split_stream is True
     vmodule = _nft("--vmodule=proxier=4,sources*=2").logging.vmodule

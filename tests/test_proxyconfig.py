@@ -34,7 +34,7 @@ FULL = (
     + """\
 featureGates:
   KubeProxyNFTablesLocalhostNodePorts: true
-  MultiCIDRServiceAllocator: false
+  LoggingAlphaOptions: true
 clientConnection:
   kubeconfig: /var/lib/kube-proxy/kubeconfig.conf
   acceptContentTypes: application/json
@@ -309,7 +309,7 @@ def test_full_file_covers_every_upstream_field() -> None:
     # Fields upstream leaves out of its dump when empty (omitempty).
     omitted = {
         "featureGates.KubeProxyNFTablesLocalhostNodePorts",
-        "featureGates.MultiCIDRServiceAllocator",
+        "featureGates.LoggingAlphaOptions",
         "logging.vmodule[].filePattern",
         "logging.vmodule[].verbosity",
         "logging.options.text.splitStream",
@@ -323,7 +323,7 @@ def test_full_file_values() -> None:
     cfg = parse_config(FULL)
     assert cfg.feature_gates == {
         "KubeProxyNFTablesLocalhostNodePorts": True,
-        "MultiCIDRServiceAllocator": False,
+        "LoggingAlphaOptions": True,
     }
     assert cfg.client_connection.qps == 12.5
     assert cfg.logging.vmodule[1].file_pattern == "kubeproxy.sources.*"

@@ -7,6 +7,9 @@ Public API:
 * :class:`NftablesBackend` - the backend itself (the map structure); give it
   ``executor=FakeNft()`` for a dry run (the fake starts empty, so the first sync is a cold
   one) and read the fake's transactions (see :func:`render_transactions`);
+* :class:`LocalhostNodePortsBackend` - the backend with upstream's localhost NodePorts
+  (``KubeProxyNFTablesLocalhostNodePorts``), which :func:`create_backend` returns when the
+  gate is on;
 * :func:`create_chain_backend` and :class:`ChainNftablesBackend` - the previous,
   per-Service-chain structure, kept so benchmarks measure both side by side;
 * :func:`cleanup` - delete our two tables (``ip kube-proxy``, ``ip6 kube-proxy``) and
@@ -23,11 +26,13 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from kubeproxy.backends.nftables.backend import NftablesBackend
+from kubeproxy.backends.nftables.localhost import OBJECT_NAMES, LocalhostNodePortsBackend
 from kubeproxy.backends.nftables.objects import Family
 from kubeproxy.backends.nftables.proxier import ChainNftablesBackend
 from kubeproxy.backends.nftables.structure import TABLE
 from kubeproxy.backends.nftables.transaction import Transaction
 from kubeproxy.config import ProxierConfig
+from kubeproxy.featuregates import KUBE_PROXY_NFTABLES_LOCALHOST_NODEPORTS, NFTABLES_NETLINK
 from kubeproxy.objects import IPFamily
 
 if TYPE_CHECKING:
@@ -37,6 +42,7 @@ if TYPE_CHECKING:
 __all__ = [
     "TABLE",
     "ChainNftablesBackend",
+    "LocalhostNodePortsBackend",
     "NftablesBackend",
     "cleanup",
     "create_backend",
@@ -48,14 +54,23 @@ __all__ = [
 
 def create_backend(
     family: IPFamily, config: ProxierConfig, *, netns: str | None = None
-) -> NftablesBackend:
+) -> NftablesBackend | LocalhostNodePortsBackend:
     """A backend for ``family`` writing through libnftables (in ``netns`` if given).
 
     Raises :class:`NftError` (from the support check) when nftables mode cannot run here.
+    The ``NFTablesNetlink`` gate (on by default) picks how elements reach the kernel (see
+    :class:`~kubeproxy.backends.nftables.exec.LibNftables`); with the
+    ``KubeProxyNFTablesLocalhostNodePorts`` gate on, the backend comes wrapped in a
+    :class:`~kubeproxy.backends.nftables.localhost.LocalhostNodePortsBackend`.
     """
     from kubeproxy.backends.nftables.exec import LibNftables
 
-    return NftablesBackend(family, config, executor=LibNftables(netns=netns))
+    netlink = config.feature_gates.enabled(NFTABLES_NETLINK)
+    executor = LibNftables(netns=netns, netlink_elements=netlink)
+    if not config.feature_gates.enabled(KUBE_PROXY_NFTABLES_LOCALHOST_NODEPORTS):
+        return NftablesBackend(family, config, executor=executor)
+    inner = NftablesBackend(family, config, executor=executor, kept=OBJECT_NAMES)
+    return LocalhostNodePortsBackend.create(inner, config, executor, netns=netns)
 
 
 def create_chain_backend(

@@ -106,6 +106,19 @@ class NftExecutor(Protocol):
         """The elements of a set or map; raises :class:`NftError` (ENOENT) if missing."""
         ...
 
+    def read_elements(
+        self,
+        family: Family,
+        table: str,
+        container: str,
+        types: tuple[tuple[str, ...], tuple[str, ...]],
+    ) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
+        """``(key, value)`` of every element of a container of known data types (as
+        :class:`~kubeproxy.backends.nftables.elements.ElementBatch` names them), read
+        without nft's cache of the table where possible; raises like :meth:`list_elements`.
+        """
+        ...
+
     def list_sets(self, family: Family, table: str) -> list[str]:
         """Names of the table's sets and maps; ``[]`` if the table is missing."""
         ...
@@ -188,10 +201,22 @@ class LibNftables(NftExecutor):
     namespace from any thread. One context per executor, used under a lock. Call
     :meth:`close` (or use ``with``) to free it early; otherwise it is freed when the
     executor is garbage collected.
+
+    ``netlink_elements`` (upstream's ``NFTablesNetlink`` gate, on by default) sends element
+    batches over a netlink socket of ours (:meth:`write_elements`); off, they go through
+    libnftables as nft commands like everything else, nft's own code doing all the
+    talking to the kernel.
     """
 
-    def __init__(self, netns: str | None = None, *, library: str = LIBNFTABLES) -> None:
+    def __init__(
+        self,
+        netns: str | None = None,
+        *,
+        library: str = LIBNFTABLES,
+        netlink_elements: bool = True,
+    ) -> None:
         self._lib = _load(library)
+        self.netlink_elements = netlink_elements
         self._lock = threading.Lock()
         self.netns = netns
         if netns is None:
@@ -307,12 +332,35 @@ class LibNftables(NftExecutor):
 
     def write_elements(self, batch: ElementBatch) -> None:
         """Apply element changes over a netlink socket of ours (see
-        :mod:`~kubeproxy.backends.nftables.elements`), in the executor's namespace."""
+        :mod:`~kubeproxy.backends.nftables.elements`), in the executor's namespace; as nft
+        commands, in one transaction, without ``netlink_elements``."""
         if not len(batch):
+            return
+        if not self.netlink_elements:
+            self._call(
+                ("\n".join(batch.commands()), "\n"),
+                what=f"elements of {batch.family} {batch.table}",
+            )
             return
         if self._writer is None:
             self._writer = ElementWriter(self.netns)
         self._writer.send(batch)
+
+    def read_elements(
+        self,
+        family: Family,
+        table: str,
+        container: str,
+        types: tuple[tuple[str, ...], tuple[str, ...]],
+    ) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
+        """A netlink dump of one container on the element socket (see
+        :meth:`~kubeproxy.backends.nftables.elements.ElementWriter.read`); a listing
+        through libnftables without ``netlink_elements``."""
+        if not self.netlink_elements:
+            return [(e.key, e.value) for e in self.list_elements(family, table, container)]
+        if self._writer is None:
+            self._writer = ElementWriter(self.netns)
+        return self._writer.read(family, table, container, types)
 
     def run_text(self, text: str) -> str:
         """Run raw nft commands and return their (text) output."""

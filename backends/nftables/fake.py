@@ -281,6 +281,16 @@ class FakeNft(NftExecutor):
             )
         return list(state.sets[container].elements.values())
 
+    def read_elements(
+        self,
+        family: Family,
+        table: str,
+        container: str,
+        types: tuple[tuple[str, ...], tuple[str, ...]],
+    ) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
+        """:meth:`list_elements` as ``(key, value)`` pairs (``types`` are not needed)."""
+        return [(e.key, e.value) for e in self.list_elements(family, table, container)]
+
     def table_exists(self, family: Family, table: str) -> bool:
         """Whether the table exists."""
         return (Family(family), table) in self._tables

@@ -186,7 +186,8 @@ class Daemon:
         return synced and not problems
 
     def stop(self, timeout: float = STOP_TIMEOUT) -> None:
-        """Stop everything this daemon runs; the kernel rules stay as they are."""
+        """Stop everything this daemon runs, backends' own threads and sockets included
+        (their ``close()``); the kernel rules stay as they are."""
         if self._stopped:
             return
         self._stopped = True
@@ -201,6 +202,11 @@ class Daemon:
                 logger.warning("Thread %s did not stop within %gs", thread.name, timeout)
         for name in self.healer.join(timeout):
             logger.warning("Thread %s did not stop within %gs", name, timeout)
+        for proxier in self.proxiers.values():
+            # A backend holding more than kernel state (threads, sockets) closes it.
+            close = getattr(proxier.backend, "close", None)
+            if callable(close):
+                close()
         self.health_server.stop()
         self.metrics_server.stop()
         self.health_observer.close()

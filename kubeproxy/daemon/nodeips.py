@@ -2,8 +2,10 @@
 
 :func:`detect_node_ips` picks a node IP per family and the primary family (from
 ``bindAddress``, else the Node's addresses, else loopback with upstream's warning);
-:func:`detect_families` the families to proxy (IPv6 only where the kernel has it and the
-node has an IPv6 address); :func:`expand_primary` turns ``primary`` in
+:func:`detect_families` the families to proxy as upstream's ``platformCheckSupported``
+and ``createProxier`` do: the primary family, which must be supported, and the other one
+whenever the kernel supports it, whether or not the node has an address of it (its node
+IP is then the loopback stand-in); :func:`expand_primary` turns ``primary`` in
 ``nodePortAddresses`` into those IPs, once, as upstream does.
 """
 
@@ -23,6 +25,7 @@ from kubeproxy.parse import InvalidObject, parse_node
 
 __all__ = [
     "LOOPBACK_MESSAGE",
+    "FamilyNotSupported",
     "NodeIPs",
     "detect_families",
     "detect_node_ips",
@@ -119,17 +122,33 @@ def detect_node_ips(
     return node_ips
 
 
-def kernel_supports_ipv6() -> bool:
-    """Whether this kernel has IPv6 (the ``ipv6.disable=1`` boot option removes it)."""
-    return os.path.exists("/proc/net/if_inet6")
+_IF_INET6: Final = "/proc/net/if_inet6"
+
+
+def kernel_supports_ipv6(path: str = _IF_INET6) -> bool:
+    """Whether this kernel has IPv6 (the ``ipv6.disable=1`` boot option removes it), as
+    upstream checks it; logs upstream's ``No kernel support for IPv6`` when it has not."""
+    try:
+        os.stat(path)
+    except OSError as err:
+        logger.info('No kernel support for IPv6 err="stat %s: %s"', path, err.strerror)
+        return False
+    return True
+
+
+class FamilyNotSupported(ValueError):
+    """The primary IP family cannot be proxied here (upstream's start-up error)."""
 
 
 def detect_families(node_ips: NodeIPs, *, ipv6_supported: bool) -> list[IPFamily]:
-    """IPv4 always; IPv6 too when the kernel has it and the node has an IPv6 address."""
-    families = [IPFamily.IPV4]
-    if ipv6_supported and not node_ips.ipv6.is_loopback:
-        families.append(IPFamily.IPV6)
-    return families
+    """The families to proxy, IPv4 first: the primary one, and the other one whenever the
+    kernel supports it (the kernel always has IPv4). Raises :class:`FamilyNotSupported`,
+    with upstream's message, when the primary family is IPv6 and the kernel has none."""
+    primary = node_ips.primary_family
+    supported = {IPFamily.IPV4: True, IPFamily.IPV6: ipv6_supported}
+    if not supported[primary]:
+        raise FamilyNotSupported(f'no support for primary IP family "{primary}"')
+    return [family for family in (IPFamily.IPV4, IPFamily.IPV6) if supported[family]]
 
 
 def expand_primary(config: ProxierConfig, node_ips: NodeIPs) -> ProxierConfig:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from kubeproxy.config import ProxierConfig
+from kubeproxy.featuregates import FeatureGates
 from kubeproxy.objects import IPNetwork
 from kubeproxy.proxyconfig import (
     ConfigError,
@@ -53,6 +54,7 @@ class DaemonOptions:
     directory instead of an API server; ``master`` overrides the API server's address;
     ``once`` syncs once and returns, ``dry_run`` too over the backend the caller gives
     (the binaries pass in-memory fakes), ``init_only`` does the privileged set-up only.
+    ``flags`` are the command-line flags given (name -> value, for ``/flagz``).
     The properties read the configuration under upstream's flag names.
     """
 
@@ -64,6 +66,7 @@ class DaemonOptions:
     once: bool = False
     dry_run: bool = False
     init_only: bool = False
+    flags: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_configuration(
@@ -178,5 +181,11 @@ class DaemonOptions:
 
     @property
     def feature_gates(self) -> Mapping[str, bool]:
-        """``featureGates`` (``--feature-gates``)."""
+        """``featureGates`` (``--feature-gates``) as given."""
         return self.configuration.feature_gates
+
+    @property
+    def gates(self) -> FeatureGates:
+        """The effective feature gates (every known gate; see
+        :mod:`kubeproxy.featuregates`)."""
+        return self.config.feature_gates

@@ -3,7 +3,9 @@ per family (:func:`health_checks`).
 
 ``/healthz`` and ``/livez`` (:class:`~kubeproxy.health.ProxyHealthServer`, unhealthy when
 a change has waited two ``syncPeriod``s, or while a data-plane fault is reported),
-``/metrics``, ``/proxyMode`` and ``/configz`` (:class:`~kubeproxy.metrics.MetricsServer`),
+``/metrics`` (with the feature gates' ``kubernetes_feature_enabled``), ``/proxyMode``,
+``/configz``, and ``/statusz`` and ``/flagz`` under their gates
+(:class:`~kubeproxy.metrics.MetricsServer`),
 and one :class:`~kubeproxy.health.ServiceHealthServer` per family for the
 HealthCheckNodePorts, whose listen failures become Events.
 """
@@ -21,6 +23,7 @@ from kubeproxy.events import (
     EventSink,
     ObjectReference,
 )
+from kubeproxy.featuregates import COMPONENT_FLAGZ, COMPONENT_STATUSZ, FeatureEnabledCollector
 from kubeproxy.health import HealthObserver, ProxyHealth, ProxyHealthServer, ServiceHealthServer
 from kubeproxy.metrics import MetricsServer, ProxyMetrics
 from kubeproxy.objects import IPFamily, NamespacedName, NodeInfo
@@ -60,6 +63,7 @@ def servers(
     """
     hard_fail = options.bind_address_hard_fail
     metrics = ProxyMetrics(mode=mode)
+    metrics.registry.register(FeatureEnabledCollector(options.gates))
     health = ProxyHealth(2 * sync_period, node=node)
     return Servers(
         metrics,
@@ -68,6 +72,8 @@ def servers(
             metrics,
             hard_fail=hard_fail,
             configz=config_document(options.configuration),
+            statusz=options.gates.enabled(COMPONENT_STATUSZ),
+            flagz=options.flags if options.gates.enabled(COMPONENT_FLAGZ) else None,
         ),
         health,
         ProxyHealthServer(options.healthz_bind_address, health, metrics, hard_fail=hard_fail),

@@ -32,6 +32,7 @@ from kubeproxy.daemon.gate import HandlerGate
 from kubeproxy.daemon.gctuning import GcOps, GcTuner
 from kubeproxy.daemon.hooks import BackendContext, BackendHooks, WatcherFactory
 from kubeproxy.daemon.nodeips import (
+    FamilyNotSupported,
     NodeIPs,
     detect_families,
     detect_node_ips,
@@ -250,30 +251,38 @@ def stop_serving(parts: Servers) -> None:
 def _make_backends(
     factory: BackendFactory,
     families: Sequence[IPFamily],
+    primary: IPFamily,
     config: ProxierConfig,
     netns: str | None,
 ) -> dict[IPFamily, Backend]:
-    """One backend per family; IPv4's failing stops the start, IPv6's only drops IPv6."""
+    """One backend per family (its support check); the primary family's failing stops the
+    start, the other one's only drops it (upstream's ``No iptables support for family``)."""
     backends: dict[IPFamily, Backend] = {}
     for family in families:
         try:
             backends[family] = factory(family, config, netns=netns)
         except Exception as err:
-            if family is IPFamily.IPV4:
+            if family is primary:
                 raise StartupError(f"cannot set up the {family} backend: {err}") from None
-            logger.warning("Cannot set up the %s backend (%s); running single-stack", family, err)
+            logger.warning(
+                'Cannot set up the %s backend (%s); running single-stack ipFamily="%s"',
+                family,
+                err,
+                primary,
+            )
     return backends
 
 
 def _log_families(families: Sequence[IPFamily], node_ips: NodeIPs, wiring: _Wiring) -> None:
+    # Upstream's lines (klog's key="value" pairs after the message).
     if len(families) == 2:
         logger.info(
-            "%s running in dual-stack mode (primary IP family %s)",
+            '%s running in dual-stack mode primary ipFamily="%s"',
             wiring.name,
             node_ips.primary_family,
         )
     else:
-        logger.info("%s running in single-stack mode (IP family %s)", wiring.name, families[0])
+        logger.info('%s running in single-stack mode ipFamily="%s"', wiring.name, families[0])
     logger.info("Using %s Proxier", wiring.mode)
 
 
@@ -300,10 +309,14 @@ def _assemble(
     )
     config = expand_primary(options.config, node_ips)
     supported = kernel_supports_ipv6() if wiring.ipv6_supported is None else wiring.ipv6_supported
-    families = detect_families(node_ips, ipv6_supported=supported)
+    try:
+        families = detect_families(node_ips, ipv6_supported=supported)
+    except FamilyNotSupported as err:
+        raise StartupError(str(err)) from None
     if wiring.privileged:
         privileged_setup(options, wiring.paths, files=wiring.sysctl_files)
-    backends = _make_backends(backend_factory, families, config, wiring.netns)
+    primary = node_ips.primary_family
+    backends = _make_backends(backend_factory, families, primary, config, wiring.netns)
     families = list(backends)
     _log_families(families, node_ips, wiring)
     if not (options.once or options.dry_run):

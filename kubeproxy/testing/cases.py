@@ -40,7 +40,11 @@ __all__ = [
 
 _TOP_KEYS: Final = frozenset({"test", "cases"})
 _CASE_KEYS: Final = frozenset({"name", "family", "proxierOverrides", "steps"})
-_OVERRIDE_KEYS: Final = frozenset({"masqueradeAll", "nodePortAddresses", "localDetector"})
+_OVERRIDE_KEYS: Final = frozenset(
+    {"masqueradeAll", "nodePortAddresses", "localDetector", "featureGates"}
+)
+# Our extension of FORMAT.md: upstream's nodePortAddresses keywords beside CIDRs.
+_NODE_PORT_KEYWORDS: Final = frozenset({"primary", "localhost", "all"})
 # Our extension of FORMAT.md: every local-traffic detector mode, by its flag spelling.
 _LOCAL_DETECTORS: Final = {
     "none": LocalDetectMode.NONE,
@@ -55,7 +59,17 @@ _STEP_KEYS: Final = {
     "sync": frozenset({"action", "expectedFlows"}),
 }
 _FLOW_KEYS: Final = frozenset(
-    {"name", "sourceIP", "protocol", "destIP", "destPort", "output", "masq", "affinity"}
+    {
+        "name",
+        "sourceIP",
+        "protocol",
+        "destIP",
+        "destPort",
+        "output",
+        "masq",
+        "affinity",
+        "sameEndpointAs",
+    }
 )
 
 
@@ -120,6 +134,10 @@ class Flow:
     protocol: Protocol = Protocol.TCP
     masq: bool = False
     affinity: bool = False
+    same_endpoint_as: str | None = None
+    """The name of an earlier affinity flow of the step, from the same source: this
+    flow's connections must all reach the endpoint that flow's reached (one client's
+    affinity shared by a Service port's addresses). Probed after the step's other flows."""
 
     @property
     def family(self) -> IPFamily:
@@ -165,13 +183,15 @@ class ProxierOverrides:
     """``proxierOverrides``: ``None`` keeps the standard test node's value.
 
     ``local_detector`` is the chosen local-traffic detector mode; ``local_detector_none``
-    is true exactly when that mode is ``none``.
+    is true exactly when that mode is ``none``. ``feature_gates`` are upstream's feature
+    gates to set (name, value), in the case's order.
     """
 
     masquerade_all: bool | None = None
     node_port_addresses: tuple[str, ...] | None = None
     local_detector_none: bool = False
     local_detector: LocalDetectMode | None = None
+    feature_gates: tuple[tuple[str, bool], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,10 +343,13 @@ class _Parser:
             for i, entry in enumerate(entries):
                 at = f"{where}.nodePortAddresses[{i}]"
                 text = self.text(at, entry)
-                try:
-                    ipaddress.ip_network(text, strict=False)
-                except ValueError:
-                    raise self.error(at, f"{text!r} is not a CIDR") from None
+                if text not in _NODE_PORT_KEYWORDS:
+                    try:
+                        ipaddress.ip_network(text, strict=False)
+                    except ValueError:
+                        raise self.error(
+                            at, f"{text!r} is neither a CIDR nor primary, localhost or all"
+                        ) from None
                 checked.append(text)
             node_port_addresses = tuple(checked)
         local_detector = None
@@ -339,11 +362,18 @@ class _Parser:
                     f"{where}.localDetector", f"expected one of {known}, got {value!r}"
                 )
             local_detector = mode
+        gates: list[tuple[str, bool]] = []
+        if "featureGates" in obj:
+            raw_gates = self.mapping(f"{where}.featureGates", obj["featureGates"])
+            for gate, value in raw_gates.items():
+                at = f"{where}.featureGates.{gate}"
+                gates.append((self.text(at, gate), self.boolean(at, value)))
         return ProxierOverrides(
             masquerade_all,
             node_port_addresses,
             local_detector is LocalDetectMode.NONE,
             local_detector,
+            tuple(gates),
         )
 
     def step(
@@ -376,6 +406,17 @@ class _Parser:
                 self.sequence(f"{where}.expectedFlows", obj.get("expectedFlows"))
             )
         )
+        earlier: dict[str, Flow] = {}
+        for i, flow in enumerate(flows):
+            reference = flow.same_endpoint_as
+            if reference is not None:
+                at = f"{where}.expectedFlows[{i}] ({flow.name!r}).sameEndpointAs"
+                target = earlier.get(reference)
+                if target is None or not target.affinity or target.same_endpoint_as:
+                    raise self.error(at, f"{reference!r} is no earlier affinity flow of the step")
+                if target.source_ip != flow.source_ip:
+                    raise self.error(at, f"{reference!r} comes from another source")
+            earlier[flow.name] = flow
         return Step(action, index, flows=flows, sync_number=sync_number)
 
     def manifests(self, where: str, raw: Any) -> tuple[Mapping[str, Any], ...]:
@@ -432,9 +473,14 @@ class _Parser:
         affinity = self.boolean(f"{where}.affinity", obj.get("affinity", False))
         if output.kind in (OutputKind.DROP, OutputKind.REJECT) and masq:
             raise self.error(where, f"masq: true makes no sense with output {output}")
+        same = obj.get("sameEndpointAs")
+        if same is not None:
+            same = self.text(f"{where}.sameEndpointAs", same)
+            affinity = True
         if affinity and output.kind is not OutputKind.ENDPOINTS:
-            raise self.error(where, "affinity: true needs a list of endpoints as output")
-        return Flow(name, source, dest, port, output, protocol, masq, affinity)
+            key = "affinity: true" if same is None else "sameEndpointAs"
+            raise self.error(where, f"{key} needs a list of endpoints as output")
+        return Flow(name, source, dest, port, output, protocol, masq, affinity, same)
 
     def address(self, where: str, raw: Any) -> IPAddress:
         text = self.text(where, raw if isinstance(raw, str) else None if raw is None else str(raw))

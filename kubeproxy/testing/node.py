@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from kubeproxy.config import LocalDetectMode, LocalDetector, ProxierConfig
+from kubeproxy.featuregates import resolve
 from kubeproxy.objects import IPAddress, IPFamily, IPNetwork, NodeInfo
 from kubeproxy.testing.cases import ProxierOverrides
 
@@ -76,7 +77,8 @@ class StandardNode:
         """The proxier configuration of this node with a case's ``proxierOverrides``.
 
         The same configuration serves both families; each proxier keeps its own family's
-        CIDRs and addresses.
+        CIDRs and addresses. Feature gates upstream does not know raise
+        :class:`~kubeproxy.featuregates.FeatureGateError`.
         """
         mode = overrides.local_detector
         if overrides.local_detector_none:
@@ -91,6 +93,7 @@ class StandardNode:
             local_detector=detector,
             node_port_addresses=node_port_addresses,
             service_cidrs=self.service_cidrs,
+            feature_gates=resolve(dict(overrides.feature_gates)),
         )
 
 

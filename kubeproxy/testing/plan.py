@@ -40,7 +40,10 @@ class ScenePlan:
     veth each when ``routed_pods``); ``external`` are the outside's client addresses,
     a namespace each, and ``self_addressed`` those of them that also send to themselves;
     ``node_extra`` are loopback destinations the node listens on; ``ports`` is every port
-    a listener answers on (TCP and UDP). ``bridge_addresses`` are the node's own
+    a listener answers on (TCP and UDP), except the loopback ``(address, port, protocol)``
+    in ``proxied``: a flow there expects endpoints, which on loopback only a proxy
+    listening in the node can give (upstream's localhost NodePorts in nftables mode), so
+    the runner leaves the place to it. ``bridge_addresses`` are the node's own
     addresses in the pod networks, used by no flow: on the bridge, or on the node's
     loopback when the pods are routed.
     """
@@ -54,6 +57,7 @@ class ScenePlan:
     ports: tuple[int, ...]
     routed_pods: bool = False
     self_addressed: tuple[IPAddress, ...] = ()
+    proxied: frozenset[tuple[IPAddress, int, str]] = frozenset()
 
     def role_of(self, source: IPAddress) -> Role:
         """Where a flow from ``source`` is sent from."""
@@ -125,6 +129,7 @@ def plan_scene(case: Case, node: StandardNode = STANDARD_NODE) -> ScenePlan:
     external: dict[IPAddress, None] = {}
     self_addressed: dict[IPAddress, None] = {}
     node_extra: dict[IPAddress, None] = {}
+    proxied: set[tuple[IPAddress, int, str]] = set()
     for flow in flows:
         source = flow.source_ip
         if source in node_addresses or source in endpoints or source.is_loopback:
@@ -137,6 +142,8 @@ def plan_scene(case: Case, node: StandardNode = STANDARD_NODE) -> ScenePlan:
                 self_addressed.setdefault(source)
         if flow.dest_ip.is_loopback:
             node_extra.setdefault(flow.dest_ip)
+            if flow.output.kind is OutputKind.ENDPOINTS:
+                proxied.add((flow.dest_ip, flow.dest_port, flow.protocol.value))
     used = set(endpoints) | set(pods) | set(external) | {f.dest_ip for f in flows}
     bridge = []
     for family in (IPFamily.IPV4, IPFamily.IPV6):
@@ -153,4 +160,5 @@ def plan_scene(case: Case, node: StandardNode = STANDARD_NODE) -> ScenePlan:
         ports=tuple(sorted(ports)),
         routed_pods=case.overrides.local_detector is LocalDetectMode.INTERFACE_NAME_PREFIX,
         self_addressed=tuple(self_addressed),
+        proxied=frozenset(proxied),
     )

@@ -494,6 +494,8 @@ class Scene:
             fd = self._fds[namespace]
             for port in plan.ports:
                 for protocol in (Protocol.TCP, Protocol.UDP):
+                    if (bind, port, protocol.value) in plan.proxied:
+                        continue  # a proxy under test listens there
                     sock = make_listener(
                         fd, bind, port, protocol, version=version, transparent=transparent
                     )

@@ -1,0 +1,155 @@
+"""Reading the counters of one chain's rules over netlink, by rule comment.
+
+Why hand-written (measured on these machines): nft 1.0.6 fetches every set element of the
+table before it lists one chain or the table's counters, 3.2 s for a table holding
+300k elements (``nft -j list chain`` and ``nft -j list counters table`` alike), which a
+metrics scrape cannot afford. Asking the kernel for the rules of one chain
+(``NFT_MSG_GETRULE`` dump filtered by table and chain) costs what that chain holds, a few
+rules, whatever else the table contains.
+
+:func:`rule_counters` returns, for every rule of the chain that has a ``counter``
+statement and a ``comment``, the comment and the packets counted.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import struct
+from collections.abc import Iterator
+from typing import Final
+
+from kubeproxy.backends.nftables.objects import Family, NftError
+from kubeproxy.netlink import netlink_dump
+from kubeproxy.netns import run_in_netns
+
+__all__ = ["parse_rule", "rule_counters"]
+
+_NETLINK_NETFILTER: Final = 12
+_NFNL_SUBSYS_NFTABLES: Final = 10
+_NFT_MSG_NEWRULE: Final = 6
+_NFT_MSG_GETRULE: Final = 7
+_NLM_F_REQUEST: Final = 0x1
+_NLM_F_DUMP: Final = 0x300
+_NFTA_RULE_TABLE: Final = 1
+_NFTA_RULE_CHAIN: Final = 2
+_NFTA_RULE_EXPRESSIONS: Final = 4
+_NFTA_RULE_USERDATA: Final = 7
+_NFTA_LIST_ELEM: Final = 1
+_NFTA_EXPR_NAME: Final = 1
+_NFTA_EXPR_DATA: Final = 2
+_NFTA_COUNTER_PACKETS: Final = 2
+_NFTNL_UDATA_RULE_COMMENT: Final = 0
+_TYPE_MASK: Final = 0x3FFF  # without NLA_F_NESTED and NLA_F_NET_BYTEORDER
+_FAMILIES: Final = {Family.IP: socket.AF_INET, Family.IP6: socket.AF_INET6}
+_HEADER = struct.Struct("=IHHII")
+_NFGEN = struct.Struct("=BBH")
+_NLA = struct.Struct("=HH")
+
+
+def _attrs(data: bytes, start: int = 0, end: int | None = None) -> Iterator[tuple[int, bytes]]:
+    end = len(data) if end is None else end
+    offset = start
+    while offset + _NLA.size <= end:
+        length, kind = _NLA.unpack_from(data, offset)
+        if length < _NLA.size or offset + length > end:
+            return
+        yield kind & _TYPE_MASK, data[offset + _NLA.size : offset + length]
+        offset += (length + 3) & ~3
+
+
+def _attr(kind: int, payload: bytes) -> bytes:
+    length = _NLA.size + len(payload)
+    return _NLA.pack(length, kind) + payload + b"\0" * (-length % 4)
+
+
+def _comment(userdata: bytes) -> str | None:
+    offset = 0
+    while offset + 2 <= len(userdata):
+        kind, length = userdata[offset], userdata[offset + 1]
+        value = userdata[offset + 2 : offset + 2 + length]
+        if kind == _NFTNL_UDATA_RULE_COMMENT:
+            return value.split(b"\0", 1)[0].decode(errors="replace")
+        offset += 2 + length
+    return None
+
+
+def _packets(expressions: bytes) -> int | None:
+    for kind, element in _attrs(expressions):
+        if kind != _NFTA_LIST_ELEM:
+            continue
+        name, data = b"", b""
+        for part, value in _attrs(element):
+            if part == _NFTA_EXPR_NAME:
+                name = value.split(b"\0", 1)[0]
+            elif part == _NFTA_EXPR_DATA:
+                data = value
+        if name == b"counter":
+            for field, value in _attrs(data):
+                if field == _NFTA_COUNTER_PACKETS and len(value) == 8:
+                    return int(struct.unpack(">Q", value)[0])
+    return None
+
+
+def parse_rule(payload: bytes) -> tuple[str, int] | None:
+    """A ``NEWRULE`` message's attributes (after the nfgen header): its comment and the
+    packets its counter counted, or None without either."""
+    comment: str | None = None
+    packets: int | None = None
+    for kind, value in _attrs(payload):
+        if kind == _NFTA_RULE_USERDATA:
+            comment = _comment(value)
+        elif kind == _NFTA_RULE_EXPRESSIONS:
+            packets = _packets(value)
+    if comment is None or packets is None:
+        return None
+    return comment, packets
+
+
+def _request(family: Family, table: str, chain: str, seq: int) -> bytes:
+    body = _attr(_NFTA_RULE_TABLE, table.encode() + b"\0") + _attr(
+        _NFTA_RULE_CHAIN, chain.encode() + b"\0"
+    )
+    payload = _NFGEN.pack(_FAMILIES[family], 0, 0) + body
+    kind = (_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_GETRULE
+    return _HEADER.pack(_HEADER.size + len(payload), kind, _NLM_F_REQUEST | _NLM_F_DUMP, seq, 0) + (
+        payload
+    )
+
+
+def _counters(sock: socket.socket, request: bytes, seq: int) -> dict[str, int]:
+    found: dict[str, int] = {}
+    for kind, payload in netlink_dump(sock, request, seq, "listing rules"):
+        if kind == (_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_NEWRULE:
+            parsed = parse_rule(payload[_NFGEN.size :])
+            if parsed is not None:
+                found[parsed[0]] = parsed[1]
+    return found
+
+
+def rule_counters(
+    family: Family, table: str, chain: str, *, netns: str | None = None, timeout: float = 2.0
+) -> dict[str, int]:
+    """Packets counted by each commented, counting rule of ``chain``: ``{comment: packets}``.
+
+    A missing table or chain is an empty answer; any other refusal raises
+    :class:`~kubeproxy.backends.nftables.objects.NftError`.
+    """
+
+    def opened() -> socket.socket:
+        sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_NETFILTER)
+        sock.bind((0, 0))
+        return sock
+
+    try:
+        sock = opened() if netns is None else run_in_netns(netns, opened)
+    except (OSError, ValueError) as err:
+        raise NftError(f"cannot open an nf_tables netlink socket: {err}") from err
+    with sock:
+        sock.settimeout(timeout)
+        try:
+            return _counters(sock, _request(family, table, chain, 1), 1)
+        except OSError as err:
+            if err.errno == errno.ENOENT:
+                return {}
+            raise NftError(f"listing rules of {family} {table} {chain}: {err}", err.errno) from err
