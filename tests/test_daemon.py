@@ -246,6 +246,18 @@ def expected_endpoints(fake: FakeAPIServer) -> dict[str, list[str]]:
     return {k: sorted(v) for k, v in found.items()}
 
 
+def expected_services(fake: FakeAPIServer) -> set[str]:
+    return {
+        f"{obj['metadata']['namespace']}/{obj['metadata']['name']}:{port['name']}"
+        for obj in fake.objects("Service")
+        for port in obj["spec"]["ports"]
+    }
+
+
+def proxied_services(proxier: Proxier) -> set[str]:
+    return {str(name) for name in proxier.services}
+
+
 def proxied_endpoints(proxier: Proxier) -> dict[str, list[str]]:
     return {
         str(name): sorted(e.key for e in endpoints)
@@ -357,10 +369,13 @@ def test_daemon_end_to_end(namespaces: NodeAndPod, fake: FakeAPIServer, tmp_path
                 fake.compact()
             time.sleep(0.3)
             fake.start()
+            # Services and slices relist independently: a Service left without endpoints
+            # may still wait for its deletion's sync when the endpoints already agree.
             wait_for(
                 lambda: (
                     kernel.service_ips() == expected_service_ips(fake)
                     and proxied_endpoints(proxier) == expected_endpoints(fake)
+                    and proxied_services(proxier) == expected_services(fake)
                 ),
                 f"convergence after a restart (compact={compact})",
                 state=lambda: (
@@ -368,6 +383,7 @@ def test_daemon_end_to_end(namespaces: NodeAndPod, fake: FakeAPIServer, tmp_path
                     expected_service_ips(fake),
                     proxied_endpoints(proxier),
                     expected_endpoints(fake),
+                    proxied_services(proxier),
                 ),
             )
         # Nothing lost, nothing duplicated, nothing stale: the source's cache, the proxier
