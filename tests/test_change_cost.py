@@ -27,7 +27,7 @@ import pytest
 
 from kubeproxy.backends.nftables.backend import NftablesBackend
 from kubeproxy.backends.nftables.elements import ElementBatch
-from kubeproxy.backends.nftables.objects import Element, Family
+from kubeproxy.backends.nftables.fake import FakeNft
 from kubeproxy.backends.nftables.transaction import Transaction
 from kubeproxy.config import ProxierConfig
 from kubeproxy.conntrack import FakeConntrack, Flow
@@ -50,52 +50,21 @@ SMALL, LARGE = 1_000, 30_000
 RATIO, SLACK = 1.05, 200
 
 
-class NullNft:
-    """An nftables executor that takes every transaction and keeps nothing."""
-
-    nft_version = "1.0.6"
+class NullNft(FakeNft):
+    """An nftables executor that takes every transaction and keeps nothing (the fake's
+    listings of an empty kernel otherwise)."""
 
     def __init__(self) -> None:
-        self.transactions = 0
+        super().__init__()
+        self.taken = 0
 
     def run(self, tx: Transaction) -> None:
         if tx.error is not None:
             raise tx.error
-        self.transactions += 1
-
-    def check(self, tx: Transaction) -> None:
-        if tx.error is not None:
-            raise tx.error
+        self.taken += 1
 
     def write_elements(self, batch: ElementBatch) -> None:
-        self.transactions += 1
-
-    def list_chains(self, family: Family, table: str) -> dict[str, str | None]:
-        return {}
-
-    def list_elements(self, family: Family, table: str, container: str) -> list[Element]:
-        return []
-
-    def list_sets(self, family: Family, table: str) -> list[str]:
-        return []
-
-    def read_elements(
-        self,
-        family: Family,
-        table: str,
-        container: str,
-        types: tuple[tuple[str, ...], tuple[str, ...]],
-    ) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
-        return []
-
-    def table_exists(self, family: Family, table: str) -> bool:
-        return False
-
-    def run_text(self, text: str) -> str:
-        return ""
-
-    def version(self) -> str:
-        return self.nft_version
+        self.taken += 1
 
 
 def null_backend(
