@@ -234,7 +234,8 @@ class Proxier:
         self._services = ServicePortMap()
         self._endpoints = EndpointsMap()
         self._categorized: dict[ServicePortName, CategorizedEndpoints] = {}
-        self._categorized_ports: dict[NamespacedName, frozenset[ServicePortName]] = {}
+        # Tuples, not frozensets: 48 bytes instead of 216 a Service (20 MB at 100k).
+        self._categorized_ports: dict[NamespacedName, tuple[ServicePortName, ...]] = {}
         self._snapshot_views = (
             MappingProxyType(self._services),
             MappingProxyType(self._endpoints),
@@ -356,7 +357,7 @@ class Proxier:
     def ports_of(self, service: NamespacedName) -> frozenset[ServicePortName]:
         """The port names of one Service as of the last sync (empty if it has none)."""
         with self._sync_lock:
-            return self._categorized_ports.get(service, frozenset())
+            return frozenset(self._categorized_ports.get(service, ()))
 
     # ProxyHandler
 
@@ -657,9 +658,10 @@ class Proxier:
         node_name = self._config.node_name
         zone = node.zone
         for service in services:
-            ports = frozenset(ports_by_service.get(service, ()))
-            for name in self._categorized_ports.get(service, frozenset()) - ports:
-                del categorized[name]
+            ports = tuple(ports_by_service.get(service, ()))
+            for name in self._categorized_ports.get(service, ()):
+                if name not in ports:
+                    del categorized[name]
             for name in ports:
                 found = endpoints.get(name, _NO_ENDPOINTS)
                 categorized[name] = (

@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import random
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -413,7 +414,8 @@ def _key(obj: Mapping[str, Any]) -> Key | None:
     if not isinstance(name, str) or not name:
         return None
     namespace = metadata.get("namespace")
-    return (namespace if isinstance(namespace, str) else "", name)
+    # Interned: a namespace's name repeats over its objects (one copy each otherwise).
+    return (sys.intern(namespace) if isinstance(namespace, str) else "", name)
 
 
 def _rv(obj: Mapping[str, Any]) -> str | None:
