@@ -45,7 +45,7 @@ from kubeproxy.backend import (
 )
 from kubeproxy.backends.nftables.claims import Claims
 from kubeproxy.backends.nftables.elements import ElementBatch
-from kubeproxy.backends.nftables.exec import NftExecutor, check_support, delete_table
+from kubeproxy.backends.nftables.exec import NftExecutor, delete_table
 from kubeproxy.backends.nftables.frontends import (
     KIND_IP,
     ClassSpec,
@@ -96,6 +96,7 @@ from kubeproxy.backends.nftables.structure import (
     Names,
     tokens_for,
 )
+from kubeproxy.backends.nftables.support import check_support
 from kubeproxy.backends.nftables.transaction import Transaction
 from kubeproxy.config import ProxierConfig
 from kubeproxy.objects import IPFamily, NamespacedName, ServicePortName
