@@ -40,7 +40,7 @@ from kubeproxy.testing.cases import (
     parse_case_file,
 )
 from kubeproxy.testing.flowcases import main, summary_line
-from kubeproxy.testing.pytest import FlowSuite, flow_test
+from kubeproxy.testing.pytest import FlowSuite, KnownFailure, flow_test
 from kubeproxy.testing.runner import (
     BackendNotFound,
     FlowResult,
@@ -665,3 +665,41 @@ def nothing_left_after_the_module() -> Iterator[None]:
     yield
     for identifier in (*RUN_IDS, STANDIN_FLOWS_RUN):
         assert leftovers(identifier) == []
+
+
+@pytest.mark.kernel
+def test_known_failures_must_fail_as_listed(run_id: str) -> None:
+    failing = "standin-cli-fail/ipv4/sync1/fail: only one endpoint"
+    passing = "standin-cli-pass/ipv4/sync1/pass: pod to cluster IP"
+    with warnings.catch_warnings(), pytest.raises(ValueError, match="known failures name no flow"):
+        warnings.simplefilter("ignore", FlowCaseWarning)
+        flow_test(
+            ["cli-*.yaml"], factory, base=CASES, known_failures={"nope": KnownFailure("", "")}
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FlowCaseWarning)
+        test = flow_test(
+            ["cli-*.yaml"],
+            factory,
+            options=RunOptions(run_id=run_id),
+            base=CASES,
+            known_failures={
+                failing: KnownFailure("unlisted 10.180.2.1:8080", "the stand-in's rules"),
+                passing: KnownFailure("anything", "listed by mistake"),
+            },
+        )
+    with pytest.raises(pytest.xfail.Exception, match="the stand-in's rules"):
+        test(failing)
+    with pytest.raises(pytest.fail.Exception, match="known failure passed"):
+        test(passing)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FlowCaseWarning)
+        other = flow_test(
+            ["cli-fail.yaml"],
+            factory,
+            options=RunOptions(run_id=run_id),
+            base=CASES,
+            known_failures={failing: KnownFailure("words it never shows", "why")},
+        )
+    with pytest.raises(pytest.fail.Exception, match="known to fail otherwise"):
+        other(failing)
