@@ -580,7 +580,9 @@ def test_sigterm_removes_everything(run_id: str, how: str) -> None:
         # of SIGINT once every finally block has run.
         assert proc.returncode == -signal.SIGINT, out + err
         assert "KeyboardInterrupt" in err
-    assert time.monotonic() - started < 15
+    # Well under 15 s here; under CPU emulation (make test-kernels) starting Python and
+    # building the scene alone take longer, by the factor the timeout scale says.
+    assert time.monotonic() - started < 15 * default_timeout()
 
 
 def _namespaces() -> str:

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 import kubeproxy.backends.ipvs as ipvs_package
 from kubeproxy.backend import NodePortAddresses, SyncChanges, SyncError
@@ -52,7 +53,7 @@ from kubeproxy.config import ProxierConfig
 from kubeproxy.netns import run_in_netns
 from kubeproxy.objects import IPFamily, Protocol
 from kubeproxy.testing.cases import load_case_file
-from kubeproxy.testing.pytest import flow_test
+from kubeproxy.testing.pytest import KnownFailure, flow_test
 from kubeproxy.testing.runner import RunOptions, Status, run_case
 from tests.snapshots import NODE, ep
 from tests.test_ipvs_proxier import Kit, World, cluster_ip
@@ -61,13 +62,30 @@ REPO = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.kernel
 
-# Every example flow with the ipvs backend: each item is skipped, saying the kernel lacks
-# IP_VS (the factory's support check); CI accepts exactly such skips.
+
+# Every flow with the ipvs backend. Without IP_VS each item is skipped, saying the kernel
+# lacks it (the factory's support check; CI accepts exactly such skips); with IP_VS (make
+# test-kernels) the flows run, and those where upstream's ipvs mode differs must fail as
+# backends/ipvs/differences.yaml says.
+def known_differences(
+    path: Path = REPO / "backends/ipvs/differences.yaml",
+) -> dict[str, KnownFailure]:
+    """Flow id -> how the ipvs backend fails it, as upstream's ipvs mode would."""
+    known: dict[str, KnownFailure] = {}
+    for entry in yaml.safe_load(path.read_text()):
+        reason = f"upstream ipvs: {entry['why']} ({' '.join(entry['upstream'].split())})"
+        for flow in entry["flows"]:
+            assert flow not in known, f"{flow} listed twice"
+            known[flow] = KnownFailure(entry["fails with"], reason)
+    return known
+
+
 test_flow_cases = flow_test(
     ["flowcases/examples/*.yaml", "flowcases/behaviour/*.yaml"],
     backend="kubeproxy.backends.ipvs:create_backend",
     base=REPO,
     marks=[pytest.mark.kernel],
+    known_failures=known_differences(),
 )
 
 ip = ipaddress.ip_address
