@@ -8,7 +8,9 @@
   against live traffic through it;
 * :func:`node_and_pod`: a node namespace (node IP on lo) and a pod namespace holding two
   endpoint IPs, the Service range routed towards the pods; :func:`answered_by` connects
-  from the node and says which endpoint answered.
+  from the node and says which endpoint answered;
+* :func:`nft_listing_reloads`: whether ``nft list ruleset`` of a namespace, fed to
+  ``nft -f`` in an empty one, loads and lists the same.
 
 Every namespace is named ``<prefix>-...`` (each test file passes its own prefix) and
 deleted whatever happens.
@@ -17,9 +19,11 @@ deleted whatever happens.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import ipaddress
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -69,6 +73,38 @@ def run_in(netns: str, *argv: str, stdin: str | None = None) -> str:
         text=True,
     )
     return done.stdout
+
+
+_EXPIRES = re.compile(r" expires [0-9hms.]+")
+
+
+def nft_listing_reloads(netns: str) -> str | None:
+    """None when the ruleset of ``netns`` (as ``nft list ruleset`` shows it) loads with
+    ``nft -f`` into an empty namespace and lists the same there; else what went wrong.
+
+    Dynamic-map entries count down while they live, so their ``expires`` are left out
+    of the comparison.
+    """
+    listed = run_in(netns, "nft", "list", "ruleset")
+    scratch = f"kpxl-{os.getpid() % 100000}-{uuid.uuid4().hex[:6]}"
+    ip("netns", "add", scratch)
+    try:
+        loaded = subprocess.run(
+            ["ip", "netns", "exec", scratch, "nft", "-f", "-"],
+            input=listed,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if loaded.returncode != 0:
+            return f"the listing does not load: {' '.join(loaded.stderr.split())[:600]}"
+        again = run_in(scratch, "nft", "list", "ruleset")
+    finally:
+        subprocess.run(["ip", "netns", "delete", scratch], check=False, capture_output=True)
+    if _EXPIRES.sub("", again) != _EXPIRES.sub("", listed):
+        diff = difflib.unified_diff(listed.splitlines(), again.splitlines(), lineterm="", n=0)
+        return "reloaded, it lists otherwise: " + " | ".join(list(diff)[2:8])
+    return None
 
 
 # client -- node -- server ----------------------------------------------------------------

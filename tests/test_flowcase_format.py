@@ -310,6 +310,43 @@ def test_bad_flows_give_a_clear_error(changes: dict[str, str | None], message: s
     assert "expectedFlows[0]" in str(caught.value)
 
 
+def _two_flows(second: str) -> str:
+    first = flow_yaml(name="pinned", affinity="true")
+    return case_text(first + "\n" + flow_yaml(**{"name": "follows", **_changes(second)}))
+
+
+def _changes(text: str) -> dict[str, str | None]:
+    """``key=value;key=value`` as flow field changes."""
+    out: dict[str, str | None] = {}
+    for part in text.split(";"):
+        key, _, value = part.partition("=")
+        out[key] = value
+    return out
+
+
+def test_same_endpoint_as_follows_an_earlier_affinity_flow_of_the_step() -> None:
+    (case,) = parse_case_file(_two_flows("sameEndpointAs=pinned")).cases
+    (step,) = case.steps
+    pinned, follows = step.flows
+    assert pinned.affinity and pinned.same_endpoint_as is None
+    assert follows.affinity and follows.same_endpoint_as == "pinned"
+
+
+@pytest.mark.parametrize(
+    ("second", "message"),
+    [
+        ("sameEndpointAs=nobody", "'nobody' is no earlier affinity flow of the step"),
+        ("sameEndpointAs=pinned;sourceIP=10.0.0.3", "'pinned' comes from another source"),
+        ("sameEndpointAs=pinned;output=DROP", "sameEndpointAs needs a list of endpoints"),
+    ],
+)
+def test_bad_same_endpoint_as_gives_a_clear_error(second: str, message: str) -> None:
+    with pytest.raises(CaseFormatError) as caught:
+        parse_case_file(_two_flows(second), source="flows.yaml")
+    assert message in str(caught.value)
+    assert "expectedFlows[1] ('follows')" in str(caught.value)
+
+
 def test_duplicate_case_names_are_an_error() -> None:
     one = case_text()
     two = one + one[one.index("  - name: c") :]

@@ -20,6 +20,7 @@ from kubeproxy.backends.nftables.backend import restitch
 from kubeproxy.backends.nftables.fake import FakeNft, parse_commands
 from kubeproxy.backends.nftables.inspect import served_frontends, slots_of
 from kubeproxy.backends.nftables.layout import CLASS_NAME, generation_of
+from kubeproxy.backends.nftables.naming import affinity_map_name, port_identity
 from kubeproxy.backends.nftables.objects import (
     Chain,
     Element,
@@ -73,6 +74,65 @@ def lines(text: str, pattern: str) -> list[str]:
     return [line for line in text.splitlines() if re.search(pattern, line)]
 
 
+def _chains(fake: FakeNft, family: Family = Family.IP) -> dict[str, list[str]]:
+    chains: dict[str, list[str]] = {}
+    for _fam, _table, _verb, obj in parse_commands(fake.dump(family)):
+        if isinstance(obj, Chain):
+            chains.setdefault(obj.name, [])
+        elif isinstance(obj, Rule):
+            chains[obj.chain].append(obj.rule)
+    return chains
+
+
+class _Tree:
+    """The fake's current dispatch tree, walked as the kernel walks it."""
+
+    def __init__(self, fake: FakeNft, family: Family = Family.IP) -> None:
+        self.chains = _chains(fake, family)
+        self.members = {
+            name: {e.key for e in fake.list_elements(family, "kube-proxy", name)}
+            for name in fake.list_sets(family, "kube-proxy")
+            if "class-bit-" in name or name.startswith("dispatch-")
+        }
+
+    def walk(self, key: tuple[str, ...]) -> tuple[str | None, int]:
+        """Where a new connection to frontend ``key`` ends up: (its class chain, the set
+        lookups on the way)."""
+        kind = "ips" if len(key) == 3 else "nodeports"
+        (services,) = [r for r in self.chains["services"] if f"@dispatch-{kind}." in r]
+        dispatch, chain = re.findall(r"@(\S+) goto (\S+)", services)[0]
+        if key not in self.members[dispatch]:
+            return None, 1
+        lookups = 1
+        while True:
+            for rule in self.chains[chain]:
+                found = re.fullmatch(r".* @(\S+) goto (\S+)", rule)
+                if found is None:
+                    return rule.removeprefix("goto "), lookups
+                lookups += 1
+                if key in self.members[found.group(1)]:
+                    chain = found.group(2)
+                    break
+            else:
+                return None, lookups
+
+    def classes(self) -> dict[tuple[str, ...], str]:
+        """Every dispatched frontend -> the class chain its new connections reach."""
+        out = {}
+        for name, keys in self.members.items():
+            if re.fullmatch(r"dispatch-(ips|nodeports)\.g[0-9]+", name):
+                for key in keys:
+                    cls, _ = self.walk(key)
+                    assert cls is not None, key
+                    out[key] = cls
+        return out
+
+
+def classes_of(fake: FakeNft, family: Family = Family.IP) -> dict[tuple[str, ...], str]:
+    """Every dispatched frontend -> the class chain its new connections reach."""
+    return _Tree(fake, family).classes()
+
+
 # What a full sync writes --------------------------------------------------------------------
 
 
@@ -82,13 +142,14 @@ def test_a_service_is_data_behind_a_few_fixed_rules() -> None:
     fake = FakeNft()
     backend(fake).sync(world.snapshot(), full())
     dump = fake.dump()
-    assert lines(dump, r"rule ip kube-proxy (service-frontends|nodeport-frontends|services) ") == [
-        "add rule ip kube-proxy nodeport-frontends "
-        "meta l4proto . th dport @nodeport-2.g1 goto nodeport-2.g1",
-        "add rule ip kube-proxy service-frontends "
-        "ip daddr . meta l4proto . th dport @internal-2.g1 goto internal-2.g1",
-        "add rule ip kube-proxy services jump service-frontends",
-        "add rule ip kube-proxy services ip daddr @nodeport-ips jump nodeport-frontends",
+    assert lines(dump, r"rule ip kube-proxy (services|dispatch-[a-z]+-0\.g1) ") == [
+        "add rule ip kube-proxy dispatch-ips-0.g1 goto internal-2.g1",
+        "add rule ip kube-proxy dispatch-nodeports-0.g1 goto nodeport-2.g1",
+        "add rule ip kube-proxy services "
+        "ip daddr . meta l4proto . th dport @dispatch-ips.g1 goto dispatch-ips-0.g1",
+        "add rule ip kube-proxy services "
+        "ip daddr @nodeport-ips meta l4proto . th dport @dispatch-nodeports.g1 "
+        "goto dispatch-nodeports-0.g1",
     ]
     assert lines(dump, r"rule ip kube-proxy (internal|pick)-2\.g1 ") == [
         "add rule ip kube-proxy internal-2.g1 ip saddr != 10.0.0.0/8 jump mark-for-masquerade",
@@ -100,9 +161,9 @@ def test_a_service_is_data_behind_a_few_fixed_rules() -> None:
         "add rule ip kube-proxy pick-2.g1 "
         "dnat to ip daddr . meta l4proto . th dport . numgen random mod 2 map @endpoints-sctp.g1",
     ]
-    assert lines(dump, r"element ip kube-proxy (internal-2|endpoints-tcp|cluster-ips)") == [
+    assert lines(dump, r"element ip kube-proxy (dispatch-ips|endpoints-tcp|cluster-ips)") == [
         "add element ip kube-proxy cluster-ips { 172.30.0.10 }",
-        "add element ip kube-proxy internal-2.g1 { 172.30.0.10 . tcp . 80 }",
+        "add element ip kube-proxy dispatch-ips.g1 { 172.30.0.10 . tcp . 80 }",
         "add element ip kube-proxy endpoints-tcp.g1 "
         "{ 172.30.0.10 . tcp . 80 . 0 : 10.180.0.1 . 8080 }",
         "add element ip kube-proxy endpoints-tcp.g1 "
@@ -134,7 +195,8 @@ def test_no_endpoints_reject_and_local_policy_drops() -> None:
     # No local endpoint: external traffic is dropped, but pods and the node itself are
     # short-circuited to every endpoint (masqueraded when the node is the source).
     assert "add element ip kube-proxy no-endpoint-nodeports-drop.g1 { udp . 30053 }" in dump
-    assert "add element ip kube-proxy nodeport-local-0-1.g1 { udp . 30053 }" in dump
+    assert "add element ip kube-proxy dispatch-nodeports.g1 { udp . 30053 }" in dump
+    assert "add rule ip kube-proxy dispatch-nodeports-0.g1 goto nodeport-local-0-1.g1" in dump
     assert lines(dump, r"rule ip kube-proxy nodeport-local-0-1\.g1 ") == [
         "add rule ip kube-proxy nodeport-local-0-1.g1 "
         "ip saddr 10.0.0.0/8 goto pick-nodeport-shortcut-1.g1",
@@ -171,33 +233,127 @@ def test_firewall_and_hairpin_are_data() -> None:
         "5.6.7.8 . tcp . 443 . 203.0.113.0/24 }",
         "5.6.7.8 . tcp . 443 . 5.6.7.8 }",
     ]
-    # An endpoint known to run on another node never hairpins through this one.
+    # Every endpoint hairpins, as upstream's: whether one runs here is only as good as
+    # the node name it names (with --hostname-override it may name none).
     assert lines(dump, "element ip kube-proxy hairpin-endpoints.g1 {") == [
-        "add element ip kube-proxy hairpin-endpoints.g1 { 10.180.0.9 . 10.180.0.9 }"
+        "add element ip kube-proxy hairpin-endpoints.g1 { 10.180.0.9 . 10.180.0.9 }",
+        "add element ip kube-proxy hairpin-endpoints.g1 { 10.181.0.1 . 10.181.0.1 }",
     ]
 
 
-def test_session_affinity_records_after_dnat() -> None:
+def test_session_affinity_is_per_port_and_list() -> None:
     world = World()
-    web(world, "10.180.0.1", session_affinity_seconds=600)
+    web(
+        world,
+        "10.180.0.1",
+        session_affinity_seconds=600,
+        node_port=30080,
+        load_balancer_vips=(ip("5.6.7.8"),),
+    )
     fake = FakeNft()
     backend(fake).sync(world.snapshot(), full())
     dump = fake.dump()
-    assert "add element ip kube-proxy affinity-600.g1 { 172.30.0.10 . tcp . 80 }" in dump
+    # One map for the port's endpoint list, read and written by every frontend of it.
+    maps = lines(dump, r"^add map ip kube-proxy affinity-[A-Z2-7]{16} ")
+    assert len(maps) == 1
+    assert "{ type ipv4_addr : ipv4_addr . inet_service ; flags dynamic,timeout ;" in maps[0]
+    assert "size 65535 ;" in maps[0]
+    name = maps[0].split()[4]
+    lookup = lines(dump, r"^add rule ip kube-proxy affinity-lookup-[A-Z2-7]{8}-ns/web/tcp/http ")
+    record = lines(dump, r"^add rule ip kube-proxy affinity-record-[A-Z2-7]{8}-ns/web/tcp/http ")
+    assert [r.split(" ", 5)[5] for r in lookup] == [
+        f"meta l4proto {{ tcp, udp, sctp }} dnat to ip saddr map @{name}"
+    ]
+    assert [r.split(" ", 5)[5] for r in record] == [
+        f"update @{name} {{ ip saddr timeout 600s : ip daddr . th dport }}"
+    ]
+    lookup_chain, record_chain = lookup[0].split()[4], record[0].split()[4]
+    for key in ("172.30.0.10 . tcp . 80", "5.6.7.8 . tcp . 80"):
+        assert f"affinity-lookup-ips.g1 {{ {key} : jump {lookup_chain} }}" in dump
+        assert f"affinity-record-ips.g1 {{ {key} : goto {record_chain} }}" in dump
+    assert f"affinity-lookup-nodeports.g1 {{ tcp . 30080 : jump {lookup_chain} }}" in dump
     assert lines(dump, r"rule ip kube-proxy pick-1-affinity\.g1 ")[0] == (
-        "add rule ip kube-proxy pick-1-affinity.g1 meta l4proto { tcp, udp, sctp } "
-        "dnat to ip saddr . ip daddr . meta l4proto . th dport map @affinity"
+        "add rule ip kube-proxy pick-1-affinity.g1 jump affinity-lookup-ips.g1"
     )
-    assert (
-        "add rule ip kube-proxy affinity-record meta l4proto tcp "
-        "ct original ip daddr . meta l4proto . ct original proto-dst @affinity-600.g1 "
-        "update @affinity { ip saddr . ct original ip daddr . meta l4proto . "
-        "ct original proto-dst timeout 600s : ip daddr . th dport }"
-    ) in dump
+    assert lines(dump, r"rule ip kube-proxy affinity-record ") == [
+        "add rule ip kube-proxy affinity-record meta l4proto { tcp, udp, sctp } "
+        "ct original ip daddr . meta l4proto . ct original proto-dst "
+        "vmap @affinity-record-ips.g1",
+        "add rule ip kube-proxy affinity-record ct original ip daddr @nodeport-ips "
+        "meta l4proto { tcp, udp, sctp } meta l4proto . ct original proto-dst "
+        "vmap @affinity-record-nodeports.g1",
+    ]
     assert (
         "add rule ip kube-proxy filter-forward ct state new ct status dnat jump affinity-record"
         in dump
     )
+
+
+def test_local_policy_affinity_records_in_the_list_its_pick_used() -> None:
+    world = World()
+    port = ServicePort(
+        spn("web"),
+        ip("172.30.0.10"),
+        80,
+        Protocol.TCP,
+        node_port=30080,
+        external_policy_local=True,
+        session_affinity_seconds=60,
+    )
+    world.add(port, ep("10.180.0.1", local=True), ep("10.180.0.2"))
+    fake = FakeNft()
+    backend(fake).sync(world.snapshot(), full())
+    dump = fake.dump()
+    # The cluster list (both endpoints) and the node-local one each have their map.
+    assert len(lines(dump, r"^add map ip kube-proxy affinity-[A-Z2-7]{16} ")) == 2
+    split = [r.split(" ", 5)[5] for r in lines(dump, r"^add rule ip kube-proxy affinity-split-")]
+    assert [r.rsplit(" ", 1)[0] for r in split] == [
+        "ip saddr 10.0.0.0/8 goto",
+        "fib saddr type local goto",
+        "goto",
+    ]
+    cluster_record, local_record = split[0].rsplit(" ", 1)[1], split[2].rsplit(" ", 1)[1]
+    assert split[1].endswith(cluster_record) and cluster_record != local_record
+    # The cluster IP records in the cluster list's chain; the NodePort in the split.
+    assert f"affinity-record-ips.g1 {{ 172.30.0.10 . tcp . 80 : goto {cluster_record} }}" in dump
+    assert "affinity-record-nodeports.g1 { tcp . 30080 : goto affinity-split-" in dump
+
+
+def _first(transactions: list[str], text: str) -> int:
+    return next(i for i, tx in enumerate(transactions) if text in tx)
+
+
+def test_a_new_lb_ip_is_never_reachable_before_its_source_ranges() -> None:
+    # One element per transaction: the partial sync is cut as finely as it can be.
+    world = World()
+    world.add(ServicePort(spn("other"), ip("172.30.0.9"), 80, Protocol.TCP), ep("10.180.0.9"))
+    fake = FakeNft()
+    b = backend(fake, elements_per_transaction=1)
+    b.sync(world.snapshot(), full())
+    port = ServicePort(
+        spn("lb"),
+        ip("172.30.0.20"),
+        443,
+        Protocol.TCP,
+        load_balancer_vips=(ip("5.6.7.8"),),
+        load_balancer_source_ranges=(net("203.0.113.0/24"),),
+    )
+    name = world.add(port, ep("10.180.0.1", 8443), ep("10.180.0.2", 8443))
+    start = len(fake.transactions)
+    b.sync(world.snapshot(), changed(name))
+    added = [tx.render() for tx in fake.transactions[start:]]
+    vip = "{ 5.6.7.8 . tcp . 443"
+    reachable = _first(added, f"add element ip kube-proxy dispatch-ips.g1 {vip} }}")
+    assert _first(added, f"add element ip kube-proxy firewall-ips.g1 {vip} }}") <= reachable
+    assert _first(added, f"add element ip kube-proxy firewall-allow.g1 {vip}") <= reachable
+    # And the ranges go only once the VIP is no longer dispatched.
+    world.remove(name)
+    start = len(fake.transactions)
+    b.sync(world.snapshot(), changed(name))
+    removed = [tx.render() for tx in fake.transactions[start:]]
+    gone = _first(removed, f"delete element ip kube-proxy dispatch-ips.g1 {vip} }}")
+    assert _first(removed, f"delete element ip kube-proxy firewall-ips.g1 {vip} }}") >= gone
+    assert _first(removed, f"delete element ip kube-proxy firewall-allow.g1 {vip}") >= gone
 
 
 # Incremental syncs send data only -----------------------------------------------------------
@@ -234,31 +390,57 @@ def test_scaling_moves_the_frontend_between_classes_and_fills_holes() -> None:
     b = backend(fake)
     b.sync(world.snapshot(), full())
     del other
+    key = ("172.30.0.10", "tcp", "80")
+    assert classes_of(fake)[key] == "internal-3.g1"
     # Down to two: slot 2 (the last) moves into the freed slot 0, class 3 -> class 2,
-    # which exists already: no rule, no chain.
+    # which exists already: its class number's bits change, no rule, no chain.
     web(world, "10.180.0.2", "10.180.0.3")
     b.sync(world.snapshot(), changed(name))
     text = fake.transactions[-1].render()
     assert "rule" not in text and "chain" not in text
-    assert "delete element ip kube-proxy internal-3.g1 { 172.30.0.10 . tcp . 80 }" in text
-    assert "add element ip kube-proxy internal-2.g1 { 172.30.0.10 . tcp . 80 }" in text
-    assert slots_of(fake, Family.IP, ("172.30.0.10", "tcp", "80")) == [
-        ("10.180.0.3", "8080"),
-        ("10.180.0.2", "8080"),
-    ]
-    # Up to four: a class seen for the first time brings its chain and one rule, in a
-    # transaction before the elements (an empty class set matches nothing meanwhile).
+    assert "class-bit-ips-" in text
+    assert classes_of(fake)[key] == "internal-2.g1"
+    assert slots_of(fake, Family.IP, key) == [("10.180.0.3", "8080"), ("10.180.0.2", "8080")]
+    # Up to four: a class seen for the first time brings its chain and its place in the
+    # dispatch tree, in a transaction before the elements.
     web(world, "10.180.0.2", "10.180.0.3", "10.180.0.7", "10.180.0.8")
     count = len(fake.transactions)
     b.sync(world.snapshot(), changed(name))
     structure, elements = (tx.render() for tx in fake.transactions[count:])
     assert "add chain ip kube-proxy internal-4.g1" in structure
-    assert (
-        "add rule ip kube-proxy service-frontends "
-        "ip daddr . meta l4proto . th dport @internal-4.g1 goto internal-4.g1"
-    ) in structure
+    assert "goto internal-4.g1" in structure
     assert "element" not in structure and "rule" not in elements
-    assert "add element ip kube-proxy internal-4.g1 { 172.30.0.10 . tcp . 80 }" in elements
+    assert classes_of(fake)[key] == "internal-4.g1"
+
+
+def test_hundreds_of_classes_cost_a_few_lookups_and_a_change_is_data() -> None:
+    world = World()
+    names = [
+        world.add(
+            ServicePort(spn(f"s{n}"), ip(f"172.30.{n // 200}.{n % 200}"), 80, Protocol.TCP),
+            *(ep(str(ip("10.0.0.0") + 1024 * n + k)) for k in range(1, n + 2)),
+        )
+        for n in range(150)
+    ]
+    fake = FakeNft()
+    b = backend(fake)
+    b.sync(world.snapshot(), full())
+    dispatched = classes_of(fake)
+    assert len(set(dispatched.values())) == 150
+    # Every connection walks at most one lookup per bit of the class numbers.
+    depth = len([n for n in fake.list_sets(Family.IP, "kube-proxy") if "class-bit-ips" in n])
+    assert depth == 8  # 2 ** 7 < 150 classes <= 2 ** 8
+    tree = _Tree(fake)
+    # The dispatch set's lookup, then at most one per bit.
+    assert max(tree.walk(key)[1] for key in dispatched) <= 1 + depth
+    # A new endpoint count moves the frontend to another class's bits: data only.
+    world.add(
+        ServicePort(spn("s7"), ip("172.30.0.7"), 80, Protocol.TCP),
+        *(ep(str(ip("10.0.0.0") + 1024 * 7 + k)) for k in range(1, 4)),
+    )
+    b.sync(world.snapshot(), changed(names[7]))
+    assert "rule" not in fake.transactions[-1].render()
+    assert classes_of(fake)[("172.30.0.7", "tcp", "80")] == "internal-3.g1"
 
 
 def test_removing_a_service_removes_its_data() -> None:
@@ -429,39 +611,94 @@ def test_a_loopback_nodeport_address_is_logged_once(caplog: pytest.LogCaptureFix
     ]
 
 
+def _affinity_maps(fake: FakeNft, family: Family = Family.IP) -> list[str]:
+    return sorted(
+        n for n in fake.list_sets(family, "kube-proxy") if re.fullmatch(r"affinity-[A-Z2-7]{16}", n)
+    )
+
+
 def test_affinity_entries_of_removed_endpoints_are_deleted() -> None:
     world = World()
     name = web(world, "10.180.0.1", "10.180.0.2", session_affinity_seconds=60)
     fake = FakeNft()
     b = backend(fake)
     b.sync(world.snapshot(), full())
+    (cluster,) = _affinity_maps(fake)
     fake.run_text(
-        "add element ip kube-proxy affinity { "
-        "10.0.0.5 . 172.30.0.10 . tcp . 80 : 10.180.0.1 . 8080, "
-        "10.0.0.6 . 172.30.0.10 . tcp . 80 : 10.180.0.2 . 8080 }"
+        f"add element ip kube-proxy {cluster} {{ "
+        "10.0.0.5 : 10.180.0.1 . 8080, 10.0.0.6 : 10.180.0.2 . 8080 }"
     )
     web(world, "10.180.0.2", session_affinity_seconds=60)
     b.sync(world.snapshot(), changed(name))
-    left = [e.key[0] for e in fake.list_elements(Family.IP, "kube-proxy", "affinity")]
-    assert left == ["10.0.0.6"]
+    assert [e.key for e in fake.list_elements(Family.IP, "kube-proxy", cluster)] == [("10.0.0.6",)]
 
 
-def test_ipv6_affinity_keeps_per_port_chains() -> None:
+def test_short_circuit_affinity_entries_of_removed_endpoints_are_deleted() -> None:
+    # Pods and the node itself pick from every endpoint of a Local-policy NodePort: their
+    # entries sit in the cluster list's map and go with the endpoint too.
+    world = World()
+    port = ServicePort(
+        spn("web"),
+        ip("172.30.0.10"),
+        80,
+        Protocol.TCP,
+        node_port=30080,
+        external_policy_local=True,
+        session_affinity_seconds=60,
+    )
+    name = world.add(port, ep("10.180.0.1", local=True), ep("10.180.0.2"))
+    fake, clock = FakeNft(), Clock()
+    b = backend(fake, clock)
+    b.sync(world.snapshot(), full())
+    cluster = affinity_map_name(port_identity(name), "service", 0)
+    local = affinity_map_name(port_identity(name), "local", 0)
+    assert _affinity_maps(fake) == sorted([cluster, local])
+    fake.run_text(
+        f"add element ip kube-proxy {cluster} {{ "
+        "10.0.0.5 : 10.180.0.1 . 8080, 192.168.0.2 : 10.180.0.2 . 8080 }\n"
+        f"add element ip kube-proxy {local} {{ 203.0.113.9 : 10.180.0.1 . 8080 }}"
+    )
+    world.add(port, ep("10.180.0.1", local=True))
+    b.sync(world.snapshot(), changed(name))
+    for table in (cluster, local):
+        values = [e.value for e in fake.list_elements(Family.IP, "kube-proxy", table)]
+        assert values == [("10.180.0.1", "8080")]
+    # The Service goes: its maps and chains go a second later.
+    world.remove(name)
+    b.sync(world.snapshot(), changed(name))
+    clock.now += 1.0
+    b.sync(world.snapshot(), SyncChanges(full=False))
+    assert _affinity_maps(fake) == []
+    assert not [c for c in fake.list_chains(Family.IP, "kube-proxy") if "ns/web" in c]
+
+
+def test_ipv6_affinity_has_a_map_per_endpoint_port() -> None:
     world = v6_world()
     name = world.add(
         ServicePort(spn("v6"), ip("fd00:96::10"), 80, Protocol.TCP, session_affinity_seconds=60),
         Endpoint(ip("fd00:180::1"), 8080),
+        Endpoint(ip("fd00:180::2"), 9090),
     )
     fake = FakeNft()
     b = backend(fake, family=IPFamily.IPV6)
     b.sync(world.snapshot(), full())
     dump = fake.dump()
-    vmap = lines(dump, r"element ip6 kube-proxy dedicated-ips\.g1")
-    assert len(vmap) == 1 and ": goto service-" in vmap[0]
-    assert "update @affinity-" in dump
+    maps = _affinity_maps(fake, Family.IP6)
+    assert len(maps) == 2
+    identity = port_identity(spn("v6"))
+    by_port = {p: affinity_map_name(identity, "service", p) for p in (8080, 9090)}
+    assert sorted(by_port.values()) == maps
+    lookup = lines(dump, r"^add rule ip6 kube-proxy affinity-lookup-[A-Z2-7]{8}-")
+    assert sorted(r.split(" ", 5)[5] for r in lookup) == sorted(
+        f"meta l4proto {{ tcp, udp, sctp }} dnat to ip6 saddr map @{by_port[p]} : {p}"
+        for p in (8080, 9090)
+    )
+    record = [r.split(" ", 5)[5] for r in lines(dump, r"^add rule ip6 kube-proxy affinity-record-")]
+    assert sorted(r.split(" update ")[0] for r in record) == ["th dport 8080", "th dport 9090"]
+    assert lines(dump, r"dedicated-") == []
     world.remove(name)
     b.sync(world.snapshot(), changed(name))
-    assert lines(fake.dump(), r"element ip6 kube-proxy dedicated-ips\.g1") == []
+    assert lines(fake.dump(), r"element ip6 kube-proxy affinity-lookup-ips\.g1") == []
 
 
 # Property: incremental syncs end where a fresh full sync starts ------------------------------
@@ -469,8 +706,10 @@ def test_ipv6_affinity_keeps_per_port_chains() -> None:
 
 def normalized(fake: FakeNft, family: Family = Family.IP) -> dict[str, object]:
     """The table as what it does: the current generation's objects without their
-    generation, each endpoint-slot map as the endpoints of each frontend (slots checked to
-    be numbered 0..N-1), empty classes (kept until the next full sync) left out."""
+    generation, the dispatch tree as the class each frontend's connections reach (class
+    numbers depend on the order classes came in), each endpoint-slot map as the endpoints
+    of each frontend (slots checked to be numbered 0..N-1), classes no frontend reaches
+    (kept until the next full sync) and their picks left out."""
     chains: dict[str, list[str]] = {}
     sets: dict[str, list[tuple[str, ...]]] = {}
     for fam, _table, verb, obj in parse_commands(fake.dump()):
@@ -485,20 +724,15 @@ def normalized(fake: FakeNft, family: Family = Family.IP) -> dict[str, object]:
             sets[obj.container].append((*obj.key, ":", *obj.value))
     gens = {g for name in [*chains, *sets] if (g := generation_of(name)) is not None}
     assert len(gens) == 1, f"more than one generation left: {sorted(gens)}"
-    empty = {n for n in sets if CLASS_NAME.fullmatch(n) and not sets[n]}
-    empty |= {
-        n for n in sets if re.fullmatch(r"affinity-(nodeports-)?[0-9]+\.g[0-9]+", n) and not sets[n]
-    }
 
     def strip(text: str) -> str:
         return re.sub(r"\.g[0-9]+\b", "", text)
 
-    def reads_empty(rule: str) -> bool:
-        return any(f"@{name} " in rule + " " for name in empty)
-
-    out: dict[str, object] = {}
+    reached = _Tree(fake, family).classes()
+    out: dict[str, object] = {"dispatch": sorted((k, strip(c)) for k, c in reached.items())}
+    tree = re.compile(r"(class-bit|dispatch)-(ips|nodeports)(-[0-9]+)?\.g[0-9]+")
     for name, elements in sets.items():
-        if name in empty:
+        if tree.fullmatch(name):
             continue
         if "endpoints-" in name:
             by_key: dict[tuple[str, ...], dict[int, tuple[str, ...]]] = {}
@@ -510,17 +744,16 @@ def normalized(fake: FakeNft, family: Family = Family.IP) -> dict[str, object]:
             out[strip(name)] = {k: sorted(v.values()) for k, v in by_key.items()}
         else:
             out[strip(name)] = sorted(elements)
-    live = [r for n, rules in chains.items() if n not in empty for r in rules if not reads_empty(r)]
-    used = {m for r in live for m in re.findall(r"goto (\S+)", r)}
+    live = set(reached.values())
+    picks = {t for c in live for r in chains[c] for t in re.findall(r"goto (pick\S+)", r)}
     for name, rules in chains.items():
-        if name in empty or (
-            (CLASS_NAME.fullmatch(name) or name.startswith("pick")) and name not in used
-        ):
+        if tree.fullmatch(name):
             continue
-        kept = [strip(r) for r in rules if not reads_empty(r)]
-        if name in ("service-frontends", "nodeport-frontends", "affinity-record"):
-            kept.sort()
-        out[f"chain {name if generation_of(name) is None else strip(name)}"] = kept
+        if CLASS_NAME.fullmatch(name) and name not in live:
+            continue
+        if name.startswith("pick") and name not in picks:
+            continue
+        out[f"chain {strip(name)}"] = [strip(r) for r in rules]
     return out
 
 
@@ -546,7 +779,7 @@ TestIncrementalEqualsFull = IncrementalEqualsFull.TestCase
 
 
 class IncrementalEqualsFull6(V6Machine, IncrementalEqualsFull):
-    """The same on IPv6 (per-port chains for affinity, bracketed endpoints)."""
+    """The same on IPv6 (affinity maps per endpoint port, bracketed endpoints)."""
 
 
 IncrementalEqualsFull6.TestCase.settings = settings(

@@ -41,12 +41,14 @@ from kubeproxy.objects import (
     ServicePortName,
 )
 from kubeproxy.testing.pytest import flow_test
+from kubeproxy.testing.runner import RunOptions
 from tests.kernelkit import (
     Topology,
     assert_restart_keeps_connections,
     client_node_server,
     echo_port_name,
     echo_snapshot,
+    nft_listing_reloads,
     run_in,
 )
 
@@ -55,9 +57,12 @@ CONFIG = ProxierConfig(node_name="kpxr-node")
 
 pytestmark = pytest.mark.kernel
 
+# Every state a flow case reaches must also list as a ruleset nft can load again (an
+# operator's "nft list ruleset > saved; nft -f saved" must work).
 test_flow_cases = flow_test(
-    ["flowcases/examples/*.yaml", "flowcases/behaviour/*.yaml"],
+    ["flowcases/examples/*.yaml", "flowcases/behaviour/*.yaml", "flowcases/nftables/*.yaml"],
     backend="nftables",
+    options=RunOptions(node_check=nft_listing_reloads),
     base=REPO,
     marks=[pytest.mark.kernel],
 )

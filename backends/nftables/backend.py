@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,30 +47,38 @@ from kubeproxy.backends.nftables.claims import Claims
 from kubeproxy.backends.nftables.elements import ElementBatch
 from kubeproxy.backends.nftables.exec import NftExecutor, delete_table
 from kubeproxy.backends.nftables.frontends import (
+    AFFINITY_MAP_SIZE,
     KIND_IP,
+    KIND_NODEPORT,
+    AffinityPlan,
     ClassSpec,
-    Dedicated,
     Frontend,
     PortPlan,
     endpoint_value,
     plan_port,
 )
 from kubeproxy.backends.nftables.layout import (
-    AFFINITY_RECORD,
-    FIXED_CHAINS,
+    DISPATCH_RULES,
+    DISPATCH_TREE,
     NODEPORT_FRONTENDS,
     SERVICE_FRONTENDS,
     GenNames,
     Pick,
-    affinity_rules,
+    affinity_container,
+    affinity_dispatch_chains,
+    class_bits,
     class_chain,
+    class_numbers,
     class_rule,
     element_types,
+    fixed_chain_names,
     fixed_chains,
     generation_of,
     pick_chain,
     picks_of,
     public_containers,
+    tree_chains,
+    tree_depth,
 )
 from kubeproxy.backends.nftables.objects import (
     Chain,
@@ -81,13 +89,11 @@ from kubeproxy.backends.nftables.objects import (
     Table,
 )
 from kubeproxy.backends.nftables.services import (
-    AFFINITY6_MAP_TYPE,
     Key,
     RenderContext,
     context_or_default,
 )
 from kubeproxy.backends.nftables.structure import (
-    AFFINITY_TIMEOUT,
     TABLE,
     TABLE_COMMENT,
     ContainerSpec,
@@ -107,11 +113,9 @@ log = logging.getLogger(__name__)
 
 STALE_DELAY = 1.0
 """Seconds between the last reference to an object going and its deletion."""
-AFFINITY6_MAP_SIZE = 65536
-"""Entries per per-port IPv6 affinity map (clients of one Service port)."""
 
 _FAMILIES = {IPFamily.IPV4: Family.IP, IPFamily.IPV6: Family.IP6}
-_SHARED = (Names.CLUSTER_IPS, Names.HAIRPIN_ENDPOINTS)
+_KINDS = (KIND_IP, KIND_NODEPORT)
 _VALUE_NONE: tuple[str, ...] = ()
 
 
@@ -130,8 +134,9 @@ class _PortState:
 
     keys: tuple[Key, ...]
     firewall: tuple[tuple[Key, tuple[str, ...]], ...]
-    set_elements: tuple[tuple[str, Key], ...]
-    dedicated: Dedicated | None
+    cluster_ip: str
+    hairpin: tuple[str, ...]
+    affinity: AffinityPlan | None
 
 
 _SLOT_TEXTS = tuple(str(i) for i in range(1024))
@@ -172,28 +177,38 @@ def restitch(old: tuple[str, ...], new: tuple[str, ...]) -> tuple[str, ...]:
 class _Ops:
     """Element changes of one sync, committed in bounded transactions.
 
-    Deletions go before additions (a slot rewritten is a delete and an add of the same
-    key) and each container's elements share commands. :meth:`cut` commits once the
-    budget is spent; callers call it only between frontends, so the changes of one
-    frontend are always in one transaction.
+    Elements of containers whose types :mod:`~kubeproxy.backends.nftables.elements`
+    packs go as one netlink batch; the others (interval and verdict maps: source ranges,
+    affinity dispatch) as nft text. A commit runs, in order: the chains and sets queued
+    in :attr:`tx` with the text additions (and the text deletions of keys re-added), then
+    the netlink batch (deletions first: a rewritten slot is a delete and an add), then the
+    remaining text deletions. So a frontend's firewall elements are in before the batch
+    that dispatches it, and out only after the batch that stops dispatching it; affinity
+    verdicts likewise. :meth:`cut` commits once the budget is spent; callers call it only
+    between frontends, so one frontend's netlink changes are always in one transaction.
     """
 
     def __init__(self, backend: NftablesBackend, budget: int) -> None:
         self._backend = backend
         self._budget = budget
+        self._types = backend._element_types
         self.tx = backend._new_transaction()
         self._deletes: dict[str, list[Key]] = {}
         self._adds: dict[str, list[tuple[Key, tuple[str, ...]]]] = {}
+        self._text_deletes: dict[str, list[Key]] = {}
+        self._text_adds: dict[str, list[tuple[Key, tuple[str, ...]]]] = {}
         self._count = 0
         self.operations = 0
         self.transactions = 0
 
     def delete(self, container: str, key: Key) -> None:
-        self._deletes.setdefault(container, []).append(key)
+        target = self._deletes if container in self._types else self._text_deletes
+        target.setdefault(container, []).append(key)
         self._count += 1
 
     def add(self, container: str, key: Key, value: tuple[str, ...] = _VALUE_NONE) -> None:
-        self._adds.setdefault(container, []).append((key, value))
+        target = self._adds if container in self._types else self._text_adds
+        target.setdefault(container, []).append((key, value))
         self._count += 1
 
     def cut(self) -> None:
@@ -201,34 +216,41 @@ class _Ops:
             self.commit()
 
     def commit(self) -> None:
-        """Commit what is queued: the chains and sets of :attr:`tx` first (nft text),
-        then the elements as one netlink batch when every container's types allow it,
-        else as part of the same text transaction (which keeps them atomic with it)."""
+        """Commit what is queued (see the class documentation)."""
         tx = self.tx
-        types = self._backend._element_types
         deletes, adds = self._deletes, self._adds
+        text_deletes, text_adds = self._text_deletes, self._text_adds
         self._deletes, self._adds, self._count = {}, {}, 0
+        self._text_deletes, self._text_adds = {}, {}
         self.tx = self._backend._new_transaction()
-        if all(c in types for c in (*deletes, *adds)):
-            self._run(tx)
-            batch = ElementBatch(
-                tx.family,
-                tx.table,
-                types,
-                [(c, k) for c, keys in deletes.items() for k in keys],
-                [(c, k, v) for c, items in adds.items() for k, v in items],
-            )
-            if len(batch):
-                self._backend._executor.write_elements(batch)
-                self.operations += len(batch)
-                self.transactions += 1
-            return
-        for container, keys in deletes.items():
+        later: dict[str, list[Key]] = {}
+        for container, keys in text_deletes.items():
+            readded = {k for k, _v in text_adds.get(container, ())}
             for key in keys:
-                tx.delete_element(container, key)
-        for container, items in adds.items():
+                if key in readded:
+                    tx.delete_element(container, key)
+                else:
+                    later.setdefault(container, []).append(key)
+        for container, items in text_adds.items():
             tx.add_elements(container, items)
         self._run(tx)
+        batch = ElementBatch(
+            tx.family,
+            tx.table,
+            self._types,
+            [(c, k) for c, keys in deletes.items() for k in keys],
+            [(c, k, v) for c, items in adds.items() for k, v in items],
+        )
+        if len(batch):
+            self._backend._executor.write_elements(batch)
+            self.operations += len(batch)
+            self.transactions += 1
+        if later:
+            final = self._backend._new_transaction()
+            for container, keys in later.items():
+                for key in keys:
+                    final.delete_element(container, key)
+            self._run(final)
 
     def _run(self, tx: Transaction) -> None:
         if tx.num_operations:
@@ -254,9 +276,11 @@ class NftablesBackend:
     ``executor`` runs transactions and lists names (``LibNftables`` in production,
     ``FakeNft`` in tests and dry runs); ``clock`` is a monotonic clock in seconds;
     ``elements_per_transaction`` bounds a transaction (and so libnftables' memory and
-    the time the kernel holds its commit lock). Counters for metrics:
-    :attr:`sync_failures`, :attr:`stale_chain_failures` (failed deletions of unused
-    objects), :attr:`affinity_cleanup_failures`; for tests and logs:
+    the time the kernel holds its commit lock); ``dispatch`` picks how a connection finds
+    its class (:data:`~kubeproxy.backends.nftables.layout.DISPATCH_TREE`, or the
+    benchmarks' :data:`~kubeproxy.backends.nftables.layout.DISPATCH_RULES`). Counters for
+    metrics: :attr:`sync_failures`, :attr:`stale_chain_failures` (failed deletions of
+    unused objects), :attr:`affinity_cleanup_failures`; for tests and logs:
     :attr:`last_operations`, :attr:`last_transactions`, :attr:`last_sync_full`,
     :attr:`generation`.
     """
@@ -270,15 +294,19 @@ class NftablesBackend:
         clock: Callable[[], float] = time.monotonic,
         elements_per_transaction: int = 10_000,
         support_check: bool = True,
+        dispatch: str = DISPATCH_TREE,
     ) -> None:
         if elements_per_transaction < 1:
             raise ValueError("elements_per_transaction must be at least 1")
+        if dispatch not in (DISPATCH_TREE, DISPATCH_RULES):
+            raise ValueError(f"unknown class dispatch {dispatch!r}")
         self._family = family
         self._nft_family = _FAMILIES[family]
         self._tokens: FamilyTokens = tokens_for(family)
         self._config = config
         self._executor = executor
         self._clock = clock
+        self._dispatch = dispatch
         self.elements_per_transaction = elements_per_transaction
         self.sync_failures = 0
         self.stale_chain_failures = 0
@@ -292,6 +320,9 @@ class NftablesBackend:
             check_support(executor, self._nft_family)
         # "chain NAME" / "set NAME" of objects nothing uses any more -> since when.
         self._stale: dict[str, float] = {}
+        # "chain NAME" / "set NAME" of content-named affinity objects the kernel holds.
+        self._present: set[str] = set()
+        self._content_refs: dict[str, int] = {}
         self._base_recreated = False
         self._claims = Claims(log)
         self._unrenderable = SkippedPorts(log)
@@ -307,15 +338,20 @@ class NftablesBackend:
         self._ports: dict[ServicePortName, _PortState] = {}
         self._by_service: dict[NamespacedName, set[ServicePortName]] = {}
         self._held: dict[Key, _Held] = {}
-        self._refs: dict[str, dict[Key, int]] = {name: {} for name in _SHARED}
-        self._classes: list[ClassSpec] = []
+        # How many ports hold each cluster IP and each hairpin endpoint address.
+        self._cluster_ips: dict[str, int] = {}
+        self._hairpin: dict[str, int] = {}
+        self._classes: list[ClassSpec] = []  # rule dispatch: the class rules, in order
+        self._class_chains: set[ClassSpec] = set()
         self._picks: set[Pick] = set()
-        self._affinity: list[tuple[str, int]] = []
-        self._dedicated_chains: set[str] = set()
-        self._dedicated_maps: set[str] = set()
-        # Affinity frontends whose entries may point astray, and IPv6 per-port maps.
-        self._affinity_losses: set[Key] = set()
-        self._map_losses: dict[str, frozenset[str]] = {}
+        # Tree dispatch: class -> number, per kind number -> class, bits, chains held.
+        self._numbers: dict[ClassSpec, int] = {}
+        self._by_number: dict[str, dict[int, ClassSpec]] = {kind: {} for kind in _KINDS}
+        self._depth: dict[str, int] = dict.fromkeys(_KINDS, 0)
+        self._tree: dict[str, tuple[str, ...]] = {}
+        self._content_refs = {}
+        # Affinity maps whose entries may point at endpoints gone: name -> allowed values.
+        self._map_losses: dict[str, frozenset[Key]] = {}
         # The data types of every container whose elements go over netlink.
         self._element_types: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
 
@@ -360,6 +396,7 @@ class NftablesBackend:
         delete_table(self._executor, self._nft_family, TABLE)
         self._reset_model(0)
         self._stale.clear()
+        self._present.clear()
         self.generation = None
         self._need_full = True
 
@@ -423,6 +460,7 @@ class NftablesBackend:
         gens = [g for n in (*chains, *sets) if (g := generation_of(n)) is not None]
         gen = max([*gens, self.generation or 0]) + 1
         self._reset_model(gen)
+        self._present = {f"chain {c}" for c in chains} | {f"set {s}" for s in sets}
         self._inputs = inputs
         claims = self._claims
         claims.reset()
@@ -438,29 +476,13 @@ class NftablesBackend:
             claims.resolve()
         for name in claims.skipped:
             plans.pop(name, None)
-
-        # Every chain and container the elements need, then the elements in bounded
-        # transactions, then the switch; nothing of the new generation is read before it.
-        ops = _Ops(self, self.elements_per_transaction)
-        tx = ops.tx
-        tx.add(Table(comment=TABLE_COMMENT))
-        for spec in (*public_containers(self._tokens), *self._names.containers(self._tokens)):
-            self._declare(tx, spec)
-        for chain in self._fixed_chains():
-            if chain.hook is None:
-                tx.add_chain(chain.name)
-        for plan in plans.values():
-            self._add_structure(tx, plan, chains)
-        ops.commit()
-        for name, plan in plans.items():
-            self._ports[name] = self._apply_port(ops, None, plan)
-            ops.cut()
-        ops.commit()
-        switch = self._new_transaction()
-        self._write_switch(switch)
-        self._run(switch)
-        ops.transactions += 1
-        ops.operations += switch.num_operations
+        if self._dispatch == DISPATCH_TREE:
+            self._number_classes(plans.values())
+        try:
+            ops = self._write_generation(plans)
+        except BaseException:
+            self._discard_generation(gen)
+            raise
         self._base_recreated = True
         self.generation = gen
 
@@ -472,6 +494,78 @@ class NftablesBackend:
         for key in [k for k in self._stale if k in wanted]:
             del self._stale[key]
         return ops
+
+    def _write_generation(self, plans: dict[ServicePortName, PortPlan]) -> _Ops:
+        """Every chain and container the elements need, then the elements in bounded
+        transactions, then the switch; nothing of the new generation is read before it."""
+        ops = _Ops(self, self.elements_per_transaction)
+        tx = ops.tx
+        tx.add(Table(comment=TABLE_COMMENT))
+        containers = self._names.containers(self._tokens, self._dispatch)
+        for spec in (*public_containers(self._tokens), *containers):
+            self._declare(tx, spec)
+        for kind in _KINDS:
+            for bit in range(self._depth[kind]):
+                self._declare(tx, self._names.bit_set(kind, bit, self._tokens))
+        hooked = {c.name for c in self._fixed_chains() if c.hook is not None}
+        for chain_name in fixed_chain_names(self._dispatch):
+            if chain_name not in hooked:
+                tx.add_chain(chain_name)
+        for chain_name, rules in affinity_dispatch_chains(self._names, self._tokens).items():
+            tx.add_chain(chain_name)
+            tx.add_rules(chain_name, rules)
+        for plan in plans.values():
+            self._add_structure(tx, plan)
+        self._update_tree(tx)
+        ops.commit()
+        for name, plan in plans.items():
+            for fe in plan.frontends:
+                self._diff_frontend(ops, fe.key, None, fe)
+            self._diff_port(ops, None, plan, 0.0, full=True)
+            self._ports[name] = self._port_state(plan)
+            ops.cut()
+        ops.commit()
+        switch = self._new_transaction()
+        self._write_switch(switch)
+        self._run(switch)
+        ops.transactions += 1
+        ops.operations += switch.num_operations
+        return ops
+
+    def _discard_generation(self, gen: int) -> None:
+        """Best effort, after a failed full sync: delete what it built of generation
+        ``gen`` (nothing reads it), so no half generation stays in the kernel."""
+        try:
+            chains, sets = self._list_names()
+            tx = self._new_transaction()
+            ours = [c for c in chains if generation_of(c) == gen]
+            for name in ours:
+                tx.flush(Chain(name))
+            for name in ours:
+                tx.delete_chain(name)
+            for name in sets:
+                if generation_of(name) == gen:
+                    tx.delete(Set(name, "ipv4_addr"))
+            if tx.num_operations:
+                self._run(tx)
+        except NftError as err:
+            log.warning("deleting what a failed full sync built (generation %d): %s", gen, err)
+
+    def _number_classes(self, plans: Iterable[PortPlan]) -> None:
+        """Class numbers for a new generation: the most used classes get the numbers with
+        the fewest bits set (fewer elements, fewer gotos per connection)."""
+        use: dict[ClassSpec, int] = {}
+        for plan in plans:
+            for fe in plan.frontends:
+                if fe.cls is not None:
+                    use[fe.cls] = use.get(fe.cls, 0) + 1
+        for kind in _KINDS:
+            ranked = sorted((c for c in use if c.kind == kind), key=lambda c: (-use[c], c))
+            depth = tree_depth(len(ranked))
+            self._depth[kind] = depth
+            for cls, number in zip(ranked, class_numbers(depth), strict=False):
+                self._numbers[cls] = number
+                self._by_number[kind][number] = cls
 
     def _declare(self, tx: Transaction, spec: ContainerSpec) -> None:
         """Queue ``add`` of a container, and note its element types if netlink can send
@@ -489,17 +583,18 @@ class NftablesBackend:
         return chains, set(ex.list_sets(self._nft_family, TABLE))
 
     def _wanted_names(self) -> set[str]:
-        names = self._names
-        wanted = {f"chain {n}" for n in FIXED_CHAINS}
-        wanted.update(f"set {c.name}" for c in public_containers(self._tokens))
-        wanted.update(f"set {c.name}" for c in names.containers(self._tokens))
-        for spec in self._classes:
-            wanted.add(f"chain {names.cls(spec)}")
-            wanted.add(f"set {names.cls(spec)}")
+        names, tokens = self._names, self._tokens
+        wanted = {f"chain {n}" for n in fixed_chain_names(self._dispatch)}
+        wanted.update(f"set {c.name}" for c in public_containers(tokens))
+        wanted.update(f"set {c.name}" for c in names.containers(tokens, self._dispatch))
+        wanted.update(f"chain {n}" for n in affinity_dispatch_chains(names, tokens))
+        wanted.update(f"chain {names.cls(spec)}" for spec in self._class_chains)
+        wanted.update(f"set {names.cls(spec)}" for spec in self._classes)
+        for kind in _KINDS:
+            wanted.update(f"set {names.class_bit(kind, b)}" for b in range(self._depth[kind]))
+        wanted.update(f"chain {name}" for name in self._tree)
         wanted.update(f"chain {names.pick(p)}" for p in self._picks)
-        wanted.update(f"set {names.affinity(kind, t)}" for kind, t in self._affinity)
-        wanted.update(f"chain {c}" for c in self._dedicated_chains)
-        wanted.update(f"set {m}" for m in self._dedicated_maps)
+        wanted.update(self._content_refs)
         return wanted
 
     def _fixed_chains(self) -> tuple[FixedChain, ...]:
@@ -511,8 +606,8 @@ class NftablesBackend:
             masquerade_mark=self._config.masquerade_mark,
             match_all_nodeports=inputs.match_all_nodeports,
             service_cidrs=inputs.service_cidrs,
+            dispatch=self._dispatch,
             classes=self._classes,
-            affinity=self._affinity,
         )
 
     def _write_switch(self, tx: Transaction) -> None:
@@ -533,9 +628,7 @@ class NftablesBackend:
         for chain in fixed:
             tx.add_rules(chain.name, chain.rules)
         tx.flush(Set(Names.CLUSTER_IPS, self._tokens.addr_type))
-        tx.add_elements(
-            Names.CLUSTER_IPS, [(k, _VALUE_NONE) for k in self._refs[Names.CLUSTER_IPS]]
-        )
+        tx.add_elements(Names.CLUSTER_IPS, [((k,), _VALUE_NONE) for k in self._cluster_ips])
         tx.flush(Set(Names.NODEPORT_IPS, self._tokens.addr_type))
         tx.add_elements(Names.NODEPORT_IPS, [(k, _VALUE_NONE) for k in self._inputs.nodeport_ips])
 
@@ -561,10 +654,10 @@ class NftablesBackend:
             if name in claims.skipped:
                 plans[name] = None
         ops = _Ops(self, self.elements_per_transaction)
-        chains = self._dedicated_chains
         for plan in plans.values():
             if plan is not None:
-                self._add_structure(ops.tx, plan, chains)
+                self._add_structure(ops.tx, plan)
+        self._update_tree(ops.tx)
         # Old frontends of every port in question first, so a key that moves from one
         # port to another in this sync is diffed once, against what the kernel holds.
         old: dict[Key, _Held] = {}
@@ -577,6 +670,12 @@ class NftablesBackend:
                     held = self._held.pop(key, None)
                     if held is not None:
                         old[key] = held
+        # Source ranges are in before the batch that makes a new LoadBalancer IP reachable
+        # (a cut may split the sync), and go only after it stopped being reachable. Keyed
+        # by frontend over every port in question, as a VIP may move between ports.
+        old_fw = {k: v for state in old_states.values() for k, v in state.firewall}
+        new_fw = {k: v for plan in plans.values() if plan is not None for k, v in plan.firewall}
+        self._diff_firewall(ops, old_fw, new_fw, adding=True)
         new: dict[Key, Frontend] = {}
         for plan in plans.values():
             for fe in plan.frontends if plan is not None else ():
@@ -596,82 +695,135 @@ class NftablesBackend:
                     members.discard(name)
                     if not members:
                         del self._by_service[name.service]
+        self._diff_firewall(ops, old_fw, new_fw, adding=False)
         self._unrenderable.forget_missing(snapshot)
         ops.commit()
         return ops
 
     # Structure on demand ----------------------------------------------------------------
 
-    def _add_structure(self, tx: Transaction, plan: PortPlan, chains: set[str]) -> None:
-        """Queue the classes, picks, affinity sets and IPv6 affinity chains ``plan`` needs
-        and the current generation lacks (``chains`` are chains known to exist)."""
+    def _add_structure(self, tx: Transaction, plan: PortPlan) -> None:
+        """Queue the classes, picks and affinity maps and chains ``plan`` needs and the
+        kernel lacks (dispatch-tree chains follow in :meth:`_update_tree`)."""
         names, tokens = self._names, self._tokens
         assert self._ctx is not None
+        tree = self._dispatch == DISPATCH_TREE
         for fe in plan.frontends:
             cls = fe.cls
-            if cls is not None and cls not in self._classes:
-                for pick in picks_of(cls):
-                    if pick not in self._picks:
-                        chain = pick_chain(names, pick, tokens)
-                        tx.add_chain(chain.name)
-                        tx.add_rules(chain.name, chain.rules)
-                        self._picks.add(pick)
-                self._declare(tx, names.class_set(cls, tokens))
-                chain = class_chain(names, cls, self._ctx)
+            if cls is None or cls in self._class_chains:
+                continue
+            for pick in picks_of(cls):
+                if pick not in self._picks:
+                    chain = pick_chain(names, pick, tokens)
+                    tx.add_chain(chain.name)
+                    tx.add_rules(chain.name, chain.rules)
+                    self._picks.add(pick)
+            chain = class_chain(names, cls, self._ctx)
+            tx.add_chain(chain.name)
+            tx.add_rules(chain.name, chain.rules)
+            self._class_chains.add(cls)
+            if tree:
+                if cls not in self._numbers:
+                    self._new_number(tx, cls)
+                continue
+            self._declare(tx, names.class_set(cls, tokens))
+            frontends = SERVICE_FRONTENDS if cls.kind == KIND_IP else NODEPORT_FRONTENDS
+            if self.generation == names.gen:
+                tx.add_rule(frontends, class_rule(names, cls, tokens))
+            self._classes.append(cls)
+        if plan.affinity is not None:
+            self._add_affinity(tx, plan.affinity)
+
+    def _new_number(self, tx: Transaction, cls: ClassSpec) -> None:
+        """Give a class seen for the first time in this generation a free number, one
+        more bit (and its set) if all numbers of the current depth are taken."""
+        kind = cls.kind
+        taken = self._by_number[kind]
+        depth = self._depth[kind]
+        while True:
+            free = next((n for n in class_numbers(depth) if n not in taken), None)
+            if free is not None:
+                break
+            depth += 1
+        for bit in range(self._depth[kind], depth):
+            self._declare(tx, self._names.bit_set(kind, bit, self._tokens))
+        self._depth[kind] = depth
+        self._numbers[cls] = free
+        taken[free] = cls
+
+    def _update_tree(self, tx: Transaction) -> None:
+        """Write the dispatch-tree chains that are new or changed: new chains first
+        (a parent's rules go to them), then their rules."""
+        if self._dispatch != DISPATCH_TREE:
+            return
+        wanted: dict[str, tuple[str, ...]] = {}
+        for kind in _KINDS:
+            wanted.update(
+                tree_chains(
+                    self._names, kind, self._by_number[kind], self._depth[kind], self._tokens
+                )
+            )
+        changed = [name for name, rules in wanted.items() if self._tree.get(name) != rules]
+        for name in changed:
+            if name not in self._tree:
+                tx.add_chain(name)
+        for name in changed:
+            if name in self._tree:
+                tx.flush(Chain(name))
+            tx.add_rules(name, wanted[name])
+            self._tree[name] = wanted[name]
+
+    def _add_affinity(self, tx: Transaction, plan: AffinityPlan) -> None:
+        """Queue the content-named affinity maps and chains of a port the kernel lacks."""
+        for spec in plan.maps:
+            entry = f"set {spec.name}"
+            self._stale.pop(entry, None)
+            if entry not in self._present:
+                _add_container(tx, affinity_container(spec.name, spec.type, AFFINITY_MAP_SIZE))
+                self._present.add(entry)
+        for chain in plan.chains:
+            entry = f"chain {chain.name}"
+            self._stale.pop(entry, None)
+            if entry not in self._present:
+                # A content-named chain the kernel still holds has these very rules.
                 tx.add_chain(chain.name)
                 tx.add_rules(chain.name, chain.rules)
-                frontends = SERVICE_FRONTENDS if cls.kind == KIND_IP else NODEPORT_FRONTENDS
-                if self.generation == names.gen:
-                    tx.add_rule(frontends, class_rule(names, cls, tokens))
-                self._classes.append(cls)
-            if fe.affinity and (fe.kind, fe.affinity) not in self._affinity:
-                self._declare(tx, names.affinity_set(fe.kind, fe.affinity, tokens))
-                if self.generation == names.gen:
-                    tx.add_rules(
-                        AFFINITY_RECORD, affinity_rules(names, fe.kind, fe.affinity, tokens)
-                    )
-                self._affinity.append((fe.kind, fe.affinity))
-        dedicated = plan.dedicated
-        if dedicated is None:
-            return
-        for map_name, _hosts in dedicated.maps:
-            if map_name in self._dedicated_maps:
-                continue
-            if self._stale.pop(f"set {map_name}", None) is None:
-                tx.add(
-                    Map(
-                        map_name,
-                        AFFINITY6_MAP_TYPE,
-                        ("dynamic", "timeout"),
-                        AFFINITY_TIMEOUT,
-                        AFFINITY6_MAP_SIZE,
-                    )
-                )
-            self._dedicated_maps.add(map_name)
-        for spec in dedicated.chains:
-            if spec.name in self._dedicated_chains:
-                continue
-            # A content-named chain the kernel still holds has these very rules.
-            stale = self._stale.pop(f"chain {spec.name}", None)
-            if stale is None and spec.name not in chains:
-                tx.add_chain(spec.name)
-                tx.add_rules(spec.name, spec.rules)
-            self._dedicated_chains.add(spec.name)
+                self._present.add(entry)
 
     # Element diffs ----------------------------------------------------------------------
-
-    def _apply_port(self, ops: _Ops, old: _PortState | None, plan: PortPlan) -> _PortState:
-        """Queue everything of ``plan`` on an empty generation (full syncs)."""
-        for fe in plan.frontends:
-            self._diff_frontend(ops, fe.key, None, fe)
-        self._diff_port(ops, old, plan, 0.0, full=True)
-        return self._port_state(plan)
 
     @staticmethod
     def _port_state(plan: PortPlan) -> _PortState:
         return _PortState(
-            tuple(fe.key for fe in plan.frontends), plan.firewall, plan.set_elements, plan.dedicated
+            tuple(fe.key for fe in plan.frontends),
+            plan.firewall,
+            plan.cluster_ip,
+            plan.hairpin,
+            plan.affinity,
         )
+
+    def _diff_class(
+        self, ops: _Ops, kind: str, key: Key, old: ClassSpec | None, new: ClassSpec | None
+    ) -> None:
+        """Queue the membership changes that move frontend ``key`` between classes."""
+        names = self._names
+        if self._dispatch != DISPATCH_TREE:
+            if old is not None:
+                ops.delete(names.cls(old), key)
+            if new is not None:
+                ops.add(names.cls(new), key)
+            return
+        if (old is None) != (new is None):
+            if old is None:
+                ops.add(names.dispatch(kind), key)
+            else:
+                ops.delete(names.dispatch(kind), key)
+        old_bits = set(class_bits(self._numbers[old])) if old is not None else set()
+        new_bits = set(class_bits(self._numbers[new])) if new is not None else set()
+        for bit in old_bits - new_bits:
+            ops.delete(names.class_bit(kind, bit), key)
+        for bit in new_bits - old_bits:
+            ops.add(names.class_bit(kind, bit), key)
 
     def _diff_frontend(self, ops: _Ops, key: Key, old: _Held | None, new: Frontend | None) -> None:
         """Queue the element changes that turn frontend ``old`` into ``new``."""
@@ -684,10 +836,7 @@ class NftablesBackend:
         old_cls = before.cls if before else None
         new_cls = new.cls if new else None
         if old_cls != new_cls:
-            if old_cls is not None:
-                ops.delete(names.cls(old_cls), key)
-            if new_cls is not None:
-                ops.add(names.cls(new_cls), key)
+            self._diff_class(ops, kind, key, old_cls, new_cls)
         proto = key[1] if kind == KIND_IP else key[0]
         main = self._slots(
             ops,
@@ -710,23 +859,31 @@ class NftablesBackend:
                 ops.delete(names.no_endpoint(kind, old_ne), key)
             if new_ne is not None:
                 ops.add(names.no_endpoint(kind, new_ne), key)
-        old_aff = before.affinity if before else 0
-        new_aff = new.affinity if new else 0
-        if old_aff != new_aff:
-            if old_aff:
-                ops.delete(names.affinity(kind, old_aff), key)
-            if new_aff:
-                ops.add(names.affinity(kind, new_aff), key)
-        if old_aff and (not new_aff or not set(old.main) <= set(main)):  # type: ignore[union-attr]
-            self._affinity_losses.add(key)
-        old_ded = before.dedicated if before else None
-        new_ded = new.dedicated if new else None
-        if old_ded != new_ded:
-            vmap = names.dedicated_ips if kind == KIND_IP else names.dedicated_nodeports
-            if old_ded is not None:
-                ops.delete(vmap, key)
-            if new_ded is not None:
-                ops.add(vmap, key, (f"goto {new_ded}",))
+        for container, verdict, old_chain, new_chain in (
+            (
+                names.affinity_lookup(kind, False),
+                "jump",
+                before.lookup if before else None,
+                new.lookup if new else None,
+            ),
+            (
+                names.affinity_lookup(kind, True),
+                "jump",
+                before.shortcut_lookup if before else None,
+                new.shortcut_lookup if new else None,
+            ),
+            (
+                names.affinity_record(kind),
+                "goto",
+                before.record if before else None,
+                new.record if new else None,
+            ),
+        ):
+            if old_chain != new_chain:
+                if old_chain is not None:
+                    ops.delete(container, key)
+                if new_chain is not None:
+                    ops.add(container, key, (f"{verdict} {new_chain}",))
         if new is not None:
             self._held[key] = _Held(new, main, short)
 
@@ -754,75 +911,105 @@ class NftablesBackend:
                 ops.add(container, slot, endpoint_value(after))
         return slots
 
-    def _diff_port(
-        self, ops: _Ops, old: _PortState | None, plan: PortPlan | None, now: float, *, full: bool
+    def _diff_firewall(
+        self,
+        ops: _Ops,
+        old_fw: dict[Key, tuple[str, ...]],
+        new_fw: dict[Key, tuple[str, ...]],
+        *,
+        adding: bool,
     ) -> None:
-        """Queue the firewall, shared-set and IPv6 affinity changes of one port.
-
-        On a full sync ``cluster-ips`` is refilled by the switch, not element by element.
-        """
+        """Queue the firewall additions (``adding``) or deletions that turn the source
+        ranges ``old_fw`` (frontend -> allowed sources) into ``new_fw``."""
         names = self._names
-        old_fw = dict(old.firewall) if old else {}
-        new_fw = dict(plan.firewall) if plan else {}
-        for key in old_fw.keys() | new_fw.keys():
+        for key in sorted(old_fw.keys() | new_fw.keys()):
             before, after = old_fw.get(key, ()), new_fw.get(key, ())
             if before == after:
                 continue
+            if adding:
+                if after and not before:
+                    ops.add(names.firewall_ips, key)
+                for source in after:
+                    if source not in before:
+                        ops.add(names.firewall_allow, (*key, source))
+                continue
             if before and not after:
                 ops.delete(names.firewall_ips, key)
-            if after and not before:
-                ops.add(names.firewall_ips, key)
             for source in before:
                 if source not in after:
                     ops.delete(names.firewall_allow, (*key, source))
-            for source in after:
-                if source not in before:
-                    ops.add(names.firewall_allow, (*key, source))
-        refs = self._refs
-        for container, key in plan.set_elements if plan else ():
-            counts = refs[container]
-            counts[key] = counts.get(key, 0) + 1
-            if counts[key] == 1:
-                if container == Names.HAIRPIN_ENDPOINTS:
-                    ops.add(names.hairpin, key)
-                elif not full:
-                    ops.add(container, key)
-        for container, key in old.set_elements if old else ():
-            counts = refs[container]
-            left = counts.get(key, 0) - 1
+
+    def _diff_port(
+        self, ops: _Ops, old: _PortState | None, plan: PortPlan | None, now: float, *, full: bool
+    ) -> None:
+        """Queue the shared-set changes of one port and follow its affinity objects.
+
+        On a full sync ``cluster-ips`` is refilled by the switch, not element by element,
+        and the firewall is written here (nothing reads the generation yet).
+        """
+        names = self._names
+        if full and plan is not None:
+            self._diff_firewall(ops, {}, dict(plan.firewall), adding=True)
+        hairpin, cluster_ips = self._hairpin, self._cluster_ips
+        if plan is not None:
+            for host in plan.hairpin:
+                count = hairpin.get(host, 0) + 1
+                hairpin[host] = count
+                if count == 1:
+                    ops.add(names.hairpin, (host, host))
+            count = cluster_ips.get(plan.cluster_ip, 0) + 1
+            cluster_ips[plan.cluster_ip] = count
+            if count == 1 and not full:
+                ops.add(Names.CLUSTER_IPS, (plan.cluster_ip,))
+        if old is not None:
+            for host in old.hairpin:
+                if _release(hairpin, host):
+                    ops.delete(names.hairpin, (host, host))
+            if _release(cluster_ips, old.cluster_ip):
+                ops.delete(Names.CLUSTER_IPS, (old.cluster_ip,))
+        self._follow_affinity(old.affinity if old else None, plan.affinity if plan else None, now)
+
+    def _follow_affinity(
+        self, old: AffinityPlan | None, new: AffinityPlan | None, now: float
+    ) -> None:
+        """Count the content-named affinity objects ports use; an object no port uses
+        goes stale (deleted later), a map whose endpoints shrank is cleaned after the
+        sync."""
+        refs = self._content_refs
+        for entry in _content_entries(new):
+            refs[entry] = refs.get(entry, 0) + 1
+        for entry in _content_entries(old):
+            left = refs.get(entry, 0) - 1
             if left > 0:
-                counts[key] = left
-                continue
-            counts.pop(key, None)
-            ops.delete(names.hairpin if container == Names.HAIRPIN_ENDPOINTS else container, key)
-        old_maps = dict(old.dedicated.maps) if old and old.dedicated else {}
-        new_maps = dict(plan.dedicated.maps) if plan and plan.dedicated else {}
-        for map_name, hosts in old_maps.items():
-            if map_name not in new_maps:
-                self._stale.setdefault(f"set {map_name}", now)
-                self._dedicated_maps.discard(map_name)
-            elif not hosts <= new_maps[map_name]:
-                self._map_losses[map_name] = new_maps[map_name]
-        new_chains = {c.name for c in plan.dedicated.chains} if plan and plan.dedicated else set()
-        for spec in old.dedicated.chains if old and old.dedicated else ():
-            if spec.name not in new_chains:
-                self._stale.setdefault(f"chain {spec.name}", now)
-                self._dedicated_chains.discard(spec.name)
+                refs[entry] = left
+            else:
+                refs.pop(entry, None)
+                self._stale.setdefault(entry, now)
+        if new is not None:
+            allowed = {m.name: m.allowed for m in (old.maps if old is not None else ())}
+            for spec in new.maps:
+                before = allowed.get(spec.name)
+                if before is None or not before <= spec.allowed:
+                    self._map_losses[spec.name] = spec.allowed
 
     # Unused objects and affinity entries -------------------------------------------------
 
     def _delete_stale(self, now: float) -> None:
         """Delete the objects unused for at least :data:`STALE_DELAY`, in one transaction.
 
-        Verdict maps go first (their elements hold chains), then chains (those that jump
-        before their targets), then the other sets and maps (rules of the deleted chains
-        read them). A refusal is counted and logged; the objects are tried again later.
+        Their chains are flushed first (so no rule of theirs holds another), then verdict
+        maps go (their elements hold chains), then the chains, then the other sets. A
+        refusal is counted and logged; the objects are tried again later.
         """
         due = [name for name, since in self._stale.items() if now - since >= STALE_DELAY]
         if not due:
             return
         due.sort(key=_deletion_order)
         tx = self._new_transaction()
+        for entry in due:
+            kind, _, name = entry.partition(" ")
+            if kind == "chain":
+                tx.flush(Chain(name))
         for entry in due:
             kind, _, name = entry.partition(" ")
             if kind == "chain":
@@ -842,58 +1029,25 @@ class NftablesBackend:
                     self._stale[entry] = now
                 else:
                     del self._stale[entry]
+                    self._present.discard(entry)
             return
         for entry in due:
             del self._stale[entry]
+            self._present.discard(entry)
 
     def _clean_affinity(self, full: bool) -> None:
-        """Best effort: delete affinity entries that point at endpoints no longer in use.
-
-        After a full sync every entry is checked; after an incremental one only entries of
-        frontends that lost endpoints, lost affinity or went away.
-        """
-        if self._family is IPFamily.IPV6:
-            self._clean_affinity_maps(full)
-            return
-        losses = self._affinity_losses
-        self._affinity_losses = set()
-        if not full and not losses:
-            return
-        try:
-            entries = self._executor.list_elements(self._nft_family, TABLE, Names.AFFINITY)
-        except NftError as err:
-            self.affinity_cleanup_failures += 1
-            log.warning("listing session affinity entries failed: %s", err)
-            return
-        tx = self._new_transaction()
-        for entry in entries:
-            if len(entry.key) != 4:
-                continue
-            held = self._held.get(entry.key[1:])
-            scope: Key = entry.key[1:]
-            if held is None or not held.fe.affinity:
-                held = self._held.get(entry.key[2:])
-                scope = entry.key[2:]
-            if not full and scope not in losses and entry.key[1:] not in losses:
-                continue
-            if held is not None and held.fe.affinity:
-                allowed = {endpoint_value(e) for e in (*held.main, *held.short)}
-                if entry.value in allowed:
-                    continue
-            tx.delete_element(Names.AFFINITY, entry.key)
-        self._run_cleanup(tx)
-
-    def _clean_affinity_maps(self, full: bool) -> None:
-        """The same for the per-port IPv6 affinity maps (``client : endpoint``)."""
+        """Best effort: delete affinity entries that point at endpoints no longer in the
+        list their map serves (after a full sync, in every map; else in the maps whose
+        lists lost an endpoint), including the entries of short-circuit picks."""
         losses = self._map_losses
         self._map_losses = {}
         if full:
             losses = {}
             for state in self._ports.values():
-                if state.dedicated is not None:
-                    losses.update(state.dedicated.maps)
+                for spec in state.affinity.maps if state.affinity is not None else ():
+                    losses[spec.name] = spec.allowed
         for name, allowed in losses.items():
-            if name not in self._dedicated_maps:
+            if f"set {name}" not in self._present or f"set {name}" in self._stale:
                 continue
             try:
                 entries = self._executor.list_elements(self._nft_family, TABLE, name)
@@ -903,19 +1057,33 @@ class NftablesBackend:
                 continue
             tx = self._new_transaction()
             for entry in entries:
-                if entry.value and entry.value[0] not in allowed:
+                if entry.value not in allowed:
                     tx.delete_element(name, entry.key)
-            self._run_cleanup(tx)
+            if not tx.num_operations:
+                continue
+            try:
+                self._run(tx)
+            except NftError as err:
+                # An entry may have timed out meanwhile; the next cleanup catches up.
+                self.affinity_cleanup_failures += 1
+                log.warning("deleting %d stale session affinity entries failed: %s", len(tx), err)
 
-    def _run_cleanup(self, tx: Transaction) -> None:
-        if not tx.num_operations:
-            return
-        try:
-            self._run(tx)
-        except NftError as err:
-            # An entry may have timed out meanwhile; the next cleanup catches up.
-            self.affinity_cleanup_failures += 1
-            log.warning("deleting %d stale session affinity entries failed: %s", len(tx), err)
+
+def _release(counts: dict[str, int], key: str) -> bool:
+    """Count one user of ``key`` less; True when that was the last."""
+    left = counts.get(key, 0) - 1
+    if left > 0:
+        counts[key] = left
+        return False
+    counts.pop(key, None)
+    return True
+
+
+def _content_entries(plan: AffinityPlan | None) -> Iterator[str]:
+    if plan is None:
+        return
+    yield from (f"set {m.name}" for m in plan.maps)
+    yield from (f"chain {c.name}" for c in plan.chains)
 
 
 _VERDICT_MAPS = frozenset(
@@ -927,12 +1095,15 @@ _VERDICT_MAPS = frozenset(
         Names.NO_ENDPOINT_NODEPORTS,
     }
 )
-# Chains that jump or go to others are deleted before their targets.
+_VERDICT_PREFIXES = ("dedicated-", "affinity-lookup-", "affinity-shortcut-", "affinity-record-")
+# Chains that jump or go to others are deleted before their targets (older tables).
 _CHAIN_RANKS = (
     ("internal-", 0),
     ("external-", 0),
     ("nodeport-", 0),
     ("firewall-", 0),
+    ("dispatch-", 0),
+    ("affinity-split-", 0),
     ("service-", 1),
     ("local-", 1),
     ("pick", 2),
@@ -943,7 +1114,7 @@ _CHAIN_RANKS = (
 def _deletion_order(entry: str) -> tuple[int, int, str]:
     kind, _, name = entry.partition(" ")
     if kind == "set":
-        verdicts = name in _VERDICT_MAPS or name.startswith("dedicated-")
+        verdicts = name in _VERDICT_MAPS or name.startswith(_VERDICT_PREFIXES)
         return (0 if verdicts else 2, 0, name)
     rank = next((r for prefix, r in _CHAIN_RANKS if name.startswith(prefix)), 3)
     return (1, rank, name)

@@ -18,13 +18,15 @@ so nothing is read from the kernel first. Supported types: ``ipv4_addr``, ``ipv6
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import errno as _errno
 import functools
 import os
 import socket
 import struct
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from kubeproxy.backends.nftables.objects import Family, NftError, validate_name
@@ -49,6 +51,17 @@ _NLM_F_REQUEST = 0x1
 _NLM_F_ACK = 0x4
 _NLM_F_CREATE = 0x400
 _NLMSG_ERROR = 0x2
+_NLM_F_CAPPED = 0x100
+_NLM_F_ACK_TLVS = 0x200
+_NLMSGERR_ATTR_MSG = 1
+_NLMSGERR_ATTR_OFFS = 2
+_SOL_NETLINK = 270
+_NETLINK_CAP_ACK = 10
+_NETLINK_EXT_ACK = 11
+_SO_SNDBUFFORCE = 32
+_SO_RCVBUFFORCE = 33
+_MIN_RCVBUF = 256 * 1024
+_ANSWER_TRUESIZE = 2048
 _NLA_F_NESTED = 0x8000
 _NFTA_SET_ELEM_LIST_TABLE = 1
 _NFTA_SET_ELEM_LIST_SET = 2
@@ -236,34 +249,93 @@ class ElementBatch:
         return lines
 
 
+@dataclass(frozen=True, slots=True)
+class _Message:
+    """One element message of a batch, and where each of its elements starts in it (byte
+    offsets from the message's netlink header, as the kernel's extended ack reports)."""
+
+    seq: int
+    verb: str
+    container: str
+    keys: tuple[Key, ...]
+    offsets: tuple[int, ...]
+
+    def element_at(self, offset: int) -> Key | None:
+        """The key of the element whose attribute holds ``offset``."""
+        index = bisect.bisect_right(self.offsets, offset) - 1
+        return self.keys[index] if 0 <= index < len(self.keys) else None
+
+
 class ElementWriter:
     """Sends :class:`ElementBatch` es over a netlink socket of its own (in ``netns``).
 
     One batch is one nf_tables transaction: all of it commits, or none of it (the kernel
     aborts a batch with any refused message). Thread-safe.
+
+    How the answers are read, and why (issue 19: 270 containers touched in one batch
+    overflowed the receive buffer, and a refused batch-begin left the socket waiting 30 s):
+
+    * only the last element message asks for an acknowledgement; the kernel reports every
+      refused message whether it asked or not, and a refused commit or a batch refused as
+      a whole (no ``CAP_NET_ADMIN``, an out-of-date generation, no memory) on the batch's
+      begin message. So a batch of any size costs one acknowledgement, plus one per
+      refused message;
+    * ``NETLINK_CAP_ACK`` keeps the kernel from copying each refused message back, and
+      ``NETLINK_EXT_ACK`` makes it say which element it refused (the offset of its
+      attribute) and why, when it knows;
+    * nfnetlink handles a batch in the sender's ``sendmsg``, so every answer is queued
+      when the send returns: the writer reads until the last message's answer or a
+      refused begin, then takes whatever else is queued; a timeout only guards against
+      the unexpected;
+    * answers left over from anything earlier are drained before each send, and after a
+      failure whose outcome is unknown (answers lost, a timeout, a socket error) the
+      socket is replaced, so one bad batch never clogs the next.
     """
 
-    def __init__(self, netns: str | None = None) -> None:
-        def opened() -> socket.socket:
-            sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_NETFILTER)
-            sock.bind((0, 0))
-            return sock
-
-        try:
-            self._sock = opened() if netns is None else run_in_netns(netns, opened)
-        except (OSError, ValueError) as err:
-            raise NftError(f"cannot open an nf_tables netlink socket: {err}") from err
-        self._sock.settimeout(30.0)
+    def __init__(self, netns: str | None = None, *, timeout: float = 5.0) -> None:
+        self._netns = netns
+        self._timeout = timeout
         self._lock = threading.Lock()
         self._seq = 1
         self._sndbuf = 0
+        self._rcvbuf = 0
+        self._sock = self._open()
+        self.replaced = 0
+        """How many times the socket was replaced after a failure whose outcome was
+        unknown (for tests and logs)."""
+
+    def _open(self) -> socket.socket:
+        def opened() -> socket.socket:
+            sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_NETFILTER)
+            try:
+                sock.bind((0, 0))
+                for option in (_NETLINK_CAP_ACK, _NETLINK_EXT_ACK):
+                    with contextlib.suppress(OSError):  # older kernels: plain acks
+                        sock.setsockopt(_SOL_NETLINK, option, 1)
+            except OSError:
+                sock.close()
+                raise
+            return sock
+
+        try:
+            sock = opened() if self._netns is None else run_in_netns(self._netns, opened)
+        except (OSError, ValueError) as err:
+            raise NftError(f"cannot open an nf_tables netlink socket: {err}") from err
+        sock.settimeout(self._timeout)
+        self._sndbuf = self._rcvbuf = 0
+        return sock
 
     def close(self) -> None:
         """Close the socket."""
         self._sock.close()
 
     def send(self, batch: ElementBatch) -> None:
-        """Commit ``batch``; raise :class:`NftError` (with the kernel's errno) if refused."""
+        """Commit ``batch``; raise :class:`NftError` (with the kernel's errno) if refused.
+
+        Every failure is an :class:`NftError`: a refusal names the element the kernel
+        refused and its reason; a failure whose outcome is unknown (a socket error, lost
+        or missing answers) says so, with ``errno`` set to the cause.
+        """
         if not len(batch):
             return
         validate_name("table", batch.table)
@@ -315,34 +387,78 @@ class ElementWriter:
         nfgen_family = _FAMILY_NUMBERS[family]
         begin = self._next()
         parts = [self._control(_NFNL_MSG_BATCH_BEGIN, begin)]
-        pending: dict[int, tuple[str, str, list[Key]]] = {}
-        for kind, flags, container, elements, keys in messages:
+        sent: dict[int, _Message] = {}
+        for index, (kind, flags, container, elements, keys) in enumerate(messages):
             seq = self._next()
-            body = (
-                _attr(_NFTA_SET_ELEM_LIST_TABLE, _string(table))
+            head = (
+                _NFGEN.pack(nfgen_family, 0, 0)
+                + _attr(_NFTA_SET_ELEM_LIST_TABLE, _string(table))
                 + _attr(_NFTA_SET_ELEM_LIST_SET, _string(container))
-                + _nested(_NFTA_SET_ELEM_LIST_ELEMENTS, b"".join(elements))
             )
-            payload = _NFGEN.pack(nfgen_family, 0, 0) + body
+            offsets = []
+            position = _HEADER.size + len(head) + _NLA.size
+            for element in elements:
+                offsets.append(position)
+                position += len(element)
+            payload = head + _nested(_NFTA_SET_ELEM_LIST_ELEMENTS, b"".join(elements))
             message_type = (_NFNL_SUBSYS_NFTABLES << 8) | kind
+            # Only the last message asks for an acknowledgement (see the class).
+            ack = _NLM_F_ACK if index == len(messages) - 1 else 0
             parts.append(
-                _HEADER.pack(
-                    16 + len(payload), message_type, _NLM_F_REQUEST | _NLM_F_ACK | flags, seq, 0
-                )
+                _HEADER.pack(16 + len(payload), message_type, _NLM_F_REQUEST | ack | flags, seq, 0)
                 + payload
             )
             verb = "delete" if kind == _NFT_MSG_DELSETELEM else "add"
-            pending[seq] = (verb, container, keys)
+            sent[seq] = _Message(seq, verb, container, tuple(keys), tuple(offsets))
         parts.append(self._control(_NFNL_MSG_BATCH_END, self._next()))
-        self._exchange(b"".join(parts), begin, pending)
+        self._exchange(b"".join(parts), begin, sent)
 
-    def _exchange(
-        self, payload: bytes, begin: int, pending: dict[int, tuple[str, str, list[Key]]]
-    ) -> None:
-        """Send an encoded batch and wait for the kernel's verdict (the kernel's part)."""
-        self._ensure_buffer(len(payload))
-        self._sock.sendall(payload)
-        self._collect(begin, pending)
+    def _exchange(self, payload: bytes, begin: int, sent: dict[int, _Message]) -> None:
+        """Send an encoded batch and read the kernel's verdict (the kernel's part)."""
+        try:
+            self._drain()
+            self._ensure_buffers(len(payload), len(sent))
+            self._sock.sendall(payload)
+            failure = self._collect(begin, max(sent), sent)
+        except OSError as err:
+            self._replace()
+            code = err.errno if err.errno is not None else _errno.EIO
+            if isinstance(err, TimeoutError):
+                code = _errno.ETIMEDOUT
+            reason = "no answer" if code == _errno.ETIMEDOUT else os.strerror(code)
+            raise NftError(
+                f"element transaction of {len(sent)} messages: {reason}; whether it "
+                "committed is unknown",
+                code,
+            ) from err
+        if failure is not None:
+            raise failure
+
+    def _replace(self) -> None:
+        """A new socket for the next batch (nothing of this one can be read there)."""
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        self.replaced += 1
+        self._sock = self._open()
+
+    def _drain(self) -> None:
+        """Discard anything queued on the socket (answers to nothing we wait for)."""
+        # Non-blocking for the drain: with a timeout set, Python waits for data even
+        # when asked not to (MSG_DONTWAIT).
+        self._sock.settimeout(0.0)
+        try:
+            while True:
+                try:
+                    if not self._sock.recv(1 << 16):
+                        return
+                except BlockingIOError:
+                    return
+                except OSError as err:
+                    # An overflow that happened before is reported once; it is not ours.
+                    if err.errno != _errno.ENOBUFS:
+                        raise
+        finally:
+            self._sock.settimeout(self._timeout)
 
     def _next(self) -> int:
         self._seq = self._seq + 1 if self._seq < 2**31 else 1
@@ -354,47 +470,91 @@ class ElementWriter:
         payload = _NFGEN.pack(socket.AF_UNSPEC, 0, socket.htons(_NFNL_SUBSYS_NFTABLES))
         return _HEADER.pack(16 + len(payload), kind, _NLM_F_REQUEST, seq, 0) + payload
 
-    def _ensure_buffer(self, size: int) -> None:
-        # A batch must reach the kernel as one message; nft does the same.
+    def _ensure_buffers(self, size: int, messages: int) -> None:
+        # A batch must reach the kernel as one message; nft does the same. Answers: at
+        # most one per message plus the begin's, each its own socket buffer (about 1 KiB
+        # of accounting each, whatever its length).
         want = size + 64 * 1024
-        if want <= self._sndbuf:
-            return
+        if want > self._sndbuf:
+            self._set_buffer(_SO_SNDBUFFORCE, socket.SO_SNDBUF, want)
+            self._sndbuf = want
+        want = max(_MIN_RCVBUF, (messages + 2) * _ANSWER_TRUESIZE)
+        if want > self._rcvbuf:
+            self._set_buffer(_SO_RCVBUFFORCE, socket.SO_RCVBUF, want)
+            self._rcvbuf = want
+
+    def _set_buffer(self, forced: int, plain: int, size: int) -> None:
         try:
-            self._sock.setsockopt(socket.SOL_SOCKET, 32, want)  # SO_SNDBUFFORCE
-        except OSError:
-            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, want)
-        self._sndbuf = want
+            self._sock.setsockopt(socket.SOL_SOCKET, forced, size)
+        except OSError:  # without CAP_NET_ADMIN: as much as net.core.*mem_max allows
+            self._sock.setsockopt(socket.SOL_SOCKET, plain, size)
 
-    def _collect(self, begin: int, pending: dict[int, tuple[str, str, list[Key]]]) -> None:
-        """Read the acknowledgement of every message; the first error wins.
+    def _collect(self, begin: int, last: int, sent: dict[int, _Message]) -> NftError | None:
+        """Read the answers of one batch; return the first refusal (None: committed).
 
-        The kernel acknowledges every message that asked for it, whether the batch
-        committed or not; a refused commit is reported first, on the batch's start.
-        Anything else (a late answer to an earlier batch) is skipped.
+        The batch is decided by the last message's answer (it asked for one) or by a
+        refused begin; what else the kernel queued for this batch is read after that.
         """
         failure: NftError | None = None
-        waiting = set(pending)
-        while waiting:
+        decided = False
+        while not decided:
             data = self._sock.recv(1 << 20)
-            offset = 0
-            while offset + _HEADER.size <= len(data):
-                length, kind, _flags, seq, _pid = _HEADER.unpack_from(data, offset)
-                if length < _HEADER.size:
-                    break
-                if kind == _NLMSG_ERROR and (seq in waiting or seq == begin):
-                    (code,) = _ERROR.unpack_from(data, offset + _HEADER.size)
-                    if code and failure is None:
-                        failure = self._failure(-code, pending.get(seq))
-                    waiting.discard(seq)
-                offset += (length + 3) & ~3
-        if failure is not None:
-            raise failure
+            for seq, code, where, message in _answers(data):
+                if (seq == begin and code) or seq == last:
+                    decided = True
+                elif seq not in sent:
+                    continue  # a late answer to an earlier batch
+                if code and failure is None:
+                    failure = _refusal(code, sent.get(seq), where, message)
+        self._drain()
+        return failure
 
-    @staticmethod
-    def _failure(code: int, where: tuple[str, str, list[Key]] | None) -> NftError:
-        reason = os.strerror(code)
-        if where is None:
-            return NftError(f"element transaction refused: {reason}", code)
-        verb, container, keys = where
-        shown = ", ".join(" . ".join(k) for k in keys[:3]) + (", ..." if len(keys) > 3 else "")
-        return NftError(f"{verb} element {container} {{ {shown} }}: {reason}", code)
+
+def _answers(data: bytes) -> Iterator[tuple[int, int, int | None, str]]:
+    """The error/ack messages in ``data``: (seq, errno, bad attribute offset, message)."""
+    offset = 0
+    while offset + _HEADER.size <= len(data):
+        length, kind, flags, seq, _pid = _HEADER.unpack_from(data, offset)
+        if length < _HEADER.size or offset + length > len(data):
+            return
+        if kind == _NLMSG_ERROR and length >= _HEADER.size + _ERROR.size:
+            body = offset + _HEADER.size
+            (code,) = _ERROR.unpack_from(data, body)
+            where: int | None = None
+            message = ""
+            if flags & _NLM_F_ACK_TLVS and length >= _HEADER.size + _ERROR.size + _HEADER.size:
+                (original,) = struct.unpack_from("=I", data, body + _ERROR.size)
+                copied = _HEADER.size if flags & _NLM_F_CAPPED else original
+                position = body + _ERROR.size + ((copied + 3) & ~3)
+                for attr_type, value in _attributes(data, position, offset + length):
+                    if attr_type == _NLMSGERR_ATTR_OFFS and len(value) >= 4:
+                        (where,) = struct.unpack_from("=I", value)
+                    elif attr_type == _NLMSGERR_ATTR_MSG:
+                        message = value.split(b"\0", 1)[0].decode(errors="replace")
+            yield seq, -code, where, message
+        offset += (length + 3) & ~3
+
+
+def _attributes(data: bytes, start: int, end: int) -> Iterator[tuple[int, bytes]]:
+    position = start
+    while position + _NLA.size <= end:
+        length, attr_type = _NLA.unpack_from(data, position)
+        if length < _NLA.size or position + length > end:
+            return
+        yield attr_type & ~_NLA_F_NESTED, data[position + _NLA.size : position + length]
+        position += (length + 3) & ~3
+
+
+def _refusal(code: int, where: _Message | None, offset: int | None, message: str) -> NftError:
+    """The error for a refused message (or begin: ``where`` None), naming the element."""
+    reason = os.strerror(code) + (f" ({message})" if message else "")
+    if where is None:
+        return NftError(f"element transaction refused: {reason}", code)
+    bad = where.element_at(offset) if offset is not None else None
+    if bad is not None:
+        shown = " . ".join(bad)
+    else:
+        keys = where.keys
+        shown = "one of " + ", ".join(" . ".join(k) for k in keys[:3])
+        shown += f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+    return NftError(f"{where.verb} element {where.container} {{ {shown} }}: {reason}", code)

@@ -8,8 +8,9 @@ NodePort), and each frontend becomes data elements only:
   endpoint list, how many endpoints, masquerading, the Local-policy short-circuits,
   session affinity), read by one rule per class;
 * its endpoints as numbered slots of a map read by ``numgen random mod N``;
-* membership of the no-endpoint reject/drop sets, of the firewall sets, and of the
-  affinity record sets.
+* membership of the no-endpoint reject/drop sets and of the firewall sets;
+* for ClientIP session affinity, elements of the affinity lookup and record verdict
+  maps that send the frontend to its port's affinity chains (:class:`AffinityPlan`).
 
 An endpoint change therefore touches data elements only, and the kernel never
 re-validates the table for it (see the package README).
@@ -22,21 +23,22 @@ structure); this module only says *which* class and lists each frontend gets.
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass
 
-from kubeproxy.backends.nftables.naming import port_identity
+from kubeproxy.backends.nftables.naming import affinity_map_name, chain_name, port_identity
 from kubeproxy.backends.nftables.services import (
+    AFFINITY6_MAP_TYPE,
     MAX_AFFINITY_SECONDS,
     ChainSpec,
     InvalidPort,
     Key,
     RenderContext,
-    render_port,
 )
-from kubeproxy.backends.nftables.structure import Names
 from kubeproxy.objects import CategorizedEndpoints, Endpoint, IPFamily, ServicePort
 
 __all__ = [
+    "AFFINITY_MAP_SIZE",
     "DROP",
     "KIND_IP",
     "KIND_NODEPORT",
@@ -44,8 +46,9 @@ __all__ = [
     "SHAPE_EXTERNAL",
     "SHAPE_INTERNAL",
     "SHAPE_LOCAL",
+    "AffinityMap",
+    "AffinityPlan",
     "ClassSpec",
-    "Dedicated",
     "Frontend",
     "PortPlan",
     "endpoint_value",
@@ -71,6 +74,15 @@ REJECT = "reject"
 DROP = "drop"
 """Endpoints exist, none of them for this frontend's policy: new connections are dropped."""
 
+AFFINITY_MAP_SIZE = 65535
+"""Clients one affinity map holds: upstream bounds each Service's affinity the same way
+(65535 per endpoint set), so one busy Service cannot crowd out another's clients."""
+AFFINITY4_MAP_TYPE = "ipv4_addr : ipv4_addr . inet_service"
+"""An IPv4 affinity map: client address : endpoint address . port."""
+_CLUSTER_LIST = "service"
+_LOCAL_LIST = "local"
+_L4 = "meta l4proto { tcp, udp, sctp }"
+
 
 @dataclass(frozen=True, slots=True, order=True)
 class ClassSpec:
@@ -94,9 +106,10 @@ class Frontend:
     ``endpoints`` and ``shortcut`` are endpoint keys (``IP:port``, sorted); the backend
     numbers them into stable slots. ``cls`` is None when nothing dispatches the
     frontend (no usable endpoint for it); ``no_endpoint`` is :data:`REJECT`,
-    :data:`DROP` or None; ``affinity`` is the ClientIP timeout in seconds (0: none).
-    ``dedicated`` (IPv6 session affinity only) is the chain the frontend jumps to
-    instead of a class.
+    :data:`DROP` or None. With ClientIP affinity, ``lookup`` and ``shortcut_lookup``
+    name the chains its main and short-circuit picks look the client up in, and
+    ``record`` the chain that records a new connection's endpoint (all in the port's
+    :class:`AffinityPlan`).
     """
 
     kind: str
@@ -105,22 +118,41 @@ class Frontend:
     endpoints: tuple[str, ...] = ()
     shortcut: tuple[str, ...] = ()
     no_endpoint: str | None = None
-    affinity: int = 0
-    dedicated: str | None = None
+    lookup: str | None = None
+    shortcut_lookup: str | None = None
+    record: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
-class Dedicated:
-    """Per-port chains of the per-Service-chain structure, for IPv6 session affinity.
+class AffinityMap:
+    """One dynamic ``client : endpoint`` map of a Service port's affinity.
 
-    nft 1.0.6 aborts on a map update whose key and value exceed 32 bytes, so IPv6
-    affinity cannot live in the shared ``affinity`` map: those ports keep upstream's
-    shape (a chain per port, per-endpoint rules, a ``client : endpoint`` map per port),
-    rendered by :mod:`~kubeproxy.backends.nftables.services`.
+    ``allowed`` are the values an entry may hold while the port's endpoints are what
+    they are (``(ip, port)`` for IPv4, ``(ip,)`` for IPv6): the backend deletes the
+    others after an endpoint went away.
     """
 
+    name: str
+    type: str
+    allowed: frozenset[Key]
+
+
+@dataclass(frozen=True, slots=True)
+class AffinityPlan:
+    """ClientIP affinity of one Service port: per endpoint list (the port's cluster list
+    and its node-local list, as upstream's ``service-`` and ``local-`` chains), dynamic
+    maps of the client's endpoint, shared by every frontend that picks from that list.
+
+    ``chains`` (content-named: a name always holds the same rules) read the maps before
+    the random pick (``affinity-lookup-``) and write them after DNAT
+    (``affinity-record-``; ``affinity-split-`` replays the Local policy's short-circuit
+    choice to record in the list the pick used). IPv6 has one map per endpoint port: nft
+    1.0.6 aborts on a dynamic-map update wider than 32 bytes, which an IPv6 ``client :
+    endpoint . port`` needs.
+    """
+
+    maps: tuple[AffinityMap, ...]
     chains: tuple[ChainSpec, ...]
-    maps: tuple[tuple[str, frozenset[str]], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,16 +160,19 @@ class PortPlan:
     """Everything one Service port puts into the table.
 
     ``firewall`` pairs each load-balancer frontend subject to source ranges with the
-    sources it accepts (CIDRs or addresses). ``set_elements`` are elements ports may
-    share (``cluster-ips``, ``hairpin-endpoints``), reference-counted by the backend.
-    ``claims`` are the keys no other port may use.
+    sources it accepts (CIDRs or addresses). ``cluster_ip`` (in ``cluster-ips``) and
+    ``hairpin`` (endpoint addresses, each an ``address . address`` element of
+    ``hairpin-endpoints``) may be shared with other ports: the backend counts them.
+    ``claims`` are the keys no other port may use; ``affinity`` the port's ClientIP
+    affinity maps and chains.
     """
 
     frontends: tuple[Frontend, ...]
     firewall: tuple[tuple[Key, tuple[str, ...]], ...]
-    set_elements: tuple[tuple[str, Key], ...]
+    cluster_ip: str
+    hairpin: tuple[str, ...]
     claims: frozenset[Key]
-    dedicated: Dedicated | None = None
+    affinity: AffinityPlan | None = None
 
 
 def endpoint_value(key: str) -> Key:
@@ -202,41 +237,34 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
     when the port cannot be rendered safely.
     """
     _check(ctx, port, eps)
-    ipv6 = ctx.tokens.family is IPFamily.IPV6
     proto = port.protocol.lower
     port_text = _port_text(port.port)
     cip = str(port.cluster_ip)
-    affinity = port.session_affinity_seconds
-    data_affinity = affinity > 0 and not ipv6
+    sticky = port.session_affinity_seconds > 0
 
     cluster = _keys(eps.cluster) if port.uses_cluster_endpoints else ()
     local = _keys(eps.local) if port.uses_local_endpoints else ()
     internal = local if port.internal_policy_local else cluster
     no_endpoint = DROP if eps.has_any else REJECT
-
-    dedicated: Dedicated | None = None
-    targets: dict[Key, str] = {}
-    if affinity and ipv6:
-        dedicated, targets = _dedicated(ctx, port, eps)
+    affinity = _Affinity(ctx, port, cluster, local) if sticky else None
 
     frontends: list[Frontend] = []
     cluster_key: Key = (cip, proto, port_text)
     claims: set[Key] = {cluster_key}
-    internal_cls = (
-        _class(KIND_IP, SHAPE_INTERNAL, len(internal), 0, data_affinity) if internal else None
-    )
-    frontends.append(
-        Frontend(
-            KIND_IP,
-            cluster_key,
-            None if dedicated else internal_cls,
-            internal,
-            (),
-            None if internal else no_endpoint,
-            affinity if data_affinity and internal else 0,
-            targets.get(cluster_key),
+    internal_list = _LOCAL_LIST if port.internal_policy_local else _CLUSTER_LIST
+    if internal:
+        frontends.append(
+            Frontend(
+                KIND_IP,
+                cluster_key,
+                _class(KIND_IP, SHAPE_INTERNAL, len(internal), 0, sticky),
+                internal,
+                lookup=affinity.lookup(internal_list) if affinity else None,
+                record=affinity.record(internal_list) if affinity else None,
+            )
         )
-    )
+    else:
+        frontends.append(Frontend(KIND_IP, cluster_key, None, no_endpoint=no_endpoint))
 
     external_keys: list[tuple[str, Key]] = []
     for ext in (*port.external_ips, *port.load_balancer_vips):
@@ -258,20 +286,32 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
             main, shortcut = cluster, ()
             shape = SHAPE_EXTERNAL
             served = bool(cluster)
+        lookup = shortcut_lookup = record = None
+        if affinity is not None and served:
+            main_list = _LOCAL_LIST if shape == SHAPE_LOCAL else _CLUSTER_LIST
+            lookup = affinity.lookup(main_list) if main else None
+            shortcut_lookup = affinity.lookup(_CLUSTER_LIST) if shortcut else None
+            if shape == SHAPE_LOCAL:
+                record = affinity.split(main_list if main else None, bool(shortcut))
+            else:
+                record = affinity.record(main_list)
         for kind, key in external_keys:
-            cls = _class(kind, shape, len(main), len(shortcut), data_affinity) if served else None
-            frontends.append(
-                Frontend(
+            if served:
+                cls = _class(kind, shape, len(main), len(shortcut), sticky)
+                fe = Frontend(
                     kind,
                     key,
-                    None if dedicated else cls,
-                    main if cls is not None else (),
-                    shortcut if cls is not None else (),
+                    cls,
+                    main,
+                    shortcut,
                     None if main else no_endpoint,
-                    affinity if data_affinity and cls is not None else 0,
-                    targets.get(key),
+                    lookup,
+                    shortcut_lookup,
+                    record,
                 )
-            )
+            else:
+                fe = Frontend(kind, key, None, no_endpoint=no_endpoint)
+            frontends.append(fe)
 
     firewall: list[tuple[Key, tuple[str, ...]]] = []
     if port.load_balancer_vips and port.load_balancer_source_ranges:
@@ -284,33 +324,102 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
         for vip in dict.fromkeys(port.load_balancer_vips):
             firewall.append(((str(vip), proto, port_text), sources))
 
-    set_elements: list[tuple[str, Key]] = [(Names.CLUSTER_IPS, (cip,))]
-    seen: set[str] = set()
-    for ep in eps.all_reachable:
-        # A hairpin connection comes from the endpoint itself, which must then be on
-        # this node: an endpoint known to run elsewhere never needs the element.
-        if ep.remote:
-            continue
-        host = endpoint_value(ep.key)[0]
-        if host not in seen:
-            seen.add(host)
-            set_elements.append((Names.HAIRPIN_ENDPOINTS, (host, host)))
+    # Every endpoint, as upstream: a hairpin connection comes from the endpoint itself,
+    # and whether an endpoint runs here is only as good as the node name it names (with
+    # a --hostname-override it may name none). Measured: at 30k Services x 10 endpoints,
+    # none of them local, this costs 0.4 s of a 5 s cold sync. Addresses are interned:
+    # one string per endpoint, however many ports share it.
+    hairpin = tuple(
+        dict.fromkeys(sys.intern(endpoint_value(ep.key)[0]) for ep in eps.all_reachable)
+    )
     return PortPlan(
-        tuple(frontends), tuple(firewall), tuple(set_elements), frozenset(claims), dedicated
+        tuple(frontends),
+        tuple(firewall),
+        cip,
+        hairpin,
+        frozenset(claims),
+        affinity.plan() if affinity is not None else None,
     )
 
 
-def _dedicated(
-    ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints
-) -> tuple[Dedicated | None, dict[Key, str]]:
-    """The per-port chains of an IPv6 affinity port, and the chain each frontend uses."""
-    rules = render_port(ctx, port, eps)
-    targets: dict[Key, str] = {}
-    for container, key, value in rules.elements:
-        if container in (Names.SERVICE_IPS, Names.SERVICE_NODEPORTS):
-            targets[key] = value[0].removeprefix("goto ")
-    # The firewall has its own data in the map structure; its chain is not needed.
-    chains = tuple(c for c in rules.chains if not c.name.startswith("firewall-"))
-    if not targets:
-        return None, {}
-    return Dedicated(chains, rules.affinity_maps), targets
+class _Affinity:
+    """Builds one port's :class:`AffinityPlan` as frontends ask for its chains."""
+
+    def __init__(
+        self,
+        ctx: RenderContext,
+        port: ServicePort,
+        cluster: tuple[str, ...],
+        local: tuple[str, ...],
+    ) -> None:
+        self.ctx = ctx
+        self.identity = port_identity(port.name)
+        self.seconds = port.session_affinity_seconds
+        self.lists = {_CLUSTER_LIST: cluster, _LOCAL_LIST: local}
+        self.ipv6 = ctx.tokens.family is IPFamily.IPV6
+        self.maps: dict[str, AffinityMap] = {}
+        self.chains: dict[str, ChainSpec] = {}
+
+    def _maps_of(self, which: str) -> list[tuple[str, int]]:
+        """(map name, endpoint port: 0 for IPv4's one map) of one endpoint list."""
+        endpoints = [endpoint_value(key) for key in self.lists[which]]
+        if not self.ipv6:
+            name = affinity_map_name(self.identity, which, 0)
+            if name not in self.maps:
+                self.maps[name] = AffinityMap(name, AFFINITY4_MAP_TYPE, frozenset(endpoints))
+            return [(name, 0)]
+        out = []
+        for port in sorted({int(p) for _host, p in endpoints}):
+            name = affinity_map_name(self.identity, which, port)
+            if name not in self.maps:
+                hosts = frozenset((h,) for h, p in endpoints if int(p) == port)
+                self.maps[name] = AffinityMap(name, AFFINITY6_MAP_TYPE, hosts)
+            out.append((name, port))
+        return out
+
+    def _chain(self, prefix: str, rules: list[str]) -> str:
+        spec = ChainSpec(chain_name(prefix, self.identity, rules), tuple(rules))
+        self.chains.setdefault(spec.name, spec)
+        return spec.name
+
+    def lookup(self, which: str) -> str:
+        """The chain that DNATs a client with a recorded endpoint of list ``which``."""
+        if self.ipv6:
+            maps = self._maps_of(which)
+            rules = [f"{_L4} dnat to ip6 saddr map @{name} : {port}" for name, port in maps]
+        else:
+            rules = [f"{_L4} dnat to ip saddr map @{name}" for name, _ in self._maps_of(which)]
+        return self._chain("affinity-lookup", rules)
+
+    def record(self, which: str) -> str:
+        """The chain that records a new connection's endpoint in list ``which``'s maps."""
+        seconds = self.seconds
+        if self.ipv6:
+            rules = [
+                f"th dport {port} update @{name} {{ ip6 saddr timeout {seconds}s : ip6 daddr }}"
+                for name, port in self._maps_of(which)
+            ]
+        else:
+            rules = [
+                f"update @{name} {{ ip saddr timeout {seconds}s : ip daddr . th dport }}"
+                for name, _ in self._maps_of(which)
+            ]
+        return self._chain("affinity-record", rules)
+
+    def split(self, main: str | None, shortcut: bool) -> str:
+        """The record chain of a Local-policy frontend: the short-circuit picks (local
+        pods, the node itself) use the cluster list, the others the local one; the same
+        tests as the class chain, so the entry lands in the list the pick used."""
+        rules = []
+        if shortcut:
+            short = self.record(_CLUSTER_LIST)
+            if self.ctx.local_match is not None:
+                rules.append(f"{self.ctx.local_match} goto {short}")
+            rules.append(f"fib saddr type local goto {short}")
+        if main is not None:
+            rules.append(f"goto {self.record(main)}")
+        return self._chain("affinity-split", rules)
+
+    def plan(self) -> AffinityPlan:
+        """Everything asked for so far."""
+        return AffinityPlan(tuple(self.maps.values()), tuple(self.chains.values()))

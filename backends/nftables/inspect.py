@@ -1,12 +1,15 @@
 """Reading back what the map structure dispatches, for tests, tools and the demo.
 
 The per-Service-chain structure had one map to read (``service-ips``); the map
-structure spreads its frontends over one set per class of the current generation. These
-helpers answer "which frontends are served, and by which endpoints" from the kernel (or
-a fake) without knowing the class names.
+structure holds every dispatched frontend in the ``dispatch-ips`` and
+``dispatch-nodeports`` sets of the current generation (or, with the benchmarks' rule
+dispatch, in one set per class). These helpers answer "which frontends are served, and by
+which endpoints" from the kernel (or a fake) without knowing the class names.
 """
 
 from __future__ import annotations
+
+import re
 
 from kubeproxy.backends.nftables.exec import NftExecutor
 from kubeproxy.backends.nftables.frontends import KIND_IP, KIND_NODEPORT
@@ -24,10 +27,13 @@ __all__ = ["current_generation", "served_frontends", "slots_of"]
 Key = tuple[str, ...]
 
 
+_DISPATCH_SET = re.compile(r"dispatch-(?:ips|nodeports)\.g([0-9]+)")
+
+
 def _class_sets(names: list[str]) -> dict[int, list[str]]:
     by_gen: dict[int, list[str]] = {}
     for name in names:
-        found = CLASS_NAME.fullmatch(name)
+        found = _DISPATCH_SET.fullmatch(name) or CLASS_NAME.fullmatch(name)
         if found is not None:
             by_gen.setdefault(int(found.group(1)), []).append(name)
     return by_gen
@@ -42,8 +48,8 @@ def current_generation(executor: NftExecutor, family: Family) -> int | None:
 
 
 def served_frontends(executor: NftExecutor, family: Family) -> set[Key]:
-    """Every frontend key (``(ip, proto, port)`` or ``(proto, nodeport)``) in a class set
-    of the newest generation: the frontends whose new connections are DNATed."""
+    """Every frontend key (``(ip, proto, port)`` or ``(proto, nodeport)``) dispatched by
+    the newest generation: the frontends whose new connections are DNATed."""
     if not executor.table_exists(family, TABLE):
         return set()
     by_gen = _class_sets(executor.list_sets(family, TABLE))

@@ -6,11 +6,25 @@ Everything here is a pure function of its inputs. The table holds:
   ``masquerading``, the filter checks ...), whose few rules read the containers of the
   current *generation*;
 * per generation (names ending in ``.g<N>``): the endpoint-slot maps, the no-endpoint,
-  firewall, hairpin and affinity-record sets, and one set plus one chain per frontend
-  *class* and per endpoint *pick*;
+  firewall and hairpin sets, the affinity lookup and record verdict maps, one chain per
+  frontend *class* and per endpoint *pick*, and the class *dispatch*: a decision tree of
+  chains over "bit j of the frontend's class number is set" sets (:func:`tree_chains`);
 * outside generations: ``cluster-ips`` and ``nodeport-ips`` (other components read them by
-  name), the dynamic ``affinity`` map (packets fill it), and, for IPv6 session affinity
-  only, content-named per-port chains and maps of the per-Service-chain structure.
+  name), and the content-named affinity maps and chains of ClientIP ports (packets fill
+  the maps; a full sync keeps them).
+
+How a new connection finds its class (issue 19): ``services`` looks the frontend up in
+the generation's ``dispatch-ips`` set (one lookup, also for traffic to no Service), then
+walks the tree: the chain of class number ``c`` tests, from high to low, the bits below
+``c``'s lowest set bit and goes to the subtree of the first one set, or else to the
+class chain of ``c``. A connection costs one lookup per bit of the class numbers (9 at
+500 classes), whatever the class, and a frontend's class is data (its bits), so a new
+endpoint count is element changes only. The tree's gotos count towards the kernel's
+16-level jump limit once per set bit, so class numbers are handed out by popularity in
+order of fewer set bits, never more than :data:`MAX_CLASS_BITS` of them.
+The previous dispatch (one rule per class in ``service-frontends``, every rule a lookup
+for a connection to the last class or to no Service) stays selectable for the
+benchmarks as :data:`DISPATCH_RULES`.
 
 A full sync builds a new generation beside the current one, then switches the fixed
 chains to it in one transaction (see :mod:`~kubeproxy.backends.nftables.backend`); an
@@ -20,8 +34,9 @@ when a class or pick appears for the first time.
 
 from __future__ import annotations
 
+import itertools
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from kubeproxy.backends.nftables.elements import supports
@@ -34,7 +49,6 @@ from kubeproxy.backends.nftables.frontends import (
 )
 from kubeproxy.backends.nftables.services import RenderContext
 from kubeproxy.backends.nftables.structure import (
-    AFFINITY_SIZE,
     AFFINITY_TIMEOUT,
     ContainerSpec,
     FamilyTokens,
@@ -42,23 +56,38 @@ from kubeproxy.backends.nftables.structure import (
     Names,
     base_chains,
 )
-from kubeproxy.objects import IPFamily
 
 __all__ = [
     "AFFINITY_PROTOCOLS",
     "CLASS_NAME",
-    "FIXED_CHAINS",
+    "DISPATCH_RULES",
+    "DISPATCH_TREE",
+    "MAX_CLASS_BITS",
     "GenNames",
     "Pick",
+    "class_bits",
     "class_chain",
+    "class_numbers",
     "class_rule",
     "element_types",
+    "fixed_chain_names",
     "fixed_chains",
     "generation_of",
     "pick_chain",
     "picks_of",
     "public_containers",
+    "tree_chains",
+    "tree_depth",
 ]
+
+DISPATCH_TREE = "tree"
+"""Class dispatch by a decision tree over class-number bit sets (the default)."""
+DISPATCH_RULES = "rules"
+"""Class dispatch by one rule per class (the structure before issue 19, for benchmarks)."""
+MAX_CLASS_BITS = 8
+"""Most set bits a class number may have: each is one goto deeper in the tree, and the
+kernel refuses paths of 16 levels (base chain, ``services``, the tree, the class, its pick,
+the affinity lookup: 6 + this stays below)."""
 
 AFFINITY_PROTOCOLS = ("tcp", "udp", "sctp")
 SLOT_PROTOCOLS = AFFINITY_PROTOCOLS
@@ -116,8 +145,6 @@ class GenNames:
         self.firewall_ips = f"firewall-ips{suffix}"
         self.firewall_allow = f"firewall-allow{suffix}"
         self.hairpin = f"hairpin-endpoints{suffix}"
-        self.dedicated_ips = f"dedicated-ips{suffix}"
-        self.dedicated_nodeports = f"dedicated-nodeports{suffix}"
 
     def slots(self, kind: str, shortcut: bool, proto: str) -> str:
         """The endpoint-slot map of ``kind`` frontends of one protocol (main list, or the
@@ -168,13 +195,35 @@ class GenNames:
             name += "-affinity"
         return name + self.suffix
 
-    def affinity(self, kind: str, timeout: int) -> str:
-        """The set of ``kind`` frontends whose choices are recorded for ``timeout`` seconds."""
-        head = "affinity" if kind == KIND_IP else "affinity-nodeports"
-        return f"{head}-{timeout}{self.suffix}"
+    def dispatch(self, kind: str) -> str:
+        """The set of every dispatched ``kind`` frontend (tree dispatch)."""
+        return f"dispatch-{_PLURAL[kind]}{self.suffix}"
 
-    def containers(self, tokens: FamilyTokens) -> tuple[ContainerSpec, ...]:
-        """The generation's fixed containers (class and affinity sets come on demand)."""
+    def class_bit(self, kind: str, bit: int) -> str:
+        """The set of ``kind`` frontends whose class number has ``bit`` set."""
+        memo = ("bit", kind, bit)
+        found = self._memo.get(memo)
+        if found is None:
+            found = self._memo[memo] = f"class-bit-{_PLURAL[kind]}-{bit}{self.suffix}"
+        return found
+
+    def tree(self, kind: str, number: int) -> str:
+        """The dispatch-tree chain of class number ``number`` (0: the root)."""
+        return f"dispatch-{_PLURAL[kind]}-{number}{self.suffix}"
+
+    def affinity_lookup(self, kind: str, shortcut: bool) -> str:
+        """The verdict map (and the chain that reads it) sending ``kind`` frontends of
+        affinity classes to their port's lookup chain, for the main or short-circuit pick."""
+        head = "affinity-shortcut" if shortcut else "affinity-lookup"
+        return f"{head}-{_PLURAL[kind]}{self.suffix}"
+
+    def affinity_record(self, kind: str) -> str:
+        """The verdict map sending new DNATed connections of ``kind`` frontends with
+        affinity to their port's record chain."""
+        return f"affinity-record-{_PLURAL[kind]}{self.suffix}"
+
+    def containers(self, tokens: FamilyTokens, dispatch: str) -> tuple[ContainerSpec, ...]:
+        """The generation's fixed containers (class and class-bit sets come on demand)."""
         ip = tokens.table_family
         addr = tokens.addr_type
         frontend = f"{addr} . inet_proto . inet_service"
@@ -209,18 +258,86 @@ class GenNames:
             ),
             ContainerSpec(self.hairpin, False, f"{addr} . {addr}"),
         ]
-        if tokens.family is IPFamily.IPV6:
-            specs.append(ContainerSpec(self.dedicated_ips, True, f"{frontend} : verdict"))
-            specs.append(ContainerSpec(self.dedicated_nodeports, True, f"{nodeport} : verdict"))
+        for kind in (KIND_IP, KIND_NODEPORT):
+            key_type = _key_type(kind, tokens)
+            if dispatch == DISPATCH_TREE:
+                specs.append(ContainerSpec(self.dispatch(kind), False, key_type))
+            for name in (
+                self.affinity_lookup(kind, False),
+                self.affinity_lookup(kind, True),
+                self.affinity_record(kind),
+            ):
+                specs.append(ContainerSpec(name, True, f"{key_type} : verdict"))
         return tuple(specs)
 
     def class_set(self, spec: ClassSpec, tokens: FamilyTokens) -> ContainerSpec:
         """The membership set of one class."""
         return ContainerSpec(self.cls(spec), False, _key_type(spec.kind, tokens))
 
-    def affinity_set(self, kind: str, timeout: int, tokens: FamilyTokens) -> ContainerSpec:
-        """The membership set of frontends recorded for ``timeout`` seconds."""
-        return ContainerSpec(self.affinity(kind, timeout), False, _key_type(kind, tokens))
+    def bit_set(self, kind: str, bit: int, tokens: FamilyTokens) -> ContainerSpec:
+        """The set of one class-number bit."""
+        return ContainerSpec(self.class_bit(kind, bit), False, _key_type(kind, tokens))
+
+
+_PLURAL = {KIND_IP: "ips", KIND_NODEPORT: "nodeports"}
+
+
+def class_numbers(depth: int) -> list[int]:
+    """The class numbers a tree of ``depth`` bits hands out, in the order it hands them
+    out: fewer set bits first (the most popular classes cost the fewest elements and
+    gotos), at most :data:`MAX_CLASS_BITS` set bits."""
+    numbers = []
+    for ones in range(min(depth, MAX_CLASS_BITS) + 1):
+        for bits in itertools.combinations(range(depth), ones):
+            numbers.append(sum(1 << b for b in bits))
+    return sorted(numbers, key=lambda n: (n.bit_count(), n))
+
+
+def tree_depth(classes: int) -> int:
+    """The fewest bits whose class numbers (:func:`class_numbers`) cover ``classes``."""
+    depth = 0
+    while len(class_numbers(depth)) < classes:
+        depth += 1
+    return depth
+
+
+def class_bits(number: int) -> tuple[int, ...]:
+    """The bits set in a class number: the bit sets its frontends are members of."""
+    return tuple(b for b in range(number.bit_length()) if number >> b & 1)
+
+
+def tree_chains(
+    names: GenNames,
+    kind: str,
+    classes: Mapping[int, ClassSpec],
+    depth: int,
+    tokens: FamilyTokens,
+) -> dict[str, tuple[str, ...]]:
+    """The dispatch tree of ``kind`` frontends: chain name -> rules.
+
+    ``classes`` maps class numbers (below ``2 ** depth``) to classes. The chain of number
+    ``c`` (the root is 0) tests the bits below ``c``'s lowest set bit (all ``depth`` for
+    the root), highest first, each only if some class lies behind it, and goes to the
+    first subtree whose bit is set; else to the class chain of ``c``, if ``c`` is a class.
+    """
+    frontend = _frontend(kind, tokens)
+    below = {(bit, n >> bit) for n in classes for bit in range(depth + 1)}
+    chains: dict[str, tuple[str, ...]] = {}
+    pending = [(0, depth)]
+    while pending:
+        number, level = pending.pop()
+        rules = []
+        for bit in range(level - 1, -1, -1):
+            child = number | 1 << bit
+            if (bit, child >> bit) in below:
+                bit_set = names.class_bit(kind, bit)
+                rules.append(f"{frontend} @{bit_set} goto {names.tree(kind, child)}")
+                pending.append((child, bit))
+        spec = classes.get(number)
+        if spec is not None:
+            rules.append(f"goto {names.cls(spec)}")
+        chains[names.tree(kind, number)] = tuple(rules)
+    return chains
 
 
 def _key_type(kind: str, tokens: FamilyTokens) -> str:
@@ -278,12 +395,10 @@ def element_types(
 
 def pick_chain(names: GenNames, pick: Pick, tokens: FamilyTokens) -> FixedChain:
     """A pick chain: the ClientIP lookup (if any), then a uniform choice of a slot."""
-    ip = tokens.table_family
     rules = []
     if pick.affinity:
-        rules.append(
-            f"{_L4} dnat to {ip} saddr . {ip} daddr . meta l4proto . th dport map @{Names.AFFINITY}"
-        )
+        # The client's recorded endpoint, if any (a DNAT there ends the walk).
+        rules.append(f"jump {names.affinity_lookup(pick.kind, pick.shortcut)}")
     for proto in SLOT_PROTOCOLS:
         # nft adds the "meta l4proto <proto>" match the map's value type implies.
         rules.append(
@@ -323,25 +438,35 @@ def class_rule(names: GenNames, spec: ClassSpec, tokens: FamilyTokens) -> str:
     return f"{_frontend(spec.kind, tokens)} @{name} goto {name}"
 
 
-def affinity_rules(
-    names: GenNames, kind: str, timeout: int, tokens: FamilyTokens
-) -> tuple[str, ...]:
-    """Rules (run after DNAT) that record a connection's endpoint for ClientIP affinity.
+def affinity_dispatch_chains(names: GenNames, tokens: FamilyTokens) -> dict[str, tuple[str, ...]]:
+    """The chains that read the affinity lookup verdict maps, one rule each: a verdict
+    map read by many rules is slow to fill (each element is checked per binding), so the
+    pick chains jump here rather than read the maps themselves."""
+    return {
+        names.affinity_lookup(kind, shortcut): (
+            f"{_frontend(kind, tokens)} vmap @{names.affinity_lookup(kind, shortcut)}",
+        )
+        for kind in (KIND_IP, KIND_NODEPORT)
+        for shortcut in (False, True)
+    }
 
-    The key is the original destination (``ct original``), as the pick chains look it up
-    before DNAT; nft needs the protocol before it can type ``ct original proto-dst``.
-    """
+
+def _affinity_record_rules(
+    names: GenNames, tokens: FamilyTokens, match_all_nodeports: bool
+) -> tuple[str, ...]:
+    """``affinity-record``: after DNAT, a new connection to a frontend with affinity goes to
+    its port's record chain, found by the original destination (``ct original``). nft
+    needs the protocol before it can type ``ct original proto-dst``; a set of protocols
+    (unlike one protocol) survives ``nft list`` as written, so the listing reloads."""
     ip = tokens.table_family
-    member = names.affinity(kind, timeout)
-    frontend = "meta l4proto . ct original proto-dst"
-    if kind == KIND_IP:
-        frontend = f"ct original {ip} daddr . {frontend}"
-    update = (
-        f"update @{Names.AFFINITY} {{ {ip} saddr . ct original {ip} daddr . meta l4proto . "
-        f"ct original proto-dst timeout {timeout}s : {ip} daddr . th dport }}"
-    )
-    return tuple(
-        f"meta l4proto {proto} {frontend} @{member} {update}" for proto in AFFINITY_PROTOCOLS
+    original = "meta l4proto . ct original proto-dst"
+    if match_all_nodeports:
+        guard = f"ct original {ip} daddr != {tokens.loopback}"
+    else:
+        guard = f"ct original {ip} daddr @{Names.NODEPORT_IPS}"
+    return (
+        f"{_L4} ct original {ip} daddr . {original} vmap @{names.affinity_record(KIND_IP)}",
+        f"{guard} {_L4} {original} vmap @{names.affinity_record(KIND_NODEPORT)}",
     )
 
 
@@ -365,33 +490,35 @@ FIXED_CHAINS = (
     Names.MASQUERADING,
     "affinity-record",
 )
-"""Every chain that is not per generation, in creation order."""
+"""Every chain that is not per generation, in creation order (the rule dispatch's; the
+tree dispatch has no ``service-frontends`` and ``nodeport-frontends``)."""
 
 SERVICE_FRONTENDS = "service-frontends"
 NODEPORT_FRONTENDS = "nodeport-frontends"
 AFFINITY_RECORD = "affinity-record"
 
 
+def fixed_chain_names(dispatch: str) -> tuple[str, ...]:
+    """The chains outside generations for a dispatch, in creation order."""
+    if dispatch == DISPATCH_TREE:
+        return tuple(n for n in FIXED_CHAINS if n not in (SERVICE_FRONTENDS, NODEPORT_FRONTENDS))
+    return FIXED_CHAINS
+
+
 def public_containers(tokens: FamilyTokens) -> tuple[ContainerSpec, ...]:
-    """The containers outside generations: read by other components, or by packets."""
+    """The containers outside generations that other components read by name."""
     addr = tokens.addr_type
-    specs = [
+    return (
         ContainerSpec(Names.CLUSTER_IPS, False, addr, comment="Active ClusterIPs"),
         ContainerSpec(Names.NODEPORT_IPS, False, addr, comment="IPs that accept NodePort traffic"),
-    ]
-    if tokens.family is IPFamily.IPV4:
-        specs.append(
-            ContainerSpec(
-                Names.AFFINITY,
-                True,
-                f"{addr} . {addr} . inet_proto . inet_service : {addr} . inet_service",
-                flags=("dynamic", "timeout"),
-                timeout=AFFINITY_TIMEOUT,
-                size=AFFINITY_SIZE,
-                comment="session affinity: client . service . proto . port : endpoint",
-            )
-        )
-    return tuple(specs)
+    )
+
+
+def affinity_container(name: str, map_type: str, size: int) -> ContainerSpec:
+    """A content-named affinity map (outside generations: its entries outlive them)."""
+    return ContainerSpec(
+        name, True, map_type, flags=("dynamic", "timeout"), timeout=AFFINITY_TIMEOUT, size=size
+    )
 
 
 def fixed_chains(
@@ -401,13 +528,16 @@ def fixed_chains(
     masquerade_mark: int,
     match_all_nodeports: bool,
     service_cidrs: Iterable[str],
-    classes: Iterable[ClassSpec],
-    affinity: Iterable[tuple[str, int]],
+    dispatch: str = DISPATCH_TREE,
+    classes: Iterable[ClassSpec] = (),
 ) -> tuple[FixedChain, ...]:
     """The chains outside generations, with rules reading generation ``names``.
 
-    ``classes`` are the classes whose rules the frontend chains hold (in order);
-    ``affinity`` the ``(kind, timeout)`` pairs whose record rules exist.
+    With the tree dispatch, ``services`` goes to each kind's tree for dispatched
+    frontends: a class chain that ends without a verdict (a Local-policy frontend with no
+    local endpoint, for a client outside the node) returns past the NodePort rule, as
+    upstream's ``goto`` from its ``service-ips`` map does. With the rule dispatch
+    (benchmarks only) ``classes`` are the classes whose rules the frontend chains hold.
     """
     ip = tokens.table_family
     mark = f"{masquerade_mark:#x}"
@@ -417,29 +547,31 @@ def fixed_chains(
         np_guard = f"{ip} daddr != {tokens.loopback}"
     else:
         guard = np_guard = f"{ip} daddr @{Names.NODEPORT_IPS}"
-    ipv6 = tokens.family is IPFamily.IPV6
 
-    record = () if ipv6 else (f"ct state new ct status dnat jump {AFFINITY_RECORD}",)
-    services: list[str] = []
-    nodeports: list[str] = []
-    if ipv6:
-        services.append(f"{lookup} vmap @{names.dedicated_ips}")
-        nodeports.append(f"meta l4proto . th dport vmap @{names.dedicated_nodeports}")
-    services.append(f"jump {SERVICE_FRONTENDS}")
-    services.append(f"{guard} jump {NODEPORT_FRONTENDS}")
-    ip_classes: list[str] = []
-    for spec in classes:
-        target = ip_classes if spec.kind == KIND_IP else nodeports
-        target.append(class_rule(names, spec, tokens))
-    record_rules: list[str] = []
-    for kind, timeout in affinity:
-        record_rules.extend(affinity_rules(names, kind, timeout, tokens))
+    record = (f"ct state new ct status dnat jump {AFFINITY_RECORD}",)
+    frontend_chains: tuple[FixedChain, ...] = ()
+    if dispatch == DISPATCH_TREE:
+        services = [
+            f"{lookup} @{names.dispatch(KIND_IP)} goto {names.tree(KIND_IP, 0)}",
+            f"{guard} meta l4proto . th dport @{names.dispatch(KIND_NODEPORT)} "
+            f"goto {names.tree(KIND_NODEPORT, 0)}",
+        ]
+    else:
+        services = [f"jump {SERVICE_FRONTENDS}", f"{guard} jump {NODEPORT_FRONTENDS}"]
+        ip_classes: list[str] = []
+        nodeports: list[str] = []
+        for spec in classes:
+            target = ip_classes if spec.kind == KIND_IP else nodeports
+            target.append(class_rule(names, spec, tokens))
+        frontend_chains = (
+            FixedChain(SERVICE_FRONTENDS, tuple(ip_classes)),
+            FixedChain(NODEPORT_FRONTENDS, tuple(nodeports)),
+        )
     cidrs = list(service_cidrs)
     return (
         *base_chains(record),
         FixedChain(Names.SERVICES, tuple(services)),
-        FixedChain(SERVICE_FRONTENDS, tuple(ip_classes)),
-        FixedChain(NODEPORT_FRONTENDS, tuple(nodeports)),
+        *frontend_chains,
         FixedChain(
             Names.SERVICE_ENDPOINTS_CHECK,
             (
@@ -479,5 +611,5 @@ def fixed_chains(
                 "masquerade fully-random",
             ),
         ),
-        FixedChain(AFFINITY_RECORD, tuple(record_rules)),
+        FixedChain(AFFINITY_RECORD, _affinity_record_rules(names, tokens, match_all_nodeports)),
     )

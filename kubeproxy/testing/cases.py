@@ -55,7 +55,17 @@ _STEP_KEYS: Final = {
     "sync": frozenset({"action", "expectedFlows"}),
 }
 _FLOW_KEYS: Final = frozenset(
-    {"name", "sourceIP", "protocol", "destIP", "destPort", "output", "masq", "affinity"}
+    {
+        "name",
+        "sourceIP",
+        "protocol",
+        "destIP",
+        "destPort",
+        "output",
+        "masq",
+        "affinity",
+        "sameEndpointAs",
+    }
 )
 
 
@@ -120,6 +130,10 @@ class Flow:
     protocol: Protocol = Protocol.TCP
     masq: bool = False
     affinity: bool = False
+    same_endpoint_as: str | None = None
+    """The name of an earlier affinity flow of the step, from the same source: this
+    flow's connections must all reach the endpoint that flow's reached (one client's
+    affinity shared by a Service port's addresses). Probed after the step's other flows."""
 
     @property
     def family(self) -> IPFamily:
@@ -376,6 +390,17 @@ class _Parser:
                 self.sequence(f"{where}.expectedFlows", obj.get("expectedFlows"))
             )
         )
+        earlier: dict[str, Flow] = {}
+        for i, flow in enumerate(flows):
+            reference = flow.same_endpoint_as
+            if reference is not None:
+                at = f"{where}.expectedFlows[{i}] ({flow.name!r}).sameEndpointAs"
+                target = earlier.get(reference)
+                if target is None or not target.affinity or target.same_endpoint_as:
+                    raise self.error(at, f"{reference!r} is no earlier affinity flow of the step")
+                if target.source_ip != flow.source_ip:
+                    raise self.error(at, f"{reference!r} comes from another source")
+            earlier[flow.name] = flow
         return Step(action, index, flows=flows, sync_number=sync_number)
 
     def manifests(self, where: str, raw: Any) -> tuple[Mapping[str, Any], ...]:
@@ -432,9 +457,14 @@ class _Parser:
         affinity = self.boolean(f"{where}.affinity", obj.get("affinity", False))
         if output.kind in (OutputKind.DROP, OutputKind.REJECT) and masq:
             raise self.error(where, f"masq: true makes no sense with output {output}")
+        same = obj.get("sameEndpointAs")
+        if same is not None:
+            same = self.text(f"{where}.sameEndpointAs", same)
+            affinity = True
         if affinity and output.kind is not OutputKind.ENDPOINTS:
-            raise self.error(where, "affinity: true needs a list of endpoints as output")
-        return Flow(name, source, dest, port, output, protocol, masq, affinity)
+            key = "affinity: true" if same is None else "sameEndpointAs"
+            raise self.error(where, f"{key} needs a list of endpoints as output")
+        return Flow(name, source, dest, port, output, protocol, masq, affinity, same)
 
     def address(self, where: str, raw: Any) -> IPAddress:
         text = self.text(where, raw if isinstance(raw, str) else None if raw is None else str(raw))

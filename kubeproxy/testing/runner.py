@@ -33,7 +33,7 @@ from types import FrameType
 from typing import Any, Final, Protocol, cast
 
 from kubeproxy.backend import Backend, BackendFactory
-from kubeproxy.objects import NamespacedName
+from kubeproxy.objects import IPAddress, NamespacedName
 from kubeproxy.objects import Protocol as L4Protocol
 from kubeproxy.testing.cases import Case, CaseFile, Flow, Step, StepAction, load_case_file
 from kubeproxy.testing.node import STANDARD_NODE, StandardNode
@@ -119,12 +119,17 @@ class RunOptions:
     ``timeout`` is how long an attempt waits for an answer (what a DROP costs; by
     default 1 s, scaled by ``KUBEPROXY_FLOW_TIMEOUT_SCALE``);
     ``run_id`` names the run's namespaces (random when empty); ``node`` is the test node.
+    ``node_check``, if given, is called with the node namespace's name after every
+    successful sync: a backend's own invariant, checked on every state the cases reach
+    (the nftables tests check that the listing reloads); a message it returns fails that
+    step's flows with it.
     """
 
     timeout: float = field(default_factory=default_timeout)
     run_id: str | None = None
     node: StandardNode = field(default=STANDARD_NODE)
     parallel: int = 128
+    node_check: Callable[[str], str | None] | None = None
 
 
 class _Handler(Protocol):
@@ -320,18 +325,31 @@ def _make_handler(
 async def _check_flows(
     scene: Scene, flows: Sequence[Flow], ports: ClientPorts, options: RunOptions
 ) -> list[Verdict]:
+    """Probe and judge the flows of a step: all at once, then those that must reach the
+    endpoint an earlier flow reached (``sameEndpointAs``), with what it reached."""
     prober = Prober(ports, timeout=options.timeout, parallel=options.parallel)
+    reached: dict[str, set[tuple[IPAddress, int]]] = {}
 
     async def check(flow: Flow) -> Verdict:
         try:
             namespace = scene.fd(scene.client_namespace(flow.source_ip))
             mark = scene.source_mark(flow)
-            return judge(flow, await probe_flow(prober, namespace, flow, mark=mark))
+            observations = await probe_flow(prober, namespace, flow, mark=mark)
+            reached[flow.name] = {o.endpoint for o in observations if o.endpoint is not None}
+            pinned = None
+            if flow.same_endpoint_as is not None:
+                pinned = reached.get(flow.same_endpoint_as, set())
+            return judge(flow, observations, pinned=pinned)
         except Exception as err:  # one broken probe must not hide the other flows
             logger.exception("probing %s", flow)
             return Verdict(False, f"the runner failed to probe this flow: {err!r}")
 
-    return list(await asyncio.gather(*(check(flow) for flow in flows)))
+    verdicts: dict[int, Verdict] = {}
+    for phase in (False, True):
+        chosen = [(i, f) for i, f in enumerate(flows) if (f.same_endpoint_as is not None) == phase]
+        found = await asyncio.gather(*(check(flow) for _, flow in chosen))
+        verdicts.update((i, verdict) for (i, _), verdict in zip(chosen, found, strict=True))
+    return [verdicts[i] for i in range(len(flows))]
 
 
 def run_case(
@@ -422,6 +440,11 @@ def _run_steps(
             if not ok:
                 for flow in flows:
                     settle(step, flow, Status.FAIL, f"sync failed{said}")
+                continue
+            problem = options.node_check(scene.node_ns) if options.node_check else None
+            if problem:
+                for flow in flows:
+                    settle(step, flow, Status.FAIL, f"the node check failed: {problem}")
                 continue
             verdicts = asyncio.run(_check_flows(scene, flows, ports, options))
             for flow, verdict in zip(flows, verdicts, strict=True):

@@ -451,8 +451,14 @@ async def probe_flow(
     return seen
 
 
-def judge(flow: Flow, observations: Sequence[Observation]) -> Verdict:
-    """Compare what the attempts met with the flow's expected output."""
+def judge(
+    flow: Flow,
+    observations: Sequence[Observation],
+    *,
+    pinned: set[tuple[IPAddress, int]] | None = None,
+) -> Verdict:
+    """Compare what the attempts met with the flow's expected output; ``pinned`` is what
+    the flow named by ``sameEndpointAs`` reached."""
     if not observations:
         return Verdict(False, "no connection attempted")
     kind = flow.output.kind
@@ -462,6 +468,8 @@ def judge(flow: Flow, observations: Sequence[Observation]) -> Verdict:
         problems = _expect_refusal(observations)
     else:
         problems = _expect_answers(flow, observations)
+        if flow.same_endpoint_as is not None:
+            problems += _expect_pinned(flow, observations, pinned or set())
     seen = summarize(observations)
     if problems:
         return Verdict(False, "; ".join(problems) + f" [saw: {seen}]")
@@ -485,7 +493,21 @@ def _success(flow: Flow, observations: Sequence[Observation]) -> str:
     counts = Counter(o.endpoint for o in observations if o.endpoint is not None)
     reached = ", ".join(f"{endpoint_string(*e)} x{c}" for e, c in sorted(counts.items(), key=str))
     sticky = "; affinity held" if flow.affinity else ""
+    if flow.same_endpoint_as is not None:
+        sticky += f" (as {flow.same_endpoint_as!r})"
     return f"reached {reached}; {source}{sticky}"
+
+
+def _expect_pinned(
+    flow: Flow, observations: Sequence[Observation], pinned: set[tuple[IPAddress, int]]
+) -> list[str]:
+    if len(pinned) != 1:
+        return [f"{flow.same_endpoint_as!r} reached no single endpoint to follow"]
+    reached = {o.endpoint for o in observations if o.endpoint is not None}
+    if reached and reached != pinned:
+        (where,) = pinned
+        return [f"not pinned to {endpoint_string(*where)}, where {flow.same_endpoint_as!r} is"]
+    return []
 
 
 def _expect_silence(observations: Sequence[Observation]) -> list[str]:
