@@ -154,3 +154,13 @@ def test_a_refusal_at_commit_time_is_caught(ns: str) -> None:
         with pytest.raises(NftError, match=r"lacks reject in postrouting \(Linux 99\.1\+"):
             check_support(nft, probes=(*PROBES, REFUSED))
         assert nft.run_text("list ruleset") == ""
+
+
+@pytest.mark.kernel
+def test_the_decision_tree_probe_finds_the_kernels_depth_limit(ns: str) -> None:
+    # The class dispatch may go TREE_DEPTH chains deep; 16 is where the kernel says no.
+    with LibNftables(netns=ns) as nft:
+        (deep_enough,) = probe_all(nft, Family.IP, (support._tree_probe(support.TREE_DEPTH),))
+        assert deep_enough.ok, deep_enough.error
+        (too_deep,) = probe_all(nft, Family.IP, (support._tree_probe(16),))
+        assert "Too many links" in (too_deep.error or ""), too_deep

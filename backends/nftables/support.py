@@ -39,6 +39,7 @@ from kubeproxy.backends.nftables.exec import (
     parse_version,
 )
 from kubeproxy.backends.nftables.fake import parse_commands
+from kubeproxy.backends.nftables.layout import MAX_CLASS_BITS
 from kubeproxy.backends.nftables.objects import Family, NftError
 from kubeproxy.backends.nftables.transaction import Transaction
 
@@ -90,6 +91,31 @@ class FeatureProbe:
 
 _OLDEST_TESTED = "oldest kernel tested: Debian 11's 5.10"
 
+TREE_DEPTH: Final = 6 + MAX_CLASS_BITS
+"""How deep the class dispatch's paths go below a base chain (``services``, the tree, the
+class, its pick and the affinity lookup, and one level per set bit of a class number)."""
+
+
+def _tree_probe(depth: int) -> FeatureProbe:
+    """Chains ``depth`` levels deep below the base chain, each level a set lookup and a
+    goto, as the class dispatch's decision tree builds them."""
+    levels = range(1, depth)
+    return FeatureProbe(
+        "tree",
+        f"paths of {depth} chains (set lookups and gotos)",
+        "3.13",
+        "0.9.0",
+        "the class dispatch's decision tree (the kernel refuses 16 levels)",
+        ("nat", "prerouting"),
+        ("$ip daddr @tree-set goto tree-1",),
+        (
+            "set tree-set { type $addr_type ; }",
+            *(f"chain tree-{n}" for n in levels),
+            *(f"rule tree-{n} $ip daddr @tree-set goto tree-{n + 1}" for n in levels[:-1]),
+        ),
+    )
+
+
 PROBES: Final[tuple[FeatureProbe, ...]] = (
     FeatureProbe(
         "comment",
@@ -140,39 +166,83 @@ PROBES: Final[tuple[FeatureProbe, ...]] = (
     ),
     FeatureProbe(
         "record",
-        "dynamic map updates keyed by ct original",
+        "ct original in a concatenated verdict-map key",
         "5.10",
         "1.0.1",
-        "recording ClientIP session affinity after DNAT (IPv4)",
+        "finding, after DNAT, the affinity record chain of a connection's Service port",
         ("filter", "forward"),
         (
-            "meta l4proto tcp update @record-map { $ip saddr . ct original $ip daddr"
-            " . meta l4proto . ct original proto-dst timeout 10s : $ip daddr . th dport }",
+            "meta l4proto { tcp, udp, sctp } ct original $ip daddr . meta l4proto"
+            " . ct original proto-dst vmap @record-map",
         ),
         (
-            "map record-map { type $addr_type . $addr_type . inet_proto . inet_service"
-            " : $addr_type . inet_service ; flags dynamic,timeout ; timeout 10800s ; }",
+            "chain record-target",
+            "map record-map { type $addr_type . inet_proto . inet_service : verdict ; }",
+            "element record-map { $addr . tcp . 80 : goto record-target }",
+        ),
+        evidence=_OLDEST_TESTED,
+    ),
+    FeatureProbe(
+        "lookup4",
+        "DNAT to address . port from a map the packet path fills",
+        "5.10",
+        "1.0.1",
+        "ClientIP session affinity: the recorded endpoint of a client",
+        ("nat", "prerouting"),
+        ("meta l4proto { tcp, udp, sctp } dnat to ip saddr map @lookup4-map",),
+        (
+            "map lookup4-map { type ipv4_addr : ipv4_addr . inet_service ;"
+            " flags dynamic,timeout ; timeout 10800s ; }",
         ),
         frozenset({Family.IP}),
         evidence=_OLDEST_TESTED,
     ),
     FeatureProbe(
-        "affinity",
-        "DNAT from a dynamic map the packet path fills",
-        "4.3",
-        "0.9.0",
-        "ClientIP session affinity (IPv6: one small map per Service port)",
+        "lookup6",
+        "DNAT to an address from a map the packet path fills",
+        "5.10",
+        "1.0.1",
+        "ClientIP session affinity: the recorded endpoint of a client",
         ("nat", "prerouting"),
+        ("meta l4proto { tcp, udp, sctp } dnat to ip6 saddr map @lookup6-map : 80",),
         (
-            "meta l4proto tcp dnat to $ip saddr map @affinity-map : 80",
-            "update @affinity-map { $ip saddr timeout 10s : $other } meta l4proto tcp"
-            " dnat to $dnat_to",
+            "map lookup6-map { type ipv6_addr : ipv6_addr ;"
+            " flags dynamic,timeout ; timeout 10800s ; }",
         ),
-        (
-            "map affinity-map { type $addr_type : $addr_type ; flags dynamic,timeout ;"
-            " timeout 10800s ; }",
-        ),
+        frozenset({Family.IP6}),
+        evidence=_OLDEST_TESTED,
     ),
+    FeatureProbe(
+        "update4",
+        "map updates with a timeout from the packet path",
+        "5.10",
+        "1.0.1",
+        "ClientIP session affinity: recording a new connection's endpoint",
+        ("filter", "forward"),
+        ("update @update4-map { ip saddr timeout 10s : ip daddr . th dport }",),
+        (
+            "map update4-map { type ipv4_addr : ipv4_addr . inet_service ;"
+            " flags dynamic,timeout ; timeout 10800s ; }",
+        ),
+        frozenset({Family.IP}),
+        evidence=_OLDEST_TESTED,
+    ),
+    FeatureProbe(
+        "update6",
+        "map updates with a timeout from the packet path",
+        "5.10",
+        "1.0.1",
+        "ClientIP session affinity: recording a new connection's endpoint",
+        ("filter", "forward"),
+        ("th dport 80 update @update6-map { ip6 saddr timeout 10s : ip6 daddr }",),
+        (
+            "map update6-map { type ipv6_addr : ipv6_addr ;"
+            " flags dynamic,timeout ; timeout 10800s ; }",
+        ),
+        frozenset({Family.IP6}),
+        evidence=_OLDEST_TESTED,
+    ),
+    _tree_probe(TREE_DEPTH),
     FeatureProbe(
         "interval",
         "interval concatenations",
