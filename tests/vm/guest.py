@@ -99,12 +99,19 @@ def run_binary() -> dict[str, Any]:
         "demo-node",
         "--once",
     ]
+    started = time.monotonic()
     try:
         done = _run(["ip", "netns", "exec", netns, *argv], timeout=600)
     finally:
         subprocess.run(["ip", "netns", "del", netns], check=False)
+    seconds = round(time.monotonic() - started, 1)
     lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
-    return {"argv": argv[1:], "returncode": done.returncode, "output": lines[-20:]}
+    return {
+        "argv": argv[1:],
+        "returncode": done.returncode,
+        "output": lines[-20:],
+        "seconds": seconds,
+    }
 
 
 def run_pytest(out: Path, label: str, extra: list[str]) -> int:

@@ -22,6 +22,7 @@ README's "Kernels tested" has the measurements).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shlex
 import shutil
@@ -32,7 +33,7 @@ from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parent.parent.parent))
 
-from tests.vm.matrix import CACHE, ROOT, UnpackedKernel, find_unpacked, load_matrix
+from tests.vm.matrix import CACHE, ROOT, Scope, UnpackedKernel, find_unpacked, load_matrix
 from tests.vm.report import kernel_report, load_result
 
 RESULTS = CACHE / "results"
@@ -103,6 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     """Boot every unpacked kernel of the matrix (or ``--only`` some); report."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--only", action="append", default=[], help="a label to run")
+    parser.add_argument(
+        "--scope",
+        choices=[s.value for s in Scope],
+        help="run this scope on every kernel (support: the probes and a start, minutes)",
+    )
     parser.add_argument("pytest_args", nargs="*", help="more pytest arguments in the guest")
     args = parser.parse_args(argv)
     if shutil.which("qemu-system-x86_64") is None or not (ROOT / ".venv/bin/vng").exists():
@@ -113,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     for spec in load_matrix():
         if args.only and spec.label not in args.only:
             continue
+        if args.scope:
+            spec = dataclasses.replace(spec, scope=Scope(args.scope))
         kernel = find_unpacked(spec)
         if kernel is None:
             print(f"test-kernels: {spec.label}: not fetched (scripts/setup-kernels.sh)")

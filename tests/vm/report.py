@@ -65,7 +65,10 @@ def kernel_report(result: dict[str, Any], where: Path, seconds: float) -> tuple[
         verdict = "ok" if probe["ok"] else f"REFUSED: {probe['error'][:200]}"
         lines.append(f"probe {probe['family']:<3} {probe['probe']}: {verdict}")
     binary = result["binary"]
-    lines.append(f"kube-proxy-nftables --once: exit {binary['returncode']}")
+    lines.append(
+        f"kube-proxy-nftables --once: exit {binary['returncode']}"
+        f" in {binary.get('seconds', 0):.1f} s"
+    )
     if binary["returncode"] != 0:
         lines.extend(f"  {line}" for line in binary["output"][-5:])
     junit = where / f"{label}.xml"
