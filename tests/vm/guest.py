@@ -141,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--label", required=True)
     parser.add_argument("--scope", choices=("full", "support"), required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--no-modules",
+        action="store_true",
+        help="load no module (to run the probes on a machine's own kernel, never in a VM)",
+    )
     parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (full scope)")
     args = parser.parse_args(argv)
     started = time.monotonic()
@@ -150,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         "nft": _run(["nft", "--version"]).stdout.strip(),
         "cpus": os.cpu_count(),
     }
-    report["modules"] = load_modules()
+    report["modules"] = {} if args.no_modules else load_modules()
     report["probes"] = run_probes()
     report["binary"] = run_binary()
     if args.scope == "full":

@@ -88,13 +88,40 @@ def kernel_report(result: dict[str, Any], where: Path, seconds: float) -> tuple[
     return lines, ok
 
 
+def probe_table(results: list[dict[str, Any]]) -> list[str]:
+    """A Markdown table: each probe (and family) against each run's kernel."""
+    labels = [r["label"] for r in results]
+    head = ["probe", "needs Linux", "used for", *(f"{r['label']} ({r['kernel']})" for r in results)]
+    rows = [f"| {' | '.join(head)} |", f"|{' --- |' * len(head)}"]
+    seen: dict[tuple[str, str], dict[str, str]] = {}
+    facts: dict[str, tuple[str, str]] = {}
+    from kubeproxy.backends.nftables.support import PROBES
+
+    for probe in PROBES:
+        facts[probe.name] = (probe.kernel, probe.used_for)
+    for result in results:
+        for probe in result["probes"]:
+            cell = "ok" if probe["ok"] else "refused"
+            seen.setdefault((probe["probe"], probe["family"]), {})[result["label"]] = cell
+    for (name, family), cells in seen.items():
+        kernel, used = facts.get(name, ("?", "?"))
+        row = [f"{name} ({family})", kernel, used, *(cells.get(label, "-") for label in labels)]
+        rows.append(f"| {' | '.join(row)} |")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     """Print the reports of runs in the results folder."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("labels", nargs="*")
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--against", help="list tests whose outcome differs from this run's")
+    parser.add_argument("--probes", action="store_true", help="print the probes as a table")
     args = parser.parse_args(argv)
+    if args.probes:
+        found = [load_result(args.results, label) for label in args.labels]
+        print("\n".join(probe_table([r for r in found if r is not None])))
+        return 0
     labels = args.labels or sorted(p.stem for p in args.results.glob("*.json"))
     status = 0
     for label in labels:
