@@ -18,19 +18,7 @@ APT_PACKAGES="qemu-system-x86 busybox-static kmod file"
 
 ./scripts/setup.sh
 
-missing=""
-for pkg in $APT_PACKAGES; do
-    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing="$missing $pkg"
-done
-if [ -n "$missing" ]; then
-    if [ "$(id -u)" != 0 ]; then
-        echo "setup-kernels: need root to install:$missing" >&2
-        exit 1
-    fi
-    echo "setup-kernels: installing apt packages:$missing"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing >/dev/null
-fi
+./scripts/ensure-apt.sh setup-kernels $APT_PACKAGES
 
 stamp="$VENV/.kernels-$(sha256sum pyproject.toml | cut -c1-16)"
 if [ ! -e "$stamp" ]; then
