@@ -45,7 +45,7 @@ from kubeproxy.backend import (
 )
 from kubeproxy.backends.nftables.claims import Claims
 from kubeproxy.backends.nftables.elements import ElementBatch
-from kubeproxy.backends.nftables.exec import NftExecutor, check_support, delete_table
+from kubeproxy.backends.nftables.exec import NftExecutor, delete_table
 from kubeproxy.backends.nftables.frontends import (
     AFFINITY_LOCAL_ENDPOINTS,
     KIND_IP,
@@ -102,6 +102,7 @@ from kubeproxy.backends.nftables.structure import (
     Names,
     tokens_for,
 )
+from kubeproxy.backends.nftables.support import check_support
 from kubeproxy.backends.nftables.transaction import Transaction
 from kubeproxy.config import ProxierConfig
 from kubeproxy.featuregates import KUBE_PROXY_NFTABLES_LOCALHOST_NODEPORTS
