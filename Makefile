@@ -29,6 +29,18 @@ test: setup lint typecheck
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
 
+# Every kernel test and flow case on Debian's kernels (tests/vm/kernels.txt), each booted
+# in QEMU under emulation with virtme-ng; setup-kernels installs QEMU and fetches the
+# kernels from Debian's packages into .cache/kernels. Not part of `make test` (README:
+# "Kernels tested" says what it costs). KERNELS_ARGS: `--only debian12-6.1`, or pytest
+# arguments after `--`.
+.PHONY: setup-kernels test-kernels
+setup-kernels:
+	@./scripts/setup-kernels.sh
+
+test-kernels: setup-kernels
+	$(PY) -P tests/vm/host.py $(KERNELS_ARGS)
+
 # Benchmarks: our nftables and iptables backends and upstream's nftables rule structure,
 # side by side (bench/README.md). bench-quick: a few minutes; bench: everything (long).
 # Results: bench/results/latest.md, PNG plots and one JSON file per run; then

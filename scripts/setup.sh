@@ -6,19 +6,7 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 APT_PACKAGES="nftables libnftables1 iptables conntrack ipset iproute2 socat curl procps"
 
-missing=""
-for pkg in $APT_PACKAGES; do
-    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing="$missing $pkg"
-done
-if [ -n "$missing" ]; then
-    if [ "$(id -u)" != 0 ]; then
-        echo "setup: need root to install:$missing" >&2
-        exit 1
-    fi
-    echo "setup: installing apt packages:$missing"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
-fi
+./scripts/ensure-apt.sh setup $APT_PACKAGES
 
 PYTHON=${PYTHON:-python3}
 if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then

@@ -47,11 +47,13 @@ RULES: Final[dict[str, dict[IPFamily, str]]] = {
     # is not from a pod, and for hairpin.
     "dnat": {
         IPFamily.IPV4: (
-            "add chain @ web-a\nadd rule @ web-a meta l4proto tcp dnat to 10.180.1.1:8080\n"
-            "add chain @ web-b\nadd rule @ web-b meta l4proto tcp dnat to 10.180.2.1:8080\n"
+            "add chain @ web-a\n"
+            "add rule @ web-a meta l4proto { tcp, sctp } dnat to 10.180.1.1:8080\n"
+            "add chain @ web-b\n"
+            "add rule @ web-b meta l4proto { tcp, sctp } dnat to 10.180.2.1:8080\n"
             "add chain @ web\n"
             "add rule @ web numgen random mod 2 vmap { 0 : goto web-a, 1 : goto web-b }\n"
-            + _dispatch("ip daddr 172.30.1.1 tcp dport 80", "goto web")
+            + _dispatch("ip daddr 172.30.1.1 meta l4proto { tcp, sctp } th dport 80", "goto web")
             + _dispatch("ip daddr 192.168.0.2 tcp dport 30080", "goto web")
             + _dispatch("ip daddr 172.30.1.2 udp dport 53", "dnat to 10.180.1.1:5353")
             + "add rule @ nat_post ct status dnat ip saddr != 10.0.0.0/8 masquerade\n"

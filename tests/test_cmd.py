@@ -50,6 +50,7 @@ from kubeproxy.objects import IPAddress, IPFamily
 from kubeproxy.proxyconfig import parse_config
 from kubeproxy.sources.kubernetes import IN_CLUSTER_MESSAGE
 from kubeproxy.sysctl import ConntrackSysctls
+from kubeproxy.testing.runner import default_timeout
 from tests.gcops import UNTOUCHED, recording_gc
 
 REPO = Path(__file__).resolve().parent.parent
@@ -244,7 +245,7 @@ def test_signal_stops_the_daemon_and_leaves_the_rules(netns: str, signum: int) -
     ]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 20 * default_timeout()  # longer when emulated
 
         def listing() -> str:
             return _in_ns(netns, "nft", "list", "table", "ip", "kube-proxy").stdout
@@ -257,7 +258,7 @@ def test_signal_stops_the_daemon_and_leaves_the_rules(netns: str, signum: int) -
             time.sleep(0.1)
         synced = listing()
         proc.send_signal(signum)
-        _, stderr = proc.communicate(timeout=20)
+        _, stderr = proc.communicate(timeout=20 * default_timeout())
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -30,6 +30,7 @@ from kubeproxy.objects import Protocol
 from kubeproxy.testing.fakeapi import FakeAPIServer, endpoint_slice, node, service
 from kubeproxy.testing.netns import entered
 from kubeproxy.testing.pytest import flow_test
+from kubeproxy.testing.runner import default_timeout
 from kubeproxy.testing.traffic import ListenerServer, make_listener
 from tests.kernelkit import NodeAndPod, answered_by, node_and_pod, run_in
 
@@ -97,6 +98,9 @@ def http_get(netns_fd: int, port: int, path: str) -> tuple[int, str]:
 
 
 def wait_for(check: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
+    # Waits grow with the flow kit's timeout scale: under CPU emulation (make
+    # test-kernels) starting the daemon takes tens of seconds.
+    timeout *= default_timeout()
     deadline = time.monotonic() + timeout
     while not check():
         if time.monotonic() > deadline:
@@ -172,7 +176,7 @@ def test_the_example_runs_as_a_node_daemon(
         wait_for(lambda: answers(namespaces.node_fd) == {f"{EP2}:8080"}, "the new endpoints")
 
         process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=15) == 0, log.read_text()
+        assert process.wait(timeout=15 * default_timeout()) == 0, log.read_text()
         output = log.read_text()
         assert "nft-clusterip-proxy started for node kpxo-node" in output
         assert "nft-clusterip-proxy stopped; the rules stay in place" in output

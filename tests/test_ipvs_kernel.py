@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 import kubeproxy.backends.ipvs as ipvs_package
 from kubeproxy.backend import NodePortAddresses, SyncChanges, SyncError
@@ -46,11 +47,13 @@ from kubeproxy.backends.ipvs.netlink import (
     IPVSUnsupported,
     PyrouteIPVS,
     PyrouteLinks,
+    ipvs_in_kernel,
 )
 from kubeproxy.config import ProxierConfig
+from kubeproxy.netns import run_in_netns
 from kubeproxy.objects import IPFamily, Protocol
 from kubeproxy.testing.cases import load_case_file
-from kubeproxy.testing.pytest import flow_test
+from kubeproxy.testing.pytest import KnownFailure, flow_test
 from kubeproxy.testing.runner import RunOptions, Status, run_case
 from tests.snapshots import NODE, ep
 from tests.test_ipvs_proxier import Kit, World, cluster_ip
@@ -59,13 +62,30 @@ REPO = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.kernel
 
-# Every example flow with the ipvs backend: each item is skipped, saying the kernel lacks
-# IP_VS (the factory's support check); CI accepts exactly such skips.
+
+# Every flow with the ipvs backend. Without IP_VS each item is skipped, saying the kernel
+# lacks it (the factory's support check; CI accepts exactly such skips); with IP_VS (make
+# test-kernels) the flows run, and those where upstream's ipvs mode differs must fail as
+# backends/ipvs/differences.yaml says.
+def known_differences(
+    path: Path = REPO / "backends/ipvs/differences.yaml",
+) -> dict[str, KnownFailure]:
+    """Flow id -> how the ipvs backend fails it, as upstream's ipvs mode would."""
+    known: dict[str, KnownFailure] = {}
+    for entry in yaml.safe_load(path.read_text()):
+        reason = f"upstream ipvs: {entry['why']} ({' '.join(entry['upstream'].split())})"
+        for flow in entry["flows"]:
+            assert flow not in known, f"{flow} listed twice"
+            known[flow] = KnownFailure(entry["fails with"], reason)
+    return known
+
+
 test_flow_cases = flow_test(
-    ["flowcases/examples/*.yaml"],
+    ["flowcases/examples/*.yaml", "flowcases/behaviour/*.yaml"],
     backend="kubeproxy.backends.ipvs:create_backend",
     base=REPO,
     marks=[pytest.mark.kernel],
+    known_failures=known_differences(),
 )
 
 ip = ipaddress.ip_address
@@ -258,7 +278,8 @@ def test_rule_the_kernel_refuses_keeps_the_previous_rules(netns: str) -> None:
     backend.sync(world.snapshot(), SyncChanges(full=True))
     before = in_ns(netns, "iptables-save", "-t", "filter")
     # Source ranges without the node's address: KUBE-IPVS-OUT-FILTER needs `-m ipvs`,
-    # which this kernel lacks (no IP_VS), so iptables-restore fails.
+    # which a kernel without IP_VS lacks, so iptables-restore fails there; a kernel with
+    # IP_VS (make test-kernels) takes the rule.
     name = world.add(
         cluster_ip(
             "closed",
@@ -268,18 +289,37 @@ def test_rule_the_kernel_refuses_keeps_the_previous_rules(netns: str) -> None:
         ),
         ep("10.180.0.5"),
     )
+    changes = SyncChanges(full=False, changed_services=frozenset({name.service}))
+    if _has_ipvs(netns):
+        backend.sync(world.snapshot(), changes)
+        after = in_ns(netns, "iptables-save", "-t", "filter")
+        assert (
+            "-A KUBE-IPVS-OUT-FILTER -s 198.51.100.20/32 -m ipvs --vproto 6"
+            " --vaddr 198.51.100.20 --vport 80 -j DROP"
+        ) in after.splitlines(), after
+        return
     with pytest.raises(SyncError, match="ipvs"):
-        backend.sync(
-            world.snapshot(), SyncChanges(full=False, changed_services=frozenset({name.service}))
-        )
+        backend.sync(world.snapshot(), changes)
     after = in_ns(netns, "iptables-save", "-t", "filter")
     strip = [x for x in before.splitlines() if not x.startswith("#")]
     assert [x for x in after.splitlines() if not x.startswith("#")] == strip
 
 
+def _has_ipvs(netns: str) -> bool:
+    return run_in_netns(netns, ipvs_in_kernel)
+
+
 def test_real_executors_on_a_kernel_without_ipvs(
     netns: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    if _has_ipvs(netns):
+        # make test-kernels: the kernel has IP_VS and dummy links (tests/test_ipvs_real.py
+        # drives them); here only that the same calls work.
+        assert PyrouteIPVS(netns=netns).virtual_servers() == []
+        assert PyrouteLinks(netns=netns).ensure_link(DUMMY_DEVICE)
+        cleanup(netns)
+        assert DUMMY_DEVICE not in in_ns(netns, "ip", "-o", "link")
+        return
     with pytest.raises(IPVSUnsupported, match="kernel lacks IP_VS"):
         PyrouteIPVS(netns=netns).virtual_servers()
     monkeypatch.setattr(ipvs_package, "_warned", False)
@@ -297,6 +337,16 @@ def test_real_executors_on_a_kernel_without_ipvs(
     cleanup(netns)
 
 
+def run_in_netns_free_ipvs() -> bool:
+    """Whether the kernel has IP_VS, asked in a namespace made for the question."""
+    name = f"kpxv-{os.getpid()}-{next(_counter)}"
+    run("ip", "netns", "add", name)
+    try:
+        return _has_ipvs(name)
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
+
+
 def test_flow_case_with_the_ipvs_backend_is_skipped_because_the_kernel_lacks_ip_vs() -> None:
     case_file = load_case_file(REPO / "flowcases/examples/clusterip-basics.yaml")
     results = [
@@ -310,6 +360,12 @@ def test_flow_case_with_the_ipvs_backend_is_skipped_because_the_kernel_lacks_ip_
         )
     ]
     assert results
+    if run_in_netns_free_ipvs():
+        # make test-kernels: with IP_VS the case runs (what its flows must show is
+        # test_flow_cases' business, with the known differences listed there).
+        assert Status.SKIP not in [r.status for r in results], [r.line() for r in results]
+        assert Status.PASS in [r.status for r in results]
+        return
     for result in results:
         assert result.status is Status.SKIP, result.line()
         assert "kernel lacks IP_VS" in result.detail, result.line()

@@ -243,6 +243,28 @@ def test_bad_scheduler_name_is_refused_and_unknown_one_fails_the_sync() -> None:
         backend.sync(world.snapshot(), full())
 
 
+def test_a_local_policy_without_local_endpoints_falls_back_as_upstream() -> None:
+    # Upstream's syncEndpoint (kubernetes/kubernetes#97081): with no local endpoint an
+    # externally Local Service's servers get the cluster's endpoints, so pods still reach
+    # it; an internally Local ClusterIP Service has no cluster endpoints to fall back to.
+    world, kit = World(), Kit()
+    world.add(
+        cluster_ip("ext", "172.30.0.10", node_port=30080, external_policy_local=True),
+        ep("10.180.1.3"),
+    )
+    world.add(cluster_ip("int", "172.30.0.11", internal_policy_local=True), ep("10.180.1.4"))
+    kit.backend().sync(world.snapshot(), full())
+    reals = {
+        str(VirtualServer(*key)): sorted(str(rs) for rs in dests.values())
+        for key, dests in kit.ipvs.dests.items()
+    }
+    assert reals == {
+        "172.30.0.10:80/TCP": ["10.180.1.3:8080"],
+        "192.168.0.2:30080/TCP": ["10.180.1.3:8080"],
+        "172.30.0.11:80/TCP": [],
+    }
+
+
 def test_external_policy_local_uses_local_endpoints_for_external_servers_only() -> None:
     world, kit = World(), Kit()
     world.add(
@@ -318,8 +340,10 @@ def test_source_ranges_let_the_node_in_only_when_they_cover_it() -> None:
 
 
 def test_local_detector_and_masquerade_all_choose_the_cluster_ip_rule() -> None:
-    def cluster_rule(config: ProxierConfig) -> str:
+    def cluster_rule(config: ProxierConfig, detector: LocalDetector | None = None) -> str:
         world, kit = World(), Kit()
+        if detector is not None:  # the snapshot's, as the core resolves it (NodeCIDR)
+            world.detector = detector
         world.add(cluster_ip("web", "172.30.0.10"), ep("10.1.0.1"))
         kit.backend(config).sync(world.snapshot(), full())
         [line] = [
@@ -331,7 +355,14 @@ def test_local_detector_and_masquerade_all_choose_the_cluster_ip_rule() -> None:
 
     assert "KUBE-CLUSTER-IP src,dst -j" in cluster_rule(CONFIG)
     detector = LocalDetector(LocalDetectMode.CLUSTER_CIDR, (net("10.0.0.0/8"),))
-    assert "! -s 10.0.0.0/8" in cluster_rule(ProxierConfig(node_name=NODE, local_detector=detector))
+    assert "! -s 10.0.0.0/8" in cluster_rule(CONFIG, detector)
+    # NodeCIDR: the configuration holds no CIDR, the snapshot holds the node's pod CIDR
+    # (this was read from the configuration, so NodeCIDR never masqueraded).
+    node_cidr = ProxierConfig(
+        node_name=NODE, local_detector=LocalDetector(LocalDetectMode.NODE_CIDR)
+    )
+    resolved = LocalDetector(LocalDetectMode.NODE_CIDR, (net("10.0.1.0/24"),))
+    assert "! -s 10.0.1.0/24" in cluster_rule(node_cidr, resolved)
     line = cluster_rule(ProxierConfig(node_name=NODE, masquerade_all=True))
     assert "KUBE-CLUSTER-IP dst,dst -j KUBE-MARK-MASQ" in line and "! -s" not in line
 

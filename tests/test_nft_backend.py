@@ -281,7 +281,8 @@ def test_session_affinity_is_per_port_and_list() -> None:
         "ct original ip daddr . meta l4proto . ct original proto-dst "
         "vmap @affinity-record-ips.g1",
         "add rule ip kube-proxy affinity-record ct original ip daddr @nodeport-ips "
-        "meta l4proto { tcp, udp, sctp } meta l4proto . ct original proto-dst "
+        "meta l4proto { tcp, udp, sctp } ct original ip daddr . meta l4proto . "
+        "ct original proto-dst != @dispatch-ips.g1 meta l4proto . ct original proto-dst "
         "vmap @affinity-record-nodeports.g1",
     ]
     assert (
@@ -302,26 +303,28 @@ LOCAL_STICKY = ServicePort(
 """A Local-policy NodePort with ClientIP affinity."""
 
 
-def test_local_policy_affinity_records_in_the_list_its_pick_used() -> None:
+def test_local_policy_affinity_records_in_every_list_holding_the_endpoint() -> None:
     world = World()
-    port = LOCAL_STICKY
-    world.add(port, ep("10.180.0.1", local=True), ep("10.180.0.2"))
+    world.add(LOCAL_STICKY, ep("10.180.0.1", local=True), ep("10.180.0.2"))
     fake = FakeNft()
     backend(fake).sync(world.snapshot(), full())
     dump = fake.dump()
-    # The cluster list (both endpoints) and the node-local one each have their map.
-    assert len(lines(dump, r"^add map ip kube-proxy affinity-[A-Z2-7]{16} ")) == 2
-    split = [r.split(" ", 5)[5] for r in lines(dump, r"^add rule ip kube-proxy affinity-split-")]
-    assert [r.rsplit(" ", 1)[0] for r in split] == [
-        "ip saddr 10.0.0.0/8 goto",
-        "fib saddr type local goto",
-        "goto",
+    # The cluster list (both endpoints) and the node-local one each have their map; one
+    # record chain for the port writes the cluster map always (it holds every endpoint)
+    # and the local map when the endpoint is a local one, as upstream records a client
+    # per endpoint, read by its cluster and local chains alike.
+    cluster = affinity_map_name(port_identity(LOCAL_STICKY.name), "service", 0)
+    local = affinity_map_name(port_identity(LOCAL_STICKY.name), "local", 0)
+    record = [r.split(" ", 5)[5] for r in lines(dump, r"^add rule ip kube-proxy affinity-record-")]
+    assert record == [
+        f"update @{cluster} {{ ip saddr timeout 60s : ip daddr . th dport }}",
+        "ip daddr . th dport @affinity-local-endpoints "
+        f"update @{local} {{ ip saddr timeout 60s : ip daddr . th dport }}",
     ]
-    cluster_record, local_record = split[0].rsplit(" ", 1)[1], split[2].rsplit(" ", 1)[1]
-    assert split[1].endswith(cluster_record) and cluster_record != local_record
-    # The cluster IP records in the cluster list's chain; the NodePort in the split.
-    assert f"affinity-record-ips.g1 {{ 172.30.0.10 . tcp . 80 : goto {cluster_record} }}" in dump
-    assert "affinity-record-nodeports.g1 { tcp . 30080 : goto affinity-split-" in dump
+    assert "add element ip kube-proxy affinity-local-endpoints { 10.180.0.1 . 8080 }" in dump
+    (chain,) = {r.split()[4] for r in lines(dump, r"^add rule ip kube-proxy affinity-record-")}
+    assert f"affinity-record-ips.g1 {{ 172.30.0.10 . tcp . 80 : goto {chain} }}" in dump
+    assert f"affinity-record-nodeports.g1 {{ tcp . 30080 : goto {chain} }}" in dump
 
 
 def _first(transactions: list[str], text: str) -> int:
@@ -361,6 +364,78 @@ def test_a_new_lb_ip_is_never_reachable_before_its_source_ranges() -> None:
     assert _first(removed, f"delete element ip kube-proxy firewall-allow.g1 {vip}") >= gone
 
 
+def test_overlapping_source_ranges_are_merged_not_refused() -> None:
+    # The kernel (and the fake) refuse overlapping entries of an interval set, and one
+    # refused element fails a whole sync: ranges inside others are dropped, and the VIPs
+    # are not added when a range covers them.
+    world = World()
+    world.add(
+        ServicePort(
+            spn("lb"),
+            ip("172.30.0.20"),
+            80,
+            Protocol.TCP,
+            load_balancer_vips=(ip("5.6.7.8"),),
+            load_balancer_source_ranges=(
+                net("0.0.0.0/0"),
+                net("10.0.0.0/8"),
+                net("10.1.0.0/16"),
+            ),
+        ),
+        ep("10.180.0.1"),
+    )
+    world.add(
+        ServicePort(
+            spn("lb2"),
+            ip("172.30.0.21"),
+            80,
+            Protocol.TCP,
+            load_balancer_vips=(ip("5.6.7.9"),),
+            load_balancer_source_ranges=(net("192.168.0.0/24"), net("192.168.0.0/25")),
+        ),
+        ep("10.180.0.2"),
+    )
+    fake = FakeNft()
+    backend(fake).sync(world.snapshot(), full())
+    allowed = sorted(
+        e.key for e in fake.list_elements(Family.IP, "kube-proxy", "firewall-allow.g1")
+    )
+    assert allowed == [
+        ("5.6.7.8", "tcp", "80", "0.0.0.0/0"),
+        # The node (192.168.0.2) is in the range: the VIP looped back is allowed too.
+        ("5.6.7.9", "tcp", "80", "192.168.0.0/24"),
+        ("5.6.7.9", "tcp", "80", "5.6.7.9"),
+    ]
+    with pytest.raises(NftError, match="overlaps"):
+        fake.run_text(
+            "add element ip kube-proxy firewall-allow.g1 { 5.6.7.8 . tcp . 80 . 1.2.3.4 }"
+        )
+
+
+def test_a_connection_to_a_service_ip_never_records_a_nodeports_affinity() -> None:
+    # Service a: a ClusterIP on port 30080; Service b: NodePort 30080 with affinity. The
+    # NodePort record rule reads the original destination's protocol and port only, so it
+    # must leave out destinations that a Service IP dispatched.
+    world = World()
+    world.add(ServicePort(spn("a"), ip("172.30.0.30"), 30080, Protocol.TCP), ep("10.180.0.1"))
+    world.add(
+        ServicePort(
+            spn("b"),
+            ip("172.30.0.31"),
+            80,
+            Protocol.TCP,
+            node_port=30080,
+            session_affinity_seconds=60,
+        ),
+        ep("10.180.0.2"),
+    )
+    fake = FakeNft()
+    backend(fake).sync(world.snapshot(), full())
+    (rule,) = lines(fake.dump(), r"affinity-record .*@affinity-record-nodeports")
+    assert "ct original proto-dst != @dispatch-ips.g1" in rule
+    assert "add element ip kube-proxy dispatch-ips.g1 { 172.30.0.30 . tcp . 30080 }" in fake.dump()
+
+
 # Incremental syncs send data only -----------------------------------------------------------
 
 
@@ -376,9 +451,9 @@ def test_an_endpoint_change_rewrites_one_slot() -> None:
     assert text.splitlines() == [
         "delete element ip kube-proxy endpoints-tcp-b2.g1 { 172.30.0.10 . tcp . 80 . 1 }",
         "delete element ip kube-proxy hairpin-endpoints.g1 { 10.180.0.2 . 10.180.0.2 }",
+        "add element ip kube-proxy hairpin-endpoints.g1 { 10.180.0.4 . 10.180.0.4 }",
         "add element ip kube-proxy endpoints-tcp-b2.g1 "
         "{ 172.30.0.10 . tcp . 80 . 1 : 10.180.0.4 . 8080 }",
-        "add element ip kube-proxy hairpin-endpoints.g1 { 10.180.0.4 . 10.180.0.4 }",
     ]
     assert b.last_operations == 4 and b.last_transactions == 1 and not b.last_sync_full
 

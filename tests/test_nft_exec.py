@@ -21,11 +21,9 @@ from kubeproxy.backends.nftables.exec import (
     LibNftables,
     _element_from_json,
     _parse_chain_listing,
-    check_support,
     errno_from_message,
     parse_version,
 )
-from kubeproxy.backends.nftables.fake import FakeNft
 from kubeproxy.backends.nftables.objects import (
     Chain,
     Element,
@@ -149,41 +147,6 @@ def test_parse_chain_listing() -> None:
     }
     assert _parse_chain_listing(text, "other") == {"c": "not ours"}
     assert _parse_chain_listing(text, "missing") == {}
-
-
-def test_check_support_on_the_fake() -> None:
-    check_support(FakeNft())
-    check_support(FakeNft(), Family.IP6)
-    with pytest.raises(NftError, match=r"1\.0\.0 is too old"):
-        check_support(FakeNft(version="1.0.0"))
-    with pytest.raises(NftError, match="too old"):
-        check_support(FakeNft(version="0.9.8"))
-    check_support(FakeNft(version="1.0.1"))
-
-
-def test_check_support_is_one_dry_run_when_everything_works() -> None:
-    class Counting(FakeNft):
-        calls = 0
-
-        def check(self, tx: Transaction) -> None:
-            Counting.calls += 1
-            super().check(tx)
-
-    check_support(Counting(), Family.IP)
-    assert Counting.calls == 1
-
-
-def test_check_support_names_the_missing_feature() -> None:
-    class NoFib(FakeNft):
-        def check(self, tx: Transaction) -> None:
-            if "fib " in tx.render():
-                raise NftError("Error: Could not process rule: Operation not supported")
-            super().check(tx)
-
-    with pytest.raises(NftError) as caught:
-        check_support(NoFib())
-    assert "fib:" in str(caught.value)
-    assert "numgen" not in str(caught.value)
 
 
 def test_netns_names_are_checked() -> None:
@@ -426,14 +389,6 @@ def test_listings_refuse_bad_names(nft: LibNftables) -> None:
     ):
         with pytest.raises(NftError):
             call()
-
-
-@pytest.mark.kernel
-def test_version_and_support_check_create_nothing(nft: LibNftables) -> None:
-    assert parse_version(nft.version()) >= (1, 0, 1)
-    check_support(nft)
-    check_support(nft, Family.IP6)
-    assert nft.run_text("list ruleset") == ""
 
 
 @pytest.mark.kernel

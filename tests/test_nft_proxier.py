@@ -459,7 +459,8 @@ def test_chunked_cold_sync_equals_one_transaction() -> None:
     b = backend(chunked, ports_per_transaction=3)
     b.sync(world.snapshot(), full())
     assert b.last_transactions == 4
-    assert len(chunked.transactions) == 4
+    # (the support check's probes commit to a throw-away table of their own first)
+    assert len([tx for tx in chunked.transactions if tx.table == "kube-proxy"]) == 4
     assert chunked.dump() == one.dump()
 
 

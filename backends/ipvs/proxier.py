@@ -68,7 +68,7 @@ from kubeproxy.backends.ipvs.netlink import (
 )
 from kubeproxy.backends.ipvs.rules import CHAINS, JUMPS, RuleInputs, cleanup_input, render_rules
 from kubeproxy.backends.ipvs.sysctls import SysctlApplier, ipvs_sysctls
-from kubeproxy.config import ProxierConfig
+from kubeproxy.config import LocalDetector, ProxierConfig
 from kubeproxy.objects import (
     CategorizedEndpoints,
     Endpoint,
@@ -113,7 +113,9 @@ class RenderContext:
 
     ``node_port_ips`` are where NodePort virtual servers go; ``node_ips`` are the node's
     own addresses (never bound to ``kube-ipvs0``); ``primary_ip`` decides whether a load
-    balancer's source ranges let the node itself in.
+    balancer's source ranges let the node itself in; ``local_detector`` is the
+    snapshot's (the core resolves NodeCIDR to the node's pod CIDRs, which the
+    configuration does not hold).
     """
 
     family: IPFamily
@@ -121,6 +123,7 @@ class RenderContext:
     node_port_ips: tuple[IPAddress, ...]
     node_ips: frozenset[IPAddress]
     primary_ip: IPAddress | None
+    local_detector: LocalDetector = field(default_factory=LocalDetector)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,8 +165,13 @@ def render_port(port: ServicePort, eps: CategorizedEndpoints, ctx: RenderContext
         timeout = port.session_affinity_seconds
     cluster_rs = _real_servers(eps.cluster, family)
     local_rs = _real_servers(eps.local, family)
-    internal = local_rs if port.internal_policy_local else cluster_rs
-    external = local_rs if port.external_policy_local else cluster_rs
+    # A Local policy without local endpoints falls back to the cluster's endpoints, as
+    # upstream's syncEndpoint does (kubernetes/kubernetes#97081: pods must still reach
+    # the Service; an external client's packet goes out unmasqueraded, so on a real
+    # network its reply, from the pod, is discarded). For a ClusterIP Service with an
+    # internal Local policy the cluster endpoints are empty, so nothing is left.
+    internal = (local_rs or cluster_rs) if port.internal_policy_local else cluster_rs
+    external = (local_rs or cluster_rs) if port.external_policy_local else cluster_rs
 
     servers: list[tuple[VirtualServer, tuple[RealServer, ...]]] = []
     addresses: set[IPAddress] = set()
@@ -390,6 +398,7 @@ class IPVSBackend:
             node_port_ips,
             frozenset(node_ips),
             node_ips[0] if node_ips else None,
+            snapshot.local_detector,
         )
 
     def _replan(
@@ -563,7 +572,7 @@ class IPVSBackend:
             frozenset(k for k, name in self._set_names.items() if self._set_sizes.get(name)),
             self._config.masquerade_mark,
             self._config.masquerade_all,
-            self._config.local_detector.for_family(self._family),
+            self._ctx.local_detector if self._ctx is not None else LocalDetector(),
             tuple(sorted(self._access_refs, key=_access_order)),
         )
         text = render_rules(inputs).render()

@@ -45,8 +45,9 @@ from kubeproxy.backend import (
 )
 from kubeproxy.backends.nftables.claims import Claims
 from kubeproxy.backends.nftables.elements import ElementBatch
-from kubeproxy.backends.nftables.exec import NftExecutor, check_support, delete_table
+from kubeproxy.backends.nftables.exec import NftExecutor, delete_table
 from kubeproxy.backends.nftables.frontends import (
+    AFFINITY_LOCAL_ENDPOINTS,
     KIND_IP,
     KIND_NODEPORT,
     AffinityPlan,
@@ -101,6 +102,7 @@ from kubeproxy.backends.nftables.structure import (
     Names,
     tokens_for,
 )
+from kubeproxy.backends.nftables.support import check_support
 from kubeproxy.backends.nftables.transaction import Transaction
 from kubeproxy.config import ProxierConfig
 from kubeproxy.featuregates import KUBE_PROXY_NFTABLES_LOCALHOST_NODEPORTS
@@ -353,6 +355,7 @@ class NftablesBackend:
         # How many ports hold each cluster IP and each hairpin endpoint address.
         self._cluster_ips: dict[str, int] = {}
         self._hairpin: dict[str, int] = {}
+        self._local_members: dict[Key, int] = {}
         self._classes: list[ClassSpec] = []  # rule dispatch: the class rules, in order
         self._class_chains: set[ClassSpec] = set()
         self._picks: set[Pick] = set()
@@ -540,7 +543,9 @@ class NftablesBackend:
         for name, plan in plans.items():
             for fe in plan.frontends:
                 self._diff_frontend(ops, fe.key, None, fe)
-            self._diff_port(ops, None, plan, 0.0, full=True)
+            self._diff_firewall(ops, {}, dict(plan.firewall), adding=True)
+            self._add_shared(ops, plan, full=True)
+            self._follow_affinity(None, plan.affinity, 0.0)
             self._ports[name] = self._port_state(plan)
             ops.cut()
         ops.commit(last=True)
@@ -649,6 +654,8 @@ class NftablesBackend:
             tx.add_rules(chain.name, chain.rules)
         tx.flush(Set(Names.CLUSTER_IPS, self._tokens.addr_type))
         tx.add_elements(Names.CLUSTER_IPS, [((k,), _VALUE_NONE) for k in self._cluster_ips])
+        tx.flush(Set(AFFINITY_LOCAL_ENDPOINTS, self._tokens.addr_type))
+        tx.add_elements(AFFINITY_LOCAL_ENDPOINTS, [(k, _VALUE_NONE) for k in self._local_members])
         tx.flush(Set(Names.NODEPORT_IPS, self._tokens.addr_type))
         tx.add_elements(Names.NODEPORT_IPS, [(k, _VALUE_NONE) for k in self._inputs.nodeport_ips])
 
@@ -696,6 +703,10 @@ class NftablesBackend:
         old_fw = {k: v for state in old_states.values() for k, v in state.firewall}
         new_fw = {k: v for plan in plans.values() if plan is not None for k, v in plan.firewall}
         self._diff_firewall(ops, old_fw, new_fw, adding=True)
+        # Shared elements (hairpin, cluster IPs, affinity's local endpoints) come in before
+        # the frontends that need them and go after, however the sync is cut.
+        for plan in plans.values():
+            self._add_shared(ops, plan, full=False)
         new: dict[Key, Frontend] = {}
         for plan in plans.values():
             for fe in plan.frontends if plan is not None else ():
@@ -704,7 +715,12 @@ class NftablesBackend:
             self._diff_frontend(ops, key, old.get(key), new.get(key))
             ops.cut()
         for name, plan in plans.items():
-            self._diff_port(ops, old_states.get(name), plan, now, full=False)
+            self._release_shared(ops, old_states.get(name))
+            self._follow_affinity(
+                state.affinity if (state := old_states.get(name)) else None,
+                plan.affinity if plan else None,
+                now,
+            )
             if plan is not None:
                 self._ports[name] = self._port_state(plan)
             if name in snapshot.services:
@@ -833,17 +849,17 @@ class NftablesBackend:
     ) -> None:
         """Queue the membership changes that move frontend ``key`` between classes."""
         names = self._names
+        if (old is None) != (new is None):
+            if old is None:
+                ops.add(names.dispatch(kind), key)
+            else:
+                ops.delete(names.dispatch(kind), key)
         if self._dispatch != DISPATCH_TREE:
             if old is not None:
                 ops.delete(names.cls(old), key)
             if new is not None:
                 ops.add(names.cls(new), key)
             return
-        if (old is None) != (new is None):
-            if old is None:
-                ops.add(names.dispatch(kind), key)
-            else:
-                ops.delete(names.dispatch(kind), key)
         old_bits = set(class_bits(self._numbers[old])) if old is not None else set()
         new_bits = set(class_bits(self._numbers[new])) if new is not None else set()
         for bit in old_bits - new_bits:
@@ -989,35 +1005,44 @@ class NftablesBackend:
                 if source not in after:
                     ops.delete(names.firewall_allow, (*key, source))
 
-    def _diff_port(
-        self, ops: _Ops, old: _PortState | None, plan: PortPlan | None, now: float, *, full: bool
-    ) -> None:
-        """Queue the shared-set changes of one port and follow its affinity objects.
+    def _add_shared(self, ops: _Ops, plan: PortPlan | None, *, full: bool) -> None:
+        """Count the shared elements of a port's plan, adding those new to the kernel.
 
-        On a full sync ``cluster-ips`` is refilled by the switch, not element by element,
-        and the firewall is written here (nothing reads the generation yet).
+        On a full sync ``cluster-ips`` and the affinity's local endpoints are refilled by
+        the switch (outside generations), not element by element.
         """
+        if plan is None:
+            return
         names = self._names
-        if full and plan is not None:
-            self._diff_firewall(ops, {}, dict(plan.firewall), adding=True)
-        hairpin, cluster_ips = self._hairpin, self._cluster_ips
-        if plan is not None:
-            for host in plan.hairpin:
-                count = hairpin.get(host, 0) + 1
-                hairpin[host] = count
-                if count == 1:
-                    ops.add(names.hairpin, (host, host))
-            count = cluster_ips.get(plan.cluster_ip, 0) + 1
-            cluster_ips[plan.cluster_ip] = count
+        hairpin, cluster_ips, members = self._hairpin, self._cluster_ips, self._local_members
+        for host in plan.hairpin:
+            count = hairpin.get(host, 0) + 1
+            hairpin[host] = count
+            if count == 1:
+                ops.add(names.hairpin, (host, host))
+        count = cluster_ips.get(plan.cluster_ip, 0) + 1
+        cluster_ips[plan.cluster_ip] = count
+        if count == 1 and not full:
+            ops.add(Names.CLUSTER_IPS, (plan.cluster_ip,))
+        for member in plan.affinity.local_members if plan.affinity is not None else ():
+            count = members.get(member, 0) + 1
+            members[member] = count
             if count == 1 and not full:
-                ops.add(Names.CLUSTER_IPS, (plan.cluster_ip,))
-        if old is not None:
-            for host in old.hairpin:
-                if _release(hairpin, host):
-                    ops.delete(names.hairpin, (host, host))
-            if _release(cluster_ips, old.cluster_ip):
-                ops.delete(Names.CLUSTER_IPS, (old.cluster_ip,))
-        self._follow_affinity(old.affinity if old else None, plan.affinity if plan else None, now)
+                ops.add(AFFINITY_LOCAL_ENDPOINTS, member)
+
+    def _release_shared(self, ops: _Ops, old: _PortState | None) -> None:
+        """Count a port's former shared elements out, deleting those no port holds."""
+        if old is None:
+            return
+        names = self._names
+        for host in old.hairpin:
+            if _release(self._hairpin, host):
+                ops.delete(names.hairpin, (host, host))
+        if _release(self._cluster_ips, old.cluster_ip):
+            ops.delete(Names.CLUSTER_IPS, (old.cluster_ip,))
+        for member in old.affinity.local_members if old.affinity is not None else ():
+            if _release(self._local_members, member):
+                ops.delete(AFFINITY_LOCAL_ENDPOINTS, member)
 
     def _follow_affinity(
         self, old: AffinityPlan | None, new: AffinityPlan | None, now: float
@@ -1131,7 +1156,7 @@ _AFFINITY_TYPES = {
 IPv6 one), to read and delete their entries over netlink."""
 
 
-def _release(counts: dict[str, int], key: str) -> bool:
+def _release(counts: dict[Any, int], key: object) -> bool:
     """Count one user of ``key`` less; True when that was the last."""
     left = counts.get(key, 0) - 1
     if left > 0:

@@ -50,6 +50,8 @@ _NFT_MSG_GETSETELEM = 13
 _NFT_MSG_DELSETELEM = 14
 _NLMSG_DONE = 0x3
 _NLM_F_DUMP = 0x300
+_NLM_F_DUMP_INTR = 0x10
+_DUMP_ATTEMPTS = 3
 _NLM_F_REQUEST = 0x1
 _NLM_F_ACK = 0x4
 _NLM_F_CREATE = 0x400
@@ -489,34 +491,48 @@ class ElementWriter:
             + _attr(_NFTA_SET_ELEM_LIST_SET, _string(container))
         )
         with self._lock:
-            seq = self._next()
-            message_type = (_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_GETSETELEM
-            request = _HEADER.pack(
-                16 + len(body), message_type, _NLM_F_REQUEST | _NLM_F_DUMP, seq, 0
-            )
-            try:
-                self._drain()
-                self._sock.sendall(request + body)
-                return self._dump(seq, container, types)
-            except OSError as err:
-                self._replace()
-                raise NftError(f"listing {container}: {err}", err.errno or _errno.EIO) from err
+            for _attempt in range(_DUMP_ATTEMPTS):
+                found = self._read_once(body, container, types)
+                if found is not None:
+                    return found
+        raise NftError(f"listing {container}: interrupted by other changes", _errno.EINTR)
+
+    def _read_once(
+        self, body: bytes, container: str, types: tuple[tuple[str, ...], tuple[str, ...]]
+    ) -> list[tuple[Key, Key]] | None:
+        """One dump; None when the kernel says a commit interrupted it (``NLM_F_DUMP_INTR``:
+        what it returned may miss elements)."""
+        seq = self._next()
+        message_type = (_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_GETSETELEM
+        request = _HEADER.pack(16 + len(body), message_type, _NLM_F_REQUEST | _NLM_F_DUMP, seq, 0)
+        try:
+            self._drain()
+            self._sock.sendall(request + body)
+            return self._dump(seq, container, types)
+        except OSError as err:
+            self._replace()
+            raise NftError(f"listing {container}: {err}", err.errno or _errno.EIO) from err
 
     def _dump(
         self, seq: int, container: str, types: tuple[tuple[str, ...], tuple[str, ...]]
-    ) -> list[tuple[Key, Key]]:
+    ) -> list[tuple[Key, Key]] | None:
         out: list[tuple[Key, Key]] = []
+        interrupted = False
         while True:
             data = self._sock.recv(1 << 20)
             offset = 0
             while offset + _HEADER.size <= len(data):
-                length, kind, _flags, got, _pid = _HEADER.unpack_from(data, offset)
+                length, kind, flags, got, _pid = _HEADER.unpack_from(data, offset)
                 if length < _HEADER.size:
                     break
                 end = offset + length
                 if got == seq:
+                    interrupted = interrupted or bool(flags & _NLM_F_DUMP_INTR)
                     if kind == _NLMSG_DONE:
-                        return out
+                        (code,) = _ERROR.unpack_from(data, offset + _HEADER.size)
+                        if code:
+                            raise NftError(f"listing {container}: {os.strerror(-code)}", -code)
+                        return None if interrupted else out
                     if kind == _NLMSG_ERROR:
                         (code,) = _ERROR.unpack_from(data, offset + _HEADER.size)
                         if code:

@@ -29,10 +29,8 @@ from typing import Any, Protocol
 
 from kubeproxy.backends.nftables.elements import ElementBatch, ElementWriter
 from kubeproxy.backends.nftables.objects import (
-    Chain,
     Element,
     Family,
-    Map,
     NftError,
     Table,
     validate_name,
@@ -45,7 +43,6 @@ __all__ = [
     "MIN_NFT_VERSION",
     "LibNftables",
     "NftExecutor",
-    "check_support",
     "delete_table",
     "errno_from_message",
     "parse_version",
@@ -519,159 +516,3 @@ def delete_table(executor: NftExecutor, family: Family, table: str) -> None:
     except NftError as err:
         if err.errno != errno.ENOENT:
             raise
-
-
-def check_support(executor: NftExecutor, family: Family = Family.IP) -> None:
-    """Raise :class:`NftError` with a clear message unless nftables mode can work here.
-
-    Needs nft (libnftables) >= 1.0.1, and a kernel that accepts, in a dry run of a
-    throw-away table: a table comment, a verdict map, ``numgen``, ``fib``, DNAT and
-    masquerade. Nothing is created.
-    """
-    version = executor.version()
-    if parse_version(version) < MIN_NFT_VERSION:
-        wanted = ".".join(map(str, MIN_NFT_VERSION))
-        raise NftError(f"nftables {version} is too old: nftables mode needs {wanted} or newer")
-    checks = _support_checks(Family(family))
-    # All checks in one dry run (every check is a dry-run transaction of its own, 10-20 ms
-    # each: this is start-up time); only when that fails, one by one to say which.
-    combined = Transaction(Family(family), _SUPPORT_TABLE)
-    for _feature, tx in checks:
-        for _verb, obj in tx.operations():
-            combined.add(obj)
-    try:
-        executor.check(combined)
-    except NftError:
-        pass
-    else:
-        return
-    failures: list[str] = []
-    for feature, tx in checks:
-        try:
-            executor.check(tx)
-        except NftError as err:
-            failures.append(f"{feature}: {err}")
-    if failures:
-        raise NftError(
-            "this kernel cannot run nftables mode; failed checks:\n" + "\n".join(failures),
-            errno.EOPNOTSUPP,
-        )
-
-
-_SUPPORT_TABLE = "kubeproxy-support-check"
-
-
-def _support_checks(family: Family) -> list[tuple[str, Transaction]]:
-    ip = "ip6" if family is Family.IP6 else "ip"
-    addr, other = ("fd00::1", "fd00::2") if family is Family.IP6 else ("10.0.0.1", "10.0.0.2")
-    dnat_to = f"[{other}]:80" if family is Family.IP6 else f"{other}:80"
-    addr_type = "ipv6_addr" if family is Family.IP6 else "ipv4_addr"
-
-    def base(tx: Transaction, comment: str | None = None) -> None:
-        tx.add(Table(comment=comment))
-        tx.add(Chain("prerouting", type="nat", hook="prerouting", priority=-100))
-        tx.add(Chain("postrouting", type="nat", hook="postrouting", priority=100))
-        tx.add(Chain("target"))
-
-    checks: list[tuple[str, Transaction]] = []
-
-    tx = Transaction(family, _SUPPORT_TABLE)
-    base(tx, comment="kubeproxy support check")
-    checks.append(("table comment", tx))
-
-    tx = Transaction(family, _SUPPORT_TABLE)
-    base(tx)
-    tx.add(Map("services", f"{addr_type} . inet_proto . inet_service : verdict"))
-    tx.add_element("services", (addr, "tcp", "80"), ("goto target",), comment="a/b:c")
-    tx.add_rule("prerouting", f"{ip} daddr . meta l4proto . th dport vmap @services")
-    checks.append(("verdict map", tx))
-
-    tx = Transaction(family, _SUPPORT_TABLE)
-    base(tx)
-    tx.add_rule("prerouting", "numgen random mod 2 0 goto target")
-    checks.append(("numgen", tx))
-
-    tx = Transaction(family, _SUPPORT_TABLE)
-    base(tx)
-    tx.add_rule("prerouting", "fib daddr type local goto target")
-    checks.append(("fib", tx))
-
-    tx = Transaction(family, _SUPPORT_TABLE)
-    base(tx)
-    tx.add_rule("target", f"meta l4proto tcp dnat to {dnat_to}")
-    tx.add_rule("postrouting", "masquerade fully-random")
-    checks.append(("dnat and masquerade", tx))
-
-    # Session affinity: a dynamic map the packet path fills (update) and reads (dnat to
-    # ... map). IPv6 uses small per-port `client : endpoint` maps because nft 1.0.6 aborts
-    # on dynamic-map updates whose key and data exceed 32 bytes.
-    tx = Transaction(family, _SUPPORT_TABLE)
-    base(tx)
-    if family is Family.IP6:
-        tx.add(
-            Map(
-                "affinity",
-                f"{addr_type} : {addr_type}",
-                flags=("dynamic", "timeout"),
-                timeout=10800,
-            )
-        )
-        tx.add_rule("target", "meta l4proto tcp dnat to ip6 saddr map @affinity : 80")
-        tx.add_rule(
-            "target",
-            f"update @affinity {{ ip6 saddr timeout 10s : {other} }} meta l4proto tcp "
-            f"dnat to {dnat_to}",
-        )
-    else:
-        tx.add(
-            Map(
-                "affinity",
-                f"{addr_type} . {addr_type} . inet_proto . inet_service : "
-                f"{addr_type} . inet_service",
-                flags=("dynamic", "timeout"),
-                timeout=10800,
-            )
-        )
-        tx.add_rule(
-            "target",
-            "meta l4proto tcp dnat to ip saddr . ip daddr . meta l4proto . th dport map @affinity",
-        )
-        tx.add_rule(
-            "target",
-            "update @affinity { ip saddr . ip daddr . meta l4proto . th dport timeout 10s : "
-            f"{other} . 80 }} meta l4proto tcp dnat to {dnat_to}",
-        )
-    checks.append(("session affinity (dynamic map)", tx))
-
-    # The map structure: endpoint slots chosen by numgen from a typeof map, and (IPv4)
-    # affinity recorded after DNAT from the connection's original destination.
-    tx = Transaction(family, _SUPPORT_TABLE)
-    base(tx)
-    tx.add(
-        Map(
-            "slots",
-            f"{ip} daddr . meta l4proto . th dport . numgen random mod 1 : {ip} daddr . tcp dport",
-            typeof=True,
-        )
-    )
-    tx.add_rule(
-        "target", f"dnat to {ip} daddr . meta l4proto . th dport . numgen random mod 2 map @slots"
-    )
-    if family is not Family.IP6:
-        tx.add(
-            Map(
-                "record",
-                f"{addr_type} . {addr_type} . inet_proto . inet_service : "
-                f"{addr_type} . inet_service",
-                flags=("dynamic", "timeout"),
-                timeout=10800,
-            )
-        )
-        tx.add(Chain("filtered", type="filter", hook="forward", priority=0))
-        tx.add_rule(
-            "filtered",
-            "meta l4proto tcp update @record { ip saddr . ct original ip daddr . meta l4proto . "
-            "ct original proto-dst timeout 10s : ip daddr . th dport }",
-        )
-    checks.append(("endpoint slots (numgen over a typeof map)", tx))
-    return checks

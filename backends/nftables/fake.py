@@ -630,6 +630,8 @@ def _apply_element(run: _Run, key: _Key, verb: str, obj: Element, command: str) 
         if verb == "create" or existing.value != value:
             raise _error(errno.EEXIST, command, "element exists")
         return
+    if interval:
+        _check_no_overlap(run.set(key, obj.container), canonical_key, command)
     size = old_set.spec.size
     if size is not None and len(old_set.elements) >= size:
         raise _error(errno.ENFILE, command, f"set is full (size {size})")
@@ -639,6 +641,24 @@ def _apply_element(run: _Run, key: _Key, verb: str, obj: Element, command: str) 
     if target is not None:
         table.chain_refs[target] = table.chain_refs.get(target, 0) + 1
         run.graph_changed.add(key)
+
+
+def _check_no_overlap(state: _SetState, key: tuple[str, ...], command: str) -> None:
+    """Refuse, as the kernel does, an interval element overlapping one the set holds (the
+    other parts equal, the address or network parts overlapping)."""
+    for other in state.elements:
+        if len(other) != len(key):
+            continue
+        if all(a == b or _overlaps(a, b) for a, b in zip(key, other, strict=True)):
+            raise _error(errno.EEXIST, command, f"interval overlaps {' . '.join(other)}")
+
+
+def _overlaps(a: str, b: str) -> bool:
+    try:
+        first, second = ipaddress.ip_network(a, strict=False), ipaddress.ip_network(b, strict=False)
+    except ValueError:
+        return False
+    return first.version == second.version and first.overlaps(second)
 
 
 def _check_value(

@@ -23,6 +23,7 @@ structure); this module only says *which* class and lists each frontend gets.
 from __future__ import annotations
 
 import functools
+import ipaddress
 import sys
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ from kubeproxy.backends.nftables.services import (
 from kubeproxy.objects import CategorizedEndpoints, Endpoint, IPFamily, ServicePort
 
 __all__ = [
+    "AFFINITY_LOCAL_ENDPOINTS",
     "AFFINITY_MAP_SIZE",
     "DROP",
     "KIND_IP",
@@ -125,6 +127,11 @@ class Frontend:
     record: str | None = None
 
 
+AFFINITY_LOCAL_ENDPOINTS = "affinity-local-endpoints"
+"""The set of ``endpoint . port`` of the node-local lists of ClientIP ports that pick
+from both lists (outside generations: content-named record chains read it)."""
+
+
 @dataclass(frozen=True, slots=True)
 class AffinityMap:
     """One dynamic ``client : endpoint`` map of a Service port's affinity.
@@ -146,15 +153,19 @@ class AffinityPlan:
     maps of the client's endpoint, shared by every frontend that picks from that list.
 
     ``chains`` (content-named: a name always holds the same rules) read the maps before
-    the random pick (``affinity-lookup-``) and write them after DNAT
-    (``affinity-record-``; ``affinity-split-`` replays the Local policy's short-circuit
-    choice to record in the list the pick used). IPv6 has one map per endpoint port: nft
-    1.0.6 aborts on a dynamic-map update wider than 32 bytes, which an IPv6 ``client :
-    endpoint . port`` needs.
+    the random pick (``affinity-lookup-``) and write them after DNAT, one chain for the
+    whole port (``affinity-record-``): a connection's endpoint goes into the map of every
+    list that holds it, as upstream records a client per endpoint, which both its
+    cluster-list and local-list chains read. ``local_members`` (``(ip, port)`` of the
+    local list, when both lists are used) tell the record chain which endpoints the local
+    list holds (:data:`AFFINITY_LOCAL_ENDPOINTS`). IPv6 has one map per endpoint port:
+    nft 1.0.6 aborts on a dynamic-map update wider than 32 bytes, which an IPv6 ``client
+    : endpoint . port`` needs.
     """
 
     maps: tuple[AffinityMap, ...]
     chains: tuple[ChainSpec, ...]
+    local_members: tuple[Key, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,6 +260,7 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
     internal = local if port.internal_policy_local else cluster
     no_endpoint = DROP if eps.has_any else REJECT
     affinity = _Affinity(ctx, port, cluster, local) if sticky else None
+    record = affinity.record() if affinity is not None else None
 
     frontends: list[Frontend] = []
     cluster_key: Key = (cip, proto, port_text)
@@ -262,7 +274,7 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
                 _class(KIND_IP, SHAPE_INTERNAL, len(internal), 0, sticky),
                 internal,
                 lookup=affinity.lookup(internal_list) if affinity else None,
-                record=affinity.record(internal_list) if affinity else None,
+                record=record,
             )
         )
     else:
@@ -288,15 +300,11 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
             main, shortcut = cluster, ()
             shape = SHAPE_EXTERNAL
             served = bool(cluster)
-        lookup = shortcut_lookup = record = None
+        lookup = shortcut_lookup = None
         if affinity is not None and served:
             main_list = _LOCAL_LIST if shape == SHAPE_LOCAL else _CLUSTER_LIST
             lookup = affinity.lookup(main_list) if main else None
             shortcut_lookup = affinity.lookup(_CLUSTER_LIST) if shortcut else None
-            if shape == SHAPE_LOCAL:
-                record = affinity.split(main_list if main else None, bool(shortcut))
-            else:
-                record = affinity.record(main_list)
         for kind, key in external_keys:
             if served:
                 cls = _class(kind, shape, len(main), len(shortcut), sticky)
@@ -309,7 +317,7 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
                     None if main else no_endpoint,
                     lookup,
                     shortcut_lookup,
-                    record,
+                    record if served else None,
                 )
             else:
                 fe = Frontend(kind, key, None, no_endpoint=no_endpoint)
@@ -317,12 +325,7 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
 
     firewall: list[tuple[Key, tuple[str, ...]]] = []
     if port.load_balancer_vips and port.load_balancer_source_ranges:
-        ranges = port.load_balancer_source_ranges
-        allowed = [str(cidr) for cidr in ranges]
-        # A VIP looped back to the node arrives from the VIP itself (upstream allows it).
-        if any(a in cidr for a in ctx.node_addresses for cidr in ranges):
-            allowed.extend(str(vip) for vip in port.load_balancer_vips)
-        sources = tuple(dict.fromkeys(allowed))
+        sources = _allowed_sources(ctx, port)
         for vip in dict.fromkeys(port.load_balancer_vips):
             firewall.append(((str(vip), proto, port_text), sources))
 
@@ -344,6 +347,25 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
     )
 
 
+def _allowed_sources(ctx: RenderContext, port: ServicePort) -> tuple[str, ...]:
+    """A load balancer's source ranges as ``firewall-allow`` takes them: no range inside
+    another (the kernel refuses overlapping entries of an interval set, and one refused
+    element fails the whole sync), and the VIPs when a range holds a node address (a VIP
+    looped back to the node arrives from the VIP itself; upstream allows it), unless a
+    range covers them already."""
+    given = port.load_balancer_source_ranges
+    ranges: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = [
+        *ipaddress.collapse_addresses(c for c in given if isinstance(c, ipaddress.IPv4Network)),
+        *ipaddress.collapse_addresses(c for c in given if isinstance(c, ipaddress.IPv6Network)),
+    ]
+    allowed = [str(cidr) for cidr in ranges]
+    if any(a in cidr for a in ctx.node_addresses for cidr in ranges):
+        for vip in dict.fromkeys(port.load_balancer_vips):
+            if not any(vip in cidr for cidr in ranges):
+                allowed.append(str(vip))
+    return tuple(allowed)
+
+
 class _Affinity:
     """Builds one port's :class:`AffinityPlan` as frontends ask for its chains."""
 
@@ -361,6 +383,20 @@ class _Affinity:
         self.ipv6 = ctx.tokens.family is IPFamily.IPV6
         self.maps: dict[str, AffinityMap] = {}
         self.chains: dict[str, ChainSpec] = {}
+        # The lists some frontend picks from, known before any frontend is built (the
+        # record chain, shared by every frontend, writes each of them).
+        self.used = set()
+        internal = local if port.internal_policy_local else cluster
+        if internal:
+            self.used.add(_LOCAL_LIST if port.internal_policy_local else _CLUSTER_LIST)
+        if port.external_ips or port.load_balancer_vips or port.node_port:
+            if port.external_policy_local:
+                if local:
+                    self.used.add(_LOCAL_LIST)
+                if cluster:
+                    self.used.add(_CLUSTER_LIST)
+            elif cluster:
+                self.used.add(_CLUSTER_LIST)
 
     def _maps_of(self, which: str) -> list[tuple[str, int]]:
         """(map name, endpoint port: 0 for IPv4's one map) of one endpoint list."""
@@ -393,35 +429,39 @@ class _Affinity:
             rules = [f"{_L4} dnat to ip saddr map @{name}" for name, _ in self._maps_of(which)]
         return self._chain("affinity-lookup", rules)
 
-    def record(self, which: str) -> str:
-        """The chain that records a new connection's endpoint in list ``which``'s maps."""
+    def record(self) -> str:
+        """The chain that records a new connection's endpoint in the maps of every list
+        the port picks from that holds it: the cluster list holds every endpoint a pick
+        may choose, the local list those in :data:`AFFINITY_LOCAL_ENDPOINTS` (when the
+        port picks from both)."""
         seconds = self.seconds
-        if self.ipv6:
-            rules = [
-                f"th dport {port} update @{name} {{ ip6 saddr timeout {seconds}s : ip6 daddr }}"
-                for name, port in self._maps_of(which)
-            ]
-        else:
-            rules = [
-                f"update @{name} {{ ip saddr timeout {seconds}s : ip daddr . th dport }}"
-                for name, _ in self._maps_of(which)
-            ]
-        return self._chain("affinity-record", rules)
-
-    def split(self, main: str | None, shortcut: bool) -> str:
-        """The record chain of a Local-policy frontend: the short-circuit picks (local
-        pods, the node itself) use the cluster list, the others the local one; the same
-        tests as the class chain, so the entry lands in the list the pick used."""
+        both = len(self.used) == 2
         rules = []
-        if shortcut:
-            short = self.record(_CLUSTER_LIST)
-            if self.ctx.local_match is not None:
-                rules.append(f"{self.ctx.local_match} goto {short}")
-            rules.append(f"fib saddr type local goto {short}")
-        if main is not None:
-            rules.append(f"goto {self.record(main)}")
-        return self._chain("affinity-split", rules)
+        for which in (_CLUSTER_LIST, _LOCAL_LIST):
+            if which not in self.used:
+                continue
+            ip = "ip6" if self.ipv6 else "ip"
+            member = (
+                f"{ip} daddr . th dport @{AFFINITY_LOCAL_ENDPOINTS} "
+                if both and which == _LOCAL_LIST
+                else ""
+            )
+            for name, port in self._maps_of(which):
+                if self.ipv6:
+                    rules.append(
+                        f"th dport {port} {member}update @{name} "
+                        f"{{ ip6 saddr timeout {seconds}s : ip6 daddr }}"
+                    )
+                else:
+                    rules.append(
+                        f"{member}update @{name} "
+                        f"{{ ip saddr timeout {seconds}s : ip daddr . th dport }}"
+                    )
+        return self._chain("affinity-record", rules)
 
     def plan(self) -> AffinityPlan:
         """Everything asked for so far."""
-        return AffinityPlan(tuple(self.maps.values()), tuple(self.chains.values()))
+        members: tuple[Key, ...] = ()
+        if len(self.used) == 2:
+            members = tuple(endpoint_value(key) for key in self.lists[_LOCAL_LIST])
+        return AffinityPlan(tuple(self.maps.values()), tuple(self.chains.values()), members)

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 from kubeproxy.backends.nftables.elements import supports
 from kubeproxy.backends.nftables.frontends import (
+    AFFINITY_LOCAL_ENDPOINTS,
     KIND_IP,
     KIND_NODEPORT,
     SHAPE_INTERNAL,
@@ -264,8 +265,8 @@ class GenNames:
         ]
         for kind in (KIND_IP, KIND_NODEPORT):
             key_type = _key_type(kind, tokens)
-            if dispatch == DISPATCH_TREE:
-                specs.append(ContainerSpec(self.dispatch(kind), False, key_type))
+            # Both dispatches keep it: affinity-record reads it too.
+            specs.append(ContainerSpec(self.dispatch(kind), False, key_type))
             for name in (
                 self.affinity_lookup(kind, False),
                 self.affinity_lookup(kind, True),
@@ -479,13 +480,17 @@ def _affinity_record_rules(
     (unlike one protocol) survives ``nft list`` as written, so the listing reloads."""
     ip = tokens.table_family
     original = "meta l4proto . ct original proto-dst"
+    frontend = f"ct original {ip} daddr . {original}"
     if match_all_nodeports:
         guard = f"ct original {ip} daddr != {tokens.loopback}"
     else:
         guard = f"ct original {ip} daddr @{Names.NODEPORT_IPS}"
+    # A connection to a Service IP with no affinity may have the port of a NodePort with
+    # one: only a destination no Service IP dispatches went through the NodePorts.
+    not_ip = f"{frontend} != @{names.dispatch(KIND_IP)}"
     return (
-        f"{_L4} ct original {ip} daddr . {original} vmap @{names.affinity_record(KIND_IP)}",
-        f"{guard} {_L4} {original} vmap @{names.affinity_record(KIND_NODEPORT)}",
+        f"{_L4} {frontend} vmap @{names.affinity_record(KIND_IP)}",
+        f"{guard} {_L4} {not_ip} {original} vmap @{names.affinity_record(KIND_NODEPORT)}",
     )
 
 
@@ -525,11 +530,13 @@ def fixed_chain_names(dispatch: str) -> tuple[str, ...]:
 
 
 def public_containers(tokens: FamilyTokens) -> tuple[ContainerSpec, ...]:
-    """The containers outside generations that other components read by name."""
+    """The containers outside generations: other components read the first two by name;
+    the content-named affinity record chains read the third."""
     addr = tokens.addr_type
     return (
         ContainerSpec(Names.CLUSTER_IPS, False, addr, comment="Active ClusterIPs"),
         ContainerSpec(Names.NODEPORT_IPS, False, addr, comment="IPs that accept NodePort traffic"),
+        ContainerSpec(AFFINITY_LOCAL_ENDPOINTS, False, f"{addr} . inet_service"),
     )
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from kubeproxy.backend import ProxySnapshot, SkippedPorts, SyncChanges, SyncError
 from kubeproxy.backends.nftables.claims import Claims
-from kubeproxy.backends.nftables.exec import NftExecutor, check_support, delete_table
+from kubeproxy.backends.nftables.exec import NftExecutor, delete_table
 from kubeproxy.backends.nftables.naming import ChainPrefix, is_affinity_map, is_service_chain
 from kubeproxy.backends.nftables.objects import (
     Chain,
@@ -60,6 +60,7 @@ from kubeproxy.backends.nftables.structure import (
     fixed_structure,
     tokens_for,
 )
+from kubeproxy.backends.nftables.support import check_support
 from kubeproxy.backends.nftables.transaction import Transaction
 from kubeproxy.config import ProxierConfig
 from kubeproxy.objects import (

@@ -23,6 +23,7 @@ from kubeproxy.testing.runner import (
     FlowResult,
     RunOptions,
     Status,
+    default_timeout,
     resolve_backend,
     run_case,
 )
@@ -55,8 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--timeout",
         type=float,
-        default=1.0,
-        help="seconds an attempt waits for an answer; what a DROP costs (default: %(default)s)",
+        default=None,
+        help="seconds an attempt waits for an answer; what a DROP costs (default: 1, "
+        "times KUBEPROXY_FLOW_TIMEOUT_SCALE when set)",
     )
     parser.add_argument("--run-id", help="name part of the run's namespaces (default: random)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
@@ -77,6 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if args.timeout is None:
+        args.timeout = default_timeout()
     if args.timeout <= 0:
         print("error: --timeout must be positive", file=sys.stderr)
         return 2

@@ -16,7 +16,7 @@ from enum import StrEnum
 from typing import Any
 
 from kubeproxy.config import LocalDetectMode
-from kubeproxy.objects import IPAddress, IPFamily
+from kubeproxy.objects import IPAddress, IPFamily, Protocol
 from kubeproxy.testing.cases import Case, OutputKind, StepAction
 from kubeproxy.testing.node import STANDARD_NODE, StandardNode
 
@@ -37,13 +37,15 @@ class ScenePlan:
     """What a case needs in its scene, computed from the case alone.
 
     ``endpoints`` and ``pods`` get a namespace each behind the bridge (or on a routed
-    veth each when ``routed_pods``); ``external`` are the outside's client addresses,
-    a namespace each, and ``self_addressed`` those of them that also send to themselves;
-    ``node_extra`` are loopback destinations the node listens on; ``ports`` is every port
-    a listener answers on (TCP and UDP), except the loopback ``(address, port, protocol)``
-    in ``proxied``: a flow there expects endpoints, which on loopback only a proxy
-    listening in the node can give (upstream's localhost NodePorts in nftables mode), so
-    the runner leaves the place to it. ``bridge_addresses`` are the node's own
+    veth each when ``routed_pods``), listening on their address; ``pods`` are the pod
+    network's flow sources and the destinations of flows the proxy must leave alone;
+    ``external`` are the outside's client addresses, a namespace each, and
+    ``self_addressed`` those of them that also send to themselves; ``node_extra`` are
+    loopback destinations the node listens on; ``ports`` is every port a listener answers
+    on (TCP and UDP, and SCTP when ``sctp``), except the loopback ``(address, port,
+    protocol)`` in ``proxied``: a flow there expects endpoints, which on loopback only a
+    proxy listening in the node can give (upstream's localhost NodePorts in nftables
+    mode), so the runner leaves the place to it. ``bridge_addresses`` are the node's own
     addresses in the pod networks, used by no flow: on the bridge, or on the node's
     loopback when the pods are routed.
     """
@@ -58,6 +60,9 @@ class ScenePlan:
     routed_pods: bool = False
     self_addressed: tuple[IPAddress, ...] = ()
     proxied: frozenset[tuple[IPAddress, int, str]] = frozenset()
+    sctp: bool = False
+    """Whether listeners answer SCTP too (only when a flow needs it: opening an SCTP
+    socket loads the kernel's SCTP module where it is one)."""
 
     def role_of(self, source: IPAddress) -> Role:
         """Where a flow from ``source`` is sent from."""
@@ -144,6 +149,16 @@ def plan_scene(case: Case, node: StandardNode = STANDARD_NODE) -> ScenePlan:
             node_extra.setdefault(flow.dest_ip)
             if flow.output.kind is OutputKind.ENDPOINTS:
                 proxied.add((flow.dest_ip, flow.dest_port, flow.protocol.value))
+        elif (
+            flow.output.kind is OutputKind.UNTOUCHED
+            and flow.dest_ip not in node_addresses
+            and flow.dest_ip not in endpoints
+            and flow.dest_ip in node.pod_cidr(IPFamily.of(flow.dest_ip))
+        ):
+            # Upstream's "no match" flow: a pod talking to another pod, no Service in
+            # sight. The other pod must exist and answer (behind the bridge, where the
+            # node's hooks still see the packet), or the flow could only time out.
+            pods.setdefault(flow.dest_ip)
     used = set(endpoints) | set(pods) | set(external) | {f.dest_ip for f in flows}
     bridge = []
     for family in (IPFamily.IPV4, IPFamily.IPV6):
@@ -161,4 +176,5 @@ def plan_scene(case: Case, node: StandardNode = STANDARD_NODE) -> ScenePlan:
         routed_pods=case.overrides.local_detector is LocalDetectMode.INTERFACE_NAME_PREFIX,
         self_addressed=tuple(self_addressed),
         proxied=frozenset(proxied),
+        sctp=any(flow.protocol is Protocol.SCTP for flow in flows),
     )

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import glob
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from kubeproxy.backend import BackendFactory
 from kubeproxy.testing.cases import Case, CaseFile, FlowCaseWarning, load_case_file
 from kubeproxy.testing.runner import FlowResult, RunOptions, Status, flow_id, run_case
 
-__all__ = ["FlowSuite", "expand_paths", "flow_test"]
+__all__ = ["FlowSuite", "KnownFailure", "expand_paths", "flow_test"]
 
 
 def expand_paths(patterns: Iterable[str | Path], base: str | Path | None = None) -> list[Path]:
@@ -44,6 +45,14 @@ def expand_paths(patterns: Iterable[str | Path], base: str | Path | None = None)
             raise FileNotFoundError(f"no flow-case file matches {str(pattern)!r} (in {root})")
         paths.extend(matches)
     return paths
+
+
+@dataclass(frozen=True, slots=True)
+class KnownFailure:
+    """A flow a backend is known to fail: the words its failure shows, and why."""
+
+    words: str
+    reason: str
 
 
 class FlowSuite:
@@ -106,6 +115,7 @@ def flow_test(
     options: RunOptions | None = None,
     base: str | Path | None = None,
     marks: Sequence[Any] = (),
+    known_failures: Mapping[str, KnownFailure] | None = None,
 ) -> Callable[[str], None]:
     """A pytest test function parametrised over every flow of the files.
 
@@ -113,13 +123,33 @@ def flow_test(
     entry-point name, ``module:attribute``, or a factory; ``marks`` are applied to the
     test (``pytest.mark.kernel``, say). Unknown keys and actions in the files are
     reported as :class:`~kubeproxy.testing.cases.FlowCaseWarning` at collection.
+    ``known_failures`` maps flow ids to a :class:`KnownFailure`: where the backend is
+    known to differ (a behaviour it shares with the upstream mode it follows, say).
+    Such a flow must fail *with those words* and is then reported as ``xfail``; one
+    that passes, or fails otherwise, fails the test, so the list cannot go stale. An id
+    that names no flow is an error.
     """
     suite = FlowSuite(paths, backend, options, base=base)
     for message in suite.warnings:
         warnings.warn(FlowCaseWarning(message), stacklevel=2)
+    known = dict(known_failures or {})
+    unknown = sorted(set(known) - set(suite.ids))
+    if unknown:
+        raise ValueError(f"known failures name no flow: {', '.join(unknown)}")
 
     def test_flow(flow: str) -> None:
-        suite.check(flow)
+        expected = known.get(flow)
+        if expected is None:
+            suite.check(flow)
+            return
+        result = suite.result(flow)
+        if result.status is Status.SKIP:
+            pytest.skip(result.detail)
+        if result.status is Status.PASS:
+            pytest.fail(f"known failure passed (remove it from the list): {result.detail}")
+        if expected.words not in result.detail:
+            pytest.fail(f"{result.flow}: {result.detail} (known to fail otherwise)", False)
+        pytest.xfail(expected.reason)
 
     decorated: Callable[[str], None] = pytest.mark.parametrize("flow", suite.ids, ids=suite.ids)(
         test_flow

@@ -490,10 +490,13 @@ class Scene:
             where.append((name, address, 4, False))
         where.append((self.world_ns, None, 4, True))
         where.append((self.world_ns, None, 6, True))
+        protocols = (Protocol.TCP, Protocol.UDP, *((Protocol.SCTP,) if plan.sctp else ()))
         for namespace, bind, version, transparent in where:
             fd = self._fds[namespace]
             for port in plan.ports:
-                for protocol in (Protocol.TCP, Protocol.UDP):
+                # SCTP has no transparent sockets: the catch-all world answers TCP and
+                # UDP only.
+                for protocol in protocols if not transparent else protocols[:2]:
                     if (bind, port, protocol.value) in plan.proxied:
                         continue  # a proxy under test listens there
                     sock = make_listener(

@@ -80,6 +80,15 @@ def _reply(local: tuple[str, int], peer: tuple[str, int]) -> bytes:
     return b"%s %s %s\n" % (_REPLY_TAG, here.encode(), there.encode())
 
 
+def _socket(family: socket.AddressFamily, protocol: Protocol) -> socket.socket:
+    """A TCP, UDP or SCTP socket; SCTP one-to-one style, so it works as TCP's does."""
+    if protocol is Protocol.UDP:
+        return socket.socket(family, socket.SOCK_DGRAM)
+    if protocol is Protocol.SCTP:
+        return socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_SCTP)
+    return socket.socket(family, socket.SOCK_STREAM)
+
+
 def make_listener(
     netns_fd: int,
     address: IPAddress | None,
@@ -89,7 +98,7 @@ def make_listener(
     version: int = 4,
     transparent: bool = False,
 ) -> socket.socket:
-    """A listening socket (TCP) or bound socket (UDP) inside the namespace ``netns_fd``.
+    """A listening socket (TCP, SCTP) or bound socket (UDP) inside the namespace ``netns_fd``.
 
     ``address=None`` binds the wildcard address of ``version``; ``transparent`` lets the
     socket answer from addresses that are not configured (the catch-all of a scene).
@@ -97,9 +106,8 @@ def make_listener(
     if address is not None:
         version = address.version
     family = socket.AF_INET if version == 4 else socket.AF_INET6
-    kind = socket.SOCK_STREAM if protocol is Protocol.TCP else socket.SOCK_DGRAM
     with entered(netns_fd):
-        sock = socket.socket(family, kind)
+        sock = _socket(family, protocol)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if family == socket.AF_INET6:
@@ -116,7 +124,7 @@ def make_listener(
                 sock.setsockopt(socket.IPPROTO_IPV6, _IPV6_RECVPKTINFO, 1)
         host = str(address) if address is not None else ("0.0.0.0" if version == 4 else "::")
         sock.bind((host, port))
-        if protocol is Protocol.TCP:
+        if protocol is not Protocol.UDP:
             sock.listen(1024)
         sock.setblocking(False)
     except BaseException:
@@ -328,12 +336,11 @@ class Prober:
         return list(await asyncio.gather(*tries))
 
     async def attempt(self, netns_fd: int, flow: Flow, *, mark: int = 0) -> Observation:
-        """One new connection (TCP) or one datagram from a new socket (UDP); ``mark``
+        """One new connection (TCP, SCTP) or one datagram from a new socket (UDP); ``mark``
         (``SO_MARK``) selects the client namespace's policy route when not 0."""
         async with self._limit:
-            kind = socket.SOCK_STREAM if flow.protocol is Protocol.TCP else socket.SOCK_DGRAM
             with entered(netns_fd):
-                sock = socket.socket(_family(flow.source_ip), kind)
+                sock = _socket(_family(flow.source_ip), flow.protocol)
             try:
                 if mark:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, mark)
@@ -364,7 +371,7 @@ class Prober:
         target = (str(flow.dest_ip), flow.dest_port)
         try:
             async with asyncio.timeout(self.timeout):
-                if flow.protocol is Protocol.TCP:
+                if flow.protocol is not Protocol.UDP:
                     await loop.sock_connect(sock, target)
                     data = b""
                     while not data.endswith(b"\n"):

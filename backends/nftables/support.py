@@ -1,0 +1,433 @@
+"""Can this node run nftables mode? Named feature probes, each with the kernel that has it.
+
+Every kernel feature the rule structures use is a :class:`FeatureProbe`: a few lines of
+nft (the rules, and the sets and maps they read) and the first kernel (and nft) known to
+have it. A structure that starts using a new feature adds a probe to :data:`PROBES`;
+nothing else changes.
+
+Why probes are committed, not dry-run: the kernel checks where an expression may run
+(``reject`` only in some hooks, say) when a transaction is *committed*; a dry run (``nft
+-c``) aborts before that and accepts what the commit would refuse (measured on 6.18:
+``reject`` in a postrouting chain passes ``nft -c`` and fails ``nft -f``; adding and
+deleting the table in one transaction passes too). So each probe's rules sit in a
+regular chain that a base chain of the probe's hook jumps to only for IP protocol 255
+(reserved: no packet has it), in a throw-away table :data:`PROBE_TABLE` that is deleted
+right after. :func:`check_support` commits all probes in one transaction (a few
+milliseconds of start-up), and only when that fails each probe on its own, to name what is
+missing, in one line::
+
+    kernel 5.4.0-150 lacks interval concatenations (Linux 5.6+; used for
+    loadBalancerSourceRanges); nftables mode needs Linux 5.10 or newer (first error: ...)
+
+Upstream refuses nftables mode below Linux 5.13 by version number; we test the features
+instead (distribution kernels backport features, or lack them). Which kernels were tested
+and how each probe fared there is in the README ("Kernels tested").
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Sequence
+from dataclasses import dataclass
+from string import Template
+from typing import Final
+
+from kubeproxy.backends.nftables.exec import (
+    MIN_NFT_VERSION,
+    NftExecutor,
+    delete_table,
+    parse_version,
+)
+from kubeproxy.backends.nftables.fake import parse_commands
+from kubeproxy.backends.nftables.layout import MAX_CLASS_BITS
+from kubeproxy.backends.nftables.objects import Family, NftError
+from kubeproxy.backends.nftables.transaction import Transaction
+
+__all__ = [
+    "MIN_KERNEL",
+    "PROBES",
+    "PROBE_TABLE",
+    "FeatureProbe",
+    "ProbeResult",
+    "check_support",
+    "probe_all",
+    "probe_transaction",
+]
+
+PROBE_TABLE: Final = "kubeproxy-support-check"
+"""The throw-away table the probes are committed to (and deleted from at once)."""
+UNUSED_PROTOCOL: Final = 255
+"""IP protocol number 255 is reserved: the jump into a probe's rules never matches."""
+
+
+@dataclass(frozen=True, slots=True)
+class FeatureProbe:
+    """One kernel feature nftables mode needs, as a few lines of nft.
+
+    ``rules`` go into a regular chain ``<key>-probe``, reached from a base chain of type
+    ``hook[0]`` at hook ``hook[1]`` (a jump that never matches); ``objects`` are the
+    sets, maps, elements and chains they use, written ``<noun> <name> ...`` as in ``add
+    <noun> <family> <table> <name> ...``. Placeholders, filled per family: ``$ip`` (``ip``
+    or ``ip6``), ``$addr_type``, ``$addr`` and ``$other`` (two addresses), ``$dnat_to``
+    (``$other`` with port 80). Names start with ``key`` (all probes also run as one
+    transaction). ``kernel`` and ``nft`` are the first versions known to have the
+    feature, ``evidence`` how that is known; ``used_for`` says what needs it. A probe
+    that is not ``required`` is reported by the kernel matrix but refuses nothing (a
+    feature a structure may come to use).
+    """
+
+    key: str
+    name: str
+    kernel: str
+    nft: str
+    used_for: str
+    hook: tuple[str, str]
+    rules: tuple[str, ...]
+    objects: tuple[str, ...] = ()
+    families: frozenset[Family] = frozenset({Family.IP, Family.IP6})
+    evidence: str = "kernel history"
+    required: bool = True
+
+
+_OLDEST_TESTED = "oldest kernel tested: Debian 11's 5.10"
+
+TREE_DEPTH: Final = 6 + MAX_CLASS_BITS
+"""How deep the class dispatch's paths go below a base chain (``services``, the tree, the
+class, its pick and the affinity lookup, and one level per set bit of a class number)."""
+
+
+def _tree_probe(depth: int) -> FeatureProbe:
+    """Chains ``depth`` levels deep below the base chain, each level a set lookup and a
+    goto, as the class dispatch's decision tree builds them."""
+    levels = range(1, depth)
+    return FeatureProbe(
+        "tree",
+        f"paths of {depth} chains (set lookups and gotos)",
+        "3.13",
+        "0.9.0",
+        "the class dispatch's decision tree (the kernel refuses 16 levels)",
+        ("nat", "prerouting"),
+        ("$ip daddr @tree-set goto tree-1",),
+        (
+            "set tree-set { type $addr_type ; }",
+            *(f"chain tree-{n}" for n in levels),
+            *(f"rule tree-{n} $ip daddr @tree-set goto tree-{n + 1}" for n in levels[:-1]),
+        ),
+    )
+
+
+PROBES: Final[tuple[FeatureProbe, ...]] = (
+    FeatureProbe(
+        "comment",
+        "table comments",
+        "5.10",
+        "0.9.7",
+        "the table's comment (NFTA_TABLE_USERDATA), as upstream's table has",
+        ("filter", "input"),
+        ("accept",),
+    ),
+    FeatureProbe(
+        "vmap",
+        "concatenated verdict maps",
+        "4.1",
+        "0.9.0",
+        "dispatching on address . protocol . port",
+        ("nat", "prerouting"),
+        ("$ip daddr . meta l4proto . th dport vmap @vmap-map",),
+        (
+            "chain vmap-target",
+            "map vmap-map { type $addr_type . inet_proto . inet_service : verdict ; }",
+            'element vmap-map { $addr . tcp . 80 comment "a/b:c" : goto vmap-target }',
+        ),
+    ),
+    FeatureProbe(
+        "fib",
+        "fib address type",
+        "4.10",
+        "0.9.0",
+        "NodePorts on every local address; LoadBalancer traffic from the node itself",
+        ("nat", "prerouting"),
+        ("fib daddr type local goto fib-target", "fib saddr type local goto fib-target"),
+        ("chain fib-target",),
+    ),
+    FeatureProbe(
+        "slots",
+        "DNAT to address . port from a typeof map keyed by numgen",
+        "5.10",
+        "1.0.1",
+        "choosing an endpoint slot (numgen random) of a Service",
+        ("nat", "prerouting"),
+        ("dnat to $ip daddr . meta l4proto . th dport . numgen random mod 2 map @slots-map",),
+        (
+            "map slots-map { typeof $ip daddr . meta l4proto . th dport . numgen random mod 1"
+            " : $ip daddr . tcp dport ; }",
+        ),
+        evidence=_OLDEST_TESTED,
+    ),
+    FeatureProbe(
+        "record",
+        "ct original in a concatenated verdict-map key",
+        "5.10",
+        "1.0.1",
+        "finding, after DNAT, the affinity record chain of a connection's Service port",
+        ("filter", "forward"),
+        (
+            "meta l4proto { tcp, udp, sctp } ct original $ip daddr . meta l4proto"
+            " . ct original proto-dst vmap @record-map",
+        ),
+        (
+            "chain record-target",
+            "map record-map { type $addr_type . inet_proto . inet_service : verdict ; }",
+            "element record-map { $addr . tcp . 80 : goto record-target }",
+        ),
+        evidence=_OLDEST_TESTED,
+    ),
+    FeatureProbe(
+        "lookup4",
+        "DNAT to address . port from a map the packet path fills",
+        "5.10",
+        "1.0.1",
+        "ClientIP session affinity: the recorded endpoint of a client",
+        ("nat", "prerouting"),
+        ("meta l4proto { tcp, udp, sctp } dnat to ip saddr map @lookup4-map",),
+        (
+            "map lookup4-map { type ipv4_addr : ipv4_addr . inet_service ;"
+            " flags dynamic,timeout ; timeout 10800s ; }",
+        ),
+        frozenset({Family.IP}),
+        evidence=_OLDEST_TESTED,
+    ),
+    FeatureProbe(
+        "lookup6",
+        "DNAT to an address from a map the packet path fills",
+        "5.10",
+        "1.0.1",
+        "ClientIP session affinity: the recorded endpoint of a client",
+        ("nat", "prerouting"),
+        ("meta l4proto { tcp, udp, sctp } dnat to ip6 saddr map @lookup6-map : 80",),
+        (
+            "map lookup6-map { type ipv6_addr : ipv6_addr ;"
+            " flags dynamic,timeout ; timeout 10800s ; }",
+        ),
+        frozenset({Family.IP6}),
+        evidence=_OLDEST_TESTED,
+    ),
+    FeatureProbe(
+        "update4",
+        "map updates with a timeout from the packet path",
+        "5.10",
+        "1.0.1",
+        "ClientIP session affinity: recording a new connection's endpoint",
+        ("filter", "forward"),
+        ("update @update4-map { ip saddr timeout 10s : ip daddr . th dport }",),
+        (
+            "map update4-map { type ipv4_addr : ipv4_addr . inet_service ;"
+            " flags dynamic,timeout ; timeout 10800s ; }",
+        ),
+        frozenset({Family.IP}),
+        evidence=_OLDEST_TESTED,
+    ),
+    FeatureProbe(
+        "update6",
+        "map updates with a timeout from the packet path",
+        "5.10",
+        "1.0.1",
+        "ClientIP session affinity: recording a new connection's endpoint",
+        ("filter", "forward"),
+        ("th dport 80 update @update6-map { ip6 saddr timeout 10s : ip6 daddr }",),
+        (
+            "map update6-map { type ipv6_addr : ipv6_addr ;"
+            " flags dynamic,timeout ; timeout 10800s ; }",
+        ),
+        frozenset({Family.IP6}),
+        evidence=_OLDEST_TESTED,
+    ),
+    _tree_probe(TREE_DEPTH),
+    FeatureProbe(
+        "interval",
+        "interval concatenations",
+        "5.6",
+        "0.9.4",
+        "loadBalancerSourceRanges (address . protocol . port . source range)",
+        ("filter", "prerouting"),
+        ("$ip daddr . meta l4proto . th dport . $ip saddr @interval-set return",),
+        (
+            "set interval-set { type $addr_type . inet_proto . inet_service . $addr_type ;"
+            " flags interval ; }",
+        ),
+    ),
+    FeatureProbe(
+        "reject",
+        "reject in the input, forward and output hooks",
+        "3.18",
+        "0.9.0",
+        "refusing connections to Services without endpoints",
+        ("filter", "forward"),
+        ("$ip daddr $addr reject",),
+    ),
+    FeatureProbe(
+        "prereject",
+        "reject in prerouting",
+        "5.9",
+        "0.9.0",
+        "nothing yet (a structure refusing before DNAT would)",
+        ("filter", "prerouting"),
+        ("$ip daddr $addr reject",),
+        required=False,
+    ),
+    FeatureProbe(
+        "dnat",
+        "DNAT",
+        "3.18",
+        "0.9.0",
+        "every Service",
+        ("nat", "prerouting"),
+        ("meta l4proto tcp dnat to $dnat_to",),
+    ),
+    FeatureProbe(
+        "masq",
+        "fully-random masquerade",
+        "3.18",
+        "0.9.0",
+        "masquerading",
+        ("nat", "postrouting"),
+        ("masquerade fully-random",),
+    ),
+)
+"""The features the map structure (and the previous chain structure) use."""
+
+_PRIORITIES: Final = {"filter": 0, "nat": 100}
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("."))
+
+
+MIN_KERNEL: Final = max((p.kernel for p in PROBES if p.required), key=_release)
+"""The first kernel with every required probe's feature (the table comment's: 5.10)."""
+
+
+def _tokens(family: Family) -> dict[str, str]:
+    if family is Family.IP6:
+        return {
+            "ip": "ip6",
+            "addr_type": "ipv6_addr",
+            "addr": "fd00::1",
+            "other": "fd00::2",
+            "dnat_to": "[fd00::2]:80",
+        }
+    return {
+        "ip": "ip",
+        "addr_type": "ipv4_addr",
+        "addr": "10.0.0.1",
+        "other": "10.0.0.2",
+        "dnat_to": "10.0.0.2:80",
+    }
+
+
+def _probe_lines(probe: FeatureProbe) -> list[str]:
+    kind, hook = probe.hook
+    base, chain = f"{probe.key}-hook", f"{probe.key}-probe"
+    return [
+        f"chain {base} {{ type {kind} hook {hook} priority {_PRIORITIES[kind]} ; }}",
+        f"chain {chain}",
+        *probe.objects,
+        f"rule {base} meta l4proto {UNUSED_PROTOCOL} jump {chain}",
+        *(f"rule {chain} {rule}" for rule in probe.rules),
+    ]
+
+
+def probe_transaction(probes: Sequence[FeatureProbe], family: Family) -> Transaction:
+    """One transaction creating :data:`PROBE_TABLE` with ``probes`` (those for ``family``)."""
+    tokens = _tokens(family)
+    lines = [f'add table {family} {PROBE_TABLE} {{ comment "kubeproxy support check" ; }}']
+    for probe in probes:
+        if family not in probe.families:
+            continue
+        for line in _probe_lines(probe):
+            noun, _, rest = Template(line).substitute(tokens).partition(" ")
+            lines.append(f"add {noun} {family} {PROBE_TABLE} {rest}")
+    tx = Transaction(family, PROBE_TABLE)
+    for _family, _table, _verb, obj in parse_commands("\n".join(lines)):
+        tx.add(obj)
+    return tx
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    """How one probe fared: ``error`` is nft's message when the kernel refused it."""
+
+    probe: FeatureProbe
+    family: Family
+    error: str | None
+
+    @property
+    def ok(self) -> bool:
+        """Whether the kernel accepted the probe."""
+        return self.error is None
+
+
+def _try(executor: NftExecutor, probes: Sequence[FeatureProbe], family: Family) -> str | None:
+    """Commit the probes, then delete them; None, or nft's error (nothing was created)."""
+    tx = probe_transaction(probes, family)
+    try:
+        executor.run(tx)
+    except NftError as err:
+        return " ".join(str(err).split())
+    finally:
+        delete_table(executor, family, PROBE_TABLE)
+    return None
+
+
+def probe_all(
+    executor: NftExecutor, family: Family, probes: Sequence[FeatureProbe] = PROBES
+) -> list[ProbeResult]:
+    """Every probe for ``family`` (of :data:`PROBES` unless given), each on its own."""
+    return [
+        ProbeResult(probe, family, _try(executor, [probe], family))
+        for probe in probes
+        if family in probe.families
+    ]
+
+
+def _kernel_release() -> str:
+    try:
+        with open("/proc/sys/kernel/osrelease") as release:
+            return release.read().strip()
+    except OSError:
+        return "(unknown)"
+
+
+def check_support(
+    executor: NftExecutor,
+    family: Family = Family.IP,
+    *,
+    probes: Sequence[FeatureProbe] = PROBES,
+) -> None:
+    """Raise :class:`NftError` in one line unless nftables mode can run here.
+
+    Needs nft (libnftables) >= 1.0.1 and a kernel that accepts every required probe.
+    The message names the kernel, each missing feature with the first kernel that has
+    it, and the kernel that has them all. Leaves nothing behind.
+    """
+    version = executor.version()
+    if parse_version(version) < MIN_NFT_VERSION:
+        wanted = ".".join(map(str, MIN_NFT_VERSION))
+        raise NftError(f"nftables {version} is too old: nftables mode needs {wanted} or newer")
+    family = Family(family)
+    required = [p for p in probes if p.required]
+    together = _try(executor, required, family)
+    if together is None:
+        return
+    missing = [r for r in probe_all(executor, family, required) if not r.ok]
+    if not missing:  # each passes alone but not all together: nft's words, unexplained
+        raise NftError(f"the nftables support check failed: {together}", errno.EOPNOTSUPP)
+    lacks = "; ".join(
+        f"{r.probe.name} (Linux {r.probe.kernel}+; used for {r.probe.used_for})" for r in missing
+    )
+    needed = max([MIN_KERNEL, *(r.probe.kernel for r in missing)], key=_release)
+    raise NftError(
+        f"kernel {_kernel_release()} lacks {lacks}; nftables mode needs Linux {needed} or newer"
+        f" (first error: {missing[0].error})",
+        errno.EOPNOTSUPP,
+    )
