@@ -30,6 +30,19 @@ Record kinds and their fields (every record also has ``subject``, one of
 * ``whole_process``: ``services``, ``how`` (the command), ``rounds``, ``seconds`` (median
   from process start to exit), ``min_s``, ``max_s``, ``peak_mb`` (the process's peak RSS,
   ``wait4``), ``ok``, ``timed_out``;
+* ``daemon`` (issue 20: ``kube-proxy-nftables`` started as a process, :mod:`bench.daemonbench`):
+  ``services``, ``source`` (``api``, ``manifests``, ``manifests-yaml``), ``livez_s`` and
+  ``healthz_s`` (first answers, from the process start), ``healthz_before_sync`` (the
+  codes ``/healthz`` gave before its first 200), ``first_sync_s`` (``/healthz`` turning
+  200), ``peak_mb`` and ``rss_mb`` (the daemon's), ``split_source_mb``,
+  ``split_proxier_mb``, ``split_backend_mb`` (where its memory is, at 100k), and with
+  partial syncs ``median_ms``, ``p90_ms``, ``max_ms``, ``mean_ms`` (its own
+  partial-sync metric, one endpoint change at a time), ``ok``;
+* ``daemon_churn``: ``services``, ``rate``, ``wall_s``, ``cpu_share``, ``partial_syncs``,
+  ``syncs_per_s``, ``partial_mean_ms``, ``programming_p50_s``/``programming_p99_s`` (the
+  histogram buckets holding them), ``programming_mean_s``, ``programming_over_1s``, ``ok``;
+* ``incremental_cadence``: ``services``, ``gap_s``, ``median_ms``, ``p90_ms``, ``max_ms``:
+  the in-process endpoint change, one every ``gap_s`` seconds (the daemon's cadence);
 * ``churn``: ``services``, ``rate`` (endpoint changes per second), ``seconds`` (the
   window), ``changes``, ``syncs``, ``syncs_per_s``, ``full_syncs``, ``failed_syncs``,
   ``sync_p50_ms``, ``sync_p99_ms``, ``sync_max_ms`` (the core's sync durations),
@@ -405,6 +418,90 @@ def _churn_table(records: Sequence[Record]) -> list[str]:
     )
 
 
+def _seconds_or_dash(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _daemon_table(records: Sequence[Record]) -> list[str]:
+    found = sorted(find(records, kind="daemon"), key=lambda r: (r["services"], r["source"]))
+    if not found:
+        return []
+    rows = []
+    for r in found:
+        cold = full_sync(records, r["services"])
+        inproc = one(
+            records, kind="incremental", subject=OURS, services=r["services"], op="endpoint"
+        )
+        split = (
+            f"{r['split_source_mb']:.0f} / {r['split_proxier_mb']:.0f} / "
+            f"{r['split_backend_mb']:.0f}"
+            if r.get("split_source_mb") is not None
+            else "-"
+        )
+        rows.append(
+            (
+                size_label(r["services"]),
+                r["source"],
+                f"{_seconds_or_dash(r.get('livez_s'))} / {_seconds_or_dash(r.get('healthz_s'))}",
+                f"{r['first_sync_s']:.1f}" + (f" ({cold['seconds']:.1f})" if cold else ""),
+                f"{r['peak_mb']:.0f}",
+                split,
+                "-"
+                if r.get("median_ms") is None
+                else f"{r['median_ms']:.2f} / {r['p90_ms']:.2f} / {r['max_ms']:.2f}"
+                + (f" ({inproc['median_ms']:.2f})" if inproc else ""),
+            )
+        )
+    lines = _table(
+        (
+            "Services",
+            "source",
+            "/livez / /healthz listening (s)",
+            "first sync s (in-process cold)",
+            "peak MB",
+            "source / proxier / backend MB",
+            "partial sync p50 / p90 / max ms (in-process p50)",
+        ),
+        rows,
+    )
+    return [
+        *lines,
+        "",
+        "Times from the process start. The first sync ends when `/healthz` turns 200 (it "
+        "answers 503 until every family's first sync); a partial sync is the daemon's own "
+        "`kubeproxy_sync_partial_proxy_rules_duration_seconds` for one endpoint change at a "
+        "time (minSyncPeriod 1 s apart), the in-process figure the incremental endpoint "
+        "median of `test_control_plane` in this run.",
+    ]
+
+
+def _daemon_churn_table(records: Sequence[Record]) -> list[str]:
+    found = sorted(find(records, kind="daemon_churn"), key=lambda r: r["services"])
+    if not found:
+        return []
+    return _table(
+        (
+            "Services",
+            "changes/s for s",
+            "partial syncs/s",
+            "mean partial sync (ms)",
+            "network programming p50 / p99 (s, buckets)",
+            "CPU share of one core",
+        ),
+        (
+            (
+                size_label(r["services"]),
+                f"{r['rate']:g} for {r['wall_s']:.0f}",
+                f"{r['syncs_per_s']:.2f}",
+                _seconds_or_dash(r.get("partial_mean_ms")),
+                f"{r.get('programming_p50_s')} / {r.get('programming_p99_s')}",
+                f"{r['cpu_share']:.1%}",
+            )
+            for r in found
+        ),
+    )
+
+
 def _tools_table(records: Sequence[Record]) -> list[str]:
     """Per full sync, the seconds (calls) of each kernel tool that took a tenth or more."""
     rows = []
@@ -533,6 +630,7 @@ _TARGET_TITLES = {
     11: "nftables at 100k Services: targets (issue 11), the map structure "
     "(chain structure's figures quoted)",
     19: "Real clusters: targets (issue 19), the map structure (one rule per class, before, quoted)",
+    20: "The daemon a node runs, against the in-process figures of this run (issue 20)",
 }
 
 
@@ -685,6 +783,11 @@ def render_markdown(run: dict[str, Any]) -> str:
             "connection",
             _classes_table(records),
         ),
+        (
+            "The daemon a node runs (kube-proxy-nftables, started as a process; issue 20)",
+            _daemon_table(records),
+        ),
+        ("The daemon under churn through the API (issue 20)", _daemon_churn_table(records)),
     ]
     for title, lines in sections:
         if lines:

@@ -1,10 +1,12 @@
 """The performance targets the benchmarks check, and the record lookups they share.
 
-Two sets, each evaluated on the shipped nftables backend (``kubeproxy-nftables``, the map
-structure): issue 4's (:func:`backend_targets`: against upstream's structure, growth
-close to linear, incremental syncs at 10k) and issue 11's (:func:`scale_targets`:
+Three sets, each evaluated on the shipped nftables backend (``kubeproxy-nftables``, the
+map structure): issue 4's (:func:`backend_targets`: against upstream's structure, growth
+close to linear, incremental syncs at 10k), issue 11's (:func:`scale_targets`:
 per-change cost independent of the cluster, 100k Services, the whole process, churn),
-where the per-Service-chain structure's figure of the same run is quoted next to ours.
+where the per-Service-chain structure's figure of the same run is quoted next to ours,
+and issue 20's (:func:`daemon_targets`: the daemon a node runs, started as a process,
+against the in-process figures of the same run).
 Records are the flat dicts :mod:`bench.report` documents.
 """
 
@@ -28,6 +30,7 @@ __all__ = [
     "Record",
     "TargetCheck",
     "backend_targets",
+    "daemon_targets",
     "evaluate_targets",
     "find",
     "full_sync",
@@ -728,6 +731,215 @@ def issue19_targets(records: Sequence[Record]) -> list[TargetCheck]:
     return [*_class_targets(records), *_realistic_targets(records)]
 
 
+# Issue 20: the daemon a node runs, next to the in-process figures of the same run ----------
+
+DAEMON_PARTIAL_MAX_RATIO = 2.0  # the daemon's partial-sync median / in-process endpoint median
+DAEMON_FIRST_SYNC_MAX_RATIO = 2.0  # first sync from process start / in-process cold sync
+DAEMON_PEAK_100K_MAX_MB = 1024.0
+DAEMON_LISTEN_MAX_S = 1.0  # /livez and /healthz answering, from the process start
+CHURN_DAEMON_CPU_MAX = 0.03
+CHURN_DAEMON_PARTIAL_MAX_MS = 5.0
+CHURN_PROGRAMMING_P99_MAX_S = 1.0
+DAEMON_SOURCES = ("api", "manifests")  # judged; YAML manifests are reported beside
+
+
+def _issue20(target: str, measured: str, holds: bool | None) -> TargetCheck:
+    return TargetCheck(target, measured, holds, issue=20)
+
+
+def _daemon(records: Sequence[Record], source: str, services: int) -> Record | None:
+    return one(records, kind="daemon", subject=OURS, source=source, services=services)
+
+
+def _ratio_target(
+    records: Sequence[Record],
+    target: str,
+    cells: Sequence[tuple[str, int]],
+    figures: Any,
+    limit: float,
+    unit: str,
+) -> TargetCheck:
+    """``figures(source, n) -> (daemon value, in-process value) | None`` for each cell;
+    the target holds when every measured ratio is within ``limit``."""
+    parts, ratios = [], []
+    for source, n in cells:
+        pair = figures(source, n)
+        if pair is None:
+            continue
+        ours, base = pair
+        ratio = ours / base if base else math.inf
+        judged = source in DAEMON_SOURCES
+        if judged:
+            ratios.append(ratio)
+        parts.append(
+            f"{source} {size_label(n)} {ours:.{2 if unit == 'ms' else 1}f} vs "
+            f"{base:.{2 if unit == 'ms' else 1}f} {unit} ({ratio:.1f}x)"
+            + ("" if judged else ", not judged")
+        )
+    judged_cells = [c for c in cells if c[0] in DAEMON_SOURCES]
+    return _issue20(
+        target,
+        "; ".join(parts) if parts else "not measured",
+        None if len(ratios) < len(judged_cells) else all(r <= limit for r in ratios),
+    )
+
+
+def _partial_target(records: Sequence[Record]) -> TargetCheck:
+    def figures(source: str, n: int) -> tuple[float, float] | None:
+        daemon = _daemon(records, source, n)
+        inproc = _incremental_at(records, OURS, n, "endpoint")
+        if daemon is None or inproc is None or daemon.get("median_ms") is None:
+            return None
+        return float(daemon["median_ms"]), float(inproc["median_ms"])
+
+    check = _ratio_target(
+        records,
+        f"the daemon's own partial-sync metric (median) within {DAEMON_PARTIAL_MAX_RATIO:g}x "
+        "of the in-process incremental endpoint change, at 30k and 100k, API and manifests",
+        [(s, n) for n in (30_000, 100_000) for s in DAEMON_SOURCES],
+        figures,
+        DAEMON_PARTIAL_MAX_RATIO,
+        "ms",
+    )
+    cadence = [
+        f"{size_label(r['services'])} {r['median_ms']:.2f} ms"
+        for r in sorted(
+            find(records, kind="incremental_cadence", subject=OURS), key=lambda r: r["services"]
+        )
+    ]
+    if not cadence:
+        return check
+    note = f"; in-process at the daemon's cadence (a change a second): {', '.join(cadence)}"
+    return _issue20(check.target, check.measured + note, check.holds)
+
+
+def _first_sync_target(records: Sequence[Record]) -> TargetCheck:
+    def figures(source: str, n: int) -> tuple[float, float] | None:
+        daemon = _daemon(records, source, n)
+        cold = full_sync(records, n)
+        if daemon is None or cold is None or not cold["ok"]:
+            return None
+        return float(daemon["first_sync_s"]), float(cold["seconds"])
+
+    return _ratio_target(
+        records,
+        f"whole process, first sync (from the process start) within "
+        f"{DAEMON_FIRST_SYNC_MAX_RATIO:g}x of the in-process cold sync, 10k/30k/100k, API "
+        "(pages of 500) and JSON manifests (YAML reported)",
+        [
+            (s, n)
+            for n in (10_000, 30_000, 100_000)
+            for s in ("api", "manifests", "manifests-yaml")
+            if s != "manifests-yaml" or n < 100_000
+        ],
+        figures,
+        DAEMON_FIRST_SYNC_MAX_RATIO,
+        "s",
+    )
+
+
+def _split_cell(r: Record) -> str:
+    if r.get("split_source_mb") is None:
+        return ""
+    return (
+        f": source {r['split_source_mb']:.0f}, proxier {r['split_proxier_mb']:.0f}, "
+        f"backend {r['split_backend_mb']:.0f} MB"
+    )
+
+
+def _daemon_memory_target(records: Sequence[Record]) -> TargetCheck:
+    found = [(s, r) for s in DAEMON_SOURCES if (r := _daemon(records, s, 100_000)) is not None]
+    return _issue20(
+        f"peak memory of the whole process at 100k x 10 below {DAEMON_PEAK_100K_MAX_MB:g} MB, "
+        "API and manifests (objects kept by the source, proxier state, backend model)",
+        "; ".join(f"{s} peak {r['peak_mb']:.0f} MB{_split_cell(r)}" for s, r in found)
+        if found
+        else "not measured",
+        None
+        if len(found) < len(DAEMON_SOURCES)
+        else all(r["peak_mb"] < DAEMON_PEAK_100K_MAX_MB for _, r in found),
+    )
+
+
+def _daemon_churn_target(records: Sequence[Record]) -> TargetCheck:
+    r = one(records, kind="daemon_churn", subject=OURS, services=30_000)
+    target = (
+        "churn through the API at 30k (50 EndpointSlice updates/s, 60 s): daemon CPU < "
+        f"{CHURN_DAEMON_CPU_MAX:.0%} of a core, mean partial sync < "
+        f"{CHURN_DAEMON_PARTIAL_MAX_MS:g} ms, network programming p99 < "
+        f"{CHURN_PROGRAMMING_P99_MAX_S:g} s"
+    )
+    if r is None:
+        return _issue20(target, "not measured", None)
+    mean, p99 = r.get("partial_mean_ms"), r.get("programming_p99_s")
+    over = r.get("programming_over_1s")
+    latency = r.get("programming_mean_s")
+    measured = (
+        f"{r['cpu_share']:.1%} of a core, {r['syncs_per_s']:.2f} syncs/s, mean partial "
+        f"{'-' if mean is None else f'{mean:.2f}'} ms, programming p50 <= "
+        f"{r.get('programming_p50_s')} s, p99 <= {p99} s (histogram buckets, "
+        f"{r.get('programming_samples')} samples"
+        + ("" if latency is None else f"; mean {latency:.2f} s")
+        + ("" if over is None else f"; {over:.1%} over 1 s")
+        + ")"
+    )
+    return _issue20(
+        target,
+        measured,
+        bool(r["ok"])
+        and r["cpu_share"] < CHURN_DAEMON_CPU_MAX
+        and mean is not None
+        and mean < CHURN_DAEMON_PARTIAL_MAX_MS
+        and p99 is not None
+        and p99 < CHURN_PROGRAMMING_P99_MAX_S,
+    )
+
+
+def _startup_target(records: Sequence[Record]) -> TargetCheck:
+    found = sorted(
+        find(records, kind="daemon", subject=OURS), key=lambda r: (r["services"], r["source"])
+    )
+    parts, holds = [], bool(found)
+    for r in found:
+        livez, healthz = r.get("livez_s"), r.get("healthz_s")
+        before = r.get("healthz_before_sync") or []
+        ok = (
+            livez is not None
+            and healthz is not None
+            and max(livez, healthz) <= DAEMON_LISTEN_MAX_S
+            and set(before) <= {503}
+        )
+        holds = holds and ok
+        parts.append(
+            f"{r['source']} {size_label(r['services'])} "
+            + ("-" if livez is None else f"{livez:.2f}")
+            + " s"
+            + (f", 503 until {r['healthz_ok_s']:.1f} s" if 503 in before else "")
+        )
+    return _issue20(
+        f"/livez and /healthz listen within {DAEMON_LISTEN_MAX_S:g} s of the process start at "
+        "any size; /healthz 503 until the first sync",
+        "; ".join(parts) if parts else "not measured",
+        holds if found else None,
+    )
+
+
+def daemon_targets(records: Sequence[Record]) -> list[TargetCheck]:
+    """Issue 20's targets: the daemon a node runs against the in-process figures."""
+    return [
+        _partial_target(records),
+        _first_sync_target(records),
+        _daemon_memory_target(records),
+        _daemon_churn_target(records),
+        _startup_target(records),
+    ]
+
+
 def evaluate_targets(records: Sequence[Record]) -> list[TargetCheck]:
-    """Every target (issue 4's, issue 11's, issue 19's) against the records of one run."""
-    return backend_targets(records) + scale_targets(records) + issue19_targets(records)
+    """Every target (issue 4's, 11's, 19's and 20's) against the records of one run."""
+    return (
+        backend_targets(records)
+        + scale_targets(records)
+        + issue19_targets(records)
+        + daemon_targets(records)
+    )

@@ -43,6 +43,7 @@ __all__ = [
     "main",
     "node_manifest",
     "proxy_flags",
+    "settings_flags",
     "write_manifests",
 ]
 
@@ -78,10 +79,12 @@ def write_manifests(directory: Path, services: Sequence[SyntheticService]) -> Pa
 
 def proxy_flags(manifests: Path) -> list[str]:
     """The flags both binaries get: one sync of ``manifests`` with the bench's settings."""
+    return ["--manifests", str(manifests), "--once", *settings_flags()]
+
+
+def settings_flags() -> list[str]:
+    """The bench's proxy settings (:func:`bench.proxyproc.bench_config`) as flags."""
     return [
-        "--manifests",
-        str(manifests),
-        "--once",
         "--hostname-override",
         NODE_NAME,
         "--detect-local-mode",

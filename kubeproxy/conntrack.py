@@ -54,6 +54,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Protocol
 
@@ -74,6 +75,7 @@ __all__ = [
     "Flow",
     "NetlinkConntrack",
     "find_stale_flows",
+    "udp_frontends",
 ]
 
 logger = logging.getLogger(__name__)
@@ -135,38 +137,71 @@ class ConntrackMetrics(Protocol):
 # --- the reconciler -------------------------------------------------------------------
 
 _Backend = tuple[IPAddress, int]
+_Frontends = tuple[
+    Mapping[tuple[IPAddress, int], AbstractSet[ServicePortName]],
+    Mapping[int, AbstractSet[ServicePortName]],
+]
+
+
+def udp_frontends(services: Mapping[ServicePortName, ServicePort]) -> _Frontends:
+    """The UDP ports answering at each (address, port) frontend and at each NodePort,
+    built from every port of ``services`` (the proxier keeps the same index up to date:
+    :meth:`~kubeproxy.proxier.Proxier.udp_frontends`)."""
+    by_frontend: dict[tuple[IPAddress, int], set[ServicePortName]] = {}
+    by_node_port: dict[int, set[ServicePortName]] = {}
+    for name, port in services.items():
+        if port.protocol is not L4Protocol.UDP:
+            continue
+        for address in (port.cluster_ip, *port.load_balancer_vips, *port.external_ips):
+            by_frontend.setdefault((address, port.port), set()).add(name)
+        if port.node_port:
+            by_node_port.setdefault(port.node_port, set()).add(name)
+    return by_frontend, by_node_port
 
 
 def find_stale_flows(
     services: Mapping[ServicePortName, ServicePort],
     endpoints: Mapping[ServicePortName, Sequence[Endpoint]],
     flows: Iterable[Flow],
+    frontends: _Frontends | None = None,
 ) -> list[Flow]:
     """The flows to delete: frontends of UDP Service ports answered by a non-serving backend.
 
     A frontend is ``clusterIP:port``, ``externalIP:port``, ``loadBalancerVIP:port``, or
     the NodePort on any address. Frontends shared by several ports (an external IP used
     by two Services) accept the serving endpoints of all of them.
+
+    ``frontends`` is the index of UDP frontends (:func:`udp_frontends`); given, the work
+    follows the flows listed and the endpoints of the Services they reach, not the
+    number of Services (without it the index is built from ``services`` first).
     """
-    by_frontend: dict[_Backend, set[_Backend]] = {}
-    by_node_port: dict[int, set[_Backend]] = {}
-    for name, port in services.items():
-        if port.protocol is not L4Protocol.UDP:
-            continue
-        serving = {(e.ip, e.port) for e in endpoints.get(name, ()) if e.serving}
-        for address in (port.cluster_ip, *port.load_balancer_vips, *port.external_ips):
-            by_frontend.setdefault((address, port.port), set()).update(serving)
-        if port.node_port:
-            by_node_port.setdefault(port.node_port, set()).update(serving)
+    by_frontend, by_node_port = frontends if frontends is not None else udp_frontends(services)
+    serving: dict[ServicePortName, set[_Backend]] = {}
+    allowed_at: dict[object, set[_Backend]] = {}
+
+    def allowed(key: object, names: AbstractSet[ServicePortName]) -> set[_Backend]:
+        found = allowed_at.get(key)
+        if found is None:
+            found = allowed_at[key] = set()
+            for name in names:
+                backends = serving.get(name)
+                if backends is None:
+                    backends = serving[name] = {
+                        (e.ip, e.port) for e in endpoints.get(name, ()) if e.serving
+                    }
+                found |= backends
+        return found
+
     stale: list[Flow] = []
     for flow in flows:
         reply = (flow.reply_src, flow.reply_src_port)
-        allowed = by_frontend.get((flow.orig_dst, flow.orig_dst_port))
-        if allowed is not None and reply not in allowed:
+        frontend = (flow.orig_dst, flow.orig_dst_port)
+        names = by_frontend.get(frontend)
+        if names and reply not in allowed(frontend, names):
             stale.append(flow)
             continue
-        allowed = by_node_port.get(flow.orig_dst_port)
-        if allowed is not None and reply not in allowed:
+        names = by_node_port.get(flow.orig_dst_port)
+        if names and reply not in allowed(flow.orig_dst_port, names):
             stale.append(flow)
     return stale
 
@@ -191,16 +226,23 @@ class ConntrackReconciler:
         self.clock = clock
 
     def __call__(self, proxier: Proxier, snapshot: ProxySnapshot, changes: SyncChanges) -> None:
-        """The :class:`~kubeproxy.proxier.SyncHook` form of :meth:`reconcile`."""
-        self.reconcile(snapshot.family, snapshot.services, snapshot.endpoints)
+        """The :class:`~kubeproxy.proxier.SyncHook` form of :meth:`reconcile`, over the
+        proxier's own index of UDP frontends (no pass over every Service)."""
+        self.reconcile(
+            snapshot.family, snapshot.services, snapshot.endpoints, proxier.udp_frontends()
+        )
 
     def reconcile(
         self,
         family: IPFamily,
         services: Mapping[ServicePortName, ServicePort],
         endpoints: Mapping[ServicePortName, Sequence[Endpoint]],
+        frontends: _Frontends | None = None,
     ) -> int:
-        """Delete the stale UDP flows of ``family``; return how many were deleted."""
+        """Delete the stale UDP flows of ``family``; return how many were deleted.
+
+        ``frontends``: the index of UDP frontends, if the caller keeps one
+        (:func:`find_stale_flows`)."""
         start = self.clock()
         try:
             flows = self.executor.list_udp(family)
@@ -209,7 +251,7 @@ class ConntrackReconciler:
                 "Cannot list %s conntrack entries; not cleaning stale flows: %s", family, err
             )
             return 0
-        stale = find_stale_flows(services, endpoints, flows)
+        stale = find_stale_flows(services, endpoints, flows, frontends)
         deleted = 0
         if stale:
             try:

@@ -17,10 +17,11 @@ Semantics follow upstream's ``EndpointSliceCache`` / ``EndpointsChangeTracker``:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -80,7 +81,7 @@ def _endpoint_key(endpoint: Endpoint) -> str:
 
 
 def merge_endpoint_slices(
-    service: NamespacedName, slices: Iterable[ParsedEndpointSlice]
+    service: NamespacedName, slices: Sequence[ParsedEndpointSlice]
 ) -> dict[ServicePortName, tuple[Endpoint, ...]]:
     """The endpoints of each port of ``service``, merged from its slices.
 
@@ -88,6 +89,10 @@ def merge_endpoint_slices(
     duplicate ``IP:port`` resolves the same way every time); of duplicates the first
     non-terminating one wins. Ports without endpoints are left out.
     """
+    if len(slices) == 1 and len(slices[0].ports) == 1:
+        alone = _alone(service, slices[0])
+        if alone is not None:
+            return alone
     by_port: dict[ServicePortName, dict[str, Endpoint]] = {}
     for parsed in slices:
         if not parsed.endpoints:
@@ -108,6 +113,22 @@ def merge_endpoint_slices(
     return {
         name: tuple(sorted(merged.values(), key=_endpoint_key)) for name, merged in by_port.items()
     }
+
+
+def _alone(
+    service: NamespacedName, parsed: ParsedEndpointSlice
+) -> dict[ServicePortName, tuple[Endpoint, ...]] | None:
+    """The merge of a Service's only slice with one port, when it is that slice's own
+    endpoint tuple (parsed sorted by key, already at that port, no ``IP:port`` twice):
+    no new tuple per Service (12 MB at 100k Services) and no merging. None otherwise."""
+    endpoints = parsed.endpoints
+    port_name, number, protocol = parsed.ports[0]
+    if not endpoints or endpoints[0].port != number:
+        return None if endpoints else {}
+    for before, after in itertools.pairwise(endpoints):
+        if before.key == after.key:
+            return None
+    return {ServicePortName(service, port_name, protocol): endpoints}
 
 
 def _parse_trigger_time(value: object) -> float | None:
@@ -321,3 +342,7 @@ class EndpointsMap(dict[ServicePortName, tuple[Endpoint, ...]]):
     def local_ready_endpoints(self) -> dict[NamespacedName, int]:
         """Per Service, how many distinct local IPs are ready (terminating ones are not)."""
         return dict(self._local_ready)
+
+    def local_ready_count(self, service: NamespacedName) -> int:
+        """How many distinct local IPs of ``service`` are ready (0 when none)."""
+        return self._local_ready.get(service, 0)

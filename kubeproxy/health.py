@@ -47,7 +47,7 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler
@@ -75,6 +75,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_HEALTHZ_ADDRESS",
     "DEFAULT_MAX_HANDLERS",
+    "FAULT_FIRST_SYNC",
     "FAULT_RULES_REMOVED",
     "FAULT_SYNC_FAILURES",
     "SYNC_FAILURE_THRESHOLD",
@@ -108,6 +109,9 @@ wrote were removed (or changed) by someone else and not yet repaired."""
 
 FAULT_SYNC_FAILURES: Final = "sync-failures"
 """The ``cause`` :class:`HealthObserver` reports when syncs fail repeatedly."""
+
+FAULT_FIRST_SYNC: Final = "first-sync"
+"""The ``cause`` of :meth:`ProxyHealth.await_first_sync`: the rules are not written yet."""
 
 SYNC_FAILURE_THRESHOLD: Final = 2
 """Failed syncs of a family in a row that make a data-plane fault.
@@ -265,6 +269,22 @@ class ProxyHealth:
         with self._lock:
             self._oldest_queued.pop(family, None)
             self._last_updated[family] = self.clock()
+            self._faults.pop((family, FAULT_FIRST_SYNC), None)
+
+    def await_first_sync(self, families: Iterable[IPFamily]) -> None:
+        """Until each of ``families`` has synced once (:meth:`updated`), hold the
+        :data:`FAULT_FIRST_SYNC` fault for it: ``/healthz`` and the HealthCheckNodePorts
+        answer 503 ("waiting for the first sync"), ``/livez`` 200. A proxy serving its
+        health endpoints from the first second of a long start (100k Services) must not
+        draw load-balancer traffic to a node whose rules are not written yet."""
+        with self._lock:
+            now = self.clock()
+            for family in families:
+                if family not in self._last_updated:
+                    self._faults.setdefault(
+                        (family, FAULT_FIRST_SYNC),
+                        DataPlaneFault(family, FAULT_FIRST_SYNC, "waiting for the first sync", now),
+                    )
 
     def report_data_plane_broken(self, family: IPFamily, cause: str, reason: str) -> None:
         """Report that the kernel no longer holds what the proxy last wrote for ``family``.
@@ -594,6 +614,8 @@ class ServiceHealthServer:
         self._addresses = self._checked(addresses)
         self._lock = threading.Lock()
         self._listeners: dict[NamespacedName, _Listener] = {}
+        # Health checks that could not be opened: (port, local endpoints), retried.
+        self._unopened: dict[NamespacedName, tuple[int, int]] = {}
         self._loop: _AcceptLoop | None = None
 
     def _checked(self, addresses: Sequence[IPAddress] | None) -> tuple[IPAddress, ...] | None:
@@ -609,15 +631,16 @@ class ServiceHealthServer:
         """Where listeners bind (None: the family's wildcard)."""
         return self._addresses
 
-    def set_addresses(self, addresses: Sequence[IPAddress] | None) -> None:
+    def set_addresses(self, addresses: Sequence[IPAddress] | None) -> bool:
         """Listen elsewhere from now on: open listeners are closed if the set changed.
 
         They are opened again on the new addresses by the next :meth:`sync_services`.
+        Returns whether the set changed.
         """
         checked = self._checked(addresses)
         with self._lock:
             if checked == self._addresses:
-                return
+                return False
             logger.info(
                 "%s health checks move from %s to %s",
                 self.family,
@@ -628,6 +651,8 @@ class ServiceHealthServer:
             for listener in self._listeners.values():
                 self._close(listener)
             self._listeners.clear()
+            self._unopened.clear()
+        return True
 
     @staticmethod
     def _describe(addresses: tuple[IPAddress, ...] | None) -> str:
@@ -645,36 +670,83 @@ class ServiceHealthServer:
             for name in list(self._listeners):
                 listener = self._listeners[name]
                 if services.get(name) != listener.port:
-                    logger.info("Closing health check for %s on port %d", name, listener.port)
-                    self._close(listener)
-                    del self._listeners[name]
+                    self._close_listener(name)
+            unopened, self._unopened = self._unopened, {}
             for name, port in services.items():
-                if name in self._listeners:
-                    continue
-                try:
-                    sockets = self._open(name, port)
-                except OSError as err:
-                    message = (
-                        f"node {self.node_name} failed to start healthcheck "
-                        f'"{name}" on port {port}: {err}'
-                    )
-                    logger.error("%s", message)
-                    failures.append((name, port, message))
-                    continue
-                logger.info("Opened health check for %s on port %d", name, port)
-                self._listeners[name] = _Listener(port, sockets)
-        if self.on_listen_error is not None:
-            for name, port, message in failures:
-                try:
-                    self.on_listen_error(name, port, message)
-                except Exception:
-                    logger.exception("health-check listen-error callback failed")
+                if name not in self._listeners:
+                    count = unopened[name][1] if name in unopened else 0
+                    self._open_listener(name, port, count, failures)
+        self._report(failures)
 
     def sync_endpoints(self, endpoints: Mapping[NamespacedName, int]) -> None:
         """Set the local ready endpoint count of every Service (absent: 0)."""
         with self._lock:
             for name, listener in self._listeners.items():
                 listener.endpoints = endpoints.get(name, 0)
+            for name, (port, _count) in self._unopened.items():
+                self._unopened[name] = (port, endpoints.get(name, 0))
+
+    def update_services(self, changed: Mapping[NamespacedName, tuple[int, int]]) -> None:
+        """Apply what changed for some Services, leaving the others as they are.
+
+        ``changed`` maps a Service to its health-check port (0: none any more) and its
+        local ready endpoint count. Listeners whose port changed or went away close, new
+        ones open, and every listener that could not be opened before is tried again
+        (as :meth:`sync_services` would): the work follows the Services given and the
+        failed listeners, not every Service with a health check.
+        """
+        failures: list[tuple[NamespacedName, int, str]] = []
+        with self._lock:
+            for name, (port, count) in changed.items():
+                listener = self._listeners.get(name)
+                if listener is not None and listener.port != port:
+                    self._close_listener(name)
+                    listener = None
+                self._unopened.pop(name, None)
+                if listener is not None:
+                    listener.endpoints = count
+                elif port:
+                    self._open_listener(name, port, count, failures)
+            retry = [(n, p, c) for n, (p, c) in self._unopened.items() if n not in changed]
+            for name, port, count in retry:
+                del self._unopened[name]
+                self._open_listener(name, port, count, failures)
+        self._report(failures)
+
+    def _open_listener(
+        self,
+        name: NamespacedName,
+        port: int,
+        count: int,
+        failures: list[tuple[NamespacedName, int, str]],
+    ) -> None:
+        """Open ``name``'s listener (lock held); a failure is noted for a retry."""
+        try:
+            sockets = self._open(name, port)
+        except OSError as err:
+            message = (
+                f'node {self.node_name} failed to start healthcheck "{name}" on port {port}: {err}'
+            )
+            logger.error("%s", message)
+            failures.append((name, port, message))
+            self._unopened[name] = (port, count)
+            return
+        logger.info("Opened health check for %s on port %d", name, port)
+        self._listeners[name] = _Listener(port, sockets, count)
+
+    def _close_listener(self, name: NamespacedName) -> None:
+        listener = self._listeners.pop(name)
+        logger.info("Closing health check for %s on port %d", name, listener.port)
+        self._close(listener)
+
+    def _report(self, failures: list[tuple[NamespacedName, int, str]]) -> None:
+        if self.on_listen_error is None:
+            return
+        for name, port, message in failures:
+            try:
+                self.on_listen_error(name, port, message)
+            except Exception:
+                logger.exception("health-check listen-error callback failed")
 
     def listening(self) -> dict[NamespacedName, list[tuple[str, int]]]:
         """The bound socket addresses (host, port) of every open health check."""
@@ -690,6 +762,7 @@ class ServiceHealthServer:
             for listener in self._listeners.values():
                 self._close(listener)
             self._listeners.clear()
+            self._unopened.clear()
             loop, self._loop = self._loop, None
         if loop is not None:
             loop.close()
@@ -844,15 +917,26 @@ class HealthObserver:
         """Not used for health."""
 
     def after_sync(self, proxier: Proxier, snapshot: ProxySnapshot, changes: SyncChanges) -> None:
-        """Update node eligibility and the family's Service health checks."""
+        """Update node eligibility and the family's Service health checks.
+
+        A full sync (or a move to other addresses) reconciles every health check; a
+        partial one only the changed Services' (60 % of a 30k-Service daemon's partial
+        sync went to rebuilding every Service's port and endpoint count before).
+        """
         self.health.set_node(snapshot.node)
         server = self.service_health.get(snapshot.family)
         if server is None:
             return
         node_ports = snapshot.node_port_addresses
-        server.set_addresses(None if node_ports.match_all else node_ports.addresses)
-        server.sync_services(proxier.health_check_node_ports())
-        server.sync_endpoints(proxier.local_ready_endpoints())
+        moved = server.set_addresses(None if node_ports.match_all else node_ports.addresses)
+        if changes.full or moved:
+            server.sync_services(proxier.health_check_node_ports())
+            server.sync_endpoints(proxier.local_ready_endpoints())
+            return
+        port, count = proxier.health_check_node_port, proxier.local_ready_count
+        server.update_services(
+            {service: (port(service), count(service)) for service in changes.changed_services}
+        )
 
     def close(self) -> None:
         """Close every Service health server."""

@@ -17,6 +17,7 @@ import ipaddress
 import logging
 import re
 import socket
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -54,6 +55,10 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# Namespaces repeat over every object, a Service's name over its slices: one string each
+# instead of one per object decoded (about 15 MB at 100k Services x 10).
+_intern = sys.intern
 
 LABEL_SERVICE_PROXY_NAME: Final = "service.kubernetes.io/service-proxy-name"
 """A Service with this label belongs to another proxy."""
@@ -329,7 +334,7 @@ def service_key(obj: KubeObject) -> NamespacedName:
     name = metadata["name"]
     if not _is_dns_label(name):
         raise context.error(f"metadata.name {_show(name)} is not a valid DNS-1123 label")
-    return NamespacedName(metadata["namespace"], name)
+    return NamespacedName(_intern(metadata["namespace"]), _intern(name))
 
 
 # ---------------------------------------------------------------------------------------
@@ -579,7 +584,7 @@ def endpoint_slice_key(obj: KubeObject) -> tuple[NamespacedName, str]:
         raise context.error(f"label {LABEL_SERVICE_NAME} is missing")
     if not _is_dns_label(service):
         raise context.error(f"label {LABEL_SERVICE_NAME}: {_show(service)} is not a valid name")
-    return NamespacedName(metadata["namespace"], service), name
+    return NamespacedName(_intern(metadata["namespace"]), _intern(service)), name
 
 
 def _endpoint_sort_key(endpoint: Endpoint) -> str:

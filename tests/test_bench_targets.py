@@ -248,7 +248,10 @@ def test_timed_out_100k_cold_sync_misses() -> None:
 
 def test_issue4_targets_stay_first_and_judge_the_map_structure() -> None:
     checks = evaluate_targets(_good_run())
-    assert [c.issue for c in checks] == [4] * (len(checks) - 16) + [11] * 12 + [19] * 4
+    issue20 = len([c for c in checks if c.issue == 20])
+    assert [c.issue for c in checks] == [4] * (len(checks) - 16 - issue20) + [11] * 12 + [
+        19
+    ] * 4 + [20] * issue20
     ten = next(c for c in checks if c.target.startswith("cold full sync 10k x 10 <= 10 s"))
     assert ten.holds is True and ten.measured == "3.70 s"
 

@@ -31,7 +31,7 @@ from kubeproxy.cmd.options import parse_options
 from kubeproxy.config import ProxierConfig
 from kubeproxy.daemon import LoggingEventSink
 from kubeproxy.daemon.gate import HandlerGate
-from kubeproxy.daemon.gctuning import GcOps, GcTuner
+from kubeproxy.daemon.gctuning import GcTuner
 from kubeproxy.daemon.nodeips import (
     LOOPBACK_MESSAGE,
     FamilyNotSupported,
@@ -51,6 +51,7 @@ from kubeproxy.proxyconfig import parse_config
 from kubeproxy.sources.kubernetes import IN_CLUSTER_MESSAGE
 from kubeproxy.sysctl import ConntrackSysctls
 from kubeproxy.testing.runner import default_timeout
+from tests.gcops import UNTOUCHED, recording_gc
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples" / "cluster"
@@ -469,17 +470,7 @@ class _Snapshot:
 
 
 def _tuner(families: list[IPFamily]) -> tuple[GcTuner, list[str]]:
-    calls: list[str] = []
-
-    def collect() -> int:
-        calls.append("collect")
-        return 0
-
-    ops = GcOps(
-        collect=collect,
-        freeze=lambda: calls.append("freeze"),
-        set_threshold=lambda a, b, c: calls.append(f"threshold {a},{b},{c}"),
-    )
+    ops, calls = recording_gc()
     return GcTuner(families, ops, thresholds=(5000, 20, 30)), calls
 
 
@@ -495,9 +486,25 @@ def test_gc_is_tuned_once_after_every_familys_first_full_sync() -> None:
     _sync(tuner, IPFamily.IPV6, False)
     assert calls == []
     _sync(tuner, IPFamily.IPV6, True)
-    assert calls == ["collect", "freeze", "threshold 5000,20,30"] and tuner.done
+    assert calls == ["collect", "freeze", "threshold 5000 20 30"] and tuner.done
     _sync(tuner, IPFamily.IPV4, True)
     assert len(calls) == 3
+
+
+def test_gc_tuner_holds_the_collector_until_the_first_full_syncs() -> None:
+    tuner, calls = _tuner([IPFamily.IPV4])
+    tuner.hold()
+    tuner.hold()
+    assert calls == ["disable"] and tuner.held
+    _sync(tuner, IPFamily.IPV4, False)
+    assert calls == ["disable"]
+    _sync(tuner, IPFamily.IPV4, True)
+    # Held: nothing to collect, and collecting a whole heap would block the servers.
+    assert calls == ["disable", "freeze", "threshold 5000 20 30", "enable"]
+    assert not tuner.held
+    tuner.hold()  # tuned already: nothing more to hold for
+    tuner.release()
+    assert len(calls) == 4
 
 
 def test_gc_tuner_with_the_real_collector() -> None:
@@ -634,9 +641,7 @@ def _dry_run(
             ["--manifests", str(directory), "--dry-run", *argv],
             out=out,
             host_addresses=FakeHostAddresses(),
-            gc_ops=GcOps(
-                collect=lambda: 0, freeze=lambda: None, set_threshold=lambda a, b, c: None
-            ),
+            gc_ops=UNTOUCHED,
         )
     finally:  # the binary configured the root logger, as a process does
         for handler in list(root.handlers):

@@ -53,12 +53,12 @@ from kubeproxy.cmd.modes import (
 from kubeproxy.cmd.options import MODE_DEFAULTED_MESSAGE
 from kubeproxy.config import ProxierConfig
 from kubeproxy.conntrack import FakeConntrack
-from kubeproxy.daemon.gctuning import GcOps
 from kubeproxy.daemon.sources import SourceTuning
 from kubeproxy.metrics import ProxyMetrics
 from kubeproxy.netlink import FakeHostAddresses
 from kubeproxy.objects import IPFamily
 from kubeproxy.testing.fakeapi import FakeAPIServer, endpoint_slice, node, service
+from tests.gcops import UNTOUCHED
 
 NODE = "kpxm-node"
 BRISK = SourceTuning(watch_timeout=5.0, request_timeout=5.0, initial_backoff=0.05, max_backoff=0.3)
@@ -66,7 +66,7 @@ BIN = Path(sys.executable).parent
 BINARIES = [nftables_binary.BINARY, iptables_binary.BINARY, ipvs_binary.BINARY, multimode.BINARY]
 V4 = IPFamily.IPV4
 # The daemon tunes the garbage collector after its first full sync: not this process's.
-NO_GC = GcOps(collect=lambda: 0, freeze=lambda: None, set_threshold=lambda a, b, c: None)
+NO_GC = UNTOUCHED
 
 
 # --- stand-ins ----------------------------------------------------------------------------
@@ -673,7 +673,9 @@ def test_a_server_that_cannot_bind_with_hard_fail_removes_nothing(fake: FakeAPIS
             metrics_bind=f"127.0.0.1:{port}",
         )
     assert code == 1
-    assert stand_ins.created == [("nftables", V4)]
+    # The servers listen first of all (a daemon answers /livez from its first second):
+    # one that cannot bind stops the start before any backend exists.
+    assert stand_ins.created == []
     assert stand_ins.cleaned == []
     assert "FailedToStartMetricServer" in reasons(fake)
 

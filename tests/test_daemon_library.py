@@ -13,6 +13,7 @@ import logging
 import re
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -39,11 +40,11 @@ from kubeproxy import (
 from kubeproxy.cmd.options import Options, parse_options
 from kubeproxy.conntrack import FakeConntrack
 from kubeproxy.daemon import LoggingEventSink
-from kubeproxy.daemon.gctuning import GcOps
 from kubeproxy.events import FakeEventRecorder
 from kubeproxy.netlink import FakeHostAddresses
 from kubeproxy.proxier import Proxier, SyncHook, SyncObserver
 from kubeproxy.proxyconfig import ConfigError, defaults, parse_config
+from tests.gcops import UNTOUCHED, recording_gc
 
 CLUSTER = Path(__file__).resolve().parent.parent / "examples" / "cluster"
 
@@ -95,7 +96,7 @@ def cluster_options(**fields: Any) -> DaemonOptions:
 
 
 # The collector's tuning is the process's: a test records it instead of freezing pytest's.
-GC_UNTOUCHED = GcOps(collect=lambda: 0, freeze=lambda: None, set_threshold=lambda *_: None)
+GC_UNTOUCHED = UNTOUCHED
 
 
 def offline(**build: Any) -> dict[str, Any]:
@@ -292,3 +293,98 @@ def test_a_backend_that_cannot_be_made_stops_the_start() -> None:
 
     with pytest.raises(StartupError, match="cannot set up the IPv4 backend: kernel lacks"):
         build_daemon(cluster_options(), broken, **offline(privileged=False))
+
+
+class GatedBackends(Backends):
+    """Backends whose first sync waits until ``release`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def __call__(
+        self, family: IPFamily, config: ProxierConfig, *, netns: str | None = None
+    ) -> RecordingBackend:
+        backend = super().__call__(family, config, netns=netns)
+        sync = backend.sync
+
+        def gated(snapshot: ProxySnapshot, changes: SyncChanges) -> None:
+            assert self.release.wait(30)
+            sync(snapshot, changes)
+
+        backend.sync = gated  # type: ignore[method-assign]
+        return backend
+
+
+def test_served_early_livez_answers_at_once_and_healthz_503_until_the_first_sync() -> None:
+    backends = GatedBackends()
+    daemon = build_daemon(cluster_options(), backends, **offline(serve_early=True))
+    started = threading.Thread(target=daemon.start)
+    try:
+        # Listening before anything was synced, or even delivered.
+        assert not backends.made[0].synced
+        assert get(daemon.health_server.port, "/livez")[0] == 200
+        code, body = get(daemon.health_server.port, "/healthz")
+        assert code == 503
+        assert json.loads(body)["reason"] == "IPv4: waiting for the first sync"
+        assert get(daemon.metrics_server.port, "/metrics")[0] == 200
+        started.start()  # delivers, and the first sync waits in the backend
+        time.sleep(0.2)
+        assert get(daemon.health_server.port, "/healthz")[0] == 503
+        backends.release.set()
+        started.join(10)
+        wait_for(lambda: get(daemon.health_server.port, "/healthz")[0] == 200, "healthz 200")
+        assert backends.made[0].synced
+    finally:
+        backends.release.set()
+        if started.is_alive():
+            started.join(10)
+        daemon.stop()
+
+
+def test_the_collector_is_held_while_the_cluster_is_read() -> None:
+    ops, calls = recording_gc()
+    daemon = build_daemon(cluster_options(), Backends(), **offline(gc_ops=ops, privileged=False))
+    try:
+        assert calls == []
+        daemon.start()
+        wait_for(lambda: "enable" in calls, "the collector released")
+        # Held while the cluster was read, tuned after the first full sync, then released.
+        assert calls == ["disable", "freeze", "threshold 20000 10 10", "enable"]
+    finally:
+        daemon.stop()
+    assert calls.count("enable") == 1
+
+
+def test_a_daemon_stopped_before_its_first_sync_releases_the_collector() -> None:
+    ops, calls = recording_gc()
+    code = run_daemon(cluster_options(once=True), Backends(), **offline(gc_ops=ops))
+    assert code == 0
+    assert calls == ["disable", "enable"]
+
+
+def test_healthz_is_503_all_the_way_to_the_first_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kubeproxy.daemon import startup
+    from kubeproxy.daemon.serving import servers as make_servers
+
+    made: list[Any] = []
+    seen: list[int] = []
+    backends = Backends()
+
+    def noted(*args: Any, **kwargs: Any) -> Any:
+        made.append(make_servers(*args, **kwargs))
+        return made[-1]
+
+    def factory(family: IPFamily, config: ProxierConfig, *, netns: str | None = None) -> Any:
+        # The Node is known by now, the families not yet: still 503.
+        seen.append(get(made[0].health_server.port, "/healthz")[0])
+        return backends(family, config, netns=netns)
+
+    monkeypatch.setattr(startup, "servers", noted)
+    daemon = build_daemon(cluster_options(), factory, **offline(serve_early=True))
+    try:
+        assert seen == [503]
+        daemon.start()
+        wait_for(lambda: get(daemon.health_server.port, "/healthz")[0] == 200, "healthz 200")
+    finally:
+        daemon.stop()

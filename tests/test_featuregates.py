@@ -329,9 +329,8 @@ def test_write_config_to_shows_the_gates(tmp_path: Path, caplog: pytest.LogCaptu
 
 
 def test_configz_shows_the_gates() -> None:
-    from kubeproxy.daemon import LoggingEventSink
-    from kubeproxy.daemon.serving import health_and_metrics
-    from kubeproxy.objects import IPFamily, NodeInfo
+    from kubeproxy.daemon.serving import servers
+    from kubeproxy.objects import NodeInfo
 
     options = parse_options(
         [
@@ -342,8 +341,7 @@ def test_configz_shows_the_gates() -> None:
         "nftables",
         get_hostname=lambda: "n",
     )
-    sink = LoggingEventSink("n")
-    parts = health_and_metrics(options, "nftables", NodeInfo("n"), 30.0, [IPFamily.IPV4], sink)
+    parts = servers(options, "nftables", 30.0, NodeInfo("n"))
     status, _headers, body = parts.metrics_server._config()
     document = json.loads(body)
     assert status == 200

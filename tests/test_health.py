@@ -482,6 +482,45 @@ def test_service_health_bind_failure_is_reported_and_retried(
     assert len(errors.seen) == 2
 
 
+def test_service_health_partial_updates_touch_only_the_services_given(
+    service_health: tuple[ServiceHealthServer, ProxyHealth, Clock, ListenErrors],
+) -> None:
+    server, _, _, errors = service_health
+    web, db, moved = free_port(), free_port(), free_port()
+    server.sync_services({nn("web"): web, nn("db"): db})
+    server.sync_endpoints({nn("web"): 2})
+    assert get("127.0.0.1", web)[1]["x-load-balancing-endpoint-weight"] == "2"
+
+    # Only db changes: web keeps its listener and its count.
+    server.update_services({nn("db"): (moved, 3)})
+    assert server.listening().keys() == {nn("web"), nn("db")}
+    assert server.listening()[nn("db")][0][1] == moved
+    with pytest.raises(ConnectionRefusedError):
+        get("127.0.0.1", db)
+    assert get("127.0.0.1", moved)[1]["x-load-balancing-endpoint-weight"] == "3"
+    assert get("127.0.0.1", web)[1]["x-load-balancing-endpoint-weight"] == "2"
+
+    # A port that cannot be opened is retried at every later update, with its count.
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", 0))
+    blocker.listen()
+    taken = blocker.getsockname()[1]
+    try:
+        server.update_services({nn("api"): (taken, 1), nn("db"): (0, 0)})
+        assert server.listening().keys() == {nn("web")}
+        assert [(s, p) for s, p, _ in errors.seen] == [(nn("api"), taken)]
+        server.update_services({nn("web"): (web, 1)})
+        assert len(errors.seen) == 2
+    finally:
+        blocker.close()
+    server.update_services({})
+    assert server.listening().keys() == {nn("web"), nn("api")}
+    assert get("127.0.0.1", taken)[1]["x-load-balancing-endpoint-weight"] == "1"
+    assert get("127.0.0.1", web)[1]["x-load-balancing-endpoint-weight"] == "1"
+    server.update_services({nn("web"): (0, 0)})
+    assert server.listening().keys() == {nn("api")}
+
+
 def test_service_health_serves_concurrent_probes(
     service_health: tuple[ServiceHealthServer, ProxyHealth, Clock, ListenErrors],
 ) -> None:

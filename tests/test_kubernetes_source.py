@@ -53,11 +53,26 @@ def _rv(obj: KubeObject) -> str:
     return str(obj["metadata"]["resourceVersion"])
 
 
+def _identity(obj: KubeObject) -> tuple[Any, ...]:
+    metadata = obj["metadata"]
+    service = (metadata.get("labels") or {}).get("kubernetes.io/service-name")
+    return (
+        obj["kind"],
+        metadata.get("namespace"),
+        metadata["name"],
+        metadata.get("resourceVersion"),
+        service,
+        obj.get("addressType"),
+    )
+
+
 class RecordingHandler:
     """A ProxyHandler that records every call and checks the source's promises.
 
     ``errors`` collects broken promises: an add for an object already there, an update or
-    delete for one never added, an update whose ``old`` is not what was last delivered.
+    delete for one never added, an update whose ``old`` is not the identity of what was
+    last delivered (the source keeps identities, not objects: same kind, name,
+    namespace, resourceVersion and, for a slice, Service and address type).
     """
 
     def __init__(self) -> None:
@@ -90,7 +105,8 @@ class RecordingHandler:
         self, store: dict[str, KubeObject], kind: str, old: KubeObject, new: KubeObject
     ) -> None:
         key = _key(new)
-        if store.get(key) is not old and store.get(key) != old:
+        delivered = store.get(key)
+        if delivered is None or _identity(delivered) != _identity(old):
             self.errors.append(f"{kind} update for {key}: old is not what was delivered")
         if _rv(old) == _rv(new):
             self.errors.append(f"{kind} update for {key} without a change")

@@ -342,8 +342,10 @@ def test_broken_file_is_reported_and_others_work(
     write(tmp_path / "bad.yaml", service("db") + "---\nkind: Service\nmetadata: {name: [\n")
     with caplog.at_level(logging.ERROR, logger="kubeproxy.sources.manifests"):
         make(tmp_path, handler).load()
+    # Objects are delivered as they are read: what comes before the broken point is taken.
     assert [c for c in handler.take() if c[0] == "service_add"] == [
-        ("service_add", "Service:demo/web")
+        ("service_add", "Service:demo/db"),
+        ("service_add", "Service:demo/web"),
     ]
     [record] = caplog.records
     message = record.getMessage()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from ipaddress import ip_address
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from kubeproxy.netlink import (
+    AddressWatcher,
     FakeHostAddresses,
     HostAddresses,
     NetnsNotFoundError,
@@ -96,3 +98,38 @@ def test_fake_lists_sorted_unique_per_namespace() -> None:
     fake.set_addresses([ip_address("10.9.9.9")])
     assert fake.list_addresses() == [ip_address("10.9.9.9")]
     assert fake.calls == 4
+
+
+@pytest.mark.kernel
+def test_address_watcher_hears_addresses_come_and_go(netns: str) -> None:
+    heard = threading.Event()
+    watcher = AddressWatcher(heard.set, netns, poll_interval=60.0)
+    stop = threading.Event()
+    thread = threading.Thread(target=watcher.run, args=(stop,))
+    thread.start()
+    try:
+        time.sleep(0.2)  # subscribed by now (nothing changed meanwhile: nothing heard)
+        assert not heard.is_set()
+        ip("-n", netns, "addr", "add", "10.77.2.1/32", "dev", "kpxp-br0")
+        assert heard.wait(5)
+        heard.clear()
+        ip("-n", netns, "addr", "del", "10.77.2.1/32", "dev", "kpxp-br0")
+        assert heard.wait(5)
+        heard.clear()
+        # A link event is no address event.
+        ip("-n", netns, "link", "set", "kpxp-br0", "mtu", "1400")
+        time.sleep(0.3)
+        assert not heard.is_set()
+    finally:
+        stop.set()
+        watcher.close()
+        thread.join(5)
+    assert not thread.is_alive()
+
+
+def test_address_watcher_gives_up_with_one_line_without_its_namespace(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    watcher = AddressWatcher(lambda: None, "kpxp-missing", netns_dir=tmp_path)
+    watcher.run(threading.Event())
+    assert "Cannot watch the host's addresses" in caplog.text

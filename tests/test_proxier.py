@@ -661,7 +661,7 @@ def test_default_node_is_named_after_config() -> None:
 # --- node ports, local detector, service CIDRs --------------------------------------
 
 
-def test_node_port_addresses_resolved_on_full_syncs_only() -> None:
+def test_node_port_addresses_follow_the_host_when_told() -> None:
     host = [ip_address("192.168.50.2"), ip_address("10.0.0.1"), ip_address("127.0.0.1")]
     calls: list[int] = []
 
@@ -678,14 +678,29 @@ def test_node_port_addresses_resolved_on_full_syncs_only() -> None:
         addresses=(ip_address("127.0.0.1"), ip_address("192.168.50.2")),
         cidrs=(ip_network("192.168.50.0/24"), ip_network("127.0.0.0/8")),
     )
+    # A partial sync does not read them.
+    proxier.on_service_add(service("web"))
+    proxier.sync_now()
+    assert len(calls) == 1 and not backend.last.full
+    # Told of a change, a sync reads them; unchanged, it stays partial.
+    proxier.host_addresses_changed()
+    proxier.sync_now()
+    assert len(calls) == 2 and not backend.last.full
+    # A new address in the CIDRs is served by the next sync, a full one.
     host.append(ip_address("192.168.50.9"))
+    proxier.host_addresses_changed()
     proxier.sync_now()
-    assert len(calls) == 1
-    assert ip_address("192.168.50.9") not in backend.last.node_port_addresses.addresses
-    clock.t += 3600
-    proxier.sync_now()
-    assert len(calls) == 2
+    assert len(calls) == 3
+    assert backend.last.full
     assert ip_address("192.168.50.9") in backend.last.node_port_addresses.addresses
+    # And one that goes away, too.
+    host.remove(ip_address("192.168.50.2"))
+    proxier.host_addresses_changed()
+    proxier.sync_now()
+    assert backend.last.full
+    assert ip_address("192.168.50.2") not in backend.last.node_port_addresses.addresses
+    proxier.sync_now()
+    assert len(calls) == 4 and not backend.last.full
 
 
 def test_host_address_failure_keeps_previous_and_retries(
@@ -712,8 +727,10 @@ def test_host_address_failure_keeps_previous_and_retries(
         assert proxier.sync_now()
     assert "netlink down" in caplog.text
     assert backend.last.node_port_addresses.addresses == (ip_address("192.168.50.2"),)
+    # Logged once per outage; the retry at the next sync finds the new address.
     proxier.sync_now()
-    assert not backend.last.full
+    assert backend.last.full
+    assert caplog.text.count("netlink down") == 1
     assert list(backend.last.node_port_addresses.addresses) == [
         ip_address("192.168.50.2"),
         ip_address("192.168.50.7"),

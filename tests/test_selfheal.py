@@ -40,8 +40,9 @@ from kubeproxy.selfheal import (
     WatchHost,
 )
 from kubeproxy.testing.fakeapi import node, service
+from tests.gcops import recording_gc
 from tests.snapshots import World, ep, spn
-from tests.test_daemon import FakeBackends, options_for, recording_gc, slice_of
+from tests.test_daemon import FakeBackends, options_for, slice_of
 from tests.test_proxier import (
     RecordingBackend,
     initialized,

@@ -15,10 +15,9 @@ import urllib.request
 import pytest
 
 from kubeproxy.cmd.options import parse_options
-from kubeproxy.daemon import LoggingEventSink
-from kubeproxy.daemon.serving import health_and_metrics
+from kubeproxy.daemon.serving import servers
 from kubeproxy.metrics import MetricsServer, ProxyMetrics
-from kubeproxy.objects import IPFamily, NodeInfo
+from kubeproxy.objects import NodeInfo
 from kubeproxy.zpages import DELIMITERS, flagz_page, statusz_page, uptime
 
 WARNING = (
@@ -106,8 +105,7 @@ def test_without_the_gates_neither_page_is_served() -> None:
 def test_the_binaries_pages_follow_the_gates(gates: list[str], served: set[str]) -> None:
     argv = [*gates, "--v=3", "--nodeport-addresses=127.0.0.0/8", "--masquerade-all"]
     options = parse_options(argv, "kube-proxy-nftables", "nftables", get_hostname=lambda: "n")
-    sink = LoggingEventSink("n")
-    parts = health_and_metrics(options, "nftables", NodeInfo("n"), 30.0, [IPFamily.IPV4], sink)
+    parts = servers(options, "nftables", 30.0, NodeInfo("n"))
     routes = parts.metrics_server.server.routes
     assert {"/statusz", "/flagz"} & set(routes) == served
     if "/flagz" in served:

@@ -16,20 +16,25 @@ follow upstream (``cmd/kube-proxy/app/server.go`` and ``server_linux.go``):
    configuration (from a ``KubeProxyConfiguration`` or upstream's flags);
 2. ``init_only``: the privileged set-up (:mod:`~kubeproxy.daemon.privileged`: conntrack
    sysctls, ``oomScoreAdj``), then exit 0;
-3. :func:`build_daemon` (:mod:`~kubeproxy.daemon.startup`): the source
-   (:mod:`~kubeproxy.daemon.sources`: a manifests directory, or the API server with a
-   wait of up to five minutes for this Node; what it delivers waits in a
-   :class:`~kubeproxy.daemon.gate.HandlerGate`), the node IPs and families
+3. :func:`build_daemon` (:mod:`~kubeproxy.daemon.startup`): for a daemon, the health
+   and metrics servers first (``/livez`` within a second of the start, ``/healthz`` 503
+   until the first sync); the source
+   (:mod:`~kubeproxy.daemon.sources`: this Node and the ServiceCIDRs of a manifests
+   directory, or of the API server with a wait of up to five minutes for this Node;
+   what it delivers waits in a :class:`~kubeproxy.daemon.gate.HandlerGate`), the node
+   IPs and families
    (:mod:`~kubeproxy.daemon.nodeips`), the event sink (:mod:`~kubeproxy.daemon.events`),
    the privileged set-up, one backend per family (a mode that cannot run stops here),
    health and metrics (:mod:`~kubeproxy.daemon.serving`), the conntrack reconciler, one
    proxier per family with the proxy's own hooks (:mod:`~kubeproxy.daemon.hooks`), the
    self-healing watchers;
 4. :meth:`Daemon.start` (:mod:`~kubeproxy.daemon.daemon`): post the start-up warnings,
-   bind the health and metrics servers (with ``bindAddressHardFail`` a failure is fatal,
-   after a Warning event), run the ``before_first_sync`` step (the binaries remove the
-   other modes' rules there), post ``Starting``, hand the proxiers what the source
-   delivered (the first sync) and start the sync loops;
+   bind the health and metrics servers unless bound already (with
+   ``bindAddressHardFail`` a failure is fatal, after a Warning event), run the
+   ``before_first_sync`` step (the binaries remove the other modes' rules there), post
+   ``Starting``, hand the proxiers what the source delivered and have it deliver the
+   Services and EndpointSlices straight into them (the first sync; the collector held
+   off meanwhile), start the sync loops and the host-address watcher;
 5. SIGTERM or SIGINT (:func:`run_daemon`, :mod:`~kubeproxy.daemon.run`): stop the servers
    and threads; the kernel rules stay in place, for the next instance to take over.
 

@@ -29,6 +29,7 @@ from kubeproxy.events import (
 )
 from kubeproxy.health import HealthObserver, ProxyHealth, ProxyHealthServer, ServerBindError
 from kubeproxy.metrics import MetricsServer, ProxyMetrics
+from kubeproxy.netlink import AddressWatcher
 from kubeproxy.objects import IPFamily, NodeInfo
 from kubeproxy.proxier import DualStackProxier, Proxier
 from kubeproxy.selfheal import SelfHealer, Watcher
@@ -73,6 +74,8 @@ class Daemon:
         startup_warnings: Sequence[StartupWarning] = (),
         before_first_sync: Callable[[], object] | None = None,
         name: str = "kube-proxy",
+        serving: bool = False,
+        address_watcher: AddressWatcher | None = None,
     ) -> None:
         self.options = options
         self.name = name
@@ -99,6 +102,8 @@ class Daemon:
         self.watchers = tuple(watchers)
         self.startup_warnings = tuple(startup_warnings)
         self._before_first_sync = before_first_sync
+        self._serving = serving
+        self.address_watcher = address_watcher
         self._stop = stop
         self._threads: list[threading.Thread] = []
         self._stopped = False
@@ -117,9 +122,9 @@ class Daemon:
         return self._stop.wait(timeout)
 
     def start(self) -> None:
-        """Post the start-up warnings, serve health and metrics, run the
-        ``before_first_sync`` step (removing other modes' rules), post ``Starting``, sync,
-        and run the sync loops.
+        """Post the start-up warnings, serve health and metrics (unless they already
+        are), run the ``before_first_sync`` step (removing other modes' rules), post
+        ``Starting``, have the source deliver (the first sync), and run the sync loops.
 
         Raises :class:`StartupError` when a server cannot bind with
         ``bindAddressHardFail`` (after posting the Warning event upstream posts); nothing
@@ -129,18 +134,29 @@ class Daemon:
             raise RuntimeError("the daemon is already running")
         for warning in self.startup_warnings:
             self.events.warning(warning.reason, warning.action, warning.note)
-        self._serve(self.health_server.start, REASON_FAILED_HEALTHCHECK)
-        self._serve(self.metrics_server.start, REASON_FAILED_METRICS)
+        if not self._serving:
+            self._serve(self.health_server.start, REASON_FAILED_HEALTHCHECK)
+            self._serve(self.metrics_server.start, REASON_FAILED_METRICS)
+            self._serving = True
         self._prepare_first_sync()
         self.events.starting()
         # Watching starts before the first sync, so nothing done after it goes unseen.
         self.healer.start(self.watchers, self._stop)
-        self.gate.bind(self.handler)
+        if self.address_watcher is not None:
+            self._spawn("host-addresses", self.address_watcher.run, self._stop)
+        self._deliver()
         for proxier in self.proxiers.values():
             self._spawn(f"sync-loop-{proxier.family.value}", self._sync_loop, proxier)
         if self._source.poll is not None:
             self._spawn("manifests", self._source.poll, self._stop)
         logger.info("%s started for node %s", self.name, self.node.name)
+
+    def _deliver(self) -> None:
+        """Bind the source to the proxiers and have it deliver, the collector held off
+        until the first full syncs (:meth:`~kubeproxy.daemon.gctuning.GcTuner.hold`)."""
+        self.gate.bind(self.handler)
+        self.gc_tuner.hold()
+        self._source.begin()
 
     def sync_once(self, timeout: float = NODE_WAIT_TIMEOUT) -> bool:
         """Sync once after the source's initial list (``--once``); True on success.
@@ -150,7 +166,7 @@ class Daemon:
         more at the end, so a pre-flight check or CI run notices.
         """
         self._prepare_first_sync()
-        self.gate.bind(self.handler)
+        self._deliver()
         if not self._source.wait_synced(timeout):
             logger.error("The initial list did not complete within %gs", timeout)
             return False
@@ -176,6 +192,8 @@ class Daemon:
             return
         self._stopped = True
         self._stop.set()
+        if self.address_watcher is not None:
+            self.address_watcher.close()
         if not self._source.join(timeout):
             logger.warning("The source did not stop within %gs", timeout)
         for thread in self._threads:
@@ -192,6 +210,7 @@ class Daemon:
         self.health_server.stop()
         self.metrics_server.stop()
         self.health_observer.close()
+        self.gc_tuner.release()
         close = getattr(self.events, "close", None)
         if callable(close):
             close(timeout)

@@ -82,6 +82,9 @@ def run_daemon(
     if options.dry_run:
         build.setdefault("conntrack", FakeConntrack())
         build.setdefault("events", LoggingEventSink(options.node_name))
+    # A daemon answers /livez from its first second (and /healthz 503 until it synced),
+    # however long reading a big cluster takes.
+    build.setdefault("serve_early", not (options.once or options.dry_run))
     stop = threading.Event()
     with _stopping_on_signals(stop):
         try:

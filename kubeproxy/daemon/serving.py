@@ -1,4 +1,5 @@
-"""Health and metrics wiring: upstream's servers, and the health checks per family.
+"""Health and metrics wiring: upstream's servers (:func:`servers`), and the health checks
+per family (:func:`health_checks`).
 
 ``/healthz`` and ``/livez`` (:class:`~kubeproxy.health.ProxyHealthServer`, unhealthy when
 a change has waited two ``syncPeriod``s, or while a data-plane fault is reported),
@@ -28,7 +29,7 @@ from kubeproxy.metrics import MetricsServer, ProxyMetrics
 from kubeproxy.objects import IPFamily, NamespacedName, NodeInfo
 from kubeproxy.proxyconfig import config_document
 
-__all__ = ["Servers", "health_and_metrics", "listen_error_reporter"]
+__all__ = ["Servers", "health_checks", "listen_error_reporter", "servers"]
 
 
 def listen_error_reporter(events: EventSink) -> Callable[[NamespacedName, int, str], None]:
@@ -44,36 +45,26 @@ def listen_error_reporter(events: EventSink) -> Callable[[NamespacedName, int, s
 
 @dataclass(frozen=True, slots=True)
 class Servers:
-    """The metrics and health state, their servers, and the per-family health checks
-    (the HealthCheckNodePorts, fed by :attr:`observer`)."""
+    """The metrics and health state and their servers."""
 
     metrics: ProxyMetrics
     metrics_server: MetricsServer
     health: ProxyHealth
     health_server: ProxyHealthServer
-    observer: HealthObserver
 
 
-def health_and_metrics(
-    options: DaemonOptions,
-    mode: str,
-    node: NodeInfo,
-    sync_period: float,
-    families: Sequence[IPFamily],
-    events: EventSink,
+def servers(
+    options: DaemonOptions, mode: str, sync_period: float, node: NodeInfo | None = None
 ) -> Servers:
-    """Upstream's servers: metrics, /healthz and /livez (2 x syncPeriod), Service checks."""
+    """Upstream's servers: metrics, and /healthz and /livez (2 x syncPeriod).
+
+    ``node`` None: not known yet (the node is not eligible until
+    :meth:`~kubeproxy.health.ProxyHealth.set_node`).
+    """
     hard_fail = options.bind_address_hard_fail
     metrics = ProxyMetrics(mode=mode)
     metrics.registry.register(FeatureEnabledCollector(options.gates))
     health = ProxyHealth(2 * sync_period, node=node)
-    report = listen_error_reporter(events)
-    service_health = {
-        family: ServiceHealthServer(
-            family, health, node_name=options.node_name, on_listen_error=report
-        )
-        for family in families
-    }
     return Servers(
         metrics,
         MetricsServer(
@@ -86,5 +77,19 @@ def health_and_metrics(
         ),
         health,
         ProxyHealthServer(options.healthz_bind_address, health, metrics, hard_fail=hard_fail),
-        HealthObserver(health, service_health),
     )
+
+
+def health_checks(
+    options: DaemonOptions, health: ProxyHealth, families: Sequence[IPFamily], events: EventSink
+) -> HealthObserver:
+    """The per-family Service health checks (HealthCheckNodePorts), fed by the returned
+    observer; a port that cannot listen is a Warning Event."""
+    report = listen_error_reporter(events)
+    service_health = {
+        family: ServiceHealthServer(
+            family, health, node_name=options.node_name, on_listen_error=report
+        )
+        for family in families
+    }
+    return HealthObserver(health, service_health)

@@ -64,6 +64,8 @@ class StartedSource:
     source: ManifestSource | KubernetesSource
     node: KubeObject | None
     wait_synced: Callable[[float], bool]
+    # Have the source deliver everything besides the Node (once the proxiers take it).
+    begin: Callable[[], None] = field(default=lambda: None)
     join: Callable[[float], bool] = field(default=lambda _timeout: True)
     poll: Callable[[threading.Event], None] | None = None
     # What the source could not use (files that did not parse): --once fails on any.
@@ -73,7 +75,8 @@ class StartedSource:
 
 
 def open_manifests(directory: Path, gate: HandlerGate, options: DaemonOptions) -> StartedSource:
-    """Load ``directory`` into ``gate`` (polled for changes once the daemon runs).
+    """Read the Node (and ServiceCIDRs) of ``directory`` into ``gate``; the rest is read
+    when the daemon begins (:attr:`StartedSource.begin`), then polled for changes.
 
     Without a Node of this node's name but with others, one warning names them: the usual
     mistake is a missing ``--hostname-override``. An unreadable directory is a
@@ -81,9 +84,16 @@ def open_manifests(directory: Path, gate: HandlerGate, options: DaemonOptions) -
     """
     source = ManifestSource(directory, gate, node_name=options.node_name)
     try:
-        source.load()
+        source.load_node()
     except OSError as err:
         raise StartupError(f"--manifests: {err}") from None
+
+    def begin() -> None:
+        try:
+            source.load()
+        except OSError as err:
+            logger.error("--manifests: %s", err)  # the poll loop, if any, tries again
+
     others = source.node_names
     explained = gate.node is None and bool(others)
     if explained:
@@ -103,7 +113,8 @@ def open_manifests(directory: Path, gate: HandlerGate, options: DaemonOptions) -
     return StartedSource(
         source,
         gate.node,
-        wait_synced=lambda _t: True,
+        wait_synced=lambda _t: source.loaded,
+        begin=begin,
         poll=source.run,
         problems=lambda: [f"{path}: did not parse" for path in source.broken],
         node_explained=explained,
@@ -172,7 +183,7 @@ def open_api(
         source_stop.set()
         return source.join(timeout)
 
-    source.start(source_stop)
+    source.start_node(source_stop)
     logger.info("Waiting up to %gs for Node %s", node_timeout, options.node_name)
     deadline = time.monotonic() + node_timeout
     while not watcher.wait_until_ready(min(0.5, max(0.0, deadline - time.monotonic()))):
@@ -185,4 +196,10 @@ def open_api(
             raise StartupError(
                 f"Node {options.node_name} did not appear with {what} within {node_timeout:g}s"
             )
-    return StartedSource(source, watcher.node, wait_synced=source.wait_for_sync, join=halt)
+    return StartedSource(
+        source,
+        watcher.node,
+        wait_synced=source.wait_for_sync,
+        begin=lambda: source.start_services(source_stop),
+        join=halt,
+    )

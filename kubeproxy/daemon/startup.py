@@ -5,14 +5,20 @@ source (and, with an API server, the wait for this Node), the node IPs and famil
 event sink, the privileged set-up, one backend per family (making one runs its support
 check: a mode that cannot run stops the start here), the health and metrics state, the
 conntrack reconciler, and one proxier per family with its hooks; then the self-healing
-watchers. Nothing is served and no rule is written yet: :meth:`Daemon.start` does that.
+watchers. No rule is written yet, and only this Node (and the ServiceCIDRs) has been
+read: :meth:`Daemon.start` has the source deliver the rest straight into the proxiers.
+
+With ``serve_early`` (what :func:`~kubeproxy.daemon.run_daemon` asks for a daemon) the
+health and metrics servers listen before anything else, where upstream starts them
+after its proxiers: ``/livez`` answers within a second of the start however big the
+cluster, and ``/healthz`` answers 503 until the first sync.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -37,7 +43,7 @@ from kubeproxy.daemon.nodeips import (
 )
 from kubeproxy.daemon.options import DaemonOptions
 from kubeproxy.daemon.privileged import HostPaths, privileged_setup
-from kubeproxy.daemon.serving import health_and_metrics
+from kubeproxy.daemon.serving import Servers, health_checks, servers
 from kubeproxy.daemon.sources import (
     NODE_WAIT_TIMEOUT,
     STOP_TIMEOUT,
@@ -47,8 +53,14 @@ from kubeproxy.daemon.sources import (
     open_api,
     open_manifests,
 )
-from kubeproxy.events import EventSink
-from kubeproxy.netlink import HostAddresses, HostAddressLister
+from kubeproxy.events import (
+    ACTION_START,
+    REASON_FAILED_HEALTHCHECK,
+    REASON_FAILED_METRICS,
+    EventSink,
+)
+from kubeproxy.health import ServerBindError
+from kubeproxy.netlink import AddressWatcher, HostAddresses, HostAddressLister
 from kubeproxy.objects import IPAddress, IPFamily
 from kubeproxy.proxier import ObserverGroup, Proxier, SyncHook, SyncObserver
 from kubeproxy.selfheal import SelfHealer
@@ -77,6 +89,8 @@ class _Wiring:
     watchers: WatcherFactory | None
     startup_warnings: Sequence[StartupWarning]
     before_first_sync: Callable[[], object] | None
+    watch_addresses: bool
+    serving: bool
 
 
 def build_daemon(
@@ -103,6 +117,7 @@ def build_daemon(
     startup_warnings: Sequence[StartupWarning] = (),
     stop: threading.Event | None = None,
     before_first_sync: Callable[[], object] | None = None,
+    serve_early: bool = False,
 ) -> Daemon:
     """Build the proxy for ``options``, up to the point where :meth:`Daemon.start` runs it.
 
@@ -126,8 +141,11 @@ def build_daemon(
     are posted as events when the daemon starts. ``before_first_sync`` runs once every
     backend exists and (for a daemon) the servers are bound, right before the first sync:
     the binaries remove the other modes' rules there, so a mode that cannot run, or a
-    server that cannot bind with ``bindAddressHardFail``, leaves them in place. Raises
-    :class:`~kubeproxy.daemon.errors.StartupError`.
+    server that cannot bind with ``bindAddressHardFail``, leaves them in place.
+    ``serve_early`` starts the health and metrics servers first of all (see the module).
+    With the real ``host_addresses`` lister, an
+    :class:`~kubeproxy.netlink.AddressWatcher` has the proxiers read the host's addresses
+    again when one comes or goes. Raises :class:`~kubeproxy.daemon.errors.StartupError`.
     """
     stop = stop if stop is not None else threading.Event()
     gate = HandlerGate()
@@ -136,21 +154,48 @@ def build_daemon(
     def list_host_addresses() -> list[IPAddress]:
         return [a for a in lister.list_addresses(netns) if not a.is_link_local]
 
+    parts = servers(options, mode, options.config.sync_period)
+    if not (options.once or options.dry_run):
+        # 503 until the first sync, from the start: IPv4 is always proxied (IPv6 joins
+        # once the families are known). Set only then, /healthz answered 200 in the
+        # moment between learning the Node and knowing the families.
+        parts.health.await_first_sync([IPFamily.IPV4])
+    # Bound before the API client is made: importing the Kubernetes client alone took
+    # 0.35-0.7 s on a loaded machine, and /livez should answer within a second.
+    refused = _bind(parts) if serve_early else None
     if options.manifests is not None:
-        source = open_manifests(options.manifests, gate, options)
         api = None
-    else:
-        api = api if api is not None else api_client(options)
-        tuning = tuning or SourceTuning()
-        source = open_api(
-            api, gate, options, tuning=tuning, node_timeout=node_timeout, stop=stop, exit=exit
-        )
+    elif api is None:
+        try:
+            api = api_client(options)
+        except StartupError:
+            stop_serving(parts)
+            raise
+    events = events if events is not None else event_sink(api, options.node_name, name)
+    if refused is not None:
+        _refuse(parts, events, *refused)
+    try:
+        if options.manifests is not None:
+            source = open_manifests(options.manifests, gate, options)
+        else:
+            source = open_api(
+                api,
+                gate,
+                options,
+                tuning=tuning or SourceTuning(),
+                node_timeout=node_timeout,
+                stop=stop,
+                exit=exit,
+            )
+    except BaseException:
+        stop_serving(parts)
+        raise
     wiring = _Wiring(
         name=name,
         mode=mode,
         netns=netns,
         conntrack=conntrack,
-        events=events if events is not None else event_sink(api, options.node_name, name),
+        events=events,
         privileged=privileged,
         paths=paths,
         sysctl_files=sysctl_files,
@@ -160,12 +205,47 @@ def build_daemon(
         watchers=watchers,
         startup_warnings=startup_warnings,
         before_first_sync=before_first_sync,
+        watch_addresses=host_addresses is None,
+        serving=serve_early,
     )
     try:
-        return _assemble(options, backend_factory, source, gate, stop, list_host_addresses, wiring)
+        return _assemble(
+            options, backend_factory, source, gate, stop, list_host_addresses, wiring, parts
+        )
     except BaseException:
         source.join(STOP_TIMEOUT)
+        stop_serving(parts)
         raise
+
+
+def _bind(parts: Servers) -> tuple[str, ServerBindError] | None:
+    """Start both servers; the first refusal (``bindAddressHardFail``) and its reason."""
+    for start, reason in (
+        (parts.health_server.start, REASON_FAILED_HEALTHCHECK),
+        (parts.metrics_server.start, REASON_FAILED_METRICS),
+    ):
+        try:
+            start()
+        except ServerBindError as err:
+            return reason, err
+    return None
+
+
+def _refuse(parts: Servers, events: EventSink, reason: str, err: ServerBindError) -> None:
+    """Post upstream's Warning for a server that could not bind, stop serving, and raise
+    :class:`~kubeproxy.daemon.errors.StartupError`."""
+    events.warning(reason, ACTION_START, str(err))
+    stop_serving(parts)
+    close = getattr(events, "close", None)
+    if callable(close):
+        close(STOP_TIMEOUT)  # post the Warning: no daemon will stop (and flush) it
+    raise StartupError(str(err)) from err
+
+
+def stop_serving(parts: Servers) -> None:
+    """Stop the health and metrics servers (nothing if they do not run)."""
+    parts.health_server.stop()
+    parts.metrics_server.stop()
 
 
 def _make_backends(
@@ -214,12 +294,14 @@ def _assemble(
     stop: threading.Event,
     list_host_addresses: Callable[[], list[IPAddress]],
     wiring: _Wiring,
+    parts: Servers,
 ) -> Daemon:
     """Everything after the source, in upstream's order: node IPs and families, the
-    privileged set-up, backends, servers, the conntrack reconciler, proxiers; then the
-    self-healing watchers."""
+    privileged set-up, backends, health checks, the conntrack reconciler, proxiers; then
+    the self-healing watchers."""
     events = wiring.events
     node = node_info(source.node, options.node_name, list_host_addresses())
+    parts.health.set_node(node)  # 503 meanwhile: the first sync is awaited already
     node_ips = detect_node_ips(
         host_ips(node.addresses),
         options.configuration.bind_address,
@@ -237,7 +319,10 @@ def _assemble(
     backends = _make_backends(backend_factory, families, primary, config, wiring.netns)
     families = list(backends)
     _log_families(families, node_ips, wiring)
-    parts = health_and_metrics(options, wiring.mode, node, config.sync_period, families, events)
+    if not (options.once or options.dry_run):
+        # /healthz answers 503 until each family's rules are written.
+        parts.health.await_first_sync(families)
+    observer = health_checks(options, parts.health, families, events)
     metrics = parts.metrics
     executor = wiring.conntrack if wiring.conntrack is not None else NetlinkConntrack(wiring.netns)
     reconciler = ConntrackReconciler(executor, metrics)
@@ -263,11 +348,11 @@ def _assemble(
             backend,
             node=node,
             host_addresses=list_host_addresses,
-            observer=ObserverGroup([metrics, parts.observer, *observers, healer]),
+            observer=ObserverGroup([metrics, observer, *observers, healer]),
             conntrack=reconciler,
             after_sync=(
                 metrics.after_sync,
-                parts.observer.after_sync,
+                observer.after_sync,
                 *hooks,
                 *healing,
                 *tuning,
@@ -275,6 +360,9 @@ def _assemble(
         )
         metrics.track(proxiers[family])
     healer.proxiers.update(proxiers)
+    addresses = (
+        AddressWatcher(_told(proxiers.values()), wiring.netns) if wiring.watch_addresses else None
+    )
     return Daemon(
         options=options,
         node=node,
@@ -286,7 +374,7 @@ def _assemble(
         metrics_server=parts.metrics_server,
         health=parts.health,
         health_server=parts.health_server,
-        health_observer=parts.observer,
+        health_observer=observer,
         events=events,
         gc_tuner=gc_tuner,
         stop=stop,
@@ -295,4 +383,17 @@ def _assemble(
         startup_warnings=wiring.startup_warnings,
         before_first_sync=wiring.before_first_sync,
         name=wiring.name,
+        serving=wiring.serving,
+        address_watcher=addresses,
     )
+
+
+def _told(proxiers: Iterable[Proxier]) -> Callable[[], None]:
+    """What tells every proxier that the host's addresses changed."""
+    targets = tuple(proxiers)
+
+    def tell() -> None:
+        for proxier in targets:
+            proxier.host_addresses_changed()
+
+    return tell
