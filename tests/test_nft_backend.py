@@ -666,7 +666,7 @@ def test_upgrade_from_the_per_service_chain_structure() -> None:
 
 
 def test_upgrade_from_the_four_field_source_range_set() -> None:
-    # Before issue 612 one interval set held "VIP . protocol . port . source" (a key some
+    # Before the 6.12 fix one interval set held "VIP . protocol . port . source" (a key some
     # kernels refuse with nft < 1.1.0). A restart over such a table builds the per-protocol
     # sets in a new generation and the old set goes with its generation.
     world = World()

@@ -105,9 +105,10 @@ def firewall_allow_key(ip: str) -> str:
     """The key of the ``firewall-allow-<protocol>`` sets (declared ``typeof``, ``flags
     interval``), as the firewall check looks it up: destination, port, source address.
 
-    Why one set per protocol and no ``meta l4proto`` in the key (issue 612): before,
-    one set held ``daddr . meta l4proto . th dport . saddr``. For a one-byte field in
-    host byte order (``meta l4proto``) in an interval concatenation, nft before 1.1.0
+    Why one set per protocol and no ``meta l4proto`` in the key (Debian's 6.12, found by
+    ``make test-kernels``): before, one set held ``daddr . meta l4proto . th dport .
+    saddr``. For a one-byte field in host byte order (``meta l4proto``) in an interval
+    concatenation, nft before 1.1.0
     writes a byte-order conversion of length 1 and size 2 (``byteorder reg 9 =
     hton(reg 9, 2, 1)``, a no-op), and kernels with "netfilter: nft_byteorder: remove
     multi-register support" refuse any conversion whose length is not its size

@@ -266,8 +266,8 @@ PROBES: Final[tuple[FeatureProbe, ...]] = (
         "a one-byte host-order field in an interval concatenation",
         "5.6",
         "0.9.4",
-        "nothing (loadBalancerSourceRanges' key before issue 612: address . meta l4proto"
-        " . port . source range)",
+        "nothing (loadBalancerSourceRanges' key before 6.12's byteorder check:"
+        " address . meta l4proto . port . source range)",
         ("filter", "prerouting"),
         ("$ip daddr . meta l4proto . th dport . $ip saddr @byteorder-set return",),
         (
