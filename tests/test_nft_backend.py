@@ -223,20 +223,48 @@ def test_firewall_and_hairpin_are_data() -> None:
         ep("10.180.0.9", 8443),
         Endpoint(ip("10.181.0.1"), 8443, remote=True),
     )
+    # Another Service shares the VIP and port number, over UDP, with a range of its own:
+    # its sources are let in for UDP only.
+    world.add(
+        ServicePort(
+            spn("lb-udp"),
+            ip("172.30.0.21"),
+            443,
+            Protocol.UDP,
+            load_balancer_vips=(ip("5.6.7.8"),),
+            load_balancer_source_ranges=(net("198.51.100.0/24"),),
+        ),
+        ep("10.180.0.10", 8443),
+    )
     fake = FakeNft()
     backend(fake).sync(world.snapshot(), full())
     dump = fake.dump()
-    assert "add element ip kube-proxy firewall-ips.g1 { 5.6.7.8 . tcp . 443 }" in dump
-    allowed = lines(dump, r"element ip kube-proxy firewall-allow\.g1")
+    assert lines(dump, r"element ip kube-proxy firewall-ips\.g1") == [
+        "add element ip kube-proxy firewall-ips.g1 { 5.6.7.8 . tcp . 443 }",
+        "add element ip kube-proxy firewall-ips.g1 { 5.6.7.8 . udp . 443 }",
+    ]
+    allowed = lines(dump, r"element ip kube-proxy firewall-allow-tcp\.g1")
     # The node's own address is in a source range: a VIP looped back is allowed too.
     assert [line.split("{ ")[1] for line in allowed] == [
-        "5.6.7.8 . tcp . 443 . 192.168.0.0/16 }",
-        "5.6.7.8 . tcp . 443 . 203.0.113.0/24 }",
-        "5.6.7.8 . tcp . 443 . 5.6.7.8 }",
+        "5.6.7.8 . 443 . 192.168.0.0/16 }",
+        "5.6.7.8 . 443 . 203.0.113.0/24 }",
+        "5.6.7.8 . 443 . 5.6.7.8 }",
+    ]
+    udp = lines(dump, r"element ip kube-proxy firewall-allow-udp\.g1")
+    assert [line.split("{ ")[1] for line in udp] == ["5.6.7.8 . 443 . 198.51.100.0/24 }"]
+    assert not lines(dump, r"element ip kube-proxy firewall-allow-sctp\.g1")
+    # One rule per protocol reads them, then the frontends with ranges drop the rest:
+    # no rule per Service, and no one-byte field in an interval key (see layout).
+    assert _chains(fake)["firewall-check"] == [
+        "meta l4proto tcp ip daddr . th dport . ip saddr @firewall-allow-tcp.g1 return",
+        "meta l4proto udp ip daddr . th dport . ip saddr @firewall-allow-udp.g1 return",
+        "meta l4proto sctp ip daddr . th dport . ip saddr @firewall-allow-sctp.g1 return",
+        "ip daddr . meta l4proto . th dport @firewall-ips.g1 drop",
     ]
     # Every endpoint hairpins, as upstream's: whether one runs here is only as good as
     # the node name it names (with --hostname-override it may name none).
     assert lines(dump, "element ip kube-proxy hairpin-endpoints.g1 {") == [
+        "add element ip kube-proxy hairpin-endpoints.g1 { 10.180.0.10 . 10.180.0.10 }",
         "add element ip kube-proxy hairpin-endpoints.g1 { 10.180.0.9 . 10.180.0.9 }",
         "add element ip kube-proxy hairpin-endpoints.g1 { 10.181.0.1 . 10.181.0.1 }",
     ]
@@ -353,7 +381,8 @@ def test_a_new_lb_ip_is_never_reachable_before_its_source_ranges() -> None:
     vip = "{ 5.6.7.8 . tcp . 443"
     reachable = _first(added, f"add element ip kube-proxy dispatch-ips.g1 {vip} }}")
     assert _first(added, f"add element ip kube-proxy firewall-ips.g1 {vip} }}") <= reachable
-    assert _first(added, f"add element ip kube-proxy firewall-allow.g1 {vip}") <= reachable
+    allow = "{ 5.6.7.8 . 443"
+    assert _first(added, f"add element ip kube-proxy firewall-allow-tcp.g1 {allow}") <= reachable
     # And the ranges go only once the VIP is no longer dispatched.
     world.remove(name)
     start = len(fake.transactions)
@@ -361,7 +390,7 @@ def test_a_new_lb_ip_is_never_reachable_before_its_source_ranges() -> None:
     removed = [tx.render() for tx in fake.transactions[start:]]
     gone = _first(removed, f"delete element ip kube-proxy dispatch-ips.g1 {vip} }}")
     assert _first(removed, f"delete element ip kube-proxy firewall-ips.g1 {vip} }}") >= gone
-    assert _first(removed, f"delete element ip kube-proxy firewall-allow.g1 {vip}") >= gone
+    assert _first(removed, f"delete element ip kube-proxy firewall-allow-tcp.g1 {allow}") >= gone
 
 
 def test_overlapping_source_ranges_are_merged_not_refused() -> None:
@@ -398,18 +427,16 @@ def test_overlapping_source_ranges_are_merged_not_refused() -> None:
     fake = FakeNft()
     backend(fake).sync(world.snapshot(), full())
     allowed = sorted(
-        e.key for e in fake.list_elements(Family.IP, "kube-proxy", "firewall-allow.g1")
+        e.key for e in fake.list_elements(Family.IP, "kube-proxy", "firewall-allow-tcp.g1")
     )
     assert allowed == [
-        ("5.6.7.8", "tcp", "80", "0.0.0.0/0"),
+        ("5.6.7.8", "80", "0.0.0.0/0"),
         # The node (192.168.0.2) is in the range: the VIP looped back is allowed too.
-        ("5.6.7.9", "tcp", "80", "192.168.0.0/24"),
-        ("5.6.7.9", "tcp", "80", "5.6.7.9"),
+        ("5.6.7.9", "80", "192.168.0.0/24"),
+        ("5.6.7.9", "80", "5.6.7.9"),
     ]
     with pytest.raises(NftError, match="overlaps"):
-        fake.run_text(
-            "add element ip kube-proxy firewall-allow.g1 { 5.6.7.8 . tcp . 80 . 1.2.3.4 }"
-        )
+        fake.run_text("add element ip kube-proxy firewall-allow-tcp.g1 { 5.6.7.8 . 80 . 1.2.3.4 }")
 
 
 def test_a_connection_to_a_service_ip_never_records_a_nodeports_affinity() -> None:
@@ -633,6 +660,51 @@ def test_upgrade_from_the_per_service_chain_structure() -> None:
     clock.now += 1.0
     new.sync(world.snapshot(), SyncChanges(full=False))
     assert new.stale_chain_failures == 0
+    fresh = FakeNft()
+    backend(fresh).sync(world.snapshot(), full())
+    assert normalized(fake) == normalized(fresh)
+
+
+def test_upgrade_from_the_four_field_source_range_set() -> None:
+    # Before the 6.12 fix one interval set held "VIP . protocol . port . source" (a key some
+    # kernels refuse with nft < 1.1.0). A restart over such a table builds the per-protocol
+    # sets in a new generation and the old set goes with its generation.
+    world = World()
+    world.add(
+        ServicePort(
+            spn("lb"),
+            ip("172.30.0.20"),
+            443,
+            Protocol.TCP,
+            load_balancer_vips=(ip("5.6.7.8"),),
+            load_balancer_source_ranges=(net("203.0.113.0/24"),),
+        ),
+        ep("10.180.0.9", 8443),
+    )
+    fake, clock = FakeNft(), Clock()
+    backend(fake, clock).sync(world.snapshot(), full())
+    table = "ip kube-proxy"
+    fake.run_text(
+        f"add set {table} firewall-allow.g1 {{ typeof ip daddr . meta l4proto . th dport"
+        " . ip saddr ; flags interval ; }\n"
+        f"add element {table} firewall-allow.g1 {{ 5.6.7.8 . tcp . 443 . 203.0.113.0/24 }}\n"
+        f"flush chain {table} firewall-check\n"
+        f"add rule {table} firewall-check ip daddr . meta l4proto . th dport . ip saddr"
+        " @firewall-allow.g1 return\n"
+        f"add rule {table} firewall-check ip daddr . meta l4proto . th dport"
+        " @firewall-ips.g1 drop\n"
+    )
+    for name in fake.list_sets(Family.IP, "kube-proxy"):
+        if name.startswith("firewall-allow-"):
+            fake.run_text(f"delete set {table} {name}")
+    assert "firewall-check ip daddr . meta l4proto . th dport . ip saddr @firewall-allow.g1" in (
+        fake.dump()
+    )
+    restarted = backend(fake, clock)
+    restarted.sync(world.snapshot(), full())
+    clock.now += 1.0
+    restarted.sync(world.snapshot(), SyncChanges(full=False))
+    assert "firewall-allow.g1" not in fake.list_sets(Family.IP, "kube-proxy")
     fresh = FakeNft()
     backend(fresh).sync(world.snapshot(), full())
     assert normalized(fake) == normalized(fresh)

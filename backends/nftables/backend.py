@@ -992,18 +992,19 @@ class NftablesBackend:
             before, after = old_fw.get(key, ()), new_fw.get(key, ())
             if before == after:
                 continue
+            vip, proto, port = key  # each protocol's sources have a set of their own
             if adding:
                 if after and not before:
                     ops.add(names.firewall_ips, key)
                 for source in after:
                     if source not in before:
-                        ops.add(names.firewall_allow, (*key, source))
+                        ops.add(names.firewall_allow(proto), (vip, port, source))
                 continue
             if before and not after:
                 ops.delete(names.firewall_ips, key)
             for source in before:
                 if source not in after:
-                    ops.delete(names.firewall_allow, (*key, source))
+                    ops.delete(names.firewall_allow(proto), (vip, port, source))
 
     def _add_shared(self, ops: _Ops, plan: PortPlan | None, *, full: bool) -> None:
         """Count the shared elements of a port's plan, adding those new to the kernel.

@@ -63,6 +63,7 @@ __all__ = [
     "CLASS_NAME",
     "DISPATCH_RULES",
     "DISPATCH_TREE",
+    "FIREWALL_PROTOCOLS",
     "MAX_CLASS_BITS",
     "GenNames",
     "Pick",
@@ -71,6 +72,8 @@ __all__ = [
     "class_numbers",
     "class_rule",
     "element_types",
+    "firewall_allow_key",
+    "firewall_allow_rule",
     "fixed_chain_names",
     "fixed_chains",
     "generation_of",
@@ -94,6 +97,35 @@ the affinity lookup: 6 + this stays below)."""
 AFFINITY_PROTOCOLS = ("tcp", "udp", "sctp")
 SLOT_PROTOCOLS = AFFINITY_PROTOCOLS
 """The protocols a Service port may have; each has its own endpoint-slot maps."""
+FIREWALL_PROTOCOLS = SLOT_PROTOCOLS
+"""Each has its own ``firewall-allow-<protocol>`` set (see :func:`firewall_allow_key`)."""
+
+
+def firewall_allow_key(ip: str) -> str:
+    """The key of the ``firewall-allow-<protocol>`` sets (declared ``typeof``, ``flags
+    interval``), as the firewall check looks it up: destination, port, source address.
+
+    Why one set per protocol and no ``meta l4proto`` in the key (Debian's 6.12, found by
+    ``make test-kernels``): before, one set held ``daddr . meta l4proto . th dport .
+    saddr``. For a one-byte field in host byte order (``meta l4proto``) in an interval
+    concatenation, nft before 1.1.0
+    writes a byte-order conversion of length 1 and size 2 (``byteorder reg 9 =
+    hton(reg 9, 2, 1)``, a no-op), and kernels with "netfilter: nft_byteorder: remove
+    multi-register support" refuse any conversion whose length is not its size
+    (``EOPNOTSUPP``): Debian's 6.12.117 refuses the rule with Debian 12's nft 1.0.6, so the
+    proxy could not start there. Payload fields (addresses, ``th dport``) need no
+    conversion, so this key loads the same on every kernel with every nft we support,
+    and the rule's ``meta l4proto <protocol>`` is a plain comparison. Per-change cost
+    stays data: a source range is one element, in its protocol's set.
+    """
+    return f"{ip} daddr . th dport . {ip} saddr"
+
+
+def firewall_allow_rule(ip: str, proto: str, name: str) -> str:
+    """The firewall check's rule letting allowed sources of ``proto`` frontends through
+    (``name`` is that protocol's ``firewall-allow`` set)."""
+    return f"meta l4proto {proto} {firewall_allow_key(ip)} @{name} return"
+
 
 _GEN = re.compile(r"\.g([0-9]+)$")
 CLASS_NAME = re.compile(
@@ -145,8 +177,15 @@ class GenNames:
         self.no_endpoint_nodeports_reject = f"no-endpoint-nodeports-reject{suffix}"
         self.no_endpoint_nodeports_drop = f"no-endpoint-nodeports-drop{suffix}"
         self.firewall_ips = f"firewall-ips{suffix}"
-        self.firewall_allow = f"firewall-allow{suffix}"
+        self._firewall_allow = {
+            proto: f"firewall-allow-{proto}{suffix}" for proto in FIREWALL_PROTOCOLS
+        }
         self.hairpin = f"hairpin-endpoints{suffix}"
+
+    def firewall_allow(self, proto: str) -> str:
+        """The set of allowed ``VIP . port . source`` of ``proto`` load balancers with
+        source ranges (:func:`firewall_allow_key`)."""
+        return self._firewall_allow[proto]
 
     def slots(self, kind: str, shortcut: bool, proto: str, count: int) -> str:
         """The endpoint-slot map of ``kind`` frontends of one protocol (main list, or the
@@ -254,12 +293,15 @@ class GenNames:
             ContainerSpec(self.no_endpoint_nodeports_reject, False, nodeport),
             ContainerSpec(self.no_endpoint_nodeports_drop, False, nodeport),
             ContainerSpec(self.firewall_ips, False, frontend, comment="LoadBalancerSourceRanges"),
-            ContainerSpec(
-                self.firewall_allow,
-                False,
-                f"{ip} daddr . meta l4proto . th dport . {ip} saddr",
-                flags=("interval",),
-                typeof=True,
+            *(
+                ContainerSpec(
+                    self.firewall_allow(proto),
+                    False,
+                    firewall_allow_key(ip),
+                    flags=("interval",),
+                    typeof=True,
+                )
+                for proto in FIREWALL_PROTOCOLS
             ),
             ContainerSpec(self.hairpin, False, f"{addr} . {addr}"),
         ]
@@ -621,7 +663,10 @@ def fixed_chains(
         FixedChain(
             Names.FIREWALL_CHECK,
             (
-                f"{lookup} . {ip} saddr @{names.firewall_allow} return",
+                *(
+                    firewall_allow_rule(ip, proto, names.firewall_allow(proto))
+                    for proto in FIREWALL_PROTOCOLS
+                ),
                 f"{lookup} @{names.firewall_ips} drop",
             ),
         ),

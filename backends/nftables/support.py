@@ -39,7 +39,11 @@ from kubeproxy.backends.nftables.exec import (
     parse_version,
 )
 from kubeproxy.backends.nftables.fake import parse_commands
-from kubeproxy.backends.nftables.layout import MAX_CLASS_BITS
+from kubeproxy.backends.nftables.layout import (
+    MAX_CLASS_BITS,
+    firewall_allow_key,
+    firewall_allow_rule,
+)
 from kubeproxy.backends.nftables.objects import Family, NftError
 from kubeproxy.backends.nftables.transaction import Transaction
 
@@ -68,12 +72,13 @@ class FeatureProbe:
     ``hook[0]`` at hook ``hook[1]`` (a jump that never matches); ``objects`` are the
     sets, maps, elements and chains they use, written ``<noun> <name> ...`` as in ``add
     <noun> <family> <table> <name> ...``. Placeholders, filled per family: ``$ip`` (``ip``
-    or ``ip6``), ``$addr_type``, ``$addr`` and ``$other`` (two addresses), ``$dnat_to``
-    (``$other`` with port 80). Names start with ``key`` (all probes also run as one
-    transaction). ``kernel`` and ``nft`` are the first versions known to have the
-    feature, ``evidence`` how that is known; ``used_for`` says what needs it. A probe
-    that is not ``required`` is reported by the kernel matrix but refuses nothing (a
-    feature a structure may come to use).
+    or ``ip6``), ``$addr_type``, ``$addr`` and ``$other`` (two addresses), ``$net`` (a
+    network holding neither), ``$dnat_to`` (``$other`` with port 80). Names start with
+    ``key`` (all probes also run as one transaction). ``kernel`` and ``nft`` are the
+    first versions known to have the feature, ``evidence`` how that is known;
+    ``used_for`` says what needs it. A probe that is not ``required`` is reported by the
+    kernel matrix but refuses nothing (a feature a structure may come to use, or a shape
+    it stopped using because some kernels refuse it).
     """
 
     key: str
@@ -248,13 +253,33 @@ PROBES: Final[tuple[FeatureProbe, ...]] = (
         "interval concatenations",
         "5.6",
         "0.9.4",
-        "loadBalancerSourceRanges (address . protocol . port . source range)",
+        "loadBalancerSourceRanges (per protocol: address . port . source range)",
         ("filter", "prerouting"),
-        ("$ip daddr . meta l4proto . th dport . $ip saddr @interval-set return",),
+        (firewall_allow_rule("$ip", "tcp", "interval-set"),),
         (
-            "set interval-set { type $addr_type . inet_proto . inet_service . $addr_type ;"
+            f"set interval-set {{ typeof {firewall_allow_key('$ip')} ; flags interval ; }}",
+            "element interval-set { $addr . 80 . $net, $addr . 80 . $other }",
+        ),
+    ),
+    FeatureProbe(
+        "byteorder",
+        "a one-byte host-order field in an interval concatenation",
+        "5.6",
+        "0.9.4",
+        "nothing (loadBalancerSourceRanges' key before 6.12's byteorder check:"
+        " address . meta l4proto . port . source range)",
+        ("filter", "prerouting"),
+        ("$ip daddr . meta l4proto . th dport . $ip saddr @byteorder-set return",),
+        (
+            "set byteorder-set { typeof $ip daddr . meta l4proto . th dport . $ip saddr ;"
             " flags interval ; }",
         ),
+        evidence=(
+            "nft before 1.1.0 converts meta l4proto with hton(len 1, size 2); kernels with"
+            ' "netfilter: nft_byteorder: remove multi-register support" refuse it'
+            " (Debian's 6.12.117)"
+        ),
+        required=False,
     ),
     FeatureProbe(
         "reject",
@@ -314,6 +339,7 @@ def _tokens(family: Family) -> dict[str, str]:
             "addr_type": "ipv6_addr",
             "addr": "fd00::1",
             "other": "fd00::2",
+            "net": "fd00:1::/64",
             "dnat_to": "[fd00::2]:80",
         }
     return {
@@ -321,6 +347,7 @@ def _tokens(family: Family) -> dict[str, str]:
         "addr_type": "ipv4_addr",
         "addr": "10.0.0.1",
         "other": "10.0.0.2",
+        "net": "10.1.0.0/16",
         "dnat_to": "10.0.0.2:80",
     }
 
