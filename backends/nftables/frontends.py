@@ -85,7 +85,6 @@ AFFINITY4_MAP_TYPE = "ipv4_addr : ipv4_addr . inet_service"
 """An IPv4 affinity map: client address : endpoint address . port."""
 _CLUSTER_LIST = "service"
 _LOCAL_LIST = "local"
-_L4 = "meta l4proto { tcp, udp, sctp }"
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -378,6 +377,15 @@ class _Affinity:
     ) -> None:
         self.ctx = ctx
         self.identity = port_identity(port.name)
+        # The port's own protocol, a plain comparison: DNAT to an address and port needs a
+        # transport protocol in the rule, and a set of protocols ("{ tcp, udp, sctp }")
+        # would be an anonymous set per chain. The kernel names each new anonymous set by
+        # scanning every set of the table (``nf_tables_set_alloc_name``), and finds a set
+        # named in a rule by walking the same list, so with a chain per port that made
+        # the cold sync quadratic: every Service with ClientIP affinity, 10k: 32.3 s,
+        # 26.3 s of it in the kernel, against 1.9 s without affinity (``make bench``,
+        # test_cold_affinity, 2026-11-27).
+        self.l4 = f"meta l4proto {port.protocol.lower}"
         self.seconds = port.session_affinity_seconds
         self.lists = {_CLUSTER_LIST: cluster, _LOCAL_LIST: local}
         self.ipv6 = ctx.tokens.family is IPFamily.IPV6
@@ -424,9 +432,9 @@ class _Affinity:
         """The chain that DNATs a client with a recorded endpoint of list ``which``."""
         if self.ipv6:
             maps = self._maps_of(which)
-            rules = [f"{_L4} dnat to ip6 saddr map @{name} : {port}" for name, port in maps]
+            rules = [f"{self.l4} dnat to ip6 saddr map @{name} : {port}" for name, port in maps]
         else:
-            rules = [f"{_L4} dnat to ip saddr map @{name}" for name, _ in self._maps_of(which)]
+            rules = [f"{self.l4} dnat to ip saddr map @{name}" for name, _ in self._maps_of(which)]
         return self._chain("affinity-lookup", rules)
 
     def record(self) -> str:
