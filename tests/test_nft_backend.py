@@ -14,13 +14,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bench.chain_structure import ChainNftablesBackend
 from kubeproxy.backend import Backend, NodePortAddresses, SyncChanges, SyncError
-from kubeproxy.backends.nftables import ChainNftablesBackend, NftablesBackend
+from kubeproxy.backends.nftables import NftablesBackend
 from kubeproxy.backends.nftables.backend import restitch
 from kubeproxy.backends.nftables.fake import FakeNft, parse_commands
 from kubeproxy.backends.nftables.inspect import served_frontends, slots_of
 from kubeproxy.backends.nftables.layout import CLASS_NAME, generation_of
-from kubeproxy.backends.nftables.naming import affinity_map_name, port_identity
 from kubeproxy.backends.nftables.objects import (
     Chain,
     Element,
@@ -30,6 +30,7 @@ from kubeproxy.backends.nftables.objects import (
     Rule,
     Set,
 )
+from kubeproxy.backends.nftables.table import affinity_map_name, port_identity
 from kubeproxy.config import LocalDetector, ProxierConfig
 from kubeproxy.objects import Endpoint, IPFamily, Protocol, ServicePort, ServicePortName
 from tests.nftmachine import NftWorldMachine, V6Machine

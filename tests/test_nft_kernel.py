@@ -20,13 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.chain_structure import create_chain_backend
 from kubeproxy.backend import ProxySnapshot, SyncChanges, SyncError
-from kubeproxy.backends.nftables import (
-    NftablesBackend,
-    cleanup,
-    create_backend,
-    create_chain_backend,
-)
+from kubeproxy.backends.nftables import NftablesBackend, cleanup, create_backend
 from kubeproxy.backends.nftables.exec import LibNftables
 from kubeproxy.backends.nftables.inspect import served_frontends, slots_of
 from kubeproxy.backends.nftables.objects import Family
