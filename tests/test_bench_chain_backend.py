@@ -1,8 +1,9 @@
 """ChainNftablesBackend (the per-Service-chain structure, ``bench/chain_structure``) on
 FakeNft.
 
-Full and incremental syncs, conflicts, failures, stale chains; its old names in the
-nftables package still work for one release, with a warning.
+Full and incremental syncs, conflicts, failures, stale chains; the recorded ruleset the map
+structure's upgrade tests load is what it writes; its old names in the nftables package
+still work for one release, with a warning.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from kubeproxy.objects import (
     ServicePort,
 )
 from kubeproxy.testing.runner import resolve_backend
+from tests import chain_ruleset
 from tests.nftmachine import NftWorldMachine, V6Machine
 from tests.snapshots import (
     NODE,
@@ -849,6 +851,16 @@ def test_unexpected_error_propagates_and_forces_a_full_sync() -> None:
     fresh = FakeNft()
     backend(fresh).sync(world.snapshot(), full())
     assert fake.dump() == fresh.dump()
+
+
+# The recording the map structure's upgrade tests start from ------------------------------
+
+
+def test_the_recorded_ruleset_is_what_this_structure_writes() -> None:
+    recorded = chain_ruleset.recorded()
+    assert "add map ip kube-proxy service-ips" in recorded
+    assert "kpxr/echo/tcp/tcp" in recorded  # the kernel test's echo Service
+    assert recorded == chain_ruleset.record(), "re-record it: see tests/chain_ruleset.py"
 
 
 # The names the nftables package had ------------------------------------------------------

@@ -15,7 +15,9 @@ the one it replaced in the same run (the ``kubeproxy-nftables-chains`` subject,
 
 What both structures write with (the table's name, upstream's names and base chains, the
 render context, keys, content-hashed chain names) is
-:mod:`kubeproxy.backends.nftables.table`.
+:mod:`kubeproxy.backends.nftables.table`. The map structure's upgrade tests do not run
+this code: they load ``tests/data/chain-structure-ruleset.nft``, recorded from it once
+(``tests/chain_ruleset.py`` says how, and re-records it).
 """
 
 from __future__ import annotations
