@@ -107,15 +107,19 @@ def _run(argv: Sequence[str]) -> str:
     return result.stdout.strip()
 
 
+# The folders of the code a run measures: the core, the backends, the chain structure.
+_MEASURED_CODE = ("kubeproxy", "backends", "bench/chain_structure")
+
+
 def code_fingerprint() -> str:
-    """A hash of the measured code as it is on disk (the core and the backends).
+    """A hash of the measured code as it is on disk (``_MEASURED_CODE``).
 
     Taken at the start and the end of a run: children import the code afresh, so code
     edited during a run would make its figures mix two versions.
     """
     repo = Path(__file__).resolve().parents[1]
     digest = hashlib.sha256()
-    for folder in ("kubeproxy", "backends"):
+    for folder in _MEASURED_CODE:
         for path in sorted((repo / folder).rglob("*.py")):
             digest.update(str(path.relative_to(repo)).encode())
             digest.update(path.read_bytes())
@@ -141,9 +145,9 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "memory_gb": round(total_kb / 1024 / 1024, 1),
         "commit": _run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"]),
-        # Uncommitted changes to the measured code (core, backends) make the commit inexact.
+        # Uncommitted changes to the measured code make the commit inexact.
         "dirty": bool(
-            _run(["git", "-C", str(repo), "status", "--porcelain", "--", "kubeproxy", "backends"])
+            _run(["git", "-C", str(repo), "status", "--porcelain", "--", *_MEASURED_CODE])
         ),
     }
 

@@ -62,11 +62,12 @@ NFTABLES = Subject("kubeproxy-nftables", "nftables", "ours: nftables (maps)", "n
 """The nftables backend as shipped (the ``nftables`` entry point): the map structure."""
 NFTABLES_CHAINS = Subject(
     "kubeproxy-nftables-chains",
-    "kubeproxy.backends.nftables:create_chain_backend",
+    "bench.chain_structure:create_chain_backend",
     "ours: nftables, per-Service chains (before)",
     "nft",
 )
-"""The previous nftables structure (a chain per Service port), measured next to it."""
+"""The previous nftables structure (a chain per Service port, :mod:`bench.chain_structure`),
+measured next to it."""
 NFTABLES_RULES = Subject(
     "kubeproxy-nftables-rules",
     "bench.subjects:rules_dispatch_backend",

@@ -12,7 +12,7 @@ local-traffic detector for the pod CIDR, the service CIDR, ``nodePortAddresses: 
 The binary has no switch for the per-Service-chain structure; :func:`chain_binary_argv`
 runs the same start-up (:func:`kubeproxy.cmd.binary.run` with ``kube-proxy-nftables``'s
 :data:`~kubeproxy.cmd.nftables.BINARY`) with only the nftables mode's backend factory
-replaced by :func:`kubeproxy.backends.nftables.create_chain_backend`
+replaced by :func:`bench.chain_structure.create_chain_backend`
 (``python -m bench.wholeproc --chains ARGS``).
 """
 
@@ -125,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kubeproxy.cmd.nftables import BINARY
 
     def chain_factory() -> BackendFactory:
-        from kubeproxy.backends.nftables import create_chain_backend
+        from bench.chain_structure import create_chain_backend
 
         return create_chain_backend
 

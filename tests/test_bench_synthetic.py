@@ -16,9 +16,10 @@ import pytest
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from bench import synthetic, wholeproc
+from bench.chain_structure import create_chain_backend
 from bench.proxyproc import BenchProxy, bench_config
 from bench.synthetic import NODE_IP, NODE_NAME, build_services, endpoint_ips, synthetic_service
-from kubeproxy.backends.nftables import NftablesBackend, create_chain_backend
+from kubeproxy.backends.nftables import NftablesBackend
 from kubeproxy.backends.nftables.fake import FakeNft
 from kubeproxy.objects import IPFamily, NodeInfo
 from kubeproxy.proxier import Proxier

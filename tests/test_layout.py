@@ -7,6 +7,9 @@
   removed: ``kubeproxy.testing.node`` <-> ``kubeproxy.testing.scene`` and
   ``bench.plots`` <-> ``bench.report``).
 * ``cmd/`` holds the binaries only: no module there defines the daemon's pieces.
+* ``backends/nftables/`` holds the shipped structure only (the per-Service-chain structure
+  is a benchmark subject, ``bench/chain_structure/``), and no backend imports the
+  benchmarks but for the deprecated names of that structure (one release).
 """
 
 from __future__ import annotations
@@ -136,3 +139,39 @@ def test_cmd_holds_the_binaries_only() -> None:
             if isinstance(node, ast.ClassDef | ast.FunctionDef)
         }
         assert not defined & {"Daemon", "build_daemon", "run_daemon", "HandlerGate"}, path
+
+
+def test_the_nftables_package_holds_the_shipped_structure_only() -> None:
+    names = sorted(p.stem for p in (REPO / "backends" / "nftables").glob("*.py"))
+    assert names == [
+        "__init__",
+        "backend",
+        "claims",
+        "elements",
+        "exec",
+        "fake",
+        "frontends",
+        "inspect",
+        "layout",
+        "localhost",
+        "monitor",
+        "objects",
+        "rulecounters",
+        "support",
+        "table",
+        "transaction",
+    ]
+    chain_structure = {p.stem for p in (REPO / "bench" / "chain_structure").glob("*.py")}
+    assert {"backend", "fixed", "naming", "render"} <= chain_structure
+
+
+def test_no_backend_imports_the_benchmarks_but_the_deprecated_names() -> None:
+    found: set[tuple[str, str]] = set()
+    for path in sorted((REPO / "backends").rglob("*.py")):
+        parts = list(path.relative_to(REPO).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        name = ".".join(["kubeproxy", *parts])
+        found.update((name, t) for t in imported(name, path) if t.split(".")[0] == "bench")
+    # kubeproxy.backends.nftables.__getattr__: ChainNftablesBackend, create_chain_backend.
+    assert found == {("kubeproxy.backends.nftables", "bench.chain_structure")}

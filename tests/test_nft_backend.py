@@ -15,12 +15,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kubeproxy.backend import Backend, NodePortAddresses, SyncChanges, SyncError
-from kubeproxy.backends.nftables import ChainNftablesBackend, NftablesBackend
+from kubeproxy.backends.nftables import NftablesBackend
 from kubeproxy.backends.nftables.backend import restitch
 from kubeproxy.backends.nftables.fake import FakeNft, parse_commands
 from kubeproxy.backends.nftables.inspect import served_frontends, slots_of
 from kubeproxy.backends.nftables.layout import CLASS_NAME, generation_of
-from kubeproxy.backends.nftables.naming import affinity_map_name, port_identity
 from kubeproxy.backends.nftables.objects import (
     Chain,
     Element,
@@ -30,8 +29,10 @@ from kubeproxy.backends.nftables.objects import (
     Rule,
     Set,
 )
+from kubeproxy.backends.nftables.table import affinity_map_name, port_identity
 from kubeproxy.config import LocalDetector, ProxierConfig
 from kubeproxy.objects import Endpoint, IPFamily, Protocol, ServicePort, ServicePortName
+from tests import chain_ruleset
 from tests.nftmachine import NftWorldMachine, V6Machine
 from tests.snapshots import (
     Clock,
@@ -640,30 +641,27 @@ def test_a_context_change_is_a_new_generation() -> None:
 
 
 def test_upgrade_from_the_per_service_chain_structure() -> None:
-    world = World()
-    web(world, "10.180.0.1", "10.180.0.2", node_port=30080, session_affinity_seconds=60)
-    world.add(
-        ServicePort(
-            spn("lb"),
-            ip("172.30.0.20"),
-            443,
-            Protocol.TCP,
-            load_balancer_vips=(ip("5.6.7.8"),),
-            load_balancer_source_ranges=(net("203.0.113.0/24"),),
-        ),
-        ep("10.180.0.9", 8443),
-    )
+    # The table that structure wrote for the cluster (recorded: tests/chain_ruleset.py).
+    cluster = chain_ruleset.cluster()
     fake, clock = FakeNft(), Clock()
-    old = ChainNftablesBackend(IPFamily.IPV4, CONFIG, executor=fake, support_check=False)
-    old.sync(world.snapshot(), full())
-    assert "service-ips" in fake.list_sets(Family.IP, "kube-proxy")
-    new = backend(fake, clock)
-    new.sync(world.snapshot(), full())
+    fake.run_text(chain_ruleset.recorded())
+    old = fake.list_sets(Family.IP, "kube-proxy")
+    assert {"service-ips", "service-nodeports", "firewall-ips", "affinity"} <= set(old)
+    old_chains = {c for c in fake.list_chains(Family.IP, "kube-proxy") if "/" in c}
+    assert len(old_chains) == len(cluster.services) + 3  # 2 external-, 1 firewall-
+    new = NftablesBackend(
+        IPFamily.IPV4, chain_ruleset.CONFIG, executor=fake, clock=clock, support_check=False
+    )
+    new.sync(cluster, full())
     clock.now += 1.0
-    new.sync(world.snapshot(), SyncChanges(full=False))
+    new.sync(cluster, SyncChanges(full=False))
     assert new.stale_chain_failures == 0
+    kept = set(old) & set(fake.list_sets(Family.IP, "kube-proxy"))
+    assert kept == {"cluster-ips", "nodeport-ips"}  # upstream's, which others read
+    assert not old_chains & set(fake.list_chains(Family.IP, "kube-proxy"))
     fresh = FakeNft()
-    backend(fresh).sync(world.snapshot(), full())
+    once = NftablesBackend(IPFamily.IPV4, chain_ruleset.CONFIG, executor=fresh, support_check=False)
+    once.sync(cluster, full())
     assert normalized(fake) == normalized(fresh)
 
 

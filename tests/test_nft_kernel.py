@@ -21,12 +21,7 @@ from pathlib import Path
 import pytest
 
 from kubeproxy.backend import ProxySnapshot, SyncChanges, SyncError
-from kubeproxy.backends.nftables import (
-    NftablesBackend,
-    cleanup,
-    create_backend,
-    create_chain_backend,
-)
+from kubeproxy.backends.nftables import NftablesBackend, cleanup, create_backend
 from kubeproxy.backends.nftables.exec import LibNftables
 from kubeproxy.backends.nftables.inspect import served_frontends, slots_of
 from kubeproxy.backends.nftables.objects import Family
@@ -43,6 +38,7 @@ from kubeproxy.objects import (
 )
 from kubeproxy.testing.pytest import flow_test
 from kubeproxy.testing.runner import RunOptions
+from tests import chain_ruleset
 from tests.kernelkit import (
     Topology,
     assert_restart_keeps_connections,
@@ -135,9 +131,11 @@ def test_restart_keeps_connections_and_serves_new_ones(topology: Topology) -> No
 
 
 def test_upgrade_from_per_service_chains_keeps_connections(topology: Topology) -> None:
-    """An upgrade in place: the per-Service-chain structure's table, then this version."""
-    old = create_chain_backend(IPFamily.IPV4, CONFIG, netns=topology.node)
-    old.sync(snapshot(300), full())
+    """An upgrade in place: the per-Service-chain structure's table (recorded, with the
+    echo Service: tests/chain_ruleset.py), then this version."""
+    assert chain_ruleset.PREFIX == PREFIX
+    nft_in(topology.node, "-f", "-", stdin=chain_ruleset.recorded())
+    assert "service-ips" in nft_in(topology.node, "list", "table", "ip", "kube-proxy")
     clock = [100.0]
     new = NftablesBackend(
         IPFamily.IPV4, CONFIG, executor=LibNftables(topology.node), clock=lambda: clock[0]

@@ -21,7 +21,6 @@ from kubeproxy.backends.nftables.exec import LibNftables
 from kubeproxy.backends.nftables.fake import FakeNft
 from kubeproxy.backends.nftables.layout import DISPATCH_TREE, GenNames, fixed_chains
 from kubeproxy.backends.nftables.objects import Family, NftError
-from kubeproxy.backends.nftables.structure import tokens_for
 from kubeproxy.backends.nftables.support import (
     MIN_KERNEL,
     PROBE_TABLE,
@@ -31,6 +30,7 @@ from kubeproxy.backends.nftables.support import (
     probe_all,
     probe_transaction,
 )
+from kubeproxy.backends.nftables.table import tokens_for
 from kubeproxy.backends.nftables.transaction import Transaction
 from kubeproxy.objects import IPFamily
 

@@ -10,26 +10,30 @@ Public API:
 * :class:`LocalhostNodePortsBackend` - the backend with upstream's localhost NodePorts
   (``KubeProxyNFTablesLocalhostNodePorts``), which :func:`create_backend` returns when the
   gate is on;
-* :func:`create_chain_backend` and :class:`ChainNftablesBackend` - the previous,
-  per-Service-chain structure, kept so benchmarks measure both side by side;
 * :func:`cleanup` - delete our two tables (``ip kube-proxy``, ``ip6 kube-proxy``) and
   nothing else;
 * :func:`watchers` - what finds changes others make to our tables, at once (self-healing,
   :mod:`kubeproxy.selfheal`; see :mod:`~kubeproxy.backends.nftables.monitor`).
 
 The rule structure and its reasons are in this package's README.
+
+Deprecated: ``create_chain_backend`` and ``ChainNftablesBackend``, the previous,
+per-Service-chain structure, moved to the benchmarks (``bench.chain_structure`` in a source
+checkout), which measure it next to this one. Until the next release they are still found
+here, with a :class:`DeprecationWarning`, where ``bench`` can be imported; elsewhere
+(an installed package has no ``bench``) the :class:`AttributeError` names the new place.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from kubeproxy.backends.nftables.backend import NftablesBackend
 from kubeproxy.backends.nftables.localhost import OBJECT_NAMES, LocalhostNodePortsBackend
 from kubeproxy.backends.nftables.objects import Family
-from kubeproxy.backends.nftables.proxier import ChainNftablesBackend
-from kubeproxy.backends.nftables.structure import TABLE
+from kubeproxy.backends.nftables.table import TABLE
 from kubeproxy.backends.nftables.transaction import Transaction
 from kubeproxy.config import ProxierConfig
 from kubeproxy.featuregates import KUBE_PROXY_NFTABLES_LOCALHOST_NODEPORTS, NFTABLES_NETLINK
@@ -41,12 +45,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TABLE",
-    "ChainNftablesBackend",
     "LocalhostNodePortsBackend",
     "NftablesBackend",
     "cleanup",
     "create_backend",
-    "create_chain_backend",
     "render_transactions",
     "watchers",
 ]
@@ -71,15 +73,6 @@ def create_backend(
         return NftablesBackend(family, config, executor=executor)
     inner = NftablesBackend(family, config, executor=executor, kept=OBJECT_NAMES)
     return LocalhostNodePortsBackend.create(inner, config, executor, netns=netns)
-
-
-def create_chain_backend(
-    family: IPFamily, config: ProxierConfig, *, netns: str | None = None
-) -> ChainNftablesBackend:
-    """The per-Service-chain structure (the previous default), for comparisons."""
-    from kubeproxy.backends.nftables.exec import LibNftables
-
-    return ChainNftablesBackend(family, config, executor=LibNftables(netns=netns))
 
 
 def cleanup(netns: str | None = None) -> None:
@@ -109,3 +102,29 @@ def watchers(backends: Sequence[Backend], netns: str | None = None) -> list[Watc
     from kubeproxy.backends.nftables import monitor
 
     return monitor.watchers([b.family for b in backends], netns)
+
+
+_MOVED_TO_BENCH = frozenset({"ChainNftablesBackend", "create_chain_backend"})
+"""Names this package had until the per-Service-chain structure moved to the benchmarks
+(issue 22); found through :func:`__getattr__` for one release."""
+
+if not TYPE_CHECKING:  # type checkers see the package's own names only
+
+    def __getattr__(name: str) -> object:
+        """A deprecated name of :data:`_MOVED_TO_BENCH`, from ``bench.chain_structure``."""
+        if name not in _MOVED_TO_BENCH:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        where = f"bench.chain_structure.{name}"
+        try:
+            import bench.chain_structure as moved
+        except ImportError:
+            raise AttributeError(
+                f"{__name__}.{name} moved to {where}, the benchmarks of a source checkout"
+                " (not part of the installed package)"
+            ) from None
+        warnings.warn(
+            f"{__name__}.{name} moved to {where}; this name goes in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(moved, name)

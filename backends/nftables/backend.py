@@ -88,21 +88,19 @@ from kubeproxy.backends.nftables.objects import (
     Set,
     Table,
 )
-from kubeproxy.backends.nftables.services import (
-    Key,
-    RenderContext,
-    context_or_default,
-)
-from kubeproxy.backends.nftables.structure import (
+from kubeproxy.backends.nftables.support import check_support
+from kubeproxy.backends.nftables.table import (
     TABLE,
     TABLE_COMMENT,
     ContainerSpec,
     FamilyTokens,
     FixedChain,
+    Key,
     Names,
+    RenderContext,
+    context_or_default,
     tokens_for,
 )
-from kubeproxy.backends.nftables.support import check_support
 from kubeproxy.backends.nftables.transaction import Transaction
 from kubeproxy.config import ProxierConfig
 from kubeproxy.featuregates import KUBE_PROXY_NFTABLES_LOCALHOST_NODEPORTS

@@ -15,9 +15,9 @@ NodePort), and each frontend becomes data elements only:
 An endpoint change therefore touches data elements only, and the kernel never
 re-validates the table for it (see the package README).
 
-Behaviour follows upstream kube-proxy's nftables mode (the same decisions as
-:mod:`~kubeproxy.backends.nftables.services`, which renders the per-Service-chain
-structure); this module only says *which* class and lists each frontend gets.
+Behaviour follows upstream kube-proxy's nftables mode (the same decisions as the
+per-Service-chain structure the benchmarks keep, ``bench/chain_structure/render.py``);
+this module only says *which* class and lists each frontend gets.
 """
 
 from __future__ import annotations
@@ -27,14 +27,16 @@ import ipaddress
 import sys
 from dataclasses import dataclass
 
-from kubeproxy.backends.nftables.naming import affinity_map_name, chain_name, port_identity
-from kubeproxy.backends.nftables.services import (
+from kubeproxy.backends.nftables.table import (
     AFFINITY6_MAP_TYPE,
     MAX_AFFINITY_SECONDS,
     ChainSpec,
     InvalidPort,
     Key,
     RenderContext,
+    affinity_map_name,
+    chain_name,
+    port_identity,
 )
 from kubeproxy.objects import CategorizedEndpoints, Endpoint, IPFamily, ServicePort
 

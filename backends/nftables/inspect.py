@@ -20,7 +20,7 @@ from kubeproxy.backends.nftables.layout import (
     generation_of,
 )
 from kubeproxy.backends.nftables.objects import Family
-from kubeproxy.backends.nftables.structure import TABLE
+from kubeproxy.backends.nftables.table import TABLE
 
 __all__ = ["current_generation", "served_frontends", "slots_of"]
 

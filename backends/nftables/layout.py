@@ -48,13 +48,13 @@ from kubeproxy.backends.nftables.frontends import (
     SHAPE_LOCAL,
     ClassSpec,
 )
-from kubeproxy.backends.nftables.services import RenderContext
-from kubeproxy.backends.nftables.structure import (
+from kubeproxy.backends.nftables.table import (
     AFFINITY_TIMEOUT,
     ContainerSpec,
     FamilyTokens,
     FixedChain,
     Names,
+    RenderContext,
     base_chains,
 )
 

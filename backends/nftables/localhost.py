@@ -40,7 +40,7 @@ from kubeproxy.backend import Backend, ProxySnapshot, SyncChanges, SyncError
 from kubeproxy.backends.nftables.exec import NftExecutor
 from kubeproxy.backends.nftables.objects import Chain, Family, NftError, Set
 from kubeproxy.backends.nftables.rulecounters import rule_counters
-from kubeproxy.backends.nftables.structure import TABLE, tokens_for
+from kubeproxy.backends.nftables.table import TABLE, tokens_for
 from kubeproxy.backends.nftables.transaction import Transaction
 from kubeproxy.config import ProxierConfig
 from kubeproxy.localnodeports import (

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Final
 
-from kubeproxy.backends.nftables.structure import TABLE
+from kubeproxy.backends.nftables.table import TABLE
 from kubeproxy.nftevents import (
     Commit,
     NftablesEventWatcher,

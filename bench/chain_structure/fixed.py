@@ -1,10 +1,11 @@
-"""Names, family words and container specs shared by both structures, and the fixed part
-of the per-Service-chain structure's table (the map structure's is in :mod:`.layout`).
+"""The fixed part of the per-Service-chain structure's table: what is not per Service.
 
 Everything here is a pure function of a few inputs (family, masquerade mark, NodePort
-addresses, service CIDRs). The per-service part lives in :mod:`.services`. Names, hooks,
-priorities and the shape of the dispatch rules match upstream kube-proxy's nftables mode,
-which other components treat as public (see the package README).
+addresses, service CIDRs); the per-Service part is in :mod:`bench.chain_structure.render`.
+Names, hooks, priorities and the shape of the dispatch rules match upstream kube-proxy's
+nftables mode (``service-ips`` and ``service-nodeports`` verdict maps, read by the
+``services`` chain). The words both structures use are in
+:mod:`kubeproxy.backends.nftables.table`.
 """
 
 from __future__ import annotations
@@ -15,120 +16,27 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kubeproxy.backend import NodePortAddresses
-from kubeproxy.objects import IPAddress, IPFamily, IPNetwork
+from kubeproxy.backends.nftables.table import (
+    AFFINITY_TIMEOUT,
+    ContainerSpec,
+    FamilyTokens,
+    FixedChain,
+    Names,
+    base_chains,
+    tokens_for,
+)
+from kubeproxy.objects import IPFamily, IPNetwork
 
 __all__ = [
     "AFFINITY_SIZE",
-    "AFFINITY_TIMEOUT",
-    "TABLE",
-    "TABLE_COMMENT",
-    "ContainerSpec",
-    "FamilyTokens",
-    "FixedChain",
     "FixedStructure",
-    "Names",
-    "base_chains",
     "fixed_structure",
-    "tokens_for",
 ]
 
 log = logging.getLogger(__name__)
 
-TABLE = "kube-proxy"
-"""Our table's name, in family ``ip`` and ``ip6``."""
-TABLE_COMMENT = "rules for kube-proxy"
-
-AFFINITY_TIMEOUT = 3 * 3600
-"""Default lifetime (seconds) of an ``affinity`` entry; each entry carries its own."""
 AFFINITY_SIZE = 1048576
-
-
-class Names:
-    """Names of the fixed chains, sets and maps."""
-
-    FILTER_PREROUTING_PRE_DNAT = "filter-prerouting-pre-dnat"
-    FILTER_OUTPUT_PRE_DNAT = "filter-output-pre-dnat"
-    FILTER_INPUT = "filter-input"
-    FILTER_FORWARD = "filter-forward"
-    FILTER_OUTPUT = "filter-output"
-    NAT_PREROUTING = "nat-prerouting"
-    NAT_OUTPUT = "nat-output"
-    NAT_POSTROUTING = "nat-postrouting"
-
-    SERVICES = "services"
-    SERVICE_ENDPOINTS_CHECK = "service-endpoints-check"
-    NODEPORT_ENDPOINTS_CHECK = "nodeport-endpoints-check"
-    FIREWALL_CHECK = "firewall-check"
-    CLUSTER_IPS_CHECK = "cluster-ips-check"
-    REJECT_CHAIN = "reject-chain"
-    MARK_FOR_MASQUERADE = "mark-for-masquerade"
-    MASQUERADING = "masquerading"
-    AFFINITY_LOOKUP = "affinity-lookup"
-
-    CLUSTER_IPS = "cluster-ips"
-    NODEPORT_IPS = "nodeport-ips"
-    SERVICE_IPS = "service-ips"
-    SERVICE_NODEPORTS = "service-nodeports"
-    FIREWALL_IPS = "firewall-ips"
-    NO_ENDPOINT_SERVICES = "no-endpoint-services"
-    NO_ENDPOINT_NODEPORTS = "no-endpoint-nodeports"
-    HAIRPIN_ENDPOINTS = "hairpin-endpoints"
-    AFFINITY = "affinity"
-
-
-@dataclass(frozen=True, slots=True)
-class FamilyTokens:
-    """The words that differ between the ``ip`` and ``ip6`` tables."""
-
-    family: IPFamily
-    table_family: str
-    """``ip`` or ``ip6``: the table family and the match prefix (``ip daddr``)."""
-    addr_type: str
-    """``ipv4_addr`` or ``ipv6_addr``."""
-    loopback: str
-    """What NodePort matching must exclude: ``127.0.0.0/8`` or ``::1``."""
-
-    def address(self, ip: IPAddress) -> str:
-        """An address as written in a rule or element (canonical text form)."""
-        return str(ip)
-
-
-_TOKENS = {
-    IPFamily.IPV4: FamilyTokens(IPFamily.IPV4, "ip", "ipv4_addr", "127.0.0.0/8"),
-    IPFamily.IPV6: FamilyTokens(IPFamily.IPV6, "ip6", "ipv6_addr", "::1"),
-}
-
-
-def tokens_for(family: IPFamily) -> FamilyTokens:
-    """The tokens of one family."""
-    return _TOKENS[family]
-
-
-@dataclass(frozen=True, slots=True)
-class ContainerSpec:
-    """A named set (``is_map`` false) or map of the table."""
-
-    name: str
-    is_map: bool
-    type: str
-    flags: tuple[str, ...] = ()
-    timeout: int | None = None
-    size: int | None = None
-    comment: str | None = None
-    typeof: bool = False
-    """``type`` holds expressions, written ``typeof`` (see :class:`~.objects.Set`)."""
-
-
-@dataclass(frozen=True, slots=True)
-class FixedChain:
-    """A chain that does not depend on Services (``hook`` set: a base chain)."""
-
-    name: str
-    rules: tuple[str, ...]
-    type: str | None = None
-    hook: str | None = None
-    priority: int | None = None
-    comment: str | None = None
+"""Entries of the shared IPv4 ``affinity`` map."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,56 +121,6 @@ def _nodeport_ips(tokens: FamilyTokens, addresses: NodePortAddresses) -> tuple[s
         if text not in result:
             result.append(text)
     return tuple(result)
-
-
-def base_chains(after_dnat: tuple[str, ...] = ()) -> tuple[FixedChain, ...]:
-    """Upstream's base chains (names, hooks, priorities) and the jumps they hold.
-
-    Both structures have exactly these (other components rely on them); ``after_dnat``
-    rules are appended to the three filter chains that see packets after DNAT.
-    """
-
-    def new(target: str) -> str:
-        return f"ct state new jump {target}"
-
-    return (
-        FixedChain(
-            Names.FILTER_PREROUTING_PRE_DNAT,
-            (new(Names.FIREWALL_CHECK),),
-            "filter",
-            "prerouting",
-            -110,
-        ),
-        FixedChain(
-            Names.FILTER_OUTPUT_PRE_DNAT, (new(Names.FIREWALL_CHECK),), "filter", "output", -110
-        ),
-        FixedChain(
-            Names.FILTER_INPUT,
-            (new(Names.NODEPORT_ENDPOINTS_CHECK), new(Names.SERVICE_ENDPOINTS_CHECK), *after_dnat),
-            "filter",
-            "input",
-            0,
-        ),
-        FixedChain(
-            Names.FILTER_FORWARD,
-            (new(Names.SERVICE_ENDPOINTS_CHECK), new(Names.CLUSTER_IPS_CHECK), *after_dnat),
-            "filter",
-            "forward",
-            0,
-        ),
-        FixedChain(
-            Names.FILTER_OUTPUT,
-            (new(Names.SERVICE_ENDPOINTS_CHECK), new(Names.CLUSTER_IPS_CHECK), *after_dnat),
-            "filter",
-            "output",
-            0,
-        ),
-        FixedChain(Names.NAT_PREROUTING, (f"jump {Names.SERVICES}",), "nat", "prerouting", -100),
-        FixedChain(Names.NAT_OUTPUT, (f"jump {Names.SERVICES}",), "nat", "output", -100),
-        FixedChain(
-            Names.NAT_POSTROUTING, (f"jump {Names.MASQUERADING}",), "nat", "postrouting", 100
-        ),
-    )
 
 
 def fixed_structure(

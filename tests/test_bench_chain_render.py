@@ -1,4 +1,5 @@
-"""What one Service port renders to: chains, elements, claims (pure, no kernel)."""
+"""What one Service port renders to in the per-Service-chain structure
+(``bench/chain_structure/render.py``): chains, elements, claims (pure, no kernel)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kubeproxy.backends.nftables.services import (
-    CASCADE_MAX,
-    InvalidPort,
-    PortRules,
-    RenderContext,
-    render_port,
-)
-from kubeproxy.backends.nftables.structure import tokens_for
+from bench.chain_structure.render import CASCADE_MAX, PortRules, render_port
+from kubeproxy.backends.nftables.table import InvalidPort, RenderContext, tokens_for
 from kubeproxy.config import LocalDetectMode, LocalDetector
 from kubeproxy.objects import (
     CategorizedEndpoints,
@@ -68,7 +63,7 @@ _HASHED = re.compile(r"\b(service|local|external|firewall|group)-[A-Z2-7]{8}-ns/
 
 
 def text(rules: PortRules) -> str:
-    """A readable form with the hashes taken out (they are tested in test_nft_naming)."""
+    """A readable form with the hashes taken out (they are tested in test_nft_table)."""
 
     def plain(s: str) -> str:
         return _HASHED.sub(lambda m: m.group(1), s)
@@ -401,15 +396,6 @@ def test_detectors(
         assert external[0] == "  fib saddr type local jump mark-for-masquerade"
     else:
         assert external[0] == f"  {local}"
-
-
-def test_bad_interface_name_is_refused() -> None:
-    with pytest.raises(ValueError, match="interface"):
-        RenderContext.build(
-            tokens_for(IPFamily.IPV4),
-            LocalDetector(LocalDetectMode.BRIDGE_INTERFACE, interface='x" drop'),
-            masquerade_all=False,
-        )
 
 
 def test_external_ip_equal_to_cluster_ip_is_not_doubled() -> None:

@@ -1,4 +1,6 @@
-"""The fixed part of the table: base chains at upstream's hooks, helper chains, containers."""
+"""The fixed part of the per-Service-chain structure's table
+(``bench/chain_structure/fixed.py``): base chains at upstream's hooks, helper chains,
+containers."""
 
 from __future__ import annotations
 
@@ -7,12 +9,10 @@ import logging
 
 import pytest
 
+from bench.chain_structure.fixed import FixedStructure, fixed_structure
+from bench.chain_structure.naming import is_service_chain
 from kubeproxy.backend import NodePortAddresses
-from kubeproxy.backends.nftables.structure import (
-    FixedStructure,
-    Names,
-    fixed_structure,
-)
+from kubeproxy.backends.nftables.table import Names, base_chains, chain_name
 from kubeproxy.objects import IPFamily
 
 ip = ipaddress.ip_address
@@ -33,18 +33,11 @@ def chains(structure: FixedStructure) -> dict[str, tuple[str, ...]]:
     return {c.name: c.rules for c in structure.chains}
 
 
-def test_base_chains_match_upstream_hooks_and_priorities() -> None:
-    base = {c.name: (c.type, c.hook, c.priority) for c in v4().chains if c.hook is not None}
-    assert base == {
-        "filter-prerouting-pre-dnat": ("filter", "prerouting", -110),
-        "filter-output-pre-dnat": ("filter", "output", -110),
-        "filter-input": ("filter", "input", 0),
-        "filter-forward": ("filter", "forward", 0),
-        "filter-output": ("filter", "output", 0),
-        "nat-prerouting": ("nat", "prerouting", -100),
-        "nat-output": ("nat", "output", -100),
-        "nat-postrouting": ("nat", "postrouting", 100),
-    }
+def test_base_chains_are_upstreams_as_the_map_structure_has_them() -> None:
+    # Hooks and priorities are checked in test_nft_table; this structure adds no rule.
+    base = [c for c in v4().chains if c.hook is not None]
+    assert base == list(base_chains())
+    assert len(base) == 8
 
 
 def test_ipv4_rules() -> None:
@@ -156,3 +149,12 @@ def test_fingerprint_follows_every_input() -> None:
         v4(node_port_addresses=NodePortAddresses(addresses=(ip("192.168.0.3"),))).fingerprint
         != base
     )
+
+
+def test_no_fixed_chain_is_taken_for_a_service_chain() -> None:
+    # A full sync deletes every service chain no port wants: a fixed one must never be one.
+    for structure in (v4(), v4(node_port_addresses=NodePortAddresses(match_all=True))):
+        names = [chain.name for chain in structure.chains]
+        assert "services" in names and "filter-input" in names
+        assert [name for name in names if is_service_chain(name)] == []
+    assert is_service_chain(chain_name("service", "ns1/svc1/tcp/p80", ["rule a"]))

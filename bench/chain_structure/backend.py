@@ -1,10 +1,10 @@
 """ChainNftablesBackend: the per-Service-chain structure (the previous default).
 
-Kept selectable (``kubeproxy.backends.nftables:create_chain_backend``, the benchmarks'
-"per-Service chains" subject) so every figure of the map structure
-(:mod:`~kubeproxy.backends.nftables.backend`) is measured next to it. Its incremental
-syncs cost time proportional to the whole table (each adds jumps or verdict elements,
-which make the kernel re-validate every chain); see the package README.
+Kept as a benchmark subject (:func:`bench.chain_structure.create_chain_backend`, the
+"nftables (chains, before)" subject of :mod:`bench.subjects`) so every figure of the map
+structure (:mod:`kubeproxy.backends.nftables.backend`) is measured next to it. Its
+incremental syncs cost time proportional to the whole table (each adds jumps or verdict
+elements, which make the kernel re-validate every chain); see the nftables README.
 
 The backend remembers what it last applied (per-service chain names, the elements of every
 set and map, reference counts of shared set elements) and sends only differences:
@@ -30,10 +30,12 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from bench.chain_structure.fixed import FixedStructure, fixed_structure
+from bench.chain_structure.naming import ChainPrefix, is_affinity_map, is_service_chain
+from bench.chain_structure.render import PortRules, render_port
 from kubeproxy.backend import ProxySnapshot, SkippedPorts, SyncChanges, SyncError
 from kubeproxy.backends.nftables.claims import Claims
 from kubeproxy.backends.nftables.exec import NftExecutor, delete_table
-from kubeproxy.backends.nftables.naming import ChainPrefix, is_affinity_map, is_service_chain
 from kubeproxy.backends.nftables.objects import (
     Chain,
     Family,
@@ -43,24 +45,18 @@ from kubeproxy.backends.nftables.objects import (
     Table,
     is_not_found,
 )
-from kubeproxy.backends.nftables.services import (
+from kubeproxy.backends.nftables.support import check_support
+from kubeproxy.backends.nftables.table import (
     AFFINITY6_MAP_TYPE,
-    Key,
-    PortRules,
-    RenderContext,
-    context_or_default,
-    render_port,
-)
-from kubeproxy.backends.nftables.structure import (
     AFFINITY_TIMEOUT,
     TABLE,
     TABLE_COMMENT,
-    FixedStructure,
+    Key,
     Names,
-    fixed_structure,
+    RenderContext,
+    context_or_default,
     tokens_for,
 )
-from kubeproxy.backends.nftables.support import check_support
 from kubeproxy.backends.nftables.transaction import Transaction
 from kubeproxy.config import ProxierConfig
 from kubeproxy.objects import (

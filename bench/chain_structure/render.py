@@ -1,29 +1,31 @@
 """The per-Service-chain structure: the chains and map elements of one Service port.
 
-This is the previous default structure (:class:`~.proxier.ChainNftablesBackend`), kept
-for side-by-side benchmarks; the map structure reuses :func:`render_port` for IPv6
-session-affinity ports and :class:`RenderContext` everywhere. Behaviour follows upstream
-kube-proxy's nftables mode; the structure does not: no endpoint chains, no per-service
-anonymous sets, one shared affinity map, endpoint choice by a cascade of plain ``numgen``
-rules (two levels above :data:`CASCADE_MAX` endpoints).
+The previous default structure (:class:`~bench.chain_structure.backend.ChainNftablesBackend`),
+kept for side-by-side benchmarks. Behaviour follows upstream kube-proxy's nftables mode;
+the structure does not: no endpoint chains, no per-service anonymous sets, one shared
+affinity map, endpoint choice by a cascade of plain ``numgen`` rules (two levels above
+:data:`CASCADE_MAX` endpoints). The render context, keys and chain names are the map
+structure's too (:mod:`kubeproxy.backends.nftables.table`).
 """
 
 from __future__ import annotations
 
-import logging
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kubeproxy.backends.nftables.naming import (
-    ChainPrefix,
+from bench.chain_structure.naming import ChainPrefix
+from kubeproxy.backends.nftables.table import (
+    MAX_AFFINITY_SECONDS,
+    ChainSpec,
+    InvalidPort,
+    Key,
+    Names,
+    RenderContext,
     affinity_map_name,
     chain_name,
     port_identity,
 )
-from kubeproxy.backends.nftables.structure import FamilyTokens, Names
-from kubeproxy.config import LocalDetectMode, LocalDetector
 from kubeproxy.objects import (
     CategorizedEndpoints,
     Endpoint,
@@ -33,44 +35,17 @@ from kubeproxy.objects import (
 )
 
 __all__ = [
-    "AFFINITY6_MAP_TYPE",
     "CASCADE_MAX",
-    "MAX_AFFINITY_SECONDS",
-    "ChainSpec",
-    "InvalidPort",
-    "Key",
     "PortRules",
-    "RenderContext",
-    "context_or_default",
     "render_port",
 ]
 
-AFFINITY6_MAP_TYPE = "ipv6_addr : ipv6_addr"
-"""Type of the per-port IPv6 affinity maps (client address : endpoint address)."""
 CASCADE_MAX = 16
 """Most endpoints chosen by one flat cascade; more are split into ``group-`` chains."""
-MAX_AFFINITY_SECONDS = 86400
-"""Upper bound of ``sessionAffinityConfig.clientIP.timeoutSeconds`` (as the API)."""
 
-Key = tuple[str, ...]
-"""A set or map key, one string per concatenated field (``("10.0.0.1", "tcp", "80")``)."""
-
-_INTERFACE = re.compile(r"[A-Za-z0-9_.@+-]{1,15}")
 _MASQ_JUMP = f"jump {Names.MARK_FOR_MASQUERADE}"
 _REJECT = f"goto {Names.REJECT_CHAIN}"
 _DROP = "drop"
-
-
-class InvalidPort(ValueError):
-    """A Service port that cannot be rendered (bad name, port or address)."""
-
-
-@dataclass(frozen=True, slots=True)
-class ChainSpec:
-    """A per-service chain: its content-hashed name and its rules, in order."""
-
-    name: str
-    rules: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +59,8 @@ class PortRules:
     for the ports of one Service, ``hairpin-endpoints`` for endpoints in several Services).
     ``claims`` are the keys no other port may also use (service IP . proto . port, and
     proto . NodePort). ``affinity_maps`` are the per-port IPv6 affinity maps the chains use
-    (``client : endpoint`` maps, see :data:`AFFINITY6_MAP_TYPE`), each with the endpoint
+    (``client : endpoint`` maps, see
+    :data:`~kubeproxy.backends.nftables.table.AFFINITY6_MAP_TYPE`), each with the endpoint
     addresses its entries may hold.
     """
 
@@ -93,81 +69,6 @@ class PortRules:
     set_elements: tuple[tuple[str, Key], ...]
     claims: frozenset[Key]
     affinity_maps: tuple[tuple[str, frozenset[str]], ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class RenderContext:
-    """What rendering needs besides the port: family words, masquerading and detection.
-
-    ``masquerade_match`` is the condition (after ``<ip> daddr <clusterIP>``) under which
-    cluster-IP traffic is masqueraded (``""`` for masqueradeAll, ``None`` for never);
-    ``local_match`` tells traffic from local pods (``None``: no detector).
-    """
-
-    tokens: FamilyTokens
-    masquerade_match: str | None
-    local_match: str | None
-    node_addresses: tuple[IPAddress, ...] = ()
-
-    @classmethod
-    def build(
-        cls,
-        tokens: FamilyTokens,
-        detector: LocalDetector,
-        *,
-        masquerade_all: bool,
-        node_addresses: Sequence[IPAddress] = (),
-    ) -> RenderContext:
-        """The context for a detector (already for this family) and the masquerade flag.
-
-        Raises :class:`ValueError` for an interface name nft could not take literally.
-        """
-        ip = tokens.table_family
-        masq: str | None
-        local: str | None
-        mode = detector.mode
-        if mode in (LocalDetectMode.CLUSTER_CIDR, LocalDetectMode.NODE_CIDR) and detector.cidrs:
-            cidr = detector.cidrs[0]
-            if cidr.version != tokens.family.version:
-                raise ValueError(f"local detector CIDR {cidr} is not {tokens.family}")
-            masq, local = f"{ip} saddr != {cidr}", f"{ip} saddr {cidr}"
-        elif (
-            mode in (LocalDetectMode.BRIDGE_INTERFACE, LocalDetectMode.INTERFACE_NAME_PREFIX)
-            and detector.interface
-        ):
-            if _INTERFACE.fullmatch(detector.interface) is None:
-                raise ValueError(f"local detector interface {detector.interface!r} is not valid")
-            pattern = detector.interface
-            if mode is LocalDetectMode.INTERFACE_NAME_PREFIX:
-                pattern += "*"
-            masq, local = f'iifname != "{pattern}"', f'iifname "{pattern}"'
-        else:
-            masq, local = None, None
-        if masquerade_all:
-            masq = ""
-        addresses = tuple(a for a in node_addresses if a.version == tokens.family.version)
-        return cls(tokens, masq, local, addresses)
-
-
-def context_or_default(
-    tokens: FamilyTokens,
-    detector: LocalDetector,
-    *,
-    masquerade_all: bool,
-    node_addresses: Sequence[IPAddress],
-    logger: logging.Logger,
-) -> RenderContext:
-    """:meth:`RenderContext.build`, or, for a detector nft cannot take, the context
-    without a detector, with one error line on ``logger`` (the Services still work)."""
-    try:
-        return RenderContext.build(
-            tokens, detector, masquerade_all=masquerade_all, node_addresses=node_addresses
-        )
-    except ValueError as err:
-        logger.error("ignoring the local-traffic detector: %s", err)
-        return RenderContext.build(
-            tokens, type(detector)(), masquerade_all=masquerade_all, node_addresses=node_addresses
-        )
 
 
 def _check_port(what: str, value: int, *, zero_ok: bool = False) -> None:

@@ -1,0 +1,382 @@
+"""Our table, and the words every renderer of it writes with.
+
+The nftables backend writes one table per family (``table ip kube-proxy``, ``table ip6
+kube-proxy``). This module holds what does not depend on how Services are laid out in it:
+
+* the table's name and comment, and upstream's names of the fixed chains, sets and maps
+  (:class:`Names`) with its base chains, hooks and priorities (:func:`base_chains`), which
+  other components treat as public (see the package README);
+* the words that differ between ``ip`` and ``ip6`` (:class:`FamilyTokens`);
+* the specs renderers return (:class:`ContainerSpec`, :class:`FixedChain`,
+  :class:`ChainSpec`), what rendering a Service port needs besides the port
+  (:class:`RenderContext`, built once per sync) and the error of a port that cannot be
+  rendered safely (:class:`InvalidPort`);
+* the names of per-Service-port chains and affinity maps: readable, bounded, and a
+  function of their content (:func:`port_identity`, :func:`chain_name`,
+  :func:`affinity_map_name`).
+
+The map structure (:mod:`.layout`, :mod:`.frontends`, :mod:`.backend`) is built of these,
+and so is the previous, per-Service-chain structure that the benchmarks keep next to it
+(``bench/chain_structure``); that is why they live here, in neither structure's modules.
+
+A per-Service-port chain is called ``<prefix>-<H>-<ns>/<svc>/<proto>/<port>`` (a group
+chain adds ``/<k>``), where ``H`` is the first 8 characters of the base32 SHA-256 of the
+chain's identity and its rules. A chain of a given name therefore always holds the same
+rules: a backend that finds the name in the kernel (after a restart, or at a periodic full
+sync) can reuse it without reading its rules back, and a chain whose rules change becomes
+a new chain that the elements switch to atomically.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import logging
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kubeproxy.config import LocalDetectMode, LocalDetector
+from kubeproxy.objects import IPAddress, IPFamily, ServicePortName
+
+__all__ = [
+    "AFFINITY6_MAP_TYPE",
+    "AFFINITY_MAP_PREFIX",
+    "AFFINITY_TIMEOUT",
+    "CHAIN_NAME_MAX",
+    "MAX_AFFINITY_SECONDS",
+    "TABLE",
+    "TABLE_COMMENT",
+    "ChainSpec",
+    "ContainerSpec",
+    "FamilyTokens",
+    "FixedChain",
+    "InvalidName",
+    "InvalidPort",
+    "Key",
+    "Names",
+    "RenderContext",
+    "affinity_map_name",
+    "base_chains",
+    "chain_name",
+    "context_or_default",
+    "port_identity",
+    "tokens_for",
+]
+
+TABLE = "kube-proxy"
+"""Our table's name, in family ``ip`` and ``ip6``."""
+TABLE_COMMENT = "rules for kube-proxy"
+
+AFFINITY_TIMEOUT = 3 * 3600
+"""Default lifetime (seconds) of an ``affinity`` entry; each entry carries its own."""
+AFFINITY6_MAP_TYPE = "ipv6_addr : ipv6_addr"
+"""Type of the per-port IPv6 affinity maps (client address : endpoint address)."""
+MAX_AFFINITY_SECONDS = 86400
+"""Upper bound of ``sessionAffinityConfig.clientIP.timeoutSeconds`` (as the API)."""
+
+Key = tuple[str, ...]
+"""A set or map key, one string per concatenated field (``("10.0.0.1", "tcp", "80")``)."""
+
+CHAIN_NAME_MAX = 240
+"""Longest chain name we write (the kernel allows 255; upstream keeps 16 spare)."""
+
+AFFINITY_MAP_PREFIX = "affinity-"
+"""Prefix of the per-port affinity maps (:func:`affinity_map_name`)."""
+
+_HASH_CHARS = 8
+# Namespaces, Service names and port names are DNS labels / IANA service names after API
+# validation; this is the last check before they become part of a kernel object name.
+_NAME_PART = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
+_PORT_PART = re.compile(r"([A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?)?")
+# What an interface name may be to stand in a rule literally (inside double quotes).
+_INTERFACE = re.compile(r"[A-Za-z0-9_.@+-]{1,15}")
+
+
+class Names:
+    """Upstream's names of the fixed chains, sets and maps.
+
+    The map structure writes the chains and ``cluster-ips``/``nodeport-ips``; the verdict
+    maps (``service-ips`` and the like) are what upstream's and the per-Service-chain
+    structure's tables hold, and what the map structure deletes from a table they left.
+    """
+
+    FILTER_PREROUTING_PRE_DNAT = "filter-prerouting-pre-dnat"
+    FILTER_OUTPUT_PRE_DNAT = "filter-output-pre-dnat"
+    FILTER_INPUT = "filter-input"
+    FILTER_FORWARD = "filter-forward"
+    FILTER_OUTPUT = "filter-output"
+    NAT_PREROUTING = "nat-prerouting"
+    NAT_OUTPUT = "nat-output"
+    NAT_POSTROUTING = "nat-postrouting"
+
+    SERVICES = "services"
+    SERVICE_ENDPOINTS_CHECK = "service-endpoints-check"
+    NODEPORT_ENDPOINTS_CHECK = "nodeport-endpoints-check"
+    FIREWALL_CHECK = "firewall-check"
+    CLUSTER_IPS_CHECK = "cluster-ips-check"
+    REJECT_CHAIN = "reject-chain"
+    MARK_FOR_MASQUERADE = "mark-for-masquerade"
+    MASQUERADING = "masquerading"
+    AFFINITY_LOOKUP = "affinity-lookup"
+
+    CLUSTER_IPS = "cluster-ips"
+    NODEPORT_IPS = "nodeport-ips"
+    SERVICE_IPS = "service-ips"
+    SERVICE_NODEPORTS = "service-nodeports"
+    FIREWALL_IPS = "firewall-ips"
+    NO_ENDPOINT_SERVICES = "no-endpoint-services"
+    NO_ENDPOINT_NODEPORTS = "no-endpoint-nodeports"
+    HAIRPIN_ENDPOINTS = "hairpin-endpoints"
+    AFFINITY = "affinity"
+
+
+@dataclass(frozen=True, slots=True)
+class FamilyTokens:
+    """The words that differ between the ``ip`` and ``ip6`` tables."""
+
+    family: IPFamily
+    table_family: str
+    """``ip`` or ``ip6``: the table family and the match prefix (``ip daddr``)."""
+    addr_type: str
+    """``ipv4_addr`` or ``ipv6_addr``."""
+    loopback: str
+    """What NodePort matching must exclude: ``127.0.0.0/8`` or ``::1``."""
+
+    def address(self, ip: IPAddress) -> str:
+        """An address as written in a rule or element (canonical text form)."""
+        return str(ip)
+
+
+_TOKENS = {
+    IPFamily.IPV4: FamilyTokens(IPFamily.IPV4, "ip", "ipv4_addr", "127.0.0.0/8"),
+    IPFamily.IPV6: FamilyTokens(IPFamily.IPV6, "ip6", "ipv6_addr", "::1"),
+}
+
+
+def tokens_for(family: IPFamily) -> FamilyTokens:
+    """The tokens of one family."""
+    return _TOKENS[family]
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerSpec:
+    """A named set (``is_map`` false) or map of the table."""
+
+    name: str
+    is_map: bool
+    type: str
+    flags: tuple[str, ...] = ()
+    timeout: int | None = None
+    size: int | None = None
+    comment: str | None = None
+    typeof: bool = False
+    """``type`` holds expressions, written ``typeof`` (see :class:`~.objects.Set`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FixedChain:
+    """A chain that does not depend on Services (``hook`` set: a base chain)."""
+
+    name: str
+    rules: tuple[str, ...]
+    type: str | None = None
+    hook: str | None = None
+    priority: int | None = None
+    comment: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ChainSpec:
+    """A per-Service-port chain: its content-hashed name and its rules, in order."""
+
+    name: str
+    rules: tuple[str, ...]
+
+
+def base_chains(after_dnat: tuple[str, ...] = ()) -> tuple[FixedChain, ...]:
+    """Upstream's base chains (names, hooks, priorities) and the jumps they hold.
+
+    Both structures have exactly these (other components rely on them); ``after_dnat``
+    rules are appended to the three filter chains that see packets after DNAT.
+    """
+
+    def new(target: str) -> str:
+        return f"ct state new jump {target}"
+
+    return (
+        FixedChain(
+            Names.FILTER_PREROUTING_PRE_DNAT,
+            (new(Names.FIREWALL_CHECK),),
+            "filter",
+            "prerouting",
+            -110,
+        ),
+        FixedChain(
+            Names.FILTER_OUTPUT_PRE_DNAT, (new(Names.FIREWALL_CHECK),), "filter", "output", -110
+        ),
+        FixedChain(
+            Names.FILTER_INPUT,
+            (new(Names.NODEPORT_ENDPOINTS_CHECK), new(Names.SERVICE_ENDPOINTS_CHECK), *after_dnat),
+            "filter",
+            "input",
+            0,
+        ),
+        FixedChain(
+            Names.FILTER_FORWARD,
+            (new(Names.SERVICE_ENDPOINTS_CHECK), new(Names.CLUSTER_IPS_CHECK), *after_dnat),
+            "filter",
+            "forward",
+            0,
+        ),
+        FixedChain(
+            Names.FILTER_OUTPUT,
+            (new(Names.SERVICE_ENDPOINTS_CHECK), new(Names.CLUSTER_IPS_CHECK), *after_dnat),
+            "filter",
+            "output",
+            0,
+        ),
+        FixedChain(Names.NAT_PREROUTING, (f"jump {Names.SERVICES}",), "nat", "prerouting", -100),
+        FixedChain(Names.NAT_OUTPUT, (f"jump {Names.SERVICES}",), "nat", "output", -100),
+        FixedChain(
+            Names.NAT_POSTROUTING, (f"jump {Names.MASQUERADING}",), "nat", "postrouting", 100
+        ),
+    )
+
+
+class InvalidPort(ValueError):
+    """A Service port that cannot be rendered (bad name, port or address)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RenderContext:
+    """What rendering needs besides the port: family words, masquerading and detection.
+
+    ``masquerade_match`` is the condition (after ``<ip> daddr <clusterIP>``) under which
+    cluster-IP traffic is masqueraded (``""`` for masqueradeAll, ``None`` for never);
+    ``local_match`` tells traffic from local pods (``None``: no detector).
+    """
+
+    tokens: FamilyTokens
+    masquerade_match: str | None
+    local_match: str | None
+    node_addresses: tuple[IPAddress, ...] = ()
+
+    @classmethod
+    def build(
+        cls,
+        tokens: FamilyTokens,
+        detector: LocalDetector,
+        *,
+        masquerade_all: bool,
+        node_addresses: Sequence[IPAddress] = (),
+    ) -> RenderContext:
+        """The context for a detector (already for this family) and the masquerade flag.
+
+        Raises :class:`ValueError` for an interface name nft could not take literally.
+        """
+        ip = tokens.table_family
+        masq: str | None
+        local: str | None
+        mode = detector.mode
+        if mode in (LocalDetectMode.CLUSTER_CIDR, LocalDetectMode.NODE_CIDR) and detector.cidrs:
+            cidr = detector.cidrs[0]
+            if cidr.version != tokens.family.version:
+                raise ValueError(f"local detector CIDR {cidr} is not {tokens.family}")
+            masq, local = f"{ip} saddr != {cidr}", f"{ip} saddr {cidr}"
+        elif (
+            mode in (LocalDetectMode.BRIDGE_INTERFACE, LocalDetectMode.INTERFACE_NAME_PREFIX)
+            and detector.interface
+        ):
+            if _INTERFACE.fullmatch(detector.interface) is None:
+                raise ValueError(f"local detector interface {detector.interface!r} is not valid")
+            pattern = detector.interface
+            if mode is LocalDetectMode.INTERFACE_NAME_PREFIX:
+                pattern += "*"
+            masq, local = f'iifname != "{pattern}"', f'iifname "{pattern}"'
+        else:
+            masq, local = None, None
+        if masquerade_all:
+            masq = ""
+        addresses = tuple(a for a in node_addresses if a.version == tokens.family.version)
+        return cls(tokens, masq, local, addresses)
+
+
+def context_or_default(
+    tokens: FamilyTokens,
+    detector: LocalDetector,
+    *,
+    masquerade_all: bool,
+    node_addresses: Sequence[IPAddress],
+    logger: logging.Logger,
+) -> RenderContext:
+    """:meth:`RenderContext.build`, or, for a detector nft cannot take, the context
+    without a detector, with one error line on ``logger`` (the Services still work)."""
+    try:
+        return RenderContext.build(
+            tokens, detector, masquerade_all=masquerade_all, node_addresses=node_addresses
+        )
+    except ValueError as err:
+        logger.error("ignoring the local-traffic detector: %s", err)
+        return RenderContext.build(
+            tokens, type(detector)(), masquerade_all=masquerade_all, node_addresses=node_addresses
+        )
+
+
+class InvalidName(ValueError):
+    """A Service port whose names cannot appear in a kernel object name."""
+
+
+def port_identity(name: ServicePortName) -> str:
+    """``<ns>/<svc>/<proto lower>/<port name>``: the readable part of the port's chain names.
+
+    Raises :class:`InvalidName` when a part has characters nft would not accept in a name.
+    """
+    ns = name.service.namespace
+    svc = name.service.name
+    if _NAME_PART.fullmatch(ns) is None:
+        raise InvalidName(f"namespace {ns!r} is not a valid name")
+    if _NAME_PART.fullmatch(svc) is None:
+        raise InvalidName(f"service name {svc!r} is not a valid name")
+    if _PORT_PART.fullmatch(name.port) is None:
+        raise InvalidName(f"port name {name.port!r} is not a valid name")
+    return f"{ns}/{svc}/{name.protocol.lower}/{name.port}"
+
+
+def chain_name(prefix: str, identity: str, rules: Iterable[str], group: int | None = None) -> str:
+    """The name of a per-Service-port chain with these ``rules``.
+
+    ``identity`` comes from :func:`port_identity`; ``group`` numbers a group chain. The
+    result is at most :data:`CHAIN_NAME_MAX` characters; truncation keeps the prefix and
+    the hash (which covers the full identity), so truncated names stay unique.
+    """
+    suffix = identity if group is None else f"{identity}/{group}"
+    # prefix NUL suffix, then each rule after a newline (one update: it runs per chain).
+    text = "\n".join((f"{prefix}\0{suffix}", *rules))
+    tag = _b32_tag(hashlib.sha256(text.encode()).digest())
+    name = f"{prefix}-{tag}-{suffix}"
+    if len(name) > CHAIN_NAME_MAX:
+        name = name[: CHAIN_NAME_MAX - 3] + "..."
+    return name
+
+
+_B32 = "ABCDEFGHIJKLMNOPQRSTUVWXYZ234567"
+
+
+def _b32_tag(digest: bytes) -> str:
+    # The first _HASH_CHARS characters of base64.b32encode(digest) (5 bits each, from the
+    # top); b32encode is pure Python and encodes the whole digest, noticeable at 10k chains.
+    bits = int.from_bytes(digest[: (_HASH_CHARS * 5 + 7) // 8], "big")
+    top = ((_HASH_CHARS * 5 + 7) // 8) * 8 - 5
+    return "".join([_B32[(bits >> (top - 5 * i)) & 31] for i in range(_HASH_CHARS)])
+
+
+def affinity_map_name(identity: str, prefix: str, port: int) -> str:
+    """Name of a per-port affinity map: ``affinity-<16 hash chars>``.
+
+    One map per port identity, endpoint list (``prefix``: which dispatch chain or list
+    reads it) and endpoint port (0 where one map serves every port). The name is stable
+    while those are, so the map (and its entries) survive endpoint changes.
+    """
+    digest = hashlib.sha256(f"{identity}\0{prefix}\0{port}".encode()).digest()
+    return f"{AFFINITY_MAP_PREFIX}{base64.b32encode(digest)[:16].decode()}"
