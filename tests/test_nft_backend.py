@@ -834,8 +834,7 @@ def test_ipv6_affinity_has_a_map_per_endpoint_port() -> None:
     assert sorted(by_port.values()) == maps
     lookup = lines(dump, r"^add rule ip6 kube-proxy affinity-lookup-[A-Z2-7]{8}-")
     assert sorted(r.split(" ", 5)[5] for r in lookup) == sorted(
-        f"meta l4proto tcp dnat to ip6 saddr map @{by_port[p]} : {p}"
-        for p in (8080, 9090)
+        f"meta l4proto tcp dnat to ip6 saddr map @{by_port[p]} : {p}" for p in (8080, 9090)
     )
     record = [r.split(" ", 5)[5] for r in lines(dump, r"^add rule ip6 kube-proxy affinity-record-")]
     assert sorted(r.split(" update ")[0] for r in record) == ["th dport 8080", "th dport 9090"]
