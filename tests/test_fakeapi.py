@@ -369,6 +369,32 @@ def test_stop_cuts_everything_and_restart_keeps_port_and_state(fake: FakeAPIServ
     assert [e["object"]["metadata"]["name"] for e in events] == ["b"]
 
 
+def test_a_connection_accepted_while_stopping_is_cut(fake: FakeAPIServer) -> None:
+    # The listener accepts until its shutdown returns; a client reconnecting in that
+    # window must meet a dead server, not a watch that sees the changes made "while away".
+    fake.apply(service("a"))
+    server = fake._server
+    assert server is not None
+    real_shutdown = server.shutdown
+    refused: list[BaseException] = []
+
+    def shutdown_after_a_reconnect() -> None:
+        fake.apply(service("while-away"))
+        try:
+            status, events, clean = watch(
+                fake, "/api/v1/services", resourceVersion=1, timeoutSeconds=1
+            )
+        except (ConnectionError, http.client.HTTPException) as err:
+            refused.append(err)
+        else:
+            raise AssertionError(f"answered while stopping: {status} {events} {clean}")
+        real_shutdown()
+
+    server.shutdown = shutdown_after_a_reconnect  # type: ignore[method-assign]
+    fake.stop()
+    assert len(refused) == 1 and not fake.running
+
+
 def test_on_request_hook_runs_before_the_answer(fake: FakeAPIServer) -> None:
     fake.apply(service("a"))
 

@@ -353,7 +353,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         super().setup()
-        self.server.fake._connection_opened(self.connection)
+        self.server.fake._connection_opened(self.connection, self.server)
 
     def finish(self) -> None:
         try:
@@ -702,9 +702,17 @@ class FakeAPIServer:
                 _cut(watch.sock)
         return len(chosen)
 
-    def _connection_opened(self, conn: socket.socket) -> None:
+    def _connection_opened(self, conn: socket.socket, server: object) -> None:
+        # A connection the listener accepted after stop() began (it serves until its
+        # shutdown returns, up to half a second later) is cut at once, as a dead server
+        # would never have answered it: a client reconnecting in that window used to get
+        # a watch of the new generation, and events applied while "away" reached it.
         with self._lock:
-            self._connections.add(conn)
+            live = server is self._server
+            if live:
+                self._connections.add(conn)
+        if not live:
+            _cut(conn)
 
     def _connection_closed(self, conn: socket.socket) -> None:
         with self._lock:
