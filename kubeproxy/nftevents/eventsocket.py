@@ -13,6 +13,7 @@ import threading
 from collections.abc import Iterable
 from typing import Final
 
+import kubeproxy.nlmsg as nlmsg
 from kubeproxy.children import ChildProcesses
 from kubeproxy.netns import run_in_netns
 from kubeproxy.nftevents.messages import NETLINK_NETFILTER, Generation, parse_datagram
@@ -23,19 +24,11 @@ __all__ = ["NFNLGRP_NFTABLES", "EventSocket", "EventsLost", "read_generation"]
 NFNLGRP_NFTABLES: Final = 7
 """The multicast group carrying nf_tables change events."""
 
-_NFNL_SUBSYS_NFTABLES: Final = 10
 _NFT_MSG_GETGEN: Final = 16
-_NLMSG_ERROR: Final = 2
-_NLM_F_REQUEST: Final = 1
-_SOL_NETLINK: Final = 270
-_NETLINK_ADD_MEMBERSHIP: Final = 1
 _SO_RCVBUFFORCE: Final = 33
 _SO_ATTACH_FILTER: Final = 26
 _RCVBUF: Final = 32 << 20
 _DATAGRAM_MAX: Final = 1 << 20
-_HEADER = struct.Struct("=IHHII")  # nlmsghdr: length, type, flags, sequence, port id
-_NLMSG_HEADER_LEN: Final = 16
-_NFGENMSG_LEN: Final = 4
 
 
 class EventsLost(OSError):
@@ -88,7 +81,7 @@ class EventSocket:
         sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
         try:
             sock.bind((0, 0))
-            sock.setsockopt(_SOL_NETLINK, _NETLINK_ADD_MEMBERSHIP, NFNLGRP_NFTABLES)
+            sock.setsockopt(nlmsg.SOL_NETLINK, nlmsg.NETLINK_ADD_MEMBERSHIP, NFNLGRP_NFTABLES)
         except OSError:
             sock.close()
             raise
@@ -140,10 +133,8 @@ class EventSocket:
 
 
 def _getgen_request(sequence: int) -> bytes:
-    kind = (_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_GETGEN
-    return _HEADER.pack(_NLMSG_HEADER_LEN + _NFGENMSG_LEN, kind, _NLM_F_REQUEST, sequence, 0) + (
-        b"\0\0\0\0"
-    )
+    kind = nlmsg.nfnl_type(nlmsg.NFNL_SUBSYS_NFTABLES, _NFT_MSG_GETGEN)
+    return nlmsg.message(kind, nlmsg.NLM_F_REQUEST, sequence, nlmsg.NFGEN.pack(0, 0, 0))
 
 
 def read_generation(netns: str | None = None, timeout: float = 2.0) -> int:
@@ -158,10 +149,10 @@ def read_generation(netns: str | None = None, timeout: float = 2.0) -> int:
         for item in parse_datagram(data):
             if isinstance(item, Generation):
                 return item.generation
-        length, kind, *_ = _HEADER.unpack_from(data, 0)
-        if kind == _NLMSG_ERROR and length >= 20:
-            (code,) = struct.unpack_from("=i", data, 16)
-            raise OSError(-code, f"GETGEN refused: {os.strerror(-code)}")
+        length, kind, *_ = nlmsg.HEADER.unpack_from(data, 0)
+        if kind == nlmsg.NLMSG_ERROR and length >= nlmsg.HEADER.size + nlmsg.ERRNO.size:
+            code = nlmsg.error_code(data, 0)
+            raise OSError(code, f"GETGEN refused: {os.strerror(code)}")
         raise OSError(errno.EPROTO, "no generation in the kernel's answer")
 
     return run_in_netns(netns, ask) if netns is not None else ask()

@@ -12,12 +12,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Final
 
+import kubeproxy.nlmsg as nlmsg
+
 __all__ = ["NETLINK_NETFILTER", "Generation", "ObjectChange", "parse_datagram"]
 
-NETLINK_NETFILTER: Final = 12
+NETLINK_NETFILTER: Final = nlmsg.NETLINK_NETFILTER
 """The netlink protocol of nfnetlink (nf_tables, conntrack)."""
 
-_NFNL_SUBSYS_NFTABLES: Final = 10
 _NFT_MSG_NEWGEN: Final = 15
 
 # nf_tables message types -> what they announce.
@@ -44,10 +45,7 @@ _NAME_ATTRIBUTE: Final = {3: 3, 5: 3, 6: 2, 8: 2, 9: 2, 11: 2, 12: 2, 14: 2, 18:
 _NAME_ATTRIBUTE.update({22: 2, 24: 2})
 _FAMILIES: Final = {1: "inet", 2: "ip", 3: "arp", 5: "netdev", 7: "bridge", 10: "ip6"}
 
-_HEADER = struct.Struct("=IHHII")  # nlmsghdr: length, type, flags, sequence, port id
-_ATTRIBUTE = struct.Struct("=HH")  # nlattr: length, type
-_NLMSG_HEADER_LEN: Final = 16
-_NFGENMSG_LEN: Final = 4
+_NFGENMSG_LEN: Final = nlmsg.NFGEN.size
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,17 +78,6 @@ class Generation:
     process: str
 
 
-def _attributes(data: bytes, start: int, end: int) -> Iterator[tuple[int, int, int]]:
-    """(type, value start, value end) of each netlink attribute in ``data[start:end]``."""
-    offset = start
-    while offset + 4 <= end:
-        length, kind = _ATTRIBUTE.unpack_from(data, offset)
-        if length < 4 or offset + length > end:
-            return
-        yield kind & 0x3FFF, offset + 4, offset + length
-        offset += (length + 3) & ~3
-
-
 def _text(data: bytes, start: int, end: int) -> str:
     return data[start:end].split(b"\0", 1)[0].decode("utf-8", "replace")
 
@@ -101,18 +88,15 @@ def parse_datagram(data: bytes) -> Iterator[ObjectChange | Generation]:
     Messages of other subsystems, types this module does not know and malformed ones
     are skipped.
     """
-    offset, end = 0, len(data)
-    while offset + _NLMSG_HEADER_LEN <= end:
-        length, kind, _flags, _seq, portid = _HEADER.unpack_from(data, offset)
-        if length < _NLMSG_HEADER_LEN or offset + length > end:
-            return
-        message_end = offset + length
-        body = offset + _NLMSG_HEADER_LEN
-        if kind >> 8 == _NFNL_SUBSYS_NFTABLES and body + _NFGENMSG_LEN <= message_end:
-            item = _message(data, kind & 0xFF, portid, body, message_end)
-            if item is not None:
-                yield item
-        offset += (length + 3) & ~3
+    try:
+        for offset, length, kind, _flags, _seq, portid in nlmsg.messages(data):
+            body = offset + nlmsg.HEADER.size
+            if kind >> 8 == nlmsg.NFNL_SUBSYS_NFTABLES and body + _NFGENMSG_LEN <= offset + length:
+                item = _message(data, kind & 0xFF, portid, body, offset + length)
+                if item is not None:
+                    yield item
+    except nlmsg.MalformedMessage:
+        return
 
 
 def _message(
@@ -122,7 +106,7 @@ def _message(
     if kind == _NFT_MSG_NEWGEN:
         generation = pid = 0
         process = ""
-        for attribute, start, stop in _attributes(data, attributes, end):
+        for attribute, start, stop in nlmsg.attributes(data, attributes, end):
             if attribute == 1 and stop - start == 4:
                 (generation,) = struct.unpack_from(">I", data, start)
             elif attribute == 2 and stop - start == 4:
@@ -136,7 +120,7 @@ def _message(
     family = _FAMILIES.get(data[body], str(data[body]))
     table = name = ""
     wanted = _NAME_ATTRIBUTE.get(kind)
-    for attribute, start, stop in _attributes(data, attributes, end):
+    for attribute, start, stop in nlmsg.attributes(data, attributes, end):
         if attribute == 1:
             table = _text(data, start, stop)
         elif attribute == wanted:
