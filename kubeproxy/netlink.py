@@ -16,7 +16,7 @@ import selectors
 import socket
 import struct
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -97,18 +97,9 @@ _IFA_LOCAL = 2
 _IFADDRMSG = struct.Struct("=BBBBI")
 
 
-def netlink_dump(
-    sock: socket.socket, message: bytes, seq: int, what: str
-) -> Iterator[tuple[int, bytes]]:
-    """Send a dump request (``message``, sequence number ``seq``) and yield each answer's
-    type and payload (after the netlink header) until the dump is done. A refusal raises
-    ``OSError`` with the kernel's errno (``what`` names the request in its message)."""
-    sock.send(message)
-    try:
-        for kind, _flags, data, start, end in nlmsg.Dump(sock, seq, what):
-            yield kind, bytes(data[start:end])
-    except nlmsg.MalformedMessage:
-        return
+netlink_dump = nlmsg.dump
+"""Send a dump request and yield each answer's type and payload
+(:func:`kubeproxy.nlmsg.dump`; the name stays here for code that imported it from here)."""
 
 
 def _dump_addresses() -> list[IPAddress]:
@@ -119,7 +110,7 @@ def _dump_addresses() -> list[IPAddress]:
         dump = nlmsg.message(_RTM_GETADDR, nlmsg.NLM_F_REQUEST | nlmsg.NLM_F_DUMP, 1, request)
         found = [
             _address_of(payload)
-            for kind, payload in netlink_dump(sock, dump, 1, "RTM_GETADDR")
+            for kind, payload in nlmsg.dump(sock, dump, 1, "RTM_GETADDR")
             if kind == _RTM_NEWADDR
         ]
         return _unique_sorted(found)

@@ -34,6 +34,7 @@ __all__ = [
     "attr",
     "attribute_values",
     "attributes",
+    "dump",
     "error_code",
     "extended_ack",
     "message",
@@ -248,3 +249,16 @@ class Dump:
                         raise self._refused(code)
                     return
                 yield kind, flags, view, offset + HEADER.size, offset + length
+
+
+def dump(sock: socket.socket, request: bytes, seq: int, what: str) -> Iterator[tuple[int, bytes]]:
+    """Send a dump ``request`` (sequence number ``seq``) and yield each answer's type and
+    payload (after the netlink header) until the dump is done (:class:`Dump`; a malformed
+    answer ends it too). A refusal raises :class:`NetlinkError` (an ``OSError`` with the
+    kernel's errno; ``what`` names the request in its message)."""
+    sock.send(request)
+    try:
+        for kind, _flags, data, start, end in Dump(sock, seq, what):
+            yield kind, bytes(data[start:end])
+    except MalformedMessage:
+        return

@@ -8,8 +8,9 @@ pyroute2's nfnetlink messages took 47 us per element to encode, and each of its 
 waits on an asyncio loop (0.5 ms for one element). Packing the few data types our
 containers use ourselves costs well under 1 us per element (0.5-0.6 us for the slots
 map: :class:`_Codec`) and sends a batch of any size as one transaction (the netlink
-framing is :mod:`kubeproxy.nlmsg`'s). Only *elements* go this way: they carry no bytecode, so ``nft list``
-shows them exactly as if nft had added them; chains, rules and sets stay nft text.
+framing is :mod:`kubeproxy.nlmsg`'s). Only *elements* go this way: they carry no
+bytecode, so ``nft list`` shows them exactly as if nft had added them; chains, rules and
+sets stay nft text.
 
 An :class:`ElementBatch` names its containers' data types (the backend declared them),
 so nothing is read from the kernel first. Supported types: ``ipv4_addr``, ``ipv6_addr``,

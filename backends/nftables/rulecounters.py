@@ -20,7 +20,6 @@ from typing import Final
 
 import kubeproxy.nlmsg as nlmsg
 from kubeproxy.backends.nftables.objects import Family, NftError
-from kubeproxy.netlink import netlink_dump
 from kubeproxy.netns import run_in_netns
 
 __all__ = ["parse_rule", "rule_counters"]
@@ -94,7 +93,7 @@ def _request(family: Family, table: str, chain: str, seq: int) -> bytes:
 
 def _counters(sock: socket.socket, request: bytes, seq: int) -> dict[str, int]:
     found: dict[str, int] = {}
-    for kind, payload in netlink_dump(sock, request, seq, "listing rules"):
+    for kind, payload in nlmsg.dump(sock, request, seq, "listing rules"):
         if kind == nlmsg.nfnl_type(nlmsg.NFNL_SUBSYS_NFTABLES, _NFT_MSG_NEWRULE):
             parsed = parse_rule(payload[nlmsg.NFGEN.size :])
             if parsed is not None:
