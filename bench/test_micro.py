@@ -4,9 +4,10 @@
 30k Services cannot be repeated a few dozen times). These are the pieces in between,
 small enough for pytest-benchmark to run many rounds and report min/median/IQR: parsing
 Services and EndpointSlices, the change trackers, endpoint categorisation, rendering a
-port's iptables rules, and repeated incremental syncs of the proxier over each backend's
+port's iptables rules, repeated incremental syncs of the proxier over each backend's
 in-memory fake (only public entry points: ``Proxier.sync_now`` over a backend's
-``sync()``). No root, no kernel, no network namespace.
+``sync()``), and packing nftables elements for netlink (the shipped encoder next to the
+one it replaced). No root, no kernel, no network namespace.
 
     make bench-micro            # compare against bench/results/micro-baseline.json;
                                 # fails when a minimum is more than 20 % slower
@@ -25,12 +26,14 @@ import ipaddress
 from collections.abc import Callable
 from typing import Any
 
+from bench.previous_encoder import exec_element_encoder
 from bench.synthetic import NODE_IP, NODE_NAME, SyntheticService, all_slice_dicts, build_services
 from kubeproxy.backend import Backend
 from kubeproxy.backends.iptables import IptablesBackend
 from kubeproxy.backends.iptables.fake import FakeIptables
 from kubeproxy.backends.iptables.rules import RenderContext, render_port
 from kubeproxy.backends.nftables import NftablesBackend
+from kubeproxy.backends.nftables.elements import _Codec
 from kubeproxy.backends.nftables.fake import FakeNft
 from kubeproxy.config import LocalDetectMode, LocalDetector, ProxierConfig
 from kubeproxy.endpointchanges import EndpointsChangeTracker, EndpointsMap
@@ -177,3 +180,33 @@ def test_incremental_syncs_iptables_fake(benchmark: Any) -> None:
     fake = FakeIptables()
     backend = IptablesBackend(V4, CONFIG, executor=fake)
     _incremental(benchmark, backend, lambda: len(fake.restores))
+
+
+# --- nftables elements on the wire ----------------------------------------------------------
+
+_SLOTS = (("ipv4_addr", "inet_proto", "inet_service", "integer"), ("ipv4_addr", "inet_service"))
+_ELEMENTS = [
+    (
+        (f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}", "tcp", str(80 + i % 50), str(i % 7)),
+        (f"172.16.{i >> 8 & 255}.{i & 255}", str(8080 + i % 3)),
+    )
+    for i in range(10_000)
+]
+
+
+def _encode(benchmark: Any, element: Callable[[tuple[str, ...], tuple[str, ...]], bytes]) -> None:
+    packed = benchmark(lambda: [element(key, value) for key, value in _ELEMENTS])
+    shipped = _Codec(*_SLOTS).element
+    assert packed == [shipped(key, value) for key, value in _ELEMENTS]
+
+
+def test_encode_elements(benchmark: Any) -> None:
+    """10k elements of the slots map (4 key parts, 2 value parts) packed for netlink by
+    the shipped encoder (closures mypy checks)."""
+    _encode(benchmark, _Codec(*_SLOTS).element)
+
+
+def test_encode_elements_exec(benchmark: Any) -> None:
+    """The same by the encoder it replaced (``exec``-generated source,
+    :mod:`bench.previous_encoder`), measured in the same run."""
+    _encode(benchmark, exec_element_encoder(*_SLOTS))

@@ -58,6 +58,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Protocol
 
+import kubeproxy.nlmsg as nlmsg
 from kubeproxy.netns import entered, open_netns
 from kubeproxy.objects import Endpoint, IPAddress, IPFamily, ServicePort, ServicePortName
 from kubeproxy.objects import Protocol as L4Protocol
@@ -324,21 +325,10 @@ class FakeConntrack:
 
 # --- ctnetlink ------------------------------------------------------------------------
 
-_NETLINK_NETFILTER: Final = 12
-_SOL_NETLINK: Final = 270
-_NETLINK_CAP_ACK: Final = 10
-_NLMSG_ERROR: Final = 2
-_NLMSG_DONE: Final = 3
-_NLM_F_REQUEST: Final = 0x1
-_NLM_F_MULTI: Final = 0x2
-_NLM_F_ACK: Final = 0x4
-_NLM_F_DUMP_INTR: Final = 0x10
-_NLM_F_DUMP: Final = 0x300
-_NLA_F_NESTED: Final = 0x8000
-_NLA_TYPE_MASK: Final = 0x3FFF
-_NFNL_SUBSYS_CTNETLINK: Final = 1
-_CT_GET: Final = (_NFNL_SUBSYS_CTNETLINK << 8) | 1  # IPCTNL_MSG_CT_GET
-_CT_DELETE: Final = (_NFNL_SUBSYS_CTNETLINK << 8) | 2  # IPCTNL_MSG_CT_DELETE
+_NFNL_SUBSYS_CTNETLINK: Final = nlmsg.NFNL_SUBSYS_CTNETLINK
+_NLA_F_NESTED: Final = nlmsg.NLA_F_NESTED
+_CT_GET: Final = nlmsg.nfnl_type(_NFNL_SUBSYS_CTNETLINK, 1)  # IPCTNL_MSG_CT_GET
+_CT_DELETE: Final = nlmsg.nfnl_type(_NFNL_SUBSYS_CTNETLINK, 2)  # IPCTNL_MSG_CT_DELETE
 _CTA_TUPLE_ORIG: Final = 1
 _CTA_TUPLE_REPLY: Final = 2
 _CTA_FILTER: Final = 25
@@ -355,30 +345,7 @@ _CTA_PROTO_SRC_PORT: Final = 2
 _CTA_PROTO_DST_PORT: Final = 3
 _IPPROTO_UDP: Final = 17
 
-_HEADER = struct.Struct("=IHHII")
-_NFGEN = struct.Struct("=BBH")
-_ATTR = struct.Struct("=HH")
 _PORT = struct.Struct(">H")
-_ERRNO = struct.Struct("=i")
-
-
-def _attr(kind: int, payload: bytes) -> bytes:
-    length = _ATTR.size + len(payload)
-    return _ATTR.pack(length, kind) + payload + b"\0" * (-length % 4)
-
-
-def _nested(kind: int, *children: bytes) -> bytes:
-    return _attr(kind | _NLA_F_NESTED, b"".join(children))
-
-
-def _attrs(buffer: memoryview, offset: int, end: int) -> Iterator[tuple[int, int, int]]:
-    """(type, payload start, payload end) of each attribute in ``buffer[offset:end]``."""
-    while offset + 4 <= end:
-        length, kind = _ATTR.unpack_from(buffer, offset)
-        if length < 4 or offset + length > end:
-            return
-        yield kind & _NLA_TYPE_MASK, offset + 4, offset + length
-        offset += (length + 3) & ~3
 
 
 class _Tuple:
@@ -393,15 +360,15 @@ class _Tuple:
 
 def _parse_tuple(buffer: memoryview, offset: int, end: int) -> _Tuple:
     parsed = _Tuple()
-    for kind, start, stop in _attrs(buffer, offset, end):
+    for kind, start, stop in nlmsg.attributes(buffer, offset, end):
         if kind == _CTA_TUPLE_IP:
-            for ip_kind, ip_start, ip_stop in _attrs(buffer, start, stop):
+            for ip_kind, ip_start, ip_stop in nlmsg.attributes(buffer, start, stop):
                 if ip_kind in (_CTA_IP_V4_SRC, _CTA_IP_V6_SRC):
                     parsed.src = bytes(buffer[ip_start:ip_stop])
                 elif ip_kind in (_CTA_IP_V4_DST, _CTA_IP_V6_DST):
                     parsed.dst = bytes(buffer[ip_start:ip_stop])
         elif kind == _CTA_TUPLE_PROTO:
-            for proto_kind, proto_start, _ in _attrs(buffer, start, stop):
+            for proto_kind, proto_start, _ in nlmsg.attributes(buffer, start, stop):
                 if proto_kind == _CTA_PROTO_NUM:
                     parsed.proto = buffer[proto_start]
                 elif proto_kind == _CTA_PROTO_SRC_PORT:
@@ -453,7 +420,7 @@ def _fast_tuple(
     the kernel's usual layout; None to fall back to the generic parser."""
     if offset + 4 > end:
         return None
-    length, found_kind = _ATTR.unpack_from(view, offset)
+    length, found_kind = nlmsg.ATTR.unpack_from(view, offset)
     if found_kind != kind | _NLA_F_NESTED or offset + length > end:
         return None
     for layout, headers in _LAYOUTS:
@@ -537,12 +504,12 @@ class NetlinkConntrack:
     def _open(self) -> socket.socket:
         with _in_namespace(self.netns):
             try:
-                sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_NETFILTER)
+                sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, nlmsg.NETLINK_NETFILTER)
             except OSError as err:
                 raise ConntrackError(err.errno, f"ctnetlink socket: {err.strerror}") from None
         try:
             sock.bind((0, 0))
-            sock.setsockopt(_SOL_NETLINK, _NETLINK_CAP_ACK, 1)
+            sock.setsockopt(nlmsg.SOL_NETLINK, nlmsg.NETLINK_CAP_ACK, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
         except OSError as err:
             sock.close()
@@ -582,49 +549,35 @@ class NetlinkConntrack:
 
     def _dump(self, sock: socket.socket, family: IPFamily, *, filtered: bool) -> list[Flow]:
         address_family = socket.AF_INET if family is IPFamily.IPV4 else socket.AF_INET6
-        body = _NFGEN.pack(address_family, 0, 0)
+        body = nlmsg.NFGEN.pack(address_family, 0, 0)
         if filtered:
-            body += _nested(
-                _CTA_TUPLE_ORIG, _nested(_CTA_TUPLE_PROTO, _attr(_CTA_PROTO_NUM, b"\x11"))
+            body += nlmsg.nested(
+                _CTA_TUPLE_ORIG, nlmsg.nested(_CTA_TUPLE_PROTO, nlmsg.attr(_CTA_PROTO_NUM, b"\x11"))
             )
-            body += _nested(
+            body += nlmsg.nested(
                 _CTA_FILTER,
-                _attr(_CTA_FILTER_ORIG_FLAGS, struct.pack("=I", _CTA_FILTER_F_PROTO_NUM)),
+                nlmsg.attr(_CTA_FILTER_ORIG_FLAGS, struct.pack("=I", _CTA_FILTER_F_PROTO_NUM)),
             )
         seq = self._next_seq()
-        request = _HEADER.pack(
-            _HEADER.size + len(body), _CT_GET, _NLM_F_REQUEST | _NLM_F_DUMP, seq, 0
-        )
-        sock.send(request + body)
+        sock.send(nlmsg.message(_CT_GET, nlmsg.NLM_F_REQUEST | nlmsg.NLM_F_DUMP, seq, body))
         flows: list[Flow] = []
-        interrupted = False
-        buffer = bytearray(1 << 18)
-        view = memoryview(buffer)
         address_size = 4 if family is IPFamily.IPV4 else 16
-        while True:
-            try:
-                size = sock.recv_into(buffer)
-            except OSError as err:
-                raise ConntrackError(err.errno, f"conntrack dump: {err.strerror}") from None
-            offset = 0
-            while offset + _HEADER.size <= size:
-                length, kind, flags, _, _ = _HEADER.unpack_from(view, offset)
-                if length < _HEADER.size:
-                    raise ConntrackError(errno.EPROTO, "conntrack dump: malformed message")
-                if kind == _NLMSG_DONE:
-                    if interrupted:
-                        logger.debug("%s conntrack dump was interrupted; using it anyway", family)
-                    return flows
-                if kind == _NLMSG_ERROR:
-                    code = -_ERRNO.unpack_from(view, offset + _HEADER.size)[0]
-                    if code:
-                        raise ConntrackError(code, f"conntrack dump: {os.strerror(code)}")
-                elif kind >> 8 == _NFNL_SUBSYS_CTNETLINK:
-                    interrupted |= bool(flags & _NLM_F_DUMP_INTR)
-                    flow = self._flow(view, offset + _HEADER.size + _NFGEN.size, offset + length)
+        dump = nlmsg.Dump(sock, seq, "conntrack dump", bufsize=1 << 18)
+        try:
+            for kind, _flags, view, start, end in dump:
+                if kind >> 8 == _NFNL_SUBSYS_CTNETLINK:
+                    flow = self._flow(view, start + nlmsg.NFGEN.size, end)
                     if flow is not None and len(flow[0]) == address_size:
                         flows.append(self._make_flow(flow))
-                offset += (length + 3) & ~3
+        except nlmsg.MalformedMessage:
+            raise ConntrackError(errno.EPROTO, "conntrack dump: malformed message") from None
+        except nlmsg.NetlinkError as err:  # refused: its text names the dump already
+            raise ConntrackError(err.errno, str(err.strerror)) from None
+        except OSError as err:
+            raise ConntrackError(err.errno, f"conntrack dump: {err.strerror}") from None
+        if dump.interrupted:
+            logger.debug("%s conntrack dump was interrupted; using it anyway", family)
+        return flows
 
     @staticmethod
     def _flow(view: memoryview, offset: int, end: int) -> _RawFlow | None:
@@ -633,7 +586,7 @@ class NetlinkConntrack:
         if fast is not None:
             return fast
         orig = reply = None
-        for kind, start, stop in _attrs(view, offset, end):
+        for kind, start, stop in nlmsg.attributes(view, offset, end):
             if kind == _CTA_TUPLE_ORIG:
                 orig = _parse_tuple(view, start, stop)
             elif kind == _CTA_TUPLE_REPLY:
@@ -662,18 +615,18 @@ class NetlinkConntrack:
             address_family, src_kind, dst_kind = socket.AF_INET, _CTA_IP_V4_SRC, _CTA_IP_V4_DST
         else:
             address_family, src_kind, dst_kind = socket.AF_INET6, _CTA_IP_V6_SRC, _CTA_IP_V6_DST
-        return _NFGEN.pack(address_family, 0, 0) + _nested(
+        return nlmsg.NFGEN.pack(address_family, 0, 0) + nlmsg.nested(
             _CTA_TUPLE_ORIG,
-            _nested(
+            nlmsg.nested(
                 _CTA_TUPLE_IP,
-                _attr(src_kind, flow.orig_src.packed),
-                _attr(dst_kind, flow.orig_dst.packed),
+                nlmsg.attr(src_kind, flow.orig_src.packed),
+                nlmsg.attr(dst_kind, flow.orig_dst.packed),
             ),
-            _nested(
+            nlmsg.nested(
                 _CTA_TUPLE_PROTO,
-                _attr(_CTA_PROTO_NUM, b"\x11"),
-                _attr(_CTA_PROTO_SRC_PORT, _PORT.pack(flow.orig_src_port)),
-                _attr(_CTA_PROTO_DST_PORT, _PORT.pack(flow.orig_dst_port)),
+                nlmsg.attr(_CTA_PROTO_NUM, b"\x11"),
+                nlmsg.attr(_CTA_PROTO_SRC_PORT, _PORT.pack(flow.orig_src_port)),
+                nlmsg.attr(_CTA_PROTO_DST_PORT, _PORT.pack(flow.orig_dst_port)),
             ),
         )
 
@@ -691,14 +644,12 @@ class NetlinkConntrack:
                 for index, flow in enumerate(chunk):
                     body = self._delete_body(flow)
                     messages.append(
-                        _HEADER.pack(
-                            _HEADER.size + len(body),
+                        nlmsg.message(
                             _CT_DELETE,
-                            _NLM_F_REQUEST | _NLM_F_ACK,
+                            nlmsg.NLM_F_REQUEST | nlmsg.NLM_F_ACK,
                             (seq + index) & 0x7FFFFFFF,
-                            0,
+                            body,
                         )
-                        + body
                     )
                 try:
                     sock.send(b"".join(messages))
@@ -724,12 +675,10 @@ class NetlinkConntrack:
                 size = sock.recv_into(buffer)
             except OSError as err:
                 raise ConntrackError(err.errno, f"conntrack delete: {err.strerror}") from None
-            offset = 0
-            while offset + _HEADER.size <= size:
-                length, kind, _, _, _ = _HEADER.unpack_from(view, offset)
-                if length < _HEADER.size:
-                    raise ConntrackError(errno.EPROTO, "conntrack delete: malformed answer")
-                if kind == _NLMSG_ERROR:
-                    seen += 1
-                    yield -_ERRNO.unpack_from(view, offset + _HEADER.size)[0]
-                offset += (length + 3) & ~3
+            try:
+                for offset, _length, kind, *_ in nlmsg.messages(view, size):
+                    if kind == nlmsg.NLMSG_ERROR:
+                        seen += 1
+                        yield nlmsg.error_code(view, offset)
+            except nlmsg.MalformedMessage:
+                raise ConntrackError(errno.EPROTO, "conntrack delete: malformed answer") from None

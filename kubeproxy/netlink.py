@@ -12,15 +12,15 @@ import contextlib
 import errno
 import ipaddress
 import logging
-import os
 import selectors
 import socket
 import struct
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
+import kubeproxy.nlmsg as nlmsg
 from kubeproxy.netns import run_in_netns
 from kubeproxy.objects import IPAddress
 
@@ -92,40 +92,14 @@ _RTM_GETADDR = 22
 # Multicast groups (the bit masks bind() takes): addresses added or removed.
 _RTMGRP_IPV4_IFADDR = 0x10
 _RTMGRP_IPV6_IFADDR = 0x100
-_NLMSG_ERROR = 2
-_NLMSG_DONE = 3
 _IFA_ADDRESS = 1
 _IFA_LOCAL = 2
-_NLM_F_REQUEST_DUMP = 0x1 | 0x300
-_HEADER = struct.Struct("=IHHII")
 _IFADDRMSG = struct.Struct("=BBBBI")
-_RTATTR = struct.Struct("=HH")
 
 
-def netlink_dump(
-    sock: socket.socket, message: bytes, seq: int, what: str
-) -> Iterator[tuple[int, bytes]]:
-    """Send a dump request (``message``, sequence number ``seq``) and yield each answer's
-    type and payload (after the netlink header) until the dump is done. A refusal raises
-    ``OSError`` with the kernel's errno (``what`` names the request in its message)."""
-    sock.send(message)
-    while True:
-        data = sock.recv(1 << 16)
-        offset = 0
-        while offset + _HEADER.size <= len(data):
-            length, kind, _flags, msg_seq, _pid = _HEADER.unpack_from(data, offset)
-            if length < _HEADER.size:
-                return
-            if msg_seq == seq:
-                if kind == _NLMSG_DONE:
-                    return
-                if kind == _NLMSG_ERROR:
-                    (code,) = struct.unpack_from("=i", data, offset + _HEADER.size)
-                    if code:
-                        raise OSError(-code, f"{what}: {os.strerror(-code)}")
-                    return
-                yield kind, data[offset + _HEADER.size : offset + length]
-            offset += (length + 3) & ~3
+netlink_dump = nlmsg.dump
+"""Send a dump request and yield each answer's type and payload
+(:func:`kubeproxy.nlmsg.dump`; the name stays here for code that imported it from here)."""
 
 
 def _dump_addresses() -> list[IPAddress]:
@@ -133,26 +107,19 @@ def _dump_addresses() -> list[IPAddress]:
         sock.bind((0, 0))
         sock.settimeout(10.0)
         request = _IFADDRMSG.pack(socket.AF_UNSPEC, 0, 0, 0, 0)
-        header = _HEADER.pack(_HEADER.size + len(request), _RTM_GETADDR, _NLM_F_REQUEST_DUMP, 1, 0)
+        dump = nlmsg.message(_RTM_GETADDR, nlmsg.NLM_F_REQUEST | nlmsg.NLM_F_DUMP, 1, request)
         found = [
-            _address_of(payload, 0, len(payload))
-            for kind, payload in netlink_dump(sock, header + request, 1, "RTM_GETADDR")
+            _address_of(payload)
+            for kind, payload in nlmsg.dump(sock, dump, 1, "RTM_GETADDR")
             if kind == _RTM_NEWADDR
         ]
         return _unique_sorted(found)
 
 
-def _address_of(data: bytes, start: int, end: int) -> IPAddress | None:
-    family = data[start]
+def _address_of(data: bytes) -> IPAddress | None:
+    family = data[0]
     size = 4 if family == socket.AF_INET else 16 if family == socket.AF_INET6 else 0
-    offset = start + _IFADDRMSG.size
-    attrs: dict[int, bytes] = {}
-    while offset + _RTATTR.size <= end:
-        length, kind = _RTATTR.unpack_from(data, offset)
-        if length < _RTATTR.size:
-            break
-        attrs[kind] = data[offset + _RTATTR.size : offset + length]
-        offset += (length + 3) & ~3
+    attrs = dict(nlmsg.attribute_values(data, _IFADDRMSG.size))
     # IFA_LOCAL is the local end on point-to-point links (IFA_ADDRESS is then the peer);
     # IPv6 messages carry only IFA_ADDRESS.
     raw = attrs.get(_IFA_LOCAL) or attrs.get(_IFA_ADDRESS)
@@ -293,12 +260,9 @@ class AddressWatcher:
 
 
 def _has_address_event(data: bytes) -> bool:
-    offset = 0
-    while offset + _HEADER.size <= len(data):
-        length, kind, _flags, _seq, _pid = _HEADER.unpack_from(data, offset)
-        if kind in (_RTM_NEWADDR, _RTM_DELADDR):
-            return True
-        if length < _HEADER.size:
-            return False
-        offset += (length + 3) & ~3
-    return False
+    try:
+        return any(
+            kind in (_RTM_NEWADDR, _RTM_DELADDR) for _o, _l, kind, *_ in nlmsg.messages(data)
+        )
+    except nlmsg.MalformedMessage:
+        return False

@@ -175,3 +175,14 @@ def test_no_backend_imports_the_benchmarks_but_the_deprecated_names() -> None:
         found.update((name, t) for t in imported(name, path) if t.split(".")[0] == "bench")
     # kubeproxy.backends.nftables.__getattr__: ChainNftablesBackend, create_chain_backend.
     assert found == {("kubeproxy.backends.nftables", "bench.chain_structure")}
+
+
+def test_one_netlink_codec() -> None:
+    # kubeproxy/nlmsg.py is the one place that packs netlink headers and attributes.
+    copies = [
+        str(path.relative_to(REPO))
+        for top in ("kubeproxy", "backends")
+        for path in sorted((REPO / top).rglob("*.py"))
+        if path.name != "nlmsg.py" and ('"=IHHII"' in (text := path.read_text()) or '"=HH"' in text)
+    ]
+    assert copies == []

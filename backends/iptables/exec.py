@@ -46,8 +46,8 @@ from kubeproxy.backends.iptables.restore import (
     check_table,
 )
 from kubeproxy.capabilities import CAP_NET_ADMIN, CAP_NET_RAW, missing_capabilities
+from kubeproxy.children import ChildProcesses
 from kubeproxy.netns import netns_path, run_in_netns
-from kubeproxy.nftevents import ChildProcesses
 from kubeproxy.objects import IPFamily
 
 __all__ = [

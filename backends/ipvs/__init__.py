@@ -202,7 +202,7 @@ def watchers(backends: Sequence[IPVSBackend], netns: str | None = None) -> list[
     from kubeproxy.backends.iptables.exec import IptablesVariant
     from kubeproxy.backends.iptables.monitor import event_watcher
     from kubeproxy.backends.ipvs.rules import CHAINS
-    from kubeproxy.nftevents import ChildProcesses
+    from kubeproxy.children import ChildProcesses
 
     nft = [b for b in backends if b.iptables.variant is IptablesVariant.NFT]
     if not nft:

@@ -16,21 +16,16 @@ from __future__ import annotations
 import errno
 import socket
 import struct
-from collections.abc import Iterator
 from typing import Final
 
+import kubeproxy.nlmsg as nlmsg
 from kubeproxy.backends.nftables.objects import Family, NftError
-from kubeproxy.netlink import netlink_dump
 from kubeproxy.netns import run_in_netns
 
 __all__ = ["parse_rule", "rule_counters"]
 
-_NETLINK_NETFILTER: Final = 12
-_NFNL_SUBSYS_NFTABLES: Final = 10
 _NFT_MSG_NEWRULE: Final = 6
 _NFT_MSG_GETRULE: Final = 7
-_NLM_F_REQUEST: Final = 0x1
-_NLM_F_DUMP: Final = 0x300
 _NFTA_RULE_TABLE: Final = 1
 _NFTA_RULE_CHAIN: Final = 2
 _NFTA_RULE_EXPRESSIONS: Final = 4
@@ -40,27 +35,7 @@ _NFTA_EXPR_NAME: Final = 1
 _NFTA_EXPR_DATA: Final = 2
 _NFTA_COUNTER_PACKETS: Final = 2
 _NFTNL_UDATA_RULE_COMMENT: Final = 0
-_TYPE_MASK: Final = 0x3FFF  # without NLA_F_NESTED and NLA_F_NET_BYTEORDER
 _FAMILIES: Final = {Family.IP: socket.AF_INET, Family.IP6: socket.AF_INET6}
-_HEADER = struct.Struct("=IHHII")
-_NFGEN = struct.Struct("=BBH")
-_NLA = struct.Struct("=HH")
-
-
-def _attrs(data: bytes, start: int = 0, end: int | None = None) -> Iterator[tuple[int, bytes]]:
-    end = len(data) if end is None else end
-    offset = start
-    while offset + _NLA.size <= end:
-        length, kind = _NLA.unpack_from(data, offset)
-        if length < _NLA.size or offset + length > end:
-            return
-        yield kind & _TYPE_MASK, data[offset + _NLA.size : offset + length]
-        offset += (length + 3) & ~3
-
-
-def _attr(kind: int, payload: bytes) -> bytes:
-    length = _NLA.size + len(payload)
-    return _NLA.pack(length, kind) + payload + b"\0" * (-length % 4)
 
 
 def _comment(userdata: bytes) -> str | None:
@@ -75,17 +50,17 @@ def _comment(userdata: bytes) -> str | None:
 
 
 def _packets(expressions: bytes) -> int | None:
-    for kind, element in _attrs(expressions):
+    for kind, element in nlmsg.attribute_values(expressions):
         if kind != _NFTA_LIST_ELEM:
             continue
         name, data = b"", b""
-        for part, value in _attrs(element):
+        for part, value in nlmsg.attribute_values(element):
             if part == _NFTA_EXPR_NAME:
                 name = value.split(b"\0", 1)[0]
             elif part == _NFTA_EXPR_DATA:
                 data = value
         if name == b"counter":
-            for field, value in _attrs(data):
+            for field, value in nlmsg.attribute_values(data):
                 if field == _NFTA_COUNTER_PACKETS and len(value) == 8:
                     return int(struct.unpack(">Q", value)[0])
     return None
@@ -96,7 +71,7 @@ def parse_rule(payload: bytes) -> tuple[str, int] | None:
     packets its counter counted, or None without either."""
     comment: str | None = None
     packets: int | None = None
-    for kind, value in _attrs(payload):
+    for kind, value in nlmsg.attribute_values(payload):
         if kind == _NFTA_RULE_USERDATA:
             comment = _comment(value)
         elif kind == _NFTA_RULE_EXPRESSIONS:
@@ -107,21 +82,20 @@ def parse_rule(payload: bytes) -> tuple[str, int] | None:
 
 
 def _request(family: Family, table: str, chain: str, seq: int) -> bytes:
-    body = _attr(_NFTA_RULE_TABLE, table.encode() + b"\0") + _attr(
-        _NFTA_RULE_CHAIN, chain.encode() + b"\0"
+    payload = (
+        nlmsg.NFGEN.pack(_FAMILIES[family], 0, 0)
+        + nlmsg.attr(_NFTA_RULE_TABLE, nlmsg.string(table))
+        + nlmsg.attr(_NFTA_RULE_CHAIN, nlmsg.string(chain))
     )
-    payload = _NFGEN.pack(_FAMILIES[family], 0, 0) + body
-    kind = (_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_GETRULE
-    return _HEADER.pack(_HEADER.size + len(payload), kind, _NLM_F_REQUEST | _NLM_F_DUMP, seq, 0) + (
-        payload
-    )
+    kind = nlmsg.nfnl_type(nlmsg.NFNL_SUBSYS_NFTABLES, _NFT_MSG_GETRULE)
+    return nlmsg.message(kind, nlmsg.NLM_F_REQUEST | nlmsg.NLM_F_DUMP, seq, payload)
 
 
 def _counters(sock: socket.socket, request: bytes, seq: int) -> dict[str, int]:
     found: dict[str, int] = {}
-    for kind, payload in netlink_dump(sock, request, seq, "listing rules"):
-        if kind == (_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_NEWRULE:
-            parsed = parse_rule(payload[_NFGEN.size :])
+    for kind, payload in nlmsg.dump(sock, request, seq, "listing rules"):
+        if kind == nlmsg.nfnl_type(nlmsg.NFNL_SUBSYS_NFTABLES, _NFT_MSG_NEWRULE):
+            parsed = parse_rule(payload[nlmsg.NFGEN.size :])
             if parsed is not None:
                 found[parsed[0]] = parsed[1]
     return found
@@ -137,7 +111,7 @@ def rule_counters(
     """
 
     def opened() -> socket.socket:
-        sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_NETFILTER)
+        sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, nlmsg.NETLINK_NETFILTER)
         sock.bind((0, 0))
         return sock
 
