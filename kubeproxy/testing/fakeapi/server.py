@@ -1,24 +1,15 @@
-"""A fake Kubernetes API server, enough to drive a service proxy end to end.
+"""The fake API server itself: its state, its HTTP front, its list and watch serving.
 
-:class:`FakeAPIServer` speaks HTTP/1.1 on 127.0.0.1 (stdlib only) the way kube-apiserver
-does for the calls a proxy makes: ``/version`` and API discovery; list (with ``limit`` and
-``continue``) and watch (one JSON event per line, chunked, ``BOOKMARK`` events when asked
-for, an ``ERROR`` 410 event for a compacted ``resourceVersion``, closing after
-``timeoutSeconds``) of Services, EndpointSlices, Nodes and ServiceCIDRs; label selectors
-(``key``, ``!key``, ``key=value``, ``key!=value``) and the field selectors each resource
-supports (``metadata.name=...``, ``spec.clusterIP!=None``, ...); and creating Events.
-
-Tests change the cluster with :meth:`FakeAPIServer.apply` and :meth:`FakeAPIServer.delete`
-(which work while the server is stopped too) and misbehave on purpose with
-:meth:`~FakeAPIServer.fail_next` (403, 5xx, 410...), :meth:`~FakeAPIServer.drop_watches`,
-:meth:`~FakeAPIServer.expire_watches`, :attr:`~FakeAPIServer.delay`,
-:meth:`~FakeAPIServer.compact` and :meth:`~FakeAPIServer.stop` /
-:meth:`~FakeAPIServer.start` (the same port, the same state). Every request is recorded in
-:attr:`~FakeAPIServer.requests` with its verb as RBAC names it, so a test can compare what
-a client did with what a ClusterRole allows (:func:`allowed_by`).
-
-Like the real server, lists leave ``kind``/``apiVersion`` out of their items, watch events
-carry them, and an EndpointSlice without endpoints or ports has them as ``null``.
+:class:`FakeAPIServer` holds the cluster's objects, their history and the open watches
+under one lock, and answers requests from that state; its tests' controls (apply,
+delete, compact, the injected faults, the request log) are its public methods. What
+needs none of that state lives beside it in this package: the resource table
+(:mod:`~kubeproxy.testing.fakeapi.resources`), what a request is
+(:mod:`~kubeproxy.testing.fakeapi.requestinfo`), selectors
+(:mod:`~kubeproxy.testing.fakeapi.selectors`), Status bodies
+(:mod:`~kubeproxy.testing.fakeapi.status`), discovery documents
+(:mod:`~kubeproxy.testing.fakeapi.discovery`) and a watch's events and their encoding
+(:mod:`~kubeproxy.testing.fakeapi.watchstream`).
 """
 
 from __future__ import annotations
@@ -34,249 +25,23 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, NamedTuple
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-__all__ = [
-    "RESOURCES",
-    "APIRequest",
-    "FakeAPIServer",
-    "ResourceInfo",
-    "allowed_by",
-    "endpoint_slice",
-    "node",
-    "service",
-    "service_cidr",
-]
+from kubeproxy.testing.fakeapi.discovery import discovery_document
+from kubeproxy.testing.fakeapi.requestinfo import APIRequest, Route
+from kubeproxy.testing.fakeapi.resources import BY_KIND, RESOURCES, JSONObject, ResourceInfo
+from kubeproxy.testing.fakeapi.selectors import BadRequest, Selector, parse_selector
+from kubeproxy.testing.fakeapi.status import status
+from kubeproxy.testing.fakeapi.watchstream import Change, ChunkWriter, Watch, filtered
 
-logger = logging.getLogger(__name__)
+__all__ = ["FakeAPIServer"]
 
-JSONObject = dict[str, Any]
-
-
-@dataclass(frozen=True, slots=True)
-class ResourceInfo:
-    """One API resource the fake serves."""
-
-    resource: str
-    kind: str
-    group: str
-    version: str
-    namespaced: bool
-    verbs: tuple[str, ...]
-    field_labels: tuple[str, ...] = ("metadata.name",)
-
-    @property
-    def api_version(self) -> str:
-        """``v1`` or ``group/version``."""
-        return f"{self.group}/{self.version}" if self.group else self.version
-
-    @property
-    def list_kind(self) -> str:
-        """The kind of a list of these."""
-        return self.kind + "List"
-
-
-_READ = ("get", "list", "watch")
-
-RESOURCES: Mapping[str, ResourceInfo] = {
-    info.resource: info
-    for info in (
-        ResourceInfo(
-            "services",
-            "Service",
-            "",
-            "v1",
-            True,
-            _READ,
-            ("metadata.name", "metadata.namespace", "spec.clusterIP", "spec.type"),
-        ),
-        ResourceInfo(
-            "endpointslices",
-            "EndpointSlice",
-            "discovery.k8s.io",
-            "v1",
-            True,
-            _READ,
-            ("metadata.name", "metadata.namespace", "addressType"),
-        ),
-        ResourceInfo(
-            "nodes", "Node", "", "v1", False, _READ, ("metadata.name", "spec.unschedulable")
-        ),
-        ResourceInfo("servicecidrs", "ServiceCIDR", "networking.k8s.io", "v1", False, _READ),
-        ResourceInfo(
-            "events",
-            "Event",
-            "events.k8s.io",
-            "v1",
-            True,
-            ("create", "get", "list"),
-            ("metadata.name", "metadata.namespace"),
-        ),
-    )
-}
-"""The resources the fake serves, by resource name."""
-
-_BY_KIND = {info.kind: info for info in RESOURCES.values()}
-
-# Other resources a discovery document lists in these group/versions, so clients that look
-# for "is X served" see a realistic neighbourhood.
-_OTHER_RESOURCES: Mapping[str, tuple[tuple[str, str, bool], ...]] = {
-    "v1": (("configmaps", "ConfigMap", True), ("namespaces", "Namespace", False)),
-    "networking.k8s.io/v1": (
-        ("ingresses", "Ingress", True),
-        ("networkpolicies", "NetworkPolicy", True),
-        ("ipaddresses", "IPAddress", False),
-    ),
-    "discovery.k8s.io/v1": (),
-    "events.k8s.io/v1": (),
-}
-
-
-class APIRequest(NamedTuple):
-    """One request as RBAC sees it.
-
-    ``verb`` is Kubernetes' (``get``, ``list``, ``watch``, ``create``, ``update``,
-    ``patch``, ``delete``); ``resource`` is empty for a non-resource URL (discovery,
-    ``/version``), whose ``path`` then says what was asked.
-    """
-
-    verb: str
-    resource: str
-    namespace: str
-    subresource: str
-    group: str = ""
-    name: str = ""
-    path: str = ""
-
-
-def allowed_by(rules: Iterable[Mapping[str, Any]], request: APIRequest) -> bool:
-    """Whether a ClusterRole's ``rules`` allow ``request`` (``*`` wildcards included)."""
-    for rule in rules:
-        verbs = rule.get("verbs") or ()
-        if request.verb not in verbs and "*" not in verbs:
-            continue
-        if not request.resource:
-            urls = rule.get("nonResourceURLs") or ()
-            if any(
-                url == request.path or (url.endswith("*") and request.path.startswith(url[:-1]))
-                for url in urls
-            ):
-                return True
-            continue
-        groups = rule.get("apiGroups") or ()
-        if request.group not in groups and "*" not in groups:
-            continue
-        wanted = request.resource + (f"/{request.subresource}" if request.subresource else "")
-        resources = rule.get("resources") or ()
-        if wanted not in resources and "*" not in resources:
-            continue
-        names = rule.get("resourceNames") or ()
-        if names and request.name not in names:
-            continue
-        return True
-    return False
-
-
-class _BadRequest(Exception):
-    """A request the real server would answer with 400."""
-
-
-# Selectors
-
-
-@dataclass(frozen=True, slots=True)
-class _Requirement:
-    key: str
-    op: str  # "exists", "!exists", "=", "!="
-    value: str = ""
-
-    def matches(self, values: Mapping[str, Any]) -> bool:
-        present = self.key in values
-        if self.op == "exists":
-            return present
-        if self.op == "!exists":
-            return not present
-        equal = present and str(values[self.key]) == self.value
-        return equal if self.op == "=" else not equal
-
-
-def _parse_selector(text: str | None, *, fields: bool) -> tuple[_Requirement, ...]:
-    if not text:
-        return ()
-    requirements = []
-    for term in text.split(","):
-        term = term.strip()
-        if not term:
-            raise _BadRequest(f"invalid selector {text!r}: empty term")
-        if "!=" in term:
-            key, value = term.split("!=", 1)
-            requirements.append(_Requirement(key.strip(), "!=", value.strip()))
-        elif "==" in term:
-            key, value = term.split("==", 1)
-            requirements.append(_Requirement(key.strip(), "=", value.strip()))
-        elif "=" in term:
-            key, value = term.split("=", 1)
-            requirements.append(_Requirement(key.strip(), "=", value.strip()))
-        elif fields:
-            raise _BadRequest(f"invalid field selector {text!r}: {term!r} has no operator")
-        elif term.startswith("!"):
-            requirements.append(_Requirement(term[1:].strip(), "!exists"))
-        else:
-            requirements.append(_Requirement(term, "exists"))
-        if not requirements[-1].key or any(c in requirements[-1].key for c in " ()"):
-            raise _BadRequest(f"invalid selector {text!r}: bad key in {term!r}")
-    return tuple(requirements)
-
-
-def _field_value(obj: Mapping[str, Any], path: str) -> Any:
-    current: Any = obj
-    for part in path.split("."):
-        if not isinstance(current, Mapping):
-            return ""
-        current = current.get(part)
-    return "" if current is None else current
-
-
-@dataclass(frozen=True, slots=True)
-class _Selector:
-    labels: tuple[_Requirement, ...] = ()
-    fields: tuple[_Requirement, ...] = ()
-
-    def matches(self, obj: Mapping[str, Any]) -> bool:
-        if self.labels:
-            labels = obj.get("metadata", {}).get("labels") or {}
-            if not all(r.matches(labels) for r in self.labels):
-                return False
-        if self.fields:
-            values = {r.key: _field_value(obj, r.key) for r in self.fields}
-            if not all(r.matches(values) for r in self.fields):
-                return False
-        return True
-
-
-# State
-
-
-@dataclass(frozen=True, slots=True)
-class _Change:
-    rv: int
-    resource: str
-    type: str
-    obj: JSONObject
-    old: JSONObject | None
-
-
-@dataclass(slots=True)
-class _Watch:
-    resource: str
-    sock: socket.socket
-    generation: int
-    dropped: bool = False
-    expired: bool = False
+# The whole fake logs under one name, as it did when it was one module.
+logger = logging.getLogger("kubeproxy.testing.fakeapi")
 
 
 @dataclass(slots=True)
@@ -290,45 +55,6 @@ class _Failure:
 class _Snapshot:
     rv: int
     items: tuple[JSONObject, ...]
-
-
-@dataclass(slots=True)
-class _Route:
-    verb: str
-    info: ResourceInfo | None
-    namespace: str = ""
-    name: str = ""
-    subresource: str = ""
-    group: str = ""
-    resource: str = ""
-
-
-_REASONS = {
-    400: "BadRequest",
-    401: "Unauthorized",
-    403: "Forbidden",
-    404: "NotFound",
-    405: "MethodNotAllowed",
-    409: "AlreadyExists",
-    410: "Expired",
-    422: "Invalid",
-    429: "TooManyRequests",
-    500: "InternalError",
-    503: "ServiceUnavailable",
-    504: "Timeout",
-}
-
-
-def _status(code: int, message: str, reason: str | None = None) -> JSONObject:
-    return {
-        "kind": "Status",
-        "apiVersion": "v1",
-        "metadata": {},
-        "status": "Failure",
-        "message": message,
-        "reason": reason or _REASONS.get(code, ""),
-        "code": code,
-    }
 
 
 def _rfc3339(seconds: float) -> str:
@@ -381,7 +107,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class FakeAPIServer:
-    """An in-process fake kube-apiserver (see the module docstring).
+    """An in-process fake kube-apiserver (see :mod:`kubeproxy.testing.fakeapi`).
 
     ``service_cidrs`` says whether ``networking.k8s.io/v1`` serves ``servicecidrs``;
     ``bookmark_interval`` is how often a watch that asked for bookmarks gets one;
@@ -416,13 +142,13 @@ class FakeAPIServer:
         self._objects: dict[str, dict[tuple[str, str], JSONObject]] = {r: {} for r in RESOURCES}
         self._rv = 0
         self._compacted = 0
-        self._history: list[_Change] = []
+        self._history: list[Change] = []
         self._history_rvs: list[int] = []
         self._snapshots: dict[str, _Snapshot] = {}
         self._snapshot_ids = itertools.count(1)
         self._failures: dict[str, list[_Failure]] = {}
         self._requests: list[APIRequest] = []
-        self._watches: list[_Watch] = []
+        self._watches: list[Watch] = []
         self._connections: set[socket.socket] = set()
         self._generation = 0
         self._server: _Server | None = None
@@ -674,13 +400,13 @@ class FakeAPIServer:
     @staticmethod
     def _info_of(obj: Mapping[str, Any]) -> ResourceInfo:
         kind = obj.get("kind")
-        info = _BY_KIND.get(kind) if isinstance(kind, str) else None
+        info = BY_KIND.get(kind) if isinstance(kind, str) else None
         if info is None:
             raise ValueError(f"the fake API server does not serve kind {kind!r}")
         return info
 
     def _record(self, resource: str, type_: str, obj: JSONObject, old: JSONObject | None) -> None:
-        self._history.append(_Change(self._rv, resource, type_, obj, old))
+        self._history.append(Change(self._rv, resource, type_, obj, old))
         self._history_rvs.append(self._rv)
         self._lock.notify_all()
 
@@ -758,14 +484,14 @@ class FakeAPIServer:
         if self.token is not None and (
             request.headers.get("Authorization") != f"Bearer {self.token}"
         ):
-            self._send(request, 401, _status(401, "Unauthorized"))
+            self._send(request, 401, status(401, "Unauthorized"))
             return
         if not route.resource:
             self._serve_discovery(request, method, parts.path)
             return
         if route.info is None:
             self._send(
-                request, 404, _status(404, "the server could not find the requested resource")
+                request, 404, status(404, "the server could not find the requested resource")
             )
             return
         info = route.info
@@ -775,7 +501,7 @@ class FakeAPIServer:
             return
         if route.verb not in info.verbs or route.subresource:
             self._send(
-                request, 405, _status(405, f"{route.verb} is not supported on {info.resource}")
+                request, 405, status(405, f"{route.verb} is not supported on {info.resource}")
             )
             return
         try:
@@ -787,17 +513,17 @@ class FakeAPIServer:
                 self._serve_get(request, route)
             elif route.verb == "create":
                 self._serve_create(request, route, body)
-        except _BadRequest as err:
-            self._send(request, 400, _status(400, str(err)))
+        except BadRequest as err:
+            self._send(request, 400, status(400, str(err)))
 
-    def _route(self, method: str, path: str, query: Mapping[str, str]) -> _Route:
+    def _route(self, method: str, path: str, query: Mapping[str, str]) -> Route:
         parts = [p for p in path.split("/") if p]
         if parts[:1] == ["api"] and len(parts) >= 3:
             group, rest = "", parts[2:]
         elif parts[:1] == ["apis"] and len(parts) >= 4:
             group, rest = parts[1], parts[3:]
         else:
-            return _Route(method.lower(), None)
+            return Route(method.lower(), None)
         version = parts[1] if parts[0] == "api" else parts[2]
         namespace = ""
         if rest[0] == "namespaces" and len(rest) >= 3:
@@ -822,10 +548,10 @@ class FakeAPIServer:
             "PATCH": "patch",
             "DELETE": "delete" if name else "deletecollection",
         }[method]
-        return _Route(verb, info, namespace, name, subresource, group, resource)
+        return Route(verb, info, namespace, name, subresource, group, resource)
 
     @staticmethod
-    def _failure_status(code: int, route: _Route) -> JSONObject:
+    def _failure_status(code: int, route: Route) -> JSONObject:
         assert route.info is not None
         info = route.info
         if code == 403:
@@ -835,16 +561,16 @@ class FakeAPIServer:
                 else "at the cluster scope"
             )
             user = "system:serviceaccount:kube-system:kube-proxy"
-            return _status(
+            return status(
                 403,
                 f'{info.resource} is forbidden: User "{user}" cannot {route.verb} resource '
                 f'"{info.resource}" in API group "{info.group}" {scope}',
             )
         if code == 410:
-            return _status(410, "The provided continue parameter is too old", "Expired")
+            return status(410, "The provided continue parameter is too old", "Expired")
         if code == 429:
-            return _status(429, "Too many requests, please try again later.")
-        return _status(code, f"fake failure injected for {route.verb} {info.resource}")
+            return status(429, "Too many requests, please try again later.")
+        return status(code, f"fake failure injected for {route.verb} {info.resource}")
 
     @staticmethod
     def _send(
@@ -862,108 +588,40 @@ class FakeAPIServer:
         except OSError:
             request.close_connection = True
 
-    def _selector(self, info: ResourceInfo, query: Mapping[str, str]) -> _Selector:
-        labels = _parse_selector(query.get("labelSelector"), fields=False)
-        fields = _parse_selector(query.get("fieldSelector"), fields=True)
+    def _selector(self, info: ResourceInfo, query: Mapping[str, str]) -> Selector:
+        labels = parse_selector(query.get("labelSelector"), fields=False)
+        fields = parse_selector(query.get("fieldSelector"), fields=True)
         for requirement in fields:
             if requirement.key not in info.field_labels:
-                raise _BadRequest(
+                raise BadRequest(
                     f'"{requirement.key}" is not a known field selector: only '
                     f'"{", ".join(info.field_labels)}"'
                 )
-        return _Selector(labels, fields)
+        return Selector(labels, fields)
 
     # Discovery
 
     def _serve_discovery(self, request: _Handler, method: str, path: str) -> None:
-        document = self._discovery(path.rstrip("/") or "/") if method == "GET" else None
+        document = (
+            discovery_document(
+                path.rstrip("/") or "/",
+                git_version=self.git_version,
+                address=f"{self.host}:{self.port}",
+                service_cidrs=self.service_cidrs,
+            )
+            if method == "GET"
+            else None
+        )
         if document is None:
             self._send(
-                request, 404, _status(404, "the server could not find the requested resource")
+                request, 404, status(404, "the server could not find the requested resource")
             )
         else:
             self._send(request, 200, document)
 
-    def _discovery(self, path: str) -> JSONObject | None:
-        if path == "/version":
-            major, minor = self.git_version.lstrip("v").split(".")[:2]
-            return {
-                "major": major,
-                "minor": minor,
-                "gitVersion": self.git_version,
-                "gitCommit": "fake",
-                "gitTreeState": "clean",
-                "buildDate": "2026-01-01T00:00:00Z",
-                "goVersion": "go1.25",
-                "compiler": "gc",
-                "platform": "linux/amd64",
-            }
-        if path == "/api":
-            return {
-                "kind": "APIVersions",
-                "versions": ["v1"],
-                "serverAddressByClientCIDRs": [
-                    {"clientCIDR": "0.0.0.0/0", "serverAddress": f"{self.host}:{self.port}"}
-                ],
-            }
-        groups = sorted({info.group for info in RESOURCES.values() if info.group})
-        if path == "/apis":
-            return {
-                "kind": "APIGroupList",
-                "apiVersion": "v1",
-                "groups": [self._group(g) for g in groups],
-            }
-        if path.startswith("/apis/") and path.count("/") == 2 and path[6:] in groups:
-            return {"kind": "APIGroup", "apiVersion": "v1", **self._group(path[6:])}
-        if path == "/api/v1":
-            return self._resource_list("v1")
-        if path.startswith("/apis/") and path.count("/") == 3:
-            group_version = path[6:]
-            if group_version.split("/")[0] in groups and group_version in _OTHER_RESOURCES:
-                return self._resource_list(group_version)
-        return None
-
-    @staticmethod
-    def _group(group: str) -> JSONObject:
-        version = {"groupVersion": f"{group}/v1", "version": "v1"}
-        return {"name": group, "versions": [version], "preferredVersion": version}
-
-    def _resource_list(self, group_version: str) -> JSONObject:
-        resources = []
-        for info in RESOURCES.values():
-            if info.api_version != group_version:
-                continue
-            if info.resource == "servicecidrs" and not self.service_cidrs:
-                continue
-            resources.append(
-                {
-                    "name": info.resource,
-                    "singularName": info.kind.lower(),
-                    "namespaced": info.namespaced,
-                    "kind": info.kind,
-                    "verbs": list(info.verbs),
-                }
-            )
-        for resource, kind, namespaced in _OTHER_RESOURCES.get(group_version, ()):
-            resources.append(
-                {
-                    "name": resource,
-                    "singularName": kind.lower(),
-                    "namespaced": namespaced,
-                    "kind": kind,
-                    "verbs": list(_READ),
-                }
-            )
-        return {
-            "kind": "APIResourceList",
-            "apiVersion": "v1",
-            "groupVersion": group_version,
-            "resources": sorted(resources, key=lambda r: str(r["name"])),
-        }
-
     # Reads
 
-    def _matching(self, route: _Route, selector: _Selector) -> tuple[int, list[JSONObject]]:
+    def _matching(self, route: Route, selector: Selector) -> tuple[int, list[JSONObject]]:
         assert route.info is not None
         with self._lock:
             store = self._objects[route.info.resource]
@@ -975,7 +633,7 @@ class FakeAPIServer:
             ]
             return self._rv, items
 
-    def _serve_list(self, request: _Handler, route: _Route, query: Mapping[str, str]) -> None:
+    def _serve_list(self, request: _Handler, route: Route, query: Mapping[str, str]) -> None:
         assert route.info is not None
         info = route.info
         selector = self._selector(info, query)
@@ -983,14 +641,14 @@ class FakeAPIServer:
         try:
             limit = int(query.get("limit") or 0)
         except ValueError:
-            raise _BadRequest(f"invalid limit {query.get('limit')!r}") from None
+            raise BadRequest(f"invalid limit {query.get('limit')!r}") from None
         if token:
             found = self._continue(token)
             if found is None:
                 self._send(
                     request,
                     410,
-                    _status(
+                    status(
                         410,
                         "The provided continue parameter is too old to display a consistent "
                         "list result. You can start a new list without the continue parameter.",
@@ -1026,56 +684,54 @@ class FakeAPIServer:
             decoded = json.loads(base64.urlsafe_b64decode(token.encode()))
             snapshot_id, rv, offset = str(decoded["id"]), int(decoded["rv"]), int(decoded["start"])
         except (ValueError, KeyError, TypeError):
-            raise _BadRequest(f"invalid continue token {token!r}") from None
+            raise BadRequest(f"invalid continue token {token!r}") from None
         with self._lock:
             snapshot = self._snapshots.get(snapshot_id)
             if snapshot is None or rv < self._compacted or snapshot.rv != rv:
                 return None
             return snapshot_id, snapshot, offset
 
-    def _serve_get(self, request: _Handler, route: _Route) -> None:
+    def _serve_get(self, request: _Handler, route: Route) -> None:
         assert route.info is not None
         with self._lock:
             obj = self._objects[route.info.resource].get((route.namespace, route.name))
             payload = _copy.deepcopy(obj) if obj is not None else None
         if payload is None:
-            self._send(
-                request, 404, _status(404, f'{route.info.resource} "{route.name}" not found')
-            )
+            self._send(request, 404, status(404, f'{route.info.resource} "{route.name}" not found'))
         else:
             self._send(request, 200, payload)
 
-    def _serve_create(self, request: _Handler, route: _Route, body: bytes) -> None:
+    def _serve_create(self, request: _Handler, route: Route, body: bytes) -> None:
         assert route.info is not None
         try:
             obj = json.loads(body)
         except ValueError:
-            raise _BadRequest("the request body is not JSON") from None
+            raise BadRequest("the request body is not JSON") from None
         if not isinstance(obj, dict) or obj.get("kind") != route.info.kind:
-            raise _BadRequest(f"expected a {route.info.kind}")
+            raise BadRequest(f"expected a {route.info.kind}")
         if obj.get("apiVersion") != route.info.api_version:
-            raise _BadRequest(f"expected apiVersion {route.info.api_version}")
+            raise BadRequest(f"expected apiVersion {route.info.api_version}")
         metadata = obj.setdefault("metadata", {})
         if not isinstance(metadata, dict):
-            raise _BadRequest("metadata is not an object")
+            raise BadRequest("metadata is not an object")
         if metadata.get("namespace") not in (None, "", route.namespace):
-            raise _BadRequest("the namespace of the object does not match the request's")
+            raise BadRequest("the namespace of the object does not match the request's")
         metadata["namespace"] = route.namespace
         if not metadata.get("name"):
             prefix = metadata.get("generateName")
             if not prefix:
-                raise _BadRequest("name or generateName is required")
+                raise BadRequest("name or generateName is required")
             metadata["name"] = prefix + uuid.uuid4().hex[:5]
         with self._lock:
             if (route.namespace, metadata["name"]) in self._objects[route.info.resource]:
-                self._send(request, 409, _status(409, f'"{metadata["name"]}" already exists'))
+                self._send(request, 409, status(409, f'"{metadata["name"]}" already exists'))
                 return
             stored = self.apply(obj)
         self._send(request, 201, stored)
 
     # Watch
 
-    def _serve_watch(self, request: _Handler, route: _Route, query: Mapping[str, str]) -> None:
+    def _serve_watch(self, request: _Handler, route: Route, query: Mapping[str, str]) -> None:
         assert route.info is not None
         info = route.info
         selector = self._selector(info, query)
@@ -1085,14 +741,14 @@ class FakeAPIServer:
             start_text = query.get("resourceVersion") or ""
             start = int(start_text) if start_text not in ("", "0") else None
         except ValueError:
-            raise _BadRequest("invalid resourceVersion or timeoutSeconds") from None
+            raise BadRequest("invalid resourceVersion or timeoutSeconds") from None
 
         request.send_response(200)
         request.send_header("Content-Type", "application/json")
         request.send_header("Transfer-Encoding", "chunked")
         request.end_headers()
         with self._lock:
-            watch = _Watch(info.resource, request.connection, self._generation)
+            watch = Watch(info.resource, request.connection, self._generation)
             self._watches.append(watch)
             self._lock.notify_all()
         try:
@@ -1106,15 +762,15 @@ class FakeAPIServer:
     def _stream(
         self,
         request: _Handler,
-        watch: _Watch,
+        watch: Watch,
         info: ResourceInfo,
-        route: _Route,
-        selector: _Selector,
+        route: Route,
+        selector: Selector,
         start: int | None,
         timeout: float,
         bookmarks: bool,
     ) -> None:
-        write = _ChunkWriter(request)
+        write = ChunkWriter(request)
         initial: list[JSONObject] = []
         with self._lock:
             if start is None:
@@ -1125,7 +781,7 @@ class FakeAPIServer:
                 position = start
         if position < 0:
             write.event(
-                "ERROR", _status(410, f"too old resource version: {start} ({self._compacted})")
+                "ERROR", status(410, f"too old resource version: {start} ({self._compacted})")
             )
             write.end()
             return
@@ -1155,18 +811,18 @@ class FakeAPIServer:
                     self._lock.wait(wake - now)
                 if watch.expired or position < self._compacted:
                     expired = True
-                    changes: list[_Change] = []
+                    changes: list[Change] = []
                 else:
                     expired = False
                     begin = bisect.bisect_right(self._history_rvs, position)
                     changes = [c for c in self._history[begin:] if c.resource == info.resource]
                     position = self._rv
             if expired:
-                write.event("ERROR", _status(410, "too old resource version", "Expired"))
+                write.event("ERROR", status(410, "too old resource version", "Expired"))
                 write.end()
                 return
             for change in changes:
-                event = _filtered(change, route, selector)
+                event = filtered(change, route, selector)
                 if event is not None:
                     write.event(*event)
             now = time.monotonic()
@@ -1185,48 +841,6 @@ class FakeAPIServer:
                 next_bookmark = now + self.bookmark_interval
 
 
-class _ChunkWriter:
-    def __init__(self, request: _Handler) -> None:
-        self._wfile = request.wfile
-
-    def _chunk(self, data: bytes) -> None:
-        self._wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-        self._wfile.flush()
-
-    def event(self, type_: str, obj: JSONObject) -> None:
-        line = json.dumps({"type": type_, "object": obj}, separators=(",", ":")).encode() + b"\n"
-        self._chunk(line)
-
-    def end(self) -> None:
-        self._wfile.write(b"0\r\n\r\n")
-        self._wfile.flush()
-
-
-def _filtered(change: _Change, route: _Route, selector: _Selector) -> tuple[str, JSONObject] | None:
-    """The event a selecting watch sees for a change (real watch-cache semantics)."""
-
-    def visible(obj: JSONObject | None) -> bool:
-        if obj is None:
-            return False
-        in_namespace = not route.namespace or obj["metadata"].get("namespace") == route.namespace
-        return in_namespace and selector.matches(obj)
-
-    if change.type == "ADDED":
-        return ("ADDED", change.obj) if visible(change.obj) else None
-    if change.type == "DELETED":
-        return ("DELETED", change.obj) if visible(change.obj) else None
-    was, now = visible(change.old), visible(change.obj)
-    if was and now:
-        return "MODIFIED", change.obj
-    if now:
-        return "ADDED", change.obj
-    if was:
-        assert change.old is not None
-        metadata = {**change.old["metadata"], "resourceVersion": str(change.rv)}
-        return "DELETED", {**change.old, "metadata": metadata}
-    return None
-
-
 def _without_type(item: JSONObject) -> JSONObject:
     # Stored objects are never mutated (apply stores a new one), so sharing is safe.
     return {k: v for k, v in item.items() if k not in ("kind", "apiVersion")}
@@ -1240,96 +854,3 @@ def _token(snapshot_id: str, rv: int, start: int) -> str:
 def _cut(conn: socket.socket) -> None:
     with contextlib.suppress(OSError):
         conn.shutdown(socket.SHUT_RDWR)
-
-
-# Helpers for tests building objects
-
-
-def service(
-    name: str,
-    namespace: str = "default",
-    *,
-    cluster_ip: str = "10.96.0.10",
-    ports: Sequence[tuple[str, int, str]] = (("http", 80, "TCP"),),
-    labels: Mapping[str, str] | None = None,
-    **spec: Any,
-) -> JSONObject:
-    """A ClusterIP Service with the given ports (name, port, protocol)."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {"name": name, "namespace": namespace, "labels": dict(labels or {})},
-        "spec": {
-            "type": "ClusterIP",
-            "clusterIP": cluster_ip,
-            "clusterIPs": [cluster_ip] if cluster_ip != "None" else ["None"],
-            "ports": [
-                {"name": n, "port": p, "protocol": proto, "targetPort": p} for n, p, proto in ports
-            ],
-            **spec,
-        },
-    }
-
-
-def endpoint_slice(
-    name: str,
-    service_name: str,
-    namespace: str = "default",
-    *,
-    addresses: Sequence[str] = ("10.244.0.11",),
-    ports: Sequence[tuple[str, int, str]] = (("http", 8080, "TCP"),),
-    node_name: str = "node-a",
-    labels: Mapping[str, str] | None = None,
-) -> JSONObject:
-    """An IPv4 EndpointSlice of a Service, ready endpoints on ``node_name``."""
-    return {
-        "apiVersion": "discovery.k8s.io/v1",
-        "kind": "EndpointSlice",
-        "metadata": {
-            "name": name,
-            "namespace": namespace,
-            "labels": {"kubernetes.io/service-name": service_name, **(labels or {})},
-        },
-        "addressType": "IPv4",
-        "endpoints": [
-            {"addresses": [a], "conditions": {"ready": True}, "nodeName": node_name}
-            for a in addresses
-        ],
-        "ports": [{"name": n, "port": p, "protocol": proto} for n, p, proto in ports],
-    }
-
-
-def node(
-    name: str,
-    *,
-    addresses: Sequence[str] = ("192.168.0.10",),
-    pod_cidrs: Sequence[str] = ("10.244.0.0/24",),
-    zone: str | None = None,
-    taints: Sequence[Mapping[str, Any]] = (),
-) -> JSONObject:
-    """A Node with InternalIP addresses, pod CIDRs and optionally a zone label."""
-    labels = {"kubernetes.io/hostname": name}
-    if zone is not None:
-        labels["topology.kubernetes.io/zone"] = zone
-    spec: JSONObject = {"podCIDRs": list(pod_cidrs)}
-    if pod_cidrs:
-        spec["podCIDR"] = pod_cidrs[0]
-    if taints:
-        spec["taints"] = [dict(t) for t in taints]
-    return {
-        "apiVersion": "v1",
-        "kind": "Node",
-        "metadata": {"name": name, "labels": labels},
-        "spec": spec,
-        "status": {"addresses": [{"type": "InternalIP", "address": a} for a in addresses]},
-    }
-
-
-def service_cidr(name: str, *cidrs: str) -> JSONObject:
-    """A ServiceCIDR object holding ``cidrs``."""
-    return {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "ServiceCIDR",
-        "metadata": {"name": name},
-        "spec": {"cidrs": list(cidrs)},
-    }
