@@ -194,7 +194,7 @@ PROBES: Final[tuple[FeatureProbe, ...]] = (
         "1.0.1",
         "ClientIP session affinity: the recorded endpoint of a client",
         ("nat", "prerouting"),
-        ("meta l4proto { tcp, udp, sctp } dnat to ip saddr map @lookup4-map",),
+        ("meta l4proto tcp dnat to ip saddr map @lookup4-map",),
         (
             "map lookup4-map { type ipv4_addr : ipv4_addr . inet_service ;"
             " flags dynamic,timeout ; timeout 10800s ; }",
@@ -209,7 +209,7 @@ PROBES: Final[tuple[FeatureProbe, ...]] = (
         "1.0.1",
         "ClientIP session affinity: the recorded endpoint of a client",
         ("nat", "prerouting"),
-        ("meta l4proto { tcp, udp, sctp } dnat to ip6 saddr map @lookup6-map : 80",),
+        ("meta l4proto tcp dnat to ip6 saddr map @lookup6-map : 80",),
         (
             "map lookup6-map { type ipv6_addr : ipv6_addr ;"
             " flags dynamic,timeout ; timeout 10800s ; }",
