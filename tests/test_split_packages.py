@@ -1,4 +1,4 @@
-"""Four modules became packages of one concept per module (issue 22); their users see no
+"""Five modules became packages of one concept per module (issue 22); their users see no
 change: every public name the old module had is importable from the old path, each new
 module says what it is, and the log records keep the old logger name."""
 
@@ -60,6 +60,26 @@ OLD_NAMES = {
         "NetlinkConntrack",
         "find_stale_flows",
         "udp_frontends",
+    },
+    "kubeproxy.nftevents": {
+        "FALLBACK_INTERVAL",
+        "NETLINK_NETFILTER",
+        "NFNLGRP_NFTABLES",
+        "ChildProcesses",
+        "Commit",
+        "CommitAssembler",
+        "EventSocket",
+        "EventsLost",
+        "Generation",
+        "Interest",
+        "NftablesEventWatcher",
+        "ObjectChange",
+        "ObjectKey",
+        "OwnWriters",
+        "own_netlink_portids",
+        "parse_datagram",
+        "read_generation",
+        "summarize",
     },
     "kubeproxy.testing.fakeapi": {
         "APIRequest",
