@@ -35,7 +35,7 @@ from kubeproxy.cmd.modes import MODES
 from kubeproxy.cmd.options import Options, parse_options
 from kubeproxy.config import ProxierConfig
 from kubeproxy.conntrack import FakeConntrack
-from kubeproxy.daemon import build_daemon
+from kubeproxy.daemon import DaemonSeams, build_daemon
 from kubeproxy.daemon.sources import SourceTuning
 from kubeproxy.health import ProxyHealth, ProxyHealthServer
 from kubeproxy.netlink import FakeHostAddresses
@@ -368,11 +368,13 @@ def daemon_requests() -> list[APIRequest]:
         daemon = build_daemon(
             _options(fake),
             _FakeBackends(),
-            host_addresses=FakeHostAddresses([ipaddress.ip_address("203.0.113.7")]),
-            conntrack=FakeConntrack(),
-            privileged=False,
-            tuning=SourceTuning(
-                watch_timeout=5, request_timeout=5, initial_backoff=0.05, max_backoff=0.3
+            seams=DaemonSeams(
+                host_addresses=FakeHostAddresses([ipaddress.ip_address("203.0.113.7")]),
+                conntrack=FakeConntrack(),
+                privileged=False,
+                tuning=SourceTuning(
+                    watch_timeout=5, request_timeout=5, initial_backoff=0.05, max_backoff=0.3
+                ),
             ),
         )
         try:
