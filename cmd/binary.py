@@ -183,7 +183,7 @@ def run(
     warnings = mode_warnings(options)
     try:
         factory = mode.factory()
-    except ImportError as err:
+    except (ImportError, LookupError) as err:  # a missing extra; a backend not installed
         logger.error("%s mode is not available: %s", mode.name, err)
         return 1
     plugins = DaemonPlugins(
