@@ -114,7 +114,8 @@ def _request_here(name: str, kind: int, flags: int) -> list[Any]:
     try:
         from pyroute2.netlink.exceptions import NetlinkError
     except ModuleNotFoundError:
-        missing = missing_extra("pyroute2", "iptables", "Counting packets with nfacct (iptables mode)")
+        what = "Counting packets with nfacct (iptables mode)"
+        missing = missing_extra("pyroute2", "iptables", what)
         raise NFAcctError(errno.ENOPKG, f"nfacct {name}: {missing}") from None
 
     message_class, socket_class = _socket_classes()
