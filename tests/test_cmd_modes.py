@@ -200,14 +200,7 @@ def run_against(
             *argv,
         ],
         modes=stand_ins.modes,
-        seams=DaemonSeams(
-            host_addresses=FakeHostAddresses(),
-            gc_ops=NO_GC,
-            conntrack=FakeConntrack(),
-            privileged=False,
-            tuning=BRISK,
-            ipv6_supported=False,
-        ),
+        seams=api_seams(),
     )
     watcher.done()
     return code, fake.posted_events
@@ -335,6 +328,18 @@ def test_ipvs_mode_sets_the_deprecated_mode_metric(fake: FakeAPIServer) -> None:
     assert 'kubeproxy_deprecated_proxy_mode{mode="ipvs"} 1' in seen[0].splitlines()
 
 
+def api_seams() -> DaemonSeams:
+    """Fakes for the host, a brisk source, one family: these tests are about modes."""
+    return DaemonSeams(
+        host_addresses=FakeHostAddresses(),
+        gc_ops=NO_GC,
+        conntrack=FakeConntrack(),
+        privileged=False,
+        tuning=BRISK,
+        ipv6_supported=False,
+    )
+
+
 def run_once(fake: FakeAPIServer, binary: Binary, stand_ins: StandIns) -> int:
     """``binary --once`` against the fake API server's cluster; the exit code."""
     serve_cluster(fake)
@@ -342,13 +347,7 @@ def run_once(fake: FakeAPIServer, binary: Binary, stand_ins: StandIns) -> int:
         binary,
         ["--master", fake.url, "--hostname-override", NODE, "--once"],
         modes=stand_ins.modes,
-        seams=DaemonSeams(
-            host_addresses=FakeHostAddresses(),
-            gc_ops=NO_GC,
-            conntrack=FakeConntrack(),
-            tuning=BRISK,
-            ipv6_supported=False,
-        ),
+        seams=api_seams(),
     )
 
 

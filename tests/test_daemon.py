@@ -78,6 +78,18 @@ def options_for(*argv: str, healthz: str = "127.0.0.1:0", metrics: str = "127.0.
     return dataclasses.replace(options, configuration=configuration)
 
 
+def offline(**changes: Any) -> DaemonSeams:
+    """Seams with fakes for the host (addresses, conntrack; no privileged set-up) and a
+    brisk Kubernetes source; ``changes`` replace fields."""
+    seams = DaemonSeams(
+        host_addresses=FakeHostAddresses(),
+        conntrack=FakeConntrack(),
+        privileged=False,
+        tuning=BRISK,
+    )
+    return dataclasses.replace(seams, **changes)
+
+
 def api_options(fake: FakeAPIServer, *argv: str, **servers: str) -> Options:
     return options_for(
         "--master",
@@ -496,14 +508,7 @@ def test_bind_address_overrides_the_primary_ip(fake: FakeAPIServer) -> None:
     daemon = build_daemon(
         api_options(fake, "--bind-address=2001:db8::99"),
         FakeBackends(),
-        seams=DaemonSeams(
-            host_addresses=FakeHostAddresses(),
-            conntrack=FakeConntrack(),
-            privileged=False,
-            tuning=BRISK,
-            ipv6_supported=True,
-            exit=lambda code: None,
-        ),
+        seams=offline(ipv6_supported=True, exit=lambda code: None),
     )
     try:
         assert daemon.node_ips.primary_family is IPFamily.IPV6
@@ -524,13 +529,7 @@ def test_dual_stack_falls_back_when_the_ipv6_backend_cannot_run(
     daemon = build_daemon(
         api_options(fake),
         FakeBackends(fail=[IPFamily.IPV6]),
-        seams=DaemonSeams(
-            host_addresses=FakeHostAddresses(),
-            conntrack=FakeConntrack(),
-            privileged=False,
-            tuning=BRISK,
-            ipv6_supported=True,
-        ),
+        seams=offline(ipv6_supported=True),
     )
     try:
         assert daemon.families == [IPFamily.IPV4]
@@ -553,14 +552,7 @@ def test_dual_stack_daemon_syncs_both_families(fake: FakeAPIServer) -> None:
     daemon = build_daemon(
         api_options(fake),
         backends,
-        seams=DaemonSeams(
-            host_addresses=FakeHostAddresses(),
-            conntrack=FakeConntrack(),
-            privileged=False,
-            tuning=BRISK,
-            ipv6_supported=True,
-            gc_ops=gc_ops,
-        ),
+        seams=offline(ipv6_supported=True, gc_ops=gc_ops),
     )
     with running(daemon):
         assert isinstance(daemon.handler, DualStackProxier)
@@ -593,12 +585,7 @@ def test_bind_hard_fail_posts_an_event_and_fails(
         daemon = build_daemon(
             api_options(fake, "--bind-address-hard-fail", **{server: address}),
             FakeBackends(),
-            seams=DaemonSeams(
-                host_addresses=FakeHostAddresses(),
-                conntrack=FakeConntrack(),
-                privileged=False,
-                tuning=BRISK,
-            ),
+            seams=offline(),
         )
         try:
             with pytest.raises(StartupError, match="cannot bind"):
@@ -623,12 +610,7 @@ def test_run_daemon_exits_1_when_a_server_cannot_bind_with_hard_fail(
         code = run_daemon(
             api_options(fake, "--bind-address-hard-fail", metrics=address),
             FakeBackends(),
-            seams=DaemonSeams(
-                host_addresses=FakeHostAddresses(),
-                conntrack=FakeConntrack(),
-                privileged=False,
-                tuning=BRISK,
-            ),
+            seams=offline(),
         )
     assert code == 1
     assert [e["reason"] for e in fake.posted_events] == ["FailedToStartMetricServer"]
@@ -643,12 +625,7 @@ def test_bind_failure_without_hard_fail_keeps_running(fake: FakeAPIServer) -> No
         daemon = build_daemon(
             api_options(fake, healthz=address),
             FakeBackends(),
-            seams=DaemonSeams(
-                host_addresses=FakeHostAddresses(),
-                conntrack=FakeConntrack(),
-                privileged=False,
-                tuning=BRISK,
-            ),
+            seams=offline(),
         )
         with running(daemon):
             assert daemon.health_server.port is None  # retrying in the background
@@ -699,13 +676,7 @@ def test_waits_for_the_node_then_gives_up(fake: FakeAPIServer) -> None:
         build_daemon(
             api_options(fake),
             FakeBackends(),
-            seams=DaemonSeams(
-                host_addresses=FakeHostAddresses(),
-                conntrack=FakeConntrack(),
-                privileged=False,
-                tuning=BRISK,
-                node_timeout=0.5,
-            ),
+            seams=offline(node_timeout=0.5),
         )
     assert not [t for t in threading.enumerate() if t.name.startswith("kubernetes-")]
 
@@ -722,13 +693,7 @@ def test_node_cidr_mode_waits_for_pod_cidrs(fake: FakeAPIServer) -> None:
     daemon = build_daemon(
         api_options(fake, "--detect-local-mode=NodeCIDR"),
         FakeBackends(),
-        seams=DaemonSeams(
-            host_addresses=FakeHostAddresses(),
-            conntrack=FakeConntrack(),
-            privileged=False,
-            tuning=BRISK,
-            node_timeout=10,
-        ),
+        seams=offline(node_timeout=10),
     )
     thread.join()
     try:
@@ -744,13 +709,7 @@ def test_a_stop_while_waiting_for_the_node_interrupts(fake: FakeAPIServer) -> No
         build_daemon(
             api_options(fake),
             FakeBackends(),
-            seams=DaemonSeams(
-                host_addresses=FakeHostAddresses(),
-                conntrack=FakeConntrack(),
-                privileged=False,
-                tuning=BRISK,
-                stop=stop,
-            ),
+            seams=offline(stop=stop),
         )
 
 
@@ -813,12 +772,6 @@ def test_run_daemon_fails_when_the_node_never_comes(fake: FakeAPIServer) -> None
     code = run_daemon(
         api_options(fake),
         FakeBackends(),
-        seams=DaemonSeams(
-            host_addresses=FakeHostAddresses(),
-            conntrack=FakeConntrack(),
-            privileged=False,
-            tuning=BRISK,
-            node_timeout=0.3,
-        ),
+        seams=offline(node_timeout=0.3),
     )
     assert code == 1

@@ -108,6 +108,17 @@ def answers(netns_fd: int, address: str) -> bool:
             return False
 
 
+def node_seams(where: NodeAndPod, ipv6_supported: bool | None) -> DaemonSeams:
+    """The daemon's executors in the node namespace; no conntrack, no host tuning."""
+    return DaemonSeams(
+        netns=where.node,
+        conntrack=FakeConntrack(),
+        privileged=False,
+        gc_ops=GC_UNTOUCHED,
+        ipv6_supported=ipv6_supported,
+    )
+
+
 @contextlib.contextmanager
 def synced_daemon(
     where: NodeAndPod, directory: Path, ipv6_supported: bool | None = None
@@ -117,13 +128,7 @@ def synced_daemon(
     daemon = build_daemon(
         options(directory),
         create_backend,
-        seams=DaemonSeams(
-            netns=where.node,
-            conntrack=FakeConntrack(),
-            privileged=False,
-            gc_ops=GC_UNTOUCHED,
-            ipv6_supported=ipv6_supported,
-        ),
+        seams=node_seams(where, ipv6_supported),
     )
     try:
         assert daemon.sync_once()
@@ -193,13 +198,7 @@ def test_a_primary_family_the_kernel_lacks_stops_the_start(tmp_path: Path) -> No
             build_daemon(
                 options(manifests(tmp_path, [NODE_V6])),
                 create_backend,
-                seams=DaemonSeams(
-                    netns=where.node,
-                    conntrack=FakeConntrack(),
-                    privileged=False,
-                    gc_ops=GC_UNTOUCHED,
-                    ipv6_supported=False,
-                ),
+                seams=node_seams(where, ipv6_supported=False),
             )
         # Nothing was written: the start stopped before any backend existed.
         listed = subprocess.run(
