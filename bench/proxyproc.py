@@ -54,7 +54,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from importlib.metadata import entry_points
 from typing import Any, cast
 
 from bench import toolclock
@@ -77,6 +76,7 @@ from bench.synthetic import (
 )
 from kubeproxy.backend import Backend, BackendFactory, ProxySnapshot, SyncChanges
 from kubeproxy.config import LocalDetectMode, LocalDetector, ProxierConfig
+from kubeproxy.entrypoints import load_backend
 from kubeproxy.objects import IPAddress, IPFamily, NodeInfo
 from kubeproxy.proxier import DualStackProxier, NullObserver, Proxier
 from kubeproxy.proxyconfig import KubeProxyNFTablesConfiguration
@@ -123,10 +123,7 @@ def load_backend_factory(name: str) -> BackendFactory:
     if ":" in name:
         module, _, attribute = name.partition(":")
         return cast(BackendFactory, getattr(importlib.import_module(module), attribute))
-    found = entry_points(group="kubeproxy.backends", name=name)
-    for entry in found:
-        return cast(BackendFactory, entry.load())
-    raise LookupError(f"no kubeproxy.backends entry point named {name!r}")
+    return load_backend(name)
 
 
 def _rss_now_kb() -> int:

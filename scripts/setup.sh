@@ -19,7 +19,8 @@ fi
 stamp="$VENV/.installed-$(sha256sum pyproject.toml | cut -c1-16)"
 if [ ! -e "$stamp" ]; then
     "$VENV/bin/pip" install -q --upgrade pip
-    "$VENV/bin/pip" install -q -e '.[dev]'
+    # node: the extras the binaries use (API client, pyroute2); dev: the tools.
+    "$VENV/bin/pip" install -q -e '.[node,dev]'
     rm -f "$VENV"/.installed-*
     touch "$stamp"
 fi

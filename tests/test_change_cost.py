@@ -31,7 +31,7 @@ from kubeproxy.backends.nftables.fake import FakeNft
 from kubeproxy.backends.nftables.transaction import Transaction
 from kubeproxy.config import ProxierConfig
 from kubeproxy.conntrack import FakeConntrack, Flow
-from kubeproxy.daemon import Daemon, DaemonOptions, LoggingEventSink, build_daemon
+from kubeproxy.daemon import Daemon, DaemonOptions, DaemonSeams, LoggingEventSink, build_daemon
 from kubeproxy.netlink import FakeHostAddresses
 from kubeproxy.objects import IPFamily
 from kubeproxy.proxyconfig import defaults
@@ -161,13 +161,15 @@ def built(*, manifests: Path | None = None, api: FakeAPIServer | None = None) ->
     return build_daemon(
         options,
         null_backend,
-        api=api.api_client() if api is not None else None,
-        host_addresses=FakeHostAddresses([ip("127.0.0.1"), ip("192.0.2.10")]),
-        conntrack=conntrack,
-        ipv6_supported=False,
-        gc_ops=GC_UNTOUCHED,
-        events=LoggingEventSink(NODE),
-        privileged=False,
+        seams=DaemonSeams(
+            api=api.api_client() if api is not None else None,
+            host_addresses=FakeHostAddresses([ip("127.0.0.1"), ip("192.0.2.10")]),
+            conntrack=conntrack,
+            ipv6_supported=False,
+            gc_ops=GC_UNTOUCHED,
+            events=LoggingEventSink(NODE),
+            privileged=False,
+        ),
     )
 
 

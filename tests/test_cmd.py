@@ -29,7 +29,7 @@ from kubeproxy.cmd import nftables as nft_binary
 from kubeproxy.cmd.binary import run as binary_run
 from kubeproxy.cmd.options import parse_options
 from kubeproxy.config import ProxierConfig
-from kubeproxy.daemon import LoggingEventSink
+from kubeproxy.daemon import DaemonSeams, LoggingEventSink
 from kubeproxy.daemon.gate import HandlerGate
 from kubeproxy.daemon.gctuning import GcTuner
 from kubeproxy.daemon.nodeips import (
@@ -640,8 +640,7 @@ def _dry_run(
             nft_binary.BINARY,
             ["--manifests", str(directory), "--dry-run", *argv],
             out=out,
-            host_addresses=FakeHostAddresses(),
-            gc_ops=UNTOUCHED,
+            seams=DaemonSeams(host_addresses=FakeHostAddresses(), gc_ops=UNTOUCHED),
         )
     finally:  # the binary configured the root logger, as a process does
         for handler in list(root.handlers):

@@ -53,6 +53,7 @@ from kubeproxy.cmd.modes import (
 from kubeproxy.cmd.options import MODE_DEFAULTED_MESSAGE
 from kubeproxy.config import ProxierConfig
 from kubeproxy.conntrack import FakeConntrack
+from kubeproxy.daemon import DaemonPlugins, DaemonSeams
 from kubeproxy.daemon.sources import SourceTuning
 from kubeproxy.metrics import ProxyMetrics
 from kubeproxy.netlink import FakeHostAddresses
@@ -199,12 +200,7 @@ def run_against(
             *argv,
         ],
         modes=stand_ins.modes,
-        host_addresses=FakeHostAddresses(),
-        gc_ops=NO_GC,
-        conntrack=FakeConntrack(),
-        privileged=False,
-        tuning=BRISK,
-        ipv6_supported=False,  # one family: these tests are about modes
+        seams=api_seams(),
     )
     watcher.done()
     return code, fake.posted_events
@@ -332,6 +328,18 @@ def test_ipvs_mode_sets_the_deprecated_mode_metric(fake: FakeAPIServer) -> None:
     assert 'kubeproxy_deprecated_proxy_mode{mode="ipvs"} 1' in seen[0].splitlines()
 
 
+def api_seams() -> DaemonSeams:
+    """Fakes for the host, a brisk source, one family: these tests are about modes."""
+    return DaemonSeams(
+        host_addresses=FakeHostAddresses(),
+        gc_ops=NO_GC,
+        conntrack=FakeConntrack(),
+        privileged=False,
+        tuning=BRISK,
+        ipv6_supported=False,
+    )
+
+
 def run_once(fake: FakeAPIServer, binary: Binary, stand_ins: StandIns) -> int:
     """``binary --once`` against the fake API server's cluster; the exit code."""
     serve_cluster(fake)
@@ -339,11 +347,7 @@ def run_once(fake: FakeAPIServer, binary: Binary, stand_ins: StandIns) -> int:
         binary,
         ["--master", fake.url, "--hostname-override", NODE, "--once"],
         modes=stand_ins.modes,
-        host_addresses=FakeHostAddresses(),
-        gc_ops=NO_GC,
-        conntrack=FakeConntrack(),
-        tuning=BRISK,
-        ipv6_supported=False,  # one family: these tests are about modes
+        seams=api_seams(),
     )
 
 
@@ -360,8 +364,7 @@ def dry_run(binary: Binary) -> str:
         binary,
         ["--manifests", str(examples), "--hostname-override", "demo-node", "--dry-run"],
         out=out,
-        host_addresses=FakeHostAddresses(),
-        gc_ops=NO_GC,
+        seams=DaemonSeams(host_addresses=FakeHostAddresses(), gc_ops=NO_GC),
     )
     assert code == 0
     return out.getvalue()
@@ -554,13 +557,14 @@ def test_the_iptables_backends_counts_reach_the_daemons_metrics() -> None:
     daemon = build_daemon(
         options,
         factory,
-        mode="iptables",
-        backend_hooks=MODES["iptables"].hooks,
-        host_addresses=FakeHostAddresses(),
-        conntrack=FakeConntrack(),
-        privileged=False,
-        ipv6_supported=False,
-        gc_ops=NO_GC,
+        plugins=DaemonPlugins(mode="iptables", backend_hooks=MODES["iptables"].hooks),
+        seams=DaemonSeams(
+            host_addresses=FakeHostAddresses(),
+            conntrack=FakeConntrack(),
+            privileged=False,
+            ipv6_supported=False,
+            gc_ops=NO_GC,
+        ),
     )
     try:
         daemon.sync_once()
@@ -712,7 +716,10 @@ def test_a_process_without_the_modes_capabilities_stops_with_one_line(
     out = io.StringIO()
     examples = Path(__file__).resolve().parent.parent / "examples" / "cluster"
     argv = ["--manifests", str(examples), "--hostname-override", "demo-node", "--dry-run"]
-    assert run(nftables_binary.BINARY, argv, modes=modes, out=out, gc_ops=NO_GC) == 0
+    assert (
+        run(nftables_binary.BINARY, argv, modes=modes, out=out, seams=DaemonSeams(gc_ops=NO_GC))
+        == 0
+    )
     assert "add table ip kube-proxy" in out.getvalue()
 
 

@@ -38,6 +38,7 @@ from kubeproxy.config import ProxierConfig
 from kubeproxy.conntrack import FakeConntrack, NetlinkConntrack
 from kubeproxy.daemon import (
     Daemon,
+    DaemonSeams,
     LoggingEventSink,
     StartupError,
     StartupInterrupted,
@@ -75,6 +76,18 @@ def options_for(*argv: str, healthz: str = "127.0.0.1:0", metrics: str = "127.0.
         options.configuration, healthz_bind_address=healthz, metrics_bind_address=metrics
     )
     return dataclasses.replace(options, configuration=configuration)
+
+
+def offline(**changes: Any) -> DaemonSeams:
+    """Seams with fakes for the host (addresses, conntrack; no privileged set-up) and a
+    brisk Kubernetes source; ``changes`` replace fields."""
+    seams = DaemonSeams(
+        host_addresses=FakeHostAddresses(),
+        conntrack=FakeConntrack(),
+        privileged=False,
+        tuning=BRISK,
+    )
+    return dataclasses.replace(seams, **changes)
 
 
 def api_options(fake: FakeAPIServer, *argv: str, **servers: str) -> Options:
@@ -287,14 +300,16 @@ def test_daemon_end_to_end(namespaces: NodeAndPod, fake: FakeAPIServer, tmp_path
     daemon = build_daemon(
         api_options(fake),
         nftables.create_backend,
-        netns=namespaces.node,
-        host_addresses=HostAddresses(),
-        conntrack=NetlinkConntrack(namespaces.node),
-        paths=paths,
-        tuning=BRISK,
-        exit=exits.append,
-        gc_ops=gc_ops,
-        ipv6_supported=False,
+        seams=DaemonSeams(
+            netns=namespaces.node,
+            host_addresses=HostAddresses(),
+            conntrack=NetlinkConntrack(namespaces.node),
+            paths=paths,
+            tuning=BRISK,
+            exit=exits.append,
+            gc_ops=gc_ops,
+            ipv6_supported=False,
+        ),
     )
     try:
         # The privileged set-up wrote the conntrack sysctls and oom_score_adj.
@@ -439,11 +454,13 @@ def test_manifests_daemon_uses_the_manifest_node(tmp_path: Path) -> None:
     daemon = build_daemon(
         options_for("--manifests", str(manifests)),
         backends,
-        host_addresses=FakeHostAddresses([ipaddress.ip_address("198.51.100.1")]),
-        conntrack=FakeConntrack(),
-        privileged=False,
-        gc_ops=gc_ops,
-        ipv6_supported=True,
+        seams=DaemonSeams(
+            host_addresses=FakeHostAddresses([ipaddress.ip_address("198.51.100.1")]),
+            conntrack=FakeConntrack(),
+            privileged=False,
+            gc_ops=gc_ops,
+            ipv6_supported=True,
+        ),
     )
     assert isinstance(daemon.events, LoggingEventSink)
     assert str(daemon.node_ips.primary) == "203.0.113.7"
@@ -471,10 +488,12 @@ def test_manifests_without_a_node_use_the_host_addresses(tmp_path: Path) -> None
     daemon = build_daemon(
         options_for("--manifests", str(tmp_path)),
         FakeBackends(),
-        host_addresses=addresses,
-        conntrack=FakeConntrack(),
-        privileged=False,
-        ipv6_supported=True,
+        seams=DaemonSeams(
+            host_addresses=addresses,
+            conntrack=FakeConntrack(),
+            privileged=False,
+            ipv6_supported=True,
+        ),
     )
     try:
         assert [str(a) for a in daemon.node.addresses] == ["198.51.100.9", "2001:db8::9"]
@@ -489,12 +508,7 @@ def test_bind_address_overrides_the_primary_ip(fake: FakeAPIServer) -> None:
     daemon = build_daemon(
         api_options(fake, "--bind-address=2001:db8::99"),
         FakeBackends(),
-        host_addresses=FakeHostAddresses(),
-        conntrack=FakeConntrack(),
-        privileged=False,
-        tuning=BRISK,
-        ipv6_supported=True,
-        exit=lambda code: None,
+        seams=offline(ipv6_supported=True, exit=lambda code: None),
     )
     try:
         assert daemon.node_ips.primary_family is IPFamily.IPV6
@@ -515,11 +529,7 @@ def test_dual_stack_falls_back_when_the_ipv6_backend_cannot_run(
     daemon = build_daemon(
         api_options(fake),
         FakeBackends(fail=[IPFamily.IPV6]),
-        host_addresses=FakeHostAddresses(),
-        conntrack=FakeConntrack(),
-        privileged=False,
-        tuning=BRISK,
-        ipv6_supported=True,
+        seams=offline(ipv6_supported=True),
     )
     try:
         assert daemon.families == [IPFamily.IPV4]
@@ -542,12 +552,7 @@ def test_dual_stack_daemon_syncs_both_families(fake: FakeAPIServer) -> None:
     daemon = build_daemon(
         api_options(fake),
         backends,
-        host_addresses=FakeHostAddresses(),
-        conntrack=FakeConntrack(),
-        privileged=False,
-        tuning=BRISK,
-        ipv6_supported=True,
-        gc_ops=gc_ops,
+        seams=offline(ipv6_supported=True, gc_ops=gc_ops),
     )
     with running(daemon):
         assert isinstance(daemon.handler, DualStackProxier)
@@ -580,10 +585,7 @@ def test_bind_hard_fail_posts_an_event_and_fails(
         daemon = build_daemon(
             api_options(fake, "--bind-address-hard-fail", **{server: address}),
             FakeBackends(),
-            host_addresses=FakeHostAddresses(),
-            conntrack=FakeConntrack(),
-            privileged=False,
-            tuning=BRISK,
+            seams=offline(),
         )
         try:
             with pytest.raises(StartupError, match="cannot bind"):
@@ -608,10 +610,7 @@ def test_run_daemon_exits_1_when_a_server_cannot_bind_with_hard_fail(
         code = run_daemon(
             api_options(fake, "--bind-address-hard-fail", metrics=address),
             FakeBackends(),
-            host_addresses=FakeHostAddresses(),
-            conntrack=FakeConntrack(),
-            privileged=False,
-            tuning=BRISK,
+            seams=offline(),
         )
     assert code == 1
     assert [e["reason"] for e in fake.posted_events] == ["FailedToStartMetricServer"]
@@ -626,10 +625,7 @@ def test_bind_failure_without_hard_fail_keeps_running(fake: FakeAPIServer) -> No
         daemon = build_daemon(
             api_options(fake, healthz=address),
             FakeBackends(),
-            host_addresses=FakeHostAddresses(),
-            conntrack=FakeConntrack(),
-            privileged=False,
-            tuning=BRISK,
+            seams=offline(),
         )
         with running(daemon):
             assert daemon.health_server.port is None  # retrying in the background
@@ -654,10 +650,12 @@ def test_service_health_check_listen_failure_posts_an_event(fake: FakeAPIServer)
     daemon = build_daemon(
         api_options(fake),
         FakeBackends(),
-        host_addresses=FakeHostAddresses([ipaddress.ip_address("203.0.113.7")]),
-        conntrack=FakeConntrack(),
-        privileged=False,
-        tuning=BRISK,
+        seams=DaemonSeams(
+            host_addresses=FakeHostAddresses([ipaddress.ip_address("203.0.113.7")]),
+            conntrack=FakeConntrack(),
+            privileged=False,
+            tuning=BRISK,
+        ),
     )
     with running(daemon):
         wait_for(lambda: "FailedToStartServiceHealthcheck" in events_by_reason(fake), "the event")
@@ -678,11 +676,7 @@ def test_waits_for_the_node_then_gives_up(fake: FakeAPIServer) -> None:
         build_daemon(
             api_options(fake),
             FakeBackends(),
-            host_addresses=FakeHostAddresses(),
-            conntrack=FakeConntrack(),
-            privileged=False,
-            tuning=BRISK,
-            node_timeout=0.5,
+            seams=offline(node_timeout=0.5),
         )
     assert not [t for t in threading.enumerate() if t.name.startswith("kubernetes-")]
 
@@ -699,11 +693,7 @@ def test_node_cidr_mode_waits_for_pod_cidrs(fake: FakeAPIServer) -> None:
     daemon = build_daemon(
         api_options(fake, "--detect-local-mode=NodeCIDR"),
         FakeBackends(),
-        host_addresses=FakeHostAddresses(),
-        conntrack=FakeConntrack(),
-        privileged=False,
-        tuning=BRISK,
-        node_timeout=10,
+        seams=offline(node_timeout=10),
     )
     thread.join()
     try:
@@ -719,11 +709,7 @@ def test_a_stop_while_waiting_for_the_node_interrupts(fake: FakeAPIServer) -> No
         build_daemon(
             api_options(fake),
             FakeBackends(),
-            host_addresses=FakeHostAddresses(),
-            conntrack=FakeConntrack(),
-            privileged=False,
-            tuning=BRISK,
-            stop=stop,
+            seams=offline(stop=stop),
         )
 
 
@@ -737,10 +723,9 @@ def test_run_daemon_once_against_the_api(fake: FakeAPIServer, tmp_path: Path) ->
     code = run_daemon(
         api_options(fake, "--once"),
         backends,
-        paths=paths,
-        host_addresses=FakeHostAddresses(),
-        conntrack=FakeConntrack(),
-        tuning=BRISK,
+        seams=DaemonSeams(
+            paths=paths, host_addresses=FakeHostAddresses(), conntrack=FakeConntrack(), tuning=BRISK
+        ),
     )
     assert code == 0
     assert backends.service_ips() == {("172.30.0.10", "tcp", "80")}
@@ -759,9 +744,7 @@ def test_run_daemon_dry_run_touches_nothing(fake: FakeAPIServer, tmp_path: Path)
     code = run_daemon(
         api_options(fake, "--dry-run"),
         backends,
-        paths=paths,
-        host_addresses=FakeHostAddresses(),
-        tuning=BRISK,
+        seams=DaemonSeams(paths=paths, host_addresses=FakeHostAddresses(), tuning=BRISK),
     )
     assert code == 0
     assert backends.service_ips() == {("172.30.0.10", "tcp", "80")}
@@ -777,7 +760,7 @@ def test_run_daemon_init_only_does_the_privileged_setup(tmp_path: Path) -> None:
     def no_backends(*_args: Any, **_kwargs: Any) -> Backend:
         raise AssertionError("--init-only built a backend")
 
-    assert run_daemon(options, no_backends, paths=paths) == 0
+    assert run_daemon(options, no_backends, seams=DaemonSeams(paths=paths)) == 0
     assert paths.oom_score_adj.read_text().strip() == "-5"
     maximum = conntrack_max(conntrack_sysctls(options.conntrack), detect_cpus())
     assert maximum == max(32768 * detect_cpus(), 131072)
@@ -789,10 +772,6 @@ def test_run_daemon_fails_when_the_node_never_comes(fake: FakeAPIServer) -> None
     code = run_daemon(
         api_options(fake),
         FakeBackends(),
-        host_addresses=FakeHostAddresses(),
-        conntrack=FakeConntrack(),
-        privileged=False,
-        tuning=BRISK,
-        node_timeout=0.3,
+        seams=offline(node_timeout=0.3),
     )
     assert code == 1

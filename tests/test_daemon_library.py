@@ -17,6 +17,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ import kubeproxy
 import kubeproxy.daemon
 from kubeproxy import (
     BackendContext,
+    Daemon,
     DaemonOptions,
     IPFamily,
     ProxierConfig,
@@ -39,7 +41,8 @@ from kubeproxy import (
 )
 from kubeproxy.cmd.options import Options, parse_options
 from kubeproxy.conntrack import FakeConntrack
-from kubeproxy.daemon import LoggingEventSink
+from kubeproxy.daemon import DaemonPlugins, DaemonSeams, LoggingEventSink, StartupWarning
+from kubeproxy.daemon.gctuning import GcOps
 from kubeproxy.events import FakeEventRecorder
 from kubeproxy.netlink import FakeHostAddresses
 from kubeproxy.proxier import Proxier, SyncHook, SyncObserver
@@ -99,15 +102,15 @@ def cluster_options(**fields: Any) -> DaemonOptions:
 GC_UNTOUCHED = UNTOUCHED
 
 
-def offline(**build: Any) -> dict[str, Any]:
+def offline(privileged: bool = True, gc_ops: GcOps = GC_UNTOUCHED) -> DaemonSeams:
     """What the daemon is given here besides options and factory: no kernel, no host."""
-    return {
-        "host_addresses": FakeHostAddresses(),
-        "conntrack": FakeConntrack(),
-        "ipv6_supported": False,
-        "gc_ops": GC_UNTOUCHED,
-        **build,
-    }
+    return DaemonSeams(
+        host_addresses=FakeHostAddresses(),
+        conntrack=FakeConntrack(),
+        ipv6_supported=False,
+        gc_ops=gc_ops,
+        privileged=privileged,
+    )
 
 
 def get(port: int | None, path: str) -> tuple[int, str]:
@@ -185,7 +188,15 @@ def test_the_binaries_options_are_daemon_options() -> None:
 
 
 def test_the_daemon_is_public() -> None:
-    for name in ("run_daemon", "build_daemon", "Daemon", "DaemonOptions", "BackendContext"):
+    for name in (
+        "run_daemon",
+        "build_daemon",
+        "Daemon",
+        "DaemonOptions",
+        "DaemonPlugins",
+        "DaemonSeams",
+        "BackendContext",
+    ):
         assert name in kubeproxy.__all__ and name in dir(kubeproxy)
         assert getattr(kubeproxy, name) is getattr(kubeproxy.daemon, name)
 
@@ -237,7 +248,8 @@ def test_a_proxy_plugs_in_its_name_metrics_health_and_events(
     daemon = build_daemon(
         cluster_options(),
         backends,
-        **offline(name="my-proxy", backend_hooks=plugged, events=events, privileged=False),
+        plugins=DaemonPlugins(name="my-proxy", backend_hooks=plugged),
+        seams=dataclasses.replace(offline(privileged=False), events=events),
     )
     try:
         (context,) = plugged.contexts
@@ -271,7 +283,7 @@ def test_a_proxy_plugs_in_its_name_metrics_health_and_events(
 
 
 def test_without_an_api_server_events_are_logged() -> None:
-    daemon = build_daemon(cluster_options(), Backends(), **offline(privileged=False))
+    daemon = build_daemon(cluster_options(), Backends(), seams=offline(privileged=False))
     try:
         assert isinstance(daemon.events, LoggingEventSink)
     finally:
@@ -280,7 +292,7 @@ def test_without_an_api_server_events_are_logged() -> None:
 
 def test_run_daemon_once_returns_the_exit_code() -> None:
     backends = Backends()
-    code = run_daemon(cluster_options(once=True), backends, **offline())
+    code = run_daemon(cluster_options(once=True), backends, seams=offline())
     assert code == 0
     assert "demo/web:http 172.30.0.10:80/TCP" in backends.made[0].synced[-1]
 
@@ -292,7 +304,7 @@ def test_a_backend_that_cannot_be_made_stops_the_start() -> None:
         raise OSError("kernel lacks nf_tables (test)")
 
     with pytest.raises(StartupError, match="cannot set up the IPv4 backend: kernel lacks"):
-        build_daemon(cluster_options(), broken, **offline(privileged=False))
+        build_daemon(cluster_options(), broken, seams=offline(privileged=False))
 
 
 class GatedBackends(Backends):
@@ -318,7 +330,7 @@ class GatedBackends(Backends):
 
 def test_served_early_livez_answers_at_once_and_healthz_503_until_the_first_sync() -> None:
     backends = GatedBackends()
-    daemon = build_daemon(cluster_options(), backends, **offline(serve_early=True))
+    daemon = build_daemon(cluster_options(), backends, seams=offline(), serve_early=True)
     started = threading.Thread(target=daemon.start)
     try:
         # Listening before anything was synced, or even delivered.
@@ -344,7 +356,9 @@ def test_served_early_livez_answers_at_once_and_healthz_503_until_the_first_sync
 
 def test_the_collector_is_held_while_the_cluster_is_read() -> None:
     ops, calls = recording_gc()
-    daemon = build_daemon(cluster_options(), Backends(), **offline(gc_ops=ops, privileged=False))
+    daemon = build_daemon(
+        cluster_options(), Backends(), seams=offline(privileged=False, gc_ops=ops)
+    )
     try:
         assert calls == []
         daemon.start()
@@ -358,7 +372,7 @@ def test_the_collector_is_held_while_the_cluster_is_read() -> None:
 
 def test_a_daemon_stopped_before_its_first_sync_releases_the_collector() -> None:
     ops, calls = recording_gc()
-    code = run_daemon(cluster_options(once=True), Backends(), **offline(gc_ops=ops))
+    code = run_daemon(cluster_options(once=True), Backends(), seams=offline(gc_ops=ops))
     assert code == 0
     assert calls == ["disable", "enable"]
 
@@ -381,10 +395,107 @@ def test_healthz_is_503_all_the_way_to_the_first_sync(monkeypatch: pytest.Monkey
         return backends(family, config, netns=netns)
 
     monkeypatch.setattr(startup, "servers", noted)
-    daemon = build_daemon(cluster_options(), factory, **offline(serve_early=True))
+    daemon = build_daemon(cluster_options(), factory, seams=offline(), serve_early=True)
     try:
         assert seen == [503]
         daemon.start()
         wait_for(lambda: get(daemon.health_server.port, "/healthz")[0] == 200, "healthz 200")
     finally:
         daemon.stop()
+
+
+# --- the keywords of old ----------------------------------------------------------------
+
+
+def shape(daemon: Daemon) -> dict[str, Any]:
+    """What a daemon was built into, comparable between two builds."""
+    return {
+        "name": daemon.name,
+        "families": daemon.families,
+        "node": daemon.node,
+        "node_ips": daemon.node_ips,
+        "events": type(daemon.events),
+        "warnings": daemon.startup_warnings,
+        "configs": {f: p._config for f, p in daemon.proxiers.items()},
+        "backends": [type(p.backend) for p in daemon.proxiers.values()],
+        # The proxiers' hooks: the metrics', health's, the plugged, collector tuning.
+        "hooks": {f: len(p._after_sync) for f, p in daemon.proxiers.items()},
+        "watchers": len(daemon.watchers),
+        "address_watcher": daemon.address_watcher is None,
+        "metrics_mode": daemon.metrics.mode,
+    }
+
+
+def test_the_old_keywords_build_the_same_daemon_after_a_deprecation_warning() -> None:
+    warning = StartupWarning("Reason", "Action", "note")
+    made: list[tuple[Backends, Plugged, Daemon]] = []
+    for old in (False, True):
+        backends, plugged = Backends(), Plugged()
+        plugins = DaemonPlugins(
+            mode="iptables", name="my-proxy", backend_hooks=plugged, startup_warnings=(warning,)
+        )
+        seams = offline(privileged=False)
+        if old:
+            with pytest.warns(DeprecationWarning, match=r"build_daemon\(.*mode=.*0\.2") as seen:
+                daemon = build_daemon(
+                    cluster_options(once=True),
+                    backends,
+                    mode="iptables",
+                    name="my-proxy",
+                    backend_hooks=plugged,
+                    startup_warnings=(warning,),
+                    host_addresses=seams.host_addresses,
+                    conntrack=seams.conntrack,
+                    ipv6_supported=False,
+                    gc_ops=seams.gc_ops,
+                    privileged=False,
+                )
+            assert [w.filename for w in seen] == [__file__]  # points at the caller
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                daemon = build_daemon(
+                    cluster_options(once=True), backends, plugins=plugins, seams=seams
+                )
+        made.append((backends, plugged, daemon))
+    try:
+        (new_backends, new_plugged, new), (old_backends, old_plugged, by_keywords) = made
+        assert shape(by_keywords) == shape(new)
+        assert shape(new)["name"] == "my-proxy" and shape(new)["metrics_mode"] == "iptables"
+        assert len(old_plugged.contexts) == len(new_plugged.contexts) == 1
+        assert by_keywords.sync_once() and new.sync_once()
+        assert old_backends.made[0].synced == new_backends.made[0].synced != []
+    finally:
+        for _, _, daemon in made:
+            daemon.stop()
+
+
+def test_run_daemon_takes_the_old_keywords_with_a_warning() -> None:
+    runs: list[Backends] = []
+    for old in (False, True):
+        backends = Backends()
+        seams = offline()
+        if old:
+            with pytest.warns(DeprecationWarning, match=r"run_daemon\(.*name=.*0\.2"):
+                code = run_daemon(
+                    cluster_options(once=True),
+                    backends,
+                    name="my-proxy",
+                    host_addresses=seams.host_addresses,
+                    conntrack=seams.conntrack,
+                    ipv6_supported=False,
+                    gc_ops=seams.gc_ops,
+                )
+        else:
+            plugins = DaemonPlugins(name="my-proxy")
+            code = run_daemon(cluster_options(once=True), backends, plugins=plugins, seams=seams)
+        assert code == 0
+        runs.append(backends)
+    assert runs[0].made[0].synced == runs[1].made[0].synced != []
+
+
+def test_the_old_and_new_forms_do_not_mix() -> None:
+    with pytest.raises(TypeError, match="not both"):
+        build_daemon(cluster_options(), Backends(), seams=offline(), name="my-proxy")
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        build_daemon(cluster_options(), Backends(), colour="blue")  # type: ignore[call-arg]

@@ -26,7 +26,7 @@ import yaml
 
 from kubeproxy.backends.nftables import create_backend
 from kubeproxy.conntrack import FakeConntrack
-from kubeproxy.daemon import Daemon, DaemonOptions, StartupError, build_daemon
+from kubeproxy.daemon import Daemon, DaemonOptions, DaemonSeams, StartupError, build_daemon
 from kubeproxy.daemon.gctuning import GcOps
 from kubeproxy.objects import IPFamily, Protocol
 from kubeproxy.proxyconfig import defaults
@@ -108,18 +108,27 @@ def answers(netns_fd: int, address: str) -> bool:
             return False
 
 
+def node_seams(where: NodeAndPod, ipv6_supported: bool | None) -> DaemonSeams:
+    """The daemon's executors in the node namespace; no conntrack, no host tuning."""
+    return DaemonSeams(
+        netns=where.node,
+        conntrack=FakeConntrack(),
+        privileged=False,
+        gc_ops=GC_UNTOUCHED,
+        ipv6_supported=ipv6_supported,
+    )
+
+
 @contextlib.contextmanager
-def synced_daemon(where: NodeAndPod, directory: Path, **build: Any) -> Iterator[Daemon]:
+def synced_daemon(
+    where: NodeAndPod, directory: Path, ipv6_supported: bool | None = None
+) -> Iterator[Daemon]:
     """The library daemon of nftables mode in the node namespace, synced once; its rules
     are removed afterwards."""
     daemon = build_daemon(
         options(directory),
         create_backend,
-        netns=where.node,
-        conntrack=FakeConntrack(),
-        privileged=False,
-        gc_ops=GC_UNTOUCHED,
-        **build,
+        seams=node_seams(where, ipv6_supported),
     )
     try:
         assert daemon.sync_once()
@@ -167,8 +176,11 @@ def test_families_as_upstream_picks_them(
 ) -> None:
     caplog.set_level(logging.INFO, logger="kubeproxy.daemon")
     directory = manifests(tmp_path, node_addresses)
-    build = {} if ipv6_supported is None else {"ipv6_supported": ipv6_supported}
-    with scene() as where, endpoints(where), synced_daemon(where, directory, **build) as daemon:
+    with (
+        scene() as where,
+        endpoints(where),
+        synced_daemon(where, directory, ipv6_supported) as daemon,
+    ):
         primary = IPFamily.IPV6 if ":" in node_addresses[0] else IPFamily.IPV4
         assert daemon.node_ips.primary_family is primary
         assert daemon.families == families
@@ -186,11 +198,7 @@ def test_a_primary_family_the_kernel_lacks_stops_the_start(tmp_path: Path) -> No
             build_daemon(
                 options(manifests(tmp_path, [NODE_V6])),
                 create_backend,
-                netns=where.node,
-                conntrack=FakeConntrack(),
-                privileged=False,
-                gc_ops=GC_UNTOUCHED,
-                ipv6_supported=False,
+                seams=node_seams(where, ipv6_supported=False),
             )
         # Nothing was written: the start stopped before any backend existed.
         listed = subprocess.run(

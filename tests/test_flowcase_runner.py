@@ -222,7 +222,9 @@ def test_client_ports_never_repeat_and_avoid_listeners() -> None:
 def test_resolve_backend() -> None:
     assert resolve_backend("tests.flowcase_standin:factory") is factory
     assert resolve_backend(factory) is factory
-    with pytest.raises(BackendNotFound, match=r"no backend 'nosuch' \(registered: .*nftables"):
+    with pytest.raises(
+        BackendNotFound, match=r"no backend 'nosuch' is installed \(installed backends: .*nftables"
+    ):
         resolve_backend("nosuch")
     with pytest.raises(BackendNotFound, match="No module named"):
         resolve_backend("tests.nosuchmodule:factory")

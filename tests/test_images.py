@@ -35,7 +35,7 @@ from kubeproxy.cmd.modes import MODES
 from kubeproxy.cmd.options import Options, parse_options
 from kubeproxy.config import ProxierConfig
 from kubeproxy.conntrack import FakeConntrack
-from kubeproxy.daemon import build_daemon
+from kubeproxy.daemon import DaemonSeams, build_daemon
 from kubeproxy.daemon.sources import SourceTuning
 from kubeproxy.health import ProxyHealth, ProxyHealthServer
 from kubeproxy.netlink import FakeHostAddresses
@@ -368,11 +368,13 @@ def daemon_requests() -> list[APIRequest]:
         daemon = build_daemon(
             _options(fake),
             _FakeBackends(),
-            host_addresses=FakeHostAddresses([ipaddress.ip_address("203.0.113.7")]),
-            conntrack=FakeConntrack(),
-            privileged=False,
-            tuning=SourceTuning(
-                watch_timeout=5, request_timeout=5, initial_backoff=0.05, max_backoff=0.3
+            seams=DaemonSeams(
+                host_addresses=FakeHostAddresses([ipaddress.ip_address("203.0.113.7")]),
+                conntrack=FakeConntrack(),
+                privileged=False,
+                tuning=SourceTuning(
+                    watch_timeout=5, request_timeout=5, initial_backoff=0.05, max_backoff=0.3
+                ),
             ),
         )
         try:
@@ -477,8 +479,8 @@ def test_dockerfile_installs_the_proxy_and_its_kernel_tools() -> None:
 
 
 def test_every_binary_and_backend_is_installed_by_the_image() -> None:
-    # The image installs the package (pip install /src): its console scripts and backend
-    # entry points are what the image holds.
+    # The image installs the package with the binaries' extras (pip install '/src[node]'):
+    # its console scripts and backend entry points are what the image holds.
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     scripts = pyproject["project"]["scripts"]
     assert {
@@ -492,7 +494,15 @@ def test_every_binary_and_backend_is_installed_by_the_image() -> None:
         mode: f"kubeproxy.backends.{mode}:create_backend"
         for mode in ("nftables", "iptables", "ipvs")
     }
-    assert re.search(r"pip install .*/src$", dockerfile(), re.MULTILINE)
+    assert re.search(r"pip install .*'/src\[node\]'$", dockerfile(), re.MULTILINE)
+    # [node] brings every optional package a binary uses: the API client, pyroute2.
+    extras = pyproject["project"]["optional-dependencies"]
+    (included,) = re.findall(r"^kubeproxy\[(.+)\]$", "".join(extras["node"]))
+    packages = {re.split(r"[<>=~ ]", r)[0] for x in included.split(",") for r in extras[x]}
+    assert packages == {"kubernetes", "pyroute2"}
+    assert not {"kubernetes", "pyroute2"} & {
+        re.split(r"[<>=~ ]", r)[0] for r in pyproject["project"]["dependencies"]
+    }
 
 
 def test_manifests_use_the_image_entrypoint() -> None:

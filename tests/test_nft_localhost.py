@@ -382,6 +382,6 @@ def test_the_daemon_closes_backends_that_hold_more_than_rules() -> None:
             return backend
 
     factory: Any = Closing()
-    daemon = build_daemon(cluster_options(once=True), factory, **offline())
+    daemon = build_daemon(cluster_options(once=True), factory, seams=offline())
     daemon.stop()
     assert closed == [IPFamily.IPV4]

@@ -26,7 +26,7 @@ from kubeproxy.backends.iptables.monitor import watchers as iptables_watchers
 from kubeproxy.backends.nftables.fake import FakeNft
 from kubeproxy.cmd.modes import MODES
 from kubeproxy.config import ProxierConfig
-from kubeproxy.daemon import build_daemon
+from kubeproxy.daemon import DaemonPlugins, DaemonSeams, build_daemon
 from kubeproxy.events import FakeEventRecorder
 from kubeproxy.health import FAULT_RULES_REMOVED, ProxyHealth
 from kubeproxy.metrics import ProxyMetrics
@@ -466,10 +466,8 @@ def test_the_daemon_runs_the_watchers_and_repairs(tmp_path: Path) -> None:
     daemon = build_daemon(
         options_for("--manifests", str(tmp_path), "--iptables-min-sync-period=10ms"),
         backends,
-        privileged=False,
-        ipv6_supported=False,
-        gc_ops=gc_ops,
-        watchers=lambda found, netns: [watcher],
+        plugins=DaemonPlugins(watchers=lambda found, netns: [watcher]),
+        seams=DaemonSeams(privileged=False, ipv6_supported=False, gc_ops=gc_ops),
     )
     assert daemon.watchers == (watcher,)
     metrics: ProxyMetrics = daemon.metrics

@@ -45,7 +45,7 @@ from kubeproxy.backends.nftables.objects import Family
 from kubeproxy.cmd.modes import MODES
 from kubeproxy.cmd.options import parse_options
 from kubeproxy.conntrack import NetlinkConntrack
-from kubeproxy.daemon import Daemon, WatcherFactory, build_daemon
+from kubeproxy.daemon import Daemon, DaemonPlugins, DaemonSeams, WatcherFactory, build_daemon
 from kubeproxy.netlink import HostAddresses
 from kubeproxy.objects import IPFamily
 from kubeproxy.proxier import Proxier
@@ -147,13 +147,14 @@ def proxy(
     daemon = build_daemon(
         dataclasses.replace(options, configuration=configuration),
         factory,
-        mode=mode,
-        netns=topo.node,
-        host_addresses=HostAddresses(),
-        conntrack=NetlinkConntrack(topo.node),
-        privileged=False,
-        ipv6_supported=True,
-        watchers=watchers,
+        plugins=DaemonPlugins(mode=mode, watchers=watchers),
+        seams=DaemonSeams(
+            netns=topo.node,
+            host_addresses=HostAddresses(),
+            conntrack=NetlinkConntrack(topo.node),
+            privileged=False,
+            ipv6_supported=True,
+        ),
     )
     try:
         daemon.start()

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from kubeproxy import (
     DaemonOptions,
+    DaemonPlugins,
     IPFamily,
     ProxierConfig,
     ProxySnapshot,
@@ -71,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         options = DaemonOptions.from_file(args.config, mode="nftables", master=args.master)
     except ValueError as err:  # ConfigError: names the field (or the unreadable file)
         parser.error(f"--config {args.config}: {err}")
-    return run_daemon(options, ClusterIPBackend, mode="nftables", name=NAME)
+    return run_daemon(options, ClusterIPBackend, plugins=DaemonPlugins(mode="nftables", name=NAME))
 
 
 if __name__ == "__main__":

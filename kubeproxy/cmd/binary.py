@@ -28,7 +28,7 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, TextIO
+from typing import Final, TextIO
 
 from kubeproxy.capabilities import missing_capabilities
 from kubeproxy.cmd.modes import MODES, Mode, cleanup_all, platform_cleanup
@@ -39,7 +39,7 @@ from kubeproxy.cmd.options import (
     parse_options,
     usage,
 )
-from kubeproxy.daemon import StartupWarning, run_daemon
+from kubeproxy.daemon import DaemonPlugins, DaemonSeams, StartupWarning, run_daemon
 from kubeproxy.events import (
     ACTION_PROXY_MODE_CHECK,
     REASON_IPVS_DEPRECATION,
@@ -125,19 +125,15 @@ def _write_config(binary: Binary, path: Path, options: Options) -> int:
     return 0
 
 
-def _dry_run(mode: Mode, options: Options, out: TextIO, build: dict[str, Any]) -> int:
+def _dry_run(mode: Mode, options: Options, out: TextIO, seams: DaemonSeams) -> int:
     if mode.dry_run is None:
         logger.error("--dry-run is not available in %s mode (it has no in-memory fake)", mode.name)
         return 2
     dry_run = mode.dry_run()
-    code = run_daemon(
-        options,
-        dry_run,
-        mode=mode.name,
-        backend_hooks=mode.hooks,
-        startup_warnings=mode_warnings(options),
-        **build,
+    plugins = DaemonPlugins(
+        mode=mode.name, backend_hooks=mode.hooks, startup_warnings=mode_warnings(options)
     )
+    code = run_daemon(options, dry_run, plugins=plugins, seams=seams)
     dry_run.print(out)
     return code
 
@@ -148,14 +144,15 @@ def run(
     *,
     modes: Mapping[str, Mode] | None = None,
     out: TextIO | None = None,
-    **build: Any,
+    seams: DaemonSeams | None = None,
 ) -> int:
     """Run ``binary`` with ``argv`` (default: the process's arguments); the exit code.
 
     ``modes`` replaces the mode table (:data:`~kubeproxy.cmd.modes.MODES`; tests pass
-    fakes), ``out`` standard output; ``build`` goes to
-    :func:`~kubeproxy.daemon.run_daemon` (``netns`` also to the cleanups).
+    fakes), ``out`` standard output; ``seams`` go to :func:`~kubeproxy.daemon.run_daemon`
+    (its ``netns`` also to the cleanups).
     """
+    seams = seams if seams is not None else DaemonSeams()
     out = out if out is not None else sys.stdout
     table = modes if modes is not None else MODES
     prog = binary.prog
@@ -173,35 +170,36 @@ def run(
         logger.warning("%s", warning)
     if options.enable_profiling:
         logger.warning("enableProfiling (--profiling) is not supported; ignored")
-    netns = build.get("netns")
+    netns = seams.netns
     if options.cleanup:
         if not _privileged(prog, "--cleanup", table.values()):
             return 1
         return cleanup_all(table, netns)
     mode = table[options.mode]
     if options.dry_run:
-        return _dry_run(mode, options, out, build)
+        return _dry_run(mode, options, out, seams)
     if not options.init_only and not _privileged(prog, f"{mode.name} mode", (mode,)):
         return 1
     warnings = mode_warnings(options)
     try:
         factory = mode.factory()
-    except ImportError as err:
+    except (ImportError, LookupError) as err:  # a missing extra; a backend not installed
         logger.error("%s mode is not available: %s", mode.name, err)
         return 1
-    if not options.init_only:
-        # Only once this mode's backends exist (their support checks passed) and its
-        # servers are bound: a start that fails must leave the node's rules alone.
-        build["before_first_sync"] = functools.partial(platform_cleanup, mode.name, table, netns)
-    return run_daemon(
-        options,
-        factory,
+    plugins = DaemonPlugins(
         mode=mode.name,
         backend_hooks=mode.hooks,
         watchers=mode.watchers,
         startup_warnings=warnings,
-        **build,
+        # Only once this mode's backends exist (their support checks passed) and its
+        # servers are bound: a start that fails must leave the node's rules alone.
+        before_first_sync=(
+            None
+            if options.init_only
+            else functools.partial(platform_cleanup, mode.name, table, netns)
+        ),
     )
+    return run_daemon(options, factory, plugins=plugins, seams=seams)
 
 
 def _privileged(prog: str, what: str, modes: Iterable[Mode]) -> bool:

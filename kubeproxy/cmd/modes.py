@@ -21,6 +21,7 @@ from kubeproxy.backend import Backend, BackendFactory
 from kubeproxy.capabilities import CAP_NET_ADMIN
 from kubeproxy.config import ProxierConfig
 from kubeproxy.daemon import BackendContext, BackendHooks, WatcherFactory
+from kubeproxy.entrypoints import BackendNotFound, backend_entry_point, load_backend
 from kubeproxy.metrics import ProxyMetrics
 from kubeproxy.objects import IPFamily
 from kubeproxy.proxier import NullObserver, Proxier, SyncHook, SyncObserver
@@ -56,6 +57,13 @@ IPTABLES_BASED: Final = frozenset({"iptables", "ipvs"})
 """Modes that program iptables (upstream's ``isIPTablesBased``)."""
 
 _KERNEL_LACKS: Final = "kernel lacks"
+
+
+def _module(name: str, part: str = "") -> Any:
+    """The package of the backend registered as ``name`` (or its module ``part``): found
+    through its entry point (:mod:`kubeproxy.entrypoints`), as every backend is."""
+    package = backend_entry_point(name).module
+    return importlib.import_module(f"{package}.{part}" if part else package)
 
 
 # --- backend-specific metrics -------------------------------------------------------------
@@ -141,7 +149,7 @@ def nftables_hooks(backend: Backend, metrics: ProxyMetrics) -> Sequence[SyncHook
     """nftables mode: the stale-chain cleanup failure counter, and the localhost NodePort
     metrics of a backend with the ``KubeProxyNFTablesLocalhostNodePorts`` gate on."""
     if hasattr(backend, "rejected_packets"):
-        localhost = importlib.import_module("kubeproxy.backends.nftables.localhost")
+        localhost = _module("nftables", "localhost")
         localhost.report_metrics(metrics.registry, backend)
     if hasattr(backend, "stale_chain_failures"):
         return (CleanupFailureCounter(backend, metrics),)
@@ -210,12 +218,11 @@ class NftablesDryRun:
         self, family: IPFamily, config: ProxierConfig, *, netns: str | None = None
     ) -> Backend:
         """A backend over a fresh fake."""
-        from kubeproxy.backends import nftables
-        from kubeproxy.backends.nftables.fake import FakeNft
-
-        fake = FakeNft()
+        nftables = _module("nftables")
+        fake = _module("nftables", "fake").FakeNft()
         self.fakes.append(fake)
-        return nftables.NftablesBackend(family, config, executor=fake)
+        backend: Backend = nftables.NftablesBackend(family, config, executor=fake)
+        return backend
 
     def print(self, out: TextIO) -> None:
         """Every transaction, in order."""
@@ -235,9 +242,8 @@ class IptablesDryRun:
         self, family: IPFamily, config: ProxierConfig, *, netns: str | None = None
     ) -> Backend:
         """A backend over a fresh fake."""
-        iptables = importlib.import_module("kubeproxy.backends.iptables")
-        fake_module = importlib.import_module("kubeproxy.backends.iptables.fake")
-        fake = fake_module.FakeIptables()
+        iptables = _module("iptables")
+        fake = _module("iptables", "fake").FakeIptables()
         self.fakes.append(fake)
         backend: Backend = iptables.IptablesBackend(family, config, executor=fake)
         return backend
@@ -264,9 +270,9 @@ class IPVSDryRun:
         self, family: IPFamily, config: ProxierConfig, *, netns: str | None = None
     ) -> Backend:
         """A backend over fresh fakes."""
-        ipvs = importlib.import_module("kubeproxy.backends.ipvs")
-        fakes = importlib.import_module("kubeproxy.backends.ipvs.fake")
-        iptables_fake = importlib.import_module("kubeproxy.backends.iptables.fake")
+        ipvs = _module("ipvs")
+        fakes = _module("ipvs", "fake")
+        iptables_fake = _module("iptables", "fake")
         parts = (fakes.FakeIPVS(), fakes.FakeLinks(), fakes.FakeIPSets())
         rules = iptables_fake.FakeIptables()
         self.fakes.append((family, *parts, rules))
@@ -294,10 +300,6 @@ class IPVSDryRun:
 
 
 # --- the modes ----------------------------------------------------------------------------
-
-
-def _module(name: str) -> Any:
-    return importlib.import_module(f"kubeproxy.backends.{name}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,14 +343,14 @@ def _backend_mode(
     **cleanup_options: Any,
 ) -> Mode:
     def factory() -> BackendFactory:
-        create: BackendFactory = _module(name).create_backend
-        return create
+        return load_backend(name)
 
     def cleanup(netns: str | None) -> None:
         try:
-            module = _module(name)
-        except ModuleNotFoundError as err:
-            if err.name != f"kubeproxy.backends.{name}":
+            entry = backend_entry_point(name)
+            module = importlib.import_module(entry.module)
+        except (BackendNotFound, ModuleNotFoundError) as err:
+            if isinstance(err, ModuleNotFoundError) and err.name != entry.module:
                 raise
             # An installation without this backend never made anything with it.
             logger.warning("%s mode is not part of this installation: nothing to remove", name)

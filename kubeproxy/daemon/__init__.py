@@ -2,10 +2,16 @@
 
 Give it options and a backend factory and it does what a kube-proxy does on a node::
 
-    from kubeproxy.daemon import DaemonOptions, run_daemon
+    from kubeproxy.daemon import DaemonOptions, DaemonPlugins, run_daemon
 
     options = DaemonOptions.from_file("/var/lib/kube-proxy/config.conf", mode="nftables")
-    sys.exit(run_daemon(options, my_backend_factory, name="my-proxy"))
+    plugins = DaemonPlugins(mode="nftables", name="my-proxy")
+    sys.exit(run_daemon(options, my_backend_factory, plugins=plugins))
+
+What a proxy adds (its name, hooks, watchers...) is a
+:class:`~kubeproxy.daemon.wiring.DaemonPlugins`; what tests replace of the host and the
+process (executors, probes, clocks, the API client) a
+:class:`~kubeproxy.daemon.wiring.DaemonSeams` (:mod:`~kubeproxy.daemon.wiring`).
 
 The binaries (:mod:`kubeproxy.cmd`) are this plus upstream's flags, the table of our
 modes (their dry runs, backend-specific metrics, self-healing watchers, and the removal
@@ -61,12 +67,15 @@ from kubeproxy.daemon.hooks import BackendContext, BackendHooks, WatcherFactory
 from kubeproxy.daemon.options import DaemonOptions
 from kubeproxy.daemon.run import run_daemon
 from kubeproxy.daemon.startup import build_daemon
+from kubeproxy.daemon.wiring import DaemonPlugins, DaemonSeams
 
 __all__ = [
     "BackendContext",
     "BackendHooks",
     "Daemon",
     "DaemonOptions",
+    "DaemonPlugins",
+    "DaemonSeams",
     "LoggingEventSink",
     "StartupError",
     "StartupInterrupted",

@@ -12,33 +12,59 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
 from kubeproxy.daemon.errors import StartupError
-from kubeproxy.daemon.events import StartupWarning
 from kubeproxy.daemon.gate import HandlerGate
 from kubeproxy.daemon.gctuning import GcTuner
 from kubeproxy.daemon.nodeips import NodeIPs
 from kubeproxy.daemon.options import DaemonOptions
+from kubeproxy.daemon.serving import Servers
 from kubeproxy.daemon.sources import NODE_WAIT_TIMEOUT, STOP_TIMEOUT, StartedSource
+from kubeproxy.daemon.wiring import DaemonPlugins
 from kubeproxy.events import (
     ACTION_START,
     REASON_FAILED_HEALTHCHECK,
     REASON_FAILED_METRICS,
     EventSink,
 )
-from kubeproxy.health import HealthObserver, ProxyHealth, ProxyHealthServer, ServerBindError
-from kubeproxy.metrics import MetricsServer, ProxyMetrics
+from kubeproxy.health import HealthObserver, ServerBindError
 from kubeproxy.netlink import AddressWatcher
 from kubeproxy.objects import IPFamily, NodeInfo
 from kubeproxy.proxier import DualStackProxier, Proxier
 from kubeproxy.selfheal import SelfHealer, Watcher
 
-__all__ = ["Daemon"]
+__all__ = ["Daemon", "DaemonParts"]
 
 logger = logging.getLogger(__name__)
 
 _POLL: Final = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonParts:
+    """What :func:`~kubeproxy.daemon.build_daemon` built for a :class:`Daemon`: this node
+    (``node``, ``node_ips``), one proxier per family, the started source and the gate
+    holding its deliveries, the metrics and health state with their ``servers``
+    (``serving``: bound already), the health observer, the event sink, the collector's
+    tuner, the ``stop`` that ends the run, the self-healer with its ``watchers``, and the
+    host-address watcher (None with a fake lister)."""
+
+    node: NodeInfo
+    node_ips: NodeIPs
+    proxiers: Mapping[IPFamily, Proxier]
+    source: StartedSource
+    gate: HandlerGate
+    servers: Servers
+    health_observer: HealthObserver
+    events: EventSink
+    gc_tuner: GcTuner
+    stop: threading.Event
+    healer: SelfHealer | None = None
+    watchers: Sequence[Watcher] = ()
+    address_watcher: AddressWatcher | None = None
+    serving: bool = False
 
 
 class Daemon:
@@ -49,62 +75,46 @@ class Daemon:
     family, ``handler`` (the proxier, or a :class:`~kubeproxy.proxier.DualStackProxier`),
     the ``metrics`` and ``health`` state and their servers, ``events``, the ``source``,
     the self-healing ``healer`` and its ``watchers`` (started by :meth:`start` only), and
-    ``name``, the proxy's name in the logs.
+    ``name``, the proxy's name in the logs (from its
+    :class:`~kubeproxy.daemon.wiring.DaemonPlugins`, with the start-up warnings and the
+    ``before_first_sync`` step).
     """
 
     def __init__(
         self,
-        *,
         options: DaemonOptions,
-        node: NodeInfo,
-        node_ips: NodeIPs,
-        proxiers: Mapping[IPFamily, Proxier],
-        source: StartedSource,
-        gate: HandlerGate,
-        metrics: ProxyMetrics,
-        metrics_server: MetricsServer,
-        health: ProxyHealth,
-        health_server: ProxyHealthServer,
-        health_observer: HealthObserver,
-        events: EventSink,
-        gc_tuner: GcTuner,
-        stop: threading.Event,
-        healer: SelfHealer | None = None,
-        watchers: Sequence[Watcher] = (),
-        startup_warnings: Sequence[StartupWarning] = (),
-        before_first_sync: Callable[[], object] | None = None,
-        name: str = "kube-proxy",
-        serving: bool = False,
-        address_watcher: AddressWatcher | None = None,
+        parts: DaemonParts,
+        plugins: DaemonPlugins | None = None,
     ) -> None:
+        plugins = plugins if plugins is not None else DaemonPlugins()
         self.options = options
-        self.name = name
-        self.node = node
-        self.node_ips = node_ips
-        self.proxiers = dict(proxiers)
+        self.name = plugins.name
+        self.node = parts.node
+        self.node_ips = parts.node_ips
+        self.proxiers = dict(parts.proxiers)
         self.families = list(self.proxiers)
         self.handler: Proxier | DualStackProxier = (
             DualStackProxier(self.proxiers[IPFamily.IPV4], self.proxiers[IPFamily.IPV6])
             if len(self.proxiers) == 2
             else self.proxiers[IPFamily.IPV4]
         )
-        self._source = source
-        self.source = source.source
-        self.gate = gate
-        self.metrics = metrics
-        self.metrics_server = metrics_server
-        self.health = health
-        self.health_server = health_server
-        self.health_observer = health_observer
-        self.events = events
-        self.gc_tuner = gc_tuner
-        self.healer = healer if healer is not None else SelfHealer(self.proxiers)
-        self.watchers = tuple(watchers)
-        self.startup_warnings = tuple(startup_warnings)
-        self._before_first_sync = before_first_sync
-        self._serving = serving
-        self.address_watcher = address_watcher
-        self._stop = stop
+        self._source = parts.source
+        self.source = parts.source.source
+        self.gate = parts.gate
+        self.metrics = parts.servers.metrics
+        self.metrics_server = parts.servers.metrics_server
+        self.health = parts.servers.health
+        self.health_server = parts.servers.health_server
+        self.health_observer = parts.health_observer
+        self.events = parts.events
+        self.gc_tuner = parts.gc_tuner
+        self.healer = parts.healer if parts.healer is not None else SelfHealer(self.proxiers)
+        self.watchers = tuple(parts.watchers)
+        self.startup_warnings = tuple(plugins.startup_warnings)
+        self._before_first_sync = plugins.before_first_sync
+        self._serving = parts.serving
+        self.address_watcher = parts.address_watcher
+        self._stop = parts.stop
         self._threads: list[threading.Thread] = []
         self._stopped = False
 

@@ -8,22 +8,23 @@ SIGTERM or SIGINT, and turns a failed start into one error line and an exit code
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import signal
 import threading
 from collections.abc import Iterator
 from types import FrameType
-from typing import Any
+from typing import Unpack
 
 from kubeproxy.backend import BackendFactory
 from kubeproxy.conntrack import FakeConntrack
 from kubeproxy.daemon.daemon import Daemon
 from kubeproxy.daemon.errors import StartupError, StartupInterrupted
 from kubeproxy.daemon.events import LoggingEventSink
-from kubeproxy.daemon.hooks import BackendHooks, WatcherFactory
 from kubeproxy.daemon.options import DaemonOptions
-from kubeproxy.daemon.privileged import HostPaths, privileged_setup
+from kubeproxy.daemon.privileged import privileged_setup
 from kubeproxy.daemon.startup import build_daemon
+from kubeproxy.daemon.wiring import DaemonPlugins, DaemonSeams, LegacyRunKeywords, from_keywords
 
 __all__ = ["run_daemon"]
 
@@ -54,49 +55,53 @@ def run_daemon(
     options: DaemonOptions,
     backend_factory: BackendFactory,
     *,
-    mode: str = "nftables",
-    backend_hooks: BackendHooks | None = None,
-    watchers: WatcherFactory | None = None,
-    paths: HostPaths | None = None,
-    **build: Any,
+    plugins: DaemonPlugins | None = None,
+    seams: DaemonSeams | None = None,
+    **legacy: Unpack[LegacyRunKeywords],
 ) -> int:
     """Run the proxy as ``options`` say; returns the process exit code.
 
     ``init_only`` (``--init-only``) does
-    :func:`~kubeproxy.daemon.privileged.privileged_setup` and returns; ``once`` or
-    ``dry_run`` sync once after the initial list, without the privileged set-up
-    (``dry_run`` also without the conntrack cleanup and events, so nothing outside the
-    backend's executor is touched: the binaries pass a factory over in-memory fakes);
-    otherwise the daemon runs until SIGTERM or SIGINT, with the self-healing ``watchers``
-    (not for one-shot runs). A start that fails is one error line and exit code 1; a stop
-    before the start completed is 0. ``build`` goes to
-    :func:`~kubeproxy.daemon.build_daemon` (``name``, ``api``, ``netns``, executors...).
+    :func:`~kubeproxy.daemon.privileged.privileged_setup` (through ``seams.paths``) and
+    returns; ``once`` or ``dry_run`` sync once after the initial list, without the
+    privileged set-up (``dry_run`` also without the conntrack cleanup and events, so
+    nothing outside the backend's executor is touched: the binaries pass a factory over
+    in-memory fakes); otherwise the daemon runs until SIGTERM or SIGINT, with the
+    self-healing watchers of ``plugins`` (not for one-shot runs), its health and metrics
+    servers serving from the start. A start that fails is one error line and exit code
+    1; a stop before the start completed is 0. ``plugins`` and ``seams`` go to
+    :func:`~kubeproxy.daemon.build_daemon`; SIGTERM and SIGINT set ``seams.stop``
+    (default: a new event), as setting it from another thread does.
+
+    The keywords of old (``mode=``, ``name=``, ``netns=``...: :class:`LegacyRunKeywords`)
+    still work until 0.2, with a :class:`DeprecationWarning`.
     """
+    plugins, seams, serve_early = from_keywords("run_daemon", legacy, plugins, seams)
     if options.init_only:
-        privileged_setup(options, paths)
+        privileged_setup(options, seams.paths)
         logger.info("System initialized and --init-only specified; exiting")
         return 0
-    if options.once or options.dry_run:
-        build["privileged"] = False
-        watchers = None
+    one_shot = options.once or options.dry_run
+    if one_shot:
+        seams = dataclasses.replace(seams, privileged=False)
+        plugins = dataclasses.replace(plugins, watchers=None)
     if options.dry_run:
-        build.setdefault("conntrack", FakeConntrack())
-        build.setdefault("events", LoggingEventSink(options.node_name))
+        seams = dataclasses.replace(
+            seams,
+            conntrack=seams.conntrack if seams.conntrack is not None else FakeConntrack(),
+            events=(
+                seams.events if seams.events is not None else LoggingEventSink(options.node_name)
+            ),
+        )
     # A daemon answers /livez from its first second (and /healthz 503 until it synced),
     # however long reading a big cluster takes.
-    build.setdefault("serve_early", not (options.once or options.dry_run))
-    stop = threading.Event()
+    early = not one_shot if serve_early is None else serve_early
+    stop = seams.stop if seams.stop is not None else threading.Event()
+    seams = dataclasses.replace(seams, stop=stop)
     with _stopping_on_signals(stop):
         try:
             daemon = build_daemon(
-                options,
-                backend_factory,
-                mode=mode,
-                backend_hooks=backend_hooks,
-                watchers=watchers,
-                paths=paths,
-                stop=stop,
-                **build,
+                options, backend_factory, plugins=plugins, seams=seams, serve_early=early
             )
         except StartupInterrupted as err:
             logger.info("%s; exiting", err)
@@ -105,7 +110,7 @@ def run_daemon(
             logger.error("%s", err)
             return 1
         try:
-            return _run(daemon, once=options.once or options.dry_run)
+            return _run(daemon, once=one_shot)
         finally:
             daemon.stop()
 

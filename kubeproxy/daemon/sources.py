@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Final
 from kubeproxy.daemon.errors import StartupError, StartupInterrupted
 from kubeproxy.daemon.gate import HandlerGate
 from kubeproxy.daemon.options import DaemonOptions
+from kubeproxy.extras import MissingExtra
 from kubeproxy.handlers import KubeObject
 from kubeproxy.sources.manifests import ManifestSource
 
@@ -124,9 +125,11 @@ def open_manifests(directory: Path, gate: HandlerGate, options: DaemonOptions) -
 def api_client(options: DaemonOptions) -> Any:
     """The API client ``options`` describe (kubeconfig, master, QPS, content type); a
     configuration that cannot be loaded is a :class:`~kubeproxy.daemon.errors.StartupError`
-    naming why, in one line."""
-    from kubeproxy.sources.kubernetes import make_api_client
-
+    naming why, in one line (a missing ``kubeproxy[kubernetes]`` extra too)."""
+    try:
+        from kubeproxy.sources.kubernetes import make_api_client
+    except MissingExtra as err:
+        raise StartupError(str(err)) from None
     try:
         return make_api_client(
             options.kubeconfig,

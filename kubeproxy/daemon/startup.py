@@ -20,17 +20,17 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Unpack, cast
 
 from kubeproxy.backend import Backend, BackendFactory
 from kubeproxy.config import ProxierConfig
-from kubeproxy.conntrack import ConntrackExecutor, ConntrackReconciler, NetlinkConntrack
-from kubeproxy.daemon.daemon import Daemon
+from kubeproxy.conntrack import ConntrackReconciler, NetlinkConntrack
+from kubeproxy.daemon.daemon import Daemon, DaemonParts
 from kubeproxy.daemon.errors import StartupError
-from kubeproxy.daemon.events import StartupWarning, event_sink
+from kubeproxy.daemon.events import event_sink
 from kubeproxy.daemon.gate import HandlerGate
-from kubeproxy.daemon.gctuning import GcOps, GcTuner
-from kubeproxy.daemon.hooks import BackendContext, BackendHooks, WatcherFactory
+from kubeproxy.daemon.gctuning import GcTuner
+from kubeproxy.daemon.hooks import BackendContext
 from kubeproxy.daemon.nodeips import (
     FamilyNotSupported,
     NodeIPs,
@@ -42,10 +42,9 @@ from kubeproxy.daemon.nodeips import (
     node_info,
 )
 from kubeproxy.daemon.options import DaemonOptions
-from kubeproxy.daemon.privileged import HostPaths, privileged_setup
+from kubeproxy.daemon.privileged import privileged_setup
 from kubeproxy.daemon.serving import Servers, health_checks, servers
 from kubeproxy.daemon.sources import (
-    NODE_WAIT_TIMEOUT,
     STOP_TIMEOUT,
     SourceTuning,
     StartedSource,
@@ -53,6 +52,7 @@ from kubeproxy.daemon.sources import (
     open_api,
     open_manifests,
 )
+from kubeproxy.daemon.wiring import DaemonPlugins, DaemonSeams, LegacyKeywords, from_keywords
 from kubeproxy.events import (
     ACTION_START,
     REASON_FAILED_HEALTHCHECK,
@@ -60,101 +60,61 @@ from kubeproxy.events import (
     EventSink,
 )
 from kubeproxy.health import ServerBindError
-from kubeproxy.netlink import AddressWatcher, HostAddresses, HostAddressLister
+from kubeproxy.netlink import AddressWatcher, HostAddresses
 from kubeproxy.objects import IPAddress, IPFamily
 from kubeproxy.proxier import ObserverGroup, Proxier, SyncHook, SyncObserver
 from kubeproxy.selfheal import SelfHealer
-from kubeproxy.sysctl import SysctlFiles
 
 __all__ = ["build_daemon"]
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class _Wiring:
-    """What :func:`build_daemon` was asked for beyond the options and the factory."""
-
-    name: str
-    mode: str
-    netns: str | None
-    conntrack: ConntrackExecutor | None
-    events: EventSink
-    privileged: bool
-    paths: HostPaths | None
-    sysctl_files: SysctlFiles | None
-    ipv6_supported: bool | None
-    gc_ops: GcOps | None
-    backend_hooks: BackendHooks | None
-    watchers: WatcherFactory | None
-    startup_warnings: Sequence[StartupWarning]
-    before_first_sync: Callable[[], object] | None
-    watch_addresses: bool
-    serving: bool
-
-
 def build_daemon(
     options: DaemonOptions,
     backend_factory: BackendFactory,
     *,
-    mode: str = "nftables",
-    name: str = "kube-proxy",
-    api: Any = None,
-    netns: str | None = None,
-    host_addresses: HostAddressLister | None = None,
-    conntrack: ConntrackExecutor | None = None,
-    events: EventSink | None = None,
-    privileged: bool = True,
-    paths: HostPaths | None = None,
-    sysctl_files: SysctlFiles | None = None,
-    ipv6_supported: bool | None = None,
-    tuning: SourceTuning | None = None,
-    node_timeout: float = NODE_WAIT_TIMEOUT,
-    exit: Callable[[int], object] | None = None,
-    gc_ops: GcOps | None = None,
-    backend_hooks: BackendHooks | None = None,
-    watchers: WatcherFactory | None = None,
-    startup_warnings: Sequence[StartupWarning] = (),
-    stop: threading.Event | None = None,
-    before_first_sync: Callable[[], object] | None = None,
+    plugins: DaemonPlugins | None = None,
+    seams: DaemonSeams | None = None,
     serve_early: bool = False,
+    **legacy: Unpack[LegacyKeywords],
 ) -> Daemon:
     """Build the proxy for ``options``, up to the point where :meth:`Daemon.start` runs it.
 
-    ``mode`` (``nftables``, ``iptables`` or ``ipvs``) picks upstream's mode-specific
-    metrics and is what ``/proxyMode`` and the logs say; ``name`` is the proxy's name in
-    the logs and the Events' ``reportingController`` (``kube-proxy`` for ours).
-
     With ``options.manifests`` the directory is loaded; otherwise an API client is made
-    from the options (or ``api`` is used) and the Kubernetes source starts, waiting up to
-    ``node_timeout`` seconds for this Node (its deliveries are held until the daemon
-    starts). Executors default to the real ones of the current network namespace, or of
-    ``netns``: ``backend_factory(family, config, netns=netns)``, ``host_addresses``
-    (netlink), ``conntrack`` (ctnetlink). ``events`` defaults to an
-    :class:`~kubeproxy.events.EventRecorder` with the API, a
-    :class:`~kubeproxy.daemon.events.LoggingEventSink` with manifests. ``privileged``
-    applies :func:`~kubeproxy.daemon.privileged.privileged_setup` (through ``paths`` and
-    ``sysctl_files``). ``exit`` is what the NodeWatcher calls when the Node's IPs change
-    (default: end the process). ``backend_hooks`` adds a proxy's own hooks, metrics and
-    health conditions per backend (:data:`~kubeproxy.daemon.hooks.BackendHooks`);
-    ``watchers`` makes the self-healing watchers (none without it). ``startup_warnings``
-    are posted as events when the daemon starts. ``before_first_sync`` runs once every
-    backend exists and (for a daemon) the servers are bound, right before the first sync:
-    the binaries remove the other modes' rules there, so a mode that cannot run, or a
-    server that cannot bind with ``bindAddressHardFail``, leaves them in place.
+    from the options (or ``seams.api`` is used) and the Kubernetes source starts, waiting
+    up to ``seams.node_timeout`` seconds for this Node (its deliveries are held until the
+    daemon starts). Backends are ``backend_factory(family, config, netns=seams.netns)``.
+    ``plugins`` (:class:`~kubeproxy.daemon.wiring.DaemonPlugins`) is what the proxy adds:
+    its name and mode, hooks, watchers, start-up warnings, ``before_first_sync``;
+    ``seams`` (:class:`~kubeproxy.daemon.wiring.DaemonSeams`) replaces what is otherwise
+    taken from the host and the process (executors, probes, timing, exit, stop).
     ``serve_early`` starts the health and metrics servers first of all (see the module).
-    With the real ``host_addresses`` lister, an
-    :class:`~kubeproxy.netlink.AddressWatcher` has the proxiers read the host's addresses
-    again when one comes or goes. Raises :class:`~kubeproxy.daemon.errors.StartupError`.
+    Raises :class:`~kubeproxy.daemon.errors.StartupError`.
+
+    The keywords of old (``mode=``, ``conntrack=``...: :class:`LegacyKeywords`) still
+    work until 0.2, with a :class:`DeprecationWarning`.
     """
-    stop = stop if stop is not None else threading.Event()
+    plugins, seams, early = from_keywords("build_daemon", legacy, plugins, seams)
+    return _build(options, backend_factory, plugins, seams, serve_early or bool(early))
+
+
+def _build(
+    options: DaemonOptions,
+    backend_factory: BackendFactory,
+    plugins: DaemonPlugins,
+    seams: DaemonSeams,
+    serve_early: bool,
+) -> Daemon:
+    stop = seams.stop if seams.stop is not None else threading.Event()
     gate = HandlerGate()
-    lister = host_addresses if host_addresses is not None else HostAddresses()
+    lister = seams.host_addresses if seams.host_addresses is not None else HostAddresses()
+    netns = seams.netns
 
     def list_host_addresses() -> list[IPAddress]:
         return [a for a in lister.list_addresses(netns) if not a.is_link_local]
 
-    parts = servers(options, mode, options.config.sync_period)
+    parts = servers(options, plugins.mode, options.config.sync_period)
     if not (options.once or options.dry_run):
         # 503 until the first sync, from the start: IPv4 is always proxied (IPv6 joins
         # once the families are known). Set only then, /healthz answered 200 in the
@@ -163,6 +123,7 @@ def build_daemon(
     # Bound before the API client is made: importing the Kubernetes client alone took
     # 0.35-0.7 s on a loaded machine, and /livez should answer within a second.
     refused = _bind(parts) if serve_early else None
+    api = seams.api
     if options.manifests is not None:
         api = None
     elif api is None:
@@ -171,7 +132,9 @@ def build_daemon(
         except StartupError:
             stop_serving(parts)
             raise
-    events = events if events is not None else event_sink(api, options.node_name, name)
+    events = seams.events
+    if events is None:
+        events = event_sink(api, options.node_name, plugins.name)
     if refused is not None:
         _refuse(parts, events, *refused)
     try:
@@ -182,40 +145,39 @@ def build_daemon(
                 api,
                 gate,
                 options,
-                tuning=tuning or SourceTuning(),
-                node_timeout=node_timeout,
+                tuning=seams.tuning or SourceTuning(),
+                node_timeout=seams.node_timeout,
                 stop=stop,
-                exit=exit,
+                exit=seams.exit,
             )
     except BaseException:
         stop_serving(parts)
         raise
-    wiring = _Wiring(
-        name=name,
-        mode=mode,
-        netns=netns,
-        conntrack=conntrack,
-        events=events,
-        privileged=privileged,
-        paths=paths,
-        sysctl_files=sysctl_files,
-        ipv6_supported=ipv6_supported,
-        gc_ops=gc_ops,
-        backend_hooks=backend_hooks,
-        watchers=watchers,
-        startup_warnings=startup_warnings,
-        before_first_sync=before_first_sync,
-        watch_addresses=host_addresses is None,
-        serving=serve_early,
-    )
     try:
         return _assemble(
-            options, backend_factory, source, gate, stop, list_host_addresses, wiring, parts
+            options,
+            backend_factory,
+            _Started(source, gate, stop, events, serve_early, parts),
+            list_host_addresses,
+            plugins,
+            seams,
         )
     except BaseException:
         source.join(STOP_TIMEOUT)
         stop_serving(parts)
         raise
+
+
+@dataclass(frozen=True, slots=True)
+class _Started:
+    """What :func:`_build` made before the node's IPs were known."""
+
+    source: StartedSource
+    gate: HandlerGate
+    stop: threading.Event
+    events: EventSink
+    serving: bool
+    parts: Servers
 
 
 def _bind(parts: Servers) -> tuple[str, ServerBindError] | None:
@@ -273,33 +235,31 @@ def _make_backends(
     return backends
 
 
-def _log_families(families: Sequence[IPFamily], node_ips: NodeIPs, wiring: _Wiring) -> None:
+def _log_families(families: Sequence[IPFamily], node_ips: NodeIPs, plugins: DaemonPlugins) -> None:
     # Upstream's lines (klog's key="value" pairs after the message).
     if len(families) == 2:
         logger.info(
             '%s running in dual-stack mode primary ipFamily="%s"',
-            wiring.name,
+            plugins.name,
             node_ips.primary_family,
         )
     else:
-        logger.info('%s running in single-stack mode ipFamily="%s"', wiring.name, families[0])
-    logger.info("Using %s Proxier", wiring.mode)
+        logger.info('%s running in single-stack mode ipFamily="%s"', plugins.name, families[0])
+    logger.info("Using %s Proxier", plugins.mode)
 
 
 def _assemble(
     options: DaemonOptions,
     backend_factory: BackendFactory,
-    source: StartedSource,
-    gate: HandlerGate,
-    stop: threading.Event,
+    started: _Started,
     list_host_addresses: Callable[[], list[IPAddress]],
-    wiring: _Wiring,
-    parts: Servers,
+    plugins: DaemonPlugins,
+    seams: DaemonSeams,
 ) -> Daemon:
     """Everything after the source, in upstream's order: node IPs and families, the
     privileged set-up, backends, health checks, the conntrack reconciler, proxiers; then
     the self-healing watchers."""
-    events = wiring.events
+    events, parts, source = started.events, started.parts, started.source
     node = node_info(source.node, options.node_name, list_host_addresses())
     parts.health.set_node(node)  # 503 meanwhile: the first sync is awaited already
     node_ips = detect_node_ips(
@@ -308,38 +268,38 @@ def _assemble(
         explain_loopback=not source.node_explained,
     )
     config = expand_primary(options.config, node_ips)
-    supported = kernel_supports_ipv6() if wiring.ipv6_supported is None else wiring.ipv6_supported
+    supported = kernel_supports_ipv6() if seams.ipv6_supported is None else seams.ipv6_supported
     try:
         families = detect_families(node_ips, ipv6_supported=supported)
     except FamilyNotSupported as err:
         raise StartupError(str(err)) from None
-    if wiring.privileged:
-        privileged_setup(options, wiring.paths, files=wiring.sysctl_files)
+    if seams.privileged:
+        privileged_setup(options, seams.paths, files=seams.sysctl_files)
     primary = node_ips.primary_family
-    backends = _make_backends(backend_factory, families, primary, config, wiring.netns)
+    backends = _make_backends(backend_factory, families, primary, config, seams.netns)
     families = list(backends)
-    _log_families(families, node_ips, wiring)
+    _log_families(families, node_ips, plugins)
     if not (options.once or options.dry_run):
         # /healthz answers 503 until each family's rules are written.
         parts.health.await_first_sync(families)
     observer = health_checks(options, parts.health, families, events)
     metrics = parts.metrics
-    executor = wiring.conntrack if wiring.conntrack is not None else NetlinkConntrack(wiring.netns)
+    executor = seams.conntrack if seams.conntrack is not None else NetlinkConntrack(seams.netns)
     reconciler = ConntrackReconciler(executor, metrics)
-    gc_tuner = GcTuner(families, wiring.gc_ops)
+    gc_tuner = GcTuner(families, seams.gc_ops)
     # A process that syncs once and exits has no long life to tune the collector for.
     tuning = () if options.once or options.dry_run else (gc_tuner,)
-    make_watchers = wiring.watchers
-    watching = list(make_watchers(list(backends.values()), wiring.netns)) if make_watchers else []
+    make_watchers = plugins.watchers
+    watching = list(make_watchers(list(backends.values()), seams.netns)) if make_watchers else []
     # /healthz answers 503 from a report of rules changed by others until their repair.
     healer = SelfHealer({}, counter=metrics, events=events, kernel_state=parts.health)
     healing = tuple(w.after_sync for w in watching)
     proxiers: dict[IPFamily, Proxier] = {}
     for family, backend in backends.items():
         extra: tuple[SyncHook | SyncObserver, ...] = ()
-        if wiring.backend_hooks is not None:
+        if plugins.backend_hooks is not None:
             context = BackendContext(backend, family, metrics, parts.health, events)
-            extra = tuple(wiring.backend_hooks(context))
+            extra = tuple(plugins.backend_hooks(context))
         hooks = [item for item in extra if callable(item)]
         observers = [cast(SyncObserver, o) for o in extra if hasattr(o, "sync_finished")]
         proxiers[family] = Proxier(
@@ -360,32 +320,29 @@ def _assemble(
         )
         metrics.track(proxiers[family])
     healer.proxiers.update(proxiers)
+    # Only with the real lister: a fake one has no kernel addresses to watch.
     addresses = (
-        AddressWatcher(_told(proxiers.values()), wiring.netns) if wiring.watch_addresses else None
+        AddressWatcher(_told(proxiers.values()), seams.netns)
+        if seams.host_addresses is None
+        else None
     )
-    return Daemon(
-        options=options,
+    built = DaemonParts(
         node=node,
         node_ips=node_ips,
         proxiers=proxiers,
         source=source,
-        gate=gate,
-        metrics=metrics,
-        metrics_server=parts.metrics_server,
-        health=parts.health,
-        health_server=parts.health_server,
+        gate=started.gate,
+        servers=parts,
         health_observer=observer,
         events=events,
         gc_tuner=gc_tuner,
-        stop=stop,
+        stop=started.stop,
         healer=healer,
         watchers=watching,
-        startup_warnings=wiring.startup_warnings,
-        before_first_sync=wiring.before_first_sync,
-        name=wiring.name,
-        serving=wiring.serving,
         address_watcher=addresses,
+        serving=started.serving,
     )
+    return Daemon(options, built, plugins)
 
 
 def _told(proxiers: Iterable[Proxier]) -> Callable[[], None]:

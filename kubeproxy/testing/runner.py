@@ -33,6 +33,7 @@ from types import FrameType
 from typing import Any, Final, Protocol, cast
 
 from kubeproxy.backend import Backend, BackendFactory
+from kubeproxy.entrypoints import BACKEND_GROUP, BackendNotFound, load_backend
 from kubeproxy.objects import IPAddress, NamespacedName
 from kubeproxy.objects import Protocol as L4Protocol
 from kubeproxy.testing.cases import Case, CaseFile, Flow, Step, StepAction, load_case_file
@@ -59,7 +60,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-BACKEND_GROUP: Final = "kubeproxy.backends"
 """The entry-point group backends register their factory under."""
 KERNEL_LACKS: Final = "kernel lacks"
 """A factory error containing this (``kernel lacks IP_VS``) skips the case's flows."""
@@ -84,10 +84,6 @@ def default_timeout() -> float:
     if not 0 < scale <= 100:
         raise ValueError(f"{TIMEOUT_SCALE_VARIABLE}={text!r}: want a number in (0, 100]")
     return scale
-
-
-class BackendNotFound(LookupError):
-    """A ``--backend`` name or ``module:attribute`` that names no backend factory."""
 
 
 class Status(StrEnum):
@@ -166,18 +162,12 @@ def resolve_backend(spec: str | BackendFactory) -> BackendFactory:
         if not callable(target):
             raise BackendNotFound(f"backend {spec!r} is not callable")
         return cast(BackendFactory, target)
-    # Imported here: importlib.metadata costs a noticeable part of a second to import.
-    from importlib.metadata import entry_points as find_entry_points
-
-    entry_points = find_entry_points(group=BACKEND_GROUP)
-    for entry_point in entry_points:
-        if entry_point.name == spec:
-            try:
-                return cast(BackendFactory, entry_point.load())
-            except Exception as err:
-                raise BackendNotFound(f"backend {spec!r} failed to load: {err}") from None
-    known = ", ".join(sorted(ep.name for ep in entry_points)) or "none"
-    raise BackendNotFound(f"no backend {spec!r} (registered: {known}; or use module:attribute)")
+    try:
+        return load_backend(spec)
+    except BackendNotFound as err:
+        raise BackendNotFound(f"{err}; or give module:attribute") from None
+    except ImportError as err:
+        raise BackendNotFound(f"backend {spec!r} failed to load: {err}") from None
 
 
 def sctp_skip_reason() -> str:

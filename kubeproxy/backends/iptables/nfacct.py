@@ -23,8 +23,10 @@ import errno
 import logging
 from typing import Any, Final, Protocol
 
+from kubeproxy.extras import missing_extra
 from kubeproxy.netlink import check_netns
 from kubeproxy.netns import run_in_netns
+from kubeproxy.nlmsg import NLM_F_ACK, NLM_F_CREATE, NLM_F_REQUEST
 
 __all__ = [
     "COUNTERS",
@@ -52,6 +54,7 @@ _MAX_NAME: Final = 31  # NFACCT_NAME_MAX (32) less the terminating NUL
 # nfnetlink_acct message types (linux/netfilter/nfnetlink_acct.h).
 _NFNL_MSG_ACCT_NEW: Final = 0
 _NFNL_MSG_ACCT_GET: Final = 1
+_NLM_F_EXCL: Final = 0x200  # linux/netlink.h, for NEW requests (kubeproxy.nlmsg has the rest)
 
 
 class NFAcctError(OSError):
@@ -102,8 +105,18 @@ class FakeNFAcct:
 
 
 def _request_here(name: str, kind: int, flags: int) -> list[Any]:
-    """One nfacct request on a socket of the calling thread's namespace: the replies."""
-    from pyroute2.netlink.exceptions import NetlinkError
+    """One nfacct request on a socket of the calling thread's namespace: the replies.
+
+    Without pyroute2 (an installation without ``kubeproxy[iptables]``) every request fails
+    with :class:`NFAcctError`: the backend then runs without the two counters, after one
+    error line per counter naming the extra, as it does when the kernel refuses them.
+    """
+    try:
+        from pyroute2.netlink.exceptions import NetlinkError
+    except ModuleNotFoundError:
+        what = "Counting packets with nfacct (iptables mode)"
+        missing = missing_extra("pyroute2", "iptables", what)
+        raise NFAcctError(errno.ENOPKG, f"nfacct {name}: {missing}") from None
 
     message_class, socket_class = _socket_classes()
     msg = message_class()
@@ -195,11 +208,9 @@ class NetlinkNFAcct:
 
     def ensure(self, name: str) -> None:
         """``NFNL_MSG_ACCT_NEW`` with ``NLM_F_EXCL``; an existing counter is kept as it is."""
-        from pyroute2.netlink import NLM_F_ACK, NLM_F_CREATE, NLM_F_EXCL, NLM_F_REQUEST
-
         try:
             self._request(
-                name, _NFNL_MSG_ACCT_NEW, NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL
+                name, _NFNL_MSG_ACCT_NEW, NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | _NLM_F_EXCL
             )
         except NFAcctError as err:
             if err.errno != errno.EEXIST:
@@ -207,8 +218,6 @@ class NetlinkNFAcct:
 
     def packets(self, name: str) -> int:
         """``NFNL_MSG_ACCT_GET`` of one counter: its packets."""
-        from pyroute2.netlink import NLM_F_ACK, NLM_F_REQUEST
-
         for reply in self._request(name, _NFNL_MSG_ACCT_GET, NLM_F_REQUEST | NLM_F_ACK):
             packets = reply.get_attr("NFACCT_PKTS")
             if reply.get_attr("NFACCT_NAME") == name and packets is not None:

@@ -41,6 +41,7 @@ from kubeproxy.backends.ipvs.netlink import (
 from kubeproxy.backends.ipvs.proxier import IPVSBackend, cleanup_family
 from kubeproxy.backends.ipvs.sysctls import FileSysctlApplier
 from kubeproxy.config import ProxierConfig
+from kubeproxy.extras import require_extra
 from kubeproxy.netlink import check_netns
 from kubeproxy.netns import run_in_netns
 from kubeproxy.objects import IPAddress, IPFamily
@@ -84,9 +85,11 @@ def create_backend(
 
     Raises :class:`IPVSUnsupported` (``kernel lacks IP_VS ...``) when the kernel has no
     IPVS, or the scheduler cannot be used; :class:`IPSetError` when the ``ipset`` tool
-    is missing; ``IptablesError`` when iptables cannot run.
+    is missing; ``IptablesError`` when iptables cannot run;
+    :class:`~kubeproxy.extras.MissingExtra` without pyroute2 (``kubeproxy[ipvs]``).
     """
     _warn_deprecated()
+    require_extra("pyroute2", "ipvs", "ipvs mode")
     from kubeproxy.backends.iptables.exec import IptablesCommands, check_support
 
     if netns is not None:
@@ -124,6 +127,8 @@ def cleanup(netns: str | None = None) -> None:
     if netns is not None:
         check_netns(netns)
     loaded, device = _traces(netns)
+    if loaded or device:  # only then is there IPVS state or a link to read through netlink
+        require_extra("pyroute2", "ipvs", "Removing ipvs mode's virtual servers")
     ipvs: PyrouteIPVS | None = None
     if loaded:
         probe = PyrouteIPVS(netns=netns)

@@ -36,6 +36,12 @@ One concept per module, all re-exported here (the names this package had as one 
 * :mod:`~kubeproxy.sources.kubernetes.source`: the source, its resources and handler calls.
 """
 
+# ruff: noqa: E402 (the modules below import the client: the check comes first)
+from kubeproxy.extras import require_extra
+
+# One line naming the extra, rather than "No module named 'kubernetes'" from deep inside.
+require_extra("kubernetes", "kubernetes", "The Kubernetes API source")
+
 from kubeproxy.sources.kubernetes.apiclient import (
     IN_CLUSTER_MESSAGE,
     RateLimitedApiClient,

@@ -31,6 +31,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from kubeproxy.extras import require_extra
 from kubeproxy.testing.fakeapi.discovery import discovery_document
 from kubeproxy.testing.fakeapi.requestinfo import APIRequest, Route
 from kubeproxy.testing.fakeapi.resources import BY_KIND, RESOURCES, JSONObject, ResourceInfo
@@ -210,8 +211,10 @@ class FakeAPIServer:
         return f"http://{self.host}:{self.port}"
 
     def api_client(self, *, token: str | None = None) -> Any:
-        """An official ``kubernetes.client.ApiClient`` pointed at this server."""
-        from kubernetes import client  # imported late: the fake itself needs only the stdlib
+        """An official ``kubernetes.client.ApiClient`` pointed at this server (it needs
+        ``kubeproxy[kubernetes]``; the fake itself needs only the standard library)."""
+        require_extra("kubernetes", "kubernetes", "FakeAPIServer.api_client()")
+        from kubernetes import client
 
         configuration = client.Configuration()
         configuration.host = self.url

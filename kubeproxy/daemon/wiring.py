@@ -1,0 +1,172 @@
+"""What a daemon is wired with beside its options and backend factory: two option objects.
+
+:func:`~kubeproxy.daemon.build_daemon` and :func:`~kubeproxy.daemon.run_daemon` used to
+take some twenty keywords of two different kinds, and ``run_daemon`` forwarded them as
+``**Any``, so a typo reached nobody's type checker. They are two objects now, grouped by
+who sets them:
+
+* :class:`DaemonPlugins`: what a proxy built on the library adds, whoever runs it: its
+  name and mode, its per-backend hooks, its self-healing watchers, the warnings it posts
+  at start-up and the step it runs right before the first sync. Our binaries set these.
+* :class:`DaemonSeams`: what the daemon otherwise takes from the host and the process:
+  the API client, the network namespace, the executors and probes of the node (host
+  addresses, conntrack, sysctls, ``/proc`` paths, IPv6 support, the garbage collector),
+  the event sink, the source's timing, the exit and stop of the process. A node leaves
+  them all at their defaults; tests and benchmarks pass fakes.
+
+The backend factory stays the one positional argument beside the options: every caller
+has one, and nothing else is needed to run a proxy.
+
+The old keyword form (``build_daemon(options, factory, mode=..., conntrack=...)``) is
+still accepted for one release (:class:`LegacyKeywords`, :func:`from_keywords`), with a
+:class:`DeprecationWarning`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final, TypedDict
+
+from kubeproxy.conntrack import ConntrackExecutor
+from kubeproxy.daemon.events import StartupWarning
+from kubeproxy.daemon.gctuning import GcOps
+from kubeproxy.daemon.hooks import BackendHooks, WatcherFactory
+from kubeproxy.daemon.privileged import HostPaths
+from kubeproxy.daemon.sources import NODE_WAIT_TIMEOUT, SourceTuning
+from kubeproxy.events import EventSink
+from kubeproxy.netlink import HostAddressLister
+from kubeproxy.sysctl import SysctlFiles
+
+__all__ = ["DaemonPlugins", "DaemonSeams", "LegacyKeywords", "LegacyRunKeywords", "from_keywords"]
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonPlugins:
+    """What a proxy built on the library plugs into the daemon.
+
+    ``mode`` (``nftables``, ``iptables`` or ``ipvs``) picks upstream's mode-specific
+    metrics and is what ``/proxyMode`` and the logs say; ``name`` is the proxy's name in
+    the logs and the Events' ``reportingController``. ``backend_hooks`` adds the proxy's
+    own hooks, metrics and health conditions per backend
+    (:data:`~kubeproxy.daemon.hooks.BackendHooks`); ``watchers`` makes the self-healing
+    watchers (none without it). ``startup_warnings`` are posted as events when the daemon
+    starts. ``before_first_sync`` runs once every backend exists and (for a daemon) the
+    servers are bound, right before the first sync: our binaries remove the other modes'
+    rules there, so a mode that cannot run leaves them in place.
+    """
+
+    mode: str = "nftables"
+    name: str = "kube-proxy"
+    backend_hooks: BackendHooks | None = None
+    watchers: WatcherFactory | None = None
+    startup_warnings: Sequence[StartupWarning] = ()
+    before_first_sync: Callable[[], object] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonSeams:
+    """What the daemon takes from the host and the process unless given (tests pass fakes).
+
+    ``api``: the API client (default: one made from the options; unused with manifests).
+    ``netns``: the network namespace the executors act in (default: the current one).
+    ``host_addresses`` (netlink), ``conntrack`` (ctnetlink): the executors; with the real
+    ``host_addresses`` lister an :class:`~kubeproxy.netlink.AddressWatcher` has the
+    proxiers read the host's addresses again when one comes or goes. ``events``: default
+    an :class:`~kubeproxy.events.EventRecorder` with the API, a
+    :class:`~kubeproxy.daemon.events.LoggingEventSink` with manifests. ``privileged``
+    applies :func:`~kubeproxy.daemon.privileged.privileged_setup` through ``paths`` and
+    ``sysctl_files``. ``ipv6_supported``: None probes the kernel. ``gc_ops``: the garbage
+    collector the :class:`~kubeproxy.daemon.gctuning.GcTuner` tunes. ``tuning``: how the
+    Kubernetes source pages and backs off; ``node_timeout``: how long start-up waits for
+    this Node. ``exit``: what the Node watcher calls when the Node's IPs change (default:
+    end the process). ``stop``: setting it stops the daemon (and a start that waits).
+    """
+
+    api: object | None = None
+    netns: str | None = None
+    host_addresses: HostAddressLister | None = None
+    conntrack: ConntrackExecutor | None = None
+    events: EventSink | None = None
+    privileged: bool = True
+    paths: HostPaths | None = None
+    sysctl_files: SysctlFiles | None = None
+    ipv6_supported: bool | None = None
+    gc_ops: GcOps | None = None
+    tuning: SourceTuning | None = None
+    node_timeout: float = NODE_WAIT_TIMEOUT
+    exit: Callable[[int], object] | None = None
+    stop: threading.Event | None = None
+
+
+class LegacyKeywords(TypedDict, total=False):
+    """The deprecated keywords of :func:`~kubeproxy.daemon.build_daemon` (until 0.2): the
+    fields of :class:`DaemonPlugins` and :class:`DaemonSeams`."""
+
+    mode: str
+    name: str
+    backend_hooks: BackendHooks | None
+    watchers: WatcherFactory | None
+    startup_warnings: Sequence[StartupWarning]
+    before_first_sync: Callable[[], object] | None
+    api: object | None
+    netns: str | None
+    host_addresses: HostAddressLister | None
+    conntrack: ConntrackExecutor | None
+    events: EventSink | None
+    privileged: bool
+    paths: HostPaths | None
+    sysctl_files: SysctlFiles | None
+    ipv6_supported: bool | None
+    gc_ops: GcOps | None
+    tuning: SourceTuning | None
+    node_timeout: float
+    exit: Callable[[int], object] | None
+    stop: threading.Event | None
+
+
+class LegacyRunKeywords(LegacyKeywords, total=False):
+    """The deprecated keywords of :func:`~kubeproxy.daemon.run_daemon` (until 0.2): those
+    of :class:`LegacyKeywords` and ``serve_early``."""
+
+    serve_early: bool
+
+
+_PLUGIN_FIELDS: Final = frozenset(f.name for f in dataclasses.fields(DaemonPlugins))
+_SEAM_FIELDS: Final = frozenset(f.name for f in dataclasses.fields(DaemonSeams))
+
+
+def from_keywords(
+    function: str,
+    keywords: Mapping[str, object],
+    plugins: DaemonPlugins | None,
+    seams: DaemonSeams | None,
+) -> tuple[DaemonPlugins, DaemonSeams, bool | None]:
+    """``function``'s plug-ins, seams and ``serve_early`` (None: not given) from its
+    deprecated ``keywords``, after a :class:`DeprecationWarning`; the objects as given
+    (or their defaults) when there are none. Mixing both forms is a :class:`TypeError`.
+    """
+    if not keywords:
+        return plugins or DaemonPlugins(), seams or DaemonSeams(), None
+    if plugins is not None or seams is not None:
+        raise TypeError(f"{function}(): pass plugins= and seams=, or the old keywords, not both")
+    unknown = set(keywords) - _PLUGIN_FIELDS - _SEAM_FIELDS - {"serve_early"}
+    if unknown:
+        raise TypeError(f"{function}() got unexpected keyword arguments: {sorted(unknown)}")
+    warnings.warn(
+        f"{function}(options, factory, {', '.join(f'{k}=...' for k in keywords)}) is "
+        f"deprecated and goes in 0.2: pass plugins=DaemonPlugins(...) (mode, name, hooks, "
+        f"watchers, startup warnings, before_first_sync) and seams=DaemonSeams(...) "
+        f"(API client, netns, executors, host probes, timing, exit, stop)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    # The objects' constructors type-check each value at run time no more than the old
+    # keywords did; mypy checks them against LegacyKeywords at the call.
+    built_plugins = DaemonPlugins(**{k: v for k, v in keywords.items() if k in _PLUGIN_FIELDS})  # type: ignore[arg-type]
+    built_seams = DaemonSeams(**{k: v for k, v in keywords.items() if k in _SEAM_FIELDS})  # type: ignore[arg-type]
+    serve_early = keywords.get("serve_early")
+    return built_plugins, built_seams, None if serve_early is None else bool(serve_early)
