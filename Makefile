@@ -2,9 +2,6 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
-# The top-level cmd/ folder would shadow the standard library's `cmd` if the working
-# directory were put on sys.path (python -m does that); never let it be.
-export PYTHONSAFEPATH := 1
 
 .PHONY: setup run test lint typecheck unit clean
 
@@ -17,8 +14,8 @@ run: setup
 	$(PY) -m kubeproxy.cmd.demo examples/cluster
 
 lint: setup
-	$(VENV)/bin/ruff check kubeproxy backends cmd tests bench examples
-	$(VENV)/bin/ruff format --check kubeproxy backends cmd tests bench examples
+	$(VENV)/bin/ruff check kubeproxy tests bench examples
+	$(VENV)/bin/ruff format --check kubeproxy tests bench examples
 
 typecheck: setup
 	$(VENV)/bin/mypy
@@ -39,7 +36,7 @@ setup-kernels:
 	@./scripts/setup-kernels.sh
 
 test-kernels: setup-kernels
-	$(PY) -P tests/vm/host.py $(KERNELS_ARGS)
+	$(PY) -m tests.vm.host $(KERNELS_ARGS)
 
 # Benchmarks: our nftables and iptables backends and upstream's nftables rule structure,
 # side by side (bench/README.md). bench-quick: a few minutes; bench: everything (long).
@@ -49,7 +46,7 @@ test-kernels: setup-kernels
 # minute), compared with the committed baseline; fails when a minimum is 20 % slower.
 .PHONY: bench bench-quick bench-micro bench-micro-baseline
 MICRO_BASELINE := bench/results/micro-baseline.json
-MICRO := $(VENV)/bin/pytest --import-mode=append bench/test_micro.py --benchmark-sort=name
+MICRO := $(VENV)/bin/pytest bench/test_micro.py --benchmark-sort=name
 
 bench-micro: setup
 	$(MICRO) --benchmark-compare=$(MICRO_BASELINE) --benchmark-compare-fail=min:20% \
@@ -60,15 +57,14 @@ bench-micro-baseline: setup
 
 bench-quick: setup
 	KPXB_COMMAND="make bench-quick" KPXB_INCREMENTAL_BUDGET_S=5 \
-		$(VENV)/bin/pytest --import-mode=append bench -m quick --benchmark-sort=name $(BENCH_ARGS)
+		$(VENV)/bin/pytest bench -m quick --benchmark-sort=name $(BENCH_ARGS)
 
 bench: setup
-	KPXB_COMMAND="make bench" $(VENV)/bin/pytest --import-mode=append bench \
+	KPXB_COMMAND="make bench" $(VENV)/bin/pytest bench \
 		--benchmark-sort=name $(BENCH_ARGS)
 
 # Repair times after someone else removes our rules, 10k Services by default
 # (bench/selfheal.py; README: "Surviving firewall reloads"). Not part of bench.
 .PHONY: bench-selfheal
 bench-selfheal: setup
-	$(PY) -P -c "import runpy, sys; sys.path.append('.'); \
-		runpy.run_module('bench.selfheal', run_name='__main__', alter_sys=True)" $(SELFHEAL_ARGS)
+	$(PY) -m bench.selfheal $(SELFHEAL_ARGS)

@@ -62,14 +62,14 @@ def time_once(benchmark: BenchmarkFixture, target: Callable[[], object]) -> None
 def python_module(module: str, *args: str) -> list[str]:
     """The argument list that runs ``python -m module args`` with ``bench`` importable.
 
-    The repository root goes at the END of ``sys.path`` (and ``-P`` keeps the working
-    directory off it): its top-level ``cmd/`` must never shadow the standard library's.
+    The child may start in any directory (``ip netns exec`` keeps ours, a test may not),
+    so the repository root is put on its ``sys.path`` first.
     """
     bootstrap = (
-        f"import runpy, sys; sys.path.append({str(REPO)!r}); "
+        f"import runpy, sys; sys.path.insert(0, {str(REPO)!r}); "
         f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"
     )
-    return [sys.executable, "-P", "-c", bootstrap, *args]
+    return [sys.executable, "-c", bootstrap, *args]
 
 
 class ProxyProcessError(RuntimeError):

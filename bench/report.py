@@ -107,8 +107,8 @@ def _run(argv: Sequence[str]) -> str:
     return result.stdout.strip()
 
 
-# The folders of the code a run measures: the core, the backends, the chain structure.
-_MEASURED_CODE = ("kubeproxy", "backends", "bench/chain_structure")
+# The folders of the code a run measures: the core and the backends, the chain structure.
+_MEASURED_CODE = ("kubeproxy", "bench/chain_structure")
 
 
 def code_fingerprint() -> str:

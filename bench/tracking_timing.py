@@ -1,6 +1,6 @@
 """Quick timing of the core's parse + track + apply + categorize path (not a test).
 
-Run: PYTHONSAFEPATH=1 .venv/bin/python bench/tracking_timing.py [services] [endpoints-per-service]
+Run: .venv/bin/python -m bench.tracking_timing [services] [endpoints-per-service]
 
 Times are CPU seconds of this process (time.process_time), so that other load on the
 machine does not count. About 40% of the cold time is the cyclic garbage collector

@@ -10,7 +10,7 @@ The recording is the chain structure's first full sync of :func:`cluster` on a
 :class:`~kubeproxy.backends.nftables.fake.FakeNft`, dumped: ``nft -f`` text that both the
 fake and ``nft`` load. Recorded, and re-recorded, with
 
-    PYTHONSAFEPATH=1 PYTHONPATH=. .venv/bin/python tests/chain_ruleset.py
+    .venv/bin/python -m tests.chain_ruleset
 
 (:func:`main`); ``tests/test_bench_chain_backend.py`` checks that it is still what the
 structure writes.
@@ -40,7 +40,7 @@ _HEADER = """\
 # The per-Service-chain structure's table (bench/chain_structure) after its first full sync
 # of tests/chain_ruleset.py's cluster(): the echo Service of the kernel tests, 20 others,
 # one with ClientIP affinity and a NodePort, one with a load-balancer IP and source ranges.
-# Recorded by `PYTHONSAFEPATH=1 PYTHONPATH=. .venv/bin/python tests/chain_ruleset.py`
+# Recorded by `.venv/bin/python -m tests.chain_ruleset`
 # (FakeNft's dump); the map structure's upgrade tests start from it. Do not edit by hand.
 """
 

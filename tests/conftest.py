@@ -8,23 +8,12 @@ skip, including a kernel test skipped for want of root, is reported as a failure
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Generator
-from pathlib import Path
 
 import pytest
 
 LEGITIMATE_SKIP = "kernel lacks"
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-
-# Child Pythons started by tests run from the repository root; the top-level cmd/ folder
-# must not shadow the standard library's `cmd` there.
-os.environ["PYTHONSAFEPATH"] = "1"
-
-# The helpers next to the tests (tests/snapshots.py, tests/kernelkit.py) import as
-# ``tests.<name>``. The repository root is appended, never prepended: its cmd/ folder must
-# not shadow the standard library's cmd.
-sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

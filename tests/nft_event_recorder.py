@@ -1,6 +1,6 @@
 """Records the nf_tables event payloads of ``tests/nft_event_payloads.py`` (as root).
 
-    PYTHONSAFEPATH=1 PYTHONPATH=. .venv/bin/python tests/nft_event_recorder.py \
+    .venv/bin/python -m tests.nft_event_recorder \
         > tests/nft_event_payloads.py
 
 In a throw-away network namespace (``kpxrec-<pid>``, deleted afterwards) it listens to

@@ -5,16 +5,12 @@ checks and the tables, on made-up records."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-# bench/ is not part of the installed package. Append the repository root (never prepend:
-# its cmd/ folder would shadow the standard library's `cmd`).
-sys.path.append(str(Path(__file__).resolve().parents[1]))
-
+# bench/ is not part of the installed package: it imports from the repository root.
 from bench import daemonbench
 from bench.daemonbench import _bucket_quantile, flip_last_endpoint, write_cluster
 from bench.daemonrun import deep_mb

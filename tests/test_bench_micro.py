@@ -24,7 +24,6 @@ def test_every_micro_benchmark_runs() -> None:
             sys.executable,
             "-m",
             "pytest",
-            "--import-mode=append",
             "--noconftest",  # bench/conftest.py wants root for the kernel benchmarks
             "--benchmark-disable",
             "-q",

@@ -5,16 +5,12 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-# bench/ is not part of the installed package. Append the repository root (never prepend:
-# its cmd/ folder would shadow the standard library's `cmd`).
-sys.path.append(str(Path(__file__).resolve().parents[1]))
-
+# bench/ is not part of the installed package: it imports from the repository root.
 from bench import synthetic, wholeproc
 from bench.chain_structure import create_chain_backend
 from bench.proxyproc import BenchProxy, bench_config

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-# bench/ is not part of the installed package. Append the repository root (never prepend:
-# its cmd/ folder would shadow the standard library's `cmd`).
-sys.path.append(str(Path(__file__).resolve().parents[1]))
-
+# bench/ is not part of the installed package: it imports from the repository root.
 from bench.harness import percentile
 from bench.report import render_markdown, subject_titles
 from bench.targets import (

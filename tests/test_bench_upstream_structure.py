@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from ipaddress import IPv4Address
@@ -11,10 +10,7 @@ from pathlib import Path
 
 import pytest
 
-# bench/ is not part of the installed package. Append the repository root (never prepend:
-# its cmd/ folder would shadow the standard library's `cmd`).
-sys.path.append(str(Path(__file__).resolve().parents[1]))
-
+# bench/ is not part of the installed package: it imports from the repository root.
 from bench.synthetic import build_services, endpoint_ips, service_ip
 from bench.upstream_structure import (
     endpoint_chain_base,

@@ -18,6 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import kubeproxy.nlmsg as nlmsg
 from kubeproxy.backend import ProxySnapshot, SyncChanges
 from kubeproxy.config import ProxierConfig
 from kubeproxy.conntrack import (
@@ -28,6 +29,7 @@ from kubeproxy.conntrack import (
     NetlinkConntrack,
     find_stale_flows,
 )
+from kubeproxy.conntrack.messages import dump_flow
 from kubeproxy.metrics import ProxyMetrics
 from kubeproxy.netns import in_netns as entered
 from kubeproxy.objects import (
@@ -640,3 +642,51 @@ def test_executor_errors_are_conntrack_errors() -> None:
 def test_executor_refuses_bad_batch_sizes() -> None:
     with pytest.raises(ValueError):
         NetlinkConntrack(batch=0)
+
+
+def _answer(flow: Flow, *, kernel_layout: bool) -> bytes:
+    """A dump answer's payload for ``flow``: its tuples in the layout the kernel writes,
+    or with the protocol attribute first (legal, read only by the attribute walk)."""
+    v4 = flow.orig_src.version == 4
+    src_kind, dst_kind = (1, 2) if v4 else (3, 4)
+
+    def tuple_attr(kind: int, src: IPAddress, sport: int, dst: IPAddress, dport: int) -> bytes:
+        addresses = nlmsg.nested(
+            1, nlmsg.attr(src_kind, src.packed), nlmsg.attr(dst_kind, dst.packed)
+        )
+        proto = nlmsg.nested(
+            2,
+            nlmsg.attr(1, b"\x11"),
+            nlmsg.attr(2, sport.to_bytes(2, "big")),
+            nlmsg.attr(3, dport.to_bytes(2, "big")),
+        )
+        return nlmsg.nested(kind, *((addresses, proto) if kernel_layout else (proto, addresses)))
+
+    family = socket.AF_INET if v4 else socket.AF_INET6
+    return (
+        nlmsg.NFGEN.pack(family, 0, 0)
+        + tuple_attr(1, flow.orig_src, flow.orig_src_port, flow.orig_dst, flow.orig_dst_port)
+        + tuple_attr(2, flow.reply_src, flow.reply_src_port, flow.orig_src, flow.orig_src_port)
+    )
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.sampled_from([4, 6]),
+    st.lists(st.integers(0, 2**128 - 1), min_size=3, max_size=3),
+    st.lists(st.integers(0, 65535), min_size=3, max_size=3),
+)
+def test_dump_answers_read_the_same_by_layout_and_by_walk(
+    version: int, addresses: list[int], ports: list[int]
+) -> None:
+    make = ipaddress.IPv4Address if version == 4 else ipaddress.IPv6Address
+    src, dst, reply = (make(a % 2**32 if version == 4 else a) for a in addresses)
+    flow = Flow(src, ports[0], dst, ports[1], reply, ports[2])
+    expected = (src.packed, ports[0], dst.packed, ports[1], reply.packed, ports[2])
+    ctnetlink_answer = nlmsg.nfnl_type(nlmsg.NFNL_SUBSYS_CTNETLINK, 0)
+    for kernel_layout in (True, False):
+        payload = _answer(flow, kernel_layout=kernel_layout)
+        view = memoryview(payload)
+        assert dump_flow(ctnetlink_answer, view, 0, len(payload)) == expected
+        other_subsystem = nlmsg.nfnl_type(nlmsg.NFNL_SUBSYS_CTNETLINK + 1, 0)
+        assert dump_flow(other_subsystem, view, 0, len(payload)) is None

@@ -37,7 +37,7 @@ from tests.kernelkit import NodeAndPod, answered_by, node_and_pod, run_in
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "nft_clusterip"
 SCRIPT = EXAMPLE / "nft_clusterip.py"
-# Appended, never prepended (the repository root holds a cmd/ folder; see test_cmd.py).
+# The example is its own package, outside ours: its folder goes on the path.
 sys.path.append(str(EXAMPLE))
 
 NODE = "kpxo-node"

@@ -63,14 +63,10 @@ from kubeproxy.testing.traffic import (
     judge,
     probe_flow,
 )
+from tests.flowcase_standin import factory
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
-# Appended, never prepended: the repository root holds a cmd/ folder that must not
-# shadow the standard library's cmd.
-sys.path.append(str(ROOT))
-
-from tests.flowcase_standin import factory  # noqa: E402
 
 CASES = TESTS / "flowcases_standin"
 SCTP_LACKING = sctp_skip_reason()
@@ -478,7 +474,7 @@ def test_an_interrupt_removes_everything(run_id: str) -> None:
 
 
 def run_cli(*args: str, run_id: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(TESTS), "PYTHONSAFEPATH": "1"}
+    env = {**os.environ, "PYTHONPATH": str(TESTS)}
     command = [sys.executable, "-m", "kubeproxy.testing.flowcases", "--run-id", run_id, *args]
     return subprocess.run(
         command, cwd=ROOT, env=env, capture_output=True, text=True, check=False, timeout=120
@@ -545,7 +541,7 @@ run_file(sys.argv[1], "flowcase_standin:factory", RunOptions(timeout=20, run_id=
 @pytest.mark.kernel
 @pytest.mark.parametrize("how", ["cli", "api"])
 def test_sigterm_removes_everything(run_id: str, how: str) -> None:
-    env = {**os.environ, "PYTHONPATH": str(TESTS), "PYTHONSAFEPATH": "1"}
+    env = {**os.environ, "PYTHONPATH": str(TESTS)}
     slow = str(CASES / "slow-drop.yaml")
     if how == "cli":
         command = [

@@ -468,7 +468,7 @@ def test_dockerfile_installs_the_proxy_and_its_kernel_tools() -> None:
         "ipset",
         "iproute2",
     } <= packages
-    for source in ("pyproject.toml", "kubeproxy", "backends", "cmd"):
+    for source in ("pyproject.toml", "kubeproxy"):
         assert re.search(rf"^COPY .*\b{re.escape(source)}\b", text, re.MULTILINE), source
     entrypoint = json.loads(re.findall(r"^ENTRYPOINT (.+)$", text, re.MULTILINE)[-1])
     assert entrypoint == [PROG]

@@ -68,7 +68,7 @@ pytestmark = pytest.mark.kernel
 # test-kernels) the flows run, and those where upstream's ipvs mode differs must fail as
 # backends/ipvs/differences.yaml says.
 def known_differences(
-    path: Path = REPO / "backends/ipvs/differences.yaml",
+    path: Path = REPO / "kubeproxy/backends/ipvs/differences.yaml",
 ) -> dict[str, KnownFailure]:
     """Flow id -> how the ipvs backend fails it, as upstream's ipvs mode would."""
     known: dict[str, KnownFailure] = {}

@@ -1,6 +1,12 @@
 """The rules of the house about imports, read from the source (imports inside functions too).
 
-* The core (``kubeproxy/`` but its ``backends`` and ``cmd`` links) imports nothing from
+* Every module is where its import name says: one package, ``kubeproxy/``, with the
+  backends in ``kubeproxy/backends`` and the binaries in ``kubeproxy/cmd``; no symbolic
+  link inside it, so a tool that maps imports to files (grimp here; mypy; an editor)
+  resolves every import. The design card's top-level ``backends`` and ``cmd`` lead there,
+  and ``kubeproxy/cmd`` is a namespace package, so the standard library's ``cmd`` wins
+  wherever the repository root sits on ``sys.path``: nothing needs ``-P``.
+* The core (``kubeproxy/`` but its ``backends`` and ``cmd``) imports nothing from
   ``kubeproxy.backends`` or ``kubeproxy.cmd``: the library daemon included, so an
   out-of-tree proxy gets all of it without our renderers or binaries.
 * No import circle among the core's modules, nor among the benchmarks' (two were
@@ -15,22 +21,38 @@
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import grimp
+
 REPO = Path(__file__).resolve().parent.parent
+PACKAGE = REPO / "kubeproxy"
 
 
-def modules(top: str) -> dict[str, Path]:
-    """Module name -> file, for every module under ``top`` (``kubeproxy`` or ``bench``)."""
+def module_name(path: Path) -> str:
+    """The import name of the module in ``path``, read from where it is."""
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules(top: str, *, core: bool = True) -> dict[str, Path]:
+    """Module name -> file, for every module under ``top`` (``kubeproxy`` or ``bench``).
+
+    Under ``kubeproxy`` only the core's unless ``core`` is false: the backends and the
+    binaries are in the package, not in the core.
+    """
     found = {}
     for path in sorted((REPO / top).rglob("*.py")):
-        parts = list(path.relative_to(REPO).with_suffix("").parts)
-        if top == "kubeproxy" and parts[1] in ("backends", "cmd"):
-            continue  # links to the top-level folders, not the core
-        if parts[-1] == "__init__":
-            parts.pop()
-        found[".".join(parts)] = path
+        name = module_name(path)
+        if core and name.startswith(("kubeproxy.backends", "kubeproxy.cmd")):
+            continue
+        found[name] = path
     return found
 
 
@@ -118,10 +140,51 @@ def test_no_import_circles_in_the_core_or_the_benchmarks() -> None:
     assert circles(graph("bench")) == []
 
 
+def test_every_module_is_where_its_import_name_says() -> None:
+    links = [str(p.relative_to(REPO)) for p in PACKAGE.rglob("*") if p.is_symlink()]
+    assert links == []
+    # The design card's top level: two entries that lead into the package, nothing else.
+    for top in ("backends", "cmd"):
+        assert os.readlink(REPO / top) == f"kubeproxy/{top}"
+    graph = grimp.build_graph("kubeproxy", "kubeproxy.cmd", cache_dir=None)
+    assert set(modules("kubeproxy", core=False)) <= graph.modules
+    unresolved = [
+        f"{name} imports {target}"
+        for name, path in modules("kubeproxy", core=False).items()
+        for target in imported(name, path)
+        if target.startswith("kubeproxy.")
+        and target not in graph.modules
+        and target.rpartition(".")[0] not in graph.modules
+    ]
+    assert unresolved == []
+    # The weak spot this replaced: a tool that follows no link saw the nftables backend as
+    # unconnected files. Every module of it now imports, or is imported by, another.
+    nftables = sorted(m for m in graph.modules if m.startswith("kubeproxy.backends.nftables."))
+    assert len(nftables) >= 10
+    alone = [
+        m
+        for m in nftables
+        if not graph.find_modules_that_directly_import(m)
+        and not graph.find_modules_directly_imported_by(m)
+    ]
+    assert alone == []
+
+
+def test_the_standard_library_cmd_wins_from_the_repository_root() -> None:
+    # `python -c` and `python -m` put the working directory first on sys.path.
+    probe = "import cmd, kubeproxy.cmd.binary; print(cmd.__file__); print(cmd.Cmd.__name__)"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    where, name = done.stdout.split()
+    assert Path(where).parent != REPO / "cmd" and name == "Cmd"
+
+
 def test_cmd_holds_the_binaries_only() -> None:
-    names = sorted(p.stem for p in (REPO / "cmd").glob("*.py"))
+    names = sorted(p.stem for p in (PACKAGE / "cmd").glob("*.py"))
     assert names == [
-        "__init__",
         "binary",
         "demo",
         "flags",
@@ -132,7 +195,7 @@ def test_cmd_holds_the_binaries_only() -> None:
         "nftables",
         "options",
     ]
-    for path in (REPO / "cmd").glob("*.py"):
+    for path in (PACKAGE / "cmd").glob("*.py"):
         defined = {
             node.name
             for node in ast.parse(path.read_text()).body
@@ -142,7 +205,7 @@ def test_cmd_holds_the_binaries_only() -> None:
 
 
 def test_the_nftables_package_holds_the_shipped_structure_only() -> None:
-    names = sorted(p.stem for p in (REPO / "backends" / "nftables").glob("*.py"))
+    names = sorted(p.stem for p in (PACKAGE / "backends" / "nftables").glob("*.py"))
     assert names == [
         "__init__",
         "affinity_cleanup",
@@ -172,11 +235,8 @@ def test_the_nftables_package_holds_the_shipped_structure_only() -> None:
 
 def test_no_backend_imports_the_benchmarks_but_the_deprecated_names() -> None:
     found: set[tuple[str, str]] = set()
-    for path in sorted((REPO / "backends").rglob("*.py")):
-        parts = list(path.relative_to(REPO).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        name = ".".join(["kubeproxy", *parts])
+    for path in sorted((PACKAGE / "backends").rglob("*.py")):
+        name = module_name(path)
         found.update((name, t) for t in imported(name, path) if t.split(".")[0] == "bench")
     # kubeproxy.backends.nftables.__getattr__: ChainNftablesBackend, create_chain_backend.
     assert found == {("kubeproxy.backends.nftables", "bench.chain_structure")}
@@ -186,8 +246,7 @@ def test_one_netlink_codec() -> None:
     # kubeproxy/nlmsg.py is the one place that packs netlink headers and attributes.
     copies = [
         str(path.relative_to(REPO))
-        for top in ("kubeproxy", "backends")
-        for path in sorted((REPO / top).rglob("*.py"))
+        for path in sorted(PACKAGE.rglob("*.py"))
         if path.name != "nlmsg.py" and ('"=IHHII"' in (text := path.read_text()) or '"=HH"' in text)
     ]
     assert copies == []

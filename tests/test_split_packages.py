@@ -1,4 +1,4 @@
-"""Three modules became packages of one concept per module (issue 22); their users see no
+"""Five modules became packages of one concept per module (issue 22); their users see no
 change: every public name the old module had is importable from the old path, each new
 module says what it is, and the log records keep the old logger name."""
 
@@ -49,6 +49,37 @@ OLD_NAMES = {
         "format_time",
         "listen_backlog",
         "parse_bind_address",
+    },
+    "kubeproxy.conntrack": {
+        "ConntrackError",
+        "ConntrackExecutor",
+        "ConntrackMetrics",
+        "ConntrackReconciler",
+        "FakeConntrack",
+        "Flow",
+        "NetlinkConntrack",
+        "find_stale_flows",
+        "udp_frontends",
+    },
+    "kubeproxy.nftevents": {
+        "FALLBACK_INTERVAL",
+        "NETLINK_NETFILTER",
+        "NFNLGRP_NFTABLES",
+        "ChildProcesses",
+        "Commit",
+        "CommitAssembler",
+        "EventSocket",
+        "EventsLost",
+        "Generation",
+        "Interest",
+        "NftablesEventWatcher",
+        "ObjectChange",
+        "ObjectKey",
+        "OwnWriters",
+        "own_netlink_portids",
+        "parse_datagram",
+        "read_generation",
+        "summarize",
     },
     "kubeproxy.testing.fakeapi": {
         "APIRequest",

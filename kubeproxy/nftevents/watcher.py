@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 __all__ = ["FALLBACK_INTERVAL", "NftablesEventWatcher"]
 
-logger = logging.getLogger(__name__)
+# The old module's name: operators may filter on it.
+logger = logging.getLogger("kubeproxy.nftevents")
 
 FALLBACK_INTERVAL: Final = 3.0
 """Seconds between generation checks when events cannot be had."""

@@ -1,6 +1,6 @@
 """What ``make test-kernels`` runs inside each VM (as root, on the kernel under test).
 
-Run by :mod:`tests.vm.host` as ``python -P tests/vm/guest.py --label L --scope S --out DIR``
+Run by :mod:`tests.vm.host` as ``python tests/vm/guest.py --label L --scope S --out DIR``
 with this machine's root filesystem (the repository overlaid read-write, so nothing of the
 guest's reaches the host) and ``DIR`` shared read-write. It writes ``DIR/<label>.json``:
 

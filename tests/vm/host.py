@@ -2,7 +2,7 @@
 
 Usage (as root, after ``scripts/setup-kernels.sh``)::
 
-    python -P tests/vm/host.py [--only LABEL ...] [-- PYTEST_ARGS...]
+    python -m tests.vm.host [--only LABEL ...] [-- PYTEST_ARGS...]
 
 Each kernel boots under plain emulation (TCG: hardware virtualisation does not work on
 this project's machines) with virtme-ng, one VM at a time, 2 vCPUs and 3 GiB, this
@@ -48,7 +48,6 @@ def vng_command(kernel: UnpackedKernel, out: Path, guest_args: list[str]) -> lis
         [
             f"KUBEPROXY_FLOW_TIMEOUT_SCALE={shlex.quote(scale)}",
             shlex.quote(str(ROOT / ".venv/bin/python")),
-            "-P",
             shlex.quote(str(ROOT / "tests/vm/guest.py")),
             "--label",
             kernel.spec.label,

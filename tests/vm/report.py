@@ -1,6 +1,6 @@
 """What a kernel's run found: counts, failures, probes (:mod:`tests.vm.guest`'s files).
 
-``python -P tests/vm/report.py [LABEL...]`` prints the report of runs already in
+``python -m tests.vm.report [LABEL...]`` prints the report of runs already in
 ``.cache/kernels/results/`` (and, with ``--against LABEL``, the tests whose outcome differs
 from another run's, e.g. a run of the guest on this machine's own kernel).
 """

@@ -1,1 +1,0 @@
-"""Entry points: flag and config parsing, wiring a source, a backend and servers."""
