@@ -31,7 +31,11 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from kubeproxy.backends.nftables.backend import NftablesBackend
-from kubeproxy.backends.nftables.localhost import OBJECT_NAMES, LocalhostNodePortsBackend
+from kubeproxy.backends.nftables.localhost import (  # noqa: F401 (OBJECT_NAMES: importable here before)
+    KEPT_OBJECTS,
+    OBJECT_NAMES,
+    LocalhostNodePortsBackend,
+)
 from kubeproxy.backends.nftables.objects import Family
 from kubeproxy.backends.nftables.table import TABLE
 from kubeproxy.backends.nftables.transaction import Transaction
@@ -71,7 +75,7 @@ def create_backend(
     executor = LibNftables(netns=netns, netlink_elements=netlink)
     if not config.feature_gates.enabled(KUBE_PROXY_NFTABLES_LOCALHOST_NODEPORTS):
         return NftablesBackend(family, config, executor=executor)
-    inner = NftablesBackend(family, config, executor=executor, kept=OBJECT_NAMES)
+    inner = NftablesBackend(family, config, executor=executor, kept=KEPT_OBJECTS)
     return LocalhostNodePortsBackend.create(inner, config, executor, netns=netns)
 
 

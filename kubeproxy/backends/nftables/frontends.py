@@ -22,10 +22,12 @@ this module only says *which* class and lists each frontend gets.
 
 from __future__ import annotations
 
+import enum
 import functools
 import ipaddress
 import sys
 from dataclasses import dataclass
+from typing import Final
 
 from kubeproxy.backends.nftables.table import (
     AFFINITY6_MAP_TYPE,
@@ -54,29 +56,65 @@ __all__ = [
     "AffinityPlan",
     "ClassSpec",
     "Frontend",
+    "Kind",
+    "NoEndpoint",
     "PortPlan",
+    "Shape",
     "endpoint_value",
     "plan_port",
 ]
 
-KIND_IP = "ip"
-"""A frontend keyed by ``address . protocol . port`` (cluster, external, LB IPs)."""
-KIND_NODEPORT = "nodeport"
-"""A frontend keyed by ``protocol . port`` on the node's NodePort addresses."""
 
-SHAPE_INTERNAL = "internal"
-"""Cluster-IP traffic: the internal endpoint list, masqueraded as the detector says."""
-SHAPE_EXTERNAL = "external"
-"""External traffic under ``externalTrafficPolicy: Cluster``: always masqueraded."""
-SHAPE_LOCAL = "local"
-"""External traffic under ``externalTrafficPolicy: Local``: node-local endpoints, except
-traffic from local pods and from the node itself, which uses every endpoint (the
-short-circuits upstream has)."""
+class Kind(enum.StrEnum):
+    """What a frontend is keyed by (a StrEnum: its members are the strings they stand
+    for, so the names built from them are unchanged)."""
 
-REJECT = "reject"
-"""No endpoint anywhere: new connections are rejected."""
-DROP = "drop"
-"""Endpoints exist, none of them for this frontend's policy: new connections are dropped."""
+    IP = "ip"
+    """A frontend keyed by ``address . protocol . port`` (cluster, external, LB IPs)."""
+    NODEPORT = "nodeport"
+    """A frontend keyed by ``protocol . port`` on the node's NodePort addresses."""
+
+
+class Shape(enum.StrEnum):
+    """What is done to a frontend's traffic before the DNAT (part of its class)."""
+
+    INTERNAL = "internal"
+    """Cluster-IP traffic: the internal endpoint list, masqueraded as the detector says."""
+    EXTERNAL = "external"
+    """External traffic under ``externalTrafficPolicy: Cluster``: always masqueraded."""
+    LOCAL = "local"
+    """External traffic under ``externalTrafficPolicy: Local``: node-local endpoints,
+    except traffic from local pods and from the node itself, which uses every endpoint
+    (the short-circuits upstream has)."""
+
+
+class NoEndpoint(enum.StrEnum):
+    """The verdict for new connections to a frontend without an endpoint for it (its
+    value is the nft verdict and the word in the no-endpoint sets' names)."""
+
+    REJECT = "reject"
+    """No endpoint anywhere: new connections are rejected."""
+    DROP = "drop"
+    """Endpoints exist, none of them for this frontend's policy: new connections are
+    dropped."""
+
+
+# The names before the enums, kept for importers (the same values: a StrEnum member is
+# the string it stands for, so names and rules written to the kernel do not change).
+KIND_IP: Final = Kind.IP
+"""A frontend keyed by ``address . protocol . port`` (:attr:`Kind.IP`)."""
+KIND_NODEPORT: Final = Kind.NODEPORT
+"""A frontend keyed by ``protocol . port`` (:attr:`Kind.NODEPORT`)."""
+SHAPE_INTERNAL: Final = Shape.INTERNAL
+"""Cluster-IP traffic (:attr:`Shape.INTERNAL`)."""
+SHAPE_EXTERNAL: Final = Shape.EXTERNAL
+"""External traffic, externalTrafficPolicy Cluster (:attr:`Shape.EXTERNAL`)."""
+SHAPE_LOCAL: Final = Shape.LOCAL
+"""External traffic, externalTrafficPolicy Local (:attr:`Shape.LOCAL`)."""
+REJECT: Final = NoEndpoint.REJECT
+"""No endpoint anywhere (:attr:`NoEndpoint.REJECT`)."""
+DROP: Final = NoEndpoint.DROP
+"""Endpoints elsewhere only (:attr:`NoEndpoint.DROP`)."""
 
 AFFINITY_MAP_SIZE = 65535
 """Clients one affinity map holds (the kernel's bound for a set that rules update, see
@@ -94,11 +132,11 @@ class ClassSpec:
     """How traffic to a frontend is treated; frontends of one class share one rule.
 
     ``count`` endpoints are chosen from the frontend's main list (``shortcut`` from its
-    short-circuit list, for :data:`SHAPE_LOCAL`); ``affinity`` adds the ClientIP lookup.
+    short-circuit list, for :attr:`Shape.LOCAL`); ``affinity`` adds the ClientIP lookup.
     """
 
-    kind: str
-    shape: str
+    kind: Kind
+    shape: Shape
     count: int
     shortcut: int = 0
     affinity: bool = False
@@ -110,19 +148,19 @@ class Frontend:
 
     ``endpoints`` and ``shortcut`` are endpoint keys (``IP:port``, sorted); the backend
     numbers them into stable slots. ``cls`` is None when nothing dispatches the
-    frontend (no usable endpoint for it); ``no_endpoint`` is :data:`REJECT`,
-    :data:`DROP` or None. With ClientIP affinity, ``lookup`` and ``shortcut_lookup``
+    frontend (no usable endpoint for it); ``no_endpoint`` is a :class:`NoEndpoint`
+    verdict or None. With ClientIP affinity, ``lookup`` and ``shortcut_lookup``
     name the chains its main and short-circuit picks look the client up in, and
     ``record`` the chain that records a new connection's endpoint (all in the port's
     :class:`AffinityPlan`).
     """
 
-    kind: str
+    kind: Kind
     key: Key
     cls: ClassSpec | None
     endpoints: tuple[str, ...] = ()
     shortcut: tuple[str, ...] = ()
-    no_endpoint: str | None = None
+    no_endpoint: NoEndpoint | None = None
     lookup: str | None = None
     shortcut_lookup: str | None = None
     record: str | None = None
@@ -281,7 +319,7 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
     else:
         frontends.append(Frontend(KIND_IP, cluster_key, None, no_endpoint=no_endpoint))
 
-    external_keys: list[tuple[str, Key]] = []
+    external_keys: list[tuple[Kind, Key]] = []
     for ext in (*port.external_ips, *port.load_balancer_vips):
         key: Key = (str(ext), proto, port_text)
         if key != cluster_key and key not in claims:

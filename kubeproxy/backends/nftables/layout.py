@@ -34,19 +34,24 @@ when a class or pick appears for the first time.
 
 from __future__ import annotations
 
+import enum
 import itertools
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Final
 
 from kubeproxy.backends.nftables.elements import supports
 from kubeproxy.backends.nftables.frontends import (
     AFFINITY_LOCAL_ENDPOINTS,
     KIND_IP,
     KIND_NODEPORT,
+    REJECT,
     SHAPE_INTERNAL,
     SHAPE_LOCAL,
     ClassSpec,
+    Kind,
+    NoEndpoint,
 )
 from kubeproxy.backends.nftables.table import (
     AFFINITY_TIMEOUT,
@@ -65,6 +70,7 @@ __all__ = [
     "DISPATCH_TREE",
     "FIREWALL_PROTOCOLS",
     "MAX_CLASS_BITS",
+    "Dispatch",
     "GenNames",
     "Pick",
     "class_bits",
@@ -85,9 +91,19 @@ __all__ = [
     "tree_depth",
 ]
 
-DISPATCH_TREE = "tree"
+
+class Dispatch(enum.StrEnum):
+    """How a connection finds its frontend's class."""
+
+    TREE = "tree"
+    """A decision tree over class-number bit sets (the default)."""
+    RULES = "rules"
+    """One rule per class (the structure before issue 19, for benchmarks)."""
+
+
+DISPATCH_TREE: Final = Dispatch.TREE
 """Class dispatch by a decision tree over class-number bit sets (the default)."""
-DISPATCH_RULES = "rules"
+DISPATCH_RULES: Final = Dispatch.RULES
 """Class dispatch by one rule per class (the structure before issue 19, for benchmarks)."""
 MAX_CLASS_BITS = 8
 """Most set bits a class number may have: each is one goto deeper in the tree, and the
@@ -147,7 +163,7 @@ class Pick:
     ``kind`` frontends, after the ClientIP ``affinity`` lookup when set.
     """
 
-    kind: str
+    kind: Kind
     shortcut: bool
     count: int
     affinity: bool
@@ -187,7 +203,7 @@ class GenNames:
         source ranges (:func:`firewall_allow_key`)."""
         return self._firewall_allow[proto]
 
-    def slots(self, kind: str, shortcut: bool, proto: str, count: int) -> str:
+    def slots(self, kind: Kind, shortcut: bool, proto: str, count: int) -> str:
         """The endpoint-slot map of ``kind`` frontends of one protocol (main list, or the
         short-circuit list of Local-policy frontends) with ``count`` endpoints: one map
         per :func:`slot_bucket` of counts."""
@@ -218,11 +234,11 @@ class GenNames:
             for proto in SLOT_PROTOCOLS
         )
 
-    def no_endpoint(self, kind: str, verdict: str) -> str:
+    def no_endpoint(self, kind: Kind, verdict: NoEndpoint) -> str:
         """The set of ``kind`` frontends without endpoints whose packets get ``verdict``."""
         if kind == KIND_IP:
-            return self.no_endpoint_reject if verdict == "reject" else self.no_endpoint_drop
-        if verdict == "reject":
+            return self.no_endpoint_reject if verdict == REJECT else self.no_endpoint_drop
+        if verdict == REJECT:
             return self.no_endpoint_nodeports_reject
         return self.no_endpoint_nodeports_drop
 
@@ -254,11 +270,11 @@ class GenNames:
             name += "-affinity"
         return name + self.suffix
 
-    def dispatch(self, kind: str) -> str:
+    def dispatch(self, kind: Kind) -> str:
         """The set of every dispatched ``kind`` frontend (tree dispatch)."""
         return f"dispatch-{_PLURAL[kind]}{self.suffix}"
 
-    def class_bit(self, kind: str, bit: int) -> str:
+    def class_bit(self, kind: Kind, bit: int) -> str:
         """The set of ``kind`` frontends whose class number has ``bit`` set."""
         memo = ("bit", kind, bit)
         found = self._memo.get(memo)
@@ -266,22 +282,22 @@ class GenNames:
             found = self._memo[memo] = f"class-bit-{_PLURAL[kind]}-{bit}{self.suffix}"
         return found
 
-    def tree(self, kind: str, number: int) -> str:
+    def tree(self, kind: Kind, number: int) -> str:
         """The dispatch-tree chain of class number ``number`` (0: the root)."""
         return f"dispatch-{_PLURAL[kind]}-{number}{self.suffix}"
 
-    def affinity_lookup(self, kind: str, shortcut: bool) -> str:
+    def affinity_lookup(self, kind: Kind, shortcut: bool) -> str:
         """The verdict map (and the chain that reads it) sending ``kind`` frontends of
         affinity classes to their port's lookup chain, for the main or short-circuit pick."""
         head = "affinity-shortcut" if shortcut else "affinity-lookup"
         return f"{head}-{_PLURAL[kind]}{self.suffix}"
 
-    def affinity_record(self, kind: str) -> str:
+    def affinity_record(self, kind: Kind) -> str:
         """The verdict map sending new DNATed connections of ``kind`` frontends with
         affinity to their port's record chain."""
         return f"affinity-record-{_PLURAL[kind]}{self.suffix}"
 
-    def containers(self, tokens: FamilyTokens, dispatch: str) -> tuple[ContainerSpec, ...]:
+    def containers(self, tokens: FamilyTokens, dispatch: Dispatch) -> tuple[ContainerSpec, ...]:
         """The generation's fixed containers (class and class-bit sets come on demand)."""
         ip = tokens.table_family
         addr = tokens.addr_type
@@ -321,7 +337,7 @@ class GenNames:
         """The membership set of one class."""
         return ContainerSpec(self.cls(spec), False, _key_type(spec.kind, tokens))
 
-    def bit_set(self, kind: str, bit: int, tokens: FamilyTokens) -> ContainerSpec:
+    def bit_set(self, kind: Kind, bit: int, tokens: FamilyTokens) -> ContainerSpec:
         """The set of one class-number bit."""
         return ContainerSpec(self.class_bit(kind, bit), False, _key_type(kind, tokens))
 
@@ -370,7 +386,7 @@ def class_bits(number: int) -> tuple[int, ...]:
 
 def tree_chains(
     names: GenNames,
-    kind: str,
+    kind: Kind,
     classes: Mapping[int, ClassSpec],
     depth: int,
     tokens: FamilyTokens,
@@ -402,13 +418,13 @@ def tree_chains(
     return chains
 
 
-def _key_type(kind: str, tokens: FamilyTokens) -> str:
+def _key_type(kind: Kind, tokens: FamilyTokens) -> str:
     if kind == KIND_IP:
         return f"{tokens.addr_type} . inet_proto . inet_service"
     return "inet_proto . inet_service"
 
 
-def _frontend(kind: str, tokens: FamilyTokens) -> str:
+def _frontend(kind: Kind, tokens: FamilyTokens) -> str:
     if kind == KIND_IP:
         return f"{tokens.table_family} daddr . meta l4proto . th dport"
     return "meta l4proto . th dport"
@@ -564,7 +580,7 @@ NODEPORT_FRONTENDS = "nodeport-frontends"
 AFFINITY_RECORD = "affinity-record"
 
 
-def fixed_chain_names(dispatch: str) -> tuple[str, ...]:
+def fixed_chain_names(dispatch: Dispatch) -> tuple[str, ...]:
     """The chains outside generations for a dispatch, in creation order."""
     if dispatch == DISPATCH_TREE:
         return tuple(n for n in FIXED_CHAINS if n not in (SERVICE_FRONTENDS, NODEPORT_FRONTENDS))
@@ -602,7 +618,7 @@ def fixed_chains(
     masquerade_mark: int,
     match_all_nodeports: bool,
     service_cidrs: Iterable[str],
-    dispatch: str = DISPATCH_TREE,
+    dispatch: Dispatch = DISPATCH_TREE,
     classes: Iterable[ClassSpec] = (),
 ) -> tuple[FixedChain, ...]:
     """The chains outside generations, with rules reading generation ``names``.

@@ -14,7 +14,7 @@ backend, after the wrapped backend synced it, and adds:
   ``kubeproxy_nftables_localhost_nodeport_rejected_packets_total``.
 
 The rules live in our table (``table ip kube-proxy``, ``table ip6 kube-proxy``), in
-objects of their own that the wrapped backend keeps (:data:`OBJECT_NAMES`)::
+objects of their own that the wrapped backend keeps (:data:`KEPT_OBJECTS`)::
 
     chain localhost-nodeports { type filter hook input priority 0 ; }
         ip daddr 127.0.0.0/8 udp dport @localhost-nodeports-udp counter reject comment "UDP"
@@ -40,6 +40,7 @@ from kubeproxy.backend import Backend, ProxySnapshot, SyncChanges, SyncError
 from kubeproxy.backends.nftables.exec import NftExecutor
 from kubeproxy.backends.nftables.objects import Chain, Family, NftError, Set
 from kubeproxy.backends.nftables.rulecounters import rule_counters
+from kubeproxy.backends.nftables.stale import chain_object, set_object
 from kubeproxy.backends.nftables.table import TABLE, tokens_for
 from kubeproxy.backends.nftables.transaction import Transaction
 from kubeproxy.config import ProxierConfig
@@ -54,6 +55,7 @@ from kubeproxy.objects import IPFamily, NamespacedName, Protocol, ServicePortNam
 
 __all__ = [
     "CHAIN",
+    "KEPT_OBJECTS",
     "OBJECT_NAMES",
     "LocalhostNodePortMetrics",
     "LocalhostNodePortsBackend",
@@ -75,9 +77,13 @@ def set_name(protocol: Protocol) -> str:
     return f"{CHAIN}-{protocol.lower}"
 
 
-OBJECT_NAMES: Final = frozenset({f"chain {CHAIN}", *(f"set {set_name(p)}" for p in _PROTOCOLS)})
-"""What this module keeps in our table (``chain NAME``, ``set NAME``), for the wrapped
-backend not to delete them as unused."""
+KEPT_OBJECTS: Final = frozenset(
+    {chain_object(CHAIN), *(set_object(set_name(p)) for p in _PROTOCOLS)}
+)
+"""What this module keeps in our table, for the wrapped backend not to delete them as
+unused (its ``kept``)."""
+OBJECT_NAMES: Final = frozenset(str(obj) for obj in KEPT_OBJECTS)
+""":data:`KEPT_OBJECTS` as text (``chain NAME``, ``set NAME``), which ``kept`` reads too."""
 
 _Key = tuple[Protocol, int]
 
@@ -197,7 +203,7 @@ class LocalhostRejects:
 class LocalhostNodePortsBackend:
     """An nftables backend with upstream's localhost NodePorts (see the module's text).
 
-    ``inner`` is the family's nftables backend, created with :data:`OBJECT_NAMES` kept;
+    ``inner`` is the family's nftables backend, created with :data:`KEPT_OBJECTS` kept;
     its attributes (counters, generation...) read through this wrapper. ``proxy`` is the
     family's userspace proxy, or None where ``nodePortAddresses`` names no loopback CIDR
     of the family (everything on loopback NodePorts is rejected then).

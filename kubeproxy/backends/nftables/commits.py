@@ -1,0 +1,134 @@
+"""The element changes of one sync, committed in bounded transactions (:class:`SyncOps`).
+
+Elements of containers whose types :mod:`~kubeproxy.backends.nftables.elements` packs go
+as one netlink batch; the others (interval and verdict maps: source ranges, affinity
+dispatch) as nft text, queued in the same transactions as the chains and sets a sync
+adds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from kubeproxy.backends.nftables.elements import ElementBatch
+from kubeproxy.backends.nftables.objects import Family
+from kubeproxy.backends.nftables.table import TABLE, Key
+from kubeproxy.backends.nftables.transaction import Transaction
+
+__all__ = ["SyncOps"]
+
+_VALUE_NONE: tuple[str, ...] = ()
+
+
+class SyncOps:
+    """Element changes of one sync, committed in bounded transactions.
+
+    ``family``'s transactions are committed by ``run`` and element batches by
+    ``write_elements``; ``types`` are the element types of the containers whose elements
+    go over netlink (read at each commit: containers declared during the sync count).
+    A commit runs, in order: the chains and sets queued in :attr:`tx` with the text
+    additions (and the text deletions of keys re-added), then the netlink batch
+    (deletions first: a rewritten slot is a delete and an add), then the remaining text
+    deletions. So a frontend's firewall elements are in before the batch that dispatches
+    it, and out only after the batch that stops dispatching it; affinity verdicts
+    likewise. :meth:`cut` commits once ``budget`` changes are queued; callers call it only
+    between frontends, so one frontend's netlink changes are always in one transaction.
+    :attr:`operations` and :attr:`transactions` count what was committed.
+    """
+
+    def __init__(
+        self,
+        family: Family,
+        types: Mapping[str, tuple[tuple[str, ...], tuple[str, ...]]],
+        *,
+        run: Callable[[Transaction], None],
+        write_elements: Callable[[ElementBatch], None],
+        budget: int,
+        text_last: bool = False,
+    ) -> None:
+        self._family = family
+        self._run_tx = run
+        self._write_elements = write_elements
+        self._budget = budget
+        # Full syncs: nothing reads the generation yet, so its text elements can wait for
+        # one transaction at the end (each libnftables run lists the table first: 70 runs
+        # took 6 s of a 30k-Service cold sync of the realistic mix).
+        self._text_last = text_last
+        self._types = types
+        self.tx = self.new_transaction()
+        self._deletes: dict[str, list[Key]] = {}
+        self._adds: dict[str, list[tuple[Key, tuple[str, ...]]]] = {}
+        self._text_deletes: dict[str, list[Key]] = {}
+        self._text_adds: dict[str, list[tuple[Key, tuple[str, ...]]]] = {}
+        self._count = 0
+        self.operations = 0
+        self.transactions = 0
+
+    def new_transaction(self) -> Transaction:
+        """An empty transaction of our table in this family."""
+        return Transaction(self._family, TABLE)
+
+    def delete(self, container: str, key: Key) -> None:
+        """Queue the deletion of ``key`` from ``container``."""
+        target = self._deletes if container in self._types else self._text_deletes
+        target.setdefault(container, []).append(key)
+        self._count += 1
+
+    def add(self, container: str, key: Key, value: tuple[str, ...] = _VALUE_NONE) -> None:
+        """Queue the addition of ``key`` (with ``value`` in a map) to ``container``."""
+        target = self._adds if container in self._types else self._text_adds
+        target.setdefault(container, []).append((key, value))
+        self._count += 1
+
+    def cut(self) -> None:
+        """Commit if the budget is spent (call between frontends only)."""
+        if self._count >= self._budget:
+            self.commit()
+
+    def commit(self, *, last: bool = False) -> None:
+        """Commit what is queued (see the class documentation); ``last`` ends the sync
+        (text elements held back until then go too)."""
+        tx = self.tx
+        deletes, adds = self._deletes, self._adds
+        self._deletes, self._adds, self._count = {}, {}, 0
+        if self._text_last and not last:
+            text_deletes, text_adds = {}, {}
+        else:
+            text_deletes, text_adds = self._text_deletes, self._text_adds
+            self._text_deletes, self._text_adds = {}, {}
+        self.tx = self.new_transaction()
+        later: dict[str, list[Key]] = {}
+        for container, keys in text_deletes.items():
+            readded = {k for k, _v in text_adds.get(container, ())}
+            for key in keys:
+                if key in readded:
+                    tx.delete_element(container, key)
+                else:
+                    later.setdefault(container, []).append(key)
+        for container, items in text_adds.items():
+            tx.add_elements(container, items)
+        self.run(tx)
+        batch = ElementBatch(
+            tx.family,
+            tx.table,
+            self._types,
+            [(c, k) for c, keys in deletes.items() for k in keys],
+            [(c, k, v) for c, items in adds.items() for k, v in items],
+        )
+        if len(batch):
+            self._write_elements(batch)
+            self.operations += len(batch)
+            self.transactions += 1
+        if later:
+            final = self.new_transaction()
+            for container, keys in later.items():
+                for key in keys:
+                    final.delete_element(container, key)
+            self.run(final)
+
+    def run(self, tx: Transaction) -> None:
+        """Commit ``tx`` if it holds anything, and count it."""
+        if tx.num_operations:
+            self._run_tx(tx)
+            self.operations += tx.num_operations
+            self.transactions += 1

@@ -1,0 +1,313 @@
+"""The element diff: what the kernel holds of a frontend or a port, against its new plan,
+as element additions and deletions (pure functions over an :class:`ElementSink`).
+
+Every per-Service change is data (see the package README): a frontend moves between
+classes by its class-bit (or class-set) memberships, its endpoints are numbered slots
+that keep their number while they stay (:func:`restitch`), and its no-endpoint verdict,
+affinity verdicts and firewall sources are set and map elements. A sink queues the
+changes (the backend's :class:`~kubeproxy.backends.nftables.commits.SyncOps` commits
+them in bounded transactions); these functions only say which.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from kubeproxy.backends.nftables.frontends import (
+    AFFINITY_LOCAL_ENDPOINTS,
+    KIND_IP,
+    ClassSpec,
+    Frontend,
+    Kind,
+    PortPlan,
+    endpoint_value,
+)
+from kubeproxy.backends.nftables.generation import HeldFrontend, PortState, SharedCounts
+from kubeproxy.backends.nftables.layout import GenNames, class_bits
+from kubeproxy.backends.nftables.table import Key, Names
+
+__all__ = [
+    "ElementSink",
+    "add_shared",
+    "diff_class",
+    "diff_firewall",
+    "diff_frontend",
+    "diff_slots",
+    "release_shared",
+    "restitch",
+]
+
+_VALUE_NONE: tuple[str, ...] = ()
+_SLOT_TEXTS = tuple(str(i) for i in range(1024))
+
+
+class ElementSink(Protocol):
+    """Where element changes are queued."""
+
+    def add(self, container: str, key: Key, value: tuple[str, ...] = _VALUE_NONE) -> None:
+        """Queue the addition of ``key`` (with ``value`` in a map) to ``container``."""
+
+    def delete(self, container: str, key: Key) -> None:
+        """Queue the deletion of ``key`` from ``container``."""
+
+
+def _slot_text(index: int) -> str:
+    # One string per slot number, shared by every key that has it.
+    return _SLOT_TEXTS[index] if index < len(_SLOT_TEXTS) else str(index)
+
+
+def restitch(old: tuple[str, ...], new: tuple[str, ...]) -> tuple[str, ...]:
+    """Slots for the endpoints ``new``, moving as few as possible from ``old``.
+
+    An endpoint that stays keeps its slot; a new one takes a freed slot (or the end);
+    when the list shrinks, the last slots move into the holes. Choosing by ``numgen
+    random mod N`` stays uniform whatever the order.
+    """
+    if old == new or not old:
+        return old if old == new else new
+    wanted = set(new)
+    slots: list[str | None] = [e if e in wanted else None for e in old]
+    placed = {e for e in slots if e is not None}
+    incoming = [e for e in new if e not in placed]
+    taken = 0
+    for index, value in enumerate(slots):
+        if value is None and taken < len(incoming):
+            slots[index] = incoming[taken]
+            taken += 1
+    slots.extend(incoming[taken:])
+    while None in slots:
+        hole = slots.index(None)
+        last = slots.pop()
+        if hole < len(slots):
+            slots[hole] = last
+    return tuple(s for s in slots if s is not None)
+
+
+def diff_class(
+    sink: ElementSink,
+    names: GenNames,
+    numbers: Mapping[ClassSpec, int] | None,
+    kind: Kind,
+    key: Key,
+    old: ClassSpec | None,
+    new: ClassSpec | None,
+) -> None:
+    """Queue the membership changes that move frontend ``key`` from class ``old`` to
+    ``new`` (None: not dispatched): its class-number bits with the tree dispatch
+    (``numbers``), its class set with one rule per class (``numbers`` None)."""
+    if (old is None) != (new is None):
+        if old is None:
+            sink.add(names.dispatch(kind), key)
+        else:
+            sink.delete(names.dispatch(kind), key)
+    if numbers is None:
+        if old is not None:
+            sink.delete(names.cls(old), key)
+        if new is not None:
+            sink.add(names.cls(new), key)
+        return
+    old_bits = set(class_bits(numbers[old])) if old is not None else set()
+    new_bits = set(class_bits(numbers[new])) if new is not None else set()
+    for bit in old_bits - new_bits:
+        sink.delete(names.class_bit(kind, bit), key)
+    for bit in new_bits - old_bits:
+        sink.add(names.class_bit(kind, bit), key)
+
+
+def diff_frontend(
+    sink: ElementSink,
+    names: GenNames,
+    numbers: Mapping[ClassSpec, int] | None,
+    key: Key,
+    old: HeldFrontend | None,
+    new: Frontend | None,
+) -> HeldFrontend | None:
+    """Queue the element changes that turn frontend ``key`` as held (``old``) into its
+    new plan (``new``; None for either: absent); what the kernel then holds of it."""
+    before = old.fe if old is not None else None
+    if before is not None and before == new:
+        return old
+    kind = new.kind if new is not None else before.kind  # type: ignore[union-attr]
+    old_cls = before.cls if before else None
+    new_cls = new.cls if new else None
+    if old_cls != new_cls:
+        diff_class(sink, names, numbers, kind, key, old_cls, new_cls)
+    proto = key[1] if kind == KIND_IP else key[0]
+    main = diff_slots(
+        sink,
+        names,
+        kind,
+        False,
+        proto,
+        key,
+        old.main if old else (),
+        new.endpoints if new else (),
+    )
+    short = diff_slots(
+        sink,
+        names,
+        kind,
+        True,
+        proto,
+        key,
+        old.short if old else (),
+        new.shortcut if new else (),
+    )
+    old_ne = before.no_endpoint if before else None
+    new_ne = new.no_endpoint if new else None
+    if old_ne != new_ne:
+        if old_ne is not None:
+            sink.delete(names.no_endpoint(kind, old_ne), key)
+        if new_ne is not None:
+            sink.add(names.no_endpoint(kind, new_ne), key)
+    for container, verdict, old_chain, new_chain in (
+        (
+            names.affinity_lookup(kind, False),
+            "jump",
+            before.lookup if before else None,
+            new.lookup if new else None,
+        ),
+        (
+            names.affinity_lookup(kind, True),
+            "jump",
+            before.shortcut_lookup if before else None,
+            new.shortcut_lookup if new else None,
+        ),
+        (
+            names.affinity_record(kind),
+            "goto",
+            before.record if before else None,
+            new.record if new else None,
+        ),
+    ):
+        if old_chain != new_chain:
+            if old_chain is not None:
+                sink.delete(container, key)
+            if new_chain is not None:
+                sink.add(container, key, (f"{verdict} {new_chain}",))
+    return HeldFrontend(new, main, short) if new is not None else None
+
+
+def diff_slots(
+    sink: ElementSink,
+    names: GenNames,
+    kind: Kind,
+    shortcut: bool,
+    proto: str,
+    key: Key,
+    old: tuple[str, ...],
+    endpoints: tuple[str, ...],
+) -> tuple[str, ...]:
+    """Queue the slot changes that turn endpoint slots ``old`` into ``endpoints``; the
+    slots then held."""
+    if old == endpoints:
+        return old
+    before = names.slots(kind, shortcut, proto, len(old)) if old else None
+    container = names.slots(kind, shortcut, proto, len(endpoints)) if endpoints else None
+    if before != container:
+        # A new frontend (every frontend of a full sync), one gone, or one whose count
+        # moved to another bucket: all its slots, in order.
+        if before is not None:
+            for index in range(len(old)):
+                sink.delete(before, (*key, _slot_text(index)))
+        if container is not None:
+            for index, endpoint in enumerate(endpoints):
+                sink.add(container, (*key, _slot_text(index)), endpoint_value(endpoint))
+        return endpoints
+    assert container is not None
+    slots = restitch(old, endpoints)
+    if slots == old:
+        return old
+    for index in range(max(len(old), len(slots))):
+        was = old[index] if index < len(old) else None
+        now = slots[index] if index < len(slots) else None
+        if was == now:
+            continue
+        slot = (*key, _slot_text(index))
+        if was is not None:
+            sink.delete(container, slot)
+        if now is not None:
+            sink.add(container, slot, endpoint_value(now))
+    return slots
+
+
+def diff_firewall(
+    sink: ElementSink,
+    names: GenNames,
+    old_fw: Mapping[Key, tuple[str, ...]],
+    new_fw: Mapping[Key, tuple[str, ...]],
+    *,
+    adding: bool,
+) -> None:
+    """Queue the firewall additions (``adding``) or deletions that turn the source
+    ranges ``old_fw`` (frontend -> allowed sources) into ``new_fw``. The additions go
+    before the frontends' changes and the deletions after them, so a load balancer is
+    never reachable without its ranges."""
+    for key in sorted(old_fw.keys() | new_fw.keys()):
+        before, after = old_fw.get(key, ()), new_fw.get(key, ())
+        if before == after:
+            continue
+        vip, proto, port = key  # each protocol's sources have a set of their own
+        if adding:
+            if after and not before:
+                sink.add(names.firewall_ips, key)
+            for source in after:
+                if source not in before:
+                    sink.add(names.firewall_allow(proto), (vip, port, source))
+            continue
+        if before and not after:
+            sink.delete(names.firewall_ips, key)
+        for source in before:
+            if source not in after:
+                sink.delete(names.firewall_allow(proto), (vip, port, source))
+
+
+def add_shared(
+    sink: ElementSink, names: GenNames, counts: SharedCounts, plan: PortPlan, *, full: bool
+) -> None:
+    """Count the shared elements of a port's plan in, queueing those new to the kernel.
+
+    On a full sync (``full``) ``cluster-ips`` and the affinity's local endpoints are
+    refilled by the switch (outside generations), not element by element.
+    """
+    hairpin, cluster_ips, members = counts.hairpin, counts.cluster_ips, counts.local_members
+    for host in plan.hairpin:
+        count = hairpin.get(host, 0) + 1
+        hairpin[host] = count
+        if count == 1:
+            sink.add(names.hairpin, (host, host))
+    count = cluster_ips.get(plan.cluster_ip, 0) + 1
+    cluster_ips[plan.cluster_ip] = count
+    if count == 1 and not full:
+        sink.add(Names.CLUSTER_IPS, (plan.cluster_ip,))
+    for member in plan.affinity.local_members if plan.affinity is not None else ():
+        count = members.get(member, 0) + 1
+        members[member] = count
+        if count == 1 and not full:
+            sink.add(AFFINITY_LOCAL_ENDPOINTS, member)
+
+
+def release_shared(
+    sink: ElementSink, names: GenNames, counts: SharedCounts, old: PortState
+) -> None:
+    """Count a port's former shared elements out, queueing the deletion of those no port
+    holds any more."""
+    for host in old.hairpin:
+        if _release(counts.hairpin, host):
+            sink.delete(names.hairpin, (host, host))
+    if _release(counts.cluster_ips, old.cluster_ip):
+        sink.delete(Names.CLUSTER_IPS, (old.cluster_ip,))
+    for member in old.affinity.local_members if old.affinity is not None else ():
+        if _release(counts.local_members, member):
+            sink.delete(AFFINITY_LOCAL_ENDPOINTS, member)
+
+
+def _release(counts: dict[Any, int], key: object) -> bool:
+    """Count one user of ``key`` less; True when that was the last."""
+    left = counts.get(key, 0) - 1
+    if left > 0:
+        counts[key] = left
+        return False
+    counts.pop(key, None)
+    return True
