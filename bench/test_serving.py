@@ -16,12 +16,21 @@ everything they send stays on its loopback and node address. Results go to
 Targets (issue 16, on this 2-core machine, client on the same machine): 200 concurrent
 clients on /healthz with 0 failed and p99 under 250 ms; the same on the HealthCheckNodePort
 listeners; a /metrics scrape at 10k Services under 100 ms while syncs run.
+
+Each load starts with the namespace's conntrack table emptied, and its record says how
+many entries it left and how many packets conntrack dropped meanwhile. Every connection
+of a load leaves an entry for 120 s (TIME_WAIT), and the table holds 131072 here (the
+size kube-proxy sets for 2 cores, upstream's too): without the flush the 200-client loads
+filled it, and the kernel dropped new connections' SYNs ("nf_conntrack: table full"), so
+clients timed out and the /metrics ``curl`` after them got no answer in 30 s while the
+proxy sat idle in ``select`` (2026-11-28, thread dump and ``dmesg``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -57,6 +66,24 @@ class ServingProxy:
         self.child = child
         self.health_check_ports: list[int] = child.ready["health_check_ports"]
 
+    def _conntrack(self, *argv: str) -> str:
+        done = subprocess.run(
+            in_netns(self.netns, ["conntrack", *argv]),
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        )
+        return done.stdout
+
+    def conntrack_drops(self) -> int:
+        """Packets the namespace's conntrack dropped so far (``drop=`` of every CPU)."""
+        return sum(int(n) for n in re.findall(r"\bdrop=(\d+)", self._conntrack("-S")))
+
+    def empty_conntrack(self) -> None:
+        """Empty the namespace's conntrack table: each load starts from none."""
+        self._conntrack("-F")
+
     def load(
         self, host: str, ports: list[int], path: str, clients: int, seconds: float
     ) -> dict[str, Any]:
@@ -64,6 +91,8 @@ class ServingProxy:
         argv += ["--seconds", str(seconds), "--timeout", str(TIMEOUT_S)]
         for port in ports:
             argv += ["--port", str(port)]
+        self.empty_conntrack()
+        drops = self.conntrack_drops()
         done = subprocess.run(
             in_netns(self.netns, python_module("bench.loadclient", *argv)),
             cwd=REPO,
@@ -74,6 +103,8 @@ class ServingProxy:
         )
         assert done.returncode == 0, done.stderr
         summary: dict[str, Any] = json.loads(done.stdout)
+        summary["conntrack_entries"] = int(self._conntrack("-C").strip())
+        summary["conntrack_drops"] = self.conntrack_drops() - drops
         return summary
 
 
@@ -137,11 +168,13 @@ class ServingResults:
             "with health-check ports; clients in its namespace, a new connection per request, "
             f"a request failed when unanswered after {TIMEOUT_S:g} s. `tuned`: the accept "
             "queue at the kernel's limit and a cap of 128 handlers per server; `baseline`: "
-            "accept queue 5, a thread per connection (the servers before issue 16).",
+            "accept queue 5, a thread per connection (the servers before issue 16). Each "
+            "load starts with the namespace's conntrack table empty; `conntrack`: the "
+            "entries it left / the packets conntrack dropped during it.",
             "",
             "| target | clients | listeners | ok | failed | requests/s | p50 ms | p99 ms "
-            "| max ms |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| max ms | conntrack |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         loads = [r for r in self.records if r["kind"] == "load"]
         order = {name: i for i, name in enumerate(LISTENERS)}
@@ -150,7 +183,8 @@ class ServingResults:
             lines.append(
                 f"| {r['target']} | {r['clients']} | {r['listeners']} | {r['ok']} | "
                 f"{r['failed'] + r['unexpected_status']} | {r['requests_per_s']} | "
-                f"{r['p50_ms']} | {r['p99_ms']} | {r['max_ms']} |"
+                f"{r['p50_ms']} | {r['p99_ms']} | {r['max_ms']} | "
+                f"{r.get('conntrack_entries')} / {r.get('conntrack_drops')} |"
             )
         scrapes = sorted(
             (r for r in self.records if r["kind"] == "scrape"),
@@ -246,6 +280,7 @@ def test_serving_load(
 def test_serving_metrics_scrape_while_syncing(
     benchmark: BenchmarkFixture, serving: ServingProxy, serving_results: ServingResults
 ) -> None:
+    serving.empty_conntrack()
     body = subprocess.run(
         in_netns(serving.netns, ["curl", "-sf", f"http://127.0.0.1:{METRICS_PORT}/metrics"]),
         capture_output=True,
