@@ -105,6 +105,16 @@ def test_objects_go_a_delay_after_their_last_use_in_one_transaction() -> None:
     assert len(stale) == 0 and not stale.live(set_object("endpoints-tcp-b1.g1"))
 
 
+def test_taking_an_object_keeps_it_and_says_whether_the_kernel_lacks_it() -> None:
+    stale = StaleCollector()
+    stale.listed(["affinity-lookup-1"], [])
+    held, new = chain_object("affinity-lookup-1"), set_object("affinity-0a1b")
+    stale.unused(held, 5.0)
+    assert stale.take(held) is False and held not in stale
+    assert stale.take(new) is True and stale.live(new)
+    assert stale.take(new) is False
+
+
 def test_a_refused_deletion_is_retried_later_and_forgets_what_is_gone() -> None:
     gone, busy = chain_object("pick-1.g1"), chain_object("pick-2.g1")
     kernel = Kernel({gone, busy})

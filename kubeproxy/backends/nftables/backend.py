@@ -524,18 +524,12 @@ class NftablesBackend:
         (a content-named chain the kernel still holds has these very rules)."""
         stale = self._stale
         for spec in plan.maps:
-            obj = set_object(spec.name)
-            stale.used(obj)
-            if obj not in stale.held:
+            if stale.take(set_object(spec.name)):
                 add_container(tx, affinity_container(spec.name, spec.type))
-                stale.held.add(obj)
         for chain in plan.chains:
-            obj = chain_object(chain.name)
-            stale.used(obj)
-            if obj not in stale.held:
+            if stale.take(chain_object(chain.name)):
                 tx.add_chain(chain.name)
                 tx.add_rules(chain.name, chain.rules)
-                stale.held.add(obj)
 
     def _follow_affinity(
         self, old: AffinityPlan | None, new: AffinityPlan | None, now: float

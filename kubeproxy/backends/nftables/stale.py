@@ -160,6 +160,15 @@ class StaleCollector:
         """``obj`` is used again: keep it."""
         self._since.pop(obj, None)
 
+    def take(self, obj: TableObject) -> bool:
+        """``obj`` is used; True when the kernel lacks it, so the caller adds it now (it
+        counts as held from here on)."""
+        self._since.pop(obj, None)
+        if obj in self.held:
+            return False
+        self.held.add(obj)
+        return True
+
     def live(self, obj: TableObject) -> bool:
         """Whether the kernel holds ``obj`` and it is in use."""
         return obj in self.held and obj not in self._since
@@ -205,13 +214,15 @@ class StaleCollector:
                 if obj in present:
                     self._since[obj] = now
                 else:
-                    del self._since[obj]
-                    self.held.discard(obj)
+                    self._gone(obj)
             return False
         for obj in due:
-            del self._since[obj]
-            self.held.discard(obj)
+            self._gone(obj)
         return True
+
+    def _gone(self, obj: TableObject) -> None:
+        del self._since[obj]
+        self.held.discard(obj)
 
     def clear(self) -> None:
         """Forget everything (the table is gone)."""
