@@ -12,7 +12,7 @@ them in bounded transactions); these functions only say which.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Protocol
 
 from kubeproxy.backends.nftables.frontends import (
     AFFINITY_LOCAL_ENDPOINTS,
@@ -23,7 +23,13 @@ from kubeproxy.backends.nftables.frontends import (
     PortPlan,
     endpoint_value,
 )
-from kubeproxy.backends.nftables.generation import HeldFrontend, PortState, SharedCounts
+from kubeproxy.backends.nftables.generation import (
+    HeldFrontend,
+    PortState,
+    SharedCounts,
+    count_in,
+    count_out,
+)
 from kubeproxy.backends.nftables.layout import GenNames, class_bits
 from kubeproxy.backends.nftables.table import Key, Names
 
@@ -271,20 +277,13 @@ def add_shared(
     On a full sync (``full``) ``cluster-ips`` and the affinity's local endpoints are
     refilled by the switch (outside generations), not element by element.
     """
-    hairpin, cluster_ips, members = counts.hairpin, counts.cluster_ips, counts.local_members
     for host in plan.hairpin:
-        count = hairpin.get(host, 0) + 1
-        hairpin[host] = count
-        if count == 1:
+        if count_in(counts.hairpin, host):
             sink.add(names.hairpin, (host, host))
-    count = cluster_ips.get(plan.cluster_ip, 0) + 1
-    cluster_ips[plan.cluster_ip] = count
-    if count == 1 and not full:
+    if count_in(counts.cluster_ips, plan.cluster_ip) and not full:
         sink.add(Names.CLUSTER_IPS, (plan.cluster_ip,))
     for member in plan.affinity.local_members if plan.affinity is not None else ():
-        count = members.get(member, 0) + 1
-        members[member] = count
-        if count == 1 and not full:
+        if count_in(counts.local_members, member) and not full:
             sink.add(AFFINITY_LOCAL_ENDPOINTS, member)
 
 
@@ -294,20 +293,10 @@ def release_shared(
     """Count a port's former shared elements out, queueing the deletion of those no port
     holds any more."""
     for host in old.hairpin:
-        if _release(counts.hairpin, host):
+        if count_out(counts.hairpin, host):
             sink.delete(names.hairpin, (host, host))
-    if _release(counts.cluster_ips, old.cluster_ip):
+    if count_out(counts.cluster_ips, old.cluster_ip):
         sink.delete(Names.CLUSTER_IPS, (old.cluster_ip,))
     for member in old.affinity.local_members if old.affinity is not None else ():
-        if _release(counts.local_members, member):
+        if count_out(counts.local_members, member):
             sink.delete(AFFINITY_LOCAL_ENDPOINTS, member)
-
-
-def _release(counts: dict[Any, int], key: object) -> bool:
-    """Count one user of ``key`` less; True when that was the last."""
-    left = counts.get(key, 0) - 1
-    if left > 0:
-        counts[key] = left
-        return False
-    counts.pop(key, None)
-    return True

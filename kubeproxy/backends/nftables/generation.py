@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from kubeproxy.backends.nftables.frontends import (
     AFFINITY_LOCAL_ENDPOINTS,
@@ -76,6 +77,8 @@ __all__ = [
     "SharedCounts",
     "add_container",
     "content_objects",
+    "count_in",
+    "count_out",
 ]
 
 KINDS: tuple[Kind, ...] = (KIND_IP, KIND_NODEPORT)
@@ -127,6 +130,23 @@ class SharedCounts:
     cluster_ips: dict[str, int] = field(default_factory=dict)
     hairpin: dict[str, int] = field(default_factory=dict)
     local_members: dict[Key, int] = field(default_factory=dict)
+
+
+def count_in(counts: dict[Any, int], key: object) -> bool:
+    """Count one more user of ``key``; True when it is the first."""
+    count = counts.get(key, 0) + 1
+    counts[key] = count
+    return count == 1
+
+
+def count_out(counts: dict[Any, int], key: object) -> bool:
+    """Count one user of ``key`` less; True when that was the last."""
+    left = counts.get(key, 0) - 1
+    if left > 0:
+        counts[key] = left
+        return False
+    counts.pop(key, None)
+    return True
 
 
 def content_objects(plan: AffinityPlan | None) -> Iterator[TableObject]:
@@ -334,16 +354,8 @@ class Generation:
         before (``old``); the objects no port uses any more."""
         refs = self.content_refs
         for obj in content_objects(new):
-            refs[obj] = refs.get(obj, 0) + 1
-        released = []
-        for obj in content_objects(old):
-            left = refs.get(obj, 0) - 1
-            if left > 0:
-                refs[obj] = left
-            else:
-                refs.pop(obj, None)
-                released.append(obj)
-        return released
+            count_in(refs, obj)
+        return [obj for obj in content_objects(old) if count_out(refs, obj)]
 
     # The switch -------------------------------------------------------------------------------
 
