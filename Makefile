@@ -14,8 +14,8 @@ run: setup
 	$(PY) -m kubeproxy.cmd.demo examples/cluster
 
 lint: setup
-	$(VENV)/bin/ruff check kubeproxy tests bench examples
-	$(VENV)/bin/ruff format --check kubeproxy tests bench examples
+	$(VENV)/bin/ruff check kubeproxy tests bench examples images
+	$(VENV)/bin/ruff format --check kubeproxy tests bench examples images
 
 typecheck: setup
 	$(VENV)/bin/mypy
