@@ -2,7 +2,7 @@
 
 Usage (from the repository root, after ``make setup``)::
 
-    python -m images.build [--tag registry.example/kubeproxy:0.1.0] [--no-sizes]
+    python -m images.build [--tag registry.example/kubeproxy:0.1.0] [--refresh] [--no-sizes]
 
 1. the container runtime (:mod:`images.runtime`: docker with a running engine, or
    podman);
@@ -99,6 +99,7 @@ def build_image(
     *,
     runtime: ContainerRuntime | None = None,
     log: Callable[[str], None] = print,
+    refresh: bool = False,
 ) -> Built:
     """Build the image (see the module docstring); raise :class:`NoRuntime` when there is
     no runtime and ``RuntimeError`` when a step fails."""
@@ -110,7 +111,7 @@ def build_image(
         )
     _check_dockerfile()
     started = time.monotonic()
-    wheels.prepare(REPO, CACHE / "wheels", TARGET, log)
+    wheels.prepare(REPO, CACHE / "wheels", TARGET, log, refresh=refresh)
     chosen = base.choose(runtime, SUITE, log)
     log(f"base: {chosen.reference} ({chosen.origin})")
     previous = runtime.image_id(tag)
@@ -183,13 +184,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m images.build", description=__doc__)
     parser.add_argument("--tag", default=DEFAULT_TAG, help="(default: %(default)s)")
     parser.add_argument("--no-sizes", action="store_true", help="do not measure the image")
+    parser.add_argument(
+        "--refresh",
+        action="store_true",
+        help="resolve the Python dependencies again now (else at most once a day)",
+    )
     args = parser.parse_args(argv)
 
     def log(message: str) -> None:
         print(f"make image: {message}", flush=True)
 
     try:
-        built = build_image(args.tag, log=log)
+        built = build_image(args.tag, log=log, refresh=args.refresh)
     except (NoRuntime, RuntimeError) as err:
         print(f"make image: {err}", file=sys.stderr)
         return 1

@@ -109,11 +109,17 @@ EXCLUDED_PATHS: Final = (
     "/usr/share/gdb/*",
     "/usr/share/common-licenses/*",
     "/usr/lib/x86_64-linux-gnu/gconv/*",
+    "/usr/lib/python3.11/pydoc_data/*",
+    "/usr/lib/python3.11/test/*",
 )
 """Paths never copied: documentation, manual pages, translations (Debian's slim images
 leave out the same), shell completions, debugger helpers, and glibc's iconv(3)
 character-set modules (7 MB; Python has codecs of its own, and no tool here converts
-character sets)."""
+character sets); of the standard library, the help topics of interactive ``help()``
+(``pydoc_data``) and CPython's own regression-test support (``test``), which nothing
+imports outside an interpreter's test run. The rest of the standard library stays: an
+import on a path no measurement took must not fail on a node (``pyroute2`` imports
+``unittest`` at run time, ``kubernetes.watch`` imports ``pydoc``)."""
 KEPT_PATHS: Final = ("/usr/share/doc/*/copyright",)
 """Exceptions to :data:`EXCLUDED_PATHS`: each package's licence terms stay."""
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from images import base, deployment, prune, rootfs, sizes, wheels
+from images.build import TARGET
 from images.imports import AUTHS, distribution_of, image_distributions, measure
 
 # --- rootfs.py: the packages and paths of the final stage ------------------------------
@@ -81,7 +82,12 @@ def test_documentation_stays_out_but_the_licences() -> None:
     assert rootfs.excluded("/usr/share/locale/de/LC_MESSAGES/libc.mo")
     assert rootfs.excluded("/usr/lib/x86_64-linux-gnu/gconv/UTF-16.so")
     assert not rootfs.excluded("/usr/sbin/nft")
-    assert not rootfs.excluded("/usr/lib/python3.11/json/__init__.py")
+    # Of the standard library (of the image's Python), only what no program imports.
+    python = f"/usr/lib/python{TARGET.python}"
+    assert rootfs.excluded(f"{python}/pydoc_data/topics.py")
+    assert rootfs.excluded(f"{python}/test/support/__init__.py")
+    for kept in ("json/__init__.py", "unittest/mock.py", "pydoc.py", "asyncio/events.py"):
+        assert not rootfs.excluded(f"{python}/{kept}"), kept
 
 
 def test_every_left_out_library_is_only_for_removed_modules_or_files() -> None:
