@@ -25,7 +25,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -63,13 +63,19 @@ class NoRuntime(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Built:
-    """A built image: its tag and ID, the runtime, the base, and how long it took."""
+    """A built image: its tag and ID, the runtime, the base, and how long each phase
+    took (seconds: ``wheels``, ``base``, ``build``)."""
 
     tag: str
     image_id: str
     runtime: ContainerRuntime
     base: base.Base
-    seconds: float
+    phases: Mapping[str, float]
+
+    @property
+    def seconds(self) -> float:
+        """The whole build."""
+        return sum(self.phases.values())
 
 
 def _check_dockerfile() -> None:
@@ -110,10 +116,15 @@ def build_image(
             "(scripts/setup.sh installs podman)"
         )
     _check_dockerfile()
+    phases: dict[str, float] = {}
     started = time.monotonic()
     wheels.prepare(REPO, CACHE / "wheels", TARGET, log, refresh=refresh)
+    phases["wheels"] = time.monotonic() - started
+    started = time.monotonic()
     chosen = base.choose(runtime, SUITE, log)
     log(f"base: {chosen.reference} ({chosen.origin})")
+    phases["base"] = time.monotonic() - started
+    started = time.monotonic()
     previous = runtime.image_id(tag)
     argv = runtime.build_argv(
         REPO, DOCKERFILE, tag, {"BASE": chosen.reference, **_proxy_build_args()}
@@ -132,7 +143,8 @@ def build_image(
         raise RuntimeError(f"the build succeeded but {tag} is not there")
     if previous is not None and previous != image_id:
         runtime.remove_image(previous)
-    return Built(tag, image_id, runtime, chosen, time.monotonic() - started)
+    phases["build"] = time.monotonic() - started
+    return Built(tag, image_id, runtime, chosen, phases)
 
 
 def image_sizes(built: Built) -> sizes.ImageSizes:
@@ -154,6 +166,7 @@ def report(built: Built, measured: sizes.ImageSizes) -> list[str]:
     mb = sizes.megabytes
     lines = [
         f"{built.tag}: built with {built.runtime.name} in {built.seconds:.0f} s "
+        f"({', '.join(f'{k} {v:.0f} s' for k, v in built.phases.items())}) "
         f"on {built.base.reference}",
         f"  what a node pulls (compressed layers, gzip -{sizes.GZIP_LEVEL}): "
         f"{mb(measured.compressed)}",

@@ -21,6 +21,7 @@ driver
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -34,6 +35,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
+
+import yaml
 
 from images import deployment
 from images.runtime import ContainerRuntime
@@ -226,10 +229,15 @@ class PodDriver:
     """Runs the pod for each case (see the module docstring); ``seen`` holds each case's
     :class:`PodRun`, by case name."""
 
-    def __init__(self, runtime: ContainerRuntime, image: str, work: Path) -> None:
+    def __init__(
+        self, runtime: ContainerRuntime, image: str, work: Path, *, inline_ca: bool = False
+    ) -> None:
         self.runtime = runtime
         self.image = image
         self.work = work
+        self.inline_ca = inline_ca
+        """Whether the kubeconfig carries the CA inline (``certificate-authority-data``,
+        as kubeadm's admin kubeconfigs do: the client writes it to a file under /tmp)."""
         self.seen: dict[str, PodRun] = {}
 
     @contextlib.contextmanager
@@ -296,7 +304,13 @@ class PodDriver:
         config = work / "configmap"
         config.mkdir()
         (config / "config.conf").write_text(node_configuration(standard))
-        (config / "kubeconfig.conf").write_text(deployment.kubeconfig(fake.url))
+        kubeconfig = yaml.safe_load(deployment.kubeconfig(fake.url))
+        if self.inline_ca:
+            (entry,) = kubeconfig["clusters"]
+            del entry["cluster"]["certificate-authority"]
+            data = base64.b64encode(certs.ca.read_bytes()).decode()
+            entry["cluster"]["certificate-authority-data"] = data
+        (config / "kubeconfig.conf").write_text(yaml.safe_dump(kubeconfig))
         account = work / "serviceaccount"
         account.mkdir()
         (account / "token").write_text(token)
@@ -307,10 +321,13 @@ class PodDriver:
         lock.touch()
         modules = work / "lib-modules"
         modules.mkdir()
+        scratch = work / "tmp"
+        scratch.mkdir()
         return {
             "kube-proxy": config,
             "xtables-lock": lock,
             "lib-modules": modules,
+            "tmp": scratch,
             "serviceaccount": account,
         }
 
@@ -330,7 +347,12 @@ class PodDriver:
             volumes=volumes,
             extra_mounts=[(volumes["serviceaccount"], deployment.SERVICE_ACCOUNT_DIR)],
         )
-        argv = ["run", "--rm", "--network", network, *translated.flags]
+        flags = list(translated.flags)
+        if self.runtime.name == "podman" and "--read-only" in flags:
+            # Kubernetes' readOnlyRootFilesystem mounts nothing writable; podman's
+            # --read-only would add tmpfs at /tmp, /var/tmp and /run.
+            flags.append("--read-only-tmpfs=false")
+        argv = ["run", "--rm", "--network", network, *flags]
         if name is not None:
             argv += ["--name", name]
         argv += ["--entrypoint", translated.entrypoint, self.image]

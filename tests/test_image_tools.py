@@ -259,6 +259,7 @@ def test_the_pods_containers_become_the_runtime_flags_the_manifest_means() -> No
         "kube-proxy": Path("/t/cm"),
         "xtables-lock": Path("/t/lock"),
         "lib-modules": Path("/t/modules"),
+        "tmp": Path("/t/tmp"),
     }
     proxy = deployment.container_run(
         deployment.container("kube-proxy"), node_name="n1", volumes=volumes
@@ -270,6 +271,7 @@ def test_the_pods_containers_become_the_runtime_flags_the_manifest_means() -> No
     assert "-e NODE_NAME=n1" in flags
     assert "-v /t/cm:/var/lib/kube-proxy:ro" in flags
     assert "-v /t/lock:/run/xtables.lock " in flags + " "
+    assert "-v /t/tmp:/tmp " in flags + " "
     assert (proxy.entrypoint, proxy.args) == (
         "kube-proxy-nftables",
         ("--config=/var/lib/kube-proxy/config.conf", "--hostname-override=n1"),
