@@ -22,35 +22,18 @@ measured in the same run only.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import secrets
 import statistics
-import subprocess
 import sys
-from collections.abc import Iterator
 
 from images import deployment
 from images.build import CACHE, REPO
+from images.imports import node_namespace
 from images.runtime import ContainerRuntime, detect
 
 BINARY = "kube-proxy-nftables"
 NODE = "demo-node"
 NODE_IP = "192.168.50.2"
-
-
-@contextlib.contextmanager
-def namespace() -> Iterator[str]:
-    """A namespace holding the example node's address on its loopback."""
-    name = f"kpxs-{os.getpid()}-{secrets.token_hex(2)}"
-    subprocess.run(["ip", "netns", "add", name], check=True)
-    try:
-        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
-        subprocess.run(["ip", "-n", name, "addr", "add", f"{NODE_IP}/32", "dev", "lo"], check=True)
-        yield name
-    finally:
-        subprocess.run(["ip", "netns", "del", name], check=False)
 
 
 def proxy_flags() -> list[str]:
@@ -102,7 +85,7 @@ def main() -> int:
     cluster = REPO / "examples" / "cluster"
     variants = [(image, bytecode) for image in args.images for bytecode in (True, False)]
     times: dict[tuple[str, bool, str], list[float]] = {}
-    with namespace() as netns:
+    with node_namespace("kpxs", NODE_IP) as (netns, _):
         for _ in range(args.rounds):
             for image, bytecode in variants:
                 env = [] if bytecode else ["-e", "PYTHONPYCACHEPREFIX=/nonexistent"]

@@ -47,7 +47,19 @@ from kubeproxy.testing.fakeapi import FakeAPIServer, endpoint_slice, node, servi
 from kubeproxy.testing.fakeapi.tls import Certificates, make_certificates
 from kubeproxy.testing.netns import SubprocessRunner, add_namespaces, delete_namespaces, entered
 
-__all__ = ["AUTHS", "NODE", "Measured", "distribution_of", "main", "measure", "measure_auth"]
+__all__ = [
+    "AUTHS",
+    "NODE",
+    "Measured",
+    "distribution_of",
+    "get_in",
+    "image_distributions",
+    "main",
+    "measure",
+    "measure_auth",
+    "node_namespace",
+    "not_in_image",
+]
 
 AUTHS: Final = ("token-file", "client-certificate", "exec-plugin", "in-cluster")
 NODE: Final = "kpxi-node"
@@ -97,7 +109,8 @@ class Measured:
     log: str
 
 
-def _get(fd: int, url: str, headers: Mapping[str, str] | None = None) -> tuple[int, bytes]:
+def get_in(fd: int, url: str, headers: Mapping[str, str] | None = None) -> tuple[int, bytes]:
+    """GET ``url`` from inside the namespace open at ``fd`` (status 0: no answer)."""
     with entered(fd):
         request = urllib.request.Request(url, headers=dict(headers or {}))
         try:
@@ -109,7 +122,11 @@ def _get(fd: int, url: str, headers: Mapping[str, str] | None = None) -> tuple[i
             return 0, b""
 
 
-def _wait(check: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+# Bounds, not expectations: four daemons start at once on what may be a loaded machine.
+WAIT_S: Final = 120.0
+
+
+def _wait(check: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
     deadline = time.monotonic() + timeout
     while not check():
         if time.monotonic() > deadline:
@@ -180,15 +197,18 @@ def _write_config(auth: str, server: str, certs: Certificates, token: str, work:
 
 
 @contextlib.contextmanager
-def _namespace(name: str) -> Iterator[int]:
+def node_namespace(prefix: str, address: str) -> Iterator[tuple[str, int]]:
+    """A network namespace ``<prefix>-<pid>-<random>`` with ``address`` on its loopback
+    (a node's IP), and its open descriptor; deleted on the way out."""
+    name = f"{prefix}-{os.getpid()}-{secrets.token_hex(2)}"
     runner = SubprocessRunner()
     add_namespaces(runner, [name])
     fd = -1
     try:
         fd = os.open(f"/run/netns/{name}", os.O_RDONLY | os.O_CLOEXEC)
         runner(["ip", "-n", name, "link", "set", "lo", "up"])
-        runner(["ip", "-n", name, "addr", "add", f"{NODE_IP}/32", "dev", "lo"])
-        yield fd
+        runner(["ip", "-n", name, "addr", "add", f"{address}/32", "dev", "lo"])
+        yield name, fd
     finally:
         if fd >= 0:
             os.close(fd)
@@ -220,9 +240,11 @@ def measure_auth(auth: str, python: str = sys.executable) -> Measured:
     """One daemon run with ``auth`` (see the module docstring)."""
     if auth not in AUTHS:
         raise ValueError(f"auth {auth!r}: want one of {', '.join(AUTHS)}")
-    name = f"kpxi-{os.getpid()}-{secrets.token_hex(2)}"
     token = f"kpxi-{secrets.token_hex(8)}"
-    with tempfile.TemporaryDirectory(prefix="kpxi-") as scratch, _namespace(name) as fd:
+    with (
+        tempfile.TemporaryDirectory(prefix="kpxi-") as scratch,
+        node_namespace("kpxi", NODE_IP) as (name, fd),
+    ):
         work = Path(scratch)
         certs = make_certificates(work / "pki", hosts=("127.0.0.1",))
         fake = _fake(auth, certs, token)
@@ -274,7 +296,14 @@ def _run_daemon(
                 tail = "\n".join(log.read().splitlines()[-20:])
                 raise RuntimeError(f"{auth}: {err}; the daemon said:\n{tail}") from None
             process.send_signal(signal.SIGTERM)
-            code = process.wait(timeout=30)
+            try:
+                code = process.wait(timeout=WAIT_S)
+            except subprocess.TimeoutExpired:
+                log.seek(0)
+                tail = "\n".join(log.read().splitlines()[-20:])
+                raise RuntimeError(
+                    f"{auth}: no exit {WAIT_S:.0f} s after SIGTERM; the daemon said:\n{tail}"
+                ) from None
         finally:
             if process.poll() is None:
                 process.kill()
@@ -288,7 +317,7 @@ def _run_daemon(
 
 def _exercise(fd: int, fake: FakeAPIServer) -> None:
     health = "http://127.0.0.1:10256"
-    _wait(lambda: _get(fd, f"{health}/healthz")[0] == 200, "/healthz 200")
+    _wait(lambda: get_in(fd, f"{health}/healthz")[0] == 200, "/healthz 200")
     reasons = {"Starting", "FailedToStartServiceHealthcheck"}
     _wait(lambda: reasons <= {e["reason"] for e in fake.posted_events}, "the events")
     for url, headers in (
@@ -297,7 +326,7 @@ def _exercise(fd: int, fake: FakeAPIServer) -> None:
         ("http://127.0.0.1:10249/configz", {}),
         ("http://127.0.0.1:10249/proxyMode", {}),
     ):
-        status, _ = _get(fd, url, headers)
+        status, _ = get_in(fd, url, headers)
         if status != 200:
             raise RuntimeError(f"{url}: {status}")
     fake.apply(service("late", cluster_ip="172.30.0.40"))

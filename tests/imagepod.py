@@ -29,8 +29,6 @@ import re
 import secrets
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +37,7 @@ from typing import Any, Final
 import yaml
 
 from images import deployment
+from images.imports import get_in as get
 from images.runtime import ContainerRuntime
 from kubeproxy.objects import IPFamily
 from kubeproxy.testing.cases import Case
@@ -72,18 +71,6 @@ def node_configuration(node_info: StandardNode) -> str:
             "conntrack.min": 0,
         }
     )
-
-
-def get(fd: int, url: str) -> tuple[int, bytes]:
-    """GET ``url`` from inside the namespace open at ``fd`` (status 0: no answer)."""
-    with entered(fd):
-        try:
-            with urllib.request.urlopen(url, timeout=5) as response:
-                return response.status, response.read()
-        except urllib.error.HTTPError as err:
-            return err.code, err.read()
-        except OSError:
-            return 0, b""
 
 
 def metric_samples(text: str) -> dict[tuple[str, str], float]:
