@@ -13,17 +13,21 @@ few seconds when nothing changed) under a tag of this checkout's own, then:
   HTTPS with a ServiceAccount token; ``/livez``, ``/healthz``, ``/metrics``; SIGTERM
   leaves the tables; the image's ``--cleanup`` removes them.
 
-It skips only when no container runtime is installed (in CI, where a skip fails,
-``scripts/setup.sh`` installs podman). CAP_SYS_RESOURCE: where the runtime cannot grant
-it (this project's sandboxes lack it in their bounding set, and runc leaves out what the
-bounding set lacks), the proxy must run without it as the README says (one warning,
-the default OOM score); where it can, the score must be the configured -999.
+It runs with podman (``scripts/setup.sh`` installs it; the pod joins the scene's named
+network namespace, which docker cannot), and skips only when no runtime is installed or,
+for the pod, when only docker is (in CI, where a skip fails, setup has installed podman).
+
+CAP_SYS_RESOURCE: where the runtime cannot grant it (this project's sandboxes lack it in
+their bounding set, and runc leaves out what the bounding set lacks), the proxy must run
+without it as the README says (one warning, the default OOM score); where it can, the
+score must be the configured -999.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,7 +36,7 @@ import pytest
 
 from images import deployment
 from images.build import CACHE, REPO, Built, NoRuntime, build_image
-from images.runtime import detect
+from images.runtime import RUNTIME_VARIABLE, detect
 from kubeproxy.testing import load_case_file
 from kubeproxy.testing.runner import RunOptions, Status, drive_case
 from tests.imagepod import PodDriver, PodRun
@@ -67,7 +71,9 @@ def checkout_tag() -> str:
 
 @pytest.fixture(scope="module")
 def image() -> Built:
-    runtime = detect(CACHE)
+    # podman unless KPX_CONTAINER_RUNTIME says otherwise: the pod must join the scene's
+    # named network namespace (ns:/run/netns/...), which docker cannot.
+    runtime = detect(CACHE, prefer=os.environ.get(RUNTIME_VARIABLE) or "podman") or detect(CACHE)
     if runtime is None:
         pytest.skip("no container runtime installed (docker with a running engine, or podman)")
     try:
@@ -159,6 +165,8 @@ def pods_work(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 def test_the_daemonset_pod_proxies_real_flows(
     image: Built, pods_work: Path, path: str, case_name: str, inline_ca: bool
 ) -> None:
+    if image.runtime.name != "podman":
+        pytest.skip("the pod joins a named network namespace: podman can, docker cannot")
     case_file = load_case_file(REPO / path)
     (case,) = [c for c in case_file.cases if c.name == case_name]
     pods = PodDriver(image.runtime, image.tag, pods_work, inline_ca=inline_ca)
