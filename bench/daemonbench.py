@@ -43,7 +43,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager, suppress
+from contextlib import AbstractContextManager, ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -70,6 +70,7 @@ __all__ = [
     "HealthProbe",
     "Metrics",
     "NodeProcess",
+    "api_server",
     "churn",
     "cycle",
     "daemon_argv",
@@ -563,14 +564,7 @@ def run_case(
     with ExitStack() as stack:
         api = None
         if case.source == "api":
-            api = stack.enter_context(
-                child_process(
-                    netns,
-                    "bench.apiserverproc",
-                    ["--manifests", str(manifests)],
-                    ready_timeout_s=sync_timeout_s,
-                )
-            )
+            api = stack.enter_context(api_server(netns, manifests, sync_timeout_s))
             figures["api_load_s"] = api.ready["load_s"]
         argv = (
             daemon_argv(api_port=api.ready["port"])
@@ -626,6 +620,20 @@ def run_case(
             figures["split"] = json.loads(split_file.read_text())
     figures["ok"] = True
     return figures
+
+
+def api_server(
+    netns: str, manifests: Path, ready_timeout_s: float, *, niceness: int = 0
+) -> AbstractContextManager[ProxyProcess]:
+    """The fake API server (:mod:`bench.apiserverproc`) in ``netns``, serving the
+    ``kind: List`` files of ``manifests``; ready once it has loaded them."""
+    return child_process(
+        netns,
+        "bench.apiserverproc",
+        ["--manifests", str(manifests)],
+        ready_timeout_s=ready_timeout_s,
+        niceness=niceness,
+    )
 
 
 def _api_changer(api: ProxyProcess) -> Callable[[], None]:

@@ -197,16 +197,23 @@ def proxy_process(
 
 @contextmanager
 def child_process(
-    netns: str, module: str, argv: Sequence[str], *, ready_timeout_s: float = 600.0
+    netns: str,
+    module: str,
+    argv: Sequence[str],
+    *,
+    ready_timeout_s: float = 600.0,
+    niceness: int = 0,
 ) -> Iterator[ProxyProcess]:
-    """Run ``python -m module argv`` in ``netns``, speaking the proxy child's line
-    protocol; wait for its ready line, and on exit send ``quit`` (killed after 30 s)."""
+    """Run ``python -m module argv`` in ``netns`` (under ``nice -n niceness`` when not
+    0), speaking the proxy child's line protocol; wait for its ready line, and on exit
+    send ``quit`` (killed after 30 s)."""
     stderr_path = Path(
         f"/tmp/kpxb-{module.rpartition('.')[2]}-{os.getpid()}-{time.monotonic_ns()}.log"
     )
     with stderr_path.open("w") as stderr:
+        niced = ["nice", "-n", str(niceness)] if niceness else []
         process = subprocess.Popen(
-            in_netns(netns, python_module(module, *argv)),
+            in_netns(netns, [*niced, *python_module(module, *argv)]),
             cwd=REPO,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

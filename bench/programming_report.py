@@ -153,17 +153,28 @@ def _verdict(held: bool | None) -> str:
     return "-" if held is None else ("holds" if held else "**missed**")
 
 
+def _niceness(records: Sequence[dict[str, Any]]) -> str:
+    values = {r.get("niceness", 0) for r in records}
+    if values == {0}:
+        return "; every process at the default priority"
+    return "; the daemon, the fake API server and the stamping thread at nice " + "/".join(
+        str(v) for v in sorted(values)
+    )
+
+
 def render(document: dict[str, Any], source: str) -> str:
     """The results table and the target checks, as Markdown."""
     records: list[dict[str, Any]] = document["records"]
     machine = document["machine"]
     loads = [r["load_1m"] for r in records if r.get("load_1m") is not None]
+    selection = document.get("pytest_args") or ""
+    command = f"`{document['command']}`" + (f" (`pytest {selection}`)" if selection else "")
     lines = [
-        f"Measured by `{document['command']}` at commit {document['commit']} on "
+        f"Measured by {command} at commit {document['commit']} on "
         f"{document['when'][:10]} (`{source}`, {document['minutes']:.1f} min; "
         f"{machine['nproc']} cores shared with other work, load average "
         f"{min(loads, default=0):.1f}-{max(loads, default=0):.1f} over the windows; kernel "
-        f"{machine['kernel']}, Python {machine['python']}).",
+        f"{machine['kernel']}, Python {machine['python']}){_niceness(records)}.",
         "`kube-proxy-nftables` watching the fake API server, N Services x 10 endpoints; "
         "EndpointSlice updates at the rate given; latency: from the API server accepting an "
         "update to the kernel committing it (nf_tables events); CPU: the daemon's own (user "

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import sys
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -61,6 +63,7 @@ class ProgrammingResults:
             "when": now.isoformat(timespec="seconds"),
             "commit": machine["commit"] or None,
             "command": os.environ.get("KPXB_COMMAND", "pytest bench/test_programming.py"),
+            "pytest_args": shlex.join(sys.argv[1:]),
             "machine": machine,
             "minutes": (time.monotonic() - self.started) / 60,
             "endpoints": ENDPOINTS,
