@@ -39,7 +39,7 @@ def test_each_update_is_paired_with_the_first_commit_after_it_naming_its_address
     ]
     updates = [(0.5, "10.96.0.1"), (1.5, "10.96.0.1"), (1.9, "10.96.0.2"), (3.5, "10.96.0.2")]
     match = match_updates(updates, commits)
-    assert match.latencies == (0.5, 1.5, pytest.approx(0.1), None)
+    assert list(match.latencies) == [0.5, 1.5, pytest.approx(0.1), None]
     assert match.missing == 1
     assert match.reached == [0.5, 1.5, pytest.approx(0.1)]
 

@@ -3,6 +3,7 @@ node and CIDR handling, and the dual-stack fan-out. Backends are recording fakes
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -851,6 +852,10 @@ def looped(
     return proxier, syncs, lambda: proxier.run(stop), clock
 
 
+def _add_numbered(proxier: Proxier, number: int) -> None:
+    proxier.on_service_add(service(f"s{number}", f"172.30.0.{number}"))
+
+
 def test_by_default_the_loop_rests_in_proportion_to_what_a_sync_cost() -> None:
     """No minSyncPeriod: after each sync the loop rests ``max(50 ms, 4 x its CPU time)``
     (issue 29); changes meanwhile are batched, a change after an idle time syncs at once."""
@@ -872,7 +877,7 @@ def test_by_default_the_loop_rests_in_proportion_to_what_a_sync_cost() -> None:
     proxier = Proxier(V4, config, backend, runner_clock=clock, cost_clock=lambda: cpu[0])
     initialized(proxier)  # the first (full) sync, outside the loop
     for at, number in ((1.0, 1), (1.05, 2), (1.1, 3), (3.0, 4)):
-        clock.at(at, lambda n=number: proxier.on_service_add(service(f"s{n}", f"172.30.0.{n}")))
+        clock.at(at, functools.partial(_add_numbered, proxier, number))
     clock.at(5, stop.set)
     proxier.run(stop)
     names = [frozenset(s.name for s in changed) for _, changed in syncs]
@@ -885,7 +890,7 @@ def test_a_min_sync_period_set_is_upstreams_fixed_rest() -> None:
     proxier, syncs, run, clock = looped(backend, 5, min_sync=0.5)
     initialized(proxier)
     for at, number in ((1.0, 1), (1.05, 2)):
-        clock.at(at, lambda n=number: proxier.on_service_add(service(f"s{n}", f"172.30.0.{n}")))
+        clock.at(at, functools.partial(_add_numbered, proxier, number))
     run()
     assert [t for t, _ in syncs] == [0.0, 1.0, 1.5]
 
