@@ -2,7 +2,7 @@
 
 ::
 
-    make bench BENCH_ARGS='-k programming'     # about 15 minutes here
+    make bench BENCH_ARGS='-k programming'     # about 20 minutes here
 
 For each size, the daemon as shipped (the sync loop paced by what each sync costs) and
 as it was (``--iptables-min-sync-period=1s``: upstream's fixed rest of one second), each

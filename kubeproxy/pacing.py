@@ -15,9 +15,9 @@ the sync just cost, within bounds::
   costing ``c`` is followed by at least ``ratio x c`` of rest, so syncs use at most
   ``1 / (1 + ratio)`` of a core (a fifth with the default 4), whatever they cost;
 * ``floor`` bounds the syncs' fixed overhead (snapshot, observers, health checks, the
-  commit's round trip: 0.7 ms of CPU a sync in the daemon at 30k Services, whatever the
+  commit's round trip: about 0.8 ms of CPU a sync in the daemon at 30k Services, whatever the
   sync carries) when syncs are cheap: at most one sync per ``floor`` (50 ms) under
-  churn, so changes are batched and that overhead stays near 1 % of a core; a change
+  churn, so changes are batched and that overhead stays under 2 % of a core; a change
   arriving while the loop is idle still syncs at once;
 * ``ceiling``: never longer than upstream's default ``minSyncPeriod`` (1 s), so no change
   waits longer for its sync than it would have under upstream's default.
