@@ -20,6 +20,7 @@ Targets (issue 29, item 3), judged on the shipped runner (``paced``):
 from __future__ import annotations
 
 import json
+import shlex
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
@@ -153,6 +154,17 @@ def _verdict(held: bool | None) -> str:
     return "-" if held is None else ("holds" if held else "**missed**")
 
 
+def _command(document: dict[str, Any]) -> str:
+    """The command of the run with its ``-k`` selection (``make bench BENCH_ARGS='-k
+    programming'``), as the reader would type it again."""
+    argv = shlex.split(document.get("pytest_args") or "")
+    selected = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "-k"]
+    command = str(document["command"])
+    if selected and command.startswith("make "):
+        return f"{command} BENCH_ARGS={shlex.quote('-k ' + selected[-1])}"
+    return command
+
+
 def _niceness(records: Sequence[dict[str, Any]]) -> str:
     values = {r.get("niceness", 0) for r in records}
     if values == {0}:
@@ -167,10 +179,8 @@ def render(document: dict[str, Any], source: str) -> str:
     records: list[dict[str, Any]] = document["records"]
     machine = document["machine"]
     loads = [r["load_1m"] for r in records if r.get("load_1m") is not None]
-    selection = document.get("pytest_args") or ""
-    command = f"`{document['command']}`" + (f" (`pytest {selection}`)" if selection else "")
     lines = [
-        f"Measured by {command} at commit {document['commit']} on "
+        f"Measured by `{_command(document)}` at commit {document['commit']} on "
         f"{document['when'][:10]} (`{source}`, {document['minutes']:.1f} min; "
         f"{machine['nproc']} cores shared with other work, load average "
         f"{min(loads, default=0):.1f}-{max(loads, default=0):.1f} over the windows; kernel "
