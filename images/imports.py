@@ -71,8 +71,9 @@ TAKEN_PORT: Final = 32000
 # file of every module loaded. For in-cluster runs the service account's files are where
 # the test put them (the client reads them from fixed paths under /var/run/secrets).
 _RECORDER: Final = """\
-import atexit, json, os, sys
+import atexit, faulthandler, json, os, signal, sys
 _start = set(sys.modules)
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 def _dump():
     with open(os.environ["KPX_IMPORTS_OUT"], "w") as out:
         modules = {n: getattr(m, "__file__", None) for n, m in list(sys.modules.items())}
@@ -299,8 +300,11 @@ def _run_daemon(
             try:
                 code = process.wait(timeout=WAIT_S)
             except subprocess.TimeoutExpired:
+                # Every thread's stack (faulthandler, in C: it works whatever Python does).
+                process.send_signal(signal.SIGUSR1)
+                time.sleep(1)
                 log.seek(0)
-                tail = "\n".join(log.read().splitlines()[-20:])
+                tail = "\n".join(log.read().splitlines()[-80:])
                 raise RuntimeError(
                     f"{auth}: no exit {WAIT_S:.0f} s after SIGTERM; the daemon said:\n{tail}"
                 ) from None
