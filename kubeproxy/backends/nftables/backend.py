@@ -210,7 +210,9 @@ class NftablesBackend:
         self.last_sync_full = full
         try:
             if full:
-                ops = self._full_sync(snapshot, inputs, now)
+                # An owned table that replaces an unowned one gets all of it at once.
+                with self._executor.whole_table(self._nft_family, TABLE):
+                    ops = self._full_sync(snapshot, inputs, now)
             else:
                 ops = self._partial_sync(snapshot, changes, now)
         except BaseException as err:
@@ -238,6 +240,12 @@ class NftablesBackend:
         self._stale.clear()
         self.generation = None
         self._need_full = True
+
+    @property
+    def executor(self) -> NftExecutor:
+        """What this backend writes through (tools and tests: the owned table takes
+        writes from its owner's socket only)."""
+        return self._executor
 
     # Plumbing ---------------------------------------------------------------------------
 
