@@ -271,6 +271,22 @@ def test_a_restart_adopts_the_orphaned_table_without_a_gap(
     assert adopted == [TableState.ORPHANED]
 
 
+def test_a_replaced_socket_adopts_the_table_again(kernel_flags: tuple[bool, bool]) -> None:
+    need_persist(kernel_flags)
+    with lone_namespace(PREFIX) as ns:
+        executor = OwnedNftables(ns.name)
+        backend = backend_over(executor, IPFamily.IPV4, CONFIG)
+        backend.sync(snapshot(3), full())
+        assert "flags owner" in _listing(ns.name)
+        # An answer lost: the socket is replaced, and the old one's close orphaned the table.
+        executor.channel.replace()
+        assert "flags owner" not in _listing(ns.name)
+        backend.sync(snapshot(4), full())
+        assert "flags owner" in _listing(ns.name)
+        assert executor.state(Family.IP) is TableState.OURS
+        executor.close()
+
+
 def test_an_unowned_table_is_replaced_by_an_owned_one_without_a_gap(
     topology: Topology, kernel_flags: tuple[bool, bool]
 ) -> None:

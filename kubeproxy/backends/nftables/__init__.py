@@ -96,9 +96,9 @@ def create_backend(
         executor = LibNftables(netns=netns, netlink_elements=gates.enabled(NFTABLES_NETLINK))
     backend = backend_over(executor, family, config, netns=netns)
     if isinstance(executor, OwnedNftables):
-        # After the support check: claiming creates or adopts the table (refused when
-        # another process owns it).
-        executor.claim(nft_family)
+        # Refused at once when another process owns the table (another proxy); created
+        # or adopted with the first write (nothing is written before the daemon starts).
+        executor.refuse_another_owner(nft_family)
     log.info("nftables: %s", ownership.describe(nft_family, TABLE))
     return backend
 

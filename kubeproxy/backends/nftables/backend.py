@@ -241,6 +241,13 @@ class NftablesBackend:
         self.generation = None
         self._need_full = True
 
+    def close(self) -> None:
+        """Release what the executor holds (its sockets: an owned table is orphaned, for
+        the next proxy to adopt); the rules stay. The backend is not used afterwards."""
+        close = getattr(self._executor, "close", None)
+        if callable(close):
+            close()
+
     @property
     def executor(self) -> NftExecutor:
         """What this backend writes through (tools and tests: the owned table takes

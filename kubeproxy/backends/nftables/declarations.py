@@ -239,7 +239,7 @@ class Declaration:
                 _fields(key_text, obj.typeof),
                 value,
                 True,
-                obj.flags,
+                tuple(sorted(obj.flags)),
                 obj.timeout,
                 obj.comment,
                 obj.typeof,
@@ -249,7 +249,7 @@ class Declaration:
             _fields(obj.type, obj.typeof),
             (),
             False,
-            obj.flags,
+            tuple(sorted(obj.flags)),
             obj.timeout,
             obj.comment,
             obj.typeof,
@@ -282,7 +282,7 @@ class Declaration:
             else:
                 value_exprs = _typeof_parts(udata.get(_UDATA_DATA_TYPEOF, b""))
                 value = _kernel_fields(values[NFTA_SET_DATA_TYPE], value_exprs, name)
-        flags = tuple(flag for flag, bit in _FLAG_BITS.items() if bits & bit)
+        flags = tuple(sorted(flag for flag, bit in _FLAG_BITS.items() if bits & bit))
         timeout = None
         if NFTA_SET_TIMEOUT in values:
             timeout = struct.unpack(">Q", values[NFTA_SET_TIMEOUT])[0] // 1000
@@ -301,6 +301,20 @@ class Declaration:
     def interval(self) -> bool:
         """Whether elements are ranges."""
         return "interval" in self.flags
+
+    def data_types(self) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+        """The data type names of key and value, for the fast element encoder of
+        :mod:`.elements` (None for ranges and verdicts, which it does not write, and for
+        a lone field shorter than 4 bytes, which it would pad)."""
+        if self.interval or self.value is None:
+            return None
+        for fields in (self.key, self.value):
+            if len(fields) == 1 and fields[0].datatype.size % 4:
+                return None
+        return (
+            tuple(f.datatype.name for f in self.key),
+            tuple(f.datatype.name for f in self.value),
+        )
 
     def flag_bits(self) -> int:
         """``NFTA_SET_FLAGS``."""

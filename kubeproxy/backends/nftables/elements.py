@@ -34,7 +34,15 @@ import kubeproxy.nlmsg as nlmsg
 from kubeproxy.backends.nftables.batchsocket import BatchSocket, Frame
 from kubeproxy.backends.nftables.objects import Family, NftError, validate_name
 
-__all__ = ["ElementBatch", "ElementWriter", "decode_part", "encode_part", "supports"]
+__all__ = [
+    "ElementBatch",
+    "ElementWriter",
+    "decode_part",
+    "element_encoder",
+    "element_frames",
+    "encode_part",
+    "supports",
+]
 
 Key = tuple[str, ...]
 
@@ -278,6 +286,15 @@ def _codec(key_types: tuple[str, ...], value_types: tuple[str, ...]) -> _Codec:
     return _Codec(key_types, value_types)
 
 
+def element_encoder(
+    key_types: tuple[str, ...], value_types: tuple[str, ...]
+) -> Callable[[Key, Key], bytes]:
+    """The fast encoder of one element's ``NFTA_LIST_ELEM`` for containers of these
+    :func:`supports` ed types (:class:`_Codec`; raises :class:`ValueError` for a part
+    that is not of its type, or a key or value of the wrong length)."""
+    return _codec(key_types, value_types).element
+
+
 @dataclass(frozen=True, slots=True)
 class ElementBatch:
     """Element changes for one table, committed as one transaction.
@@ -370,59 +387,8 @@ class ElementWriter:
         """
         if not len(batch):
             return
-        frames = self.frames(batch)
+        frames = element_frames(batch)
         self.channel.send(_FAMILY_NUMBERS[batch.family], frames, "element transaction")
-
-    def frames(self, batch: ElementBatch) -> list[Frame]:
-        """The messages of ``batch``, for a batch of the caller's (raises
-        :class:`NftError` for an element that is not of its container's types)."""
-        validate_name("table", batch.table)
-        frames: list[Frame] = []
-        for verb, items in (("delete", batch.deletes), ("add", batch.adds)):
-            grouped: dict[str, list[tuple[Key, Key]]] = {}
-            for item in items:
-                if verb == "delete":
-                    container, key = item[0], item[1]
-                    grouped.setdefault(container, []).append((key, ()))
-                else:
-                    container, key, value = item  # type: ignore[misc]
-                    grouped.setdefault(container, []).append((key, value))
-            for container, pairs in grouped.items():
-                frames.extend(self._encode(batch, verb, container, pairs))
-        return frames
-
-    def _encode(
-        self, batch: ElementBatch, verb: str, container: str, pairs: list[tuple[Key, Key]]
-    ) -> list[Frame]:
-        validate_name("set", container)
-        types = batch.types.get(container)
-        if types is None or not supports(types[0]) or not supports(types[1]):
-            raise NftError(f"no supported data types known for {container}", _errno.EINVAL)
-        codec = _codec(*types)
-        kind = _NFT_MSG_DELSETELEM if verb == "delete" else _NFT_MSG_NEWSETELEM
-        flags = 0 if verb == "delete" else nlmsg.NLM_F_CREATE
-        head = _container(batch.table, container)
-        # One attribute holds at most 64 KiB: elements are split into messages below that.
-        per_message = max(1, nlmsg.MESSAGE_BYTES // codec.size)
-        frames: list[Frame] = []
-        for start in range(0, len(pairs), per_message):
-            chunk = pairs[start : start + per_message]
-            try:
-                elements = [codec.element(key, value) for key, value in chunk]
-            except ValueError as err:
-                bad = next(k for k, v in chunk if not codec.valid(k, v))
-                raise NftError(
-                    f"element {' . '.join(bad)} of {container}: {err}", _errno.EINVAL
-                ) from None
-            offsets = []
-            position = nlmsg.HEADER.size + nlmsg.NFGEN.size + len(head) + nlmsg.ATTR.size
-            for element in elements:
-                offsets.append(position)
-                position += len(element)
-            body = head + nlmsg.nested(_NFTA_SET_ELEM_LIST_ELEMENTS, *elements)
-            keys = tuple(k for k, _v in chunk)
-            frames.append(Frame(kind, flags, body, _Message(verb, container, keys, tuple(offsets))))
-        return frames
 
     def read(
         self,
@@ -482,6 +448,59 @@ class ElementWriter:
                 data = bytes(view[start + nlmsg.NFGEN.size : end])
                 out.extend(_elements(data, 0, len(data), types))
         return None if dump.interrupted else out
+
+
+def element_frames(batch: ElementBatch) -> list[Frame]:
+    """The messages of ``batch``, for a batch of the caller's (raises :class:`NftError`
+    for an element that is not of its container's types)."""
+    validate_name("table", batch.table)
+    frames: list[Frame] = []
+    for verb, items in (("delete", batch.deletes), ("add", batch.adds)):
+        grouped: dict[str, list[tuple[Key, Key]]] = {}
+        for item in items:
+            if verb == "delete":
+                container, key = item[0], item[1]
+                grouped.setdefault(container, []).append((key, ()))
+            else:
+                container, key, value = item  # type: ignore[misc]
+                grouped.setdefault(container, []).append((key, value))
+        for container, pairs in grouped.items():
+            frames.extend(_encode(batch, verb, container, pairs))
+    return frames
+
+
+def _encode(
+    batch: ElementBatch, verb: str, container: str, pairs: list[tuple[Key, Key]]
+) -> list[Frame]:
+    validate_name("set", container)
+    types = batch.types.get(container)
+    if types is None or not supports(types[0]) or not supports(types[1]):
+        raise NftError(f"no supported data types known for {container}", _errno.EINVAL)
+    codec = _codec(*types)
+    kind = _NFT_MSG_DELSETELEM if verb == "delete" else _NFT_MSG_NEWSETELEM
+    flags = 0 if verb == "delete" else nlmsg.NLM_F_CREATE
+    head = _container(batch.table, container)
+    # One attribute holds at most 64 KiB: elements are split into messages below that.
+    per_message = max(1, nlmsg.MESSAGE_BYTES // codec.size)
+    frames: list[Frame] = []
+    for start in range(0, len(pairs), per_message):
+        chunk = pairs[start : start + per_message]
+        try:
+            elements = [codec.element(key, value) for key, value in chunk]
+        except ValueError as err:
+            bad = next(k for k, v in chunk if not codec.valid(k, v))
+            raise NftError(
+                f"element {' . '.join(bad)} of {container}: {err}", _errno.EINVAL
+            ) from None
+        offsets = []
+        position = nlmsg.HEADER.size + nlmsg.NFGEN.size + len(head) + nlmsg.ATTR.size
+        for element in elements:
+            offsets.append(position)
+            position += len(element)
+        body = head + nlmsg.nested(_NFTA_SET_ELEM_LIST_ELEMENTS, *elements)
+        keys = tuple(k for k, _v in chunk)
+        frames.append(Frame(kind, flags, body, _Message(verb, container, keys, tuple(offsets))))
+    return frames
 
 
 def _elements(

@@ -9,8 +9,8 @@ that set the flag, every other socket gets ``EPERM`` on changing it, and ``flush
 ruleset`` passes it by (Linux 5.12). With ``NFT_TABLE_F_PERSIST`` (Linux 6.9) the table
 outlives its owner's socket, orphaned, until a socket sets ``owner`` on it again: a
 restarted proxy adopts its table without a moment in which nothing serves. Facts
-measured on 6.18 (``../shared/reference/nodes-images-ownership.md``; ``make
-test-kernels`` for 6.1 and 6.12): another process's ``nft delete table`` is refused,
+measured on 6.18 (and by ``make test-kernels`` on Debian's 6.1 and 6.12): another
+process's ``nft delete table`` is refused,
 ``flush ruleset`` leaves the table, a closed owner leaves it orphaned (``persist``) or
 deletes it (no ``persist``), ``persist`` cannot be set on a table that exists, and
 ``owner`` cannot be set on a table that exists without it.
@@ -61,7 +61,7 @@ from kubeproxy.backends.nftables.batchencoder import (
 )
 from kubeproxy.backends.nftables.batchsocket import BatchSocket, Frame
 from kubeproxy.backends.nftables.declarations import Declaration
-from kubeproxy.backends.nftables.elements import ElementBatch, ElementWriter
+from kubeproxy.backends.nftables.elements import ElementBatch, ElementWriter, element_frames
 from kubeproxy.backends.nftables.exec import LibNftables, NftExecutor
 from kubeproxy.backends.nftables.objects import Element, Family, NftError
 from kubeproxy.backends.nftables.table import TABLE, TABLE_COMMENT
@@ -292,6 +292,15 @@ class OwnedNftables(NftExecutor):
         """What the last claim found (None before the first)."""
         return self._states.get(Family(family))
 
+    def refuse_another_owner(self, family: Family) -> None:
+        """Raise :class:`AnotherOwner` if another process owns ``family``'s table now;
+        change nothing (the claim comes with the first write)."""
+        family = Family(family)
+        with self.channel.lock:
+            read = _read_table(self.channel, family, self.table)
+            if read is not None and read[0] & NFT_TABLE_F_OWNER and read[1] != self.channel.portid:
+                raise self._foreign(family, read[1])
+
     def claim(self, family: Family) -> TableState:
         """Make ``family``'s table ours (see the module); return what was found. Raises
         :class:`AnotherOwner` when another process owns it."""
@@ -493,7 +502,7 @@ class OwnedNftables(NftExecutor):
             self._ensure(family)
             handover = self._handover.get(family)
             if handover is not None:
-                handover.frames.extend(self._elements.frames(batch))
+                handover.frames.extend(element_frames(batch))
                 return
             self._elements.send(batch)
 
