@@ -303,7 +303,9 @@ class LocalhostNodePortsBackend:
         """Stop the proxy (its listeners and connections) and close the wrapped backend;
         the kernel rules stay."""
         self._close_proxy()
-        self.inner.close()
+        close = getattr(self.inner, "close", None)
+        if callable(close):
+            close()
 
     def _close_proxy(self) -> None:
         if self.proxy is not None:
