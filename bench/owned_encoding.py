@@ -15,9 +15,13 @@ encoded, best of ``--runs``, the ways the two executors do it:
   compiles it in C: not counted here), the element batches as above (the
   ``NFTablesNetlink`` gate's default).
 
-Also: the rules alone (every ``add rule`` of the sync) through our encoder, per rule.
-No kernel is touched; the kernel-side figures (a whole cold sync both ways, into a
-namespace) are ``make bench-owned``'s and the README's.
+Also: the rules alone (every ``add rule`` of the sync) through our encoder, per rule;
+and one rule (``services``' dispatch lookup) through our encoder (compiled from its text
+and encoded) next to pyroute2's ``nft_rule_msg`` encoding the same expressions already
+compiled (pyroute2 cannot compile nft's language: its messages only carry expressions),
+the library the project uses elsewhere for netlink. With ``--kernel``, a whole cold sync
+into a fresh network namespace both ways (``OwnedNftables`` and ``LibNftables``),
+alternately, best of ``--runs``.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from kubeproxy.backends.nftables.batchencoder import encode_transaction
 from kubeproxy.backends.nftables.declarations import Declaration
 from kubeproxy.backends.nftables.elements import ElementBatch, element_frames
 from kubeproxy.backends.nftables.fake import FakeNft
-from kubeproxy.backends.nftables.objects import Map, NftError, Rule, Set
+from kubeproxy.backends.nftables.objects import Family, Map, NftError, Rule, Set
 from kubeproxy.backends.nftables.owner import OWNER_FLAGS
 from kubeproxy.backends.nftables.transaction import Transaction
 from kubeproxy.objects import IPFamily
@@ -124,12 +128,83 @@ def measure(services: int, runs: int) -> dict[str, Any]:
     }
 
 
+_DISPATCH = "ip daddr . meta l4proto . th dport @dispatch-ips.g1 goto dispatch-ips-0.g1"
+
+
+def one_rule(runs: int) -> tuple[float, float]:
+    """Seconds for one rule: ours (compiled and encoded), pyroute2 (encoded only)."""
+    from collections import OrderedDict
+
+    from pyroute2.netlink.nfnetlink.nftsocket import nft_rule_msg
+    from pyroute2.nftables.expressions import genex
+
+    from kubeproxy.backends.nftables.ruleencoder import RuleEncoder
+
+    def unknown(name: str) -> Declaration:
+        raise NftError(name)
+
+    encoder = RuleEncoder(Family.IP, unknown, lambda: 1)
+
+    def pyroute2() -> bytes:
+        verdict = [("NFTA_VERDICT_CODE", -4), ("NFTA_VERDICT_CHAIN", "dispatch-ips-0.g1")]
+        exprs = [
+            genex("payload", OrderedDict(dreg=1, base=1, offset=16, len=4)),
+            genex("meta", OrderedDict(key=16, dreg=9)),
+            genex("payload", OrderedDict(dreg=10, base=2, offset=2, len=2)),
+            genex("lookup", OrderedDict(set="dispatch-ips.g1", sreg=1)),
+            genex(
+                "immediate",
+                OrderedDict(dreg=0, data={"attrs": [("NFTA_DATA_VERDICT", {"attrs": verdict})]}),
+            ),
+        ]
+        msg = nft_rule_msg()
+        msg["nfgen_family"] = 2
+        msg["attrs"] = [
+            ("NFTA_RULE_TABLE", "kube-proxy"),
+            ("NFTA_RULE_CHAIN", "services"),
+            ("NFTA_RULE_EXPRESSIONS", exprs),
+        ]
+        msg.encode()
+        return bytes(msg.data)
+
+    ours = _best(runs, lambda: [encoder.encode(_DISPATCH) for _ in range(200)]) / 200
+    theirs = _best(runs, lambda: [pyroute2() for _ in range(200)]) / 200
+    return ours, theirs
+
+
+def kernel_cold_sync(services: int, runs: int) -> tuple[float, float]:
+    """Best seconds of a cold full sync into a fresh namespace: owned, libnftables."""
+    from bench.netns import namespaces
+    from kubeproxy.backends.nftables import backend_over
+    from kubeproxy.backends.nftables.exec import LibNftables
+    from kubeproxy.backends.nftables.owner import OwnedNftables
+
+    snapshot = build_world(services, 10, False).snapshot()
+    best = {"owned": float("inf"), "libnftables": float("inf")}
+    for _ in range(runs):
+        for kind in best:
+            with namespaces("own") as (netns,):
+                executor = OwnedNftables(netns) if kind == "owned" else LibNftables(netns)
+                backend = backend_over(executor, IPFamily.IPV4, CONFIG)
+                started = time.perf_counter()
+                backend.sync(snapshot, SyncChanges(full=True))
+                best[kind] = min(best[kind], time.perf_counter() - started)
+                executor.close()
+    return best["owned"], best["libnftables"]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Measure each size, print a table."""
     parser = argparse.ArgumentParser(prog="python -m bench.owned_encoding", description=__doc__)
     parser.add_argument("--services", type=int, nargs="+", default=[10000, 100000])
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--kernel", action="store_true", help="also a cold sync both ways")
     args = parser.parse_args(argv)
+    ours, theirs = one_rule(args.runs)
+    print(
+        f"one rule ({_DISPATCH!r}): ours, compiled and encoded, {ours * 1e6:.1f} us;"
+        f" pyroute2's nft_rule_msg, encoded only, {theirs * 1e6:.1f} us"
+    )
     print("| Services | transaction ops | batch elements | rules | owned: encode all |", end="")
     print(" libnftables: render text (+ elements) | owned: the rules alone |")
     print("|---|---|---|---|---|---|---|")
@@ -141,6 +216,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             f" {row['rules']} | {row['owned_s']:.3f} s | {row['libnftables_text_s']:.3f} s |"
             f" {row['rules_only_s'] * 1000:.1f} ms ({per_rule:.0f} us a rule) |"
         )
+    if args.kernel:
+        for services in args.services:
+            owned, text = kernel_cold_sync(services, args.runs)
+            print(
+                f"cold full sync of {services} Services x 10 into a namespace, best of"
+                f" {args.runs}: owned {owned:.2f} s, libnftables {text:.2f} s"
+            )
     return 0
 
 

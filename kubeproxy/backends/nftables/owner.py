@@ -373,23 +373,26 @@ class OwnedNftables(NftExecutor):
             yield
             return
         with self.channel.lock:
-            if self._ensure(family) is not TableState.UNOWNED:
-                yield
-                return
-            handover = self._handover[family] = _Handover()
-            try:
-                yield
-                where = f"table {family} {table}"
-                delete = Message(
-                    _DELTABLE, 0, nlmsg.attr(_TABLE_NAME, nlmsg.string(table)), f"delete {where}"
-                )
-                frames = [_frame(delete), self._table_frame(create=True), *handover.frames]
+            unowned = self._ensure(family) is TableState.UNOWNED
+            if unowned:
+                handover = self._handover[family] = _Handover()
+        if not unowned:
+            yield
+            return
+        try:
+            yield
+            where = f"table {family} {table}"
+            delete = Message(
+                _DELTABLE, 0, nlmsg.attr(_TABLE_NAME, nlmsg.string(table)), f"delete {where}"
+            )
+            frames = [_frame(delete), self._table_frame(create=True), *handover.frames]
+            with self.channel.lock:
                 self._send(family, frames, f"replacing {where} by an owned one")
-            finally:
-                del self._handover[family]
-            self._states[family] = TableState.OURS
-            self._declared[family] = dict(handover.declared)
-            self.handovers += 1
+                self._states[family] = TableState.OURS
+                self._declared[family] = dict(handover.declared)
+                self.handovers += 1
+        finally:
+            del self._handover[family]
             log.info(
                 "Replaced %s, which no process owned (an earlier version's, or upstream's),"
                 " by an owned one in one transaction",
