@@ -33,24 +33,23 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.dataplane import topology
 from bench.disruptions import DISRUPTIONS, Disruption
 from bench.netns import in_netns
-from bench.selfheal import FIREWALL, REPAIRED, Prober, metric, run_in, wait_for
-from bench.synthetic import NODE_NAME, POD_CIDR, build_services, service_ip
-from bench.wholeproc import binary_path, write_manifests
+from bench.selfheal import FIREWALL, REPAIRED, Prober, run_in, running_proxy, wait_for
 
 __all__ = ["Outcome", "main", "measure"]
 
 _TOUCHES_OUR_TABLE = frozenset({"flush", "delete", "reload"})
-"""The disruptions that change an unowned table of ours (the iptables one never does)."""
+"""The disruptions that take today's unowned table (the iptables one never touches it):
+the run waits for self-healing's repair after each. After every disruption it waits
+1.5 s more and counts the repairs that came, so an owned table that was touched would
+show a repair."""
 
 
 @dataclass
@@ -87,6 +86,8 @@ def _disrupt(
     log: Path,
     cold: float,
     outcome: Outcome,
+    *,
+    owned: bool,
 ) -> None:
     before = len(_repairs(log))
     done = subprocess.run(
@@ -102,16 +103,15 @@ def _disrupt(
         outcome.refused += 1
     if disruption.name != "reload":  # the firewall's own table back, as its owner would
         run_in(node, "nft", "-f", "-", stdin=FIREWALL)
-    if done.returncode == 0 and disruption.name in _TOUCHES_OUR_TABLE:
-        # Ours was hit if it was not owned: self-healing repairs it (an owned table is
-        # left alone by these, and the wait ends at once).
-        def repaired_or_untouched() -> bool:
-            return len(_repairs(log)) > before or time.monotonic() - returned > 3.0
-
-        wait_for(repaired_or_untouched, f"the repair after {disruption.name}", 10 * cold + 60)
-    time.sleep(1.0)  # connections after the repair (or after nothing happened)
-    repairs = _repairs(log)[before:]
-    outcome.repairs_s.extend(repairs)
+    if not owned and disruption.name in _TOUCHES_OUR_TABLE:
+        # Today's table was hit: wait for self-healing's repair.
+        wait_for(
+            lambda: len(_repairs(log)) > before,
+            f"the repair after {disruption.name}",
+            10 * cold + 60,
+        )
+    time.sleep(1.5)  # connections after the repair (or after nothing happened)
+    outcome.repairs_s.extend(_repairs(log)[before:])
     back = time.monotonic()
     wait_for(lambda: any(ok for t, ok in prober.since(back)), "a connection", 30)
     seen = prober.since(returned)
@@ -123,64 +123,26 @@ def _disrupt(
 def measure(services: int, endpoints: int, rounds: int, owned: bool) -> dict[str, Any]:
     """Run the proxy (owned table or not) at this scale through ``rounds`` rounds of
     every disruption."""
-    label = "owned" if owned else "unowned"
-    with tempfile.TemporaryDirectory(prefix="kpxb-owned-") as tmp, topology(1) as topo:
-        directory = Path(tmp) / "cluster"
-        write_manifests(directory, build_services(services, endpoints))
-        log_path = Path(tmp) / "proxy.log"
-        metrics_port = 10249
-        argv = [
-            str(binary_path("kube-proxy-nftables")),
-            f"--hostname-override={NODE_NAME}",
-            f"--manifests={directory}",
-            f"--cluster-cidr={POD_CIDR}",
-            f"--metrics-bind-address=127.0.0.1:{metrics_port}",
-            "--healthz-bind-address=127.0.0.1:10256",
-        ]
-        if not owned:
-            argv.append("--feature-gates=NFTablesOwnedTable=false")
-        run_in(topo.node, "nft", "-f", "-", stdin=FIREWALL)
-        with log_path.open("w") as log:
-            proxy = subprocess.Popen(in_netns(topo.node, argv), stdout=log, stderr=log)
-        prober: Prober | None = None
-        try:
-            full = "kubeproxy_sync_full_proxy_rules_duration_seconds"
-
-            def synced() -> bool:
-                try:
-                    return metric(topo.node, metrics_port, f"{full}_count") >= 1
-                except subprocess.CalledProcessError:
-                    return False
-
-            wait_for(synced, "the first full sync", 1800)
-            cold = metric(topo.node, metrics_port, f"{full}_sum")
-            flags = run_in(topo.node, "nft", "list", "table", "ip", "kube-proxy").split("\n", 3)[1]
-            prober = Prober(topo.client, str(service_ip(services // 2)))
-            wait_for(lambda: any(ok for _, ok in prober.results), "a first connection", 30)
-            outcomes = {d.name: Outcome(d.name, d.what) for d in DISRUPTIONS}
-            started = time.monotonic()
-            for _round in range(rounds):
-                for disruption in DISRUPTIONS:
-                    _disrupt(
-                        disruption, topo.node, prober, log_path, cold, outcomes[disruption.name]
-                    )
-            took = time.monotonic() - started
-            changes = metric(
-                topo.node, metrics_port, "kubeproxy_sync_proxy_rules_external_changes_total"
-            )
-            total = len(prober.since(started))
-        finally:
-            if prober is not None:
-                prober.close()
-            proxy.terminate()
-            proxy.wait(30)
+    extra = [] if owned else ["--feature-gates=NFTablesOwnedTable=false"]
+    with running_proxy("kube-proxy-nftables", services, endpoints, extra) as run:
+        node = run.topo.node
+        flags = run_in(node, "nft", "list", "table", "ip", "kube-proxy").split("\n", 3)[1]
+        outcomes = {d.name: Outcome(d.name, d.what) for d in DISRUPTIONS}
+        started = time.monotonic()
+        for _round in range(rounds):
+            for disruption in DISRUPTIONS:
+                outcome = outcomes[disruption.name]
+                _disrupt(disruption, node, run.prober, run.log, run.cold, outcome, owned=owned)
+        took = time.monotonic() - started
+        changes = run.metric("kubeproxy_sync_proxy_rules_external_changes_total")
+        total = len(run.prober.since(started))
     return {
-        "mode": label,
+        "mode": "owned" if owned else "unowned",
         "services": services,
         "endpoints": endpoints,
         "rounds": rounds,
         "table_flags_line": flags.strip(),
-        "cold_full_sync_s": round(cold, 3),
+        "cold_full_sync_s": round(run.cold, 3),
         "loop_s": round(took, 1),
         "connections": total,
         "external_changes_counted": changes,

@@ -31,6 +31,7 @@ go to the README's "Surviving firewall reloads".
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import shlex
@@ -39,7 +40,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -58,7 +59,18 @@ from kubeproxy.backends.iptables.proxier import owns_chain
 from kubeproxy.backends.nftables.exec import LibNftables
 from kubeproxy.backends.nftables.objects import Family
 
-__all__ = ["FIREWALL", "REPAIRED", "Case", "Prober", "main", "metric", "run_in", "wait_for"]
+__all__ = [
+    "FIREWALL",
+    "REPAIRED",
+    "Case",
+    "Prober",
+    "RunningProxy",
+    "main",
+    "metric",
+    "run_in",
+    "running_proxy",
+    "wait_for",
+]
 
 TABLE = "kube-proxy"
 FIREWALL = """table inet kpxb-firewall {
@@ -222,64 +234,71 @@ def wait_for(check: Callable[[], bool], what: str, timeout: float) -> None:
         time.sleep(0.05)
 
 
-def measure(
-    mode: str, services: int, endpoints: int, cases: Sequence[str], keep_log: Path | None = None
-) -> dict[str, Any]:
-    """Run the proxy at this scale and put every case through it (its log copied to
-    ``keep_log`` if given)."""
+METRICS_PORT = 10249
+"""Where the proxy under test serves ``/metrics`` (in the node namespace)."""
+FULL_SYNCS = "kubeproxy_sync_full_proxy_rules_duration_seconds"
+
+
+@dataclass
+class RunningProxy:
+    """The production binary running in the node namespace of the data-plane topology,
+    synced once, and the prober connecting to one of its Services."""
+
+    topo: Any
+    log: Path
+    cold: float
+    """The first full sync's seconds (the proxy's own histogram)."""
+    prober: Prober
+    address: str
+
+    def metric(self, name: str) -> float:
+        """The sum of metric ``name``'s samples on the proxy's ``/metrics``."""
+        return metric(self.topo.node, METRICS_PORT, name)
+
+
+@contextlib.contextmanager
+def running_proxy(
+    binary: str,
+    services: int,
+    endpoints: int,
+    extra: Sequence[str] = (),
+    keep_log: Path | None = None,
+) -> Iterator[RunningProxy]:
+    """``binary`` (``kube-proxy-nftables`` ...) over N synthetic Services x E endpoints in
+    the node namespace, with the foreign table at the same hooks, after its first full
+    sync and a first connection of the prober; stopped (and its log copied to
+    ``keep_log``) afterwards."""
     with tempfile.TemporaryDirectory(prefix="kpxb-selfheal-") as tmp, topology(1) as topo:
         directory = Path(tmp) / "cluster"
         write_manifests(directory, build_services(services, endpoints))
         log_path = Path(tmp) / "proxy.log"
-        metrics_port = 10249
         argv = [
-            str(binary_path(f"kube-proxy-{mode}")),
+            str(binary_path(binary)),
             f"--hostname-override={NODE_NAME}",
             f"--manifests={directory}",
             f"--cluster-cidr={POD_CIDR}",
-            f"--metrics-bind-address=127.0.0.1:{metrics_port}",
+            f"--metrics-bind-address=127.0.0.1:{METRICS_PORT}",
             "--healthz-bind-address=127.0.0.1:10256",
+            *extra,
         ]
-        if mode == "nftables":
-            # What self-healing repairs: today's unowned table (an owned one refuses
-            # every damage here; bench.owned puts the two side by side).
-            argv.append("--feature-gates=NFTablesOwnedTable=false")
         run_in(topo.node, "nft", "-f", "-", stdin=FIREWALL)
         with log_path.open("w") as log:
             proxy = subprocess.Popen(in_netns(topo.node, argv), stdout=log, stderr=log)
-        address = str(service_ip(services // 2))
         prober: Prober | None = None
         try:
-            full = "kubeproxy_sync_full_proxy_rules_duration_seconds"
 
             def synced() -> bool:
                 try:
-                    return metric(topo.node, metrics_port, f"{full}_count") >= 1
+                    return metric(topo.node, METRICS_PORT, f"{FULL_SYNCS}_count") >= 1
                 except subprocess.CalledProcessError:
                     return False
 
             wait_for(synced, "the first full sync", 1800)
-            cold = metric(topo.node, metrics_port, f"{full}_sum")
-
-            def full_syncs() -> int:
-                return int(metric(topo.node, metrics_port, f"{full}_count"))
-
+            cold = metric(topo.node, METRICS_PORT, f"{FULL_SYNCS}_sum")
+            address = str(service_ip(services // 2))
             prober = Prober(topo.client, address)
             wait_for(lambda: any(ok for _, ok in prober.results), "a first connection", 30)
-            damages = _damages(mode, topo.node, address)
-            firewall = run_in(topo.node, "nft", "list", "table", "inet", "kpxb-firewall")
-            results = []
-            for case in cases:
-                before = full_syncs()
-                result = _case(case, damages[case], topo.node, prober, log_path, cold)
-                # Every full sync the case caused (the repair, and any other it asked for).
-                result.full_syncs = full_syncs() - before
-                results.append(result)
-                after = run_in(topo.node, "nft", "list", "table", "inet", "kpxb-firewall")
-                assert after == firewall, "the foreign table was touched"
-            changes = metric(
-                topo.node, metrics_port, "kubeproxy_sync_proxy_rules_external_changes_total"
-            )
+            yield RunningProxy(topo, log_path, cold, prober, address)
         finally:
             if prober is not None:
                 prober.close()
@@ -287,11 +306,39 @@ def measure(
             proxy.wait(30)
             if keep_log is not None:
                 keep_log.write_text(log_path.read_text())
+
+
+def measure(
+    mode: str, services: int, endpoints: int, cases: Sequence[str], keep_log: Path | None = None
+) -> dict[str, Any]:
+    """Run the proxy at this scale and put every case through it (its log copied to
+    ``keep_log`` if given)."""
+    # In nftables mode, what self-healing repairs: today's unowned table (an owned one
+    # refuses every damage here; bench.owned puts the two side by side).
+    extra = ["--feature-gates=NFTablesOwnedTable=false"] if mode == "nftables" else []
+    with running_proxy(f"kube-proxy-{mode}", services, endpoints, extra, keep_log) as run:
+        node = run.topo.node
+
+        def full_syncs() -> int:
+            return int(run.metric(f"{FULL_SYNCS}_count"))
+
+        damages = _damages(mode, node, run.address)
+        firewall = run_in(node, "nft", "list", "table", "inet", "kpxb-firewall")
+        results = []
+        for case in cases:
+            before = full_syncs()
+            result = _case(case, damages[case], node, run.prober, run.log, run.cold)
+            # Every full sync the case caused (the repair, and any other it asked for).
+            result.full_syncs = full_syncs() - before
+            results.append(result)
+            after = run_in(node, "nft", "list", "table", "inet", "kpxb-firewall")
+            assert after == firewall, "the foreign table was touched"
+        changes = run.metric("kubeproxy_sync_proxy_rules_external_changes_total")
     return {
         "mode": mode,
         "services": services,
         "endpoints": endpoints,
-        "cold_full_sync_s": round(cold, 3),
+        "cold_full_sync_s": round(run.cold, 3),
         "external_changes_counted": changes,
         "cases": [asdict(r) for r in results],
     }

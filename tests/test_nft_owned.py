@@ -212,7 +212,7 @@ def test_an_anonymous_set_comes_with_the_rule() -> None:
         ("th dport 70000 drop", Family.IP, "70000 is out of range"),
         ("meta mark set meta mark and 0x1", Family.IP, "meta mark set ... and"),
         ("update @m { ip saddr timeout 3h : ip daddr }", Family.IP, "want seconds"),
-        ("meta l4proto { 1, 2 } ip daddr . th dport 1 drop", Family.IP, "concatenation"),
+        ("meta l4proto { tcp, udp } ip daddr . th dport 1 drop", Family.IP, "concatenation"),
         ("jump", Family.IP, "ends too early"),
     ],
 )

@@ -244,29 +244,31 @@ class BatchSocket:
         self.drain()
         return failure
 
-    def request(self, message: bytes, seq: int, what: str) -> list[bytes]:
-        """Send one request that is not part of a batch (a ``GET`` of one object) and
-        return the payloads of its answers; a refusal raises :class:`NftError` with the
-        kernel's errno (``ENOENT`` for a missing object). Socket errors replace the
-        socket and raise :class:`NftError` too."""
+    def request(
+        self, message: bytes, seq: int, what: str, *, dump: bool = False, bufsize: int = 1 << 16
+    ) -> tuple[list[tuple[int, bytes]], bool]:
+        """Send one request that is not part of a batch (a ``GET`` of one object, or with
+        ``dump`` a dump) and return the type and payload of each answer, and whether the
+        kernel said a commit interrupted the dump (``NLM_F_DUMP_INTR``: it may miss
+        objects). A refusal raises :class:`NftError` with the kernel's errno (``ENOENT``
+        for a missing object); socket errors replace the socket and raise one too."""
         try:
             self.drain()
             self.sock.sendall(message)
-            out = []
-            for _kind, _flags, data, start, end in nlmsg.Dump(self.sock, seq, what):
-                out.append(bytes(data[start:end]))
-                break
-            return out
-        except nlmsg.NetlinkError as err:
+            answers = []
+            reader = nlmsg.Dump(self.sock, seq, what, bufsize)
+            for kind, _flags, data, start, end in reader:
+                answers.append((kind, bytes(data[start:end])))
+                if not dump:
+                    break  # one answer, and no end of a dump to wait for
+            return answers, reader.interrupted
+        except nlmsg.NetlinkError as err:  # refused: the socket is fine
             code = err.errno or _errno.EIO
             raise NftError(f"{what}: {os.strerror(code)}", code) from None
         except (OSError, nlmsg.MalformedMessage) as err:
             self.replace()
             code = err.errno if isinstance(err, OSError) and err.errno else _errno.EIO
             raise NftError(f"{what}: {err}", code) from err
-        finally:
-            with contextlib.suppress(OSError):
-                self.drain()
 
 
 def batch_refusal(what: str, code: int, message: str) -> NftError:

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import errno
 import ipaddress
-import socket
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import kubeproxy.nlmsg as nlmsg
+from kubeproxy.backends.nftables.elements import encode_part
 from kubeproxy.backends.nftables.objects import Map, NftError, Set
 
 __all__ = [
@@ -89,12 +89,10 @@ DATATYPES = {
         Datatype("ipv6_addr", 8, 16, _BIG),
         Datatype("inet_proto", 12, 1, _HOST),
         Datatype("inet_service", 13, 2, _BIG),
-        Datatype("mark", 19, 4, _HOST),
     )
 }
 """The data types our sets and maps use (``verdict`` is a map value of its own)."""
 
-_PROTOCOLS = {"tcp": 6, "udp": 17, "sctp": 132}
 
 
 def _tlv(kind: int, value: bytes) -> bytes:
@@ -479,28 +477,9 @@ def encode_verdict(text: str) -> bytes:
 
 
 def encode_value(datatype: Datatype, text: str) -> bytes:
-    """One value of ``datatype`` as the kernel holds it (unpadded)."""
-    name = datatype.name
-    if name in ("ipv4_addr", "ipv6_addr"):
-        family = socket.AF_INET if name == "ipv4_addr" else socket.AF_INET6
-        try:
-            return socket.inet_pton(family, text)
-        except OSError:
-            raise ValueError(f"{text!r} is not an {name}") from None
-    if name == "inet_proto":
-        number = _PROTOCOLS.get(text)
-        if number is None:
-            if not text.isdigit() or int(text) > 255:
-                raise ValueError(f"{text!r} is not a protocol")
-            number = int(text)
-        return bytes((number,))
-    if name == "inet_service":
-        if not text.isdigit() or int(text) > 65535:
-            raise ValueError(f"{text!r} is not a port")
-        return struct.pack(">H", int(text))
-    if not text.isdigit() or int(text) >= 2**32:
-        raise ValueError(f"{text!r} is not a 32-bit number")
-    return struct.pack("=I", int(text))
+    """One value of ``datatype`` as the kernel holds it (unpadded): what
+    :func:`~.elements.encode_part` packs, without the padding of a concatenation's part."""
+    return encode_part(datatype.name, text)[: datatype.size]
 
 
 def _pad(data: bytes) -> bytes:

@@ -426,28 +426,17 @@ class ElementWriter:
         seq = channel.next_seq()
         message_type = nlmsg.nfnl_type(nlmsg.NFNL_SUBSYS_NFTABLES, _NFT_MSG_GETSETELEM)
         request = nlmsg.message(message_type, nlmsg.NLM_F_REQUEST | nlmsg.NLM_F_DUMP, seq, body)
-        try:
-            channel.drain()
-            channel.sock.sendall(request)
-            return self._dump(seq, container, types)
-        except nlmsg.NetlinkError as err:  # refused: the socket is fine
-            code = err.errno or _errno.EIO
-            raise NftError(f"listing {container}: {os.strerror(code)}", code) from None
-        except (OSError, nlmsg.MalformedMessage) as err:
-            channel.replace()
-            code = err.errno if isinstance(err, OSError) and err.errno else _errno.EIO
-            raise NftError(f"listing {container}: {err}", code) from err
-
-    def _dump(
-        self, seq: int, container: str, types: tuple[tuple[str, ...], tuple[str, ...]]
-    ) -> list[tuple[Key, Key]] | None:
+        answers, interrupted = channel.request(
+            request, seq, f"listing {container}", dump=True, bufsize=1 << 20
+        )
+        if interrupted:
+            return None
         out: list[tuple[Key, Key]] = []
-        dump = nlmsg.Dump(self.channel.sock, seq, f"listing {container}", bufsize=1 << 20)
-        for kind, _flags, view, start, end in dump:
+        for kind, payload in answers:
             if kind & 0xFF == _NFT_MSG_NEWSETELEM:
-                data = bytes(view[start + nlmsg.NFGEN.size : end])
+                data = payload[nlmsg.NFGEN.size :]
                 out.extend(_elements(data, 0, len(data), types))
-        return None if dump.interrupted else out
+        return out
 
 
 def element_frames(batch: ElementBatch) -> list[Frame]:

@@ -154,13 +154,13 @@ def _read_table(channel: BatchSocket, family: Family, table: str) -> tuple[int, 
     seq = channel.next_seq()
     try:
         request = _table_request(family, table, seq)
-        answers = channel.request(request, seq, f"table {family} {table}")
+        answers, _interrupted = channel.request(request, seq, f"table {family} {table}")
     except NftError as err:
         if err.errno == errno.ENOENT:
             return None
         raise
     flags = owner = 0
-    for answer in answers:
+    for _kind, answer in answers:
         for kind, value in nlmsg.attribute_values(answer, nlmsg.NFGEN.size):
             if kind == _TABLE_FLAGS and len(value) >= 4:
                 (flags,) = struct.unpack_from(">I", value)
@@ -428,10 +428,10 @@ class OwnedNftables(NftExecutor):
         request = nlmsg.message(
             nlmsg.nfnl_type(nlmsg.NFNL_SUBSYS_NFTABLES, _GETSET), nlmsg.NLM_F_REQUEST, seq, body
         )
-        answers = self.channel.request(request, seq, f"set {name}")
+        answers, _interrupted = self.channel.request(request, seq, f"set {name}")
         if not answers:
             raise NftError(f"set {name}: no answer", errno.EIO)
-        return Declaration.from_kernel(answers[0][nlmsg.NFGEN.size :])
+        return Declaration.from_kernel(answers[0][1][nlmsg.NFGEN.size :])
 
     def _encode(self, tx: Transaction) -> EncodedBatch:
         flags = self.owner_flags
