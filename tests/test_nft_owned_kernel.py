@@ -95,12 +95,19 @@ def need_persist(kernel_flags: tuple[bool, bool]) -> None:
 
 
 class _Writers:
-    """Backends over new executors of one kind in one namespace (closed by :meth:`close`)."""
+    """Backends over new executors of one kind in one namespace (closed by :meth:`close`),
+    on a clock that moves 2 s a reading: every sync after a full one deletes what it left
+    unused (``stale.py``'s one-second wait), so the deletions are written both ways too."""
 
     def __init__(self, owned: bool, flags: int) -> None:
         self.owned = owned
         self.flags = flags
         self.made: list[OwnedNftables | LibNftables] = []
+        self.now = 0.0
+
+    def clock(self) -> float:
+        self.now += 2.0
+        return self.now
 
     def __call__(
         self, family: IPFamily, config: ProxierConfig, *, netns: str | None = None
@@ -110,7 +117,7 @@ class _Writers:
             OwnedNftables(netns, owner_flags=self.flags) if self.owned else LibNftables(netns)
         )
         self.made.append(writer)
-        return backend_over(writer, family, config, netns=netns)
+        return backend_over(writer, family, config, netns=netns, clock=self.clock)
 
     def close(self) -> None:
         for writer in self.made:

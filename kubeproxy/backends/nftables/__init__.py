@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import errno
 import logging
+import time
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from kubeproxy.backends.nftables.backend import NftablesBackend
@@ -104,13 +105,18 @@ def create_backend(
 
 
 def backend_over(
-    executor: NftExecutor, family: IPFamily, config: ProxierConfig, *, netns: str | None = None
+    executor: NftExecutor,
+    family: IPFamily,
+    config: ProxierConfig,
+    *,
+    netns: str | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> NftablesBackend | LocalhostNodePortsBackend:
-    """The backend :func:`create_backend` builds, over a given executor (tests compare
-    two executors writing the same syncs)."""
+    """The backend :func:`create_backend` builds, over a given executor and clock (tests
+    compare two executors writing the same syncs)."""
     if not config.feature_gates.enabled(KUBE_PROXY_NFTABLES_LOCALHOST_NODEPORTS):
-        return NftablesBackend(family, config, executor=executor)
-    inner = NftablesBackend(family, config, executor=executor, kept=KEPT_OBJECTS)
+        return NftablesBackend(family, config, executor=executor, clock=clock)
+    inner = NftablesBackend(family, config, executor=executor, clock=clock, kept=KEPT_OBJECTS)
     return LocalhostNodePortsBackend.create(inner, config, executor, netns=netns)
 
 

@@ -94,7 +94,6 @@ DATATYPES = {
 """The data types our sets and maps use (``verdict`` is a map value of its own)."""
 
 
-
 def _tlv(kind: int, value: bytes) -> bytes:
     """One user-data attribute (libnftnl's udata: type and length bytes, no padding)."""
     return bytes((kind, len(value))) + value
