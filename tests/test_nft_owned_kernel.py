@@ -264,7 +264,7 @@ def test_a_restart_adopts_the_orphaned_table_without_a_gap(
         second = OwnedNftables(node)
         adopted.append(second.claim(Family.IP))
         again = backend_over(second, IPFamily.IPV4, CONFIG)
-        again.sync(snapshot(2000), full())
+        again.sync(snapshot(1000), full())
         # Adopted: nobody else can change it again.
         refused = subprocess.run(
             ["ip", "netns", "exec", node, "nft", "flush", "table", "ip", "kube-proxy"],
@@ -308,7 +308,7 @@ def test_an_unowned_table_is_replaced_by_an_owned_one_without_a_gap(
 
     def upgrade() -> None:
         backend = backend_over(owned, IPFamily.IPV4, CONFIG)
-        backend.sync(snapshot(2000), full())
+        backend.sync(snapshot(1000), full())
 
     assert_restart_keeps_connections(topology, upgrade)
     assert owned.handovers == 1 and owned.state(Family.IP) is TableState.OURS
