@@ -86,7 +86,9 @@ def kernel_flags() -> tuple[bool, bool]:
         return probe_table_flags(ns.name)
 
 
-def need_persist(kernel_flags: tuple[bool, bool]) -> None:
+@pytest.fixture
+def owning(kernel_flags: tuple[bool, bool]) -> None:
+    """Skips (before any namespace is made) where the table is not owned."""
     if not kernel_flags[1]:
         pytest.skip("kernel lacks the persist table flag (Linux 6.9+): the table is not owned")
 
@@ -212,9 +214,8 @@ def disrupt(netns: str) -> dict[str, subprocess.CompletedProcess[str]]:
 
 
 def test_connections_flow_while_others_flush_delete_and_reload(
-    topology: Topology, kernel_flags: tuple[bool, bool]
+    owning: None, topology: Topology
 ) -> None:
-    need_persist(kernel_flags)
     node = topology.node
     backend = create_backend(IPFamily.IPV4, CONFIG, netns=node)
     executor = backend.executor
@@ -249,9 +250,8 @@ def test_connections_flow_while_others_flush_delete_and_reload(
 
 
 def test_a_restart_adopts_the_orphaned_table_without_a_gap(
-    topology: Topology, kernel_flags: tuple[bool, bool]
+    owning: None, topology: Topology
 ) -> None:
-    need_persist(kernel_flags)
     node = topology.node
     first = OwnedNftables(node)
     backend = backend_over(first, IPFamily.IPV4, CONFIG)
@@ -278,8 +278,7 @@ def test_a_restart_adopts_the_orphaned_table_without_a_gap(
     assert adopted == [TableState.ORPHANED]
 
 
-def test_a_replaced_socket_adopts_the_table_again(kernel_flags: tuple[bool, bool]) -> None:
-    need_persist(kernel_flags)
+def test_a_replaced_socket_adopts_the_table_again(owning: None) -> None:
     with lone_namespace(PREFIX) as ns:
         executor = OwnedNftables(ns.name)
         backend = backend_over(executor, IPFamily.IPV4, CONFIG)
@@ -295,9 +294,8 @@ def test_a_replaced_socket_adopts_the_table_again(kernel_flags: tuple[bool, bool
 
 
 def test_an_unowned_table_is_replaced_by_an_owned_one_without_a_gap(
-    topology: Topology, kernel_flags: tuple[bool, bool]
+    owning: None, topology: Topology
 ) -> None:
-    need_persist(kernel_flags)
     node = topology.node
     # Today's table: written through libnftables, owned by nobody.
     unowned = backend_over(LibNftables(node), IPFamily.IPV4, CONFIG)
@@ -359,10 +357,7 @@ def _argv(netns: str, program: str, *args: str) -> list[str]:
     ]
 
 
-def test_a_second_proxy_is_refused_and_cleanup_waits_for_the_first(
-    kernel_flags: tuple[bool, bool],
-) -> None:
-    need_persist(kernel_flags)
+def test_a_second_proxy_is_refused_and_cleanup_waits_for_the_first(owning: None) -> None:
     with lone_namespace(PREFIX) as ns:
         netns = ns.name
         first = subprocess.Popen(
