@@ -275,6 +275,7 @@ class OwnedNftables(NftExecutor):
         self.handovers = 0
         """How many unowned tables this executor replaced by owned ones."""
         self.netlink_elements = True
+        """As :class:`~.exec.LibNftables` says it: elements go over netlink (all does)."""
 
     def close(self) -> None:
         """Close the socket (our tables stay, orphaned) and the listing library."""
@@ -336,6 +337,8 @@ class OwnedNftables(NftExecutor):
                 again = _read_table(channel, family, self.table)
                 raise self._foreign(family, again[1] if again else 0) from None
             raise
+        # Anyone could change it while it was orphaned: declarations are read again.
+        self._declared.pop(family, None)
         log.info("Adopted %s, orphaned by the proxy before this one", where)
         return TableState.ORPHANED
 
