@@ -68,6 +68,7 @@ from kubeproxy.backends.nftables.layout import (
     generation_of,
 )
 from kubeproxy.backends.nftables.objects import Chain, Family, NftError, Set, Table
+from kubeproxy.backends.nftables.owner import OwnedNftables
 from kubeproxy.backends.nftables.stale import (
     STALE_DELAY,
     StaleCollector,
@@ -242,11 +243,11 @@ class NftablesBackend:
         self._need_full = True
 
     def close(self) -> None:
-        """Release what the executor holds (its sockets: an owned table is orphaned, for
-        the next proxy to adopt); the rules stay. The backend is not used afterwards."""
-        close = getattr(self._executor, "close", None)
-        if callable(close):
-            close()
+        """Let go of an owned table (its owner socket closed: the table stays, orphaned,
+        for the next proxy to adopt); the rules stay, and a later :meth:`cleanup` or
+        sync still works (it adopts the table again)."""
+        if isinstance(self._executor, OwnedNftables):
+            self._executor.close()
 
     @property
     def executor(self) -> NftExecutor:

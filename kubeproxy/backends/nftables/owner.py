@@ -272,16 +272,27 @@ class OwnedNftables(NftExecutor):
         self._claimed_socket: dict[Family, int] = {}
         self._declared: dict[Family, dict[str, Declaration]] = {}
         self._handover: dict[Family, _Handover] = {}
+        self._closed = False
         self.handovers = 0
         """How many unowned tables this executor replaced by owned ones."""
         self.netlink_elements = True
         """As :class:`~.exec.LibNftables` says it: elements go over netlink (all does)."""
 
     def close(self) -> None:
-        """Close the socket (our tables stay, orphaned) and the listing library."""
+        """Close the owner socket: our tables stay, orphaned and serving, for the next
+        proxy to adopt. A later write of this executor (a cleanup after the daemon
+        stopped) opens a new socket, which adopts them first."""
         with self.channel.lock:
             self.channel.close()
-        self._lib.close()
+            self._closed = True
+
+    def _open(self) -> BatchSocket:
+        """The socket, opened again after :meth:`close` (a new one: its claims start
+        over)."""
+        if self._closed:
+            self.channel.replace()
+            self._closed = False
+        return self.channel
 
     def __repr__(self) -> str:
         where = f"netns {self.netns}" if self.netns else "current netns"
@@ -298,7 +309,7 @@ class OwnedNftables(NftExecutor):
         change nothing (the claim comes with the first write)."""
         family = Family(family)
         with self.channel.lock:
-            read = _read_table(self.channel, family, self.table)
+            read = _read_table(self._open(), family, self.table)
             if read is not None and read[0] & NFT_TABLE_F_OWNER and read[1] != self.channel.portid:
                 raise self._foreign(family, read[1])
 
@@ -357,6 +368,7 @@ class OwnedNftables(NftExecutor):
     def _ensure(self, family: Family) -> TableState:
         """The table's state, claimed again if unknown or if the socket was replaced
         since (the old socket's close orphaned it)."""
+        self._open()
         state = self._states.get(family)
         if state is None or self._claimed_socket.get(family) != self.channel.replaced:
             self.claim(family)
@@ -492,6 +504,7 @@ class OwnedNftables(NftExecutor):
         if len(tx) == 0:
             return
         with self.channel.lock:
+            self._open()
             encoded = self._encode(tx)
             frames = [_frame(m) for m in encoded.messages]
             self._send(tx.family, frames, f"check of {tx.family} {tx.table}", commit=False)
@@ -522,7 +535,9 @@ class OwnedNftables(NftExecutor):
         """A netlink dump of one container (on our socket for our table)."""
         if table != self.table:
             return self._lib.read_elements(family, table, container, types)
-        return self._elements.read(family, table, container, types)
+        with self.channel.lock:
+            self._open()
+            return self._elements.read(family, table, container, types)
 
     # Reading ------------------------------------------------------------------------------
 
