@@ -31,12 +31,20 @@ clean:
 # kernels from Debian's packages into .cache/kernels. Not part of `make test` (README:
 # "Kernels tested" says what it costs). KERNELS_ARGS: `--only debian12-6.1`, or pytest
 # arguments after `--`.
-.PHONY: setup-kernels test-kernels
+.PHONY: setup-kernels test-kernels test-kernels-ci
 setup-kernels:
 	@./scripts/setup-kernels.sh
 
 test-kernels: setup-kernels
 	$(PY) -m tests.vm.host $(KERNELS_ARGS)
+
+# What .ci/run boots after `make test`: Debian 12's two kernel series (6.1, and 6.12, the
+# one Debian 13 runs too), each with the ci scope (the support check, a real start of the
+# binary, every nftables flow case in both families); about 15 min a kernel.
+CI_KERNELS := debian12-6.1 debian12-6.12
+test-kernels-ci:
+	KPX_KERNELS="$(CI_KERNELS)" ./scripts/setup-kernels.sh
+	$(PY) -m tests.vm.host --scope ci $(foreach k,$(CI_KERNELS),--only $(k))
 
 # Benchmarks: our nftables and iptables backends and upstream's nftables rule structure,
 # side by side (bench/README.md). bench-quick: a few minutes; bench: everything (long).

@@ -13,7 +13,8 @@ guest's reaches the host) and ``DIR`` shared read-write. It writes ``DIR/<label>
   fresh network namespace (the binary's own support check, on a real start);
 * for the ``full`` scope, pytest's exit status over every kernel test (``-m kernel``,
   ``CI=true``: a skip that is not a missing kernel feature fails), whose per-test outcomes
-  are in ``DIR/<label>.xml`` (JUnit XML).
+  are in ``DIR/<label>.xml`` (JUnit XML); for the ``ci`` scope the same over the nftables
+  flow cases and support tests (:attr:`tests.vm.matrix.Scope.pytest_selection`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.append(str(ROOT))
+
+from tests.vm.matrix import Scope  # noqa: E402  (the guest runs as a script)
 
 MODULES = (
     "br_netfilter",
@@ -127,14 +130,14 @@ def run_binary() -> dict[str, Any]:
     }
 
 
-def run_pytest(out: Path, label: str, extra: list[str]) -> int:
-    """Every kernel test; outcomes in ``out/<label>.xml``; returns pytest's status."""
+def run_pytest(out: Path, label: str, selection: tuple[str, ...], extra: list[str]) -> int:
+    """The kernel tests ``selection`` picks; outcomes in ``out/<label>.xml``; returns
+    pytest's status."""
     env = dict(os.environ, CI="true", PYTHONDONTWRITEBYTECODE="1")
     argv = [
         str(ROOT / ".venv/bin/pytest"),
         "-q",
-        "-m",
-        "kernel",
+        *selection,
         "-p",
         "no:cacheprovider",
         f"--junitxml={out / f'{label}.xml'}",
@@ -152,14 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     """Run what the scope asks; write ``<out>/<label>.json``; 0 unless something broke."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--label", required=True)
-    parser.add_argument("--scope", choices=("full", "support"), required=True)
+    parser.add_argument("--scope", choices=[s.value for s in Scope], required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument(
         "--no-modules",
         action="store_true",
         help="load no module (to run the probes on a machine's own kernel, never in a VM)",
     )
-    parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (full scope)")
+    parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (full and ci scopes)")
     args = parser.parse_args(argv)
     started = time.monotonic()
     report: dict[str, Any] = {
@@ -171,8 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     report["modules"] = {} if args.no_modules else load_modules()
     report["probes"] = run_probes()
     report["binary"] = run_binary()
-    if args.scope == "full":
-        report["pytest_returncode"] = run_pytest(args.out, args.label, args.pytest_args)
+    selection = Scope(args.scope).pytest_selection
+    if selection is not None:
+        report["pytest_returncode"] = run_pytest(args.out, args.label, selection, args.pytest_args)
     report["seconds"] = round(time.monotonic() - started, 1)
     (args.out / f"{args.label}.json").write_text(json.dumps(report, indent=1) + "\n")
     return 0
