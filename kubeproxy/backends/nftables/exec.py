@@ -64,12 +64,19 @@ _ERROR_TEXT_MAX = 16 * 1024
 # with one command each, and an error still quotes a line of a few kB only.
 _ELEMENTS_PER_LINE = 64
 
-# nft prints strerror() texts; map them back so callers can test errno.
+# nft prints strerror() texts; map them back so callers can test errno. Where the kernel
+# refuses a base chain with EOPNOTSUPP, nft 1.0.7+ prints a hint of its own instead
+# (src/cmd.c, nft_cmd_chain_error: the "not supported" and nat-priority hints since 1.0.7,
+# the redeclared base chain since 1.1.0, commit 1f321f86); the kernel said EOPNOTSUPP all
+# the same (measured: nft 1.1.3 and 1.1.7 against 6.18, `make test-userspace`).
 _ERRNO_TEXTS = (
     ("No such file or directory", errno.ENOENT),
     ("File exists", errno.EEXIST),
     ("Device or resource busy", errno.EBUSY),
     ("Operation not supported", errno.EOPNOTSUPP),
+    ("with different declaration", errno.EOPNOTSUPP),
+    ("is not supported, perhaps kernel support is missing?", errno.EOPNOTSUPP),
+    ('Chains of type "nat" must have a priority value above -200', errno.EOPNOTSUPP),
     ("Too many links", errno.EMLINK),
     ("Too many open files in system", errno.ENFILE),
     ("Operation not permitted", errno.EPERM),
