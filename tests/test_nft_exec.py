@@ -71,6 +71,8 @@ def test_parse_version() -> None:
     assert parse_version("1.0.6") == (1, 0, 6)
     assert parse_version("nftables v1.0.1 (Fearless Fosdick #3)") == (1, 0, 1)
     assert parse_version("0.9") == (0, 9, 0)
+    assert parse_version("1.0.6.1") == (1, 0, 6, 1)
+    assert (1, 0, 6) < parse_version("1.0.6.1") < (1, 0, 7)
     with pytest.raises(NftError):
         parse_version("unknown")
 
