@@ -22,6 +22,11 @@ ca-certificates python3 python3-venv kmod git"
 ./scripts/setup.sh
 ./scripts/ensure-apt.sh setup-userspace mmdebstrap
 
+# One build at a time: two would write the same root.
+mkdir -p "$CACHE"
+exec 9> "$CACHE/.lock"
+flock 9
+
 # The host's apt proxy and date checks, so the root is fetched the way this machine's apt
 # fetches (mmdebstrap does not read the host's apt.conf.d).
 host_aptopts() {

@@ -24,6 +24,7 @@ failed on (its cause is the readers' nft: see the README's "Userspaces tested").
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import subprocess
@@ -162,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv[:cut])
     pytest_args = argv[cut + 1 :]
     RESULTS.mkdir(parents=True, exist_ok=True)
+    # One run at a time (scripts/setup-userspace.sh takes the same lock): two would
+    # share the results folder.
+    lock = (CACHE / ".lock").open("w")
+    fcntl.flock(lock, fcntl.LOCK_EX)
     status = 0
     seconds: dict[str, float] = {}
     for label in args.labels:
