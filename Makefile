@@ -46,6 +46,20 @@ test-kernels-ci:
 	KPX_KERNELS="$(CI_KERNELS)" ./scripts/setup-kernels.sh
 	$(PY) -m tests.vm.host --scope ci $(foreach k,$(CI_KERNELS),--only $(k))
 
+# Every kernel test and flow case in other Debian userspaces (Debian 13, unstable), on this
+# machine's kernel at native speed, side by side with this machine's own (host): each
+# root filesystem built with mmdebstrap into .cache/userspace/<suite>/ (kept until its
+# inputs change) with its own venv, run in mount and PID namespaces of its own. Not part
+# of `make test` (README: "Userspaces tested" says what it costs). One userspace:
+# `make test-userspace USERSPACES=trixie`; pytest arguments: USERSPACE_ARGS='-- -k x'.
+USERSPACES ?= host trixie sid
+.PHONY: setup-userspace test-userspace
+setup-userspace:
+	@./scripts/setup-userspace.sh $(filter-out host,$(USERSPACES))
+
+test-userspace: setup-userspace
+	$(PY) -m tests.userspace.run $(USERSPACES) $(USERSPACE_ARGS)
+
 # Benchmarks: our nftables and iptables backends and upstream's nftables rule structure,
 # side by side (bench/README.md). bench-quick: a few minutes; bench: everything (long).
 # Results: bench/results/latest.md, PNG plots and one JSON file per run; then

@@ -12,7 +12,7 @@ import pytest
 
 import kubeproxy.nlmsg as nlmsg
 from kubeproxy.backends.nftables.batchencoder import encode_transaction
-from kubeproxy.backends.nftables.declarations import Declaration
+from kubeproxy.backends.nftables.declarations import Declaration, _udata
 from kubeproxy.backends.nftables.elements import element_encoder
 from kubeproxy.backends.nftables.frontends import AFFINITY4_MAP_TYPE, KIND_IP, KIND_NODEPORT
 from kubeproxy.backends.nftables.generation import add_container
@@ -102,6 +102,15 @@ def test_a_declaration_reads_back_from_what_the_kernel_returns(obj: Set | Map) -
     returned = declaration.attributes("kube-proxy", 9) + nlmsg.attr(16, struct.pack(">Q", 3))
     again = Declaration.from_kernel(returned)
     assert again == declaration
+
+
+def test_a_typeof_verdict_map_records_its_value_as_a_verdict_expression() -> None:
+    """As nft 1.0.6 writes it (the kernel tests compare the bytes with nft's): a data
+    ``typeof`` record holding a verdict expression with no data; none for ``type``."""
+    typed = _udata(Declaration.of(Map("v", "ip daddr : verdict", typeof=True)).user_data())
+    assert typed[4] == bytes((0, 4, 1, 0, 0, 0, 1, 0))
+    plain = _udata(Declaration.of(Map("v", "ipv4_addr : verdict")).user_data())
+    assert 4 not in plain and 0 in plain
 
 
 _SAMPLES = {

@@ -60,7 +60,7 @@ _UDATA_KEY_BYTEORDER, _UDATA_DATA_BYTEORDER = 0, 1
 _UDATA_KEY_TYPEOF, _UDATA_DATA_TYPEOF, _UDATA_DATA_INTERVAL, _UDATA_COMMENT = 3, 4, 6, 7
 _TYPEOF_EXPR, _TYPEOF_DATA = 0, 1
 # nft's expression types (nftables' expression.h) and protocol descriptions (proto.h).
-_EXPR_PAYLOAD, _EXPR_META, _EXPR_CONCAT, _EXPR_NUMGEN = 7, 9, 13, 23
+_EXPR_VERDICT, _EXPR_PAYLOAD, _EXPR_META, _EXPR_CONCAT, _EXPR_NUMGEN = 1, 7, 9, 13, 23
 _TYPE_BITS = 6
 
 _FLAG_BITS = {
@@ -373,6 +373,11 @@ class Declaration:
         data += _expressions_udata(_UDATA_KEY_TYPEOF, self.key, self.typeof)
         if self.value:
             data += _expressions_udata(_UDATA_DATA_TYPEOF, self.value, self.typeof)
+        elif self.verdicts and self.typeof:
+            # "typeof ... : verdict": nft records the value as a verdict expression
+            # (with no data of its own), as it records any typeof map's value.
+            verdict = _tlv(_TYPEOF_EXPR, _u32(_EXPR_VERDICT)) + _tlv(_TYPEOF_DATA, b"")
+            data += _tlv(_UDATA_DATA_TYPEOF, verdict)
         if self.is_map:
             data += _tlv(_UDATA_DATA_INTERVAL, _u32(0))
         if self.comment is not None:

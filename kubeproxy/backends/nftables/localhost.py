@@ -38,7 +38,13 @@ from typing import Any, Final
 
 from kubeproxy.backend import Backend, ProxySnapshot, SyncChanges, SyncError
 from kubeproxy.backends.nftables.exec import NftExecutor
-from kubeproxy.backends.nftables.objects import Chain, Family, NftError, Set
+from kubeproxy.backends.nftables.objects import (
+    Chain,
+    Family,
+    NftError,
+    Set,
+    readable_by_every_nft,
+)
 from kubeproxy.backends.nftables.rulecounters import rule_counters
 from kubeproxy.backends.nftables.stale import chain_object, set_object
 from kubeproxy.backends.nftables.table import TABLE, tokens_for
@@ -148,7 +154,7 @@ class LocalhostRejects:
                 self._remember(name, key)
         tx = Transaction(self.nft_family, TABLE)
         for protocol in _PROTOCOLS:
-            tx.add(Set(set_name(protocol), "inet_service"))
+            tx.add(readable_by_every_nft(Set(set_name(protocol), "inet_service")))
         tx.add(Chain(CHAIN, "filter", "input", 0))
         tx.flush(Chain(CHAIN))
         for rule, comment in self.rules():

@@ -27,6 +27,7 @@ and how each probe fared there is in the README ("Kernels tested").
 from __future__ import annotations
 
 import errno
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from string import Template
@@ -54,14 +55,22 @@ __all__ = [
     "PERSIST_KERNEL",
     "PROBES",
     "PROBE_TABLE",
+    "TESTED_NFT",
     "FeatureProbe",
     "ProbeResult",
     "TableOwnership",
     "check_support",
+    "nft_cautions",
     "probe_all",
     "probe_transaction",
     "table_ownership",
 ]
+
+log = logging.getLogger(__name__)
+
+TESTED_NFT: Final = ("1.0.6", "1.1.3", "1.1.7")
+"""The nft (libnftables) versions every kernel test ran with: Debian 12's, Debian 13's
+and Debian unstable's (``make test-userspace``; the README's "Userspaces tested")."""
 
 PROBE_TABLE: Final = "kubeproxy-support-check"
 """The throw-away table the probes are committed to (and deleted from at once)."""
@@ -430,6 +439,30 @@ def _kernel_release() -> str:
         return "(unknown)"
 
 
+def nft_cautions(version: str) -> list[str]:
+    """What is known to go wrong with nft (libnftables) ``version`` on a node: notes, not
+    refusals (the proxy runs; the line says why it may stop).
+
+    nft 1.1.2 records a set's key in its user data in a form nft before 1.1.2 cannot
+    parse, and those versions crash (SIGSEGV) on any command that loads the namespace's
+    sets: listing, adding elements, adding rules that name a set (the fix, nftables
+    be737a19, is in 1.1.4 and in the stable release 1.0.6.1; kubernetes/kubernetes#136786).
+    Measured with ``make test-userspace``: Debian 12's nft 1.0.6, and this proxy using it,
+    crashed on tables Debian 13's 1.1.3 or unstable's 1.1.7 wrote. This proxy declares its
+    own sets so that every nft reads them (:func:`~.objects.readable_by_every_nft`); other
+    programs on the node may not.
+    """
+    parsed = parse_version(version)
+    if parsed < (1, 1, 2) and not (1, 0, 6, 1) <= parsed < (1, 0, 7):
+        return [
+            f"nftables {version} crashes (SIGSEGV) loading sets that nft 1.1.2 or newer"
+            " wrote (fixed in 1.0.6.1 and 1.1.4; kubernetes/kubernetes#136786): if this"
+            " proxy dies by a signal, another program on this node writes sets with a newer"
+            " nft; run the proxy with an nft that has the fix"
+        ]
+    return []
+
+
 def check_support(
     executor: NftExecutor,
     family: Family = Family.IP,
@@ -440,12 +473,17 @@ def check_support(
 
     Needs nft (libnftables) >= 1.0.1 and a kernel that accepts every required probe.
     The message names the kernel, each missing feature with the first kernel that has
-    it, and the kernel that has them all. Leaves nothing behind.
+    it, and the kernel that has them all. Leaves nothing behind. Logs the version's
+    :func:`nft_cautions` (information) first, before any command that could crash on them.
     """
     version = executor.version()
     if parse_version(version) < MIN_NFT_VERSION:
         wanted = ".".join(map(str, MIN_NFT_VERSION))
         raise NftError(f"nftables {version} is too old: nftables mode needs {wanted} or newer")
+    for caution in nft_cautions(version):
+        # Information, not a warning: every Debian 12 node has this nft, and it only
+        # matters on the day the proxy dies of it (then this is the line that says why).
+        log.info("%s: %s", family, caution)
     family = Family(family)
     required = [p for p in probes if p.required]
     together = _try(executor, required, family)
