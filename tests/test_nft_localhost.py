@@ -345,6 +345,9 @@ def test_metrics_as_upstream_names_them() -> None:
         'kubeproxy_nftables_localhost_nodeport_listeners{ip_family="IPv4"} 0',
         "kubeproxy_nftables_localhost_nodeport_listener_creation_failures_total"
         '{ip_family="IPv6"} 0',
+        'kubeproxy_nftables_localhost_nodeport_connections{ip_family="IPv4"} 0',
+        "kubeproxy_nftables_localhost_nodeport_timed_out_connections_total"
+        '{ip_family="IPv6",reason="half-closed"} 0',
     ):
         assert line in text
 
