@@ -226,6 +226,7 @@ def test_the_nftables_package_holds_the_shipped_structure_only() -> None:
         "rulecounters",
         "stale",
         "support",
+        "sweeper",
         "table",
         "transaction",
     ]

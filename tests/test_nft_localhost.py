@@ -365,7 +365,7 @@ def test_nftables_mode_reports_them_once_per_registry() -> None:
     metrics = ProxyMetrics(mode="nftables")
     for backend in backends:
         hooks = nftables_hooks(backend, metrics)
-        assert len(hooks) == 1  # the cleanup failure counter, as before
+        assert len(hooks) == 2  # the cleanup failure counter and the sweeper, as before
     collector = report_metrics(metrics.registry, backends[0])
     assert set(collector.backends) == {IPFamily.IPV4, IPFamily.IPV6}
 
