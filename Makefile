@@ -68,3 +68,13 @@ bench: setup
 .PHONY: bench-selfheal
 bench-selfheal: setup
 	$(PY) -m bench.selfheal $(SELFHEAL_ARGS)
+
+# The soak (issue 31): the daemon a node runs, over the bench's realistic mix in the fake
+# API server, under churn and a fault per round (kill -9 mid sync, SIGTERM, nft flush
+# ruleset, table deletes, API restarts and 410s, address changes, hung backends, a full
+# conntrack table), checked at every round against a fresh sync and with real
+# connections (bench/soak.py; about 40 minutes; bench/results/soak.md). `make test` runs
+# its short version (tests/test_soak.py, about two minutes).
+.PHONY: soak
+soak: setup
+	$(PY) -m bench.soak $(SOAK_ARGS)
