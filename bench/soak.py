@@ -53,13 +53,13 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack, suppress
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench.daemonbench import HEALTHZ_PORT, METRICS_PORT, NodeProcess
+from bench.daemonbench import HEALTHZ_PORT, METRICS_PORT, NodeProcess, stop_process
 from bench.harness import REPO, python_module
 from bench.netns import in_netns
 from bench.report import machine_info
@@ -194,17 +194,7 @@ class Daemon:
     def stop(self, how: int) -> float:
         """Send ``how`` (SIGTERM or SIGKILL); seconds until it exited."""
         assert self.node is not None
-        process = self.node.process
-        started = time.monotonic()
-        with suppress(ProcessLookupError):
-            process.send_signal(how)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            with suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        return time.monotonic() - started
+        return stop_process(self.node.process, how, timeout=60)
 
     def resources(self) -> dict[str, float]:
         """Its file descriptors, threads and resident memory (MB)."""

@@ -17,39 +17,24 @@ from kubeproxy.objects import IPFamily
 from kubeproxy.proxier import Proxier
 from kubeproxy.sources.apivalidation import endpoint_slice_errors, service_errors
 from kubeproxy.sources.manifests import ManifestSource
+from kubeproxy.testing.fakeapi import builders
 
 V4 = IPFamily.IPV4
 
 
 def svc(name: str, **spec: Any) -> dict[str, Any]:
+    """A Service as a manifest may hold it: only what the test sets (the API server's
+    defaults left out), ports as dicts so a test can break them."""
     body: dict[str, Any] = {
         "clusterIP": "172.30.0.10",
         "ports": [{"name": "http", "port": 80, "protocol": "TCP"}],
+        **spec,
     }
-    body.update(spec)
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {"name": name, "namespace": "demo"},
-        "spec": body,
-    }
+    return {"metadata": {"name": name, "namespace": "demo"}, "spec": body}
 
 
 def eps(name: str, service: str, *addresses: str, **extra: Any) -> dict[str, Any]:
-    obj: dict[str, Any] = {
-        "apiVersion": "discovery.k8s.io/v1",
-        "kind": "EndpointSlice",
-        "metadata": {
-            "name": name,
-            "namespace": "demo",
-            "labels": {"kubernetes.io/service-name": service},
-        },
-        "addressType": "IPv4",
-        "endpoints": [{"addresses": [a], "nodeName": "node-a"} for a in addresses],
-        "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
-    }
-    obj.update(extra)
-    return obj
+    return {**builders.endpoint_slice(name, service, "demo", addresses=addresses), **extra}
 
 
 # --- the rules -------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from kubeproxy.handlers import KubeObject
 from kubeproxy.objects import IPFamily, IPNetwork
 from kubeproxy.proxier import Proxier
 from kubeproxy.sources.manifests import ManifestSource
+from kubeproxy.testing.fakeapi import builders
 
 V4 = IPFamily.IPV4
 
@@ -532,42 +533,13 @@ def test_broken_files_and_node_names_are_listed(tmp_path: Path) -> None:
 # --- what the API server would refuse (issue 31, item 4) --------------------------------
 
 
-def api_service(name: str, cluster_ip: str, **spec: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "clusterIP": cluster_ip,
-        "ports": [{"name": "http", "port": 80, "protocol": "TCP"}],
-        **spec,
-    }
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {"name": name, "namespace": "demo"},
-        "spec": body,
-    }
-
-
-def api_slice(name: str, service: str, address: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "discovery.k8s.io/v1",
-        "kind": "EndpointSlice",
-        "metadata": {
-            "name": name,
-            "namespace": "demo",
-            "labels": {"kubernetes.io/service-name": service},
-        },
-        "addressType": "IPv4",
-        "endpoints": [{"addresses": [address], "nodeName": "node-a"}],
-        "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
-    }
-
-
 def write_list(directory: Path, *objects: dict[str, Any]) -> None:
     items = {"apiVersion": "v1", "kind": "List", "items": list(objects)}
     write(directory / "cluster.json", json.dumps(items))
 
 
 def external(name: str, ip: str, k: int) -> dict[str, Any]:
-    return api_service(name, f"172.30.0.{20 + k}", externalIPs=[ip])
+    return builders.service(name, "demo", cluster_ip=f"172.30.0.{20 + k}", externalIPs=[ip])
 
 
 def nft_proxier() -> tuple[Proxier, FakeNft]:
@@ -590,10 +562,10 @@ def test_what_the_api_server_refuses_is_not_programmed_the_rest_is(
         external("broadcast", "255.255.255.255", 3),  # the API server takes this one
         external("fine", "203.0.113.7", 4),
         *(
-            api_slice(f"{n}-1", n, "10.244.0.11")
+            builders.endpoint_slice(f"{n}-1", n, "demo", addresses=["10.244.0.11"])
             for n in ("loopback", "multicast", "broadcast", "fine")
         ),
-        api_slice("stray-1", "fine", "127.0.0.1"),
+        builders.endpoint_slice("stray-1", "fine", "demo", addresses=["127.0.0.1"]),
     )
     proxier, fake = nft_proxier()
     source = ManifestSource(tmp_path, proxier, node_name="node-a")
@@ -623,12 +595,15 @@ def test_a_refused_update_keeps_what_was_delivered(
 ) -> None:
     proxier, fake = nft_proxier()
     good = external("web", "203.0.113.7", 1)
-    write_list(tmp_path, good, api_slice("web-1", "web", "10.244.0.11"))
+    web = builders.endpoint_slice("web-1", "web", "demo", addresses=["10.244.0.11"])
+    write_list(tmp_path, good, web)
     source = ManifestSource(tmp_path, proxier, node_name="node-a")
     source.load()
     bad = copy.deepcopy(good)
     bad["spec"]["externalIPs"] = ["203.0.113.7", "169.254.169.254"]
-    write_list(tmp_path, bad, api_slice("web-1", "web", "10.244.0.11"))
+    write_list(
+        tmp_path, bad, builders.endpoint_slice("web-1", "web", "demo", addresses=["10.244.0.11"])
+    )
     with caplog.at_level(logging.ERROR, logger="kubeproxy.sources.manifests"):
         source.poll()
         proxier.sync_now()
@@ -640,7 +615,9 @@ def test_a_refused_update_keeps_what_was_delivered(
     assert "link-local range" in lines[0]
     fixed = copy.deepcopy(good)
     fixed["spec"]["externalIPs"] = ["203.0.113.8"]
-    write_list(tmp_path, fixed, api_slice("web-1", "web", "10.244.0.11"))
+    write_list(
+        tmp_path, fixed, builders.endpoint_slice("web-1", "web", "demo", addresses=["10.244.0.11"])
+    )
     source.poll()
     proxier.sync_now()
     assert "203.0.113.8" in served(fake) and "203.0.113.7" not in served(fake)

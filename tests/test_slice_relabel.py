@@ -68,13 +68,19 @@ def cluster() -> tuple[list[dict[str, Any]], dict[str, Any]]:
 # --- the core -------------------------------------------------------------------------
 
 
-def test_the_tracker_moves_a_relabelled_slice() -> None:
+def applied(slice_: dict[str, Any]) -> tuple[EndpointsChangeTracker, EndpointsMap]:
+    """A tracker and a map that hold ``slice_``, applied."""
     tracker = EndpointsChangeTracker(V4, NODE)
     endpoints = EndpointsMap()
+    tracker.update(slice_, False)
+    endpoints.apply(tracker)
+    return tracker, endpoints
+
+
+def test_the_tracker_moves_a_relabelled_slice() -> None:
     _, before = cluster()
     after = relabelled(before, "lm-b")
-    tracker.update(before, False)
-    endpoints.apply(tracker)
+    tracker, endpoints = applied(before)
     assert tracker.update(after, False, previous=before) is True
     result = endpoints.apply(tracker)
     assert result.updated_services == {A, B}
@@ -89,11 +95,8 @@ def test_the_tracker_moves_a_relabelled_slice() -> None:
 
 
 def test_a_slice_that_loses_its_label_leaves_its_service() -> None:
-    tracker = EndpointsChangeTracker(V4, NODE)
-    endpoints = EndpointsMap()
     _, before = cluster()
-    tracker.update(before, False)
-    endpoints.apply(tracker)
+    tracker, endpoints = applied(before)
     assert tracker.update(relabelled(before, None), False, previous=before) is True
     assert endpoints.apply(tracker).updated_services == {A}
     assert dict(endpoints) == {}
@@ -101,12 +104,9 @@ def test_a_slice_that_loses_its_label_leaves_its_service() -> None:
 
 
 def test_a_relabel_and_back_before_a_sync_changes_nothing() -> None:
-    tracker = EndpointsChangeTracker(V4, NODE)
-    endpoints = EndpointsMap()
     _, before = cluster()
     after = relabelled(before, "lm-b")
-    tracker.update(before, False)
-    endpoints.apply(tracker)
+    tracker, endpoints = applied(before)
     tracker.update(after, False, previous=before)
     tracker.update(before, False, previous=after)
     assert endpoints.apply(tracker).updated_services == frozenset()

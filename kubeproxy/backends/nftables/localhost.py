@@ -32,7 +32,6 @@ them, and deletes them as unused objects after its next full sync.
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
@@ -51,6 +50,7 @@ from kubeproxy.localnodeports import (
     targets_of_services,
 )
 from kubeproxy.loopbackproxy import LocalNodePortProxy
+from kubeproxy.metrics import PerRegistry
 from kubeproxy.objects import IPFamily, NamespacedName, Protocol, ServicePortName
 
 __all__ = [
@@ -397,15 +397,12 @@ class LocalhostNodePortMetrics:
         yield timed_out
 
 
-_COLLECTORS: weakref.WeakKeyDictionary[Any, LocalhostNodePortMetrics] = weakref.WeakKeyDictionary()
+_COLLECTORS = PerRegistry(LocalhostNodePortMetrics)
 
 
 def report_metrics(registry: Any, backend: LocalhostNodePortsBackend) -> LocalhostNodePortMetrics:
     """Report ``backend``'s family in ``registry``'s :class:`LocalhostNodePortMetrics`
     (registered there the first time)."""
-    collector = _COLLECTORS.get(registry)
-    if collector is None:
-        collector = _COLLECTORS[registry] = LocalhostNodePortMetrics()
-        registry.register(collector)
+    collector = _COLLECTORS.of(registry)
     collector.add(backend)
     return collector

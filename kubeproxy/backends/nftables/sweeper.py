@@ -27,11 +27,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from kubeproxy.backend import ProxySnapshot, SyncChanges
+from kubeproxy.metrics import PerRegistry
 from kubeproxy.objects import IPFamily
 from kubeproxy.proxier import Proxier
 
@@ -174,15 +174,12 @@ class StaleObjectsMetric:
         yield gauge
 
 
-_COLLECTORS: weakref.WeakKeyDictionary[Any, StaleObjectsMetric] = weakref.WeakKeyDictionary()
+_COLLECTORS = PerRegistry(StaleObjectsMetric)
 
 
 def report_stale_objects(registry: Any, backend: Sweepable) -> StaleObjectsMetric:
     """Report ``backend``'s family in ``registry``'s :class:`StaleObjectsMetric`
     (registered there the first time)."""
-    collector = _COLLECTORS.get(registry)
-    if collector is None:
-        collector = _COLLECTORS[registry] = StaleObjectsMetric()
-        registry.register(collector)
+    collector = _COLLECTORS.of(registry)
     collector.add(backend)
     return collector
