@@ -83,13 +83,12 @@ from bench.soakstate import TableState, compare, counts, table_state
 from bench.synthetic import (
     NODE_IP,
     NODE_IP6,
-    NODE_NAME,
     POD_CIDR,
     POD_CIDR6,
     SERVICE_CIDR,
     SERVICE_CIDR6,
 )
-from bench.wholeproc import binary_path
+from bench.wholeproc import binary_path, settings_flags
 from kubeproxy.backends.nftables.layout import generation_of
 from kubeproxy.netns import run_in_netns
 from kubeproxy.testing.fakeapi import FakeAPIServer
@@ -126,16 +125,11 @@ _HUNG_CLIENTS = 600
 def daemon_flags() -> list[str]:
     """The node's settings (both families, localhost NodePorts, an extra NodePort CIDR)."""
     return [
-        "--hostname-override",
-        NODE_NAME,
-        "--detect-local-mode",
-        "ClusterCIDR",
-        "--cluster-cidr",
-        f"{POD_CIDR},{POD_CIDR6}",
-        "--service-cluster-ip-range",
-        f"{SERVICE_CIDR},{SERVICE_CIDR6}",
-        "--nodeport-addresses",
-        f"{NODE_IP}/24,{EXTRA_NODE_PORT_CIDR},{NODE_IP6}/64,localhost",
+        *settings_flags(
+            cluster_cidr=f"{POD_CIDR},{POD_CIDR6}",
+            service_range=f"{SERVICE_CIDR},{SERVICE_CIDR6}",
+            node_port_addresses=f"{NODE_IP}/24,{EXTRA_NODE_PORT_CIDR},{NODE_IP6}/64,localhost",
+        ),
         "--feature-gates",
         "KubeProxyNFTablesLocalhostNodePorts=true",
     ]
