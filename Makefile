@@ -73,7 +73,7 @@ bench-selfheal: setup
 # API server, under churn and a fault per round (kill -9 mid sync, SIGTERM, nft flush
 # ruleset, table deletes, API restarts and 410s, address changes, hung backends, a full
 # conntrack table), checked at every round against a fresh sync and with real
-# connections (bench/soak.py; about 40 minutes; bench/results/soak.md). `make test` runs
+# connections (bench/soak.py; 45-90 minutes; bench/results/soak.md). `make test` runs
 # its short version (tests/test_soak.py, about two minutes).
 .PHONY: soak
 soak: setup

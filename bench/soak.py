@@ -1,7 +1,7 @@
 """A node's months, compressed into tens of minutes: the soak (issue 31).
 
-    make soak                                   # about 40 minutes: 2000 Services
-    make soak SOAK_ARGS="--services 500 --minutes 10"
+    make soak                                   # 2000 Services, 22 rounds: 45-90 minutes
+    make soak SOAK_ARGS="--services 500 --rounds 11"
     python -m bench.soak --short                # the short version `make test` runs
 
 As root, in namespaces of its own (``kpxb-soak*``, :mod:`bench.soaknet`; never the
@@ -11,7 +11,8 @@ by the fake API server (in the node's namespace) holding the bench's realistic m
 (:mod:`bench.soakcluster`), changed all along: endpoints, Services added and removed,
 slices relabelled, policies and affinity flipped, about ``--rate`` changes a second;
 session affinity clients connect to a few ClientIP Services throughout. Round after round
-one fault is injected (``--faults``; each round lasts ``--round-seconds`` at least):
+one fault is injected (``--faults``, in turn; ``--rounds``, by default every fault twice;
+each round lasts ``--round-seconds`` at least; ``--minutes`` starts no round after):
 
 ``none``, ``kill9`` (SIGKILL, restart), ``kill9-mid-sync`` (a Node change starts a full
 sync, SIGKILL as soon as the kernel holds part of the new generation, restart),
@@ -821,7 +822,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         soak = Soak(net, api, cluster, daemon, churn, work, args.settle)
         churn.resume()
         number = 0
-        while (number < args.rounds) if args.rounds else (time.monotonic() < deadline):
+        while number < args.rounds and (not args.minutes or time.monotonic() < deadline):
             fault = faults[number % len(faults)]
             round_started = time.monotonic()
             if fault in RESTARTS:
@@ -865,8 +866,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point (see the module)."""
     parser = argparse.ArgumentParser(prog="python -m bench.soak")
     parser.add_argument("--services", type=int, default=2000)
-    parser.add_argument("--minutes", type=float, default=36.0)
-    parser.add_argument("--rounds", type=int, default=0, help="stop after this many rounds")
+    parser.add_argument(
+        "--rounds", type=int, default=2 * len(FAULTS), help="rounds (default: two cycles)"
+    )
+    parser.add_argument("--minutes", type=float, default=0.0, help="start no round after")
     parser.add_argument("--round-seconds", type=float, default=60.0)
     parser.add_argument("--rate", type=float, default=10.0, help="changes a second")
     parser.add_argument("--settle", type=float, default=60.0)
@@ -878,6 +881,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the record there")
     parser.add_argument("--log", help="the daemon's log (default: a temporary file)")
     args = parser.parse_args(argv)
+    # A stop by signal runs the clean-up too (namespaces, the daemon, the clients).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     unknown = [f for f in args.faults if f not in FAULTS]
     if unknown:
         parser.error(f"unknown faults {unknown}; known: {', '.join(FAULTS)}")
