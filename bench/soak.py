@@ -119,6 +119,7 @@ must go without a sync to do it (issue 31's old generations)."""
 _TABLES = (("ip", "kube-proxy"), ("ip6", "kube-proxy"))
 _STALE = "kubeproxy_sync_proxy_rules_nftables_stale_objects"
 _LOCALHOST_CONNECTIONS = "kubeproxy_nftables_localhost_nodeport_connections"
+_LISTENERS = "kubeproxy_nftables_localhost_nodeport_listeners"
 _FULL = "kubeproxy_sync_full_proxy_rules_duration_seconds_count"
 _HUNG_CLIENTS = 600
 
@@ -192,11 +193,17 @@ class Daemon:
         return stop_process(self.node.process, how, timeout=60)
 
     def resources(self) -> dict[str, float]:
-        """Its file descriptors, threads and resident memory (MB)."""
+        """Its file descriptors (all, and those beyond the localhost NodePort listeners:
+        one per NodePort with endpoints, so they follow the cluster), threads and
+        resident memory (MB)."""
         status = Path(f"/proc/{self.pid}/status").read_text()
         fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        fds = float(len(os.listdir(f"/proc/{self.pid}/fd")))
+        listeners = self.metric(_LISTENERS)
         return {
-            "fds": float(len(os.listdir(f"/proc/{self.pid}/fd"))),
+            "fds": fds,
+            "listeners": listeners,
+            "fds_other": fds - listeners,
             "threads": float(fields["Threads"].strip()),
             "rss_mb": int(fields["VmRSS"].split()[0]) / 1024,
         }
@@ -672,7 +679,7 @@ def slope_per_hour(points: Sequence[tuple[float, float]]) -> float | None:
     return 3600 * sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread
 
 
-_FLAT = {"fds": 4.0, "threads": 1.0, "rss_mb": 16.0}
+_FLAT = {"fds_other": 4.0, "threads": 1.0, "rss_mb": 16.0}
 """How much a resource may grow over one daemon lifetime (the fitted line, first to last
 checkpoint) and still count as flat (or 5 % of its level, if that is more)."""
 
@@ -741,7 +748,8 @@ def render(run: dict[str, Any]) -> str:
         "elements (a fresh sync's), the stale-objects gauge.",
         "",
         "| round | fault | daemon | services | differences | converged s | frontends ok "
-        "| localhost ok | fds | threads | RSS MB | kernel elements (fresh) | stale |",
+        "| localhost ok | fds (listeners) | threads | RSS MB | kernel elements (fresh) "
+        "| stale |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in run["checkpoints"]:
@@ -751,7 +759,7 @@ def render(run: dict[str, Any]) -> str:
             f"| {p['round']} | {p['fault']} | {p['lifetime']} | {p['services']} "
             f"| {p['first_differences']} / {len(p['differences'])} | {converged} "
             f"| {c['ok']}/{c['targets']} | {local['ok']}/{local['targets']} "
-            f"| {r['fds']:.0f} | {r['threads']:.0f} | {r['rss_mb']:.0f} "
+            f"| {r['fds']:.0f} ({r['listeners']:.0f}) | {r['threads']:.0f} | {r['rss_mb']:.0f} "
             f"| {p['kernel'].get('elements', 0)} ({p['kernel_fresh'].get('elements', 0)}) "
             f"| {p['stale_objects']:.0f} |"
         )
@@ -762,15 +770,17 @@ def render(run: dict[str, Any]) -> str:
     lines += [
         "",
         "Slopes, per daemon lifetime of 3 checkpoints or more (least squares over its"
-        " checkpoints; flat: the fitted growth over the lifetime within 4 fds, 1 thread,"
-        " 16 MB, or 5 % of the level), and of the kernel's objects over the run:",
+        " checkpoints; fds_other: the file descriptors beyond the localhost NodePort"
+        " listeners, which follow the cluster; flat: the fitted growth over the lifetime"
+        " within 4 fds, 1 thread, 16 MB, or 5 % of the level), and of the kernel's"
+        " objects over the run:",
         "",
     ]
     for entry in run["slopes"]["lifetimes"]:
         parts = [
             f"{name} {entry[name]['first']:.0f} -> {entry[name]['last']:.0f}, "
             f"{entry[name]['slope_per_hour']}/h ({_flat(entry[name])})"
-            for name in ("fds", "threads", "rss_mb")
+            for name in ("fds_other", "threads", "rss_mb")
         ]
         lines.append(
             f"* daemon lifetime {entry['lifetime']} ({entry['checkpoints']} checkpoints over "

@@ -8,7 +8,7 @@ then changes it one object at a time (:meth:`SoakCluster.change`) as a busy clus
   readiness), or a narrow Service's last endpoint moves to a spare address (a pod
   replaced);
 * ``add`` and ``remove``: a Service of the mix's shapes appears (with its slices), or
-  one goes with its slices (the cluster's size stays about the same);
+  one goes with its slices (whichever keeps the cluster at its size);
 * ``relabel``: a slice's ``kubernetes.io/service-name`` moves it to another Service of
   the same namespace (issue 31's relabel, which must leave the old Service);
 * ``update``: a Service's ``internalTrafficPolicy``, or for one reachable from outside its
@@ -144,6 +144,7 @@ class SoakCluster:
             if service.node_port:
                 self._free_node_ports.remove(service.node_port)
         self._next_index = count
+        self.size = count
         self.services: dict[int, SyntheticService] = {s.index: s for s in mix}
         self.pinned = self._pin(pinned)
         self.counts: dict[str, int] = {}
@@ -187,6 +188,8 @@ class SoakCluster:
     def change(self) -> str:
         """Make one change (see the module); its kind."""
         kind = self.rng.choice(CHANGES)
+        if kind in ("add", "remove"):  # the cluster's size stays put
+            kind = "add" if len(self.services) < self.size else "remove"
         done = getattr(self, f"_{kind}")()
         kind = kind if done else "none"
         self.counts[kind] = self.counts.get(kind, 0) + 1
