@@ -15,7 +15,8 @@ one fault is injected (``--faults``, in turn; ``--rounds``, by default every fau
 each round lasts ``--round-seconds`` at least; ``--minutes`` starts no round after):
 
 ``none``, ``kill9`` (SIGKILL, restart), ``kill9-mid-sync`` (a Node change starts a full
-sync, SIGKILL as soon as the kernel holds part of the new generation, restart),
+sync, the daemon runs in 20 ms slices and gets SIGKILL as soon as the kernel holds part
+of the new generation, before the switch; restart),
 ``sigterm`` (stop, restart), ``flush-ruleset`` (``nft flush ruleset`` in the node's
 namespace), ``delete-table`` (``nft delete table ip kube-proxy``, ``ip6`` the next time),
 ``api-restart`` (the API server down for 3 s), ``api-410`` (its history compacted and
@@ -45,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import signal
 import statistics
@@ -90,7 +92,9 @@ from bench.synthetic import (
     SERVICE_CIDR6,
 )
 from bench.wholeproc import binary_path, settings_flags
+from kubeproxy.backends.nftables.exec import LibNftables
 from kubeproxy.backends.nftables.layout import generation_of
+from kubeproxy.backends.nftables.objects import Family, NftError
 from kubeproxy.netns import run_in_netns
 from kubeproxy.testing.fakeapi import FakeAPIServer
 
@@ -122,6 +126,8 @@ _LOCALHOST_CONNECTIONS = "kubeproxy_nftables_localhost_nodeport_connections"
 _LISTENERS = "kubeproxy_nftables_localhost_nodeport_listeners"
 _FULL = "kubeproxy_sync_full_proxy_rules_duration_seconds_count"
 _HUNG_CLIENTS = 600
+_SLICE = 0.02
+"""Seconds the daemon runs at a time while a kill in the middle of its full sync is due."""
 
 
 def daemon_flags() -> list[str]:
@@ -422,6 +428,10 @@ class Soak:
     delete_family: int = 0
     zone: int = 0
     extra_address: bool = False
+    nft: LibNftables = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.nft = LibNftables(netns=self.net.node)
 
     # Faults ------------------------------------------------------------------------------
 
@@ -437,30 +447,32 @@ class Soak:
         return {"first_sync_s": round(self.daemon.start(), 2)}
 
     def _kill9_mid_sync(self) -> dict[str, Any]:
-        """A Node change makes the daemon write a new generation; ``nft monitor`` says
-        when its first set is in the kernel, and the daemon is killed then, before the
-        switch (checked: the fixed chains still read the old one)."""
+        """A Node change makes the daemon write a new generation; the daemon is killed
+        once one of its sets is in the kernel and before the switch (checked: the fixed
+        chains still read the old one). A full sync of a small cluster takes less than a
+        listing of the kernel here, so the daemon runs in slices of :data:`_SLICE` seconds
+        (SIGSTOP, SIGCONT) and the kernel is looked at between them. Tried again (a kill
+        and a restart each time) until a kill lands there."""
         held: list[int] = []
+        process = self.daemon.node.process if self.daemon.node is not None else None
+        assert process is not None
         for attempt in range(1, 6):
-            live = self._generation() or 0
-            monitor = subprocess.Popen(
-                in_netns(self.net.node, ["stdbuf", "-oL", "nft", "monitor", "new", "sets"]),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-                text=True,
-            )
-            try:
-                time.sleep(0.2)  # the monitor listens before the change
-                self._zone_change()  # a full sync: a new generation is written
-                seen = self._first_set_of(monitor, live + 1, timeout=30)
-                self.daemon.stop(signal.SIGKILL)
-            finally:
-                monitor.kill()
-                monitor.wait()
+            live = self._live_generation() or 0
+            process.send_signal(signal.SIGSTOP)
+            self._zone_change()  # a full sync: a new generation is written
+            seen = False
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not seen:
+                process.send_signal(signal.SIGCONT)
+                time.sleep(_SLICE)
+                process.send_signal(signal.SIGSTOP)
+                seen = live + 1 in self._generations()
+            switched = self._live_generation() != live
+            self.daemon.stop(signal.SIGKILL)
             held = sorted(self._generations())
-            caught = seen and self._generation() == live and live + 1 in held
             first_sync = self.daemon.start()
-            if caught:
+            process = self.daemon.node.process if self.daemon.node is not None else process
+            if seen and not switched:
                 return {
                     "attempts": attempt,
                     "generations_at_kill": held,
@@ -468,20 +480,16 @@ class Soak:
                 }
         return {"attempts": 5, "caught": False, "generations_at_kill": held}
 
-    @staticmethod
-    def _first_set_of(monitor: subprocess.Popen[str], generation: int, timeout: float) -> bool:
-        """Whether ``nft monitor`` told of a set of ``generation`` within ``timeout``."""
-        found = threading.Event()
-
-        def read() -> None:
-            assert monitor.stdout is not None
-            for line in monitor.stdout:
-                if " ip kube-proxy " in line and f".g{generation} " in line:
-                    found.set()
-                    return
-
-        threading.Thread(target=read, daemon=True).start()
-        return found.wait(timeout)
+    def _live_generation(self) -> int | None:
+        """The generation the fixed chains read (table ``ip kube-proxy``'s ``services``)."""
+        try:
+            listing = self.net.run(
+                self.net.node, "nft", "-j", "list", "chain", "ip", "kube-proxy", "services"
+            )
+        except RuntimeError:
+            return None
+        found = {int(g) for g in re.findall(r"\.g([0-9]+)", listing)}
+        return max(found) if found else None
 
     def _sigterm(self) -> dict[str, Any]:
         exited = self.daemon.stop(signal.SIGTERM)
@@ -587,16 +595,12 @@ class Soak:
     # Helpers --------------------------------------------------------------------------------
 
     def _generations(self) -> set[int]:
+        """The generations table ``ip kube-proxy`` holds sets of (a terse listing)."""
         try:
-            listing = json.loads(self.net.run(self.net.node, "nft", "-j", "list", "sets", "ip"))
-        except RuntimeError:
+            names = self.nft.list_sets(Family.IP, "kube-proxy")
+        except NftError:
             return set()
-        names = [i["set"]["name"] for i in listing["nftables"] if "set" in i]
-        names += [i["map"]["name"] for i in listing["nftables"] if "map" in i]
         return {g for n in names if (g := generation_of(n)) is not None}
-
-    def _generation(self) -> int | None:
-        return tables(self.net, self.net.node)[0].generation
 
     def _targets(self) -> list[Target]:
         services = self.api.fake.objects("Service")
