@@ -457,6 +457,7 @@ class Soak:
         process = self.daemon.node.process if self.daemon.node is not None else None
         assert process is not None
         for attempt in range(1, 6):
+            self._wait_one_generation()
             live = self._live_generation() or 0
             process.send_signal(signal.SIGSTOP)
             self._zone_change()  # a full sync: a new generation is written
@@ -479,6 +480,14 @@ class Soak:
                     "first_sync_s": round(first_sync, 2),
                 }
         return {"attempts": 5, "caught": False, "generations_at_kill": held}
+
+    def _wait_one_generation(self, bound: float = 15.0) -> None:
+        """Wait (at most ``bound`` seconds) until the live generation is the only one: what
+        an earlier attempt's kill left is deleted a second after the restarted daemon's
+        switch, and a new attempt stopping the daemon sooner would keep it."""
+        deadline = time.monotonic() + bound
+        while time.monotonic() < deadline and len(self._generations()) > 1:
+            time.sleep(0.2)
 
     def _live_generation(self) -> int | None:
         """The generation the fixed chains read (table ``ip kube-proxy``'s ``services``)."""
