@@ -122,3 +122,11 @@ soak: setup
 .PHONY: bench-owned
 bench-owned: setup
 	$(PY) -m bench.owned $(OWNED_ARGS)
+
+# The kernel floor of a full sync (issue 32): the batches our full sync sends, replayed by
+# the same writer into an empty namespace, next to our full sync and its profile, at 10k,
+# 30k and 100k Services, uniform and realistic (bench/floor.py; about 15 minutes). Not
+# part of bench. FLOOR_ARGS="--sizes 1000,10000 --mixes uniform".
+.PHONY: bench-floor
+bench-floor: setup
+	KPXB_COMMAND="make bench-floor $(FLOOR_ARGS)" $(PY) -m bench.floor $(FLOOR_ARGS)
