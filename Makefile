@@ -130,3 +130,11 @@ bench-owned: setup
 .PHONY: bench-floor
 bench-floor: setup
 	KPXB_COMMAND="make bench-floor $(FLOOR_ARGS)" $(PY) -m bench.floor $(FLOOR_ARGS)
+
+# Where the whole process's memory is at its peak (issue 32): kube-proxy-nftables --once
+# over JSON manifests under /usr/bin/time -v, then twice under tracemalloc, the live
+# allocations summed by file and line at the traced peak (bench/memory.py; 100k Services
+# by default, about 10 minutes). MEMORY_ARGS="--services 10000".
+.PHONY: bench-memory
+bench-memory: setup
+	KPXB_COMMAND="make bench-memory $(MEMORY_ARGS)" $(PY) -m bench.memory $(MEMORY_ARGS)
