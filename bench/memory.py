@@ -48,7 +48,7 @@ from typing import Any, Final
 
 from bench.harness import python_module
 from bench.netns import in_netns, namespace
-from bench.profile_modules import module_name
+from bench.profile_modules import source_name
 from bench.report import machine_info
 
 __all__ = ["HOLDERS", "holder", "main", "summarise_traces", "time_v"]
@@ -85,16 +85,9 @@ slash), the first label that matches; the rest is the interpreter, the standard 
 site-packages (the Kubernetes client's modules)."""
 
 
-def _module(filename: str) -> str:
-    name = module_name(filename)
-    if name in ("stdlib", "site-packages"):
-        return f"{name}:{'/'.join(Path(filename).parts[-2:])}"
-    return name
-
-
 def holder(filename: str) -> str:
     """What the allocations made in ``filename`` hold (see :data:`HOLDERS`)."""
-    name = _module(filename)
+    name = source_name(filename)
     for label, prefixes in HOLDERS.items():
         if any(name == p or (p[-1] in "./" and name.startswith(p)) for p in prefixes):
             return label
@@ -119,7 +112,7 @@ def summarise_traces(traces: Sequence[tuple[Any, ...]], top: int = 30) -> dict[s
         filename, line = frames[0] if frames else ("?", 0)
         label = holder(filename)
         holders[label] = holders.get(label, 0) + size
-        sites.append((size, count, f"{_module(filename)}:{line}", label))
+        sites.append((size, count, f"{source_name(filename)}:{line}", label))
     sites.sort(reverse=True)
     return {
         "traced_mb": sum(holders.values()) / _MB,

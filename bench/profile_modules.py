@@ -12,9 +12,18 @@ from __future__ import annotations
 
 import pstats
 from collections.abc import Mapping
+from pathlib import PurePath
 from typing import Any, Final
 
-__all__ = ["CATEGORIES", "KERNEL_WAIT", "by_category", "by_module", "category", "module_name"]
+__all__ = [
+    "CATEGORIES",
+    "KERNEL_WAIT",
+    "by_category",
+    "by_module",
+    "category",
+    "module_name",
+    "source_name",
+]
 
 KERNEL_WAIT: Final = "kernel wait (socket)"
 
@@ -51,6 +60,15 @@ def module_name(filename: str) -> str:
     return "site-packages" if "site-packages" in path else "stdlib"
 
 
+def source_name(filename: str) -> str:
+    """:func:`module_name`, with the file for the standard library and site-packages
+    (``stdlib:python3.11/ipaddress.py``): which of them costs."""
+    name = module_name(filename)
+    if name in ("stdlib", "site-packages"):
+        return f"{name}:{'/'.join(PurePath(filename).parts[-2:])}"
+    return name
+
+
 def _is_socket_call(function: str) -> bool:
     return "_socket.socket" in function
 
@@ -66,7 +84,7 @@ def by_module(stats: pstats.Stats) -> dict[str, float]:
 
     for (filename, _line, function), (_cc, _nc, own, _cum, callers) in table.items():
         if filename != "~":
-            add(module_name(filename), own)
+            add(source_name(filename), own)
         elif _is_socket_call(function):
             add(KERNEL_WAIT, own)
         else:
@@ -77,7 +95,7 @@ def by_module(stats: pstats.Stats) -> dict[str, float]:
                 continue
             for (caller_file, _l, _f), share in shares.items():
                 add(
-                    module_name(caller_file) if caller_file != "~" else "builtins",
+                    source_name(caller_file) if caller_file != "~" else "builtins",
                     own * share / total,
                 )
     return seconds
