@@ -127,15 +127,18 @@ def summarise_traces(traces: Sequence[tuple[Any, ...]], top: int = 30) -> dict[s
 
 _WALL = re.compile(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (?:(\d+):)?(\d+):([\d.]+)")
 _RSS = re.compile(r"Maximum resident set size \(kbytes\): (\d+)")
+_CPU = re.compile(r"(?:User|System) time \(seconds\): ([\d.]+)")
 
 
-def time_v(text: str) -> tuple[float, int]:
-    """Wall seconds and peak resident KiB from ``/usr/bin/time -v``'s report."""
+def time_v(text: str) -> tuple[float, int, float]:
+    """Wall seconds, peak resident KiB and CPU seconds (user and system) from
+    ``/usr/bin/time -v``'s report."""
     wall, rss = _WALL.search(text), _RSS.search(text)
     if wall is None or rss is None:
         raise ValueError(f"not a /usr/bin/time -v report: {text[-300:]!r}")
     hours, minutes, seconds = wall.groups()
-    return int(hours or 0) * 3600 + int(minutes) * 60 + float(seconds), int(rss.group(1))
+    cpu = sum(float(m.group(1)) for m in _CPU.finditer(text))
+    return int(hours or 0) * 3600 + int(minutes) * 60 + float(seconds), int(rss.group(1)), cpu
 
 
 # The traced child --------------------------------------------------------------------------
@@ -209,8 +212,9 @@ def _plain(manifests: Path) -> dict[str, Any]:
         )
     if done.returncode != 0:
         raise RuntimeError(f"kube-proxy-nftables --once: {done.stderr[-2000:]}")
-    wall, rss = time_v(done.stderr)
-    return {"wall_s": wall, "max_rss_kb": rss}
+    wall, rss, cpu = time_v(done.stderr)
+    # The CPU time says less about the other work on a shared machine than the wall time.
+    return {"wall_s": wall, "max_rss_kb": rss, "cpu_s": cpu}
 
 
 def _traced_run(manifests: Path, snapshot_at: int, out: Path) -> dict[str, Any]:

@@ -10,15 +10,17 @@ import pytest
 from bench.memory import holder, summarise_traces, time_v
 
 _REPORT = """\tCommand being timed: "kube-proxy-nftables --once"
+\tUser time (seconds): 17.25
+\tSystem time (seconds): 2.50
 \tMaximum resident set size (kbytes): 859132
 \tElapsed (wall clock) time (h:mm:ss or m:ss): 1:02.50
 """
 
 
 def test_time_v_reads_the_wall_time_and_the_peak() -> None:
-    assert time_v(_REPORT) == (62.5, 859132)
+    assert time_v(_REPORT) == (62.5, 859132, 19.75)
     hours = _REPORT.replace("1:02.50", "1:00:02.50")
-    assert time_v(hours) == (3602.5, 859132)
+    assert time_v(hours) == (3602.5, 859132, 19.75)
     with pytest.raises(ValueError, match="not a /usr/bin/time -v report"):
         time_v("nothing")
 
