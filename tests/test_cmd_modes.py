@@ -87,6 +87,7 @@ class StandIns:
         self.fakes: list[FakeNft] = []
         self.fail_cleanup = dict(fail_cleanup or {})
         self.fail_create = dict(fail_create or {})
+        self.on_clean: Callable[[], object] = lambda: None  # called as a cleanup starts
         self.modes = {name: self._mode(mode) for name, mode in MODES.items()}
 
     def _mode(self, real: Mode) -> Mode:
@@ -105,6 +106,7 @@ class StandIns:
             return create
 
         def cleanup(netns: str | None) -> None:
+            self.on_clean()
             self.cleaned.append(real.name)
             self.steps.append(f"clean {real.name}")
             if real.name in self.fail_cleanup:
@@ -185,8 +187,9 @@ def run_against(
     metrics_bind: str = "",
 ) -> tuple[int, list[dict[str, Any]]]:
     """Run ``binary`` in this process until ``until`` holds (by default: until Starting has
-    been posted); (exit code, events)."""
-    watcher = StopWhen(until or (lambda: "Starting" in reasons(fake)))
+    been posted and, after the first sync, the other modes' leftovers removed); (exit
+    code, events)."""
+    watcher = StopWhen(until or (lambda: "Starting" in reasons(fake) and bool(stand_ins.cleaned)))
     code = run(
         binary,
         [
@@ -684,11 +687,14 @@ def test_a_server_that_cannot_bind_with_hard_fail_removes_nothing(fake: FakeAPIS
     assert "FailedToStartMetricServer" in reasons(fake)
 
 
-def test_once_removes_the_other_modes_before_its_sync(fake: FakeAPIServer) -> None:
+def test_once_removes_the_other_modes_after_its_sync(fake: FakeAPIServer) -> None:
     stand_ins = StandIns()
+    synced_first: list[bool] = []
+    stand_ins.on_clean = lambda: synced_first.append(bool(stand_ins.fakes[0].transactions))
     assert run_once(fake, iptables_binary.BINARY, stand_ins) == 0
     assert stand_ins.steps == ["create iptables", "clean nftables"]
-    assert stand_ins.fakes[0].transactions  # the sync ran after the cleanup
+    # The previous proxy's rules serve until ours are in: the sync came first.
+    assert synced_first == [True]
 
 
 def test_a_process_without_the_modes_capabilities_stops_with_one_line(

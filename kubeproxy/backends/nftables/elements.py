@@ -10,7 +10,11 @@ containers use ourselves costs well under 1 us per element (0.5-0.6 us for the s
 map: :class:`_Codec`) and sends a batch of any size as one transaction (the netlink
 framing is :mod:`kubeproxy.nlmsg`'s). Only *elements* go this way: they carry no
 bytecode, so ``nft list`` shows them exactly as if nft had added them; chains, rules and
-sets stay nft text.
+sets stay nft text. One other batch goes this way: deleting objects by name
+(:meth:`ElementWriter.delete_objects`), for a table another proxy left full of them: at
+10k Services upstream's table holds 110k chains, and libnftables took 8.7 s to delete
+them in one transaction (most of it listing the table for its cache, as every run of
+it does while they exist), one netlink batch of the same deletions 0.8 s.
 
 An :class:`ElementBatch` names its containers' data types (the backend declared them),
 so nothing is read from the kernel first. Supported types: ``ipv4_addr``, ``ipv6_addr``,
@@ -48,6 +52,15 @@ SUPPORTED_TYPES = frozenset({"ipv4_addr", "ipv6_addr", "inet_proto", "inet_servi
 _NFT_MSG_NEWSETELEM = 12
 _NFT_MSG_GETSETELEM = 13
 _NFT_MSG_DELSETELEM = 14
+_NFT_MSG_DELCHAIN = 5
+_NFT_MSG_DELRULE = 8
+_NFT_MSG_DELSET = 11
+# The table and the object's name: the first two attributes of a rule or set message
+# (NFTA_RULE_TABLE, NFTA_RULE_CHAIN; NFTA_SET_TABLE, NFTA_SET_NAME); a chain's name is
+# its third (NFTA_CHAIN_NAME).
+_NFTA_OBJECT_TABLE = 1
+_NFTA_OBJECT_NAME = {_NFT_MSG_DELRULE: 2, _NFT_MSG_DELSET: 2, _NFT_MSG_DELCHAIN: 3}
+_OBJECT_KINDS = frozenset({"chain", "set"})
 _DUMP_ATTEMPTS = 3
 _SO_SNDBUFFORCE = 32
 _SO_RCVBUFFORCE = 33
@@ -330,6 +343,17 @@ class _Message:
         return self.keys[index] if 0 <= index < len(self.keys) else None
 
 
+def _object_message(kind: int, family: int, table: str, name: str, seq: int, ack: bool) -> bytes:
+    """One message deleting (or, for ``DELRULE``, flushing) the object ``name``."""
+    payload = (
+        nlmsg.NFGEN.pack(family, 0, 0)
+        + nlmsg.attr(_NFTA_OBJECT_TABLE, nlmsg.string(table))
+        + nlmsg.attr(_NFTA_OBJECT_NAME[kind], nlmsg.string(name))
+    )
+    flags = nlmsg.NLM_F_REQUEST | (nlmsg.NLM_F_ACK if ack else 0)
+    return nlmsg.message(nlmsg.nfnl_type(nlmsg.NFNL_SUBSYS_NFTABLES, kind), flags, seq, payload)
+
+
 class ElementWriter:
     """Sends :class:`ElementBatch` es over a netlink socket of its own (in ``netns``).
 
@@ -417,6 +441,47 @@ class ElementWriter:
                 encoded.extend(self._encode(batch, verb, container, pairs))
         with self._lock:
             self._transact(batch.family, batch.table, encoded)
+
+    def delete_objects(
+        self, family: Family, table: str, objects: Sequence[tuple[str, str]]
+    ) -> None:
+        """Delete ``objects`` of ``table`` by name, in one transaction: every chain's rules
+        first (a flush), then each object in the order given.
+
+        ``objects`` are ``("chain", name)`` or ``("set", name)`` (a map is a set here);
+        give the verdict maps before the chains they name, and chains that jump or go to
+        others before their targets, as :func:`~.stale.deletion_order` sorts them. A
+        refusal raises :class:`NftError` naming the object and the kernel's reason (and
+        nothing is deleted).
+        """
+        if not objects:
+            return
+        validate_name("table", table)
+        for kind, name in objects:
+            if kind not in _OBJECT_KINDS:
+                raise NftError(f"cannot delete a {kind!r} by name", _errno.EINVAL)
+            validate_name(kind, name)
+        number = _FAMILY_NUMBERS[family]
+        steps: list[tuple[int, str]] = [
+            (_NFT_MSG_DELRULE, name) for kind, name in objects if kind == "chain"
+        ]
+        steps += [
+            (_NFT_MSG_DELCHAIN if kind == "chain" else _NFT_MSG_DELSET, name)
+            for kind, name in objects
+        ]
+        with self._lock:
+            begin = self._next()
+            parts = []
+            sent: dict[int, _Message] = {}
+            for index, (message, name) in enumerate(steps):
+                seq = self._next()
+                # Only the last message asks for an acknowledgement (see the class).
+                last = index == len(steps) - 1
+                parts.append(_object_message(message, number, table, name, seq, last))
+                verb = "flush" if message == _NFT_MSG_DELRULE else "delete"
+                what = "set" if message == _NFT_MSG_DELSET else "chain"
+                sent[seq] = _Message(seq, verb, f"{what} {name}", (), ())
+            self._exchange(nlmsg.nfnl_batch(begin, parts, self._next()), begin, sent)
 
     def _encode(
         self, batch: ElementBatch, verb: str, container: str, pairs: list[tuple[Key, Key]]
@@ -667,6 +732,8 @@ def _refusal(code: int, where: _Message | None, offset: int | None, message: str
     reason = os.strerror(code) + (f" ({message})" if message else "")
     if where is None:
         return NftError(f"element transaction refused: {reason}", code)
+    if not where.keys:  # a message about a whole object (delete_objects)
+        return NftError(f"{where.verb} {where.container}: {reason}", code)
     bad = where.element_at(offset) if offset is not None else None
     if bad is not None:
         shown = " . ".join(bad)

@@ -24,7 +24,7 @@ import os
 import re
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 from kubeproxy.backends.nftables.elements import ElementBatch, ElementWriter
@@ -342,6 +342,31 @@ class LibNftables(NftExecutor):
         if self._writer is None:
             self._writer = ElementWriter(self.netns)
         self._writer.send(batch)
+
+    def delete_objects(
+        self, family: Family, table: str, objects: Sequence[tuple[str, str]]
+    ) -> None:
+        """Delete chains (``("chain", name)``, flushed first), sets and maps (``("set",
+        name)``) by name, in the order given, in one transaction: a netlink batch on the
+        element socket (see
+        :meth:`~kubeproxy.backends.nftables.elements.ElementWriter.delete_objects`, and
+        there why), nft commands without ``netlink_elements``."""
+        if not objects:
+            return
+        if not self.netlink_elements:
+            validate_name("table", table)
+            for kind, name in objects:
+                if kind not in ("chain", "set"):
+                    raise NftError(f"cannot delete a {kind!r} by name", errno.EINVAL)
+                validate_name(kind, name)
+            where = f"{Family(family)} {table}"
+            lines = [f"flush chain {where} {name}" for kind, name in objects if kind == "chain"]
+            lines += [f"delete {kind} {where} {name}" for kind, name in objects]
+            self._call(("\n".join(lines), "\n"), what=f"deleting objects of {where}")
+            return
+        if self._writer is None:
+            self._writer = ElementWriter(self.netns)
+        self._writer.delete_objects(family, table, objects)
 
     def read_elements(
         self,

@@ -194,18 +194,25 @@ class StaleCollector:
         transaction: Callable[[], Transaction],
         run: Callable[[Transaction], None],
         list_held: Callable[[], tuple[set[str], set[str]]],
+        delete: Callable[[Sequence[tuple[str, str]]], None] | None = None,
     ) -> bool:
         """Delete the objects :meth:`due` at ``now`` in one transaction (made by
-        ``transaction``, committed by ``run``); False when the kernel refused it (logged):
-        what is gone already (``list_held`` lists the chains and sets left) is
-        forgotten, the rest is tried again at least :attr:`delay` later."""
+        ``transaction``, committed by ``run``; or, given ``delete``, by that: it takes
+        ``(kind, name)`` pairs in deletion order, as
+        :meth:`~kubeproxy.backends.nftables.exec.LibNftables.delete_objects`); False when
+        the kernel refused it (logged): what is gone already (``list_held`` lists the
+        chains and sets left) is forgotten, the rest is tried again at least
+        :attr:`delay` later."""
         due = self.due(now)
         if not due:
             return True
-        tx = transaction()
-        queue_deletion(tx, due)
         try:
-            run(tx)
+            if delete is not None:
+                delete([(str(obj.kind), obj.name) for obj in due])
+            else:
+                tx = transaction()
+                queue_deletion(tx, due)
+                run(tx)
         except NftError as err:
             log.error("deleting %d unused chains, sets and maps failed: %s", len(due), err)
             chains, sets = list_held()

@@ -1,0 +1,182 @@
+"""Taking a node over from the proxy that ran there before, without a gap.
+
+The node's previous proxy is upstream's kube-proxy in any mode, or ours in another mode;
+its rules keep serving until ours are written, then they go. The order:
+
+1. Our backends are made (their support checks pass: a mode that cannot run here stops
+   before anything is touched) and our first sync of every family is written *beside*
+   what the previous proxy left. Both serve correctly meanwhile: the kernel translates a
+   connection once, in the first NAT chain that translates its first packet (an nftables
+   table, iptables-nft or iptables-legacy, at the same hooks), and both send it to an
+   endpoint of the same Service; IPVS sees only what no NAT chain translated, for no
+   Service address is local to the node once ours DNAT it. Established connections keep
+   their conntrack entries, whoever translated them, and keep flowing.
+2. Then (:class:`Takeover`, the daemon's ``after_first_sync`` step) our own table is
+   swept: what the first full sync found in it and does not use is deleted at once,
+   without waiting for a change to bring the next sync. That is all of upstream's
+   nftables structure when it ran in nftables mode (the same table name, 11 chains per
+   Service of 10 endpoints: 110k chains at 10k Services, which every later commit and
+   every libnftables run would pay for), or our own previous generation after a restart.
+3. Then the other kind of mode's leftovers: upstream's ``platformCleanup``, which upstream
+   runs before its first sync (its Services are down from there until that sync; ours
+   are not): iptables-mode and ipvs-mode chains, ipsets, IPVS virtual servers and
+   ``kube-ipvs0`` before nftables mode, the nftables tables before iptables and ipvs
+   modes. The names are upstream's, so this removes upstream's as well as ours.
+
+A failure in steps 2 and 3 is a warning: our rules are in place, the proxy runs on, and
+the next syncs (step 2) or ``--cleanup`` (step 3) finish the job.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Final, Protocol, runtime_checkable
+
+from kubeproxy.cmd.modes import Mode, platform_cleanup
+from kubeproxy.objects import IPFamily
+from kubeproxy.proxier import Proxier
+
+__all__ = ["SWEEP_ATTEMPTS", "SWEEP_DELAY", "Sweepable", "Takeover", "TakeoverResult"]
+
+logger = logging.getLogger(__name__)
+
+SWEEP_DELAY: Final = 1.0
+"""Seconds between our first sync and the sweep of our table (then between attempts):
+the nftables backend deletes an object at least this long after it went unused
+(``STALE_DELAY``: older kernels still count a chain as used just after its last
+reference went)."""
+
+SWEEP_ATTEMPTS: Final = 5
+"""How many times the sweep tries before it leaves what is left to the next syncs."""
+
+
+@runtime_checkable
+class Sweepable(Protocol):
+    """A backend whose table may hold objects it does not use (the nftables backend)."""
+
+    @property
+    def unused_objects(self) -> int:
+        """How many objects wait for their deletion."""
+        ...
+
+    def collect_unused(self) -> int:
+        """Delete those due now; how many remain."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class TakeoverResult:
+    """What one :class:`Takeover` did: unused objects of our tables deleted (and left, by
+    family), the other modes' cleanup errors (one line each), and how long it took."""
+
+    deleted: int = 0
+    left: Mapping[IPFamily, int] = field(default_factory=dict)
+    errors: tuple[str, ...] = ()
+    seconds: float = 0.0
+
+    @property
+    def complete(self) -> bool:
+        """Whether nothing of the previous proxy is known to be left."""
+        return not self.errors and not any(self.left.values())
+
+
+class Takeover:
+    """The daemon's ``after_first_sync`` step of a binary running ``mode`` (see the
+    module): sweep our tables, then remove the other kind of mode's leftovers.
+
+    ``modes`` is the mode table (:data:`~kubeproxy.cmd.modes.MODES` by default; tests
+    pass fakes), ``netns`` where the cleanups act; ``delay`` and ``attempts`` pace the
+    sweep (:data:`SWEEP_DELAY`, :data:`SWEEP_ATTEMPTS`); ``clock`` times it. The last
+    run's :class:`TakeoverResult` is :attr:`result`.
+    """
+
+    def __init__(
+        self,
+        mode: str,
+        modes: Mapping[str, Mode] | None = None,
+        netns: str | None = None,
+        *,
+        delay: float = SWEEP_DELAY,
+        attempts: int = SWEEP_ATTEMPTS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.mode = mode
+        self.modes = modes
+        self.netns = netns
+        self.delay = delay
+        self.attempts = attempts
+        self.clock = clock
+        self.result: TakeoverResult | None = None
+
+    def __call__(
+        self, proxiers: Mapping[IPFamily, Proxier], stop: threading.Event
+    ) -> TakeoverResult:
+        """Run the takeover (see the module); returns and keeps its result."""
+        start = self.clock()
+        deleted, left = self._sweep(proxiers, stop)
+        errors: list[str] = []
+        if not stop.is_set():
+            errors = platform_cleanup(self.mode, self.modes, self.netns)
+        result = TakeoverResult(deleted, left, tuple(errors), self.clock() - start)
+        self.result = result
+        self._report(result)
+        return result
+
+    def _sweep(
+        self, proxiers: Mapping[IPFamily, Proxier], stop: threading.Event
+    ) -> tuple[int, dict[IPFamily, int]]:
+        """Delete the unused objects of our tables; (how many went, how many are left
+        by family)."""
+        pending = {
+            family: proxier
+            for family, proxier in proxiers.items()
+            if isinstance(proxier.backend, Sweepable) and proxier.backend.unused_objects
+        }
+        left: dict[IPFamily, int] = {}
+        deleted = 0
+        for _attempt in range(self.attempts):
+            if not pending or stop.wait(self.delay):
+                break
+            for family, proxier in list(pending.items()):
+                backend = proxier.backend
+                assert isinstance(backend, Sweepable)
+                with proxier.syncs_held():
+                    before = backend.unused_objects
+                    remaining = backend.collect_unused()
+                deleted += max(0, before - remaining)
+                left[family] = remaining
+                if not remaining:
+                    del pending[family]
+        for family, proxier in pending.items():
+            backend = proxier.backend
+            assert isinstance(backend, Sweepable)
+            left[family] = backend.unused_objects
+        return deleted, {f: n for f, n in left.items() if n}
+
+    def _report(self, result: TakeoverResult) -> None:
+        others = "the nftables tables" if self.mode in ("iptables", "ipvs") else "iptables and ipvs"
+        if result.complete:
+            logger.info(
+                "Took the node over in %.1fs after the first sync: %d unused objects deleted "
+                "from our tables, %s leftovers removed (if any)",
+                result.seconds,
+                result.deleted,
+                others,
+            )
+            return
+        for family, count in sorted(result.left.items()):
+            logger.warning(
+                "%s: %d unused objects are still in our table; the next syncs delete them",
+                family,
+                count,
+            )
+        if result.errors:
+            logger.warning(
+                "What the previous proxy left is not all gone (%s); `--cleanup` removes it "
+                "once this proxy is stopped",
+                "; ".join(result.errors),
+            )
