@@ -432,3 +432,79 @@ def test_nftables_mode_takes_over_upstreams_ipvs_state(scene: Scene) -> None:
     assert scene.ok("ipset", "list", "-n").split() == []
     assert VIP4 not in scene.ok("cat", "/proc/net/ip_vs")
     assert_only_ours(scene)
+
+
+# --- and back: from ours to upstream's modes ---------------------------------------------
+
+
+def our_slash_chains(scene: Scene, family: str) -> list[str]:
+    """Our chains whose names hold a "/": upstream deletes such chains when it does not
+    use them, and cannot while our maps still name them."""
+    return sorted(
+        name.split(" ", 1)[1]
+        for name in nft_names(scene, family)
+        if name.startswith("chain affinity-") and "/" in name
+    )
+
+
+def test_handing_back_to_upstreams_nftables_mode(scene: Scene) -> None:
+    scene.once("kube-proxy-nftables")
+    # Upstream's first sync over our table: its base chains re-created, its rules live
+    # in the same commit.
+    switch(scene, lambda: scene.ok("nft", "-f", "-", stdin=upstream_text("1.34")))
+    upstream = upstream_fresh("1.34")
+    for family in ("ip", "ip6"):
+        assert upstream[family] <= nft_names(scene, family)
+    # What it cannot cope with: a second later it deletes the chains with a "/" that it
+    # does not use; ours are still named by our affinity maps, so the kernel refuses
+    # (and with them its own stale chains, at every sync).
+    (chain,) = our_slash_chains(scene, "ip")[:1]
+    refused = scene.run("nft", "delete", "chain", "ip", "kube-proxy", chain)
+    assert refused.returncode != 0 and "busy" in refused.stderr.lower(), refused.stderr
+
+    def remove_leftovers() -> None:
+        scene.ok(*scene.binary("kube-proxy-nftables", "--cleanup-leftovers"))
+
+    switch(scene, remove_leftovers)
+    for family in ("ip", "ip6"):
+        assert nft_names(scene, family) == upstream[family]
+        assert our_slash_chains(scene, family) == []
+    assert scene.serves()
+
+
+def test_cleanup_leftovers_changes_nothing_while_our_rules_are_in_use(scene: Scene) -> None:
+    scene.once("kube-proxy-nftables")
+    before = {family: nft_names(scene, family) for family in ("ip", "ip6")}
+    result = scene.run(*scene.binary("kube-proxy-nftables", "--cleanup-leftovers"))
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("E")]
+    assert len(errors) == 1 and "still in use" in errors[0], result.stderr
+    assert {family: nft_names(scene, family) for family in ("ip", "ip6")} == before
+    assert scene.serves()
+
+
+@pytest.mark.parametrize("variant", ["nft", "legacy"])
+def test_handing_back_to_upstreams_iptables_mode(scene: Scene, variant: str) -> None:
+    if variant == "legacy":
+        legacy_hint(scene)
+    scene.once("kube-proxy-nftables")
+    # Upstream's iptables mode deletes our tables before its first sync: go through our
+    # own iptables mode first (it writes upstream's chains; our tables go after them).
+    switch(scene, lambda: scene.once("kube-proxy-iptables"))
+    assert nft_names(scene, "ip") == nft_names(scene, "ip6") == set()
+    tool = "iptables-legacy-save" if variant == "legacy" else "iptables-nft-save"
+    assert ":KUBE-SERVICE-IPS " in scene.ok(tool, "-t", "filter")
+    # Upstream's first sync: its chains, over ours of the same names (our binary without
+    # a service CIDR writes exactly upstream's rules).
+    switch(scene, lambda: scene.once("kube-proxy-iptables", cidrs=False))
+    # What upstream leaves of ours: the chain no rule jumps to any more.
+    saved = scene.ok(tool, "-t", "filter")
+    assert ":KUBE-SERVICE-IPS " in saved and "-j KUBE-SERVICE-IPS" not in saved
+    upstreams = kube_chains(scene)
+    switch(scene, lambda: scene.ok(*scene.binary("kube-proxy-nftables", "--cleanup-leftovers")))
+    assert ":KUBE-SERVICE-IPS " not in scene.ok(tool, "-t", "filter")
+    left = kube_chains(scene)
+    assert left == {
+        t: [c for c in chains if c != "KUBE-SERVICE-IPS"] for t, chains in upstreams.items()
+    }
+    assert scene.serves()

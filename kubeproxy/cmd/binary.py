@@ -12,7 +12,9 @@ Upstream's flags and ``--config`` (see :mod:`kubeproxy.cmd.options`), plus ours:
 ``--manifests DIR`` reads objects from a directory instead of an API server, ``--once``
 syncs once and exits, ``--dry-run`` prints what a sync would send to the kernel and
 touches nothing (nftables and iptables modes). ``--cleanup`` removes what every one of our
-modes made (:func:`~kubeproxy.cmd.modes.cleanup_all`); a normal start takes the node over
+modes made (:func:`~kubeproxy.cmd.modes.cleanup_all`), ``--cleanup-leftovers`` only what
+upstream's kube-proxy leaves of ours when it takes the node back
+(:func:`~kubeproxy.cmd.modes.cleanup_leftovers`); a normal start takes the node over
 from its previous proxy (:mod:`~kubeproxy.cmd.takeover`): once our first sync of every
 family is in, what our tables hold unused and the other kind of mode's leftovers
 (:func:`~kubeproxy.cmd.modes.platform_cleanup`) go. A process without
@@ -31,7 +33,7 @@ from pathlib import Path
 from typing import Final, TextIO
 
 from kubeproxy.capabilities import missing_capabilities
-from kubeproxy.cmd.modes import MODES, Mode, cleanup_all
+from kubeproxy.cmd.modes import MODES, Mode, cleanup_all, cleanup_leftovers
 from kubeproxy.cmd.options import (
     MODE_DEFAULTED_MESSAGE,
     Options,
@@ -176,6 +178,10 @@ def run(
         if not _privileged(prog, "--cleanup", table.values()):
             return 1
         return cleanup_all(table, netns)
+    if options.cleanup_leftovers:
+        if not _privileged(prog, "--cleanup-leftovers", table.values()):
+            return 1
+        return cleanup_leftovers(table, netns)
     mode = table[options.mode]
     if options.dry_run:
         return _dry_run(mode, options, out, seams)

@@ -45,6 +45,7 @@ __all__ = [
     "Mode",
     "NftablesDryRun",
     "cleanup_all",
+    "cleanup_leftovers",
     "cleanup_modes",
     "iptables_hooks",
     "nftables_hooks",
@@ -313,7 +314,9 @@ class Mode:
     available); ``hooks`` wires the mode's own metrics; ``capabilities`` are those the
     mode cannot work without (``CAP_NET_ADMIN`` for ours), checked before anything else;
     ``watchers(backends, netns)`` makes what finds changes others make to the mode's
-    rules (self-healing; None: none).
+    rules (self-healing; None: none); ``leftovers(netns)`` removes what only our
+    proxy makes in this mode and upstream's kube-proxy leaves when it takes the node back
+    (``--cleanup-leftovers``; None: nothing of the kind).
     """
 
     name: str
@@ -323,6 +326,7 @@ class Mode:
     dry_run: Callable[[], DryRun] | None = None
     capabilities: tuple[str, ...] = ()
     watchers: WatcherFactory | None = None
+    leftovers: Callable[[str | None], None] | None = None
 
     @property
     def iptables_based(self) -> bool:
@@ -345,23 +349,34 @@ def _backend_mode(
     def factory() -> BackendFactory:
         return load_backend(name)
 
-    def cleanup(netns: str | None) -> None:
+    def installed() -> Any:
+        """The backend's package; None in an installation without it (which never made
+        anything with it)."""
         try:
             entry = backend_entry_point(name)
-            module = importlib.import_module(entry.module)
+            return importlib.import_module(entry.module)
         except (BackendNotFound, ModuleNotFoundError) as err:
             if isinstance(err, ModuleNotFoundError) and err.name != entry.module:
                 raise
-            # An installation without this backend never made anything with it.
             logger.warning("%s mode is not part of this installation: nothing to remove", name)
-            return
-        module.cleanup(netns=netns, **cleanup_options)
+            return None
+
+    def cleanup(netns: str | None) -> None:
+        module = installed()
+        if module is not None:
+            module.cleanup(netns=netns, **cleanup_options)
+
+    def leftovers(netns: str | None) -> None:
+        module = installed()
+        remove = getattr(module, "cleanup_leftovers", None)
+        if remove is not None:
+            remove(netns=netns, **cleanup_options)
 
     def watchers(backends: Sequence[Backend], netns: str | None) -> Sequence[Watcher]:
         found: Sequence[Watcher] = _module(name).watchers(backends, netns)
         return found
 
-    return Mode(name, factory, cleanup, hooks, dry_run, (CAP_NET_ADMIN,), watchers)
+    return Mode(name, factory, cleanup, hooks, dry_run, (CAP_NET_ADMIN,), watchers, leftovers)
 
 
 MODES: Final[Mapping[str, Mode]] = {
@@ -409,6 +424,33 @@ def cleanup_all(modes: Mapping[str, Mode] | None = None, netns: str | None = Non
         logger.error("Cleanup failed: %s", error)
     if not errors:
         logger.info("Cleanup done: nftables tables, iptables chains and ipvs state of ours removed")
+    return 1 if errors else 0
+
+
+def cleanup_leftovers(modes: Mapping[str, Mode] | None = None, netns: str | None = None) -> int:
+    """``--cleanup-leftovers``: remove what only our proxy makes and upstream's kube-proxy,
+    having taken the node back, leaves unused (each mode's ``leftovers``); the exit code
+    (0, or 1 after one error line per mode that failed, for instance because our rules
+    are still in use there).
+
+    Unlike ``--cleanup`` it never touches a name upstream's kube-proxy writes, so it is
+    safe while upstream's kube-proxy runs, and it changes nothing while ours still does.
+    """
+    errors: list[str] = []
+    for mode in (modes or MODES).values():
+        if mode.leftovers is None:
+            continue
+        try:
+            mode.leftovers(netns)
+        except Exception as err:  # any backend's error: report it, go on with the rest
+            message = _one_line(err)
+            if _KERNEL_LACKS in message.lower():
+                continue
+            errors.append(f"{mode.name} mode: {message}")
+    for error in errors:
+        logger.error("Removing our leftovers failed: %s", error)
+    if not errors:
+        logger.info("Leftovers removed: what only this proxy makes, and nothing in use")
     return 1 if errors else 0
 
 

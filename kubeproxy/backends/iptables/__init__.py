@@ -12,7 +12,8 @@ Public API:
   backend's :class:`~kubeproxy.backends.iptables.nfacct.NetlinkNFAcct`) adds upstream's
   packet counters to the rules;
 * :func:`cleanup` - remove every chain any iptables-mode kube-proxy made, in both
-  families and both variants, and nothing else;
+  families and both variants, and nothing else; :func:`cleanup_leftovers` - only the one
+  of ours upstream's iptables mode leaves when it takes a node back;
 * :func:`watchers` - what finds changes others make to our chains (self-healing,
   :mod:`kubeproxy.selfheal`; see :mod:`~kubeproxy.backends.iptables.monitor`).
 
@@ -38,7 +39,11 @@ from kubeproxy.backends.iptables.exec import (
     tool_name,
 )
 from kubeproxy.backends.iptables.nfacct import NetlinkNFAcct
-from kubeproxy.backends.iptables.proxier import IptablesBackend, cleanup_family
+from kubeproxy.backends.iptables.proxier import (
+    IptablesBackend,
+    cleanup_family,
+    cleanup_leftovers_family,
+)
 from kubeproxy.backends.iptables.restore import FILTER, MANGLE, NAT
 from kubeproxy.config import ProxierConfig
 from kubeproxy.netns import run_in_netns
@@ -50,6 +55,7 @@ if TYPE_CHECKING:
 __all__ = [
     "IptablesBackend",
     "cleanup",
+    "cleanup_leftovers",
     "create_backend",
     "create_legacy_backend",
     "watchers",
@@ -123,6 +129,26 @@ def cleanup(netns: str | None = None, *, wait: float = 5.0) -> None:
     cannot be read for want of privilege; the other variants and families are cleaned
     first.
     """
+    _each_variant(netns, wait, cleanup_family)
+
+
+def cleanup_leftovers(netns: str | None = None, *, wait: float = 5.0) -> None:
+    """Remove what only our iptables mode makes and nothing uses any more (``--cleanup-
+    leftovers``, after upstream's kube-proxy took the node back): ``KUBE-SERVICE-IPS``,
+    in both families and variants, when no rule jumps to it
+    (:func:`~kubeproxy.backends.iptables.proxier.cleanup_leftovers_family`). Everything
+    else iptables mode writes is upstream's, by name. Raises as :func:`cleanup`.
+    """
+    _each_variant(netns, wait, cleanup_leftovers_family)
+
+
+def _each_variant(
+    netns: str | None,
+    wait: float,
+    action: Callable[[IptablesCommands, IPFamily, Collection[str]], object],
+) -> None:
+    """``action(executor, family, tables)`` for both variants and families whose tools
+    exist and whose tables can be read (see :func:`cleanup`)."""
     denied: list[IptablesPermissionError] = []
     for variant in (IptablesVariant.NFT, IptablesVariant.LEGACY):
         executor = IptablesCommands(variant, netns=netns, wait=wait)
@@ -143,7 +169,7 @@ def cleanup(netns: str | None = None, *, wait: float = 5.0) -> None:
             except IptablesError as err:
                 log.debug("skipping %s %s cleanup: %s", variant, family, err)
                 continue
-            cleanup_family(executor, family, tables)
+            action(executor, family, tables)
     if denied:
         raise denied[0]
 
