@@ -16,6 +16,7 @@ import ipaddress
 import logging
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +24,10 @@ from bench.synthetic import SyntheticService
 from bench.upstream_structure import UpstreamOptions, upstream_ruleset
 from kubeproxy.backends.iptables.fake import FakeIptables
 from kubeproxy.backends.iptables.proxier import IptablesBackend, cleanup_leftovers_family
+from kubeproxy.backends.ipvs.fake import FakeIPSets, FakeIPVS, FakeLinks
+from kubeproxy.backends.ipvs.handover import Executors, handover, restore_sysctls
+from kubeproxy.backends.ipvs.netlink import DUMMY_DEVICE, VirtualServer
+from kubeproxy.backends.ipvs.proxier import IPVSBackend
 from kubeproxy.backends.nftables import NftablesBackend
 from kubeproxy.backends.nftables.fake import FakeNft
 from kubeproxy.backends.nftables.handback import cleanup_leftovers, is_ours
@@ -97,7 +102,8 @@ class Recorded:
         def cleanup(netns: str | None) -> None:
             self.cleaned.append((real.name, len(names(self.fake) - ours_fresh())))
 
-        return dataclasses.replace(real, cleanup=cleanup)
+        # Never the real ones: they would act on this host's namespace.
+        return dataclasses.replace(real, cleanup=cleanup, handover=None, leftovers=None)
 
 
 # --- the takeover -------------------------------------------------------------------------
@@ -176,7 +182,10 @@ def test_a_failed_cleanup_is_a_warning_naming_the_way_out(
     def failing(netns: str | None) -> None:
         raise OSError("iptables-legacy-restore: permission denied (you must be root)")
 
-    modes = {name: dataclasses.replace(mode, cleanup=failing) for name, mode in MODES.items()}
+    modes = {
+        name: dataclasses.replace(mode, cleanup=failing, handover=None)
+        for name, mode in MODES.items()
+    }
     caplog.set_level(logging.WARNING)
     result = Takeover("nftables", modes, delay=0)({}, threading.Event())
     assert not result.complete and len(result.errors) == 2
@@ -283,3 +292,103 @@ def test_cleanup_leftovers_runs_every_modes_part_and_reports_failures(
         "Removing our leftovers failed: nftables mode: table ip kube-proxy: our rules are "
         "still in use"
     ]
+
+
+# --- ipvs mode's handover: IPVS connections end first -------------------------------------
+
+
+class IPVSNode:
+    """ipvs mode's state over the fakes, for two Services: TCP (``svc-0``) and UDP
+    (``svc-1``)."""
+
+    def __init__(self) -> None:
+        self.ipvs, self.links, self.ipsets = FakeIPVS(), FakeLinks(), FakeIPSets()
+        self.iptables = FakeIptables()
+        config = ProxierConfig(node_name=NODE)
+        backend = IPVSBackend(
+            V4, config, ipvs=self.ipvs, links=self.links, ipsets=self.ipsets, iptables=self.iptables
+        )
+        proxier = Proxier(V4, config, backend, node=NodeInfo(NODE))
+        for service in (SyntheticService(0, 2), SyntheticService(1, 2, protocol="UDP")):
+            proxier.on_service_add(service.service_dict())
+            for slice_ in service.slice_dicts():
+                proxier.on_endpoint_slice_add(slice_)
+        proxier.on_services_synced()
+        proxier.on_endpoint_slices_synced()
+        assert proxier.sync_now()
+        self.restored: list[str | None] = []
+
+    def executors(self) -> Executors:
+        return Executors(self.ipvs, self.links, self.ipsets, self.iptables)  # type: ignore[arg-type]
+
+    def servers(self) -> dict[str, VirtualServer]:
+        return {vs.protocol.lower: vs for vs in self.ipvs.virtual_servers()}
+
+    def connect(self, protocol: str, active: int, inactive: int) -> None:
+        vs = self.servers()[protocol]
+        rs = self.ipvs.real_servers(vs)[0]
+        self.ipvs.set_connections(vs, rs.address, rs.port, active, inactive)
+
+    def sysctls(self, netns: str | None) -> list[str]:
+        self.restored.append(netns)
+        return ["net.ipv4.vs.conntrack"]
+
+
+def test_ipvs_handover_keeps_the_virtual_servers_of_connections_until_they_end() -> None:
+    node, clock = IPVSNode(), Clock()
+    node.connect("tcp", active=1, inactive=3)
+    node.connect("udp", active=0, inactive=1)  # IPVS counts UDP flows as inactive
+    looks: list[set[str]] = []
+    stop = threading.Event()
+
+    class Polls(threading.Event):
+        """Each wait is one poll: the connections change as a test script says."""
+
+        def wait(self, timeout: float | None = None) -> bool:
+            looks.append(set(node.servers()))
+            if len(looks) == 1:
+                node.connect("tcp", active=0, inactive=4)  # closed: TIME_WAIT needs nothing
+            if len(looks) == 2:
+                clock.now += 900
+            return stop.is_set()
+
+    handover(node.executors(), Polls(), limit=900, poll=0, clock=clock, sysctls=node.sysctls)
+    # At once: ipvs mode's chains and sets would go, and every idle virtual server; both
+    # of these carry connections, so both stay, with their addresses.
+    assert looks[0] == {"tcp", "udp"}
+    assert looks[1] == {"udp"}  # the TCP one ended
+    assert node.servers() == {}  # the UDP flow outlived the limit: removed anyway
+    assert DUMMY_DEVICE not in node.links.links
+    assert not node.ipsets.save()
+    assert node.restored == [None]
+
+
+def test_ipvs_cleanup_and_a_stopped_handover_do_not_wait() -> None:
+    node = IPVSNode()
+    node.connect("tcp", active=1, inactive=0)
+    stop = threading.Event()
+    stop.set()
+    handover(node.executors(), stop, limit=900, poll=0, sysctls=node.sysctls)
+    # Stopped while draining: the busy server and what identifies it stay for the next
+    # start to find; nothing else of ipvs mode does.
+    assert set(node.servers()) == {"tcp"}
+    assert node.ipsets.save() and node.restored == []
+    handover(node.executors(), None, limit=0, sysctls=node.sysctls)  # --cleanup
+    assert node.servers() == {} and not node.ipsets.save()
+    assert node.restored == [None]
+
+
+def test_restoring_the_ipvs_sysctls_only_where_they_hold_ipvs_modes_values(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "net/ipv4/vs").mkdir(parents=True)
+    values = {"conntrack": "1", "expire_nodest_conn": "1", "expire_quiescent_template": "0"}
+    for name, value in values.items():
+        (tmp_path / "net/ipv4/vs" / name).write_text(f"{value}\n")
+    assert restore_sysctls(proc_root=tmp_path) == [
+        "net.ipv4.vs.conntrack",
+        "net.ipv4.vs.expire_nodest_conn",
+    ]
+    assert (tmp_path / "net/ipv4/vs/conntrack").read_text() == "0\n"
+    assert restore_sysctls(proc_root=tmp_path) == []
+    assert restore_sysctls(proc_root=tmp_path / "missing") == []  # no IPVS loaded

@@ -419,19 +419,32 @@ def has_ipvs() -> bool:
     )
 
 
-def test_nftables_mode_takes_over_upstreams_ipvs_state(scene: Scene) -> None:
+def test_a_daemon_takes_over_upstreams_ipvs_state(scene: Scene) -> None:
     if not has_ipvs():
         pytest.skip("kernel lacks IP_VS: ipvs mode cannot run here (make test-kernels runs it)")
     scene.once("kube-proxy-ipvs", cidrs=False)
     assert "kube-ipvs0" in scene.ok("ip", "-o", "link", "show")
     assert scene.serves()
 
-    switch(scene, lambda: scene.once("kube-proxy-nftables"))
-    assert no_kube_chains(scene), kube_chains(scene)
+    daemon = Daemon(scene, "kube-proxy-nftables")
+    try:
+        # The long-lived connections go through IPVS: their virtual servers stay until
+        # they end, the rest of ipvs mode goes at once.
+        with Traffic(scene.topology.client, TARGETS, timeout=scaled(1.0)) as traffic:
+            time.sleep(0.2)
+            daemon.wait_for("Keeping 2 IPVS virtual servers", scaled(60))
+            time.sleep(0.5)
+            assert no_kube_chains(scene), kube_chains(scene)
+        traffic.assert_unbroken()
+        daemon.wait_for("Took the node over", scaled(60))
+    finally:
+        daemon.stop()
     assert "kube-ipvs0" not in scene.ok("ip", "-o", "link", "show")
     assert scene.ok("ipset", "list", "-n").split() == []
     assert VIP4 not in scene.ok("cat", "/proc/net/ip_vs")
+    assert scene.ok("sysctl", "-n", "net.ipv4.vs.conntrack").strip() == "0"
     assert_only_ours(scene)
+    assert scene.serves()
 
 
 # --- and back: from ours to upstream's modes ---------------------------------------------
@@ -507,4 +520,18 @@ def test_handing_back_to_upstreams_iptables_mode(scene: Scene, variant: str) -> 
     assert left == {
         t: [c for c in chains if c != "KUBE-SERVICE-IPS"] for t, chains in upstreams.items()
     }
+    assert scene.serves()
+
+
+def test_handing_back_to_upstreams_ipvs_mode(scene: Scene) -> None:
+    if not has_ipvs():
+        pytest.skip("kernel lacks IP_VS: ipvs mode cannot run here (make test-kernels runs it)")
+    scene.once("kube-proxy-nftables")
+    # As for iptables mode: through our own ipvs mode (upstream's deletes our tables
+    # before its first sync), then upstream's first sync over state of its own names.
+    switch(scene, lambda: scene.once("kube-proxy-ipvs"))
+    assert nft_names(scene, "ip") == nft_names(scene, "ip6") == set()
+    switch(scene, lambda: scene.once("kube-proxy-ipvs", cidrs=False))
+    assert VIP4 in scene.ok("ip", "-o", "addr", "show", "dev", "kube-ipvs0")
+    scene.ok(*scene.binary("kube-proxy-ipvs", "--cleanup-leftovers"))
     assert scene.serves()

@@ -200,7 +200,9 @@ def run(
         startup_warnings=warnings,
         # Only once our first sync of every family is in: a start that fails leaves the
         # node's rules alone, and the previous proxy's serve until ours do.
-        after_first_sync=None if options.init_only else Takeover(mode.name, table, netns),
+        after_first_sync=(
+            None if options.init_only else Takeover(mode.name, table, netns, once=options.once)
+        ),
     )
     return run_daemon(options, factory, plugins=plugins, seams=seams)
 

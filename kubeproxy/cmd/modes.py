@@ -4,15 +4,18 @@ Each :class:`Mode` says how to make its backend (imported only when the mode is 
 one mode's missing kernel tool never stops another), what ``--dry-run`` writes into
 instead of the kernel, which backend-specific metrics to wire, and how to remove
 everything the mode ever made. Cleanup across modes follows upstream's
-``platformCleanup`` (``cmd/kube-proxy/app/server_linux.go``): starting in nftables mode
-removes what the iptables and ipvs modes left; starting in iptables or ipvs mode removes
-the nftables tables; ``--cleanup`` removes all of it (:func:`cleanup_all`).
+``platformCleanup`` (``cmd/kube-proxy/app/server_linux.go``), once our first sync is in
+(:mod:`kubeproxy.cmd.takeover`): nftables mode removes what the iptables and ipvs modes
+left; iptables or ipvs mode removes the nftables tables; ``--cleanup`` removes all of it
+(:func:`cleanup_all`), ``--cleanup-leftovers`` what only we make and upstream leaves
+(:func:`cleanup_leftovers`).
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Protocol, TextIO, runtime_checkable
@@ -316,7 +319,10 @@ class Mode:
     ``watchers(backends, netns)`` makes what finds changes others make to the mode's
     rules (self-healing; None: none); ``leftovers(netns)`` removes what only our
     proxy makes in this mode and upstream's kube-proxy leaves when it takes the node back
-    (``--cleanup-leftovers``; None: nothing of the kind).
+    (``--cleanup-leftovers``; None: nothing of the kind); ``handover(netns, stop)`` is
+    ``cleanup`` once another mode serves the node, letting established connections that
+    still need this mode's state end first (ipvs mode's IPVS connections; None: the
+    cleanup does it).
     """
 
     name: str
@@ -327,6 +333,7 @@ class Mode:
     capabilities: tuple[str, ...] = ()
     watchers: WatcherFactory | None = None
     leftovers: Callable[[str | None], None] | None = None
+    handover: Callable[[str | None, threading.Event], None] | None = None
 
     @property
     def iptables_based(self) -> bool:
@@ -372,11 +379,21 @@ def _backend_mode(
         if remove is not None:
             remove(netns=netns, **cleanup_options)
 
+    def handover(netns: str | None, stop: threading.Event) -> None:
+        module = installed()
+        hand = getattr(module, "handover", None)
+        if hand is not None:
+            hand(netns=netns, stop=stop)
+        elif module is not None:
+            module.cleanup(netns=netns, **cleanup_options)
+
     def watchers(backends: Sequence[Backend], netns: str | None) -> Sequence[Watcher]:
         found: Sequence[Watcher] = _module(name).watchers(backends, netns)
         return found
 
-    return Mode(name, factory, cleanup, hooks, dry_run, (CAP_NET_ADMIN,), watchers, leftovers)
+    return Mode(
+        name, factory, cleanup, hooks, dry_run, (CAP_NET_ADMIN,), watchers, leftovers, handover
+    )
 
 
 MODES: Final[Mapping[str, Mode]] = {
@@ -395,16 +412,23 @@ def _one_line(err: BaseException) -> str:
     return text or type(err).__name__
 
 
-def cleanup_modes(modes: Iterable[Mode], netns: str | None = None) -> list[str]:
+def cleanup_modes(
+    modes: Iterable[Mode], netns: str | None = None, *, stop: threading.Event | None = None
+) -> list[str]:
     """Run the cleanup of each mode in turn; the errors, one line each (``mode: why``).
 
-    A mode whose cleanup says the kernel lacks what it needs (``kernel lacks IP_VS``)
-    made nothing here: logged, not an error. One mode failing does not stop the others.
+    With ``stop`` (another mode serves the node now) a mode's ``handover`` runs instead
+    where it has one, which ``stop`` cuts short. A mode whose cleanup says the kernel
+    lacks what it needs (``kernel lacks IP_VS``) made nothing here: logged, not an error.
+    One mode failing does not stop the others.
     """
     errors: list[str] = []
     for mode in modes:
         try:
-            mode.cleanup(netns)
+            if stop is not None and mode.handover is not None:
+                mode.handover(netns, stop)
+            else:
+                mode.cleanup(netns)
         except Exception as err:  # any backend's error: report it, go on with the rest
             message = _one_line(err)
             if _KERNEL_LACKS in message.lower():
@@ -455,18 +479,23 @@ def cleanup_leftovers(modes: Mapping[str, Mode] | None = None, netns: str | None
 
 
 def platform_cleanup(
-    mode: str, modes: Mapping[str, Mode] | None = None, netns: str | None = None
+    mode: str,
+    modes: Mapping[str, Mode] | None = None,
+    netns: str | None = None,
+    *,
+    stop: threading.Event | None = None,
 ) -> list[str]:
-    """At start-up, remove what the other kind of mode left (upstream's
-    ``platformCleanup``): iptables and ipvs leftovers before nftables mode, the nftables
-    tables before iptables or ipvs mode. Failures are logged as warnings (the proxy still
-    starts) and returned."""
+    """Remove what the other kind of mode left (upstream's ``platformCleanup``, which
+    upstream runs at start-up; ours once our first sync is in: :mod:`~.takeover`):
+    iptables and ipvs leftovers in nftables mode, the nftables tables in iptables or ipvs
+    mode. ``stop``: as :func:`cleanup_modes`' (a daemon's handover). Failures are logged
+    as warnings (the proxy goes on) and returned."""
     table = modes or MODES
     if mode in IPTABLES_BASED:
         others = [m for m in table.values() if not m.iptables_based]
     else:
         others = [m for m in table.values() if m.iptables_based]
-    errors = cleanup_modes(others, netns)
+    errors = cleanup_modes(others, netns, stop=stop)
     for error in errors:
         logger.warning("Could not remove another mode's leftovers: %s", error)
     return errors

@@ -90,8 +90,11 @@ class Takeover:
 
     ``modes`` is the mode table (:data:`~kubeproxy.cmd.modes.MODES` by default; tests
     pass fakes), ``netns`` where the cleanups act; ``delay`` and ``attempts`` pace the
-    sweep (:data:`SWEEP_DELAY`, :data:`SWEEP_ATTEMPTS`); ``clock`` times it. The last
-    run's :class:`TakeoverResult` is :attr:`result`.
+    sweep (:data:`SWEEP_DELAY`, :data:`SWEEP_ATTEMPTS`); ``clock`` times it. A daemon's
+    takeover lets the other modes hand over (``Mode.handover``: ipvs mode keeps the
+    virtual servers of established connections until they end); a one-shot run
+    (``once``) removes everything at once. The last run's :class:`TakeoverResult` is
+    :attr:`result`.
     """
 
     def __init__(
@@ -103,7 +106,9 @@ class Takeover:
         delay: float = SWEEP_DELAY,
         attempts: int = SWEEP_ATTEMPTS,
         clock: Callable[[], float] = time.monotonic,
+        once: bool = False,
     ) -> None:
+        self.once = once
         self.mode = mode
         self.modes = modes
         self.netns = netns
@@ -120,7 +125,8 @@ class Takeover:
         deleted, left = self._sweep(proxiers, stop)
         errors: list[str] = []
         if not stop.is_set():
-            errors = platform_cleanup(self.mode, self.modes, self.netns)
+            handing = None if self.once else stop
+            errors = platform_cleanup(self.mode, self.modes, self.netns, stop=handing)
         result = TakeoverResult(deleted, left, tuple(errors), self.clock() - start)
         self.result = result
         self._report(result)
