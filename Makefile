@@ -68,3 +68,9 @@ bench: setup
 .PHONY: bench-selfheal
 bench-selfheal: setup
 	$(PY) -m bench.selfheal $(SELFHEAL_ARGS)
+
+# Taking a node over from upstream's kube-proxy (and between our modes) at scale:
+# bench/takeover.py, README "Replacing kube-proxy". Not part of bench.
+.PHONY: bench-takeover
+bench-takeover: setup
+	$(PY) -m bench.takeover $(TAKEOVER_ARGS)

@@ -54,6 +54,7 @@ from kubeproxy.testing.netns import (
     open_namespace,
     write_sysctl,
 )
+from kubeproxy.testing.runner import default_timeout
 
 T = TypeVar("T")
 
@@ -232,7 +233,8 @@ def _wait_for_server(topo: Topology) -> None:
     servers = [ECHO_SERVER_IP, ECHO_SERVER_IP6] if topo.ipv6 else [ECHO_SERVER_IP]
 
     def probe(address: str) -> bool:
-        for _ in range(100):
+        # 5 s, longer under emulation (the server is a Python process starting there).
+        for _ in range(int(100 * default_timeout())):
             try:
                 with socket.create_connection((address, 8080), timeout=0.2):
                     return True
