@@ -535,3 +535,51 @@ def test_handing_back_to_upstreams_ipvs_mode(scene: Scene) -> None:
     assert VIP4 in scene.ok("ip", "-o", "addr", "show", "dev", "kube-ipvs0")
     scene.ok(*scene.binary("kube-proxy-ipvs", "--cleanup-leftovers"))
     assert scene.serves()
+
+
+IPTABLES_NFT = """*nat
+:KUBE-SERVICES - [0:0]
+:KUBE-SVC-AAAAAAAAAAAAAAAA - [0:0]
+:KUBE-SEP-BBBBBBBBBBBBBBBB - [0:0]
+:KUBE-MARK-MASQ - [0:0]
+:KPXT-FOREIGN - [0:0]
+-A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES
+-A PREROUTING -p tcp --dport 9 -j KPXT-FOREIGN
+-A OUTPUT -m comment --comment "kubernetes service portals" -j KUBE-SERVICES
+-A KUBE-SERVICES -d 10.96.0.1/32 -p tcp --dport 80 -j KUBE-SVC-AAAAAAAAAAAAAAAA
+-A KUBE-SVC-AAAAAAAAAAAAAAAA -j KUBE-SEP-BBBBBBBBBBBBBBBB
+-A KUBE-SEP-BBBBBBBBBBBBBBBB -s 10.180.0.10/32 -j KUBE-MARK-MASQ
+-A KUBE-SEP-BBBBBBBBBBBBBBBB -p tcp -j DNAT --to-destination 10.180.0.10:8080
+-A KPXT-FOREIGN -j RETURN
+COMMIT
+*filter
+:KUBE-FIREWALL - [0:0]
+:KUBE-SERVICES - [0:0]
+-A INPUT -j KUBE-FIREWALL
+-A OUTPUT -m conntrack --ctstate NEW -j KUBE-SERVICES
+COMMIT
+"""
+
+
+def test_iptables_nft_chains_go_in_one_batch_and_nobody_elses() -> None:
+    from kubeproxy.backends.iptables.nftchains import remove_ours
+    from kubeproxy.backends.iptables.proxier import owns_chain
+    from kubeproxy.objects import IPFamily
+
+    with lone_namespace(PREFIX) as lone:
+        loaded = subprocess.run(
+            ["ip", "netns", "exec", lone.name, "iptables-nft-restore", "--noflush"],
+            input=IPTABLES_NFT,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert loaded.returncode == 0, loaded.stderr
+        removed = remove_ours(IPFamily.IPV4, ("nat", "filter", "mangle"), owns_chain, lone.name)
+        assert removed == 5  # nat: SERVICES, SVC, SEP, MARK-MASQ; filter: SERVICES
+        saved = run_in(lone.name, "iptables-nft-save")
+    assert "KUBE-SERVICES" not in saved and "KUBE-SVC" not in saved and "KUBE-SEP" not in saved
+    # Someone else's chain and rules stay, and kubelet's chain with its jump.
+    assert "-A PREROUTING -p tcp -m tcp --dport 9 -j KPXT-FOREIGN" in saved
+    assert "-A KPXT-FOREIGN -j RETURN" in saved
+    assert "-A INPUT -j KUBE-FIREWALL" in saved

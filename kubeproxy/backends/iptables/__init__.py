@@ -39,10 +39,12 @@ from kubeproxy.backends.iptables.exec import (
     tool_name,
 )
 from kubeproxy.backends.iptables.nfacct import NetlinkNFAcct
+from kubeproxy.backends.iptables.nftchains import remove_ours
 from kubeproxy.backends.iptables.proxier import (
     IptablesBackend,
     cleanup_family,
     cleanup_leftovers_family,
+    owns_chain,
 )
 from kubeproxy.backends.iptables.restore import FILTER, MANGLE, NAT
 from kubeproxy.config import ProxierConfig
@@ -129,7 +131,29 @@ def cleanup(netns: str | None = None, *, wait: float = 5.0) -> None:
     cannot be read for want of privilege; the other variants and families are cleaned
     first.
     """
-    _each_variant(netns, wait, cleanup_family)
+    _each_variant(netns, wait, _remove_chains)
+
+
+def _remove_chains(executor: IptablesCommands, family: IPFamily, tables: Collection[str]) -> None:
+    """:func:`~kubeproxy.backends.iptables.proxier.cleanup_family`; with iptables-nft as
+    one nf_tables transaction per table (:mod:`~kubeproxy.backends.iptables.nftchains`:
+    iptables-nft-restore's cost grows with the square of the chains), the tools doing it
+    only if the kernel refuses that."""
+    if executor.variant is IptablesVariant.NFT:
+        try:
+            remove_ours(family, tables, owns_chain, executor.netns)
+        except OSError as err:  # NftError is one; a refusal changed nothing
+            log.info("%s: removing our chains in one batch failed (%s)", family, err)
+        else:
+            return
+        try:
+            executor.save(family, NAT)
+        except IptablesPermissionError:
+            raise
+        except IptablesError as err:
+            log.debug("skipping %s %s cleanup: %s", executor.variant, family, err)
+            return
+    cleanup_family(executor, family, tables)
 
 
 def cleanup_leftovers(netns: str | None = None, *, wait: float = 5.0) -> None:
@@ -161,15 +185,19 @@ def _each_variant(
                 if not tables:
                     log.debug("no iptables-legacy %s tables of ours: nothing to remove", family)
                     continue
+                try:
+                    # Whether this process may read them (iptables-legacy's raw socket).
+                    executor.save(family, NAT if NAT in tables else min(tables))
+                except IptablesPermissionError as err:
+                    denied.append(err)
+                    continue
+                except IptablesError as err:
+                    log.debug("skipping %s %s cleanup: %s", variant, family, err)
+                    continue
             try:
-                executor.save(family, NAT if NAT in tables else min(tables))
+                action(executor, family, tables)
             except IptablesPermissionError as err:
                 denied.append(err)
-                continue
-            except IptablesError as err:
-                log.debug("skipping %s %s cleanup: %s", variant, family, err)
-                continue
-            action(executor, family, tables)
     if denied:
         raise denied[0]
 

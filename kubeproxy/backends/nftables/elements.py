@@ -61,6 +61,7 @@ _NFT_MSG_DELSET = 11
 _NFTA_OBJECT_TABLE = 1
 _NFTA_OBJECT_NAME = {_NFT_MSG_DELRULE: 2, _NFT_MSG_DELSET: 2, _NFT_MSG_DELCHAIN: 3}
 _OBJECT_KINDS = frozenset({"chain", "set"})
+_NFTA_RULE_HANDLE = 3
 _DUMP_ATTEMPTS = 3
 _SO_SNDBUFFORCE = 32
 _SO_RCVBUFFORCE = 33
@@ -343,13 +344,18 @@ class _Message:
         return self.keys[index] if 0 <= index < len(self.keys) else None
 
 
-def _object_message(kind: int, family: int, table: str, name: str, seq: int, ack: bool) -> bytes:
-    """One message deleting (or, for ``DELRULE``, flushing) the object ``name``."""
+def _object_message(
+    kind: int, family: int, table: str, name: str, seq: int, ack: bool, handle: int | None = None
+) -> bytes:
+    """One message deleting (or, for ``DELRULE``, flushing) the object ``name``; with
+    ``handle``, deleting that rule of chain ``name``."""
     payload = (
         nlmsg.NFGEN.pack(family, 0, 0)
         + nlmsg.attr(_NFTA_OBJECT_TABLE, nlmsg.string(table))
         + nlmsg.attr(_NFTA_OBJECT_NAME[kind], nlmsg.string(name))
     )
+    if handle is not None:
+        payload += nlmsg.attr(_NFTA_RULE_HANDLE, struct.pack(">Q", handle))
     flags = nlmsg.NLM_F_REQUEST | (nlmsg.NLM_F_ACK if ack else 0)
     return nlmsg.message(nlmsg.nfnl_type(nlmsg.NFNL_SUBSYS_NFTABLES, kind), flags, seq, payload)
 
@@ -443,43 +449,54 @@ class ElementWriter:
             self._transact(batch.family, batch.table, encoded)
 
     def delete_objects(
-        self, family: Family, table: str, objects: Sequence[tuple[str, str]]
+        self,
+        family: Family,
+        table: str,
+        objects: Sequence[tuple[str, str]],
+        *,
+        rules: Sequence[tuple[str, int]] = (),
     ) -> None:
-        """Delete ``objects`` of ``table`` by name, in one transaction: every chain's rules
-        first (a flush), then each object in the order given.
+        """Delete ``objects`` of ``table`` by name, in one transaction: the ``rules``
+        first (``(chain, handle)``: rules of other chains naming these objects), then
+        every chain's rules (a flush), then each object in the order given.
 
         ``objects`` are ``("chain", name)`` or ``("set", name)`` (a map is a set here);
         give the verdict maps before the chains they name, and chains that jump or go to
         others before their targets, as :func:`~.stale.deletion_order` sorts them. A
         refusal raises :class:`NftError` naming the object and the kernel's reason (and
-        nothing is deleted).
+        nothing is deleted). The table may be any (iptables-nft's ``nat`` too).
         """
-        if not objects:
+        if not objects and not rules:
             return
         validate_name("table", table)
         for kind, name in objects:
             if kind not in _OBJECT_KINDS:
                 raise NftError(f"cannot delete a {kind!r} by name", _errno.EINVAL)
             validate_name(kind, name)
+        for chain, _handle in rules:
+            validate_name("chain", chain)
         number = _FAMILY_NUMBERS[family]
-        steps: list[tuple[int, str]] = [
-            (_NFT_MSG_DELRULE, name) for kind, name in objects if kind == "chain"
+        steps: list[tuple[int, str, int | None]] = [
+            (_NFT_MSG_DELRULE, chain, handle) for chain, handle in rules
         ]
+        steps += [(_NFT_MSG_DELRULE, name, None) for kind, name in objects if kind == "chain"]
         steps += [
-            (_NFT_MSG_DELCHAIN if kind == "chain" else _NFT_MSG_DELSET, name)
+            (_NFT_MSG_DELCHAIN if kind == "chain" else _NFT_MSG_DELSET, name, None)
             for kind, name in objects
         ]
         with self._lock:
             begin = self._next()
             parts = []
             sent: dict[int, _Message] = {}
-            for index, (message, name) in enumerate(steps):
+            for index, (message, name, handle) in enumerate(steps):
                 seq = self._next()
                 # Only the last message asks for an acknowledgement (see the class).
                 last = index == len(steps) - 1
-                parts.append(_object_message(message, number, table, name, seq, last))
+                parts.append(_object_message(message, number, table, name, seq, last, handle))
                 verb = "flush" if message == _NFT_MSG_DELRULE else "delete"
                 what = "set" if message == _NFT_MSG_DELSET else "chain"
+                if handle is not None:
+                    verb, what = "delete", f"rule {handle} of"
                 sent[seq] = _Message(seq, verb, f"{what} {name}", (), ())
             self._exchange(nlmsg.nfnl_batch(begin, parts, self._next()), begin, sent)
 
