@@ -392,3 +392,31 @@ def test_restoring_the_ipvs_sysctls_only_where_they_hold_ipvs_modes_values(
     assert (tmp_path / "net/ipv4/vs/conntrack").read_text() == "0\n"
     assert restore_sysctls(proc_root=tmp_path) == []
     assert restore_sysctls(proc_root=tmp_path / "missing") == []  # no IPVS loaded
+
+
+def test_a_kernel_that_releases_chains_late_gets_the_references_removed_first(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fake, clock = upstream_fake(), Clock()
+    proxier = proxier_over(fake, clock)
+    assert proxier.sync_now()
+    # Kernels before 6.2 (upstream's word) refuse to delete a chain that a verdict map's
+    # element named until a moment after the element went: the deletion of both at once.
+    fake.fail_next = NftError("delete chain service-...: Device or resource busy", errno.EBUSY)
+    clock.now += STALE_DELAY
+    transactions = len(fake.transactions)
+
+    class Later(threading.Event):
+        def wait(self, timeout: float | None = None) -> bool:
+            clock.now += STALE_DELAY  # the sweep's delay passes on the backend's clock
+            return False
+
+    caplog.set_level(logging.INFO)
+    result = Takeover("nftables", Recorded(fake).modes, delay=0)({V4: proxier}, Later())
+    assert result.complete and names(fake) == ours_fresh()
+    refused, references, rest = fake.transactions[transactions:]
+    assert "delete chain" in refused.render()
+    first = references.render()
+    assert "flush chain" in first and "delete chain" not in first and "delete set" in first
+    assert "delete chain" in rest.render()
+    assert "the references went first" in caplog.text
