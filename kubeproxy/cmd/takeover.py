@@ -164,11 +164,14 @@ class Takeover:
         return deleted, {f: n for f, n in left.items() if n}
 
     def _report(self, result: TakeoverResult) -> None:
-        others = "the nftables tables" if self.mode in ("iptables", "ipvs") else "iptables and ipvs"
+        if self.mode in ("iptables", "ipvs"):
+            others = "nftables mode's tables"
+        else:
+            others = "iptables and ipvs modes' chains, sets and interface"
         if result.complete:
             logger.info(
                 "Took the node over in %.1fs after the first sync: %d unused objects deleted "
-                "from our tables, %s leftovers removed (if any)",
+                "from our tables, %s removed (if any)",
                 result.seconds,
                 result.deleted,
                 others,
