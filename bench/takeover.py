@@ -43,7 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +51,7 @@ from typing import Any
 from bench.dataplane import Topology, topology
 from bench.netns import in_netns
 from bench.selfheal import Prober
+from bench.selfheal import _wait as wait_for
 from bench.synthetic import NODE_NAME, POD_CIDR, SERVICE_CIDR, SyntheticService, build_services
 from bench.synthetic import service_ip as cluster_ip
 from bench.upstream_structure import write_upstream_ruleset
@@ -143,14 +144,6 @@ def _left(case: str, node: str) -> int:
     return len(re.findall(r"\.g1 ", chains))
 
 
-def _wait(check: Callable[[], bool], what: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"no {what} within {timeout:.0f} s")
-        time.sleep(0.05)
-
-
 def _case(
     case: str,
     topo: Topology,
@@ -168,11 +161,11 @@ def _case(
     argv = [str(binary_path(f"kube-proxy-{mode}")), *_flags(manifests), "-v", "2"]
     proxy: subprocess.Popen[bytes] | None = None
     try:
-        _wait(lambda: any(ok for _, ok in prober.results), "first connection", 60)
+        wait_for(lambda: any(ok for _, ok in prober.results), "a first connection", 60)
         with log_path.open("w") as log:
             start_wall, start = time.time(), time.monotonic()
             proxy = subprocess.Popen(in_netns(topo.node, argv), stdout=log, stderr=log)
-        _wait(lambda: _TOOK_OVER in log_path.read_text(), "takeover", 3600)
+        wait_for(lambda: _TOOK_OVER in log_path.read_text(), "the takeover", 3600)
         done = time.monotonic()
         time.sleep(1.0)
         lines = log_path.read_text().splitlines()

@@ -69,7 +69,13 @@ from kubeproxy.objects import (
     ServicePortName,
 )
 
-__all__ = ["LARGE_CLUSTER_ENDPOINTS", "IptablesBackend", "cleanup_family"]
+__all__ = [
+    "LARGE_CLUSTER_ENDPOINTS",
+    "IptablesBackend",
+    "cleanup_family",
+    "cleanup_leftovers_family",
+    "owns_chain",
+]
 
 log = logging.getLogger(__name__)
 
