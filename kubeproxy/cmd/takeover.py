@@ -71,12 +71,14 @@ class Sweepable(Protocol):
 @dataclass(frozen=True, slots=True)
 class TakeoverResult:
     """What one :class:`Takeover` did: unused objects of our tables deleted (and left, by
-    family), the other modes' cleanup errors (one line each), and how long it took."""
+    family), the other modes' cleanup errors (one line each), and how long it took (in
+    all, and the sweep of our tables)."""
 
     deleted: int = 0
     left: Mapping[IPFamily, int] = field(default_factory=dict)
     errors: tuple[str, ...] = ()
     seconds: float = 0.0
+    sweep_seconds: float = 0.0
 
     @property
     def complete(self) -> bool:
@@ -123,11 +125,12 @@ class Takeover:
         """Run the takeover (see the module); returns and keeps its result."""
         start = self.clock()
         deleted, left = self._sweep(proxiers, stop)
+        swept = self.clock() - start
         errors: list[str] = []
         if not stop.is_set():
             handing = None if self.once else stop
             errors = platform_cleanup(self.mode, self.modes, self.netns, stop=handing)
-        result = TakeoverResult(deleted, left, tuple(errors), self.clock() - start)
+        result = TakeoverResult(deleted, left, tuple(errors), self.clock() - start, swept)
         self.result = result
         self._report(result)
         return result
@@ -171,9 +174,10 @@ class Takeover:
         if result.complete:
             logger.info(
                 "Took the node over in %.1fs after the first sync: %d unused objects deleted "
-                "from our tables, %s removed (if any)",
+                "from our tables (%.1fs), %s removed (if any)",
                 result.seconds,
                 result.deleted,
+                result.sweep_seconds,
                 others,
             )
             return
