@@ -20,8 +20,11 @@ its rules keep serving until ours are written, then they go. The order:
 3. Then the other kind of mode's leftovers: upstream's ``platformCleanup``, which upstream
    runs before its first sync (its Services are down from there until that sync; ours
    are not): iptables-mode and ipvs-mode chains, ipsets, IPVS virtual servers and
-   ``kube-ipvs0`` before nftables mode, the nftables tables before iptables and ipvs
-   modes. The names are upstream's, so this removes upstream's as well as ours.
+   ``kube-ipvs0`` in nftables mode, the nftables tables in iptables and ipvs modes. The
+   names are upstream's, so this removes upstream's as well as ours. A daemon lets ipvs
+   mode hand over (:mod:`kubeproxy.backends.ipvs.handover`): the virtual servers of
+   established IPVS connections stay until those end, IPVS forwards them itself; a
+   one-shot run (``--once``) removes everything at once.
 
 A failure in steps 2 and 3 is a warning: our rules are in place, the proxy runs on, and
 the next syncs (step 2) or ``--cleanup`` (step 3) finish the job.
