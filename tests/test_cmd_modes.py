@@ -414,7 +414,9 @@ def test_a_cleanup_error_is_one_line_and_the_others_still_run(
 ) -> None:
     stand_ins = StandIns({"iptables": RuntimeError("iptables-restore: line 2 failed\n  -X KUBE-X")})
     assert run(multimode.BINARY, ["--cleanup"], modes=stand_ins.modes) == 1
-    assert stand_ins.cleaned == ["nftables", "iptables", "ipvs"]
+    # The failed one is tried once more after the others (they share chain names: what
+    # one cannot delete another's chains may have held).
+    assert stand_ins.cleaned == ["nftables", "iptables", "ipvs", "iptables"]
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors == ["Cleanup failed: iptables mode: iptables-restore: line 2 failed -X KUBE-X"]
 
@@ -436,12 +438,30 @@ def test_platform_cleanup_removes_the_other_kind_of_mode(mode: str, cleaned: lis
 def test_a_failing_platform_cleanup_is_a_warning_only(caplog: pytest.LogCaptureFixture) -> None:
     stand_ins = StandIns({"iptables": FileNotFoundError(2, "No such file", "iptables-save")})
     errors = platform_cleanup("nftables", stand_ins.modes)
-    assert stand_ins.cleaned == ["iptables", "ipvs"]
+    assert stand_ins.cleaned == ["iptables", "ipvs", "iptables"]
     assert len(errors) == 1 and errors[0].startswith("iptables mode: ")
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert [r.getMessage() for r in warnings] == [
         f"Could not remove another mode's leftovers: {errors[0]}"
     ]
+
+
+def test_a_cleanup_that_another_modes_chains_held_up_works_the_second_time() -> None:
+    stand_ins = StandIns({"iptables": RuntimeError("delete chain KUBE-MARK-MASQ: busy")})
+    real = stand_ins.modes["iptables"].cleanup
+
+    def once_busy(netns: str | None) -> None:
+        try:
+            real(netns)
+        finally:
+            stand_ins.fail_cleanup.pop("iptables", None)  # ipvs mode's chains go next
+
+    modes = {
+        **stand_ins.modes,
+        "iptables": dataclasses.replace(stand_ins.modes["iptables"], cleanup=once_busy),
+    }
+    assert platform_cleanup("nftables", modes) == []
+    assert stand_ins.cleaned == ["iptables", "ipvs", "iptables"]
 
 
 def test_cleanup_modes_reports_each_failure() -> None:

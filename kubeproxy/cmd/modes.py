@@ -420,24 +420,40 @@ def cleanup_modes(
     With ``stop`` (another mode serves the node now) a mode's ``handover`` runs instead
     where it has one, which ``stop`` cuts short. A mode whose cleanup says the kernel
     lacks what it needs (``kernel lacks IP_VS``) made nothing here: logged, not an error.
-    One mode failing does not stop the others.
+    One mode failing does not stop the others, and a mode that failed while another
+    succeeded is tried once more after them.
     """
-    errors: list[str] = []
-    for mode in modes:
-        try:
-            if stop is not None and mode.handover is not None:
-                mode.handover(netns, stop)
-            else:
-                mode.cleanup(netns)
-        except Exception as err:  # any backend's error: report it, go on with the rest
-            message = _one_line(err)
-            if _KERNEL_LACKS in message.lower():
-                logger.info("Nothing to clean up for %s mode: %s", mode.name, message)
-                continue
-            errors.append(f"{mode.name} mode: {message}")
+    listed = list(modes)
+    errors: dict[str, str] = {}
+    for mode in listed:
+        error = _clean(mode, netns, stop)
+        if error is not None:
+            errors[mode.name] = error
+    if errors and len(errors) < len(listed):
+        # The modes share chain names (KUBE-SERVICES, KUBE-MARK-MASQ...): what one could
+        # not delete may have been held by another's chains, gone now. Once more.
+        for mode in listed:
+            if mode.name in errors and _clean(mode, netns, stop) is None:
+                del errors[mode.name]
+    return [f"{name} mode: {message}" for name, message in errors.items()]
+
+
+def _clean(mode: Mode, netns: str | None, stop: threading.Event | None) -> str | None:
+    """Run one mode's cleanup (or handover); its error in one line, None when it worked
+    or there was nothing to do."""
+    try:
+        if stop is not None and mode.handover is not None:
+            mode.handover(netns, stop)
         else:
-            logger.info("Removed what %s mode made (if anything)", mode.name)
-    return errors
+            mode.cleanup(netns)
+    except Exception as err:  # any backend's error: report it, go on with the rest
+        message = _one_line(err)
+        if _KERNEL_LACKS in message.lower():
+            logger.info("Nothing to clean up for %s mode: %s", mode.name, message)
+            return None
+        return message
+    logger.info("Removed what %s mode made (if anything)", mode.name)
+    return None
 
 
 def cleanup_all(modes: Mapping[str, Mode] | None = None, netns: str | None = None) -> int:

@@ -29,7 +29,13 @@ from kubeproxy.backends.iptables.restore import BUILTIN_CHAINS
 from kubeproxy.netns import run_in_netns
 from kubeproxy.objects import IPFamily
 
-__all__ = ["jump_targets", "remove_ours"]
+__all__ = ["OneBatchRefused", "jump_targets", "remove_ours"]
+
+
+class OneBatchRefused(OSError):
+    """The kernel refused the one-batch removal of a table's chains; nothing of it
+    happened (a chain of ours is still referenced, say by ipvs mode's chains, which
+    another cleanup removes)."""
 
 _NFT_MSG_GETCHAIN: Final = 4
 _NFT_MSG_GETRULE: Final = 7
@@ -130,14 +136,14 @@ def remove_ours(
     ``owns(table, name)`` says are ours and every rule of a built-in chain that jumps to
     one: one nf_tables transaction per table. Returns how many chains went.
 
-    Raises :class:`~kubeproxy.backends.nftables.objects.NftError` when the kernel refuses
-    (a chain still referenced by someone else's rule: nothing of that table is deleted)
-    and :class:`OSError` when the tables cannot be read.
+    Raises :class:`OneBatchRefused` when the kernel refuses (a chain still referenced by
+    a rule of someone else's chain: nothing of that table is deleted) and
+    :class:`OSError` when the tables cannot be read.
     """
     # The nftables backend's netlink writer: the same batch framing and answers (its
     # package ships with the core).
     from kubeproxy.backends.nftables.elements import ElementWriter
-    from kubeproxy.backends.nftables.objects import Family
+    from kubeproxy.backends.nftables.objects import Family, NftError
 
     number = _FAMILIES[family]
     removed = 0
@@ -158,9 +164,12 @@ def remove_ours(
             if writer is None:
                 writer = ElementWriter(netns)
             nft_family = Family.IP if family is IPFamily.IPV4 else Family.IP6
-            writer.delete_objects(
-                nft_family, table, [("chain", c) for c in sorted(ours)], rules=jumps
-            )
+            try:
+                writer.delete_objects(
+                    nft_family, table, [("chain", c) for c in sorted(ours)], rules=jumps
+                )
+            except NftError as err:
+                raise OneBatchRefused(f"{family} {table}: {err}") from err
             removed += len(ours)
     finally:
         sock.close()
