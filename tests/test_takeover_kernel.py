@@ -575,7 +575,10 @@ def test_iptables_nft_chains_go_in_one_batch_and_nobody_elses() -> None:
             check=False,
         )
         assert loaded.returncode == 0, loaded.stderr
-        removed = remove_ours(IPFamily.IPV4, ("nat", "filter", "mangle"), owns_chain, lone.name)
+        # Two chains a batch: the callers' chains must go in batches before their targets'.
+        removed = remove_ours(
+            IPFamily.IPV4, ("nat", "filter", "mangle"), owns_chain, lone.name, per_batch=2, pause=0
+        )
         assert removed == 5  # nat: SERVICES, SVC, SEP, MARK-MASQ; filter: SERVICES
         saved = run_in(lone.name, "iptables-nft-save")
     assert "KUBE-SERVICES" not in saved and "KUBE-SVC" not in saved and "KUBE-SEP" not in saved

@@ -6,11 +6,18 @@ reads the whole table into its cache before it changes anything, and its cost gr
 the square of the chains a restore touches (this package's README): removing upstream's
 iptables-mode chains of a 10k-Service node with it (110k chains, 320k rules) had not
 finished after ten minutes here, while our nftables rules already served and upstream's
-chains sat beside them. The same removal as one netlink batch (the jumps into our chains
-from the built-in chains, by handle, then every chain of ours flushed and deleted) is
-what :func:`remove_ours` sends; nothing is read through iptables: the chains come from a
-netlink dump of the family's chains, the jumps from a dump of each built-in chain's rules
-(the kernel filters those by table and chain).
+chains sat beside them. :func:`remove_ours` sends the same removal as netlink batches
+(the jumps into our chains from the built-in chains, by handle, then our chains flushed
+and deleted, those that jump or go to others before their targets); nothing is read
+through iptables: the chains come from a netlink dump of the family's chains, the jumps
+from a dump of each built-in chain's rules (the kernel filters those by table and
+chain).
+
+Batches of at most :data:`CHAINS_PER_BATCH` chains, a pause between two: every rule and
+chain deleted is an nf_tables event to each listener, ours among them (the self-healing
+watcher), and one batch of 330k chains and a million rules (30k Services) overflowed its
+32 MB socket buffer: it lost events, asked for a full sync and answered ``/healthz`` 503
+until that was done, for nothing.
 
 Only iptables-nft: iptables-legacy's tables are x_tables blobs, which only its tools
 write (and whose cost follows the table's size, not its square).
@@ -21,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import struct
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Final
 
@@ -36,6 +44,7 @@ class OneBatchRefused(OSError):
     """The kernel refused the one-batch removal of a table's chains; nothing of it
     happened (a chain of ours is still referenced, say by ipvs mode's chains, which
     another cleanup removes)."""
+
 
 _NFT_MSG_GETCHAIN: Final = 4
 _NFT_MSG_GETRULE: Final = 7
@@ -54,6 +63,26 @@ _NFTA_VERDICT_CHAIN: Final = 2
 _NFT_JUMP: Final = 0xFFFFFFFD  # -3
 _NFT_GOTO: Final = 0xFFFFFFFC  # -4
 _FAMILIES: Final = {IPFamily.IPV4: socket.AF_INET, IPFamily.IPV6: socket.AF_INET6}
+
+CHAINS_PER_BATCH: Final = 20_000
+"""Chains deleted in one transaction (with their rules: three each at 10 endpoints)."""
+BATCH_PAUSE: Final = 0.5
+"""Seconds between two batches, for event listeners to keep up."""
+
+# The order chains go in: a chain that jumps or goes to others before its targets.
+_RANKS: Final = (
+    ("KUBE-FW-", 1),
+    ("KUBE-EXT-", 2),
+    ("KUBE-SVC-", 3),
+    ("KUBE-SVL-", 3),
+    ("KUBE-XLB-", 3),
+    ("KUBE-SEP-", 4),
+    ("KUBE-MARK-MASQ", 5),
+)
+
+
+def _rank(chain: str) -> tuple[int, str]:
+    return next((rank for prefix, rank in _RANKS if chain.startswith(prefix)), 0), chain
 
 
 def _text(value: bytes) -> str:
@@ -131,10 +160,14 @@ def remove_ours(
     tables: Iterable[str],
     owns: Callable[[str, str], bool],
     netns: str | None = None,
+    *,
+    per_batch: int = CHAINS_PER_BATCH,
+    pause: float = BATCH_PAUSE,
 ) -> int:
     """Remove, in each of iptables-nft's ``tables`` of ``family`` that exists, the chains
     ``owns(table, name)`` says are ours and every rule of a built-in chain that jumps to
-    one: one nf_tables transaction per table. Returns how many chains went.
+    one: one nf_tables transaction per ``per_batch`` chains, ``pause`` seconds apart.
+    Returns how many chains went.
 
     Raises :class:`OneBatchRefused` when the kernel refuses (a chain still referenced by
     a rule of someone else's chain: nothing of that table is deleted) and
@@ -164,13 +197,16 @@ def remove_ours(
             if writer is None:
                 writer = ElementWriter(netns)
             nft_family = Family.IP if family is IPFamily.IPV4 else Family.IP6
-            try:
-                writer.delete_objects(
-                    nft_family, table, [("chain", c) for c in sorted(ours)], rules=jumps
-                )
-            except NftError as err:
-                raise OneBatchRefused(f"{family} {table}: {err}") from err
-            removed += len(ours)
+            ordered = sorted(ours, key=_rank)
+            for start in range(0, len(ordered), per_batch):
+                if start:
+                    time.sleep(pause)
+                chunk = [("chain", c) for c in ordered[start : start + per_batch]]
+                try:
+                    writer.delete_objects(nft_family, table, chunk, rules=() if start else jumps)
+                except NftError as err:
+                    raise OneBatchRefused(f"{family} {table}: {err}") from err
+                removed += len(chunk)
     finally:
         sock.close()
         if writer is not None:
