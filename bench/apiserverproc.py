@@ -18,7 +18,11 @@ command line:
   EndpointSlice controller does (:func:`bench.daemonbench.flip_last_endpoint`); the
   slices are taken in turn from a shuffled list;
 * ``{"op": "churn", "seconds": S, "rate": R}``: R such updates per second for S seconds,
-  at their due times; answers how many, and how late the latest one was;
+  at their due times; answers how many, and how late the latest one was; with
+  ``"record": true`` also ``updates``, each ``[accepted, address]``: the monotonic time
+  (``CLOCK_MONOTONIC``, one clock for every process of the machine) the fake was handed
+  the update, and the cluster IP of the slice's Service (:mod:`bench.commitstamps` pairs
+  them with the kernel's commits);
 * ``{"op": "quit"}``.
 
 A process of its own so the proxy's figures (CPU, peak memory) are the proxy's alone: the
@@ -64,7 +68,7 @@ class SliceToucher:
     def __init__(self, fake: FakeAPIServer, seed: int = 11) -> None:
         self.fake = fake
         slices = [
-            (s["metadata"]["namespace"], s["metadata"]["name"])
+            (s["metadata"]["namespace"], s["metadata"]["name"], _service_address(fake, s))
             for s in fake.objects("EndpointSlice", copy=False)
             if s.get("endpoints")
         ]
@@ -74,18 +78,24 @@ class SliceToucher:
         self._slices = slices
         self._turn = 0
 
-    def touch(self) -> None:
-        """Update the next slice (:func:`bench.daemonbench.flip_last_endpoint`, now)."""
-        namespace, name = self._slices[self._turn % len(self._slices)]
+    def touch(self) -> tuple[float, str]:
+        """Update the next slice (:func:`bench.daemonbench.flip_last_endpoint`, now);
+        when the fake was handed it (monotonic) and the address of the slice's Service."""
+        namespace, name, address = self._slices[self._turn % len(self._slices)]
         self._turn += 1
         current = self.fake.get("EndpointSlice", namespace, name, copy=False)
         assert current is not None
-        self.fake.apply(flip_last_endpoint(current, time.time()), copy=False)
+        changed = flip_last_endpoint(current, time.time())
+        accepted = time.monotonic()
+        self.fake.apply(changed, copy=False)
+        return accepted, address
 
-    def churn(self, seconds: float, rate: float) -> dict[str, Any]:
-        """``rate`` updates per second for ``seconds``, each at its due time."""
+    def churn(self, seconds: float, rate: float, *, record: bool = False) -> dict[str, Any]:
+        """``rate`` updates per second for ``seconds``, each at its due time (with
+        ``record``, every update's acceptance time and Service address)."""
         count = round(seconds * rate)
         late = 0.0
+        updates: list[tuple[float, str]] = []
         start = time.perf_counter()
         for number in range(count):
             delay = start + number / rate - time.perf_counter()
@@ -93,9 +103,26 @@ class SliceToucher:
                 time.sleep(delay)
             else:
                 late = max(late, -delay)
-            self.touch()
+            stamp = self.touch()
+            if record:
+                updates.append(stamp)
         time.sleep(max(0.0, start + seconds - time.perf_counter()))
-        return {"changes": count, "late_max_s": late, "wall_s": time.perf_counter() - start}
+        answer: dict[str, Any] = {
+            "changes": count,
+            "late_max_s": late,
+            "wall_s": time.perf_counter() - start,
+        }
+        if record:
+            answer["updates"] = updates
+        return answer
+
+
+def _service_address(fake: FakeAPIServer, slice_: dict[str, Any]) -> str:
+    """The cluster IP of the Service a slice belongs to ("" when there is none)."""
+    metadata = slice_["metadata"]
+    owner = (metadata.get("labels") or {}).get("kubernetes.io/service-name", "")
+    service = fake.get("Service", metadata["namespace"], owner, copy=False) if owner else None
+    return str((service or {}).get("spec", {}).get("clusterIP") or "")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -124,7 +151,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 toucher.touch()
             emit({"event": op})
         elif op == "churn":
-            emit({"event": op, **toucher.churn(float(command["seconds"]), float(command["rate"]))})
+            done = toucher.churn(
+                float(command["seconds"]),
+                float(command["rate"]),
+                record=bool(command.get("record")),
+            )
+            emit({"event": op, **done})
         else:
             emit({"event": "error", "error": f"unknown op {op!r}"})
     fake.stop()

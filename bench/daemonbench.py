@@ -43,7 +43,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager, suppress
+from contextlib import AbstractContextManager, ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -70,6 +70,7 @@ __all__ = [
     "HealthProbe",
     "Metrics",
     "NodeProcess",
+    "api_server",
     "churn",
     "cycle",
     "daemon_argv",
@@ -174,10 +175,14 @@ def rewrite_changing(directory: Path, slices: Sequence[Mapping[str, Any]]) -> No
 
 
 def daemon_argv(
-    *, manifests: Path | None = None, api_port: int | None = None, once: bool = False
+    *,
+    manifests: Path | None = None,
+    api_port: int | None = None,
+    once: bool = False,
+    extra: Sequence[str] = (),
 ) -> list[str]:
     """``kube-proxy-nftables`` with the benchmarks' proxy settings, fed from a manifests
-    directory or the fake API server on this namespace's loopback."""
+    directory or the fake API server on this namespace's loopback; ``extra`` flags last."""
     if (manifests is None) == (api_port is None):
         raise ValueError("give a manifests directory or an API server port")
     source = (
@@ -194,6 +199,7 @@ def daemon_argv(
         f"0.0.0.0:{HEALTHZ_PORT}",
         "--metrics-bind-address",
         f"127.0.0.1:{METRICS_PORT}",
+        *extra,
     ]
 
 
@@ -443,16 +449,36 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def churn(
-    node: NodeProcess, run_changes: Callable[[], dict[str, Any]], settle_s: float = 3.0
+    node: NodeProcess,
+    run_changes: Callable[[], dict[str, Any]],
+    settle_s: float = 3.0,
+    *,
+    settled: Callable[[dict[str, Any]], bool] | None = None,
 ) -> dict[str, Any]:
     """The daemon while ``run_changes()`` feeds it changes (it blocks for the window and
     returns ``changes``, ``wall_s``): its CPU share, its partial syncs (mean, and the
-    p50/p99 buckets), and the network-programming latency's p50 and p99 buckets."""
-    before, cpu_before = node.metrics(), node.cpu_s()
+    p50/p99 buckets), and the network-programming latency's p50 and p99 buckets.
+
+    After the window it waits ``settle_s`` for the last changes' syncs, or, given
+    ``settled`` (asked with what ``run_changes`` returned), until that says so (and half a
+    second more) or ``settle_s`` has passed; the window counts the time waited."""
+    # A scrape of /metrics holds the daemon's interpreter lock for a while: scraped a
+    # second before the window opens (when nothing changes) and after its CPU is read,
+    # so neither the first changes' latency nor the window's CPU pay for it.
+    before = node.metrics()
+    time.sleep(1.0)
+    cpu_before = node.cpu_s()
     fed = run_changes()
-    time.sleep(settle_s)  # the last changes' syncs
-    after, cpu_after = node.metrics(), node.cpu_s()
-    window = fed["wall_s"] + settle_s
+    waited = time.perf_counter()
+    deadline = waited + settle_s
+    while time.perf_counter() < deadline:
+        if settled is not None and settled(fed):
+            time.sleep(0.5)  # the end of that sync: its observers, its metrics
+            break
+        time.sleep(0.1 if settled is not None else deadline - time.perf_counter())
+    cpu_after = node.cpu_s()
+    window = fed["wall_s"] + time.perf_counter() - waited
+    after = node.metrics()
     syncs = _count(after, PARTIAL) - _count(before, PARTIAL)
     seconds = _sum(after, PARTIAL) - _sum(before, PARTIAL)
     latency_before, latency_after = _buckets(before, PROGRAMMING), _buckets(after, PROGRAMMING)
@@ -538,14 +564,7 @@ def run_case(
     with ExitStack() as stack:
         api = None
         if case.source == "api":
-            api = stack.enter_context(
-                child_process(
-                    netns,
-                    "bench.apiserverproc",
-                    ["--manifests", str(manifests)],
-                    ready_timeout_s=sync_timeout_s,
-                )
-            )
+            api = stack.enter_context(api_server(netns, manifests, sync_timeout_s))
             figures["api_load_s"] = api.ready["load_s"]
         argv = (
             daemon_argv(api_port=api.ready["port"])
@@ -601,6 +620,20 @@ def run_case(
             figures["split"] = json.loads(split_file.read_text())
     figures["ok"] = True
     return figures
+
+
+def api_server(
+    netns: str, manifests: Path, ready_timeout_s: float, *, niceness: int = 0
+) -> AbstractContextManager[ProxyProcess]:
+    """The fake API server (:mod:`bench.apiserverproc`) in ``netns``, serving the
+    ``kind: List`` files of ``manifests``; ready once it has loaded them."""
+    return child_process(
+        netns,
+        "bench.apiserverproc",
+        ["--manifests", str(manifests)],
+        ready_timeout_s=ready_timeout_s,
+        niceness=niceness,
+    )
 
 
 def _api_changer(api: ProxyProcess) -> Callable[[], None]:

@@ -158,7 +158,7 @@ def proxy_process(
     backend: str = "nftables",
     wide_every: int = 0,
     node_ip: str | None = None,
-    min_sync_period: float = 0.0,
+    min_sync_period: float | None = 0.0,
     ready_timeout_s: float = 600.0,
     mix: str = "uniform",
     class_ladder: bool = False,
@@ -169,7 +169,8 @@ def proxy_process(
     ``wide_every`` K gives every K-th Service 250 endpoints (the mix); ``mix`` is
     ``uniform`` or ``realistic`` (:func:`bench.synthetic.realistic_services`, ``endpoints``
     unused); ``class_ladder`` gives Service i i+1 endpoints;
-    ``min_sync_period`` is the proxier's (only its own sync loop, the churn, heeds it).
+    ``min_sync_period`` is the proxier's (only its own sync loop, the churn, heeds it;
+    None: paced by each sync's cost, nftables mode's default).
     ``backend``
     :data:`UPSTREAM_BACKEND` starts :mod:`bench.upstreamproc` instead, which answers
     the same commands by applying upstream's structure with ``nft``.
@@ -184,8 +185,8 @@ def proxy_process(
         argv += ["--wide-every", str(wide_every)]
     if node_ip:
         argv += ["--node-ip", node_ip]
-    if min_sync_period:
-        argv += ["--min-sync-period", str(min_sync_period)]
+    if min_sync_period is None or min_sync_period:
+        argv += ["--min-sync-period", "paced" if min_sync_period is None else str(min_sync_period)]
     if mix != "uniform":
         argv += ["--mix", mix]
     if class_ladder:
@@ -196,16 +197,23 @@ def proxy_process(
 
 @contextmanager
 def child_process(
-    netns: str, module: str, argv: Sequence[str], *, ready_timeout_s: float = 600.0
+    netns: str,
+    module: str,
+    argv: Sequence[str],
+    *,
+    ready_timeout_s: float = 600.0,
+    niceness: int = 0,
 ) -> Iterator[ProxyProcess]:
-    """Run ``python -m module argv`` in ``netns``, speaking the proxy child's line
-    protocol; wait for its ready line, and on exit send ``quit`` (killed after 30 s)."""
+    """Run ``python -m module argv`` in ``netns`` (under ``nice -n niceness`` when not
+    0), speaking the proxy child's line protocol; wait for its ready line, and on exit
+    send ``quit`` (killed after 30 s)."""
     stderr_path = Path(
         f"/tmp/kpxb-{module.rpartition('.')[2]}-{os.getpid()}-{time.monotonic_ns()}.log"
     )
     with stderr_path.open("w") as stderr:
+        niced = ["nice", "-n", str(niceness)] if niceness else []
         process = subprocess.Popen(
-            in_netns(netns, python_module(module, *argv)),
+            in_netns(netns, [*niced, *python_module(module, *argv)]),
             cwd=REPO,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

@@ -98,12 +98,19 @@ _ADDED_INDEX_BASE = 100_000  # indexes of Services added during incremental runs
 _PAGE_KB = resource.getpagesize() // 1024
 
 
-DAEMON_MIN_SYNC_PERIOD = KubeProxyNFTablesConfiguration().min_sync_period.seconds
-"""``nftables.minSyncPeriod``'s default (1 s): how often ``kube-proxy-nftables`` syncs at
-most, which is what batches a stream of changes (the churn benchmark runs with it)."""
+DAEMON_MIN_SYNC_PERIOD: float | None = (
+    KubeProxyNFTablesConfiguration().min_sync_period.seconds or None
+)
+"""``nftables.minSyncPeriod``'s default as the proxier takes it: None, unset, so the sync
+loop rests by each sync's cost (:mod:`kubeproxy.pacing`), which is what batches a stream
+of changes in ``kube-proxy-nftables`` (the churn benchmark runs with it)."""
 
 
-def bench_config(min_sync_period: float = 0.0) -> ProxierConfig:
+def _min_sync_period(text: str) -> float | None:
+    return None if text == "paced" else float(text)
+
+
+def bench_config(min_sync_period: float | None = 0.0) -> ProxierConfig:
     """The proxier settings of every benchmark: ClusterCIDR detector, our service CIDR.
 
     ``min_sync_period`` 0 for the benchmarks that call :meth:`Proxier.sync_now` after
@@ -397,9 +404,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--node-ip", default=str(NODE_IP))
     parser.add_argument(
         "--min-sync-period",
-        type=float,
+        type=_min_sync_period,
         default=0.0,
-        help="the proxier's minSyncPeriod (only the churn's sync loop heeds it)",
+        help="the proxier's minSyncPeriod, or 'paced' (only the churn's sync loop heeds it)",
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)

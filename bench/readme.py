@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.programming_report import newest_document
+from bench.programming_report import render as render_programming
 from bench.report import readme_summary, sizing_table
 
 __all__ = ["SECTIONS", "Section", "main", "newest_run", "render", "stale"]
@@ -32,11 +34,14 @@ FULL_RUN = "make bench"
 
 @dataclass(frozen=True, slots=True)
 class Section:
-    """A generated part of a file: between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->``."""
+    """A generated part of a file: between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->``,
+    rendered from the results document ``newest`` finds (the newest full run's, unless a
+    benchmark writes documents of its own)."""
 
     path: Path
     name: str
     render: Callable[[dict[str, Any], str], str]
+    newest: Callable[[Path], tuple[Path, dict[str, Any]]] | None = None
 
     @property
     def begin(self) -> str:
@@ -52,6 +57,7 @@ class Section:
 SECTIONS = (
     Section(REPO / "README.md", "bench", readme_summary),
     Section(REPO / "images" / "README.md", "sizing", sizing_table),
+    Section(REPO / "README.md", "programming", render_programming, newest_document),
 )
 
 
@@ -81,7 +87,7 @@ def render(text: str, section: Section, body: str) -> str:
 
 
 def _generated(section: Section, results: Path) -> str:
-    path, run = newest_run(results)
+    path, run = (section.newest or newest_run)(results)
     source = path.relative_to(REPO) if path.is_relative_to(REPO) else path
     current = section.path.read_text()
     return render(current, section, section.render(run, str(source)))
@@ -89,7 +95,9 @@ def _generated(section: Section, results: Path) -> str:
 
 def stale(sections: Sequence[Section] = SECTIONS, results: Path = RESULTS) -> list[Path]:
     """The files whose generated section differs from what the results give."""
-    return [s.path for s in sections if _generated(s, results) != s.path.read_text()]
+    return sorted(
+        {s.path for s in sections if _generated(s, results) != s.path.read_text()}, key=str
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

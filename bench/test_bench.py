@@ -563,7 +563,8 @@ CHURN_CASES = [
 @pytest.mark.parametrize(("subject", "services", "seconds"), CHURN_CASES)
 def test_churn(results: Results, subject: Subject, services: int, seconds: float) -> None:
     """Random endpoint changes at :data:`CHURN_RATE` per second through the proxier's own
-    sync loop, rate-limited by the default ``minSyncPeriod`` as in ``kube-proxy-nftables``.
+    sync loop, rate-limited as in ``kube-proxy-nftables`` by default (no ``minSyncPeriod``:
+    paced by each sync's cost, :mod:`kubeproxy.pacing`; 1 s before issue 29).
 
     After an untimed cold sync: syncs per second, the core's sync times (p50, p99), how
     many Services a sync carries, and the process's CPU time over the window.

@@ -33,6 +33,7 @@ from kubeproxy.objects import (
     ServicePort,
     ServicePortName,
 )
+from kubeproxy.pacing import SyncPacing
 from kubeproxy.parse import InvalidObject
 from kubeproxy.proxier import DualStackProxier, Proxier, SyncObserver
 from kubeproxy.runner import BoundedFrequencyRunner
@@ -124,6 +125,7 @@ __all__ = [
     "SyncChanges",
     "SyncError",
     "SyncObserver",
+    "SyncPacing",
     "build_daemon",
     "categorize_endpoints",
     "run_daemon",

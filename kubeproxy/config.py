@@ -13,6 +13,7 @@ from enum import StrEnum
 
 from kubeproxy.featuregates import DEFAULT_GATES, FeatureGates
 from kubeproxy.objects import IPFamily, IPNetwork
+from kubeproxy.pacing import DEFAULT_PACING, SyncPacing
 
 __all__ = [
     "IPVSSettings",
@@ -91,7 +92,10 @@ class ProxierConfig:
     ``all`` as upstream's ``nodePortAddresses``; empty means the backend's default
     (``primary`` for nftables, all addresses for iptables and ipvs). ``service_cidrs``
     is the fallback used to drop traffic to unallocated service IPs when the API offers
-    no ServiceCIDR objects. Periods are in seconds.
+    no ServiceCIDR objects. Periods are in seconds. ``min_sync_period`` is upstream's
+    ``minSyncPeriod``, a fixed rest after every sync; None (the default, and nftables
+    mode's when the configuration leaves it unset) rests as ``sync_pacing`` says, by what
+    each sync cost (:mod:`kubeproxy.pacing`).
 
     Mode-specific settings: ``localhost_node_ports`` (iptables mode: accept NodePorts on
     127.0.0.1, upstream's ``iptables.localhostNodePorts``), ``tcp_be_liberal`` (the
@@ -106,7 +110,8 @@ class ProxierConfig:
     node_port_addresses: tuple[str, ...] = ()
     service_cidrs: tuple[IPNetwork, ...] = ()
     sync_period: float = 30.0
-    min_sync_period: float = 1.0
+    min_sync_period: float | None = None
+    sync_pacing: SyncPacing = DEFAULT_PACING
     localhost_node_ports: bool = True
     tcp_be_liberal: bool = False
     ipvs: IPVSSettings = field(default_factory=IPVSSettings)
@@ -117,7 +122,7 @@ class ProxierConfig:
             raise ValueError(f"masqueradeBit: must be in [0, 31], got {self.masquerade_bit}")
         if self.sync_period <= 0:
             raise ValueError(f"syncPeriod: must be greater than 0, got {self.sync_period}")
-        if not 0 <= self.min_sync_period <= self.sync_period:
+        if self.min_sync_period is not None and not 0 <= self.min_sync_period <= self.sync_period:
             raise ValueError(
                 "minSyncPeriod: must be between 0 and syncPeriod "
                 f"({self.sync_period}s), got {self.min_sync_period}"

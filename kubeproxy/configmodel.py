@@ -283,12 +283,17 @@ class KubeProxyIPVSConfiguration:
 
 @dataclass(frozen=True, slots=True)
 class KubeProxyNFTablesConfiguration:
-    """``nftables``: used in nftables mode."""
+    """``nftables``: used in nftables mode.
+
+    ``min_sync_period`` defaults to zero, "unset" (upstream: 1s): the sync loop then rests
+    after each sync in proportion to what it cost (:mod:`kubeproxy.pacing`); a value set
+    is upstream's fixed rest.
+    """
 
     masquerade_bit: int = 14
     masquerade_all: bool = False
     sync_period: Duration = _30S
-    min_sync_period: Duration = _1S
+    min_sync_period: Duration = Duration()
 
 
 @dataclass(frozen=True, slots=True)

@@ -86,13 +86,24 @@ SYNC_BUCKETS: Final = tuple(0.001 * 2**i for i in range(15))
 
 NETWORK_PROGRAMMING_BUCKETS: Final = (
     0.0,  # upstream's bucket-merging helper starts from a zero bucket
+    # Ours: changes are programmed in milliseconds here, where upstream's first bucket
+    # (0.25 s) would put every one of them (issue 29).
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.15,
+    0.2,
     0.25,
     0.5,
     *map(float, range(1, 60)),
     *map(float, range(60, 120, 5)),
     *map(float, range(120, 301, 30)),
 )
-"""Network-programming buckets: 0, 0.25, 0.5, 1..59 s, 60..115 s by 5, 120..300 s by 30."""
+"""Network-programming buckets: upstream's (0, 0.25, 0.5, 1..59 s, 60..115 s by 5,
+120..300 s by 30) and ours below 0.25 s (5, 10, 25, 50, 100, 150 and 200 ms), so the
+histogram can tell a p99 under 100 ms."""
 
 _PREFIX: Final = "kubeproxy_"
 

@@ -194,7 +194,8 @@ class Proxier:
     syncs and the periodic full sync; ``wall_clock`` is the EndpointSlice tracker's
     clock for trigger times. ``full_sync_period`` is both the
     longest time between syncs and between full syncs. ``runner_clock`` drives the sync
-    loop (tests pass a fake one).
+    loop and ``cost_clock`` (the thread's CPU time) measures what a sync cost, for the
+    pacing of the rest after it (tests pass fake ones).
 
     ``after_sync`` hooks run after every successful sync; ``conntrack`` runs after a
     successful sync whose changes say ``conntrack_cleanup_required`` (stale UDP flows),
@@ -214,6 +215,7 @@ class Proxier:
         observer: SyncObserver | None = None,
         full_sync_period: float = FULL_SYNC_PERIOD,
         runner_clock: Clock | None = None,
+        cost_clock: Callable[[], float] = time.thread_time,
         conntrack: SyncHook | None = None,
         after_sync: Sequence[SyncHook] = (),
     ) -> None:
@@ -273,13 +275,16 @@ class Proxier:
         self._pending_conntrack_cleanup = False
         self._pending_trigger_times: list[float] = []
 
+        fixed_rest = config.min_sync_period
         self._runner = BoundedFrequencyRunner(
             f"sync-runner-{family.value}",
             self._run_sync,
-            config.min_sync_period,
+            fixed_rest if fixed_rest is not None else 0.0,
             config.sync_period,
             full_sync_period,
             clock=runner_clock,
+            pacing=config.sync_pacing if fixed_rest is None else None,
+            cost_clock=cost_clock,
         )
 
     # Properties

@@ -510,7 +510,7 @@ def to_proxier_config(
         node_port_addresses=tuple(node_ports),
         service_cidrs=tuple(service_cidrs),
         sync_period=sync.seconds,
-        min_sync_period=min_sync.seconds,
+        min_sync_period=min_sync.seconds if min_sync.nanoseconds or mode != "nftables" else None,
         localhost_node_ports=cfg.iptables.localhost_node_ports,
         feature_gates=feature_gates(cfg),
         tcp_be_liberal=cfg.conntrack.tcp_be_liberal,

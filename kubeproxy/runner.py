@@ -6,7 +6,10 @@ in a single slot: any number of :meth:`~BoundedFrequencyRunner.run` calls while 
 is busy or resting yield one run. Time is read and waited on through an injected
 :class:`Clock`, so tests drive the loop with a fake clock and no real sleeping.
 
-Where we differ from upstream: after a failure the next run comes after a backoff that
+Where we differ from upstream: given a :class:`~kubeproxy.pacing.SyncPacing`, the rest
+after a run follows what the run cost (its thread's CPU time) instead of a fixed
+``min_interval`` (nftables mode's default; an operator's ``minSyncPeriod`` keeps
+upstream's fixed rest). After a failure the next run comes after a backoff that
 starts at ``initial_retry`` (1 s) and doubles with each consecutive failure up to
 ``retry_interval`` (the sync period), instead of a flat ``retry_interval``: a sync the
 kernel refused because someone else removed what it built on is usually repaired by the
@@ -22,6 +25,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Protocol
+
+from kubeproxy.pacing import SyncPacing
 
 __all__ = ["INITIAL_RETRY", "BoundedFrequencyRunner", "Clock", "MonotonicClock", "RunFailed"]
 
@@ -84,8 +89,10 @@ class BoundedFrequencyRunner:
     * :meth:`ran_outside` reports a run of ``fn``'s work made outside the loop (the caller
       did it itself): a failure counts as if the loop had run it (the next run comes after
       the backoff), a success starts the count afresh.
-    * After every run the loop rests ``min_interval`` before starting another; a request
-      that arrived meanwhile, even during ``fn`` itself, starts the next run right after.
+    * After every run the loop rests before starting another: ``min_interval``, or with
+      ``pacing`` the longer of that and ``pacing.rest(cost)``, ``cost`` being the CPU
+      time the run took (``cost_clock``: the thread's CPU clock). A request that arrived
+      meanwhile, even during ``fn`` itself, starts the next run right after the rest.
     """
 
     def __init__(
@@ -98,6 +105,8 @@ class BoundedFrequencyRunner:
         *,
         clock: Clock | None = None,
         initial_retry: float = INITIAL_RETRY,
+        pacing: SyncPacing | None = None,
+        cost_clock: Callable[[], float] = time.thread_time,
     ) -> None:
         if min_interval < 0 or retry_interval <= 0 or max_interval <= 0 or initial_retry <= 0:
             raise ValueError(
@@ -114,6 +123,10 @@ class BoundedFrequencyRunner:
         self.retry_interval = retry_interval
         self.max_interval = max_interval
         self.initial_retry = initial_retry
+        self.pacing = pacing
+        self._cost_clock = cost_clock
+        self.last_rest = min_interval
+        """The rest after the last run (seconds)."""
         self._clock: Clock = clock if clock is not None else MonotonicClock()
         # Wakes the loop: a request, a failure outside the loop, or a stop.
         self._wake = threading.Event()
@@ -130,6 +143,15 @@ class BoundedFrequencyRunner:
             return ceiling
         # 2**60 overflows nothing and exceeds any sane ceiling: no need to go further.
         return min(self.initial_retry * 2.0 ** min(failures - 1, 60), ceiling)
+
+    def rest_after(self, cost: float) -> float:
+        """Seconds to rest after a run whose work cost ``cost`` CPU seconds (and keep it
+        as :attr:`last_rest`)."""
+        rest = self.min_interval
+        if self.pacing is not None:
+            rest = max(rest, self.pacing.rest(cost))
+        self.last_rest = rest
+        return rest
 
     def run(self) -> None:
         """Ask for a run as soon as the rate limit allows; never blocks."""
@@ -172,7 +194,9 @@ class BoundedFrequencyRunner:
                 # A note about an outside run, or back early (a real-clock wait may end a
                 # bit short).
                 continue
+            began = self._cost_clock()
             failure = self._run_once()
+            rest = self.rest_after(self._cost_clock() - began)
             if failure is None:
                 self._failures = 0
                 retried_now = False
@@ -187,7 +211,7 @@ class BoundedFrequencyRunner:
                     next_run = self._clock.now()
                     continue
                 next_run = self._clock.now() + self.backoff(self._failures)
-            if self.min_interval > 0 and self._clock.wait(stop, self.min_interval):
+            if rest > 0 and self._clock.wait(stop, rest):
                 break
         logger.debug("%s: loop stopped", self.name)
 

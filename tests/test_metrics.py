@@ -402,15 +402,16 @@ def test_bucket_bounds_are_written_as_go_writes_them() -> None:
     ):
         assert les(text, name, ip_family="IPv4") == SYNC_LE, name
     network = les(text, "kubeproxy_network_programming_duration_seconds", ip_family="IPv6")
+    # Upstream's buckets, and ours below 0.25 s (issue 29).
     expected = (
-        ["0", "0.25", "0.5"]
+        ["0", "0.005", "0.01", "0.025", "0.05", "0.1", "0.15", "0.2", "0.25", "0.5"]
         + [str(s) for s in range(1, 60)]
         + [str(s) for s in range(60, 120, 5)]
         + [str(s) for s in range(120, 301, 30)]
         + ["+Inf"]
     )
     assert network == expected
-    assert len(NETWORK_PROGRAMMING_BUCKETS) == 81
+    assert len(NETWORK_PROGRAMMING_BUCKETS) == 88
 
 
 @pytest.mark.parametrize(
@@ -562,16 +563,20 @@ def test_restore_failed_does_nothing_in_nftables_mode() -> None:
 def test_network_programming_latency_is_now_minus_trigger_time() -> None:
     clock = Clock()
     metrics = ProxyMetrics(process_metrics=False, clock=clock)
-    metrics.endpoints_trigger_times(V4, [clock.now - 0.3, clock.now - 70.0, clock.now - 400.0])
+    moments = [clock.now - 0.3, clock.now - 70.0, clock.now - 400.0, clock.now - 0.004]
+    metrics.endpoints_trigger_times(V4, [*moments, clock.now - 0.07])
     text = metrics.expose().decode()
     name = "kubeproxy_network_programming_duration_seconds"
-    assert value(text, name + "_bucket", ip_family="IPv4", le="0.25") == 0
-    assert value(text, name + "_bucket", ip_family="IPv4", le="0.5") == 1
-    assert value(text, name + "_bucket", ip_family="IPv4", le="65") == 1
-    assert value(text, name + "_bucket", ip_family="IPv4", le="70") == 2
-    assert value(text, name + "_bucket", ip_family="IPv4", le="300") == 2
-    assert value(text, name + "_bucket", ip_family="IPv4", le="+Inf") == 3
-    assert value(text, name + "_sum", ip_family="IPv4") == pytest.approx(470.3)
+    assert value(text, name + "_bucket", ip_family="IPv4", le="0.005") == 1
+    assert value(text, name + "_bucket", ip_family="IPv4", le="0.05") == 1
+    assert value(text, name + "_bucket", ip_family="IPv4", le="0.1") == 2
+    assert value(text, name + "_bucket", ip_family="IPv4", le="0.25") == 2
+    assert value(text, name + "_bucket", ip_family="IPv4", le="0.5") == 3
+    assert value(text, name + "_bucket", ip_family="IPv4", le="65") == 3
+    assert value(text, name + "_bucket", ip_family="IPv4", le="70") == 4
+    assert value(text, name + "_bucket", ip_family="IPv4", le="300") == 4
+    assert value(text, name + "_bucket", ip_family="IPv4", le="+Inf") == 5
+    assert value(text, name + "_sum", ip_family="IPv4") == pytest.approx(470.374)
 
 
 def test_proxier_feeds_trigger_times_and_durations() -> None:

@@ -16,6 +16,7 @@ from kubeproxy.cmd.options import (
     usage,
 )
 from kubeproxy.config import LocalDetectMode
+from kubeproxy.pacing import DEFAULT_PACING
 from kubeproxy.proxyconfig import Duration, VModuleItem, defaults, parse_config, write_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -57,7 +58,9 @@ def test_defaults_follow_upstream() -> None:
     config = options.config
     assert config.node_name == "node-a"
     assert config.node_port_addresses == ("primary",)
-    assert (config.sync_period, config.min_sync_period) == (30.0, 1.0)
+    # Upstream's syncPeriod; minSyncPeriod unset: paced by the sync's cost (issue 29).
+    assert (config.sync_period, config.min_sync_period) == (30.0, None)
+    assert config.sync_pacing == DEFAULT_PACING
     assert config.masquerade_bit == 14
     assert config.local_detector.mode is LocalDetectMode.NONE
     assert options.healthz_bind_address == "0.0.0.0:10256"
@@ -237,6 +240,14 @@ def test_iptables_flags_apply_to_nftables_mode_but_not_the_masquerade_bit() -> N
     assert nft.config.masquerade_bit == 14  # nftables.masqueradeBit, a file-only field
     ipt = _multi("--proxy-mode=iptables", "--masquerade-all", "--iptables-masquerade-bit=3")
     assert (ipt.config.masquerade_all, ipt.config.masquerade_bit) == (True, 3)
+
+
+def test_an_operators_min_sync_period_is_upstreams_fixed_rest_in_nftables_mode() -> None:
+    assert _nft("--iptables-min-sync-period=1s").config.min_sync_period == 1.0
+    # Zero is "unset", as a zero in the file is: paced.
+    assert _nft("--iptables-min-sync-period=0s").config.min_sync_period is None
+    ipt = _multi("--proxy-mode=iptables")
+    assert ipt.config.min_sync_period == 1.0  # iptables mode keeps upstream's default
 
 
 def test_ipvs_mode_ignores_iptables_periods_and_keeps_upstreams_one_second_minimum() -> None:

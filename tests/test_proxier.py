@@ -3,6 +3,7 @@ node and CIDR handling, and the dual-stack fan-out. Backends are recording fakes
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -849,6 +850,49 @@ def looped(
     proxier = Proxier(V4, config, backend, runner_clock=clock)
     clock.at(end, stop.set)
     return proxier, syncs, lambda: proxier.run(stop), clock
+
+
+def _add_numbered(proxier: Proxier, number: int) -> None:
+    proxier.on_service_add(service(f"s{number}", f"172.30.0.{number}"))
+
+
+def test_by_default_the_loop_rests_in_proportion_to_what_a_sync_cost() -> None:
+    """No minSyncPeriod: after each sync the loop rests ``max(50 ms, 4 x its CPU time)``
+    (issue 29); changes meanwhile are batched, a change after an idle time syncs at once."""
+    backend = RecordingBackend()
+    stop = threading.Event()
+    clock = RunnerClock(stop)
+    cpu = [0.0]
+    syncs: list[tuple[float, frozenset[NamespacedName]]] = []
+    original = backend.sync
+
+    def sync(snapshot: ProxySnapshot, changes: SyncChanges) -> None:
+        syncs.append((clock.t, changes.changed_services))
+        cpu[0] += 0.1  # each sync costs 100 ms of CPU
+        original(snapshot, changes)
+
+    backend.sync = sync  # type: ignore[method-assign]
+    config = ProxierConfig(node_name=NODE, sync_period=30)
+    assert config.min_sync_period is None
+    proxier = Proxier(V4, config, backend, runner_clock=clock, cost_clock=lambda: cpu[0])
+    initialized(proxier)  # the first (full) sync, outside the loop
+    for at, number in ((1.0, 1), (1.05, 2), (1.1, 3), (3.0, 4)):
+        clock.at(at, functools.partial(_add_numbered, proxier, number))
+    clock.at(5, stop.set)
+    proxier.run(stop)
+    names = [frozenset(s.name for s in changed) for _, changed in syncs]
+    assert [t for t, _ in syncs] == [0.0, 1.0, pytest.approx(1.4), 3.0]
+    assert names == [frozenset(), {"s1"}, {"s2", "s3"}, {"s4"}]
+
+
+def test_a_min_sync_period_set_is_upstreams_fixed_rest() -> None:
+    backend = RecordingBackend()
+    proxier, syncs, run, clock = looped(backend, 5, min_sync=0.5)
+    initialized(proxier)
+    for at, number in ((1.0, 1), (1.05, 2)):
+        clock.at(at, functools.partial(_add_numbered, proxier, number))
+    run()
+    assert [t for t, _ in syncs] == [0.0, 1.0, 1.5]
 
 
 def test_a_failed_partial_sync_is_followed_at_once_by_a_full_one() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import ipaddress
 from pathlib import Path
@@ -280,7 +281,24 @@ def test_duration_text_round_trips(ns: int) -> None:
 
 
 def test_defaults_equal_upstreams_table() -> None:
-    assert yaml.safe_load(write_config(defaults())) == UPSTREAM_DEFAULTS
+    """Upstream's defaults but one: nftables.minSyncPeriod is left unset (written 0s, read
+    back as unset): the sync loop is paced by each sync's cost (issue 29)."""
+    ours = copy.deepcopy(UPSTREAM_DEFAULTS)
+    ours["nftables"]["minSyncPeriod"] = "0s"
+    assert yaml.safe_load(write_config(defaults())) == ours
+
+
+def test_nftables_min_sync_period_unset_is_paced_and_set_is_upstreams_fixed_rest() -> None:
+    def min_sync(text: str, mode: str = "nftables") -> float | None:
+        return to_proxier_config(parse_config(HEADER + text), "n", mode).min_sync_period
+
+    assert min_sync("") is None
+    assert min_sync("nftables: {minSyncPeriod: 1s}\n") == 1.0
+    # A zero in the file is "unset", as upstream reads it.
+    assert min_sync("nftables: {minSyncPeriod: 0s}\n") is None
+    # The other modes keep upstream's defaults: iptables 1s, ipvs 0s (a fixed rest of 0).
+    assert min_sync("", "iptables") == 1.0
+    assert min_sync("", "ipvs") == 0.0
 
 
 def test_minimal_file_gets_upstreams_defaults() -> None:

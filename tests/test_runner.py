@@ -10,9 +10,10 @@ import time
 from collections.abc import Callable
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kubeproxy.pacing import DEFAULT_PACING, SyncPacing
 from kubeproxy.runner import BoundedFrequencyRunner, MonotonicClock, RunFailed
 
 
@@ -57,11 +58,14 @@ class Harness:
         retry_interval: float = 5.0,
         max_interval: float = 10.0,
         initial_retry: float = 1.0,
+        pacing: SyncPacing | None = None,
     ) -> None:
         self.stop = threading.Event()
         self.clock = FakeClock(self.stop)
         self.runs: list[float] = []
         self.behaviour: list[Callable[[], None]] = []
+        # The CPU time runs have used: a run's behaviour adds its cost.
+        self.cpu = 0.0
         self.runner = BoundedFrequencyRunner(
             "test-runner",
             self._fn,
@@ -70,6 +74,8 @@ class Harness:
             max_interval,
             clock=self.clock,
             initial_retry=initial_retry,
+            pacing=pacing,
+            cost_clock=lambda: self.cpu,
         )
 
     def _fn(self) -> None:
@@ -221,6 +227,7 @@ def test_an_outside_failure_never_delays_a_run() -> None:
     assert h.loop_until(15) == [0, 5.5]
 
 
+@settings(deadline=None)  # each example starts the loop's stop thread: slow on a busy machine
 @given(
     outcomes=st.lists(st.sampled_from(["ok", "fail", "partial"]), min_size=1, max_size=25),
     min_interval=st.sampled_from([0.0, 0.5, 1.0, 2.0]),
@@ -352,3 +359,114 @@ def test_real_clock_runs_on_request_and_stops_promptly() -> None:
     assert not thread.is_alive()
     assert time.monotonic() - started < 1
     assert count == 2
+
+
+# Pacing: the rest after a run follows what the run cost (issue 29).
+
+
+def costing(h: Harness, cpu: float, wall: float | None = None) -> Callable[[], None]:
+    """A run's behaviour: ``cpu`` seconds of CPU over ``wall`` seconds (default: the same)."""
+
+    def run() -> None:
+        h.cpu += cpu
+        h.clock.t += cpu if wall is None else wall
+
+    return run
+
+
+def keep_requesting(h: Harness, until: float, every: float = 0.001) -> None:
+    """A request every ``every`` seconds: the loop always has work waiting."""
+    t = 0.0
+    while t < until:
+        h.clock.at(t, h.runner.run)
+        t += every
+
+
+def test_paced_rest_is_the_floor_after_a_cheap_run() -> None:
+    h = Harness(min_interval=0, pacing=SyncPacing(floor=0.04, ratio=4, ceiling=1))
+    h.behaviour = [costing(h, 0.002), costing(h, 0.002)]
+    keep_requesting(h, 0.2)
+    runs = h.loop_until(0.09)
+    # Ends at 0.002, rests 0.04: the next run starts at 0.042.
+    assert runs == [0, pytest.approx(0.042), pytest.approx(0.084)]
+    assert h.runner.last_rest == pytest.approx(0.04)
+
+
+def test_paced_rest_follows_an_expensive_run() -> None:
+    h = Harness(min_interval=0, pacing=SyncPacing(floor=0.04, ratio=4, ceiling=1))
+    h.behaviour = [costing(h, 0.05), costing(h, 0.3), costing(h, 0.01)]
+    keep_requesting(h, 3)
+    runs = h.loop_until(1.58)
+    # 0.05 of work, then 4 x 0.05 of rest; 0.3 of work, then the ceiling (1 s, not 1.2).
+    assert runs == [0, pytest.approx(0.25), pytest.approx(1.55)]
+
+
+def test_pacing_uses_cpu_time_not_wall_time() -> None:
+    h = Harness(min_interval=0, pacing=SyncPacing(floor=0.04, ratio=4, ceiling=1))
+    # A run that waited 0.5 s for a core but worked 0.005 s rests the floor only.
+    h.behaviour = [costing(h, 0.005, wall=0.5)]
+    keep_requesting(h, 1)
+    assert h.loop_until(0.56) == [0, pytest.approx(0.54)]
+
+
+def test_a_min_interval_is_kept_under_pacing() -> None:
+    h = Harness(min_interval=0.5, pacing=SyncPacing(floor=0.04, ratio=4, ceiling=1))
+    h.behaviour = [costing(h, 0.01), costing(h, 0.2)]
+    keep_requesting(h, 3)
+    # 0.5 > 4 x 0.01; then 4 x 0.2 = 0.8 > 0.5.
+    assert h.loop_until(1.6) == [0, pytest.approx(0.51), pytest.approx(1.51)]
+
+
+def test_without_pacing_the_rest_is_min_interval_whatever_the_cost() -> None:
+    h = Harness(min_interval=0.1)
+    h.behaviour = [costing(h, 0.5), costing(h, 0.001)]
+    keep_requesting(h, 2)
+    # Upstream's rule: a fixed rest after every run, from its end.
+    assert h.loop_until(0.75) == [0, pytest.approx(0.6), pytest.approx(0.701)]
+
+
+def test_a_request_after_an_idle_time_runs_at_once_under_pacing() -> None:
+    h = Harness(min_interval=0, pacing=DEFAULT_PACING)
+    h.runner.run()
+    h.clock.at(3.0, h.runner.run)
+    assert h.loop_until(4) == [0, 3.0]
+
+
+@settings(deadline=None)
+@given(
+    costs=st.lists(st.floats(min_value=0, max_value=3, allow_nan=False), min_size=1, max_size=12),
+    floor=st.floats(min_value=0, max_value=0.5),
+    ratio=st.floats(min_value=0, max_value=10),
+)
+def test_paced_rest_property(costs: list[float], floor: float, ratio: float) -> None:
+    """With work always waiting, every run starts exactly ``pacing.rest(cost)`` after the
+    previous one ended: syncs take at most ``1 / (1 + ratio)`` of the time unless the
+    ceiling or the floor says otherwise."""
+    pacing = SyncPacing(floor=floor, ratio=ratio, ceiling=1.0)
+    h = Harness(min_interval=0, max_interval=100, pacing=pacing)
+    h.behaviour = [costing(h, cost) for cost in costs]
+    total = sum(costs) + sum(pacing.rest(cost) for cost in costs) + len(costs)
+    keep_requesting(h, total, every=0.25)
+    runs = h.loop_until(total)
+    ends = [start + cost for start, cost in zip(runs, costs, strict=False)]
+    for end, cost, following in zip(ends, costs, runs[1:], strict=False):
+        # Requests arrive every 0.25 s: the next run starts at the first one after the rest.
+        rest = pacing.rest(cost)
+        assert end + rest - 1e-9 <= following <= end + rest + 0.25 + 1e-9
+        assert rest >= min(pacing.ceiling, max(floor, ratio * cost)) - 1e-12
+
+
+@pytest.mark.parametrize(
+    ("floor", "ratio", "ceiling"), [(-0.1, 1, 1), (2, 1, 1), (0, -1, 1), (0, 1, 0)]
+)
+def test_invalid_pacing(floor: float, ratio: float, ceiling: float) -> None:
+    with pytest.raises(ValueError, match="sync pacing"):
+        SyncPacing(floor=floor, ratio=ratio, ceiling=ceiling)
+
+
+@pytest.mark.parametrize(
+    ("cost", "rest"),
+    [(0.0, 0.05), (0.001, 0.05), (0.01, 0.05), (0.05, 0.2), (0.5, 1.0), (-1, 0.05)],
+)
+def test_default_pacing_rests(cost: float, rest: float) -> None:
+    assert DEFAULT_PACING.rest(cost) == pytest.approx(rest)

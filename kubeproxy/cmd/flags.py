@@ -375,8 +375,8 @@ FLAGS: tuple[Flag, ...] = (
     ),
     _f(
         "--iptables-min-sync-period",
-        help="Minimum period between rule syncs (default 1s; "
-        "also nftables mode). " + _IGNORED_WITH_CONFIG,
+        help="Minimum period between rule syncs (default 1s in iptables mode; also "
+        "nftables mode, where unset or 0 paces syncs by their cost). " + _IGNORED_WITH_CONFIG,
         field="iptables.minSyncPeriod",
         kind=_duration,
     ),
