@@ -31,12 +31,34 @@ clean:
 # kernels from Debian's packages into .cache/kernels. Not part of `make test` (README:
 # "Kernels tested" says what it costs). KERNELS_ARGS: `--only debian12-6.1`, or pytest
 # arguments after `--`.
-.PHONY: setup-kernels test-kernels
+.PHONY: setup-kernels test-kernels test-kernels-ci
 setup-kernels:
 	@./scripts/setup-kernels.sh
 
 test-kernels: setup-kernels
 	$(PY) -m tests.vm.host $(KERNELS_ARGS)
+
+# What .ci/run boots after `make test`: Debian 12's two kernel series (6.1, and 6.12, the
+# one Debian 13 runs too), each with the ci scope (the support check, a real start of the
+# binary, every nftables flow case in both families); about 15 min a kernel.
+CI_KERNELS := debian12-6.1 debian12-6.12
+test-kernels-ci:
+	KPX_KERNELS="$(CI_KERNELS)" ./scripts/setup-kernels.sh
+	$(PY) -m tests.vm.host --scope ci $(foreach k,$(CI_KERNELS),--only $(k))
+
+# Every kernel test and flow case in other Debian userspaces (Debian 13, unstable), on this
+# machine's kernel at native speed, side by side with this machine's own (host): each
+# root filesystem built with mmdebstrap into .cache/userspace/<suite>/ (kept until its
+# inputs change) with its own venv, run in mount and PID namespaces of its own. Not part
+# of `make test` (README: "Userspaces tested" says what it costs). One userspace:
+# `make test-userspace USERSPACES=trixie`; pytest arguments: USERSPACE_ARGS='-- -k x'.
+USERSPACES ?= host trixie sid
+.PHONY: setup-userspace test-userspace
+setup-userspace:
+	@./scripts/setup-userspace.sh $(filter-out host,$(USERSPACES))
+
+test-userspace: setup-userspace
+	$(PY) -m tests.userspace.run $(USERSPACES) $(USERSPACE_ARGS)
 
 # Benchmarks: our nftables and iptables backends and upstream's nftables rule structure,
 # side by side (bench/README.md). bench-quick: a few minutes; bench: everything (long).
@@ -74,3 +96,10 @@ bench-selfheal: setup
 .PHONY: bench-takeover
 bench-takeover: setup
 	$(PY) -m bench.takeover $(TAKEOVER_ARGS)
+
+# Connections to Services while others flush, delete and reload, with the owned table and
+# with today's unowned one side by side, 10k Services by default (bench/owned.py; README:
+# "Surviving firewall reloads"). Not part of bench.
+.PHONY: bench-owned
+bench-owned: setup
+	$(PY) -m bench.owned $(OWNED_ARGS)

@@ -50,8 +50,7 @@ from typing import Any
 
 from bench.dataplane import Topology, topology
 from bench.netns import in_netns
-from bench.selfheal import Prober
-from bench.selfheal import _wait as wait_for
+from bench.selfheal import Prober, wait_for
 from bench.synthetic import NODE_NAME, POD_CIDR, SERVICE_CIDR, SyntheticService, build_services
 from bench.synthetic import service_ip as cluster_ip
 from bench.upstream_structure import write_upstream_ruleset

@@ -8,6 +8,7 @@
 #
 # The kernel packages are looked up with a private apt state under .cache/kernels/apt/
 # (one sources list per suite), so no suite is added to this machine's apt sources.
+# KPX_KERNELS="label ..." fetches only those kernels of the matrix (.ci/run boots two).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -36,14 +37,20 @@ apt_state() {  # the private apt options of one suite (its lists and cache under
 declare -A updated=()
 mkdir -p "$CACHE"
 grep -v '^\s*\(#\|$\)' tests/vm/kernels.txt | while read -r label suite pattern _scope; do
+    if [ -n "${KPX_KERNELS:-}" ] && [[ " $KPX_KERNELS " != *" $label "* ]]; then
+        continue
+    fi
     dir="$CACHE/apt/$suite"
     if [ -z "${updated[$suite]:-}" ]; then
         mkdir -p "$dir/lists/partial" "$dir/cache/archives/partial" "$dir/none"
         touch "$dir/status"
         {
             echo "deb $MIRROR $suite main"
-            echo "deb $MIRROR $suite-updates main"
-            echo "deb $SECURITY $suite-security main"
+            # unstable has neither updates nor a security suite
+            if [ "$suite" != sid ] && [ "$suite" != unstable ]; then
+                echo "deb $MIRROR $suite-updates main"
+                echo "deb $SECURITY $suite-security main"
+            fi
         } > "$dir/sources.list"
         # shellcheck disable=SC2046
         apt-get $(apt_state "$suite") update -qq
@@ -63,9 +70,23 @@ grep -v '^\s*\(#\|$\)' tests/vm/kernels.txt | while read -r label suite pattern 
     echo "setup-kernels: $label: fetching $package ($suite)"
     rm -rf "$target" "$dir/debs"
     mkdir -p "$dir/debs"
+    # From Debian 14 on, linux-image-* is a small package that depends on the kernel
+    # (linux-binary-*, its image in usr/lib/modules/VERSION/vmlinuz), its modules
+    # (linux-modules-*) and their index files (linux-base-*); those come along.
     # shellcheck disable=SC2046
-    (cd "$dir/debs" && apt-get $(apt_state "$suite") -o APT::Sandbox::User=root download -qq "$package")
-    dpkg -x "$dir"/debs/"$package"_*.deb "$target"
+    parts=$(apt-cache $(apt_state "$suite") depends "$package" \
+        | sed -n 's/^ *Depends: \(linux-\(binary\|modules\|base\)-[^ ]*\).*/\1/p' | sort -u)
+    # shellcheck disable=SC2046,SC2086
+    (cd "$dir/debs" && apt-get $(apt_state "$suite") -o APT::Sandbox::User=root \
+        download -qq "$package" $parts)
+    for deb in "$dir"/debs/*.deb; do
+        dpkg -x "$deb" "$target"
+    done
+    # Debian 13 and newer ship modules under usr/lib (merged /usr); the guest and
+    # tests/vm/matrix.py look under lib/, as on the root filesystem.
+    if [ ! -e "$target/lib" ] && [ -d "$target/usr/lib/modules" ]; then
+        ln -s usr/lib "$target/lib"
+    fi
     rm -rf "$dir/debs" "$target/usr/share/doc"
     echo "$package" > "$target/.package"
 done

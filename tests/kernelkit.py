@@ -80,14 +80,34 @@ def run_in(netns: str, *argv: str, stdin: str | None = None) -> str:
 _EXPIRES = re.compile(r" expires [0-9hms.]+")
 
 
+_OWNER = re.compile(r" # progname \S+| *\n\tflags owner(?=\n)")
+
+
+def _comparable(listing: str) -> str:
+    # nft separates a table's objects from its flags by a blank line (none after a
+    # comment alone), so a listing without the owner flag has one blank line fewer.
+    return "\n".join(line for line in _EXPIRES.sub("", listing).splitlines() if line)
+
+
+def without_owner(listing: str) -> str:
+    """An ``nft list`` text without what says who owns a table: the same before and after
+    its owner ends (``flags owner`` becomes ``flags`` when the table is orphaned), or
+    whether the table is owned at all."""
+    text = _OWNER.sub("", listing)
+    text = re.sub(r"\n\tflags *(?=\n)", "", text)
+    return _comparable(text)
+
+
 def nft_listing_reloads(netns: str) -> str | None:
     """None when the ruleset of ``netns`` (as ``nft list ruleset`` shows it) loads with
     ``nft -f`` into an empty namespace and lists the same there; else what went wrong.
 
     Dynamic-map entries count down while they live, so their ``expires`` are left out
-    of the comparison.
+    of the comparison. An owned table (``flags owner``, and nft's ``# progname`` note of
+    its owner) is loaded without its owner: a table that ``nft -f`` made owned would go
+    with that process (and ``persist`` is not in nft 1.0.6's words).
     """
-    listed = run_in(netns, "nft", "list", "ruleset")
+    listed = _OWNER.sub("", run_in(netns, "nft", "list", "ruleset"))
     scratch = f"kpxl-{os.getpid() % 100000}-{uuid.uuid4().hex[:6]}"
     ip("netns", "add", scratch)
     try:
@@ -103,7 +123,7 @@ def nft_listing_reloads(netns: str) -> str | None:
         again = run_in(scratch, "nft", "list", "ruleset")
     finally:
         subprocess.run(["ip", "netns", "delete", scratch], check=False, capture_output=True)
-    if _EXPIRES.sub("", again) != _EXPIRES.sub("", listed):
+    if _comparable(again) != _comparable(listed):
         diff = difflib.unified_diff(listed.splitlines(), again.splitlines(), lineterm="", n=0)
         return "reloaded, it lists otherwise: " + " | ".join(list(diff)[2:8])
     return None
@@ -233,7 +253,8 @@ def _wait_for_server(topo: Topology) -> None:
     servers = [ECHO_SERVER_IP, ECHO_SERVER_IP6] if topo.ipv6 else [ECHO_SERVER_IP]
 
     def probe(address: str) -> bool:
-        # 5 s, longer under emulation (the server is a Python process starting there).
+        # About 25 s, longer where the flow kit's timeouts are (a Python starting under
+        # emulation, `make test-kernels`, took longer than that on a loaded host).
         for _ in range(int(100 * default_timeout())):
             try:
                 with socket.create_connection((address, 8080), timeout=0.2):
@@ -300,15 +321,22 @@ class Traffic:
     connection per target is established and echoes once (the long-lived ones), then a
     thread opens a new connection to each target in turn, sends a byte and waits for it
     back, until the block ends. On leaving: each long-lived connection echoes again.
+    Without ``hold``, no long-lived connection.
     :attr:`ok`, :attr:`failed` and :attr:`errors` count the new connections; a failed
     echo of a long-lived one is in :attr:`long_lived_errors`.
     """
 
     def __init__(
-        self, netns: str, targets: Sequence[tuple[str, int]], *, timeout: float = 1.0
+        self,
+        netns: str,
+        targets: Sequence[tuple[str, int]],
+        *,
+        timeout: float = 1.0,
+        hold: bool = True,
     ) -> None:
         self.netns = netns
         self.targets = list(targets)
+        self.hold = hold
         self.timeout = timeout
         self.ok = 0
         self.failed = 0
@@ -317,7 +345,7 @@ class Traffic:
         self._stop = threading.Event()
         self._fd = -1
         self._thread: threading.Thread | None = None
-        self._held: list[socket.socket] = []
+        self._held: list[tuple[socket.socket, str, int]] = []
 
     def _connect(self, address: str, port: int) -> socket.socket:
         family = socket.AF_INET6 if ":" in address else socket.AF_INET
@@ -350,9 +378,9 @@ class Traffic:
     def __enter__(self) -> Traffic:
         self._fd = open_namespace(self.netns)
         try:
-            for address, port in self.targets:
+            for address, port in self.targets if self.hold else ():
                 sock = self._connect(address, port)
-                self._held.append(sock)
+                self._held.append((sock, address, port))
                 sock.sendall(b"before\n")
                 assert sock.recv(64) == b"before\n", f"{address}:{port} did not echo"
         except BaseException:
@@ -366,7 +394,7 @@ class Traffic:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        for sock, (address, port) in zip(self._held, self.targets, strict=True):
+        for sock, address, port in self._held:
             try:
                 sock.sendall(b"after\n")
                 if sock.recv(64) != b"after\n":
@@ -376,7 +404,7 @@ class Traffic:
         self._close()
 
     def _close(self) -> None:
-        for sock in self._held:
+        for sock, _address, _port in self._held:
             sock.close()
         if self._fd >= 0:
             os.close(self._fd)
@@ -389,6 +417,15 @@ class Traffic:
         )
         assert self.ok > 0, f"no connection completed during {what}"
         assert not self.long_lived_errors, self.long_lived_errors
+
+
+@contextlib.contextmanager
+def connections_flowing(topology: Topology) -> Iterator[Traffic]:
+    """New connections from the client to the echo Service, one after another, for as
+    long as the block runs (each must echo within 1 s): a :class:`Traffic` holding no
+    long-lived connection; its ``ok``, ``failed`` and ``errors`` say what it saw."""
+    with Traffic(topology.client, [(ECHO_VIP, 80)], hold=False) as traffic:
+        yield traffic
 
 
 def assert_restart_keeps_connections(topology: Topology, restart: Callable[[], None]) -> None:

@@ -28,6 +28,7 @@ from kubeproxy.backends.nftables.objects import (
     NftError,
     Rule,
     Set,
+    readable_by_every_nft,
 )
 from kubeproxy.backends.nftables.table import affinity_map_name, port_identity
 from kubeproxy.config import LocalDetector, ProxierConfig
@@ -286,7 +287,7 @@ def test_session_affinity_is_per_port_and_list() -> None:
     # One map for the port's endpoint list, read and written by every frontend of it.
     maps = lines(dump, r"^add map ip kube-proxy affinity-[A-Z2-7]{16} ")
     assert len(maps) == 1
-    assert "{ type ipv4_addr : ipv4_addr . inet_service ; flags dynamic,timeout ;" in maps[0]
+    assert "{ typeof ip daddr : ip daddr . th dport ; flags dynamic,timeout ;" in maps[0]
     assert "size" not in maps[0]  # the kernel bounds it at 65535 without preallocating
     name = maps[0].split()[4]
     lookup = lines(dump, r"^add rule ip kube-proxy affinity-lookup-[A-Z2-7]{8}-ns/web/tcp/http ")
@@ -332,6 +333,40 @@ LOCAL_STICKY = ServicePort(
     session_affinity_seconds=60,
 )
 """A Local-policy NodePort with ClientIP affinity."""
+
+
+def test_every_set_and_map_is_declared_so_that_every_nft_can_list_it() -> None:
+    # nft 1.1.2+ records a lone data type in a set's user data, and nft before 1.1.4
+    # crashes loading it (objects.readable_by_every_nft): no declaration may have one.
+    world = World()
+    web(world, "10.180.0.1", session_affinity_seconds=600, node_port=30080)
+    fake = FakeNft()
+    backend(fake).sync(world.snapshot(), full())
+    declared = lines(fake.dump(), r"^add (set|map) ")
+    assert len(declared) > 10
+    for line in declared:
+        body = line.split(" { ", 1)[1].split(" ; ")[0]
+        kind, _, text = body.partition(" ")
+        sides = [side.split(" . ") for side in text.split(" : ")]
+        assert kind == "typeof" or all(len(parts) > 1 for parts in sides), line
+    assert "add set ip kube-proxy cluster-ips { typeof ip daddr ;" in fake.dump()
+
+
+def test_a_lone_data_type_is_declared_as_an_expression() -> None:
+    assert readable_by_every_nft(Set("s", "ipv4_addr")) == Set("s", "ip daddr", typeof=True)
+    assert readable_by_every_nft(Set("s", "inet_service", comment="c")) == Set(
+        "s", "th dport", comment="c", typeof=True
+    )
+    assert readable_by_every_nft(
+        Map("m", "ipv6_addr . inet_proto . inet_service : verdict")
+    ) == Map("m", "ip6 daddr . meta l4proto . th dport : verdict", typeof=True)
+    # Concatenations only, already typeof, or a type with no expression: kept.
+    for kept in (
+        Set("s", "ipv4_addr . inet_service"),
+        Map("m", "ip daddr : ip daddr . th dport", typeof=True),
+        Set("s", "ether_addr"),
+    ):
+        assert readable_by_every_nft(kept) is kept
 
 
 def test_local_policy_affinity_records_in_every_list_holding_the_endpoint() -> None:

@@ -51,10 +51,28 @@ def test_errno_from_message_takes_the_first_error() -> None:
     assert errno_from_message("Error: syntax error, unexpected colon") is None
 
 
+@pytest.mark.parametrize(
+    "message",
+    [
+        # nft 1.1.0+ on a base chain redeclared with another hook or priority.
+        "line 1:23-56: Error: Chain \"base\" already exists in table ip 't' with different"
+        " declaration",
+        # nft 1.0.7+ on a chain type the kernel lacks.
+        'Error: Chain of type "nat" is not supported, perhaps kernel support is missing?',
+        'Error: Chains of type "nat" must have a priority value above -200',
+    ],
+)
+def test_nfts_own_words_for_a_refused_base_chain_mean_eopnotsupp(message: str) -> None:
+    # nft replaces the kernel's strerror with these hints; the kernel said EOPNOTSUPP.
+    assert errno_from_message(message) == errno.EOPNOTSUPP
+
+
 def test_parse_version() -> None:
     assert parse_version("1.0.6") == (1, 0, 6)
     assert parse_version("nftables v1.0.1 (Fearless Fosdick #3)") == (1, 0, 1)
     assert parse_version("0.9") == (0, 9, 0)
+    assert parse_version("1.0.6.1") == (1, 0, 6, 1)
+    assert (1, 0, 6) < parse_version("1.0.6.1") < (1, 0, 7)
     with pytest.raises(NftError):
         parse_version("unknown")
 

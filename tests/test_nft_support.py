@@ -10,6 +10,7 @@ nothing is left behind.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import subprocess
 from collections.abc import Iterator
@@ -25,8 +26,10 @@ from kubeproxy.backends.nftables.support import (
     MIN_KERNEL,
     PROBE_TABLE,
     PROBES,
+    TESTED_NFT,
     FeatureProbe,
     check_support,
+    nft_cautions,
     probe_all,
     probe_transaction,
 )
@@ -88,12 +91,31 @@ def test_the_interval_probe_is_what_the_firewall_check_uses(ip_family: IPFamily)
     assert "meta l4proto" not in spec.type
 
 
-def test_check_support_on_the_fake() -> None:
+def test_check_support_on_the_fake(caplog: pytest.LogCaptureFixture) -> None:
     check_support(FakeNft())
     check_support(FakeNft(), Family.IP6)
     with pytest.raises(NftError, match=r"1\.0\.0 is too old"):
         check_support(FakeNft(version="1.0.0"))
-    check_support(FakeNft(version="1.0.1"))
+    caplog.set_level(logging.INFO)
+    caplog.clear()
+    check_support(FakeNft(version="1.0.1"), Family.IP6)
+    assert [r.levelname for r in caplog.records] == ["INFO"]
+    assert caplog.records[0].message.startswith("ip6: nftables 1.0.1 crashes (SIGSEGV) loading")
+    caplog.clear()
+    for tested in TESTED_NFT[1:]:
+        check_support(FakeNft(version=tested))
+    assert caplog.records == []
+
+
+def test_cautions_follow_the_versions_that_lack_the_set_udata_fix() -> None:
+    # nft 1.1.2 writes the user data; nftables be737a19 (1.1.4, 1.0.6.1) reads it safely;
+    # 1.1.2 and 1.1.3 parse what they write themselves (1.1.3 read 1.1.7's sets here).
+    cautioned = {v for v in ("0.9.8", "1.0.6", "1.0.7", "1.0.9", "1.1.1") if nft_cautions(v)}
+    assert cautioned == {"0.9.8", "1.0.6", "1.0.7", "1.0.9", "1.1.1"}
+    for fixed in ("1.0.6.1", "1.1.2", "1.1.3", "1.1.4", "1.1.7", "1.2.0"):
+        assert nft_cautions(fixed) == [], fixed
+    (line,) = nft_cautions("1.0.6")
+    assert "kubernetes/kubernetes#136786" in line and "\n" not in line
 
 
 class _Counting(FakeNft):

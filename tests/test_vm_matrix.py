@@ -22,12 +22,21 @@ from tests.vm.report import kernel_report, outcomes
 
 def test_the_matrix_file_parses_and_its_patterns_name_debian_kernel_packages() -> None:
     specs = load_matrix()
-    assert [s.label for s in specs] == ["debian11-5.10", "debian12-6.1", "debian12-6.12"]
+    assert [s.label for s in specs] == [
+        "debian11-5.10",
+        "debian12-6.1",
+        "debian12-6.12",
+        "debian13-6.12",
+        "debian-sid",
+    ]
     assert {s.scope for s in specs} == {Scope.FULL, Scope.SUPPORT}
     names = {
         "debian11-5.10": "linux-image-5.10.0-46-amd64-unsigned",
         "debian12-6.1": "linux-image-6.1.0-56-amd64-unsigned",
         "debian12-6.12": "linux-image-6.12.117+deb12-amd64-unsigned",
+        "debian13-6.12": "linux-image-6.12.118+deb13-amd64-unsigned",
+        # From Debian 14 on the image package is signed only (no -unsigned twin).
+        "debian-sid": "linux-image-7.2.13+deb14-amd64",
     }
     for spec in specs:
         assert re.fullmatch(spec.pattern.strip("^$"), names[spec.label])
@@ -41,7 +50,7 @@ def test_the_matrix_file_parses_and_its_patterns_name_debian_kernel_packages() -
     ("text", "error"),
     [
         ("a bookworm ^x$", "want label, suite, pattern, scope"),
-        ("a bookworm ^x$ everything", "scope 'everything' is not one of full, support"),
+        ("a bookworm ^x$ everything", "scope 'everything' is not one of full, support, ci"),
         ("a bookworm ^x$ full\na bullseye ^y$ full", "label 'a' appears twice"),
     ],
 )
@@ -68,6 +77,33 @@ def test_an_unpacked_kernel_is_found_only_when_complete(tmp_path: Path) -> None:
     assert command[command.index("--run") + 1].endswith("vmlinuz-6.1.0-56-amd64")
     assert "--disable-kvm" in command and "--overlay-rwdir" in command
     assert "--scope full" in command[-1] and command[-1].endswith("-- -k x")
+
+
+def test_a_debian14_kernel_is_found_in_its_modules_directory(tmp_path: Path) -> None:
+    """From Debian 14 the image is lib/modules/VERSION/vmlinuz (linux-binary-*)."""
+    spec = KernelSpec("sid", "sid", "^x$", Scope.CI)
+    modules = tmp_path / "sid/usr/lib/modules/7.2.13+deb14-amd64"
+    modules.mkdir(parents=True)
+    (modules / "vmlinuz").write_bytes(b"")
+    (tmp_path / "sid/lib").symlink_to("usr/lib")  # what setup-kernels.sh adds
+    (tmp_path / "sid/.package").write_text("linux-image-7.2.13+deb14-amd64\n")
+    found = find_unpacked(spec, tmp_path)
+    assert found is not None
+    assert found.version == "7.2.13+deb14-amd64"
+    assert found.image == tmp_path / "sid/lib/modules/7.2.13+deb14-amd64/vmlinuz"
+    (tmp_path / "sid/boot").mkdir()
+    (tmp_path / "sid/boot/vmlinuz-6.1.0-56-amd64").write_bytes(b"")
+    assert find_unpacked(spec, tmp_path) is None  # two images: which one is unclear
+
+
+def test_each_scope_picks_its_kernel_tests() -> None:
+    assert Scope.SUPPORT.pytest_selection is None
+    assert Scope.FULL.pytest_selection == ("-m", "kernel")
+    ci = Scope.CI.pytest_selection
+    assert ci is not None and ci[:2] == ("-m", "kernel")
+    for target in ci[2:]:
+        assert (Path(__file__).parent.parent / target.split("::")[0]).is_file(), target
+    assert "tests/test_nft_kernel.py::test_flow_cases" in ci
 
 
 JUNIT = """<?xml version="1.0"?><testsuites><testsuite>

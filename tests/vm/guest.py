@@ -1,10 +1,12 @@
 """What ``make test-kernels`` runs inside each VM (as root, on the kernel under test).
 
 Run by :mod:`tests.vm.host` as ``python tests/vm/guest.py --label L --scope S --out DIR``
+(the Python of the venv to test: its ``pytest`` and ``kube-proxy-nftables`` are used)
 with this machine's root filesystem (the repository overlaid read-write, so nothing of the
 guest's reaches the host) and ``DIR`` shared read-write. It writes ``DIR/<label>.json``:
 
-* the kernel (``uname -r``) and nft versions;
+* the kernel (``uname -r``), the userspace (``/etc/os-release``) and the versions of
+  Python, nft and iptables (``make test-userspace`` runs the guest in other userspaces);
 * the modules it loaded (``br_netfilter`` is never loaded on demand; IPVS, its
   schedulers, SCTP and dummy links are, but loading them here says at once if the kernel
   lacks one);
@@ -12,8 +14,10 @@ guest's reaches the host) and ``DIR`` shared read-write. It writes ``DIR/<label>
 * what ``kube-proxy-nftables --manifests examples/cluster --once`` said and returned in a
   fresh network namespace (the binary's own support check, on a real start);
 * for the ``full`` scope, pytest's exit status over every kernel test (``-m kernel``,
-  ``CI=true``: a skip that is not a missing kernel feature fails), whose per-test outcomes
-  are in ``DIR/<label>.xml`` (JUnit XML).
+  ``CI=true``: a skip that is not a missing kernel feature fails; with ``--every-test``
+  the whole suite), whose per-test outcomes are in ``DIR/<label>.xml`` (JUnit XML); for
+  the ``ci`` scope the same over the nftables flow cases and support tests
+  (:attr:`tests.vm.matrix.Scope.pytest_selection`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.append(str(ROOT))
+BIN = Path(sys.executable).parent
+"""The venv's scripts (``.venv/bin`` in a VM, the userspace's own venv in a root)."""
+
+from tests.vm.matrix import Scope  # noqa: E402  (the guest runs as a script)
 
 MODULES = (
     "br_netfilter",
@@ -64,7 +72,9 @@ def run_probes() -> list[dict[str, Any]]:
     """Every support probe in both families, in a network namespace of its own."""
     from kubeproxy.backends.nftables.exec import LibNftables
     from kubeproxy.backends.nftables.objects import Family
-    from kubeproxy.backends.nftables.support import probe_all
+    from kubeproxy.backends.nftables.owner import probe_table_flags
+    from kubeproxy.backends.nftables.support import PERSIST_KERNEL, probe_all, table_ownership
+    from kubeproxy.featuregates import resolve
 
     netns = f"kpxk-{secrets.token_hex(3)}"
     subprocess.run(["ip", "netns", "add", netns], check=True)
@@ -82,6 +92,17 @@ def run_probes() -> list[dict[str, Any]]:
                             "error": result.error,
                         }
                     )
+            # Whether the table would be owned here, and why (the start-up log's line).
+            decision = table_ownership(resolve({}), lambda: probe_table_flags(netns))
+            results.append(
+                {
+                    "probe": "an owned table (the owner and persist table flags)",
+                    "family": "ip",
+                    "kernel": PERSIST_KERNEL,
+                    "ok": decision.owned,
+                    "error": None if decision.owned else decision.reason,
+                }
+            )
             return results
     finally:
         subprocess.run(["ip", "netns", "del", netns], check=False)
@@ -92,7 +113,7 @@ def run_binary() -> dict[str, Any]:
     netns = f"kpxk-{secrets.token_hex(3)}"
     subprocess.run(["ip", "netns", "add", netns], check=True)
     argv = [
-        str(ROOT / ".venv/bin/kube-proxy-nftables"),
+        str(BIN / "kube-proxy-nftables"),
         "--manifests",
         str(ROOT / "examples/cluster"),
         "--hostname-override",
@@ -114,14 +135,14 @@ def run_binary() -> dict[str, Any]:
     }
 
 
-def run_pytest(out: Path, label: str, extra: list[str]) -> int:
-    """Every kernel test; outcomes in ``out/<label>.xml``; returns pytest's status."""
+def run_pytest(out: Path, label: str, selection: tuple[str, ...], extra: list[str]) -> int:
+    """The tests ``selection`` picks; outcomes in ``out/<label>.xml``; returns pytest's
+    status."""
     env = dict(os.environ, CI="true", PYTHONDONTWRITEBYTECODE="1")
     argv = [
-        str(ROOT / ".venv/bin/pytest"),
+        str(BIN / "pytest"),
         "-q",
-        "-m",
-        "kernel",
+        *selection,
         "-p",
         "no:cacheprovider",
         f"--junitxml={out / f'{label}.xml'}",
@@ -135,31 +156,54 @@ def run_pytest(out: Path, label: str, extra: list[str]) -> int:
     return done.returncode
 
 
+def os_release() -> str:
+    """The userspace's name (``PRETTY_NAME`` of ``/etc/os-release``)."""
+    try:
+        text = Path("/etc/os-release").read_text()
+    except OSError:
+        return "(unknown)"
+    for line in text.splitlines():
+        name, _, value = line.partition("=")
+        if name == "PRETTY_NAME":
+            return value.strip().strip('"')
+    return "(unknown)"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run what the scope asks; write ``<out>/<label>.json``; 0 unless something broke."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--label", required=True)
-    parser.add_argument("--scope", choices=("full", "support"), required=True)
+    parser.add_argument("--scope", choices=[s.value for s in Scope], required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument(
         "--no-modules",
         action="store_true",
         help="load no module (to run the probes on a machine's own kernel, never in a VM)",
     )
-    parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (full scope)")
+    parser.add_argument(
+        "--every-test",
+        action="store_true",
+        help="run the whole suite, unit tests too (full scope; make test-userspace)",
+    )
+    parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (full and ci scopes)")
     args = parser.parse_args(argv)
     started = time.monotonic()
     report: dict[str, Any] = {
         "label": args.label,
         "kernel": platform.release(),
+        "userspace": os_release(),
+        "python": platform.python_version(),
         "nft": _run(["nft", "--version"]).stdout.strip(),
+        "iptables": _run(["iptables", "--version"]).stdout.strip(),
         "cpus": os.cpu_count(),
     }
     report["modules"] = {} if args.no_modules else load_modules()
     report["probes"] = run_probes()
     report["binary"] = run_binary()
-    if args.scope == "full":
-        report["pytest_returncode"] = run_pytest(args.out, args.label, args.pytest_args)
+    scope = Scope(args.scope)
+    selection = () if args.every_test and scope is Scope.FULL else scope.pytest_selection
+    if selection is not None:
+        report["pytest_returncode"] = run_pytest(args.out, args.label, selection, args.pytest_args)
     report["seconds"] = round(time.monotonic() - started, 1)
     (args.out / f"{args.label}.json").write_text(json.dumps(report, indent=1) + "\n")
     return 0

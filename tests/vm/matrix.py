@@ -1,8 +1,9 @@
 """The kernel matrix of ``make test-kernels``: ``tests/vm/kernels.txt`` and the cache.
 
 ``scripts/setup-kernels.sh`` fetches each kernel of the file into
-``.cache/kernels/<label>/`` (its ``boot/vmlinuz-*`` and ``lib/modules/<version>/``, and a
-``.package`` file naming the Debian package it came from).
+``.cache/kernels/<label>/`` (its ``boot/vmlinuz-*``, or ``lib/modules/<version>/vmlinuz``
+from Debian 14 on, and ``lib/modules/<version>/``, and a ``.package`` file naming the
+Debian package it came from).
 """
 
 from __future__ import annotations
@@ -24,6 +25,24 @@ class Scope(StrEnum):
     """Every kernel test and flow case of the three backends."""
     SUPPORT = "support"
     """The nftables support probes and the binary's start-up check."""
+    CI = "ci"
+    """The support scope, then every nftables flow case and the support tests: what
+    ``.ci/run`` boots each kernel for (about a third of the kernel tests, the ones that
+    say whether the preferred backend serves on that kernel)."""
+
+    @property
+    def pytest_selection(self) -> tuple[str, ...] | None:
+        """The pytest arguments that pick this scope's kernel tests; None runs none."""
+        if self is Scope.FULL:
+            return ("-m", "kernel")
+        if self is Scope.CI:
+            return (
+                "-m",
+                "kernel",
+                "tests/test_nft_kernel.py::test_flow_cases",
+                "tests/test_nft_support.py",
+            )
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,11 +95,16 @@ def load_matrix(path: Path = MATRIX) -> list[KernelSpec]:
 def find_unpacked(spec: KernelSpec, cache: Path = CACHE) -> UnpackedKernel | None:
     """The unpacked kernel of ``spec``, or None when setup-kernels has not fetched it."""
     where = cache / spec.label
-    images = sorted((where / "boot").glob("vmlinuz-*"))
+    # Up to Debian 13 the image is boot/vmlinuz-VERSION; from Debian 14 on it is
+    # lib/modules/VERSION/vmlinuz.
+    images = sorted((where / "boot").glob("vmlinuz-*")) + sorted(
+        (where / "lib" / "modules").glob("*/vmlinuz")
+    )
     package_file = where / ".package"
     if len(images) != 1 or not package_file.is_file():
         return None
-    version = images[0].name.removeprefix("vmlinuz-")
+    image = images[0]
+    version = image.parent.name if image.name == "vmlinuz" else image.name[len("vmlinuz-") :]
     if not (where / "lib" / "modules" / version).is_dir():
         return None
-    return UnpackedKernel(spec, images[0], version, package_file.read_text().strip())
+    return UnpackedKernel(spec, image, version, package_file.read_text().strip())

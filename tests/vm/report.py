@@ -47,17 +47,45 @@ def outcomes(junit: Path) -> dict[str, str]:
     return found
 
 
-def kernel_report(result: dict[str, Any], where: Path, seconds: float) -> tuple[list[str], bool]:
-    """Lines describing one kernel's run, and whether it holds no failure."""
+def _nft(result: dict[str, Any]) -> str:
+    """``nftables v1.1.3 (Commodore Bullmoose #4)`` -> ``1.1.3``."""
+    words = str(result.get("nft", "")).split()
+    return words[1].removeprefix("v") if len(words) > 1 else "?"
+
+
+def _iptables(result: dict[str, Any]) -> str:
+    """``iptables v1.8.11 (nf_tables)`` -> ``1.8.11 (nf_tables)``; "-" when not recorded."""
+    text = str(result.get("iptables", "")).removeprefix("iptables ").removeprefix("v")
+    return text or "-"
+
+
+def kernel_report(
+    result: dict[str, Any], where: Path, seconds: float, *, outer: str = "VM"
+) -> tuple[list[str], bool]:
+    """Lines describing one run (a kernel's, or a userspace's), and whether it holds no
+    failure; ``seconds`` is the wall-clock time of the ``outer`` run (the VM's, say)."""
     label = result["label"]
     ok = True
+    where_run = [f"kernel {result['kernel']}"]
+    if "userspace" in result:
+        where_run = [
+            result["userspace"],
+            *where_run,
+            f"Python {result['python']}",
+            f"nft {_nft(result)}",
+            f"iptables {_iptables(result)}",
+        ]
+    else:
+        where_run.append(result["nft"])
     lines = [
-        f"== {label}: kernel {result['kernel']}, {result['nft']}, {result['cpus']} CPUs,"
-        f" guest {result['seconds']:.0f} s, VM {seconds:.0f} s"
+        f"== {label}: {', '.join(where_run)}, {result['cpus']} CPUs,"
+        f" guest {result['seconds']:.0f} s, {outer} {seconds:.0f} s"
     ]
     failed_modules = {m: e for m, e in result["modules"].items() if e != "ok"}
     lines.append(
-        "modules: all loaded"
+        "modules: none asked for (--no-modules)"
+        if not result["modules"]
+        else "modules: all loaded"
         if not failed_modules
         else "modules not loaded: " + "; ".join(f"{m}: {e}" for m, e in failed_modules.items())
     )
@@ -86,6 +114,40 @@ def kernel_report(result: dict[str, Any], where: Path, seconds: float) -> tuple[
         lines.extend(f"  FAILED {name}" for name in failures)
         ok = ok and result["pytest_returncode"] == 0 and not failures
     return lines, ok
+
+
+def differences(mine: dict[str, str], theirs: dict[str, str]) -> list[tuple[str, str, str]]:
+    """(test, outcome in ``mine``, outcome in ``theirs``) for every test whose outcome
+    differs ("-" where a run does not have the test)."""
+    return [
+        (name, mine.get(name, "-"), theirs.get(name, "-"))
+        for name in sorted(set(mine) | set(theirs))
+        if mine.get(name) != theirs.get(name)
+    ]
+
+
+def versions_table(results: list[dict[str, Any]], where: Path) -> list[str]:
+    """A Markdown table: each run's userspace, versions, pytest counts and time."""
+    rows = [
+        "| run | userspace | kernel | Python | nft | iptables | kernel tests | time |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for result in results:
+        junit = where / f"{result['label']}.xml"
+        counts = Counter(outcomes(junit).values()) if junit.is_file() else Counter()
+        tests = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "-"
+        cells = [
+            result["label"],
+            result.get("userspace", "-"),
+            result["kernel"],
+            result.get("python", "-"),
+            _nft(result),
+            _iptables(result),
+            tests,
+            f"{result['seconds'] / 60:.1f} min",
+        ]
+        rows.append(f"| {' | '.join(cells)} |")
+    return rows
 
 
 def probe_table(results: list[dict[str, Any]]) -> list[str]:
@@ -136,9 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.against and label != args.against:
             mine = outcomes(args.results / f"{label}.xml")
             theirs = outcomes(args.results / f"{args.against}.xml")
-            for name in sorted(set(mine) | set(theirs)):
-                if mine.get(name) != theirs.get(name):
-                    print(f"  differs: {name}: {mine.get(name)} here, {theirs.get(name)} there")
+            for name, here, there in differences(mine, theirs):
+                print(f"  differs: {name}: {here} here, {there} there")
     return status
 
 

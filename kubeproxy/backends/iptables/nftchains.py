@@ -173,15 +173,19 @@ def remove_ours(
     a rule of someone else's chain: nothing of that table is deleted) and
     :class:`OSError` when the tables cannot be read.
     """
-    # The nftables backend's netlink writer: the same batch framing and answers (its
-    # package ships with the core).
-    from kubeproxy.backends.nftables.elements import ElementWriter
+    # The nftables backend's batch encoder and socket: the same messages and answers
+    # (its package ships with the core).
+    from kubeproxy.backends.nftables.batchencoder import deletion_messages
+    from kubeproxy.backends.nftables.batchsocket import BatchSocket
     from kubeproxy.backends.nftables.objects import Family, NftError
+    from kubeproxy.backends.nftables.stale import chain_object, queue_deletion
+    from kubeproxy.backends.nftables.transaction import Transaction
 
     number = _FAMILIES[family]
+    nft_family = Family.IP if family is IPFamily.IPV4 else Family.IP6
     removed = 0
     sock = _open(netns)
-    writer: ElementWriter | None = None
+    channel: BatchSocket | None = None
     try:
         for table in tables:
             chains = _chains(sock, number, table)
@@ -194,22 +198,25 @@ def remove_ours(
                 if chain in chains
                 for jump in _jumps(sock, number, table, chain, ours)
             ]
-            if writer is None:
-                writer = ElementWriter(netns)
-            nft_family = Family.IP if family is IPFamily.IPV4 else Family.IP6
+            if channel is None:
+                channel = BatchSocket(netns)
             ordered = sorted(ours, key=_rank)
             for start in range(0, len(ordered), per_batch):
                 if start:
                     time.sleep(pause)
-                chunk = [("chain", c) for c in ordered[start : start + per_batch]]
+                chunk = ordered[start : start + per_batch]
+                tx = Transaction(nft_family, table)
+                queue_deletion(tx, [chain_object(c) for c in chunk])
                 try:
-                    writer.delete_objects(nft_family, table, chunk, rules=() if start else jumps)
+                    messages = deletion_messages(tx, rules=() if start else jumps)
+                    frames = [m.frame() for m in messages]
+                    channel.send(number, frames, f"deleting chains of {nft_family} {table}")
                 except NftError as err:
                     raise OneBatchRefused(f"{family} {table}: {err}") from err
                 removed += len(chunk)
     finally:
         sock.close()
-        if writer is not None:
+        if channel is not None:
             with contextlib.suppress(OSError):
-                writer.close()
+                channel.close()
     return removed

@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +68,7 @@ from kubeproxy.backends.nftables.layout import (
     generation_of,
 )
 from kubeproxy.backends.nftables.objects import Chain, Family, NftError, Set, Table
+from kubeproxy.backends.nftables.owner import OwnedNftables
 from kubeproxy.backends.nftables.stale import (
     STALE_DELAY,
     StaleCollector,
@@ -202,7 +203,7 @@ class NftablesBackend:
             raise ValueError(f"snapshot of {snapshot.family} given to the {self._family} backend")
         now = self._clock()
         if len(self._stale) and not self._stale.collect(
-            now, self._new_transaction, self._run, self._list_names, delete=self._deleter()
+            now, self._new_transaction, self._run_deletions, self._list_names
         ):
             self.stale_chain_failures += 1
         inputs = self._inputs_of(snapshot)
@@ -210,7 +211,9 @@ class NftablesBackend:
         self.last_sync_full = full
         try:
             if full:
-                ops = self._full_sync(snapshot, inputs, now)
+                # An owned table that replaces an unowned one gets all of it at once.
+                with self._executor.whole_table(self._nft_family, TABLE):
+                    ops = self._full_sync(snapshot, inputs, now)
             else:
                 ops = self._partial_sync(snapshot, changes, now)
         except BaseException as err:
@@ -256,29 +259,32 @@ class NftablesBackend:
 
         What a takeover calls right after the first sync (:mod:`kubeproxy.cmd.takeover`):
         upstream's table holds 11 chains per Service, and every commit and every
-        libnftables run pays for them while they stay. With an executor that has
-        ``delete_objects`` (libnftables: one netlink batch with ``NFTablesNetlink``, 0.8 s
-        for 110k chains where an nft transaction took 8.7 s) they go that way, as at the
-        start of every sync. The caller holds off syncs
+        libnftables run pays for them while they stay. They go as at the start of every
+        sync, through the executor's
+        :meth:`~kubeproxy.backends.nftables.exec.NftExecutor.run_deletions` (libnftables:
+        one netlink batch with ``NFTablesNetlink``, 0.8 s for 110k chains where an nft
+        transaction took 8.7 s; the owned table: its owner's socket, as every write).
+        The caller holds off syncs
         (:meth:`~kubeproxy.proxier.Proxier.syncs_held`): the backend is not thread-safe.
         """
         if len(self._stale) and not self._stale.collect(
-            self._clock(), self._new_transaction, self._run, self._list_names, self._deleter()
+            self._clock(), self._new_transaction, self._run_deletions, self._list_names
         ):
             self.stale_chain_failures += 1
         return len(self._stale)
 
-    def _deleter(self) -> Callable[[Sequence[tuple[str, str]]], None] | None:
-        """The executor's deletion by name for our table, if it has one."""
-        delete = getattr(self._executor, "delete_objects", None)
-        if not callable(delete):
-            return None
-        family = self._nft_family
+    def close(self) -> None:
+        """Let go of an owned table (its owner socket closed: the table stays, orphaned,
+        for the next proxy to adopt); the rules stay, and a later :meth:`cleanup` or
+        sync still works (it adopts the table again)."""
+        if isinstance(self._executor, OwnedNftables):
+            self._executor.close()
 
-        def in_table(objects: Sequence[tuple[str, str]]) -> None:
-            delete(family, TABLE, objects)
-
-        return in_table
+    @property
+    def executor(self) -> NftExecutor:
+        """What this backend writes through (tools and tests: the owned table takes
+        writes from its owner's socket only)."""
+        return self._executor
 
     # Plumbing ---------------------------------------------------------------------------
 
@@ -293,6 +299,11 @@ class NftablesBackend:
         if tx.error is not None:
             raise tx.error
         self._executor.run(tx)
+
+    def _run_deletions(self, tx: Transaction) -> None:
+        if tx.error is not None:
+            raise tx.error
+        self._executor.run_deletions(tx)
 
     def _ops(self, *, text_last: bool = False) -> SyncOps:
         return SyncOps(

@@ -16,6 +16,7 @@ textual form :meth:`Transaction.render` writes (``"10.0.0.1"``, ``"tcp"``, ``"80
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
@@ -24,9 +25,11 @@ import os
 import re
 import threading
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
+from kubeproxy.backends.nftables.batchencoder import FAMILY_NUMBERS, deletion_messages
 from kubeproxy.backends.nftables.elements import ElementBatch, ElementWriter
 from kubeproxy.backends.nftables.objects import (
     Element,
@@ -64,12 +67,19 @@ _ERROR_TEXT_MAX = 16 * 1024
 # with one command each, and an error still quotes a line of a few kB only.
 _ELEMENTS_PER_LINE = 64
 
-# nft prints strerror() texts; map them back so callers can test errno.
+# nft prints strerror() texts; map them back so callers can test errno. Where the kernel
+# refuses a base chain with EOPNOTSUPP, nft 1.0.7+ prints a hint of its own instead
+# (src/cmd.c, nft_cmd_chain_error: the "not supported" and nat-priority hints since 1.0.7,
+# the redeclared base chain since 1.1.0, commit 1f321f86); the kernel said EOPNOTSUPP all
+# the same (measured: nft 1.1.3 and 1.1.7 against 6.18, `make test-userspace`).
 _ERRNO_TEXTS = (
     ("No such file or directory", errno.ENOENT),
     ("File exists", errno.EEXIST),
     ("Device or resource busy", errno.EBUSY),
     ("Operation not supported", errno.EOPNOTSUPP),
+    ("with different declaration", errno.EOPNOTSUPP),
+    ("is not supported, perhaps kernel support is missing?", errno.EOPNOTSUPP),
+    ('Chains of type "nat" must have a priority value above -200', errno.EOPNOTSUPP),
     ("Too many links", errno.EMLINK),
     ("Too many open files in system", errno.ENFILE),
     ("Operation not permitted", errno.EPERM),
@@ -93,6 +103,21 @@ class NftExecutor(Protocol):
     def write_elements(self, batch: ElementBatch) -> None:
         """Apply element changes atomically, as :meth:`run` of the same ``add``/``delete
         element`` commands would (same errors), without nft's parser where possible."""
+        ...
+
+    def run_deletions(self, tx: Transaction) -> None:
+        """Apply ``tx``, flushes and deletions of chains, sets and maps only, as :meth:`run`
+        would: the sweep of unused objects, which may be 110k chains when we take a node
+        over from upstream. :class:`LibNftables` sends them as one netlink batch of ours,
+        without libnftables' listing of the table; :class:`~.owner.OwnedNftables` over the
+        owner's socket, as its every write (the only socket the owned table takes)."""
+        self.run(tx)
+
+    def whole_table(self, family: Family, table: str) -> AbstractContextManager[None]:
+        """A block that writes everything ``table`` needs (a full sync). An executor
+        that must replace the table to own it commits the block's writes as one
+        transaction at its end (:class:`~.owner.OwnedNftables`); others write as they go.
+        """
         ...
 
     def list_chains(self, family: Family, table: str) -> dict[str, str | None]:
@@ -140,11 +165,14 @@ def errno_from_message(message: str) -> int | None:
 
 
 def parse_version(text: str) -> tuple[int, ...]:
-    """``"1.0.6"`` (or ``"nftables v1.0.6 (Lester Gooch #5)"``) -> ``(1, 0, 6)``."""
-    match = re.search(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
+    """``"1.0.6"`` (or ``"nftables v1.0.6 (Lester Gooch #5)"``) -> ``(1, 0, 6)``; at
+    least three parts (``"0.9"`` -> ``(0, 9, 0)``), four for a stable-branch release
+    (``"1.0.6.1"``)."""
+    match = re.search(r"\d+(?:\.\d+)+", text)
     if match is None:
         raise NftError(f"cannot parse nftables version {text!r}", errno.EINVAL)
-    return tuple(int(part) for part in match.groups(default="0"))
+    parts = tuple(int(part) for part in match.group().split("."))
+    return parts + (0,) * (3 - len(parts))
 
 
 class _Lib:
@@ -343,30 +371,25 @@ class LibNftables(NftExecutor):
             self._writer = ElementWriter(self.netns)
         self._writer.send(batch)
 
-    def delete_objects(
-        self, family: Family, table: str, objects: Sequence[tuple[str, str]]
-    ) -> None:
-        """Delete chains (``("chain", name)``, flushed first), sets and maps (``("set",
-        name)``) by name, in the order given, in one transaction: a netlink batch on the
-        element socket (see
-        :meth:`~kubeproxy.backends.nftables.elements.ElementWriter.delete_objects`, and
-        there why), nft commands without ``netlink_elements``."""
-        if not objects:
-            return
+    def run_deletions(self, tx: Transaction) -> None:
+        """Apply ``tx``, flushes and deletions only, as one netlink batch on the element
+        socket (:func:`~kubeproxy.backends.nftables.batchencoder.deletion_messages`, and
+        there why); through libnftables (:meth:`run`) without ``netlink_elements``."""
         if not self.netlink_elements:
-            validate_name("table", table)
-            for kind, name in objects:
-                if kind not in ("chain", "set"):
-                    raise NftError(f"cannot delete a {kind!r} by name", errno.EINVAL)
-                validate_name(kind, name)
-            where = f"{Family(family)} {table}"
-            lines = [f"flush chain {where} {name}" for kind, name in objects if kind == "chain"]
-            lines += [f"delete {kind} {where} {name}" for kind, name in objects]
-            self._call(("\n".join(lines), "\n"), what=f"deleting objects of {where}")
+            self.run(tx)
+            return
+        messages = deletion_messages(tx)
+        if not messages:
             return
         if self._writer is None:
             self._writer = ElementWriter(self.netns)
-        self._writer.delete_objects(family, table, objects)
+        frames = [m.frame() for m in messages]
+        what = f"deleting objects of {tx.family} {tx.table}"
+        self._writer.channel.send(FAMILY_NUMBERS[tx.family], frames, what)
+
+    def whole_table(self, family: Family, table: str) -> AbstractContextManager[None]:
+        """Nothing to do: libnftables writes as it goes."""
+        return contextlib.nullcontext()
 
     def read_elements(
         self,
@@ -390,9 +413,11 @@ class LibNftables(NftExecutor):
 
     def version(self) -> str:
         """The libnftables version (from the ``metainfo`` of a JSON listing)."""
-        # A terse listing of sets is the cheapest JSON listing: nft 1.0.6 fetches the whole
-        # ruleset, set elements included, for "list tables".
-        for item in self._json("list sets ip", terse=True):
+        # Flowtables: a JSON listing that loads no set. nft 1.0.6 fetches the whole ruleset
+        # for "list tables", and any set listing crashes an nft before 1.1.4 when another
+        # program's newer nft wrote a set (support.nft_cautions): the version has to be
+        # known, and said, before that can happen.
+        for item in self._json("list flowtables ip"):
             meta = item.get("metainfo")
             if isinstance(meta, dict) and "version" in meta:
                 return str(meta["version"])

@@ -55,7 +55,7 @@ from kubeproxy.backends.nftables.layout import (
     tree_chains,
     tree_depth,
 )
-from kubeproxy.backends.nftables.objects import Chain, Map, Set
+from kubeproxy.backends.nftables.objects import Chain, Map, Set, readable_by_every_nft
 from kubeproxy.backends.nftables.stale import TableObject, chain_object, set_object
 from kubeproxy.backends.nftables.table import (
     ContainerSpec,
@@ -158,10 +158,15 @@ def content_objects(plan: AffinityPlan | None) -> Iterator[TableObject]:
 
 
 def add_container(tx: Transaction, spec: ContainerSpec) -> None:
-    """Queue ``add`` of the set or map ``spec``."""
+    """Queue ``add`` of the set or map ``spec``, declared so that every nft reads it
+    (:func:`~.objects.readable_by_every_nft`)."""
     kind = Map if spec.is_map else Set
     tx.add(
-        kind(spec.name, spec.type, spec.flags, spec.timeout, spec.size, spec.comment, spec.typeof)
+        readable_by_every_nft(
+            kind(
+                spec.name, spec.type, spec.flags, spec.timeout, spec.size, spec.comment, spec.typeof
+            )
+        )
     )
 
 

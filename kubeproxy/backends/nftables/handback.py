@@ -85,13 +85,9 @@ def leftovers(chains: Iterable[str], sets: Iterable[str]) -> tuple[list[TableObj
 def _delete(executor: NftExecutor, family: Family, objects: Sequence[TableObject]) -> None:
     if not objects:
         return
-    delete = getattr(executor, "delete_objects", None)
-    if callable(delete):
-        delete(family, TABLE, [(str(obj.kind), obj.name) for obj in objects])
-        return
     tx = Transaction(family, TABLE)
     queue_deletion(tx, objects)
-    executor.run(tx)
+    executor.run_deletions(tx)
 
 
 def cleanup_leftovers(netns: str | None = None, *, executor: NftExecutor | None = None) -> int:

@@ -38,7 +38,13 @@ from typing import Any, Final
 
 from kubeproxy.backend import Backend, ProxySnapshot, SyncChanges, SyncError
 from kubeproxy.backends.nftables.exec import NftExecutor
-from kubeproxy.backends.nftables.objects import Chain, Family, NftError, Set
+from kubeproxy.backends.nftables.objects import (
+    Chain,
+    Family,
+    NftError,
+    Set,
+    readable_by_every_nft,
+)
 from kubeproxy.backends.nftables.rulecounters import rule_counters
 from kubeproxy.backends.nftables.stale import chain_object, set_object
 from kubeproxy.backends.nftables.table import TABLE, tokens_for
@@ -148,7 +154,7 @@ class LocalhostRejects:
                 self._remember(name, key)
         tx = Transaction(self.nft_family, TABLE)
         for protocol in _PROTOCOLS:
-            tx.add(Set(set_name(protocol), "inet_service"))
+            tx.add(readable_by_every_nft(Set(set_name(protocol), "inet_service")))
         tx.add(Chain(CHAIN, "filter", "input", 0))
         tx.flush(Chain(CHAIN))
         for rule, comment in self.rules():
@@ -296,11 +302,18 @@ class LocalhostNodePortsBackend:
     def cleanup(self) -> None:
         """Stop the proxy and remove everything the wrapped backend made (the reject rules
         live in its table)."""
-        self.close()
+        self._close_proxy()
         self.inner.cleanup()
 
     def close(self) -> None:
-        """Stop the proxy (its listeners and connections); the kernel rules stay."""
+        """Stop the proxy (its listeners and connections) and close the wrapped backend;
+        the kernel rules stay."""
+        self._close_proxy()
+        close = getattr(self.inner, "close", None)
+        if callable(close):
+            close()
+
+    def _close_proxy(self) -> None:
         if self.proxy is not None:
             self.proxy.close()
 

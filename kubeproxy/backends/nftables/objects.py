@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import errno as _errno
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "is_already_exists",
     "is_busy",
     "is_not_found",
+    "readable_by_every_nft",
     "validate_comment",
     "validate_element_part",
     "validate_element_parts",
@@ -333,6 +334,45 @@ class Map:
     def value_type(self) -> str:
         """The value part of :attr:`type` (``"verdict"`` for a verdict map)."""
         return self.type.partition(" : ")[2]
+
+
+# The expression a ``typeof`` declaration names for each data type our tables declare
+# (any expression of the type would do: a declaration says what the key holds, not where
+# a rule reads it).
+_TYPE_EXPRESSIONS = {
+    "ipv4_addr": "ip daddr",
+    "ipv6_addr": "ip6 daddr",
+    "inet_proto": "meta l4proto",
+    "inet_service": "th dport",
+    "mark": "meta mark",
+    "verdict": "verdict",
+}
+
+
+def readable_by_every_nft(container: Set | Map) -> Set | Map:
+    """``container`` declared so that every nft can list it: ``typeof`` expressions
+    instead of a lone data type on either side (``type ipv4_addr``, ``... : verdict``).
+
+    Why: nft 1.1.2 (nftables commit 05824601) records in a set's user data a description
+    of a key or value declared with one data type, and nft before 1.1.4 and 1.0.6.1 (fix
+    be737a19) crash (SIGSEGV) on every command that loads such a set: listing, adding
+    elements, adding rules that name a set (kubernetes/kubernetes#136786). Measured with
+    ``make test-userspace``: our table written through Debian 13's nft 1.1.3 or sid's
+    1.1.7 crashed Debian 12's nft 1.0.6 and a proxy using it; declared with ``typeof``,
+    the same sets are recorded as expressions, which every nft since 0.9.4 reads back. A
+    concatenation of data types is recorded part by part, which older nft skips safely,
+    so it is kept as written.
+    """
+    if container.typeof:
+        return container
+    sides = [side.split(" . ") for side in container.type.split(" : ")]
+    if all(len(parts) > 1 for parts in sides):
+        return container
+    spelled = [[_TYPE_EXPRESSIONS.get(part) for part in parts] for parts in sides]
+    if any(None in parts for parts in spelled):
+        return container
+    text = " : ".join(" . ".join(str(part) for part in parts) for parts in spelled)
+    return replace(container, type=text, typeof=True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -194,25 +194,20 @@ class StaleCollector:
         transaction: Callable[[], Transaction],
         run: Callable[[Transaction], None],
         list_held: Callable[[], tuple[set[str], set[str]]],
-        delete: Callable[[Sequence[tuple[str, str]]], None] | None = None,
     ) -> bool:
         """Delete the objects :meth:`due` at ``now`` in one transaction (made by
-        ``transaction``, committed by ``run``; or, given ``delete``, by that: it takes
-        ``(kind, name)`` pairs in deletion order, as
-        :meth:`~kubeproxy.backends.nftables.exec.LibNftables.delete_objects`); False when
-        the kernel refused it (logged): what is gone already (``list_held`` lists the
-        chains and sets left) is forgotten, the rest is tried again at least
+        ``transaction``, committed by ``run``: flushes and deletions only, so
+        :meth:`~kubeproxy.backends.nftables.exec.NftExecutor.run_deletions` will do);
+        False when the kernel refused it (logged): what is gone already (``list_held``
+        lists the chains and sets left) is forgotten, the rest is tried again at least
         :attr:`delay` later."""
         due = self.due(now)
         if not due:
             return True
+        tx = transaction()
+        queue_deletion(tx, due)
         try:
-            if delete is not None:
-                delete([(str(obj.kind), obj.name) for obj in due])
-            else:
-                tx = transaction()
-                queue_deletion(tx, due)
-                run(tx)
+            run(tx)
         except NftError as err:
             if self._unreference(due, now, transaction, run):
                 # Older kernels (upstream names those before 6.2) release a chain that a

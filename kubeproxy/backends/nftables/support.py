@@ -27,7 +27,8 @@ and how each probe fared there is in the README ("Kernels tested").
 from __future__ import annotations
 
 import errno
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from string import Template
 from typing import Final
@@ -46,17 +47,30 @@ from kubeproxy.backends.nftables.layout import (
 )
 from kubeproxy.backends.nftables.objects import Family, NftError
 from kubeproxy.backends.nftables.transaction import Transaction
+from kubeproxy.featuregates import NFTABLES_NETLINK, NFTABLES_OWNED_TABLE, FeatureGates
 
 __all__ = [
     "MIN_KERNEL",
+    "OWNER_KERNEL",
+    "PERSIST_KERNEL",
     "PROBES",
     "PROBE_TABLE",
+    "TESTED_NFT",
     "FeatureProbe",
     "ProbeResult",
+    "TableOwnership",
     "check_support",
+    "nft_cautions",
     "probe_all",
     "probe_transaction",
+    "table_ownership",
 ]
+
+log = logging.getLogger(__name__)
+
+TESTED_NFT: Final = ("1.0.6", "1.1.3", "1.1.7")
+"""The nft (libnftables) versions every kernel test ran with: Debian 12's, Debian 13's
+and Debian unstable's (``make test-userspace``; the README's "Userspaces tested")."""
 
 PROBE_TABLE: Final = "kubeproxy-support-check"
 """The throw-away table the probes are committed to (and deleted from at once)."""
@@ -425,6 +439,30 @@ def _kernel_release() -> str:
         return "(unknown)"
 
 
+def nft_cautions(version: str) -> list[str]:
+    """What is known to go wrong with nft (libnftables) ``version`` on a node: notes, not
+    refusals (the proxy runs; the line says why it may stop).
+
+    nft 1.1.2 records a set's key in its user data in a form nft before 1.1.2 cannot
+    parse, and those versions crash (SIGSEGV) on any command that loads the namespace's
+    sets: listing, adding elements, adding rules that name a set (the fix, nftables
+    be737a19, is in 1.1.4 and in the stable release 1.0.6.1; kubernetes/kubernetes#136786).
+    Measured with ``make test-userspace``: Debian 12's nft 1.0.6, and this proxy using it,
+    crashed on tables Debian 13's 1.1.3 or unstable's 1.1.7 wrote. This proxy declares its
+    own sets so that every nft reads them (:func:`~.objects.readable_by_every_nft`); other
+    programs on the node may not.
+    """
+    parsed = parse_version(version)
+    if parsed < (1, 1, 2) and not (1, 0, 6, 1) <= parsed < (1, 0, 7):
+        return [
+            f"nftables {version} crashes (SIGSEGV) loading sets that nft 1.1.2 or newer"
+            " wrote (fixed in 1.0.6.1 and 1.1.4; kubernetes/kubernetes#136786): if this"
+            " proxy dies by a signal, another program on this node writes sets with a newer"
+            " nft; run the proxy with an nft that has the fix"
+        ]
+    return []
+
+
 def check_support(
     executor: NftExecutor,
     family: Family = Family.IP,
@@ -435,12 +473,17 @@ def check_support(
 
     Needs nft (libnftables) >= 1.0.1 and a kernel that accepts every required probe.
     The message names the kernel, each missing feature with the first kernel that has
-    it, and the kernel that has them all. Leaves nothing behind.
+    it, and the kernel that has them all. Leaves nothing behind. Logs the version's
+    :func:`nft_cautions` (information) first, before any command that could crash on them.
     """
     version = executor.version()
     if parse_version(version) < MIN_NFT_VERSION:
         wanted = ".".join(map(str, MIN_NFT_VERSION))
         raise NftError(f"nftables {version} is too old: nftables mode needs {wanted} or newer")
+    for caution in nft_cautions(version):
+        # Information, not a warning: every Debian 12 node has this nft, and it only
+        # matters on the day the proxy dies of it (then this is the line that says why).
+        log.info("%s: %s", family, caution)
     family = Family(family)
     required = [p for p in probes if p.required]
     together = _try(executor, required, family)
@@ -457,4 +500,69 @@ def check_support(
         f"kernel {_kernel_release()} lacks {lacks}; nftables mode needs Linux {needed} or newer"
         f" (first error: {missing[0].error})",
         errno.EOPNOTSUPP,
+    )
+
+
+# The owned table ---------------------------------------------------------------------------
+
+OWNER_KERNEL: Final = "5.12"
+"""The first kernel with the ``owner`` table flag (``NFT_TABLE_F_OWNER``)."""
+PERSIST_KERNEL: Final = "6.9"
+"""The first kernel with the ``persist`` table flag (``NFT_TABLE_F_PERSIST``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TableOwnership:
+    """Whether nftables mode owns its table here (:mod:`.owner`), and why (or why not)."""
+
+    owned: bool
+    reason: str
+
+    def describe(self, family: Family, table: str) -> str:
+        """One line for the log: ``table ip kube-proxy is owned by this proxy: ...``."""
+        verdict = "is owned by this proxy" if self.owned else "is not owned"
+        return f"table {family} {table} {verdict}: {self.reason}"
+
+
+def table_ownership(gates: FeatureGates, probe: Callable[[], tuple[bool, bool]]) -> TableOwnership:
+    """Whether to own the table: the ``NFTablesOwnedTable`` and ``NFTablesNetlink`` gates,
+    then what ``probe`` says the kernel takes (``owner``, ``persist``; see
+    :func:`~.owner.probe_table_flags`).
+
+    Owner without persist (Linux 5.12 to 6.8, Debian 12's 6.1) is not owned: the table
+    would go with its owner's socket at every restart, upgrade or crash of the proxy, and
+    nothing would be served until the next proxy's first sync (seconds at 10k Services),
+    where an unowned table keeps serving through a restart and only another process's
+    flush takes it down (repaired by self-healing). Measured on 6.18: a table created
+    with ``owner`` alone is gone as soon as its socket closes.
+    """
+    if not gates.enabled(NFTABLES_OWNED_TABLE):
+        return TableOwnership(False, f"the {NFTABLES_OWNED_TABLE} feature gate is off")
+    if not gates.enabled(NFTABLES_NETLINK):
+        return TableOwnership(
+            False,
+            f"{NFTABLES_NETLINK} is off: every write goes through libnftables, which writes"
+            " on a socket of its own and so cannot keep a table owned",
+        )
+    release = _kernel_release()
+    try:
+        owner, persist = probe()
+    except NftError as err:
+        return TableOwnership(False, f"the table flags could not be probed ({err})")
+    if not owner:
+        return TableOwnership(
+            False, f"kernel {release} lacks the owner table flag (Linux {OWNER_KERNEL}+)"
+        )
+    if not persist:
+        return TableOwnership(
+            False,
+            f"kernel {release} has the owner table flag but lacks persist (Linux"
+            f" {PERSIST_KERNEL}+), and an owned table without it is deleted with its owner"
+            " at every restart of the proxy; self-healing repairs what others change",
+        )
+    return TableOwnership(
+        True,
+        f"kernel {release} has the owner and persist table flags (Linux {OWNER_KERNEL}+,"
+        f" {PERSIST_KERNEL}+): no other process can change, flush or delete it, and a"
+        " restarted proxy adopts it",
     )
