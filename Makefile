@@ -97,6 +97,16 @@ bench-selfheal: setup
 bench-takeover: setup
 	$(PY) -m bench.takeover $(TAKEOVER_ARGS)
 
+# The soak (issue 31): the daemon a node runs, over the bench's realistic mix in the fake
+# API server, under churn and a fault per round (kill -9 mid sync, SIGTERM, nft flush
+# ruleset, table deletes, API restarts and 410s, address changes, hung backends, a full
+# conntrack table), checked at every round against a fresh sync and with real
+# connections (bench/soak.py; 45-90 minutes; bench/results/soak.md). `make test` runs
+# its short version (tests/test_soak.py, about two minutes).
+.PHONY: soak
+soak: setup
+	$(PY) -m bench.soak $(SOAK_ARGS)
+
 # Connections to Services while others flush, delete and reload, with the owned table and
 # with today's unowned one side by side, 10k Services by default (bench/owned.py; README:
 # "Surviving firewall reloads"). Not part of bench.

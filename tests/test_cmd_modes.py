@@ -539,7 +539,7 @@ def test_hooks_ignore_backends_without_counters() -> None:
     metrics = ProxyMetrics(mode="iptables", process_metrics=False)
     backend = nftables.NftablesBackend(V4, ProxierConfig(node_name="n"), executor=FakeNft())
     assert iptables_hooks(backend, metrics) == ()
-    assert len(nftables_hooks(backend, metrics)) == 1
+    assert len(nftables_hooks(backend, metrics)) == 2  # the cleanup counter, the sweeper
     assert nftables_hooks(CountingBackend(), metrics) == ()  # type: ignore[arg-type]
 
 

@@ -278,7 +278,7 @@ def test_deletions_by_name_need_no_declaration_and_go_after_the_rules_by_handle(
     tx = Transaction(Family.IP, "nat")
     tx.flush(Chain("KUBE-SVC-A"))
     tx.delete_chain("KUBE-SVC-A")
-    tx.delete(Map("service-ips", "ipv4_addr . inet_proto . inet_service", "verdict"))
+    tx.delete(Map("service-ips", "ipv4_addr . inet_proto . inet_service : verdict"))
     messages = deletion_messages(tx, rules=[("PREROUTING", 7)])
     # The jump by its handle, the flush, the chain, the map: DELRULE, DELRULE, DELCHAIN, DELSET.
     assert [m.kind for m in messages] == [8, 8, 5, 11]

@@ -17,6 +17,11 @@ its rules keep serving until ours are written, then they go. The order:
    nftables structure when it ran in nftables mode (the same table name, 11 chains per
    Service of 10 endpoints: 110k chains at 10k Services, which every later commit and
    every libnftables run would pay for), or our own previous generation after a restart.
+   The daemon's sweeper (:mod:`~kubeproxy.backends.nftables.sweeper`) would delete them
+   too when due; the takeover does it in this order so that its one line says when all
+   of the previous proxy's state is gone. With the owned table, upstream's nftables table
+   is not swept but replaced, with everything of ours in it, in the first sync's one
+   transaction (:class:`~kubeproxy.backends.nftables.owner.OwnedNftables`).
 3. Then the other kind of mode's leftovers: upstream's ``platformCleanup``, which upstream
    runs before its first sync (its Services are down from there until that sync; ours
    are not): iptables-mode and ipvs-mode chains, ipsets, IPVS virtual servers and
@@ -62,12 +67,12 @@ class Sweepable(Protocol):
     """A backend whose table may hold objects it does not use (the nftables backend)."""
 
     @property
-    def unused_objects(self) -> int:
-        """How many objects wait for their deletion."""
+    def stale_objects(self) -> int:
+        """How many unused objects wait for their deletion."""
         ...
 
-    def collect_unused(self) -> int:
-        """Delete those due now; how many remain."""
+    def collect_stale(self, now: float | None = None) -> bool:
+        """Delete those due now; False when the kernel refused."""
         ...
 
 
@@ -146,7 +151,7 @@ class Takeover:
         pending = {
             family: proxier
             for family, proxier in proxiers.items()
-            if isinstance(proxier.backend, Sweepable) and proxier.backend.unused_objects
+            if isinstance(proxier.backend, Sweepable) and proxier.backend.stale_objects
         }
         left: dict[IPFamily, int] = {}
         deleted = 0
@@ -157,8 +162,9 @@ class Takeover:
                 backend = proxier.backend
                 assert isinstance(backend, Sweepable)
                 with proxier.syncs_held():
-                    before = backend.unused_objects
-                    remaining = backend.collect_unused()
+                    before = backend.stale_objects
+                    backend.collect_stale()
+                    remaining = backend.stale_objects
                 deleted += max(0, before - remaining)
                 left[family] = remaining
                 if not remaining:
@@ -166,7 +172,7 @@ class Takeover:
         for family, proxier in pending.items():
             backend = proxier.backend
             assert isinstance(backend, Sweepable)
-            left[family] = backend.unused_objects
+            left[family] = backend.stale_objects
         return deleted, {f: n for f, n in left.items() if n}
 
     def _report(self, result: TakeoverResult) -> None:

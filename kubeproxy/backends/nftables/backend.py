@@ -21,8 +21,10 @@ the cluster's size, and everything per Service is *data* (see
   served by the old generation until that switch and by the new one after it; a table
   left by another version (the per-Service-chain structure included) is switched over
   the same way. Whatever the kernel held that the new generation does not use is
-  deleted at least a second later, in its own transaction (older kernels still count a
-  chain as used right after the last reference goes).
+  deleted a second later, in its own transaction (older kernels still count a chain as
+  used right after the last reference goes): by the daemon's sweeper
+  (:class:`~kubeproxy.backends.nftables.sweeper.StaleSweeper`, through
+  :meth:`NftablesBackend.collect_stale`) without waiting for the next sync.
 
 Nothing is listed on an incremental sync; a full sync lists only chain and set names.
 """
@@ -128,7 +130,9 @@ class NftablesBackend:
     its class (:attr:`~kubeproxy.backends.nftables.layout.Dispatch.TREE`, or the
     benchmarks' :attr:`~kubeproxy.backends.nftables.layout.Dispatch.RULES`). Counters for
     metrics: :attr:`sync_failures`, :attr:`stale_chain_failures` (failed deletions of
-    unused objects), :attr:`affinity_cleanup_failures`; for tests and logs:
+    unused objects), :attr:`affinity_cleanup_failures`, :attr:`stale_objects` (unused
+    objects waiting for their deletion, which :meth:`collect_stale` does when due); for
+    tests and logs:
     :attr:`last_operations`, :attr:`last_transactions`, :attr:`last_sync_full`,
     :attr:`generation`. ``kept`` names objects that another part of this proxy keeps in
     our table (localhost NodePorts' reject rules), as
@@ -202,10 +206,7 @@ class NftablesBackend:
         if snapshot.family is not self._family:
             raise ValueError(f"snapshot of {snapshot.family} given to the {self._family} backend")
         now = self._clock()
-        if len(self._stale) and not self._stale.collect(
-            now, self._new_transaction, self._run_deletions, self._list_names
-        ):
-            self.stale_chain_failures += 1
+        self.collect_stale(now)
         inputs = self._inputs_of(snapshot)
         full = changes.full or self._need_full or inputs != self._inputs
         self.last_sync_full = full
@@ -234,6 +235,41 @@ class NftablesBackend:
             ]
         self.affinity_cleanup_failures += self._affinity.clean(self._map_live, every)
 
+    # Unused objects --------------------------------------------------------------------
+
+    @property
+    def stale_objects(self) -> int:
+        """Chains, sets and maps of our table that nothing uses any more (an old
+        generation, what a killed or failed full sync built, what another proxy left in
+        the table before we took it over), waiting for their deletion."""
+        return len(self._stale)
+
+    def stale_due(self) -> float | None:
+        """When (on this backend's clock) the first of :attr:`stale_objects` is due for
+        deletion; None when nothing waits."""
+        return self._stale.next_due()
+
+    def collect_stale(self, now: float | None = None) -> bool:
+        """Delete the unused objects that are due (every sync starts with this; the
+        daemon's sweeper calls it between syncs, and a takeover right after the first
+        sync, with syncs held); False when the kernel refused (logged, counted in
+        :attr:`stale_chain_failures`, tried again later).
+
+        They go through the executor's
+        :meth:`~kubeproxy.backends.nftables.exec.NftExecutor.run_deletions`: libnftables
+        sends them as one netlink batch with ``NFTablesNetlink`` (upstream's 110k chains
+        at 10k Services in 0.8 s, where an nft transaction took 8.7 s); the owned table
+        over its owner's socket, as every write."""
+        if not len(self._stale):
+            return True
+        moment = self._clock() if now is None else now
+        if self._stale.collect(
+            moment, self._new_transaction, self._run_deletions, self._list_names
+        ):
+            return True
+        self.stale_chain_failures += 1
+        return False
+
     def cleanup(self) -> None:
         """Delete our table (a missing table is fine) and forget all state."""
         delete_table(self._executor, self._nft_family, TABLE)
@@ -241,37 +277,6 @@ class NftablesBackend:
         self._stale.clear()
         self.generation = None
         self._need_full = True
-
-    # Unused objects, now ----------------------------------------------------------------
-
-    @property
-    def unused_objects(self) -> int:
-        """How many objects of our table wait for their deletion: unused since a full sync
-        (an old generation of ours, or what another proxy left in the table before we
-        took it over) or since a sync that stopped using them."""
-        return len(self._stale)
-
-    def collect_unused(self) -> int:
-        """Delete now, without waiting for the next sync, the unused objects whose
-        :data:`~kubeproxy.backends.nftables.stale.STALE_DELAY` has passed; return how
-        many unused objects remain (not due yet, or refused: then counted in
-        :attr:`stale_chain_failures`, logged, and tried again later).
-
-        What a takeover calls right after the first sync (:mod:`kubeproxy.cmd.takeover`):
-        upstream's table holds 11 chains per Service, and every commit and every
-        libnftables run pays for them while they stay. They go as at the start of every
-        sync, through the executor's
-        :meth:`~kubeproxy.backends.nftables.exec.NftExecutor.run_deletions` (libnftables:
-        one netlink batch with ``NFTablesNetlink``, 0.8 s for 110k chains where an nft
-        transaction took 8.7 s; the owned table: its owner's socket, as every write).
-        The caller holds off syncs
-        (:meth:`~kubeproxy.proxier.Proxier.syncs_held`): the backend is not thread-safe.
-        """
-        if len(self._stale) and not self._stale.collect(
-            self._clock(), self._new_transaction, self._run_deletions, self._list_names
-        ):
-            self.stale_chain_failures += 1
-        return len(self._stale)
 
     def close(self) -> None:
         """Let go of an owned table (its owner socket closed: the table stays, orphaned,
