@@ -460,8 +460,33 @@ def our_slash_chains(scene: Scene, family: str) -> list[str]:
     )
 
 
+def flagged(scene: Scene) -> bool:
+    """Whether our IPv4 table carries flags (owner, persist: the owned table)."""
+    listing = scene.ok("nft", "list", "table", "ip", "kube-proxy")
+    return any(line.startswith("\tflags") for line in listing.splitlines())
+
+
 def test_handing_back_to_upstreams_nftables_mode(scene: Scene) -> None:
     scene.once("kube-proxy-nftables")
+    if flagged(scene):
+        # The owned table (Linux 6.9+), orphaned when our proxy ended: the kernel will
+        # not take "persist" off a table, which knftables' "add table" asks for, so
+        # upstream's every sync is refused whole and our last rules serve on, stale.
+        refused = scene.run("nft", "-f", "-", stdin=upstream_text("1.34"))
+        assert refused.returncode != 0 and "Operation not supported" in refused.stderr
+        # --cleanup-leftovers makes it unowned first, in one transaction and without a
+        # failed connection, then refuses the rest while our rules are in use (the
+        # cleanup DaemonSet's init container is retried until upstream has synced).
+        results: list[subprocess.CompletedProcess[str]] = []
+        switch(
+            scene,
+            lambda: results.append(
+                scene.run(*scene.binary("kube-proxy-nftables", "--cleanup-leftovers"))
+            ),
+        )
+        assert results[0].returncode == 1 and "still in use" in results[0].stderr
+        assert not flagged(scene)
+        assert our_slash_chains(scene, "ip")
     # Upstream's first sync over our table: its base chains re-created, its rules live
     # in the same commit.
     switch(scene, lambda: scene.ok("nft", "-f", "-", stdin=upstream_text("1.34")))

@@ -39,6 +39,7 @@ from kubeproxy.backends.nftables.exec import LibNftables, NftExecutor
 from kubeproxy.backends.nftables.layout import generation_of
 from kubeproxy.backends.nftables.localhost import KEPT_OBJECTS
 from kubeproxy.backends.nftables.objects import Family, NftError
+from kubeproxy.backends.nftables.owner import disown
 from kubeproxy.backends.nftables.stale import (
     ObjectKind,
     TableObject,
@@ -96,14 +97,22 @@ def cleanup_leftovers(netns: str | None = None, *, executor: NftExecutor | None 
     current namespace or ``netns``; return how many objects went.
 
     A missing table is fine (upstream's iptables and ipvs modes delete ours at start).
-    Raises :class:`NftError` when the kernel refuses: with ``EBUSY`` when our rules are
-    still in use (our proxy still runs there, or nothing took the table over), naming
-    the table; nothing of that table is deleted then.
+    A table an owning proxy of ours left (orphaned, ``persist``) is made unowned first,
+    in place, both families before anything else (:func:`~.owner.disown`): upstream
+    cannot write it before. Raises :class:`NftError` when the kernel refuses: with
+    ``EBUSY`` when our rules are still in use (our proxy still runs there, or nothing
+    took the table over), naming the table; nothing of that table is deleted then (a
+    retry once upstream has synced finishes the job).
     """
     own = executor is None
     nft = executor if executor is not None else LibNftables(netns)
     deleted = 0
     try:
+        if isinstance(nft, LibNftables):
+            # Upstream cannot write a table an owning proxy of ours left (see disown):
+            # both families first, before anything here can be refused.
+            for family in (Family.IP, Family.IP6):
+                disown(family, nft.netns, listing=nft)
         for family in (Family.IP, Family.IP6):
             if not nft.table_exists(family, TABLE):
                 continue

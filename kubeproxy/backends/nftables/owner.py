@@ -44,6 +44,7 @@ import enum
 import errno
 import logging
 import os
+import re
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -74,6 +75,7 @@ __all__ = [
     "OwnedNftables",
     "Owner",
     "TableState",
+    "disown",
     "find_owner",
     "probe_table_flags",
     "running_owner",
@@ -196,6 +198,58 @@ def running_owner(family: Family, table: str, netns: str | None = None) -> Owner
     if read is None or not read[0] & NFT_TABLE_F_OWNER:
         return None
     return find_owner(read[1], netns)
+
+
+_TABLE_FLAGS_LINE = re.compile(r"^\tflags\b")
+"""A table's own ``flags`` line in nft's listing (one tab in; a set's are two)."""
+
+
+def disown(
+    family: Family,
+    netns: str | None = None,
+    *,
+    table: str = TABLE,
+    listing: LibNftables | None = None,
+) -> bool:
+    """Make an orphaned owned table unowned again, in place and without a gap; True when
+    there was one (a table without ``persist`` is left alone).
+
+    Why: the kernel will not take ``persist`` off a table (``EOPNOTSUPP``, as it will
+    not put it on one: measured on 6.18), and nft's ``add table`` without flags asks for
+    exactly that. So over a table an owning proxy of ours left, every sync of
+    upstream's nftables mode (knftables: ``add table`` first), of ours with
+    ``NFTablesOwnedTable`` off and of an earlier version of ours is refused, and our
+    last rules serve on, stale. The table is listed (libnftables, ``listing``) and given
+    back in one nft transaction that deletes it and adds the listing without its flags:
+    the old rules serve until that commit, the copy from it (affinity entries with their
+    timeouts too). Raises :class:`AnotherOwner` while a process owns the table (our
+    proxy still runs: stop it first) and :class:`NftError` when nft refuses (nothing
+    changed then).
+    """
+    family = Family(family)
+    where = f"table {family} {table}"
+    channel = BatchSocket(netns)
+    try:
+        read = _read_table(channel, family, table)
+    finally:
+        channel.close()
+    if read is None or not read[0] & NFT_TABLE_F_PERSIST:
+        return False
+    if read[0] & NFT_TABLE_F_OWNER:
+        raise AnotherOwner(
+            f"{where} belongs to a running proxy ({find_owner(read[1], netns)}): stop it first",
+            errno.EPERM,
+        )
+    lib = listing if listing is not None else LibNftables(netns)
+    try:
+        text = lib.run_text(f"list {where}")
+        kept = [line for line in text.splitlines() if not _TABLE_FLAGS_LINE.match(line)]
+        lib.run_text("\n".join([f"delete {where}", *kept, ""]))
+    finally:
+        if listing is None:
+            lib.close()
+    log.info("Made %s unowned, in one transaction, for a proxy that cannot own it", where)
+    return True
 
 
 def probe_table_flags(netns: str | None = None) -> tuple[bool, bool]:
