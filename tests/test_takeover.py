@@ -132,6 +132,30 @@ def test_the_sweep_leaves_only_ours_before_the_other_modes_go(layout: str) -> No
     assert recorded.cleaned == [("iptables", 0), ("ipvs", 0)]
 
 
+def test_what_the_daemons_sweeper_deleted_first_counts_as_taken_over() -> None:
+    fake, clock = upstream_fake(), Clock()
+    proxier = proxier_over(fake, clock)
+    assert proxier.sync_now()
+    upstreams = names(fake) - ours_fresh()
+    recorded = Recorded(fake)
+    backend = proxier.backend
+    assert isinstance(backend, NftablesBackend)
+    collect = backend.collect_stale
+
+    class SweptMeanwhile(threading.Event):
+        """The daemon's sweeper (its own timer) deletes them during the takeover's wait."""
+
+        def wait(self, timeout: float | None = None) -> bool:
+            clock.now += STALE_DELAY
+            with proxier.syncs_held():
+                assert collect()
+            return False
+
+    result = Takeover("nftables", recorded.modes, delay=0)({V4: proxier}, SweptMeanwhile())
+    assert names(fake) == ours_fresh()
+    assert result.deleted == len(upstreams) and result.complete
+
+
 def test_objects_not_yet_unused_long_enough_are_reported_and_left_to_the_syncs(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -42,7 +42,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Final, Protocol, runtime_checkable
+from typing import Final, Protocol, cast, runtime_checkable
 
 from kubeproxy.cmd.modes import Mode, platform_cleanup
 from kubeproxy.objects import IPFamily
@@ -153,8 +153,9 @@ class Takeover:
             for family, proxier in proxiers.items()
             if isinstance(proxier.backend, Sweepable) and proxier.backend.stale_objects
         }
+        # Counted from here: the daemon's sweeper may delete some of them first.
+        found = {f: cast(Sweepable, p.backend).stale_objects for f, p in pending.items()}
         left: dict[IPFamily, int] = {}
-        deleted = 0
         for _attempt in range(self.attempts):
             if not pending or stop.wait(self.delay):
                 break
@@ -162,10 +163,8 @@ class Takeover:
                 backend = proxier.backend
                 assert isinstance(backend, Sweepable)
                 with proxier.syncs_held():
-                    before = backend.stale_objects
                     backend.collect_stale()
                     remaining = backend.stale_objects
-                deleted += max(0, before - remaining)
                 left[family] = remaining
                 if not remaining:
                     del pending[family]
@@ -173,6 +172,7 @@ class Takeover:
             backend = proxier.backend
             assert isinstance(backend, Sweepable)
             left[family] = backend.stale_objects
+        deleted = sum(max(0, count - left.get(family, 0)) for family, count in found.items())
         return deleted, {f: n for f, n in left.items() if n}
 
     def _report(self, result: TakeoverResult) -> None:
