@@ -51,7 +51,6 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +58,7 @@ from bench.floor_report import KIND, render
 from bench.harness import python_module
 from bench.netns import in_netns, namespace, namespaces
 from bench.profile_modules import by_category, by_module
-from bench.report import machine_info
+from bench.report import write_document
 from kubeproxy.backends.nftables.batchsocket import BatchSocket, Refusable
 from kubeproxy.backends.nftables.objects import NftError
 
@@ -365,23 +364,9 @@ def _line(record: Mapping[str, Any]) -> str:
 
 def write(records: list[dict[str, Any]], started: float, out: Path = RESULTS_DIR) -> Path:
     """The results document and ``floor.md``; returns the document's path."""
-    now = datetime.now(UTC)
-    machine = machine_info()
-    document = {
-        "kind": KIND,
-        "when": now.isoformat(timespec="seconds"),
-        "commit": machine["commit"] or None,
-        "command": os.environ.get(
-            "KPXB_COMMAND", shlex.join(["python", "-m", "bench.floor", *sys.argv[1:]])
-        ),
-        "machine": machine,
-        "load_before": started,
-        "load_after": os.getloadavg()[0],
-        "records": records,
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{now.strftime('%Y%m%dT%H%M%SZ')}-{KIND}-{machine['host']}.json"
-    path.write_text(json.dumps(document, indent=1) + "\n")
+    command = shlex.join(["python", "-m", "bench.floor", *sys.argv[1:]])
+    fields = {"load_before": started, "load_after": os.getloadavg()[0], "records": records}
+    path, document = write_document(out, KIND, command, fields)
     (out / f"{KIND}.md").write_text(
         "# The kernel floor (latest run)\n\n" + render(document, path.name)
     )

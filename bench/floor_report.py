@@ -11,10 +11,11 @@ Services, judged on each mix measured at that size.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
+
+from bench.report import newest_document as newest_of_kind
 
 __all__ = ["KIND", "TARGET_RATIO", "TARGET_SIZE", "newest_document", "render", "targets"]
 
@@ -24,16 +25,8 @@ TARGET_SIZE: Final = 100_000
 
 
 def newest_document(results: Path) -> tuple[Path, dict[str, Any]]:
-    """The newest kernel-floor results document in ``results``."""
-    found = []
-    for path in results.glob(f"*-{KIND}-*.json"):
-        document = json.loads(path.read_text())
-        if document.get("kind") == KIND:
-            found.append((document["when"], path.name, path, document))
-    if not found:
-        raise FileNotFoundError(f"no {KIND} results in {results}")
-    _, _, path, document = max(found)
-    return path, document
+    """The newest floor results document in ``results``."""
+    return newest_of_kind(results, KIND)
 
 
 def _size(services: int) -> str:

@@ -42,14 +42,13 @@ import threading
 import time
 import tracemalloc
 from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
 
 from bench.harness import python_module
 from bench.netns import in_netns, namespace
 from bench.profile_modules import source_name
-from bench.report import machine_info
+from bench.report import write_document
 
 __all__ = ["HOLDERS", "holder", "main", "summarise_traces", "time_v"]
 
@@ -295,21 +294,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="kpxb-memory-") as work:
         record = measure(options.services, options.endpoints, Path(work))
-    now = datetime.now(UTC)
-    machine = machine_info()
-    document = {
-        "kind": KIND,
-        "when": now.isoformat(timespec="seconds"),
-        "commit": machine["commit"] or None,
-        "command": os.environ.get("KPXB_COMMAND", "python -m bench.memory " + " ".join(args)),
-        "machine": machine,
-        "load_before": load,
-        "load_after": os.getloadavg()[0],
-        "records": [record],
-    }
-    options.results.mkdir(parents=True, exist_ok=True)
-    path = options.results / f"{now.strftime('%Y%m%dT%H%M%SZ')}-{KIND}-{machine['host']}.json"
-    path.write_text(json.dumps(document, indent=1) + "\n")
+    fields = {"load_before": load, "load_after": os.getloadavg()[0], "records": [record]}
+    command = "python -m bench.memory " + " ".join(args)
+    path, _document = write_document(options.results, KIND, command, fields)
     print(_summary(record))
     print(f"written: {path}")
     return 0
