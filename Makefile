@@ -128,3 +128,19 @@ soak: setup
 .PHONY: bench-owned
 bench-owned: setup
 	$(PY) -m bench.owned $(OWNED_ARGS)
+
+# The kernel floor of a full sync (issue 32): the batches our full sync sends, replayed by
+# the same writer into an empty namespace, next to our full sync and its profile, at 10k,
+# 30k and 100k Services, uniform and realistic (bench/floor.py; about 25 minutes here). Not
+# part of bench. FLOOR_ARGS="--sizes 1000,10000 --mixes uniform".
+.PHONY: bench-floor
+bench-floor: setup
+	KPXB_COMMAND="make bench-floor $(FLOOR_ARGS)" $(PY) -m bench.floor $(FLOOR_ARGS)
+
+# Where the whole process's memory is at its peak (issue 32): kube-proxy-nftables --once
+# over JSON manifests under /usr/bin/time -v, then twice under tracemalloc, the live
+# allocations summed by file and line at the traced peak (bench/memory.py; 100k Services
+# by default, about 20 minutes here). MEMORY_ARGS="--services 10000".
+.PHONY: bench-memory
+bench-memory: setup
+	KPXB_COMMAND="make bench-memory $(MEMORY_ARGS)" $(PY) -m bench.memory $(MEMORY_ARGS)

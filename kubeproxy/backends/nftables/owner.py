@@ -287,7 +287,9 @@ class OwnedNftables(NftExecutor):
     the same namespace, made here unless given). Thread-safe; :meth:`close` orphans
     the tables (they stay, for the next process to adopt). ``owner_flags`` 0 writes the
     table the same way without owning it (the encoder's kernel tests on kernels that
-    cannot own a table: ``tests/test_nft_owned_kernel.py``).
+    cannot own a table: ``tests/test_nft_owned_kernel.py``). ``channel`` is the socket to
+    write on, made here unless given (a benchmark passes one that records what it sends:
+    ``bench/floor.py``).
     """
 
     def __init__(
@@ -299,13 +301,14 @@ class OwnedNftables(NftExecutor):
         listing: LibNftables | None = None,
         timeout: float = 5.0,
         owner_flags: int = OWNER_FLAGS,
+        channel: BatchSocket | None = None,
     ) -> None:
         self.netns = netns
         self.owner_flags = owner_flags
         self.table = table
         self.comment = comment
         self._lib = listing if listing is not None else LibNftables(netns)
-        self.channel = BatchSocket(netns, timeout=timeout)
+        self.channel = channel if channel is not None else BatchSocket(netns, timeout=timeout)
         self._elements = ElementWriter(netns, channel=self.channel)
         self._states: dict[Family, TableState] = {}
         self._claimed_socket: dict[Family, int] = {}
