@@ -132,7 +132,10 @@ class NftablesBackend:
     :attr:`generation`. ``kept`` names objects that another part of this proxy keeps in
     our table (localhost NodePorts' reject rules), as
     :class:`~kubeproxy.backends.nftables.stale.TableObject` values or their text
-    (``chain NAME``, ``set NAME``): never deleted as unused.
+    (``chain NAME``, ``set NAME``): never deleted as unused. ``element_names``: a
+    frontend's dispatch and no-endpoint elements carry its Service port's name as their
+    comment (what ``kubeproxy explain`` reads); off, they carry none (the structure before
+    issue 30, kept for ``make bench``).
     """
 
     def __init__(
@@ -146,6 +149,7 @@ class NftablesBackend:
         support_check: bool = True,
         dispatch: str = DISPATCH_TREE,
         kept: Iterable[TableObject | str] = (),
+        element_names: bool = True,
     ) -> None:
         if elements_per_transaction < 1:
             raise ValueError("elements_per_transaction must be at least 1")
@@ -160,6 +164,7 @@ class NftablesBackend:
         self._executor = executor
         self._clock = clock
         self.elements_per_transaction = elements_per_transaction
+        self.element_names = element_names
         self.sync_failures = 0
         self.stale_chain_failures = 0
         self.affinity_cleanup_failures = 0
@@ -261,6 +266,7 @@ class NftablesBackend:
             write_elements=self._executor.write_elements,
             budget=self.elements_per_transaction,
             text_last=text_last,
+            comments=self.element_names,
         )
 
     def _map_live(self, name: str) -> bool:
