@@ -90,3 +90,10 @@ bench: setup
 .PHONY: bench-selfheal
 bench-selfheal: setup
 	$(PY) -m bench.selfheal $(SELFHEAL_ARGS)
+
+# Connections to Services while others flush, delete and reload, with the owned table and
+# with today's unowned one side by side, 10k Services by default (bench/owned.py; README:
+# "Surviving firewall reloads"). Not part of bench.
+.PHONY: bench-owned
+bench-owned: setup
+	$(PY) -m bench.owned $(OWNED_ARGS)

@@ -31,6 +31,7 @@ go to the README's "Surviving firewall reloads".
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import shlex
@@ -39,7 +40,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -58,7 +59,18 @@ from kubeproxy.backends.iptables.proxier import owns_chain
 from kubeproxy.backends.nftables.exec import LibNftables
 from kubeproxy.backends.nftables.objects import Family
 
-__all__ = ["Case", "main"]
+__all__ = [
+    "FIREWALL",
+    "REPAIRED",
+    "Case",
+    "Prober",
+    "RunningProxy",
+    "main",
+    "metric",
+    "run_in",
+    "running_proxy",
+    "wait_for",
+]
 
 TABLE = "kube-proxy"
 FIREWALL = """table inet kpxb-firewall {
@@ -71,7 +83,7 @@ FIREWALL = """table inet kpxb-firewall {
 	}
 }
 """
-_REPAIRED = re.compile(r"IPv4 rules repaired ([0-9.]+)s after someone else changed them")
+REPAIRED = re.compile(r"IPv4 rules repaired ([0-9.]+)s after someone else changed them")
 _PROBE = """
 import socket, sys, time
 target = (sys.argv[1], int(sys.argv[2]))
@@ -124,15 +136,17 @@ class Prober:
         self.process.wait()
 
 
-def _run(netns: str, *argv: str, stdin: str | None = None) -> str:
+def run_in(netns: str, *argv: str, stdin: str | None = None) -> str:
+    """``argv`` in ``netns``; its output (a failure raises)."""
     done = subprocess.run(
         in_netns(netns, list(argv)), input=stdin, capture_output=True, text=True, check=True
     )
     return done.stdout
 
 
-def _metric(netns: str, port: int, name: str) -> float:
-    text = _run(netns, "curl", "-s", f"http://127.0.0.1:{port}/metrics")
+def metric(netns: str, port: int, name: str) -> float:
+    """The sum of every sample of metric ``name`` on the proxy's ``/metrics``."""
+    text = run_in(netns, "curl", "-s", f"http://127.0.0.1:{port}/metrics")
     total = 0.0
     for line in text.splitlines():
         if line.startswith(name):
@@ -141,12 +155,12 @@ def _metric(netns: str, port: int, name: str) -> float:
 
 
 def _first_nft_chain_with_rules(netns: str) -> str:
-    chains = json.loads(_run(netns, "nft", "-j", "list", "chains", "ip"))["nftables"]
+    chains = json.loads(run_in(netns, "nft", "-j", "list", "chains", "ip"))["nftables"]
     for item in chains:
         chain = item.get("chain")
         if not chain or chain["table"] != TABLE or "hook" in chain:
             continue
-        listed = json.loads(_run(netns, "nft", "-j", "list", "chain", "ip", TABLE, chain["name"]))
+        listed = json.loads(run_in(netns, "nft", "-j", "list", "chain", "ip", TABLE, chain["name"]))
         if any("rule" in i for i in listed["nftables"]):
             return str(chain["name"])
     raise RuntimeError("no regular chain of ours holds rules")
@@ -170,7 +184,7 @@ def _nft_element_naming(netns: str, address: str) -> tuple[str, str]:
 def _iptables_rules(netns: str) -> list[list[str]]:
     return [
         shlex.split(line)
-        for line in _run(netns, "iptables-nft", "-t", "nat", "-S").splitlines()
+        for line in run_in(netns, "iptables-nft", "-t", "nat", "-S").splitlines()
         if line.startswith("-A ") and owns_chain("nat", line.split()[1])
     ]
 
@@ -180,7 +194,7 @@ def _damages(mode: str, netns: str, address: str) -> dict[str, Callable[[], None
 
     def tool(*argv: str) -> Callable[[], None]:
         def run() -> None:
-            _run(netns, *argv)
+            run_in(netns, *argv)
 
         return run
 
@@ -211,7 +225,8 @@ def _damages(mode: str, netns: str, address: str) -> dict[str, Callable[[], None
     }
 
 
-def _wait(check: Callable[[], bool], what: str, timeout: float) -> None:
+def wait_for(check: Callable[[], bool], what: str, timeout: float) -> None:
+    """Until ``check()``; ``TimeoutError`` naming ``what`` after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     while not check():
         if time.monotonic() > deadline:
@@ -219,60 +234,71 @@ def _wait(check: Callable[[], bool], what: str, timeout: float) -> None:
         time.sleep(0.05)
 
 
-def measure(
-    mode: str, services: int, endpoints: int, cases: Sequence[str], keep_log: Path | None = None
-) -> dict[str, Any]:
-    """Run the proxy at this scale and put every case through it (its log copied to
-    ``keep_log`` if given)."""
+METRICS_PORT = 10249
+"""Where the proxy under test serves ``/metrics`` (in the node namespace)."""
+FULL_SYNCS = "kubeproxy_sync_full_proxy_rules_duration_seconds"
+
+
+@dataclass
+class RunningProxy:
+    """The production binary running in the node namespace of the data-plane topology,
+    synced once, and the prober connecting to one of its Services."""
+
+    topo: Any
+    log: Path
+    cold: float
+    """The first full sync's seconds (the proxy's own histogram)."""
+    prober: Prober
+    address: str
+
+    def metric(self, name: str) -> float:
+        """The sum of metric ``name``'s samples on the proxy's ``/metrics``."""
+        return metric(self.topo.node, METRICS_PORT, name)
+
+
+@contextlib.contextmanager
+def running_proxy(
+    binary: str,
+    services: int,
+    endpoints: int,
+    extra: Sequence[str] = (),
+    keep_log: Path | None = None,
+) -> Iterator[RunningProxy]:
+    """``binary`` (``kube-proxy-nftables`` ...) over N synthetic Services x E endpoints in
+    the node namespace, with the foreign table at the same hooks, after its first full
+    sync and a first connection of the prober; stopped (and its log copied to
+    ``keep_log``) afterwards."""
     with tempfile.TemporaryDirectory(prefix="kpxb-selfheal-") as tmp, topology(1) as topo:
         directory = Path(tmp) / "cluster"
         write_manifests(directory, build_services(services, endpoints))
         log_path = Path(tmp) / "proxy.log"
-        metrics_port = 10249
         argv = [
-            str(binary_path(f"kube-proxy-{mode}")),
+            str(binary_path(binary)),
             f"--hostname-override={NODE_NAME}",
             f"--manifests={directory}",
             f"--cluster-cidr={POD_CIDR}",
-            f"--metrics-bind-address=127.0.0.1:{metrics_port}",
+            f"--metrics-bind-address=127.0.0.1:{METRICS_PORT}",
             "--healthz-bind-address=127.0.0.1:10256",
+            *extra,
         ]
-        _run(topo.node, "nft", "-f", "-", stdin=FIREWALL)
+        run_in(topo.node, "nft", "-f", "-", stdin=FIREWALL)
         with log_path.open("w") as log:
             proxy = subprocess.Popen(in_netns(topo.node, argv), stdout=log, stderr=log)
-        address = str(service_ip(services // 2))
         prober: Prober | None = None
         try:
-            full = "kubeproxy_sync_full_proxy_rules_duration_seconds"
 
             def synced() -> bool:
                 try:
-                    return _metric(topo.node, metrics_port, f"{full}_count") >= 1
+                    return metric(topo.node, METRICS_PORT, f"{FULL_SYNCS}_count") >= 1
                 except subprocess.CalledProcessError:
                     return False
 
-            _wait(synced, "the first full sync", 1800)
-            cold = _metric(topo.node, metrics_port, f"{full}_sum")
-
-            def full_syncs() -> int:
-                return int(_metric(topo.node, metrics_port, f"{full}_count"))
-
+            wait_for(synced, "the first full sync", 1800)
+            cold = metric(topo.node, METRICS_PORT, f"{FULL_SYNCS}_sum")
+            address = str(service_ip(services // 2))
             prober = Prober(topo.client, address)
-            _wait(lambda: any(ok for _, ok in prober.results), "a first connection", 30)
-            damages = _damages(mode, topo.node, address)
-            firewall = _run(topo.node, "nft", "list", "table", "inet", "kpxb-firewall")
-            results = []
-            for case in cases:
-                before = full_syncs()
-                result = _case(case, damages[case], topo.node, prober, log_path, cold)
-                # Every full sync the case caused (the repair, and any other it asked for).
-                result.full_syncs = full_syncs() - before
-                results.append(result)
-                after = _run(topo.node, "nft", "list", "table", "inet", "kpxb-firewall")
-                assert after == firewall, "the foreign table was touched"
-            changes = _metric(
-                topo.node, metrics_port, "kubeproxy_sync_proxy_rules_external_changes_total"
-            )
+            wait_for(lambda: any(ok for _, ok in prober.results), "a first connection", 30)
+            yield RunningProxy(topo, log_path, cold, prober, address)
         finally:
             if prober is not None:
                 prober.close()
@@ -280,11 +306,39 @@ def measure(
             proxy.wait(30)
             if keep_log is not None:
                 keep_log.write_text(log_path.read_text())
+
+
+def measure(
+    mode: str, services: int, endpoints: int, cases: Sequence[str], keep_log: Path | None = None
+) -> dict[str, Any]:
+    """Run the proxy at this scale and put every case through it (its log copied to
+    ``keep_log`` if given)."""
+    # In nftables mode, what self-healing repairs: today's unowned table (an owned one
+    # refuses every damage here; bench.owned puts the two side by side).
+    extra = ["--feature-gates=NFTablesOwnedTable=false"] if mode == "nftables" else []
+    with running_proxy(f"kube-proxy-{mode}", services, endpoints, extra, keep_log) as run:
+        node = run.topo.node
+
+        def full_syncs() -> int:
+            return int(run.metric(f"{FULL_SYNCS}_count"))
+
+        damages = _damages(mode, node, run.address)
+        firewall = run_in(node, "nft", "list", "table", "inet", "kpxb-firewall")
+        results = []
+        for case in cases:
+            before = full_syncs()
+            result = _case(case, damages[case], node, run.prober, run.log, run.cold)
+            # Every full sync the case caused (the repair, and any other it asked for).
+            result.full_syncs = full_syncs() - before
+            results.append(result)
+            after = run_in(node, "nft", "list", "table", "inet", "kpxb-firewall")
+            assert after == firewall, "the foreign table was touched"
+        changes = run.metric("kubeproxy_sync_proxy_rules_external_changes_total")
     return {
         "mode": mode,
         "services": services,
         "endpoints": endpoints,
-        "cold_full_sync_s": round(cold, 3),
+        "cold_full_sync_s": round(run.cold, 3),
         "external_changes_counted": changes,
         "cases": [asdict(r) for r in results],
     }
@@ -298,20 +352,20 @@ def _case(
     log_path: Path,
     cold: float,
 ) -> Case:
-    repairs_before = len(_REPAIRED.findall(log_path.read_text()))
+    repairs_before = len(REPAIRED.findall(log_path.read_text()))
     started = time.monotonic()
     damage()
     if case == "ruleset":
-        _run(netns, "nft", "-f", "-", stdin=FIREWALL)  # the owner puts its table back
+        run_in(netns, "nft", "-f", "-", stdin=FIREWALL)  # the owner puts its table back
     done = time.monotonic()
 
     def repaired() -> bool:
-        return len(_REPAIRED.findall(log_path.read_text())) > repairs_before
+        return len(REPAIRED.findall(log_path.read_text())) > repairs_before
 
-    _wait(repaired, f"the repair after {case}", 10 * cold + 60)
-    took = float(_REPAIRED.findall(log_path.read_text())[-1])
+    wait_for(repaired, f"the repair after {case}", 10 * cold + 60)
+    took = float(REPAIRED.findall(log_path.read_text())[-1])
     back = time.monotonic()
-    _wait(lambda: any(ok for t, ok in prober.since(back)), f"a connection after {case}", 30)
+    wait_for(lambda: any(ok for t, ok in prober.since(back)), f"a connection after {case}", 30)
     time.sleep(1.0)  # a few more connections after the repair
     seen = prober.since(done)
     failed = [t for t, ok in seen if not ok]

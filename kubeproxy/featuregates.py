@@ -12,11 +12,11 @@
 * setting a GA or deprecated gate is allowed and warned about, in upstream's words.
 
 The known gates are upstream 1.37's (:mod:`kubeproxy.featurelist` says where each fact
-comes from). Which of them change what this proxy does is listed in
-:data:`KUBE_PROXY_GATES`; the others are accepted and do nothing here, as in upstream's
-kube-proxy, which registers every Kubernetes gate. :func:`known_features` is the
-``--feature-gates`` help list and :class:`FeatureEnabledCollector` the
-``kubernetes_feature_enabled`` metric.
+comes from), and this project's own few (``OWN_GATES`` there). Which of them change
+what this proxy does is listed in :data:`KUBE_PROXY_GATES`; the others are accepted and
+do nothing here, as in upstream's kube-proxy, which registers every Kubernetes gate.
+:func:`known_features` is the ``--feature-gates`` help list and
+:class:`FeatureEnabledCollector` the ``kubernetes_feature_enabled`` metric.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Final
 
-from kubeproxy.featurelist import GATES_137, LOCKED_DEPRECATED, UNLOCKED_GA
+from kubeproxy.featurelist import GATES_137, LOCKED_DEPRECATED, OWN_GATES, UNLOCKED_GA
 
 if TYPE_CHECKING:
     from prometheus_client.core import GaugeMetricFamily
@@ -45,6 +45,7 @@ __all__ = [
     "LOGGING_ALPHA_OPTIONS",
     "LOGGING_BETA_OPTIONS",
     "NFTABLES_NETLINK",
+    "NFTABLES_OWNED_TABLE",
     "FeatureEnabledCollector",
     "FeatureGateError",
     "FeatureGates",
@@ -90,6 +91,7 @@ ALL_BETA: Final = "AllBeta"
 KUBE_PROXY_IPVS: Final = "KubeProxyIPVS"
 KUBE_PROXY_NFTABLES_LOCALHOST_NODEPORTS: Final = "KubeProxyNFTablesLocalhostNodePorts"
 NFTABLES_NETLINK: Final = "NFTablesNetlink"
+NFTABLES_OWNED_TABLE: Final = "NFTablesOwnedTable"
 LOGGING_ALPHA_OPTIONS: Final = "LoggingAlphaOptions"
 LOGGING_BETA_OPTIONS: Final = "LoggingBetaOptions"
 CONTEXTUAL_LOGGING: Final = "ContextualLogging"
@@ -102,7 +104,11 @@ KUBE_PROXY_GATES: Final[Mapping[str, str]] = {
     "a userspace TCP proxy when nodePortAddresses names a loopback CIDR "
     "(kubeproxy.localnodeports); other localhost NodePort packets rejected and counted",
     NFTABLES_NETLINK: "nftables mode: set and map elements sent over netlink batches of our "
-    "own; false: everything through libnftables, nft's own library",
+    "own; false: everything through libnftables, nft's own library (and no owned table)",
+    NFTABLES_OWNED_TABLE: "nftables mode (this project's gate, not upstream's): on kernels "
+    "with the owner and persist table flags (Linux 6.9+), table kube-proxy belongs to the "
+    "proxy's netlink socket, so no other process can change, flush or delete it; false: "
+    "an unowned table, as upstream's",
     LOGGING_ALPHA_OPTIONS: "false: logging.options.*.splitStream and infoBufferSize refused",
     LOGGING_BETA_OPTIONS: "false: the json logging format refused",
     COMPONENT_FLAGZ: "/flagz on the metrics server (the flags given, plain text)",
@@ -133,8 +139,9 @@ def _parse(table: str) -> dict[str, FeatureSpec]:
     return dict(sorted(specs.items()))
 
 
-FEATURES: Final[Mapping[str, FeatureSpec]] = _parse(GATES_137)
-"""Every gate upstream 1.37's kube-proxy knows, by name."""
+FEATURES: Final[Mapping[str, FeatureSpec]] = _parse(GATES_137 + OWN_GATES)
+"""Every gate upstream 1.37's kube-proxy knows, and this project's own
+(:data:`~kubeproxy.featurelist.OWN_GATES`), by name."""
 
 
 class FeatureGateError(ValueError):

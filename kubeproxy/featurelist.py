@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from typing import Final
 
-__all__ = ["EXTRA_137", "GATES_137", "LOCKED_DEPRECATED", "UNLOCKED_GA"]
+__all__ = ["EXTRA_137", "GATES_137", "LOCKED_DEPRECATED", "OWN_GATES", "UNLOCKED_GA"]
 
 # Alpha and beta gates at 1.37 (website, "Feature gates for Alpha or Beta features").
 _ALPHA_BETA: Final = """
@@ -353,3 +353,11 @@ LOCKED_DEPRECATED: Final = frozenset(
 
 GATES_137: Final = _ALPHA_BETA + _GRADUATED + EXTRA_137
 """The whole table, as text."""
+
+OWN_GATES: Final = """
+NFTablesOwnedTable beta true
+"""
+"""This project's own gates, which upstream's kube-proxy does not know (it would refuse
+them as unrecognized): ``NFTablesOwnedTable``, nftables mode's owned table
+(``kubeproxy.backends.nftables.owner``; beta, on by default: on kernels with the owner
+and persist table flags, no other process can change, flush or delete our table)."""

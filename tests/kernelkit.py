@@ -54,6 +54,7 @@ from kubeproxy.testing.netns import (
     open_namespace,
     write_sysctl,
 )
+from kubeproxy.testing.runner import default_timeout
 
 T = TypeVar("T")
 
@@ -79,14 +80,34 @@ def run_in(netns: str, *argv: str, stdin: str | None = None) -> str:
 _EXPIRES = re.compile(r" expires [0-9hms.]+")
 
 
+_OWNER = re.compile(r" # progname \S+| *\n\tflags owner(?=\n)")
+
+
+def _comparable(listing: str) -> str:
+    # nft separates a table's objects from its flags by a blank line (none after a
+    # comment alone), so a listing without the owner flag has one blank line fewer.
+    return "\n".join(line for line in _EXPIRES.sub("", listing).splitlines() if line)
+
+
+def without_owner(listing: str) -> str:
+    """An ``nft list`` text without what says who owns a table: the same before and after
+    its owner ends (``flags owner`` becomes ``flags`` when the table is orphaned), or
+    whether the table is owned at all."""
+    text = _OWNER.sub("", listing)
+    text = re.sub(r"\n\tflags *(?=\n)", "", text)
+    return _comparable(text)
+
+
 def nft_listing_reloads(netns: str) -> str | None:
     """None when the ruleset of ``netns`` (as ``nft list ruleset`` shows it) loads with
     ``nft -f`` into an empty namespace and lists the same there; else what went wrong.
 
     Dynamic-map entries count down while they live, so their ``expires`` are left out
-    of the comparison.
+    of the comparison. An owned table (``flags owner``, and nft's ``# progname`` note of
+    its owner) is loaded without its owner: a table that ``nft -f`` made owned would go
+    with that process (and ``persist`` is not in nft 1.0.6's words).
     """
-    listed = run_in(netns, "nft", "list", "ruleset")
+    listed = _OWNER.sub("", run_in(netns, "nft", "list", "ruleset"))
     scratch = f"kpxl-{os.getpid() % 100000}-{uuid.uuid4().hex[:6]}"
     ip("netns", "add", scratch)
     try:
@@ -102,7 +123,7 @@ def nft_listing_reloads(netns: str) -> str | None:
         again = run_in(scratch, "nft", "list", "ruleset")
     finally:
         subprocess.run(["ip", "netns", "delete", scratch], check=False, capture_output=True)
-    if _EXPIRES.sub("", again) != _EXPIRES.sub("", listed):
+    if _comparable(again) != _comparable(listed):
         diff = difflib.unified_diff(listed.splitlines(), again.splitlines(), lineterm="", n=0)
         return "reloaded, it lists otherwise: " + " | ".join(list(diff)[2:8])
     return None
@@ -232,7 +253,9 @@ def _wait_for_server(topo: Topology) -> None:
     servers = [ECHO_SERVER_IP, ECHO_SERVER_IP6] if topo.ipv6 else [ECHO_SERVER_IP]
 
     def probe(address: str) -> bool:
-        for _ in range(100):
+        # About 25 s, longer where the flow kit's timeouts are (a Python starting under
+        # emulation, `make test-kernels`, took longer than that on a loaded host).
+        for _ in range(int(100 * default_timeout())):
             try:
                 with socket.create_connection((address, 8080), timeout=0.2):
                     return True
@@ -291,6 +314,52 @@ def echo_snapshot(
     )
 
 
+@dataclass
+class Flow:
+    """What :func:`connections_flowing` saw: connections that echoed, those that failed
+    (and why)."""
+
+    ok: int = 0
+    failed: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def connections_flowing(topology: Topology) -> Iterator[Flow]:
+    """New connections from the client to the echo Service, one after another, for as
+    long as the block runs (each must echo within 1 s)."""
+    stop = threading.Event()
+    flow = Flow()
+
+    def connect_loop() -> None:
+        while not stop.is_set():
+            try:
+                with socket.create_connection((ECHO_VIP, 80), timeout=1) as sock:
+                    sock.sendall(b"x")
+                    if sock.recv(8) != b"x":
+                        raise OSError("wrong echo")
+                flow.ok += 1
+            except OSError as err:
+                flow.failed += 1
+                flow.errors.append(str(err))
+            time.sleep(0.002)
+
+    fd = open_namespace(topology.client)
+
+    def loop_in_client() -> None:
+        with entered(fd):
+            connect_loop()
+
+    looper = threading.Thread(target=loop_in_client)
+    looper.start()
+    try:
+        yield flow
+    finally:
+        stop.set()
+        looper.join()
+        os.close(fd)
+
+
 def assert_restart_keeps_connections(topology: Topology, restart: Callable[[], None]) -> None:
     """Run ``restart`` (a new backend's first sync) while the client holds a connection
     to the echo Service and opens new ones in a loop: no connection fails, some complete
@@ -303,47 +372,18 @@ def assert_restart_keeps_connections(topology: Topology, restart: Callable[[], N
         return sock
 
     established = topology.in_namespace(topology.client, open_established)
-    stop = threading.Event()
-    results = {"ok": 0, "failed": 0}
-    errors: list[str] = []
-
-    def connect_loop() -> None:
-        while not stop.is_set():
-            try:
-                with socket.create_connection((ECHO_VIP, 80), timeout=1) as sock:
-                    sock.sendall(b"x")
-                    if sock.recv(8) != b"x":
-                        raise OSError("wrong echo")
-                results["ok"] += 1
-            except OSError as err:
-                results["failed"] += 1
-                errors.append(str(err))
-            time.sleep(0.002)
-
-    fd = open_namespace(topology.client)
-
-    def loop_in_client() -> None:
-        with entered(fd):
-            connect_loop()
-
-    looper = threading.Thread(target=loop_in_client)
-    looper.start()
-    try:
+    with connections_flowing(topology) as flow:
         time.sleep(0.2)
-        before = results["ok"]
+        before = flow.ok
         started = time.monotonic()
         restart()
         took = time.monotonic() - started
-        during = results["ok"] - before
+        during = flow.ok - before
         time.sleep(0.2)
-    finally:
-        stop.set()
-        looper.join()
-        os.close(fd)
     established.sendall(b"after\n")
     assert established.recv(64) == b"after\n"
     established.close()
-    assert results["failed"] == 0, errors[:5]
+    assert flow.failed == 0, flow.errors[:5]
     assert during > 0, f"no connection completed during the {took:.2f}s restart sync"
 
 

@@ -324,7 +324,9 @@ def test_daemon_end_to_end(namespaces: NodeAndPod, fake: FakeAPIServer, tmp_path
         daemon.start()
         proxier = daemon.proxiers[IPFamily.IPV4]
         wait_for(lambda: kernel.service_ips() == expected_service_ips(fake), "initial rules")
-        assert answered_by(namespaces.node_fd, "172.30.0.10") == f"{EP1}:8080"
+        # The newest generation's sets are filled before the transaction that switches to
+        # it: the packets follow that switch, a moment later.
+        wait_for(lambda: answered_by(namespaces.node_fd, "172.30.0.10") == f"{EP1}:8080", "EP1")
         assert answered_by(namespaces.node_fd, "172.30.0.20") == f"{EP2}:8080"
         assert gc_calls == ["disable", "freeze", "threshold 20000 10 10", "enable"]
 

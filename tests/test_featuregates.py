@@ -36,7 +36,7 @@ from kubeproxy.featuregates import (
     known_features,
     resolve,
 )
-from kubeproxy.featurelist import GATES_137
+from kubeproxy.featurelist import GATES_137, OWN_GATES
 from kubeproxy.metrics import expose
 from kubeproxy.proxyconfig import ConfigError, defaults, parse_config, to_proxier_config, validate
 
@@ -47,7 +47,7 @@ HEADER = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfigura
 
 
 def test_the_table_names_each_gate_once() -> None:
-    names = [line.split()[0] for line in GATES_137.splitlines() if line.strip()]
+    names = [line.split()[0] for line in (GATES_137 + OWN_GATES).splitlines() if line.strip()]
     assert len(names) == len(set(names))
     assert len(FEATURES) == len(names) + 2  # AllAlpha and AllBeta
 
@@ -58,6 +58,7 @@ def test_the_table_names_each_gate_once() -> None:
         # The gates kube-proxy itself reads, as upstream 1.37 defines them.
         ("KubeProxyIPVS", Stage.DEPRECATED, True, False),
         ("KubeProxyNFTablesLocalhostNodePorts", Stage.ALPHA, False, False),
+        ("NFTablesOwnedTable", Stage.BETA, True, False),
         ("NFTablesNetlink", Stage.BETA, True, False),
         ("PreferSameTrafficDistribution", Stage.GA, True, True),
         ("MultiCIDRServiceAllocator", Stage.GA, True, True),

@@ -190,6 +190,12 @@ class Program:
     def sync(self) -> None:
         assert self.proxier.sync_now(), "the sync failed"
 
+    def stop(self) -> None:
+        """The proxy ends (an owned table is orphaned, for a cleanup or the next proxy)."""
+        close = getattr(self.proxier.backend, "close", None)
+        if callable(close):
+            close()
+
 
 ENDPOINTS = {f"{EP1}:8080", f"{EP2}:8080"}
 
@@ -197,9 +203,11 @@ ENDPOINTS = {f"{EP1}:8080", f"{EP2}:8080"}
 def test_switching_nftables_iptables_nftables_with_each_modes_cleanup(node: Node) -> None:
     assert proxied(node) == set()  # nothing proxies yet
 
-    Program("nftables", node).sync()
+    nftables = Program("nftables", node)
+    nftables.sync()
     assert proxied(node) == ENDPOINTS
     assert "table ip kube-proxy" in nft_tables(node)
+    nftables.stop()
     MODES["nftables"].cleanup(node.netns)
     assert proxied(node) == set()
     assert not [t for t in nft_tables(node) if t.endswith(" kube-proxy")]

@@ -18,14 +18,13 @@ from collections.abc import Iterator
 
 import pytest
 
+from kubeproxy.backends.nftables.batchsocket import BatchSocket, answers, batch_refusal
 from kubeproxy.backends.nftables.elements import (
     ElementBatch,
     ElementWriter,
-    _answers,
-    _codec,
     _Message,
-    _refusal,
     comment_userdata,
+    element_encoder,
     encode_part,
     with_comment,
 )
@@ -75,7 +74,7 @@ def test_parts_are_encoded_as_the_kernel_stores_them() -> None:
 def test_a_comment_is_the_user_data_nft_writes() -> None:
     # libnftnl's udata: type 0 (the element comment), its length with the NUL, the text.
     assert comment_userdata("demo/web:http") == b"\x00\x0edemo/web:http\x00"
-    plain = _codec(*TYPES4["ports"]).element(("tcp", "30080"), ())
+    plain = element_encoder(*TYPES4["ports"])(("tcp", "30080"), ())
     named = with_comment(plain, "demo/web:http")
     (length,) = struct.unpack_from("=H", named)
     assert length == len(named) == len(plain) + 4 + 16  # padded to 4 bytes
@@ -143,11 +142,11 @@ def test_no_answer_is_an_nft_error_and_the_socket_is_replaced(
 ) -> None:
     sockets: list[_SilentSocket] = []
 
-    def opened(self: ElementWriter) -> _SilentSocket:
+    def opened(self: BatchSocket) -> _SilentSocket:
         sockets.append(_SilentSocket())
         return sockets[-1]
 
-    monkeypatch.setattr(ElementWriter, "_open", opened)
+    monkeypatch.setattr(BatchSocket, "_open", opened)
     writer = ElementWriter()
     batch = ElementBatch(Family.IP, "t", TYPES4, adds=[("ports", ("tcp", "1"), ())])
     with pytest.raises(NftError, match="no answer; whether it committed is unknown") as failed:
@@ -165,16 +164,16 @@ def test_an_extended_ack_is_read_to_the_element() -> None:
     attrs = struct.pack("=HHI", 8, 2, 60) + struct.pack("=HH", 9, 1) + b"oops\0" + b"\0" * 3
     body = struct.pack("=i", -errno.EEXIST) + header.pack(1000, 0xA0C, 0x405, 7, 0) + attrs
     data = header.pack(16 + len(body), 2, 0x100 | 0x200, 7, 99) + body
-    assert list(_answers(data)) == [(7, errno.EEXIST, 60, "oops")]
-    message = _Message(7, "add", "slots", (("a",), ("b",), ("c",)), (40, 60, 80))
+    assert list(answers(data)) == [(7, errno.EEXIST, 60, "oops")]
+    message = _Message("add", "slots", (("a",), ("b",), ("c",)), (40, 60, 80))
     assert message.element_at(60) == ("b",)
     assert message.element_at(79) == ("b",)
     assert message.element_at(20) is None
-    assert str(_refusal(errno.EEXIST, message, 60, "")) == "add element slots { b }: File exists"
-    assert str(_refusal(errno.EEXIST, message, None, "")) == (
+    assert str(message.refusal(errno.EEXIST, 60, "")) == "add element slots { b }: File exists"
+    assert str(message.refusal(errno.EEXIST, None, "")) == (
         "add element slots { one of a, b, c }: File exists"
     )
-    assert str(_refusal(errno.EPERM, None, None, "")) == (
+    assert str(batch_refusal("element transaction", errno.EPERM, "")) == (
         "element transaction refused: Operation not permitted"
     )
 

@@ -24,7 +24,9 @@ from kubeproxy.backend import ProxySnapshot, SyncChanges, SyncError
 from kubeproxy.backends.nftables import NftablesBackend, cleanup, create_backend
 from kubeproxy.backends.nftables.exec import LibNftables
 from kubeproxy.backends.nftables.inspect import served_frontends, slots_of
-from kubeproxy.backends.nftables.objects import Family
+from kubeproxy.backends.nftables.objects import Family, NftError
+from kubeproxy.backends.nftables.owner import OwnedNftables
+from kubeproxy.backends.nftables.transaction import Transaction
 from kubeproxy.config import ProxierConfig
 from kubeproxy.objects import (
     CategorizedEndpoints,
@@ -121,8 +123,12 @@ def test_restart_keeps_connections_and_serves_new_ones(topology: Topology) -> No
     first.sync(snapshot(300), full())
 
     def restart() -> None:
-        # A new process: the same table, now with thousands more Services to add (several
+        # A new process: the same table (the old process gone: an owned table orphaned,
+        # and adopted by the new one), now with thousands more Services to add (several
         # transactions), and the fixed chains rewritten.
+        close = getattr(first.executor, "close", None)
+        if close is not None:
+            close()
         second = create_backend(IPFamily.IPV4, CONFIG, netns=topology.node)
         second.sync(snapshot(4000), full())
         assert second.last_transactions >= 2
@@ -195,6 +201,11 @@ def test_foreign_table_is_untouched_and_cleanup_removes_only_ours(topology: Topo
     assert "table ip kube-proxy" in tables and "table ip6 kube-proxy" in tables
     assert nft_in(node, "list", "table", "inet", "kpxr-foreign") == foreign
 
+    if isinstance(v6.executor, OwnedNftables):
+        # --cleanup while a proxy runs (and owns its table): refused, saying who owns it.
+        with pytest.raises(NftError, match=r"table ip6 kube-proxy belongs to a running proxy"):
+            cleanup(netns=node)
+        v6.executor.close()  # the proxy ends: its table is orphaned
     cleanup(netns=node)
     tables = nft_in(node, "list", "tables")
     assert "kube-proxy" not in tables
@@ -235,13 +246,16 @@ def test_refused_transaction_leaves_the_previous_rules(topology: Topology) -> No
     backend.sync(snapshot(10), full())
     generation = backend.generation
     assert generation is not None
-    # Someone else puts an element where our next incremental sync will add its own
-    # (slot 0 of bulk/s99, another endpoint): the kernel refuses the whole transaction.
-    nft_in(
-        node,
-        f"add element ip kube-proxy endpoints-tcp-b2.g{generation} "
-        "{ 172.30.16.99 . tcp . 80 . 0 : 192.0.2.9 . 9 }",
+    # An element where our next incremental sync will add its own (slot 0 of bulk/s99,
+    # another endpoint), put there through the backend's own executor (an owned table
+    # takes no other writer): the kernel refuses the whole transaction.
+    conflict = Transaction(Family.IP, "kube-proxy")
+    conflict.add_element(
+        f"endpoints-tcp-b2.g{generation}",
+        ("172.30.16.99", "tcp", "80", "0"),
+        ("192.0.2.9", "9"),
     )
+    backend.executor.run(conflict)
     before = nft_in(node, "list", "table", "ip", "kube-proxy")
     grown = snapshot(100)
     with pytest.raises(SyncError, match="File exists"):

@@ -312,6 +312,10 @@ def test_create_backend_wraps_only_with_the_gate_on(monkeypatch: pytest.MonkeyPa
         return made[-1]
 
     monkeypatch.setattr("kubeproxy.backends.nftables.exec.LibNftables", executor)
+    # A kernel that cannot own the table: no probe, no socket, in this namespace.
+    monkeypatch.setattr(
+        "kubeproxy.backends.nftables.owner.probe_table_flags", lambda netns: (False, False)
+    )
     plain = create_backend(IPFamily.IPV4, config("primary", gates=resolve({})))
     assert isinstance(plain, NftablesBackend)
     gated = create_backend(IPFamily.IPV4, config("primary"))

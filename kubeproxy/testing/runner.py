@@ -51,6 +51,7 @@ __all__ = [
     "Status",
     "default_timeout",
     "flow_id",
+    "replay_syncs",
     "resolve_backend",
     "run_case",
     "run_file",
@@ -448,6 +449,43 @@ def _run_steps(
                 backend.cleanup()
             except Exception:
                 logger.exception("backend cleanup in %s", scene.node_ns)
+
+
+def replay_syncs(
+    case: Case,
+    factory: BackendFactory,
+    netns: str,
+    on_sync: Callable[[Step, bool], None],
+    *,
+    node: StandardNode = STANDARD_NODE,
+) -> None:
+    """Feed ``case``'s steps through the core into backends from ``factory`` programming
+    ``netns``, without a scene and without packets, calling ``on_sync(step, ok)`` after
+    each sync step (``ok``: whether the sync succeeded). The backends are cleaned up
+    at the end, whatever happens. For comparing what two backends (or executors) write
+    for the same cases."""
+    backends: list[Backend] = []
+    try:
+        handler = _make_handler(case, factory, node, netns, backends)
+        store = _ObjectStore()
+        initialized = False
+        for step in case.steps:
+            if step.action is StepAction.APPLY:
+                _apply(handler, store, step)
+            elif step.action is StepAction.DELETE:
+                _delete(handler, store, step)
+            else:
+                if not initialized:
+                    handler.on_services_synced()
+                    handler.on_endpoint_slices_synced()
+                    initialized = True
+                on_sync(step, handler.sync_now())
+    finally:
+        for backend in backends:
+            try:
+                backend.cleanup()
+            except Exception:
+                logger.exception("backend cleanup in %s", netns)
 
 
 def run_file(

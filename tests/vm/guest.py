@@ -72,7 +72,9 @@ def run_probes() -> list[dict[str, Any]]:
     """Every support probe in both families, in a network namespace of its own."""
     from kubeproxy.backends.nftables.exec import LibNftables
     from kubeproxy.backends.nftables.objects import Family
-    from kubeproxy.backends.nftables.support import probe_all
+    from kubeproxy.backends.nftables.owner import probe_table_flags
+    from kubeproxy.backends.nftables.support import PERSIST_KERNEL, probe_all, table_ownership
+    from kubeproxy.featuregates import resolve
 
     netns = f"kpxk-{secrets.token_hex(3)}"
     subprocess.run(["ip", "netns", "add", netns], check=True)
@@ -90,6 +92,17 @@ def run_probes() -> list[dict[str, Any]]:
                             "error": result.error,
                         }
                     )
+            # Whether the table would be owned here, and why (the start-up log's line).
+            decision = table_ownership(resolve({}), lambda: probe_table_flags(netns))
+            results.append(
+                {
+                    "probe": "an owned table (the owner and persist table flags)",
+                    "family": "ip",
+                    "kernel": PERSIST_KERNEL,
+                    "ok": decision.owned,
+                    "error": None if decision.owned else decision.reason,
+                }
+            )
             return results
     finally:
         subprocess.run(["ip", "netns", "del", netns], check=False)

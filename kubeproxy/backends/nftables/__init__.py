@@ -26,8 +26,11 @@ here, with a :class:`DeprecationWarning`, where ``bench`` can be imported; elsew
 
 from __future__ import annotations
 
+import errno
+import logging
+import time
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from kubeproxy.backends.nftables.backend import NftablesBackend
@@ -36,7 +39,7 @@ from kubeproxy.backends.nftables.localhost import (  # noqa: F401 (OBJECT_NAMES:
     OBJECT_NAMES,
     LocalhostNodePortsBackend,
 )
-from kubeproxy.backends.nftables.objects import Family
+from kubeproxy.backends.nftables.objects import Family, NftError
 from kubeproxy.backends.nftables.table import TABLE
 from kubeproxy.backends.nftables.transaction import Transaction
 from kubeproxy.config import ProxierConfig
@@ -45,12 +48,16 @@ from kubeproxy.objects import IPFamily
 
 if TYPE_CHECKING:
     from kubeproxy.backend import Backend
+    from kubeproxy.backends.nftables.exec import NftExecutor
     from kubeproxy.selfheal import Watcher
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "TABLE",
     "LocalhostNodePortsBackend",
     "NftablesBackend",
+    "backend_over",
     "cleanup",
     "create_backend",
     "render_transactions",
@@ -61,35 +68,81 @@ __all__ = [
 def create_backend(
     family: IPFamily, config: ProxierConfig, *, netns: str | None = None
 ) -> NftablesBackend | LocalhostNodePortsBackend:
-    """A backend for ``family`` writing through libnftables (in ``netns`` if given).
+    """A backend for ``family`` in ``netns`` (the current namespace if None).
 
-    Raises :class:`NftError` (from the support check) when nftables mode cannot run here.
-    The ``NFTablesNetlink`` gate (on by default) picks how elements reach the kernel (see
-    :class:`~kubeproxy.backends.nftables.exec.LibNftables`); with the
+    On a kernel with the owner and persist table flags, and with the
+    ``NFTablesOwnedTable`` and ``NFTablesNetlink`` gates on (the defaults), our table is
+    owned (:mod:`~kubeproxy.backends.nftables.owner`): written over a netlink socket of
+    ours that no other process can get past; otherwise through libnftables, where the
+    ``NFTablesNetlink`` gate picks how elements reach the kernel (see
+    :class:`~kubeproxy.backends.nftables.exec.LibNftables`). The choice and its reason
+    are logged (:func:`~kubeproxy.backends.nftables.support.table_ownership`).
+
+    Raises :class:`NftError` when nftables mode cannot run here (the support check), or
+    when another process owns the table (another proxy on this node). With the
     ``KubeProxyNFTablesLocalhostNodePorts`` gate on, the backend comes wrapped in a
     :class:`~kubeproxy.backends.nftables.localhost.LocalhostNodePortsBackend`.
     """
     from kubeproxy.backends.nftables.exec import LibNftables
+    from kubeproxy.backends.nftables.owner import OwnedNftables, probe_table_flags
+    from kubeproxy.backends.nftables.support import table_ownership
 
-    netlink = config.feature_gates.enabled(NFTABLES_NETLINK)
-    executor = LibNftables(netns=netns, netlink_elements=netlink)
+    gates = config.feature_gates
+    nft_family = Family.IP if family is IPFamily.IPV4 else Family.IP6
+    ownership = table_ownership(gates, lambda: probe_table_flags(netns))
+    executor: NftExecutor
+    if ownership.owned:
+        executor = OwnedNftables(netns)
+    else:
+        executor = LibNftables(netns=netns, netlink_elements=gates.enabled(NFTABLES_NETLINK))
+    backend = backend_over(executor, family, config, netns=netns)
+    if isinstance(executor, OwnedNftables):
+        # Refused at once when another process owns the table (another proxy); created
+        # or adopted with the first write (nothing is written before the daemon starts).
+        executor.refuse_another_owner(nft_family)
+    log.info("nftables: %s", ownership.describe(nft_family, TABLE))
+    return backend
+
+
+def backend_over(
+    executor: NftExecutor,
+    family: IPFamily,
+    config: ProxierConfig,
+    *,
+    netns: str | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> NftablesBackend | LocalhostNodePortsBackend:
+    """The backend :func:`create_backend` builds, over a given executor and clock (tests
+    compare two executors writing the same syncs)."""
     if not config.feature_gates.enabled(KUBE_PROXY_NFTABLES_LOCALHOST_NODEPORTS):
-        return NftablesBackend(family, config, executor=executor)
-    inner = NftablesBackend(family, config, executor=executor, kept=KEPT_OBJECTS)
+        return NftablesBackend(family, config, executor=executor, clock=clock)
+    inner = NftablesBackend(family, config, executor=executor, clock=clock, kept=KEPT_OBJECTS)
     return LocalhostNodePortsBackend.create(inner, config, executor, netns=netns)
 
 
 def cleanup(netns: str | None = None) -> None:
     """Delete ``table ip kube-proxy`` and ``table ip6 kube-proxy`` (missing ones are fine).
 
-    Never touches any other table. Raises :class:`NftError` if a deletion fails for
-    another reason than the table being absent.
+    Never touches any other table. An owned table whose proxy has ended (orphaned) is
+    deleted like any other; one that a running proxy owns is refused, in one line
+    naming that process. Raises :class:`NftError` if a deletion fails for another reason
+    than the table being absent.
     """
     from kubeproxy.backends.nftables.exec import LibNftables, delete_table
+    from kubeproxy.backends.nftables.owner import running_owner
 
     executor = LibNftables(netns=netns)
     for family in (Family.IP, Family.IP6):
-        delete_table(executor, family, TABLE)
+        try:
+            delete_table(executor, family, TABLE)
+        except NftError as err:
+            owner = running_owner(family, TABLE, netns) if err.errno == errno.EPERM else None
+            if owner is None:
+                raise
+            raise NftError(
+                f"table {family} {TABLE} belongs to a running proxy ({owner}): stop it first",
+                errno.EPERM,
+            ) from None
 
 
 def render_transactions(transactions: Iterable[Transaction]) -> str:

@@ -68,6 +68,7 @@ from kubeproxy.backends.nftables.layout import (
     generation_of,
 )
 from kubeproxy.backends.nftables.objects import Chain, Family, NftError, Set, Table
+from kubeproxy.backends.nftables.owner import OwnedNftables
 from kubeproxy.backends.nftables.stale import (
     STALE_DELAY,
     StaleCollector,
@@ -215,7 +216,9 @@ class NftablesBackend:
         self.last_sync_full = full
         try:
             if full:
-                ops = self._full_sync(snapshot, inputs, now)
+                # An owned table that replaces an unowned one gets all of it at once.
+                with self._executor.whole_table(self._nft_family, TABLE):
+                    ops = self._full_sync(snapshot, inputs, now)
             else:
                 ops = self._partial_sync(snapshot, changes, now)
         except BaseException as err:
@@ -243,6 +246,19 @@ class NftablesBackend:
         self._stale.clear()
         self.generation = None
         self._need_full = True
+
+    def close(self) -> None:
+        """Let go of an owned table (its owner socket closed: the table stays, orphaned,
+        for the next proxy to adopt); the rules stay, and a later :meth:`cleanup` or
+        sync still works (it adopts the table again)."""
+        if isinstance(self._executor, OwnedNftables):
+            self._executor.close()
+
+    @property
+    def executor(self) -> NftExecutor:
+        """What this backend writes through (tools and tests: the owned table takes
+        writes from its owner's socket only)."""
+        return self._executor
 
     # Plumbing ---------------------------------------------------------------------------
 

@@ -21,20 +21,18 @@ so nothing is read from the kernel first. Supported types: ``ipv4_addr``, ``ipv6
 from __future__ import annotations
 
 import bisect
-import contextlib
 import errno as _errno
 import functools
 import operator
 import os
 import socket
 import struct
-import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import kubeproxy.nlmsg as nlmsg
+from kubeproxy.backends.nftables.batchsocket import BatchSocket, Frame
 from kubeproxy.backends.nftables.objects import Family, NftError, validate_name
-from kubeproxy.netns import run_in_netns
 
 __all__ = [
     "COMMENT_MAX",
@@ -42,6 +40,8 @@ __all__ = [
     "ElementWriter",
     "comment_userdata",
     "decode_part",
+    "element_encoder",
+    "element_frames",
     "encode_part",
     "supports",
     "with_comment",
@@ -58,10 +58,6 @@ _NFT_MSG_NEWSETELEM = 12
 _NFT_MSG_GETSETELEM = 13
 _NFT_MSG_DELSETELEM = 14
 _DUMP_ATTEMPTS = 3
-_SO_SNDBUFFORCE = 32
-_SO_RCVBUFFORCE = 33
-_MIN_RCVBUF = 256 * 1024
-_ANSWER_TRUESIZE = 2048
 _NFTA_SET_ELEM_LIST_TABLE = 1
 _NFTA_SET_ELEM_LIST_SET = 2
 _NFTA_SET_ELEM_LIST_ELEMENTS = 3
@@ -324,6 +320,15 @@ def _codec(key_types: tuple[str, ...], value_types: tuple[str, ...]) -> _Codec:
     return _Codec(key_types, value_types)
 
 
+def element_encoder(
+    key_types: tuple[str, ...], value_types: tuple[str, ...]
+) -> Callable[[Key, Key], bytes]:
+    """The fast encoder of one element's ``NFTA_LIST_ELEM`` for containers of these
+    :func:`supports` ed types (:class:`_Codec`; raises :class:`ValueError` for a part
+    that is not of its type, or a key or value of the wrong length)."""
+    return _codec(key_types, value_types).element
+
+
 @dataclass(frozen=True, slots=True)
 class ElementBatch:
     """Element changes for one table, committed as one transaction.
@@ -365,7 +370,6 @@ class _Message:
     """One element message of a batch, and where each of its elements starts in it (byte
     offsets from the message's netlink header, as the kernel's extended ack reports)."""
 
-    seq: int
     verb: str
     container: str
     keys: tuple[Key, ...]
@@ -376,69 +380,44 @@ class _Message:
         index = bisect.bisect_right(self.offsets, offset) - 1
         return self.keys[index] if 0 <= index < len(self.keys) else None
 
+    def refusal(self, code: int, offset: int | None, message: str) -> NftError:
+        """The error for a refusal of this message, naming the element refused."""
+        reason = os.strerror(code) + (f" ({message})" if message else "")
+        bad = self.element_at(offset) if offset is not None else None
+        if bad is not None:
+            shown = " . ".join(bad)
+        else:
+            keys = self.keys
+            shown = "one of " + ", ".join(" . ".join(k) for k in keys[:3])
+            shown += f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+        return NftError(f"{self.verb} element {self.container} {{ {shown} }}: {reason}", code)
+
 
 class ElementWriter:
-    """Sends :class:`ElementBatch` es over a netlink socket of its own (in ``netns``).
+    """Sends :class:`ElementBatch` es over a netlink socket (in ``netns``): its own, or
+    ``channel``, a :class:`~.batchsocket.BatchSocket` it shares (the owned table's).
 
     One batch is one nf_tables transaction: all of it commits, or none of it (the kernel
-    aborts a batch with any refused message). Thread-safe.
-
-    How the answers are read, and why (issue 19: 270 containers touched in one batch
-    overflowed the receive buffer, and a refused batch-begin left the socket waiting 30 s):
-
-    * only the last element message asks for an acknowledgement; the kernel reports every
-      refused message whether it asked or not, and a refused commit or a batch refused as
-      a whole (no ``CAP_NET_ADMIN``, an out-of-date generation, no memory) on the batch's
-      begin message. So a batch of any size costs one acknowledgement, plus one per
-      refused message;
-    * ``NETLINK_CAP_ACK`` keeps the kernel from copying each refused message back, and
-      ``NETLINK_EXT_ACK`` makes it say which element it refused (the offset of its
-      attribute) and why, when it knows;
-    * nfnetlink handles a batch in the sender's ``sendmsg``, so every answer is queued
-      when the send returns: the writer reads until the last message's answer or a
-      refused begin, then takes whatever else is queued; a timeout only guards against
-      the unexpected;
-    * answers left over from anything earlier are drained before each send, and after a
-      failure whose outcome is unknown (answers lost, a timeout, a socket error) the
-      socket is replaced, so one bad batch never clogs the next.
+    aborts a batch with any refused message). Thread-safe. How the answers are read is
+    the socket's part (:mod:`.batchsocket`).
     """
 
-    def __init__(self, netns: str | None = None, *, timeout: float = 5.0) -> None:
-        self._netns = netns
-        self._timeout = timeout
-        self._lock = threading.Lock()
-        self._seq = 1
-        self._sndbuf = 0
-        self._rcvbuf = 0
-        self._sock = self._open()
-        self.replaced = 0
+    def __init__(
+        self, netns: str | None = None, *, timeout: float = 5.0, channel: BatchSocket | None = None
+    ) -> None:
+        self._own_channel = channel is None
+        self.channel = channel if channel is not None else BatchSocket(netns, timeout=timeout)
+
+    @property
+    def replaced(self) -> int:
         """How many times the socket was replaced after a failure whose outcome was
         unknown (for tests and logs)."""
-
-    def _open(self) -> socket.socket:
-        def opened() -> socket.socket:
-            sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, nlmsg.NETLINK_NETFILTER)
-            try:
-                sock.bind((0, 0))
-                for option in (nlmsg.NETLINK_CAP_ACK, nlmsg.NETLINK_EXT_ACK):
-                    with contextlib.suppress(OSError):  # older kernels: plain acks
-                        sock.setsockopt(nlmsg.SOL_NETLINK, option, 1)
-            except OSError:
-                sock.close()
-                raise
-            return sock
-
-        try:
-            sock = opened() if self._netns is None else run_in_netns(self._netns, opened)
-        except (OSError, ValueError) as err:
-            raise NftError(f"cannot open an nf_tables netlink socket: {err}") from err
-        sock.settimeout(self._timeout)
-        self._sndbuf = self._rcvbuf = 0
-        return sock
+        return self.channel.replaced
 
     def close(self) -> None:
-        """Close the socket."""
-        self._sock.close()
+        """Close the socket (unless it is shared)."""
+        if self._own_channel:
+            self.channel.close()
 
     def send(self, batch: ElementBatch) -> None:
         """Commit ``batch``; raise :class:`NftError` (with the kernel's errno) if refused.
@@ -449,105 +428,8 @@ class ElementWriter:
         """
         if not len(batch):
             return
-        validate_name("table", batch.table)
-        encoded: list[tuple[int, int, str, list[bytes], list[Key]]] = []
-        for verb, items in (("delete", batch.deletes), ("add", batch.adds)):
-            grouped: dict[str, list[tuple[Key, Key]]] = {}
-            for item in items:
-                if verb == "delete":
-                    container, key = item[0], item[1]
-                    grouped.setdefault(container, []).append((key, ()))
-                else:
-                    container, key, value = item  # type: ignore[misc]
-                    grouped.setdefault(container, []).append((key, value))
-            for container, pairs in grouped.items():
-                comments = batch.comments if verb == "add" else None
-                encoded.extend(self._encode(batch, verb, container, pairs, comments))
-        with self._lock:
-            self._transact(batch.family, batch.table, encoded)
-
-    def _encode(
-        self,
-        batch: ElementBatch,
-        verb: str,
-        container: str,
-        pairs: list[tuple[Key, Key]],
-        comments: Mapping[tuple[str, Key], str] | None = None,
-    ) -> list[tuple[int, int, str, list[bytes], list[Key]]]:
-        validate_name("set", container)
-        types = batch.types.get(container)
-        if types is None or not supports(types[0]) or not supports(types[1]):
-            raise NftError(f"no supported data types known for {container}", _errno.EINVAL)
-        codec = _codec(*types)
-        kind = _NFT_MSG_DELSETELEM if verb == "delete" else _NFT_MSG_NEWSETELEM
-        flags = 0 if verb == "delete" else nlmsg.NLM_F_CREATE
-        # One attribute holds at most 64 KiB: elements are split into messages below that.
-        size = codec.size + (_COMMENT_ROOM if comments else 0)
-        per_message = max(1, nlmsg.MESSAGE_BYTES // size)
-        messages: list[tuple[int, int, str, list[bytes], list[Key]]] = []
-        for start in range(0, len(pairs), per_message):
-            chunk = pairs[start : start + per_message]
-            try:
-                elements = [codec.element(key, value) for key, value in chunk]
-            except ValueError as err:
-                bad = next(k for k, v in chunk if not codec.valid(k, v))
-                raise NftError(
-                    f"element {' . '.join(bad)} of {container}: {err}", _errno.EINVAL
-                ) from None
-            if comments:
-                elements = _commented(elements, chunk, container, comments)
-            messages.append((kind, flags, container, elements, [k for k, _v in chunk]))
-        return messages
-
-    def _transact(
-        self,
-        family: Family,
-        table: str,
-        messages: list[tuple[int, int, str, list[bytes], list[Key]]],
-    ) -> None:
-        nfgen_family = _FAMILY_NUMBERS[family]
-        begin = self._next()
-        parts = []
-        sent: dict[int, _Message] = {}
-        for index, (kind, flags, container, elements, keys) in enumerate(messages):
-            seq = self._next()
-            head = _container(nfgen_family, table, container)
-            offsets = []
-            position = nlmsg.HEADER.size + len(head) + nlmsg.ATTR.size
-            for element in elements:
-                offsets.append(position)
-                position += len(element)
-            payload = head + nlmsg.nested(_NFTA_SET_ELEM_LIST_ELEMENTS, *elements)
-            message_type = nlmsg.nfnl_type(nlmsg.NFNL_SUBSYS_NFTABLES, kind)
-            # Only the last message asks for an acknowledgement (see the class).
-            ack = nlmsg.NLM_F_ACK if index == len(messages) - 1 else 0
-            parts.append(
-                nlmsg.message(message_type, nlmsg.NLM_F_REQUEST | ack | flags, seq, payload)
-            )
-            verb = "delete" if kind == _NFT_MSG_DELSETELEM else "add"
-            sent[seq] = _Message(seq, verb, container, tuple(keys), tuple(offsets))
-        self._exchange(nlmsg.nfnl_batch(begin, parts, self._next()), begin, sent)
-
-    def _exchange(self, payload: bytes, begin: int, sent: dict[int, _Message]) -> None:
-        """Send an encoded batch and read the kernel's verdict (the kernel's part)."""
-        try:
-            self._drain()
-            self._ensure_buffers(len(payload), len(sent))
-            self._sock.sendall(payload)
-            failure = self._collect(begin, max(sent), sent)
-        except OSError as err:
-            self._replace()
-            code = err.errno if err.errno is not None else _errno.EIO
-            if isinstance(err, TimeoutError):
-                code = _errno.ETIMEDOUT
-            reason = "no answer" if code == _errno.ETIMEDOUT else os.strerror(code)
-            raise NftError(
-                f"element transaction of {len(sent)} messages: {reason}; whether it "
-                "committed is unknown",
-                code,
-            ) from err
-        if failure is not None:
-            raise failure
+        frames = element_frames(batch)
+        self.channel.send(_FAMILY_NUMBERS[batch.family], frames, "element transaction")
 
     def read(
         self,
@@ -568,8 +450,8 @@ class ElementWriter:
         validate_name("set", container)
         if not supports(types[0]) or not supports(types[1]):
             raise NftError(f"no supported data types known for {container}", _errno.EINVAL)
-        body = _container(_FAMILY_NUMBERS[family], table, container)
-        with self._lock:
+        body = nlmsg.NFGEN.pack(_FAMILY_NUMBERS[family], 0, 0) + _container(table, container)
+        with self.channel.lock:
             for _attempt in range(_DUMP_ATTEMPTS):
                 found = self._read_once(body, container, types)
                 if found is not None:
@@ -581,100 +463,82 @@ class ElementWriter:
     ) -> list[tuple[Key, Key]] | None:
         """One dump; None when the kernel says a commit interrupted it (``NLM_F_DUMP_INTR``:
         what it returned may miss elements)."""
-        seq = self._next()
+        channel = self.channel
+        seq = channel.next_seq()
         message_type = nlmsg.nfnl_type(nlmsg.NFNL_SUBSYS_NFTABLES, _NFT_MSG_GETSETELEM)
         request = nlmsg.message(message_type, nlmsg.NLM_F_REQUEST | nlmsg.NLM_F_DUMP, seq, body)
-        try:
-            self._drain()
-            self._sock.sendall(request)
-            return self._dump(seq, container, types)
-        except nlmsg.NetlinkError as err:  # refused: the socket is fine
-            code = err.errno or _errno.EIO
-            raise NftError(f"listing {container}: {os.strerror(code)}", code) from None
-        except (OSError, nlmsg.MalformedMessage) as err:
-            self._replace()
-            code = err.errno if isinstance(err, OSError) and err.errno else _errno.EIO
-            raise NftError(f"listing {container}: {err}", code) from err
-
-    def _dump(
-        self, seq: int, container: str, types: tuple[tuple[str, ...], tuple[str, ...]]
-    ) -> list[tuple[Key, Key]] | None:
+        answers, interrupted = channel.request(
+            request, seq, f"listing {container}", dump=True, bufsize=1 << 20
+        )
+        if interrupted:
+            return None
         out: list[tuple[Key, Key]] = []
-        dump = nlmsg.Dump(self._sock, seq, f"listing {container}", bufsize=1 << 20)
-        for kind, _flags, view, start, end in dump:
+        for kind, payload in answers:
             if kind & 0xFF == _NFT_MSG_NEWSETELEM:
-                data = bytes(view[start + nlmsg.NFGEN.size : end])
+                data = payload[nlmsg.NFGEN.size :]
                 out.extend(_elements(data, 0, len(data), types))
-        return None if dump.interrupted else out
+        return out
 
-    def _replace(self) -> None:
-        """A new socket for the next batch (nothing of this one can be read there)."""
-        with contextlib.suppress(OSError):
-            self._sock.close()
-        self.replaced += 1
-        self._sock = self._open()
 
-    def _drain(self) -> None:
-        """Discard anything queued on the socket (answers to nothing we wait for)."""
-        # Non-blocking for the drain: with a timeout set, Python waits for data even
-        # when asked not to (MSG_DONTWAIT).
-        self._sock.settimeout(0.0)
+def element_frames(batch: ElementBatch) -> list[Frame]:
+    """The messages of ``batch``, for a batch of the caller's (raises :class:`NftError`
+    for an element that is not of its container's types)."""
+    validate_name("table", batch.table)
+    frames: list[Frame] = []
+    for verb, items in (("delete", batch.deletes), ("add", batch.adds)):
+        grouped: dict[str, list[tuple[Key, Key]]] = {}
+        for item in items:
+            if verb == "delete":
+                container, key = item[0], item[1]
+                grouped.setdefault(container, []).append((key, ()))
+            else:
+                container, key, value = item  # type: ignore[misc]
+                grouped.setdefault(container, []).append((key, value))
+        for container, pairs in grouped.items():
+            comments = batch.comments if verb == "add" else None
+            frames.extend(_encode(batch, verb, container, pairs, comments))
+    return frames
+
+
+def _encode(
+    batch: ElementBatch,
+    verb: str,
+    container: str,
+    pairs: list[tuple[Key, Key]],
+    comments: Mapping[tuple[str, Key], str] | None = None,
+) -> list[Frame]:
+    validate_name("set", container)
+    types = batch.types.get(container)
+    if types is None or not supports(types[0]) or not supports(types[1]):
+        raise NftError(f"no supported data types known for {container}", _errno.EINVAL)
+    codec = _codec(*types)
+    kind = _NFT_MSG_DELSETELEM if verb == "delete" else _NFT_MSG_NEWSETELEM
+    flags = 0 if verb == "delete" else nlmsg.NLM_F_CREATE
+    head = _container(batch.table, container)
+    # One attribute holds at most 64 KiB: elements are split into messages below that.
+    size = codec.size + (_COMMENT_ROOM if comments else 0)
+    per_message = max(1, nlmsg.MESSAGE_BYTES // size)
+    frames: list[Frame] = []
+    for start in range(0, len(pairs), per_message):
+        chunk = pairs[start : start + per_message]
         try:
-            while True:
-                try:
-                    if not self._sock.recv(1 << 16):
-                        return
-                except BlockingIOError:
-                    return
-                except OSError as err:
-                    # An overflow that happened before is reported once; it is not ours.
-                    if err.errno != _errno.ENOBUFS:
-                        raise
-        finally:
-            self._sock.settimeout(self._timeout)
-
-    def _next(self) -> int:
-        self._seq = self._seq + 1 if self._seq < 2**31 else 1
-        return self._seq
-
-    def _ensure_buffers(self, size: int, messages: int) -> None:
-        # A batch must reach the kernel as one message; nft does the same. Answers: at
-        # most one per message plus the begin's, each its own socket buffer (about 1 KiB
-        # of accounting each, whatever its length).
-        want = size + 64 * 1024
-        if want > self._sndbuf:
-            self._set_buffer(_SO_SNDBUFFORCE, socket.SO_SNDBUF, want)
-            self._sndbuf = want
-        want = max(_MIN_RCVBUF, (messages + 2) * _ANSWER_TRUESIZE)
-        if want > self._rcvbuf:
-            self._set_buffer(_SO_RCVBUFFORCE, socket.SO_RCVBUF, want)
-            self._rcvbuf = want
-
-    def _set_buffer(self, forced: int, plain: int, size: int) -> None:
-        try:
-            self._sock.setsockopt(socket.SOL_SOCKET, forced, size)
-        except OSError:  # without CAP_NET_ADMIN: as much as net.core.*mem_max allows
-            self._sock.setsockopt(socket.SOL_SOCKET, plain, size)
-
-    def _collect(self, begin: int, last: int, sent: dict[int, _Message]) -> NftError | None:
-        """Read the answers of one batch; return the first refusal (None: committed).
-
-        The batch is decided by the last message's answer (it asked for one) or by a
-        refused begin; what else the kernel queued for this batch is read after that.
-        """
-        failure: NftError | None = None
-        decided = False
-        while not decided:
-            data = self._sock.recv(1 << 20)
-            for seq, code, where, message in _answers(data):
-                if (seq == begin and code) or seq == last:
-                    decided = True
-                elif seq not in sent:
-                    continue  # a late answer to an earlier batch
-                if code and failure is None:
-                    failure = _refusal(code, sent.get(seq), where, message)
-        self._drain()
-        return failure
+            elements = [codec.element(key, value) for key, value in chunk]
+        except ValueError as err:
+            bad = next(k for k, v in chunk if not codec.valid(k, v))
+            raise NftError(
+                f"element {' . '.join(bad)} of {container}: {err}", _errno.EINVAL
+            ) from None
+        if comments:
+            elements = _commented(elements, chunk, container, comments)
+        offsets = []
+        position = nlmsg.HEADER.size + nlmsg.NFGEN.size + len(head) + nlmsg.ATTR.size
+        for element in elements:
+            offsets.append(position)
+            position += len(element)
+        body = head + nlmsg.nested(_NFTA_SET_ELEM_LIST_ELEMENTS, *elements)
+        keys = tuple(k for k, _v in chunk)
+        frames.append(Frame(kind, flags, body, _Message(verb, container, keys, tuple(offsets))))
+    return frames
 
 
 def _commented(
@@ -697,15 +561,6 @@ def _commented(
                 ) from None
         out.append(element)
     return out
-
-
-def _answers(data: bytes) -> Iterator[tuple[int, int, int | None, str]]:
-    """The error/ack messages in ``data``: (seq, errno, bad attribute offset, message)."""
-    with contextlib.suppress(nlmsg.MalformedMessage):
-        for offset, length, kind, flags, seq, _pid in nlmsg.messages(data):
-            if kind == nlmsg.NLMSG_ERROR and length >= nlmsg.HEADER.size + nlmsg.ERRNO.size:
-                where, message = nlmsg.extended_ack(data, offset, length, flags)
-                yield seq, nlmsg.error_code(data, offset), where, message
 
 
 def _elements(
@@ -731,25 +586,8 @@ def _elements(
                 yield key, value
 
 
-def _container(family: int, table: str, container: str) -> bytes:
-    """The start of a message about one set's elements: family, table, set."""
-    return (
-        nlmsg.NFGEN.pack(family, 0, 0)
-        + nlmsg.attr(_NFTA_SET_ELEM_LIST_TABLE, nlmsg.string(table))
-        + nlmsg.attr(_NFTA_SET_ELEM_LIST_SET, nlmsg.string(container))
+def _container(table: str, container: str) -> bytes:
+    """The start of a message about one set's elements, after ``nfgenmsg``: table, set."""
+    return nlmsg.attr(_NFTA_SET_ELEM_LIST_TABLE, nlmsg.string(table)) + nlmsg.attr(
+        _NFTA_SET_ELEM_LIST_SET, nlmsg.string(container)
     )
-
-
-def _refusal(code: int, where: _Message | None, offset: int | None, message: str) -> NftError:
-    """The error for a refused message (or begin: ``where`` None), naming the element."""
-    reason = os.strerror(code) + (f" ({message})" if message else "")
-    if where is None:
-        return NftError(f"element transaction refused: {reason}", code)
-    bad = where.element_at(offset) if offset is not None else None
-    if bad is not None:
-        shown = " . ".join(bad)
-    else:
-        keys = where.keys
-        shown = "one of " + ", ".join(" . ".join(k) for k in keys[:3])
-        shown += f" and {len(keys) - 3} more" if len(keys) > 3 else ""
-    return NftError(f"{where.verb} element {where.container} {{ {shown} }}: {reason}", code)

@@ -16,6 +16,7 @@ textual form :meth:`Transaction.render` writes (``"10.0.0.1"``, ``"tcp"``, ``"80
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
@@ -25,6 +26,7 @@ import re
 import threading
 import weakref
 from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from kubeproxy.backends.nftables.elements import ElementBatch, ElementWriter
@@ -100,6 +102,13 @@ class NftExecutor(Protocol):
     def write_elements(self, batch: ElementBatch) -> None:
         """Apply element changes atomically, as :meth:`run` of the same ``add``/``delete
         element`` commands would (same errors), without nft's parser where possible."""
+        ...
+
+    def whole_table(self, family: Family, table: str) -> AbstractContextManager[None]:
+        """A block that writes everything ``table`` needs (a full sync). An executor
+        that must replace the table to own it commits the block's writes as one
+        transaction at its end (:class:`~.owner.OwnedNftables`); others write as they go.
+        """
         ...
 
     def list_chains(self, family: Family, table: str) -> dict[str, str | None]:
@@ -352,6 +361,10 @@ class LibNftables(NftExecutor):
         if self._writer is None:
             self._writer = ElementWriter(self.netns)
         self._writer.send(batch)
+
+    def whole_table(self, family: Family, table: str) -> AbstractContextManager[None]:
+        """Nothing to do: libnftables writes as it goes."""
+        return contextlib.nullcontext()
 
     def read_elements(
         self,

@@ -36,12 +36,14 @@ references above, and does not expire timed-out elements.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import ipaddress
 import os
 import re
 import threading
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 
 from kubeproxy.backends.nftables.elements import ElementBatch
@@ -258,6 +260,10 @@ class FakeNft(NftExecutor):
                 comment=comments.get((container, key)) if comments else None,
             )
         self.run(tx)
+
+    def whole_table(self, family: Family, table: str) -> AbstractContextManager[None]:
+        """Nothing to do: the fake writes as it goes."""
+        return contextlib.nullcontext()
 
     def check(self, tx: Transaction) -> None:
         """Raise :class:`NftError` if :meth:`run` would; never change anything."""

@@ -302,11 +302,18 @@ class LocalhostNodePortsBackend:
     def cleanup(self) -> None:
         """Stop the proxy and remove everything the wrapped backend made (the reject rules
         live in its table)."""
-        self.close()
+        self._close_proxy()
         self.inner.cleanup()
 
     def close(self) -> None:
-        """Stop the proxy (its listeners and connections); the kernel rules stay."""
+        """Stop the proxy (its listeners and connections) and close the wrapped backend;
+        the kernel rules stay."""
+        self._close_proxy()
+        close = getattr(self.inner, "close", None)
+        if callable(close):
+            close()
+
+    def _close_proxy(self) -> None:
         if self.proxy is not None:
             self.proxy.close()
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import errno
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from string import Template
 from typing import Final
@@ -47,18 +47,23 @@ from kubeproxy.backends.nftables.layout import (
 )
 from kubeproxy.backends.nftables.objects import Family, NftError
 from kubeproxy.backends.nftables.transaction import Transaction
+from kubeproxy.featuregates import NFTABLES_NETLINK, NFTABLES_OWNED_TABLE, FeatureGates
 
 __all__ = [
     "MIN_KERNEL",
+    "OWNER_KERNEL",
+    "PERSIST_KERNEL",
     "PROBES",
     "PROBE_TABLE",
     "TESTED_NFT",
     "FeatureProbe",
     "ProbeResult",
+    "TableOwnership",
     "check_support",
     "nft_cautions",
     "probe_all",
     "probe_transaction",
+    "table_ownership",
 ]
 
 log = logging.getLogger(__name__)
@@ -495,4 +500,69 @@ def check_support(
         f"kernel {_kernel_release()} lacks {lacks}; nftables mode needs Linux {needed} or newer"
         f" (first error: {missing[0].error})",
         errno.EOPNOTSUPP,
+    )
+
+
+# The owned table ---------------------------------------------------------------------------
+
+OWNER_KERNEL: Final = "5.12"
+"""The first kernel with the ``owner`` table flag (``NFT_TABLE_F_OWNER``)."""
+PERSIST_KERNEL: Final = "6.9"
+"""The first kernel with the ``persist`` table flag (``NFT_TABLE_F_PERSIST``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TableOwnership:
+    """Whether nftables mode owns its table here (:mod:`.owner`), and why (or why not)."""
+
+    owned: bool
+    reason: str
+
+    def describe(self, family: Family, table: str) -> str:
+        """One line for the log: ``table ip kube-proxy is owned by this proxy: ...``."""
+        verdict = "is owned by this proxy" if self.owned else "is not owned"
+        return f"table {family} {table} {verdict}: {self.reason}"
+
+
+def table_ownership(gates: FeatureGates, probe: Callable[[], tuple[bool, bool]]) -> TableOwnership:
+    """Whether to own the table: the ``NFTablesOwnedTable`` and ``NFTablesNetlink`` gates,
+    then what ``probe`` says the kernel takes (``owner``, ``persist``; see
+    :func:`~.owner.probe_table_flags`).
+
+    Owner without persist (Linux 5.12 to 6.8, Debian 12's 6.1) is not owned: the table
+    would go with its owner's socket at every restart, upgrade or crash of the proxy, and
+    nothing would be served until the next proxy's first sync (seconds at 10k Services),
+    where an unowned table keeps serving through a restart and only another process's
+    flush takes it down (repaired by self-healing). Measured on 6.18: a table created
+    with ``owner`` alone is gone as soon as its socket closes.
+    """
+    if not gates.enabled(NFTABLES_OWNED_TABLE):
+        return TableOwnership(False, f"the {NFTABLES_OWNED_TABLE} feature gate is off")
+    if not gates.enabled(NFTABLES_NETLINK):
+        return TableOwnership(
+            False,
+            f"{NFTABLES_NETLINK} is off: every write goes through libnftables, which writes"
+            " on a socket of its own and so cannot keep a table owned",
+        )
+    release = _kernel_release()
+    try:
+        owner, persist = probe()
+    except NftError as err:
+        return TableOwnership(False, f"the table flags could not be probed ({err})")
+    if not owner:
+        return TableOwnership(
+            False, f"kernel {release} lacks the owner table flag (Linux {OWNER_KERNEL}+)"
+        )
+    if not persist:
+        return TableOwnership(
+            False,
+            f"kernel {release} has the owner table flag but lacks persist (Linux"
+            f" {PERSIST_KERNEL}+), and an owned table without it is deleted with its owner"
+            " at every restart of the proxy; self-healing repairs what others change",
+        )
+    return TableOwnership(
+        True,
+        f"kernel {release} has the owner and persist table flags (Linux {OWNER_KERNEL}+,"
+        f" {PERSIST_KERNEL}+): no other process can change, flush or delete it, and a"
+        " restarted proxy adopts it",
     )

@@ -1,0 +1,286 @@
+"""One nf_tables netlink socket of ours: batches in, the kernel's verdict out.
+
+Element batches (:mod:`.elements`) and, for the owned table (:mod:`.owner`), every
+other write go through a :class:`BatchSocket`. The owned table belongs to the socket
+that created or adopted it, so the owner keeps one for the life of the process and
+writes rules and elements on it alike.
+
+How the answers are read, and why (issue 19: 270 containers touched in one batch
+overflowed the receive buffer, and a refused batch-begin left the socket waiting 30 s):
+
+* only the last message of a batch asks for an acknowledgement; the kernel reports every
+  refused message whether it asked or not, and a refused commit or a batch refused as a
+  whole (no ``CAP_NET_ADMIN``, an out-of-date generation, no memory) on the batch's
+  begin message. So a batch of any size costs one acknowledgement, plus one per refused
+  message;
+* ``NETLINK_CAP_ACK`` keeps the kernel from copying each refused message back, and
+  ``NETLINK_EXT_ACK`` makes it say which attribute it refused (its offset) and why, when
+  it knows;
+* nfnetlink handles a batch in the sender's ``sendmsg``, so every answer is queued when
+  the send returns: the socket reads until the last message's answer or a refused begin,
+  then takes whatever else is queued; a timeout only guards against the unexpected;
+* answers left over from anything earlier are drained before each send, and after a
+  failure whose outcome is unknown (answers lost, a timeout, a socket error) the socket is
+  replaced (:attr:`BatchSocket.replaced` counts it), so one bad batch never clogs the next.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno as _errno
+import os
+import socket
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import kubeproxy.nlmsg as nlmsg
+from kubeproxy.backends.nftables.objects import NftError
+from kubeproxy.netns import run_in_netns
+
+__all__ = ["BatchSocket", "Frame", "Refusable", "answers", "batch_refusal"]
+
+_SO_SNDBUFFORCE = 32
+_SO_RCVBUFFORCE = 33
+_MIN_RCVBUF = 256 * 1024
+_ANSWER_TRUESIZE = 2048
+
+
+class Refusable(Protocol):
+    """A sent message that can say what the kernel refused of it."""
+
+    def refusal(self, code: int, offset: int | None, message: str) -> NftError:
+        """The error for the kernel's refusal ``code`` (``offset``: of the refused
+        attribute in the message, when the kernel said; ``message``: its words)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One message of a batch before it is numbered: its nf_tables message type, flags
+    (``NLM_F_CREATE`` ...), attributes after ``nfgenmsg``, and what to say if refused."""
+
+    kind: int
+    flags: int
+    body: bytes
+    refusable: Refusable
+
+
+class BatchSocket:
+    """A ``NETLINK_NETFILTER`` socket in ``netns`` (the current namespace if None) that
+    sends nf_tables batches and reads the kernel's answers (see the module).
+
+    :attr:`lock` serialises its users (a re-entrant lock: the owner holds it around a
+    claim and the batch that follows).
+    """
+
+    def __init__(self, netns: str | None = None, *, timeout: float = 5.0) -> None:
+        self.netns = netns
+        self._timeout = timeout
+        self.lock = threading.RLock()
+        self._seq = 1
+        self._sndbuf = 0
+        self._rcvbuf = 0
+        self.replaced = 0
+        """How many times the socket was replaced after a failure whose outcome was
+        unknown (for tests, logs, and the owner: a new socket owns nothing yet)."""
+        self.sock = self._open()
+
+    def _open(self) -> socket.socket:
+        def opened() -> socket.socket:
+            sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, nlmsg.NETLINK_NETFILTER)
+            try:
+                sock.bind((0, 0))
+                for option in (nlmsg.NETLINK_CAP_ACK, nlmsg.NETLINK_EXT_ACK):
+                    with contextlib.suppress(OSError):  # older kernels: plain acks
+                        sock.setsockopt(nlmsg.SOL_NETLINK, option, 1)
+            except OSError:
+                sock.close()
+                raise
+            return sock
+
+        try:
+            sock = opened() if self.netns is None else run_in_netns(self.netns, opened)
+        except (OSError, ValueError) as err:
+            raise NftError(f"cannot open an nf_tables netlink socket: {err}") from err
+        sock.settimeout(self._timeout)
+        self._sndbuf = self._rcvbuf = 0
+        return sock
+
+    @property
+    def portid(self) -> int:
+        """The socket's netlink port id (what the kernel records as a table's owner)."""
+        port: int = self.sock.getsockname()[0]
+        return port
+
+    def close(self) -> None:
+        """Close the socket (what it owned is orphaned, or gone without ``persist``)."""
+        self.sock.close()
+
+    def next_seq(self) -> int:
+        """A sequence number for the next message."""
+        self._seq = self._seq + 1 if self._seq < 2**31 else 1
+        return self._seq
+
+    def replace(self) -> None:
+        """A new socket for the next batch (nothing of the old one can be read there)."""
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        self.replaced += 1
+        self.sock = self._open()
+
+    def send(self, family: int, frames: Sequence[Frame], what: str, *, commit: bool = True) -> None:
+        """Send ``frames`` as one batch of ``family`` (an ``nfgen_family``) and read the
+        kernel's verdict (:meth:`exchange`). Without ``commit`` the batch has no end
+        message: the kernel checks it and aborts (a dry run)."""
+        if not frames:
+            return
+        with self.lock:
+            begin = self.next_seq()
+            parts = []
+            sent: dict[int, Refusable] = {}
+            head = nlmsg.NFGEN.pack(family, 0, 0)
+            for index, frame in enumerate(frames):
+                seq = self.next_seq()
+                # Only the last message asks for an acknowledgement (see the module).
+                ack = nlmsg.NLM_F_ACK if index == len(frames) - 1 else 0
+                message_type = nlmsg.nfnl_type(nlmsg.NFNL_SUBSYS_NFTABLES, frame.kind)
+                flags = nlmsg.NLM_F_REQUEST | ack | frame.flags
+                parts.append(nlmsg.message(message_type, flags, seq, head + frame.body))
+                sent[seq] = frame.refusable
+            if commit:
+                payload = nlmsg.nfnl_batch(begin, parts, self.next_seq())
+            else:
+                payload = nlmsg.nfnl_control(nlmsg.NFNL_MSG_BATCH_BEGIN, begin) + b"".join(parts)
+            self.exchange(payload, begin, sent, what)
+
+    def exchange(
+        self, payload: bytes, begin: int, sent: Mapping[int, Refusable], what: str
+    ) -> None:
+        """Send an encoded batch (``begin``: its begin message's sequence number;
+        ``sent``: its messages by sequence number) and read the kernel's verdict; raise
+        :class:`NftError` for a refusal (the first one), or for a failure whose outcome
+        is unknown (which also replaces the socket). ``what`` names the batch."""
+        try:
+            self.drain()
+            self._ensure_buffers(len(payload), len(sent))
+            self.sock.sendall(payload)
+            failure = self._collect(begin, max(sent), sent, what)
+        except OSError as err:
+            self.replace()
+            code = err.errno if err.errno is not None else _errno.EIO
+            if isinstance(err, TimeoutError):
+                code = _errno.ETIMEDOUT
+            reason = "no answer" if code == _errno.ETIMEDOUT else os.strerror(code)
+            raise NftError(
+                f"{what} of {len(sent)} messages: {reason}; whether it committed is unknown",
+                code,
+            ) from err
+        if failure is not None:
+            raise failure
+
+    def drain(self) -> None:
+        """Discard anything queued on the socket (answers to nothing we wait for)."""
+        # Non-blocking for the drain: with a timeout set, Python waits for data even
+        # when asked not to (MSG_DONTWAIT).
+        self.sock.settimeout(0.0)
+        try:
+            while True:
+                try:
+                    if not self.sock.recv(1 << 16):
+                        return
+                except BlockingIOError:
+                    return
+                except OSError as err:
+                    # An overflow that happened before is reported once; it is not ours.
+                    if err.errno != _errno.ENOBUFS:
+                        raise
+        finally:
+            self.sock.settimeout(self._timeout)
+
+    def _ensure_buffers(self, size: int, messages: int) -> None:
+        # A batch must reach the kernel as one message; nft does the same. Answers: at
+        # most one per message plus the begin's, each its own socket buffer (about 1 KiB
+        # of accounting each, whatever its length).
+        want = size + 64 * 1024
+        if want > self._sndbuf:
+            self._set_buffer(_SO_SNDBUFFORCE, socket.SO_SNDBUF, want)
+            self._sndbuf = want
+        want = max(_MIN_RCVBUF, (messages + 2) * _ANSWER_TRUESIZE)
+        if want > self._rcvbuf:
+            self._set_buffer(_SO_RCVBUFFORCE, socket.SO_RCVBUF, want)
+            self._rcvbuf = want
+
+    def _set_buffer(self, forced: int, plain: int, size: int) -> None:
+        try:
+            self.sock.setsockopt(socket.SOL_SOCKET, forced, size)
+        except OSError:  # without CAP_NET_ADMIN: as much as net.core.*mem_max allows
+            self.sock.setsockopt(socket.SOL_SOCKET, plain, size)
+
+    def _collect(
+        self, begin: int, last: int, sent: Mapping[int, Refusable], what: str
+    ) -> NftError | None:
+        """Read the answers of one batch; return the first refusal (None: committed).
+
+        The batch is decided by the last message's answer (it asked for one) or by a
+        refused begin; what else the kernel queued for this batch is read after that.
+        """
+        failure: NftError | None = None
+        decided = False
+        while not decided:
+            data = self.sock.recv(1 << 20)
+            for seq, code, where, message in answers(data):
+                if (seq == begin and code) or seq == last:
+                    decided = True
+                elif seq not in sent:
+                    continue  # a late answer to an earlier batch
+                if code and failure is None:
+                    refused = sent.get(seq)
+                    if refused is None:
+                        failure = batch_refusal(what, code, message)
+                    else:
+                        failure = refused.refusal(code, where, message)
+        self.drain()
+        return failure
+
+    def request(
+        self, message: bytes, seq: int, what: str, *, dump: bool = False, bufsize: int = 1 << 16
+    ) -> tuple[list[tuple[int, bytes]], bool]:
+        """Send one request that is not part of a batch (a ``GET`` of one object, or with
+        ``dump`` a dump) and return the type and payload of each answer, and whether the
+        kernel said a commit interrupted the dump (``NLM_F_DUMP_INTR``: it may miss
+        objects). A refusal raises :class:`NftError` with the kernel's errno (``ENOENT``
+        for a missing object); socket errors replace the socket and raise one too."""
+        try:
+            self.drain()
+            self.sock.sendall(message)
+            answers = []
+            reader = nlmsg.Dump(self.sock, seq, what, bufsize)
+            for kind, _flags, data, start, end in reader:
+                answers.append((kind, bytes(data[start:end])))
+                if not dump:
+                    break  # one answer, and no end of a dump to wait for
+            return answers, reader.interrupted
+        except nlmsg.NetlinkError as err:  # refused: the socket is fine
+            code = err.errno or _errno.EIO
+            raise NftError(f"{what}: {os.strerror(code)}", code) from None
+        except (OSError, nlmsg.MalformedMessage) as err:
+            self.replace()
+            code = err.errno if isinstance(err, OSError) and err.errno else _errno.EIO
+            raise NftError(f"{what}: {err}", code) from err
+
+
+def batch_refusal(what: str, code: int, message: str) -> NftError:
+    """The error for a batch the kernel refused as a whole (on its begin message)."""
+    reason = os.strerror(code) + (f" ({message})" if message else "")
+    return NftError(f"{what} refused: {reason}", code)
+
+
+def answers(data: bytes) -> Iterator[tuple[int, int, int | None, str]]:
+    """The error/ack messages in ``data``: (seq, errno, bad attribute offset, message)."""
+    with contextlib.suppress(nlmsg.MalformedMessage):
+        for offset, length, kind, flags, seq, _pid in nlmsg.messages(data):
+            if kind == nlmsg.NLMSG_ERROR and length >= nlmsg.HEADER.size + nlmsg.ERRNO.size:
+                where, message = nlmsg.extended_ack(data, offset, length, flags)
+                yield seq, nlmsg.error_code(data, offset), where, message
