@@ -40,6 +40,7 @@ __all__ = [
     "ElementWriter",
     "comment_userdata",
     "decode_part",
+    "decode_parts",
     "element_encoder",
     "element_frames",
     "encode_part",
@@ -151,7 +152,8 @@ def decode_part(datatype: str, data: bytes) -> str:
     raise ValueError(f"data type {datatype!r} is not supported")
 
 
-def _decode(types: tuple[str, ...], data: bytes) -> Key:
+def decode_parts(types: tuple[str, ...], data: bytes) -> Key:
+    """A key or value of ``types`` as nft writes it (the inverse of the encoder)."""
     parts = []
     offset = 0
     for datatype in types:
@@ -579,9 +581,9 @@ def _elements(
                 if part_kind in (_NFTA_SET_ELEM_KEY, _NFTA_SET_ELEM_DATA):
                     raw = next((v for k, v in nlmsg.attribute_values(part) if k == 1), b"")
                     if part_kind == _NFTA_SET_ELEM_KEY:
-                        key = _decode(types[0], raw)
+                        key = decode_parts(types[0], raw)
                     else:
-                        value = _decode(types[1], raw)
+                        value = decode_parts(types[1], raw)
             if key:
                 yield key, value
 

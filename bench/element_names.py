@@ -1,0 +1,130 @@
+"""What naming frontends costs: element comments (issue 30) against none, real kernel.
+
+    python -m bench.element_names                      # 100k Services x 10, 2 runs each
+    python -m bench.element_names --services 10000 --runs 3
+
+Every dispatch (and no-endpoint) element carries its Service port's name as a comment
+(``NftablesBackend(element_names=True)``, the default) so ``kubeproxy explain`` can map
+the kernel's elements back to Services; ``element_names=False`` writes the structure
+before issue 30. Each run is a cold full sync of ``bench.nft_scale.build_world`` into a
+fresh network namespace ``kpxn-<pid>-<n>`` (deleted whatever happens) through the
+executor the proxy picks on this kernel (the owned table where the kernel has
+``persist``), the two variants alternately. Reported per run: the sync's wall time and
+the kernel's slab memory the table holds (``Slab`` of ``/proc/meminfo`` before the
+sync and after it; the namespace's deletion gives it back, also reported). The machine
+is shared: slab figures move by a few MB with other work, so the runs alternate and
+both are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+from bench.nft_scale import CONFIG, build_world, namespace
+from kubeproxy.backend import SyncChanges
+from kubeproxy.objects import IPFamily
+
+__all__ = ["main", "measure"]
+
+
+def _slab_kb() -> int:
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("Slab:"):
+                return int(line.split()[1])
+    raise RuntimeError("no Slab line in /proc/meminfo")
+
+
+def _settled_slab_kb() -> int:
+    # RCU frees what a commit released a little later: read once things are quiet.
+    time.sleep(1.0)
+    return _slab_kb()
+
+
+def measure(netns: str, services: int, eps: int, names: bool) -> dict[str, Any]:
+    """One cold sync into ``netns`` (empty), in this process."""
+    from kubeproxy.backends.nftables import create_backend
+    from kubeproxy.backends.nftables.backend import NftablesBackend
+
+    world = build_world(services, eps, affinity=False)
+    snapshot = world.snapshot()
+    backend = create_backend(IPFamily.IPV4, CONFIG, netns=netns)
+    inner = getattr(backend, "inner", backend)
+    assert isinstance(inner, NftablesBackend)
+    inner.element_names = names
+    before = _settled_slab_kb()
+    began = time.perf_counter()
+    backend.sync(snapshot, SyncChanges(full=True))
+    took = time.perf_counter() - began
+    after = _settled_slab_kb()
+    return {
+        "element_names": names,
+        "services": services,
+        "executor": type(getattr(inner, "_executor", None)).__name__,
+        "sync_s": round(took, 2),
+        "slab_mb": round((after - before) / 1024, 1),
+    }
+
+
+def _child(args: argparse.Namespace) -> None:
+    print(json.dumps(measure(args.netns, args.services, args.endpoints, args.names)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--services", type=int, default=100_000)
+    parser.add_argument("--endpoints", type=int, default=10)
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--netns", help=argparse.SUPPRESS)
+    parser.add_argument("--names", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.netns:
+        args.names = bool(args.names)
+        _child(args)
+        return 0
+    results = []
+    for run in range(args.runs):
+        for names in (False, True):
+            name = f"kpxn-{os.getpid()}-{run}{int(names)}"
+            with namespace(name):
+                out = subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "bench.element_names",
+                        "--netns",
+                        name,
+                        "--names",
+                        str(int(names)),
+                        "--services",
+                        str(args.services),
+                        "--endpoints",
+                        str(args.endpoints),
+                    ],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
+                result = json.loads(out.stdout.strip().splitlines()[-1])
+                held = _slab_kb()
+            result["freed_mb"] = round((held - _settled_slab_kb()) / 1024, 1)
+            results.append(result)
+            print(json.dumps(result), flush=True)
+    for names in (False, True):
+        mine = [r for r in results if r["element_names"] is names]
+        print(
+            f"element_names={names}: sync {min(r['sync_s'] for r in mine)} s (best of "
+            f"{len(mine)}), slab {', '.join(str(r['slab_mb']) for r in mine)} MB, freed "
+            f"{', '.join(str(r['freed_mb']) for r in mine)} MB"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
