@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from kubeproxy.backends.nftables import create_backend
+from kubeproxy.backend import Backend
+from kubeproxy.backends.nftables import NftablesBackend, create_backend
 from kubeproxy.backends.nftables.explain import (
     EVERY_LOCAL_ADDRESS,
     FrontendView,
@@ -30,12 +31,14 @@ from kubeproxy.backends.nftables.explain import (
     explain_service,
     services_named,
 )
+from kubeproxy.backends.nftables.fake import FakeNft
 from kubeproxy.backends.nftables.frontends import SHAPE_LOCAL
 from kubeproxy.backends.nftables.objects import Family
 from kubeproxy.backends.nftables.reader import TableReader
-from kubeproxy.cmd.kubeproxy import main
-from kubeproxy.objects import NamespacedName
-from kubeproxy.testing.cases import Flow, OutputKind, Step, load_case_file
+from kubeproxy.cmd.kubeproxy import main, verify
+from kubeproxy.config import ProxierConfig
+from kubeproxy.objects import IPFamily, NamespacedName
+from kubeproxy.testing.cases import Case, Flow, OutputKind, Step, load_case_file
 from kubeproxy.testing.runner import replay_syncs
 from tests.kernelkit import lone_namespace
 
@@ -118,25 +121,70 @@ def _check(flow: Flow, fe: FrontendView | None) -> str | None:
     return None if ok else f"expected {kind.value}, explained {shown}"
 
 
+class _Fakes:
+    """Backends over fakes (what ``kubeproxy verify`` computes), one per family."""
+
+    def __init__(self) -> None:
+        self.fakes: list[FakeNft] = []
+
+    def __call__(
+        self, family: IPFamily, config: ProxierConfig, *, netns: str | None = None
+    ) -> Backend:
+        fake = FakeNft()
+        self.fakes.append(fake)
+        return NftablesBackend(family, config, executor=fake, support_check=False)
+
+
+def _expected(case: Case, netns: str) -> list[list[FakeNft]]:
+    """The fakes' tables after each sync of ``case`` (copies: the replay goes on)."""
+    states: list[list[FakeNft]] = []
+    fakes = _Fakes()
+
+    def on_sync(step: Step, ok: bool) -> None:
+        copies = []
+        for fake in fakes.fakes:
+            copy = FakeNft()
+            copy.run_text(fake.dump())
+            copies.append(copy)
+        states.append(copies)
+
+    replay_syncs(case, fakes, netns, on_sync)
+    return states
+
+
+def _replay(case: Case, netns: str, problems: list[str]) -> int:
+    """Replay ``case`` into the kernel; after each sync check explain against the step's
+    flows and verify against the fakes' tables. Returns the flows checked."""
+    expected = iter(_expected(case, netns))
+    checked = 0
+
+    def on_sync(step: Step, ok: bool) -> None:
+        nonlocal checked
+        fakes = next(expected)
+        if not ok:
+            return
+        where = f"{case.name} step {step.index}"
+        explained = _explained(netns)
+        for flow in step.flows:
+            wrong = _check(flow, _frontend(explained, flow))
+            checked += 1
+            if wrong is not None:
+                problems.append(f"{where} {flow.name}: {wrong}")
+        # verify: the kernel holds what the proxy computes for the same objects.
+        differences, _notes = verify(fakes, (Family.IP, Family.IP6), netns=netns)
+        problems.extend(f"{where}: verify: {d}" for d in differences)
+
+    replay_syncs(case, create_backend, netns, on_sync)
+    return checked
+
+
 @pytest.mark.parametrize("path", FLOW_FILES, ids=lambda p: f"{p.parent.name}/{p.stem}")
-def test_explain_agrees_with_every_flow_case_state(path: Path) -> None:
+def test_explain_and_verify_agree_with_every_flow_case_state(path: Path) -> None:
     problems: list[str] = []
     checked = 0
     with lone_namespace(PREFIX) as ns:
         for case in load_case_file(path).cases:
-
-            def on_sync(step: Step, ok: bool, case_name: str = case.name) -> None:
-                nonlocal checked
-                if not ok:
-                    return
-                explained = _explained(ns.name)
-                for flow in step.flows:
-                    wrong = _check(flow, _frontend(explained, flow))
-                    checked += 1
-                    if wrong is not None:
-                        problems.append(f"{case_name} step {step.index} {flow.name}: {wrong}")
-
-            replay_syncs(case, create_backend, ns.name, on_sync)
+            checked += _replay(case, ns.name, problems)
     assert checked, f"{path.name}: no flow checked"
     assert not problems, "\n".join(problems)
 
@@ -171,3 +219,48 @@ def test_the_console_script_explains_a_service(capsys: pytest.CaptureFixture[str
         )
         assert result.returncode == 1, result.stderr
         assert "shop/web: table ip kube-proxy is not there" in result.stdout
+
+
+EXAMPLES = REPO / "examples" / "cluster"
+FLAGS = ("--hostname-override", "demo-node", "--cluster-cidr", "10.244.0.0/16")
+
+
+def test_verify_reports_a_deleted_an_extra_element_and_a_stale_generation(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    binary = Path(sys.executable).parent / "kube-proxy-nftables"
+    with lone_namespace(PREFIX) as ns:
+        once = [str(binary), "--manifests", str(EXAMPLES), *FLAGS, "--once"]
+        subprocess.run(
+            ["ip", "netns", "exec", ns.name, *once],
+            capture_output=True,
+            check=True,
+        )
+        argv = ["--netns", ns.name, "verify", "--manifests", str(EXAMPLES), "--", *FLAGS]
+        assert main(argv) == 0
+        assert "the kernel holds what the objects say" in capsys.readouterr().out
+        with TableReader(ns.name) as reader:
+            gen = TableView(reader, Family.IP).generation
+        # The proxy has ended (its table orphaned): another program changes it.
+        for command in (
+            f"delete element ip kube-proxy endpoints-tcp-b2.g{gen} "
+            "{ 172.30.0.10 . tcp . 80 . 1 }",
+            f"add element ip kube-proxy dispatch-ips.g{gen} "
+            '{ 172.30.0.99 . tcp . 80 comment "demo/ghost:http" }',
+            f"add set ip kube-proxy dispatch-ips.g{gen + 1} "
+            "{ typeof ip daddr . meta l4proto . th dport; }",
+        ):
+            subprocess.run(["ip", "netns", "exec", ns.name, "nft", command], check=True)
+        assert main(argv) == 1
+        lines = capsys.readouterr().out.splitlines()
+        assert "demo/web:http: 172.30.0.10:80/tcp: endpoints: missing 10.244.0.12:8080" in lines
+        assert "demo/web:http: 172.30.0.10:80/tcp: endpoints: the kernel lacks slot(s) 1" in lines
+        assert (
+            "demo/ghost:http: 172.30.0.99:80/tcp: extra, the objects have no such frontend" in lines
+        )
+        assert (
+            f"table ip kube-proxy: stale generation: new connections use generation {gen}, the"
+            f" table holds generation {gen + 1} too (a switch that did not finish)" in lines
+        )
+        assert main([*argv[:5], "--json", *argv[5:]]) == 1
+        assert '"equal": false' in capsys.readouterr().out

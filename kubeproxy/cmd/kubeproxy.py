@@ -1,14 +1,21 @@
 """``kubeproxy``: answers for operators, read from the kernel (issue 30).
 
     kubeproxy explain NAMESPACE/SERVICE [--port NAME] [--family ipv4|ipv6] [--json]
+    kubeproxy verify (--manifests DIR | --kubeconfig FILE) [--json] [-- PROXY FLAGS]
 
 Every answer is read from the kernel over netlink (:mod:`kubeproxy.backends.nftables.
 reader`), never from the proxy's memory, so it is true when the proxy is wedged or gone.
 ``--netns NAME`` reads the table of a named network namespace (tests, and a node whose
 proxy runs in one).
 
-Exit codes: 0 an answer; 1 the kernel holds nothing for what was asked; 2 a usage error
-or a kernel that could not be read.
+``verify`` runs the proxy itself, nftables mode, with ``--dry-run`` (the flags after
+``--`` as the node's proxy has them: ``--config``, ``--hostname-override``...) into an
+in-memory table, and compares that with the kernel's in Service terms
+(:mod:`kubeproxy.backends.nftables.verify`).
+
+Exit codes: 0 an answer (``verify``: the kernel holds what it should); 1 the kernel holds
+nothing for what was asked (``verify``: differences, one line each); 2 a usage error, a
+kernel that could not be read, or a dry run that failed.
 """
 
 from __future__ import annotations
@@ -17,15 +24,17 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from typing import Final, TextIO
+from typing import Any, Final, TextIO
 
-from kubeproxy.backends.nftables.explain import FrontendView, ServiceView, TableView
+from kubeproxy.backends.nftables.explain import FakeSource, FrontendView, ServiceView, TableView
 from kubeproxy.backends.nftables.explain import explain_service as _explain_service
 from kubeproxy.backends.nftables.objects import Family, NftError
 from kubeproxy.backends.nftables.reader import TableReader
+from kubeproxy.backends.nftables.verify import Difference, compare
+from kubeproxy.backends.nftables.verify import notes as table_notes
 from kubeproxy.objects import NamespacedName
 
-__all__ = ["PROG", "explain", "main"]
+__all__ = ["PROG", "VerifyError", "expected_tables", "explain", "main", "verify"]
 
 PROG: Final = "kubeproxy"
 """The tool's name (in messages and ``--help``)."""
@@ -53,6 +62,19 @@ def _parser() -> argparse.ArgumentParser:
     explain_cmd.add_argument("--port", help="one port of the Service, by name")
     explain_cmd.add_argument("--family", choices=sorted(_FAMILIES), default="both")
     explain_cmd.add_argument("--json", action="store_true", help="machine-readable output")
+    verify_cmd = commands.add_parser(
+        "verify", help="compare the kernel with what the Services and EndpointSlices say"
+    )
+    source = verify_cmd.add_mutually_exclusive_group(required=True)
+    source.add_argument("--manifests", help="a directory of manifests (as the proxy's)")
+    source.add_argument("--kubeconfig", help="a kubeconfig to list the objects with")
+    verify_cmd.add_argument("--family", choices=sorted(_FAMILIES), default="both")
+    verify_cmd.add_argument("--json", action="store_true", help="machine-readable output")
+    verify_cmd.add_argument(
+        "proxy_flags",
+        nargs=argparse.REMAINDER,
+        help="after --: the proxy's own flags (--config, --hostname-override, ...)",
+    )
     return parser
 
 
@@ -120,10 +142,90 @@ def _print_views(views: Sequence[ServiceView], out: TextIO) -> None:
             _print_frontend(fe, out)
 
 
+def expected_tables(
+    source: Sequence[str], proxy_flags: Sequence[str], netns: str | None
+) -> list[Any]:
+    """The tables the proxy would write from ``source`` (``--manifests DIR`` or
+    ``--kubeconfig FILE``) with its ``proxy_flags``: one dry run of
+    ``kube-proxy-nftables``, whose in-memory fakes are returned (None: it failed)."""
+    from kubeproxy.cmd.binary import mode_warnings
+    from kubeproxy.cmd.modes import MODES, NftablesDryRun
+    from kubeproxy.cmd.options import parse_options
+    from kubeproxy.daemon import DaemonPlugins, DaemonSeams, run_daemon
+
+    flags = [*source, *[f for f in proxy_flags if f != "--"], "--dry-run"]
+    options = parse_options(flags, "kube-proxy-nftables", "nftables")
+    mode = MODES["nftables"]
+    dry_run = NftablesDryRun()
+    plugins = DaemonPlugins(
+        mode=mode.name, backend_hooks=mode.hooks, startup_warnings=mode_warnings(options)
+    )
+    code = run_daemon(options, dry_run, plugins=plugins, seams=DaemonSeams(netns=netns))
+    if code != 0:
+        raise VerifyError(f"the dry run of the proxy failed (exit {code}); see the log above")
+    return list(dry_run.fakes)
+
+
+class VerifyError(Exception):
+    """What the proxy would write could not be computed."""
+
+
+def verify(
+    fakes: Sequence[Any], families: Sequence[Family], *, netns: str | None = None
+) -> tuple[list[Difference], list[str]]:
+    """The differences (and notes) between the kernel's tables and ``fakes``'."""
+    differences: list[Difference] = []
+    notes: list[str] = []
+    with TableReader(netns) as reader:
+        for family in families:
+            want = next((FakeSource(f) for f in fakes if FakeSource(f).exists(family)), None)
+            have = TableView(reader, family)
+            if want is None:
+                if have.generation is not None:
+                    notes.append(f"table {family} kube-proxy: the proxy would not write it")
+                continue
+            differences.extend(compare(TableView(want, family), have))
+            notes.extend(table_notes(have))
+    return differences, notes
+
+
+def _run_verify(args: argparse.Namespace, out: TextIO) -> int:
+    source = (
+        ["--manifests", args.manifests] if args.manifests else ["--kubeconfig", args.kubeconfig]
+    )
+    try:
+        fakes = expected_tables(source, args.proxy_flags, args.netns)
+        differences, notes = verify(fakes, _FAMILIES[args.family], netns=args.netns)
+    except (VerifyError, NftError, OSError, ValueError) as err:
+        print(f"{PROG} verify: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        json.dump(
+            {
+                "equal": not differences,
+                "differences": [{"subject": d.subject, "what": d.what} for d in differences],
+                "notes": notes,
+            },
+            out,
+            indent=2,
+        )
+        print(file=out)
+    else:
+        for note in notes:
+            print(f"note: {note}", file=out)
+        for difference in differences:
+            print(difference, file=out)
+        if not differences:
+            print("the kernel holds what the objects say", file=out)
+    return 1 if differences else 0
+
+
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     """Run ``kubeproxy``; returns the exit code."""
     out = out if out is not None else sys.stdout
     args = _parser().parse_args(argv)
+    if args.command == "verify":
+        return _run_verify(args, out)
     try:
         views = explain(args.service, args.port, _FAMILIES[args.family], netns=args.netns)
     except (NftError, OSError) as err:

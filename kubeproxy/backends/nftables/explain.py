@@ -19,11 +19,11 @@ connection really reaches; the class chain's name says what the class does
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from kubeproxy.backends.nftables.declarations import Declaration
+from kubeproxy.backends.nftables.fake import FakeNft, parse_commands
 from kubeproxy.backends.nftables.frontends import (
     KIND_IP,
     KIND_NODEPORT,
@@ -36,19 +36,22 @@ from kubeproxy.backends.nftables.frontends import (
     comment_names,
 )
 from kubeproxy.backends.nftables.layout import SLOT_PROTOCOLS, GenNames, generation_of
-from kubeproxy.backends.nftables.objects import Family
-from kubeproxy.backends.nftables.reader import Item, TableReader
-from kubeproxy.backends.nftables.table import Names
+from kubeproxy.backends.nftables.objects import Family, Rule
+from kubeproxy.backends.nftables.reader import Item, RuleRefs
+from kubeproxy.backends.nftables.table import TABLE, Names
 from kubeproxy.objects import NamespacedName
 
 __all__ = [
     "EVERY_LOCAL_ADDRESS",
+    "FakeSource",
     "FrontendView",
     "ServiceView",
+    "TableSource",
     "TableView",
     "describe_class",
     "explain_service",
     "parse_class",
+    "refs_of_text",
 ]
 
 Key = tuple[str, ...]
@@ -224,26 +227,117 @@ EVERY_LOCAL_ADDRESS = "every local address"
 """What NodePorts answer on without nodePortAddresses (but loopback)."""
 
 
-class TableView:
-    """One family's table of the current generation, read on demand through a
-    :class:`TableReader` (answers are kept: a view is one moment's)."""
+class TableSource(Protocol):
+    """Where a :class:`TableView` reads a table: the kernel (:class:`~.reader.TableReader`)
+    or a fake (:class:`FakeSource`, what ``kubeproxy verify`` computes)."""
 
-    def __init__(self, reader: TableReader, family: Family) -> None:
+    def exists(self, family: Family) -> bool:
+        """Whether the table exists."""
+        ...
+
+    def sets(self, family: Family) -> Mapping[str, Any]:
+        """The table's sets and maps by name (with what :meth:`elements` needs)."""
+        ...
+
+    def elements(self, family: Family, name: str, declaration: Any) -> list[Item]:
+        """Every element of one set or map."""
+        ...
+
+    def get(self, family: Family, name: str, declaration: Any, key: Key) -> Item | None:
+        """One element, or None."""
+        ...
+
+    def rules(self, family: Family, chain: str) -> list[RuleRefs]:
+        """What each rule of ``chain`` refers to."""
+        ...
+
+
+class FakeSource:
+    """A :class:`TableSource` over a :class:`~.fake.FakeNft` (what the proxy would write);
+    read once, as a kernel reader's answers are one moment's."""
+
+    def __init__(self, fake: FakeNft, table: str = TABLE) -> None:
+        self.fake = fake
+        self.table = table
+        self._elements: dict[tuple[Family, str], dict[Key, Item]] = {}
+        self._chains: dict[Family, dict[str, list[RuleRefs]]] = {}
+
+    def exists(self, family: Family) -> bool:
+        """Whether the fake holds the table."""
+        return self.fake.table_exists(family, self.table)
+
+    def sets(self, family: Family) -> Mapping[str, Any]:
+        """The fake's sets and maps."""
+        return dict.fromkeys(self.fake.list_sets(family, self.table))
+
+    def _held(self, family: Family, name: str) -> dict[Key, Item]:
+        found = self._elements.get((family, name))
+        if found is None:
+            found = self._elements[family, name] = {}
+            for element in self.fake.list_elements(family, self.table, name):
+                value = element.value
+                if len(value) == 1 and " " in value[0]:  # a verdict: "goto CHAIN"
+                    verb, _, chain = value[0].partition(" ")
+                    value = (verb, chain)
+                found[element.key] = Item(element.key, value, element.comment, None)
+        return found
+
+    def elements(self, family: Family, name: str, declaration: Any) -> list[Item]:
+        """A set's elements as the kernel reader returns them."""
+        return list(self._held(family, name).values())
+
+    def get(self, family: Family, name: str, declaration: Any, key: Key) -> Item | None:
+        """One element."""
+        return self._held(family, name).get(key)
+
+    def rules(self, family: Family, chain: str) -> list[RuleRefs]:
+        """The references of ``chain``'s rules, from their text."""
+        chains = self._chains.get(family)
+        if chains is None:
+            chains = self._chains[family] = {}
+            for _family, table, _verb, obj in parse_commands(self.fake.dump(family)):
+                if table == self.table and isinstance(obj, Rule):
+                    chains.setdefault(obj.chain, []).append(refs_of_text(obj.rule))
+        return chains.get(chain, [])
+
+
+def refs_of_text(rule: str) -> RuleRefs:
+    """What a rule written as nft text refers to (as :class:`RuleRefs` of the kernel's)."""
+    timeout = re.search(r"timeout ([0-9]+)s", rule)
+    update = re.search(r"update @(\S+)", rule)
+    return RuleRefs(
+        lookups=tuple(m for m in re.findall(r"@(\S+)", rule) if not update or m != update[1]),
+        verdicts=tuple(re.findall(r"\b(goto|jump) (\S+)", rule)),
+        updates=update[1] if update else None,
+        timeout_s=int(timeout[1]) if timeout else None,
+    )
+
+
+class TableView:
+    """One family's table of the live generation, read on demand from a
+    :class:`TableSource` (answers are kept: a view is one moment's).
+
+    ``generation`` is the generation the ``services`` chain dispatches from (what new
+    connections use); ``generations`` every generation whose containers the table holds.
+    """
+
+    def __init__(self, reader: TableSource, family: Family) -> None:
         self.reader = reader
         self.family = family
-        self.declarations: dict[str, Declaration] = (
-            reader.sets(family) if reader.exists(family) else {}
+        self.declarations: Mapping[str, Any] = reader.sets(family) if reader.exists(family) else {}
+        self.generations = sorted(
+            {g for name in self.declarations if (g := generation_of(name)) is not None}
         )
-        gens = [
-            g
-            for name in self.declarations
-            if name.startswith("dispatch-") and (g := generation_of(name)) is not None
-        ]
-        self.generation: int | None = max(gens, default=None)
+        self.generation: int | None = None
+        if self.declarations:
+            for rule in reader.rules(family, Names.SERVICES):
+                for name in rule.lookups:
+                    if name.startswith("dispatch-") and (g := generation_of(name)) is not None:
+                        self.generation = g
         self.names = GenNames(self.generation if self.generation is not None else 0)
         self._dumps: dict[str, dict[Key, Item]] = {}
         self._gets: dict[tuple[str, Key], Item | None] = {}
-        self._rules: dict[str, list[Any]] = {}
+        self._rules: dict[str, list[RuleRefs]] = {}
 
     def has(self, container: str) -> bool:
         """Whether the table holds ``container``."""
@@ -253,8 +347,10 @@ class TableView:
         """Every element of ``container`` by key (empty when there is no such set)."""
         found = self._dumps.get(container)
         if found is None:
-            declaration = self.declarations.get(container)
-            items = self.reader.elements(self.family, container, declaration) if declaration else []
+            items = []
+            if container in self.declarations:
+                declaration = self.declarations[container]
+                items = self.reader.elements(self.family, container, declaration)
             found = self._dumps[container] = {item.key: item for item in items}
         return found
 
@@ -264,13 +360,14 @@ class TableView:
             return self._dumps[container].get(key)
         memo = (container, key)
         if memo not in self._gets:
-            declaration = self.declarations.get(container)
-            self._gets[memo] = (
-                self.reader.get(self.family, container, declaration, key) if declaration else None
-            )
+            found = None
+            if container in self.declarations:
+                declaration = self.declarations[container]
+                found = self.reader.get(self.family, container, declaration, key)
+            self._gets[memo] = found
         return self._gets[memo]
 
-    def rules(self, chain: str) -> list[Any]:
+    def rules(self, chain: str) -> list[RuleRefs]:
         """What each rule of ``chain`` refers to (:class:`~.reader.RuleRefs`)."""
         found = self._rules.get(chain)
         if found is None:
