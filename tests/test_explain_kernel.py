@@ -241,6 +241,7 @@ def test_verify_reports_a_deleted_an_extra_element_and_a_stale_generation(
         assert "the kernel holds what the objects say" in capsys.readouterr().out
         with TableReader(ns.name) as reader:
             gen = TableView(reader, Family.IP).generation
+        assert gen is not None
         # The proxy has ended (its table orphaned): another program changes it.
         for command in (
             f"delete element ip kube-proxy endpoints-tcp-b2.g{gen} "
