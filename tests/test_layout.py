@@ -220,6 +220,7 @@ def test_the_nftables_package_holds_the_shipped_structure_only() -> None:
         "elements",
         "exec",
         "explain",
+        "failures",
         "fake",
         "frontends",
         "generation",

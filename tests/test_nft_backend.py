@@ -9,6 +9,7 @@ import ipaddress
 import logging
 import re
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -668,10 +669,18 @@ def test_a_refused_sync_keeps_the_rules_and_the_next_one_is_full() -> None:
     before = fake.dump()
     web(world, "10.180.0.2")
     fake.fail_next = NftError("refused")
-    with pytest.raises(SyncError, match="refused"):
+    with pytest.raises(SyncError, match="refused") as failed:
         b.sync(world.snapshot(), changed(name))
     assert fake.dump() == before
     assert b.sync_failures == 1
+    # The refused write is kept where an operator finds it, and the error line says where.
+    (kept,) = re.findall(r"the refused write is in (\S+)\)", str(failed.value))
+    text = Path(kept).read_text()
+    assert text.startswith("# ") and "nftables ip sync failed" in text and "# refused\n" in text
+    assert (
+        "add element ip kube-proxy endpoints-tcp-b1.g1 "
+        "{ 172.30.0.10 . tcp . 80 . 0 : 10.180.0.2 . 8080 }" in text
+    )
     b.sync(world.snapshot(), SyncChanges(full=False))
     assert b.last_sync_full and b.generation == 2
     assert slots_of(fake, Family.IP, ("172.30.0.10", "tcp", "80")) == [("10.180.0.2", "8080")]
