@@ -40,17 +40,13 @@ from kubeproxy.config import ProxierConfig
 from kubeproxy.objects import IPFamily, NamespacedName
 from kubeproxy.testing.cases import Case, Flow, OutputKind, Step, load_case_file
 from kubeproxy.testing.runner import replay_syncs
-from tests.kernelkit import lone_namespace
+from tests.kernelkit import NFTABLES_FLOW_FILES, lone_namespace
 
 pytestmark = pytest.mark.kernel
 
 REPO = Path(__file__).resolve().parent.parent
 PREFIX = "kpxx"
-FLOW_FILES = sorted(
-    p
-    for group in ("examples", "behaviour", "nftables")
-    for p in (REPO / "flowcases" / group).glob("*.yaml")
-)
+FLOW_FILES = NFTABLES_FLOW_FILES
 
 
 def _endpoint(ip: object, port: int) -> str:
