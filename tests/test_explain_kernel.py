@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -35,10 +36,12 @@ from kubeproxy.backends.nftables.fake import FakeNft
 from kubeproxy.backends.nftables.frontends import SHAPE_LOCAL
 from kubeproxy.backends.nftables.objects import Family
 from kubeproxy.backends.nftables.reader import TableReader
+from kubeproxy.backends.nftables.trace import trace
 from kubeproxy.cmd.kubeproxy import main, verify
 from kubeproxy.config import ProxierConfig
 from kubeproxy.objects import IPFamily, NamespacedName
 from kubeproxy.testing.cases import Case, Flow, OutputKind, Step, load_case_file
+from kubeproxy.testing.node import STANDARD_NODE
 from kubeproxy.testing.runner import replay_syncs
 from tests.kernelkit import NFTABLES_FLOW_FILES, lone_namespace
 
@@ -148,6 +151,50 @@ def _expected(case: Case, netns: str) -> list[list[FakeNft]]:
     return states
 
 
+def _traced(netns: str, flows: Sequence[Flow]) -> Iterator[str]:
+    """What ``kubeproxy trace`` gets wrong about each flow (the expected outcome)."""
+    with TableReader(netns) as reader:
+        views = {family: TableView(reader, family) for family in (Family.IP, Family.IP6)}
+        for flow in flows:
+            if flow.dest_ip.is_loopback:
+                continue  # localhost NodePorts: the localhost component's rules
+            family = Family.IP if flow.dest_ip.version == 4 else Family.IP6
+            found = trace(
+                views[family],
+                flow.source_ip,
+                flow.dest_ip,
+                flow.dest_port,
+                str(flow.protocol).lower(),
+                local=STANDARD_NODE.addresses,
+            )
+            if found.unsure:
+                # An interface detector without --iif: the trace says it cannot tell.
+                assert any("--iif" in u for u in found.unsure), found.unsure
+                continue
+            kind = flow.output.kind
+            shown = f"{found.verdict} {found.endpoints} masq={found.masquerade} {found.steps}"
+            if kind is OutputKind.ENDPOINTS:
+                want = {_endpoint(ip, port) for ip, port in flow.output.endpoints}
+                if found.verdict != "endpoints" or (
+                    set(found.endpoints) != want and not found.unsure
+                ):
+                    yield f"expected {sorted(want)}, traced {shown}"
+                elif (
+                    not found.unsure
+                    and flow.masq != found.masquerade
+                    and str(flow.source_ip) not in {e.rsplit(":", 1)[0].strip("[]") for e in want}
+                ):
+                    yield f"expected masq={flow.masq}, traced {shown}"
+            else:
+                expected = {
+                    OutputKind.REJECT: "reject",
+                    OutputKind.DROP: "drop",
+                    OutputKind.UNTOUCHED: "untouched",
+                }[kind]
+                if found.verdict != expected:
+                    yield f"expected {expected}, traced {shown}"
+
+
 def _replay(case: Case, netns: str, problems: list[str]) -> int:
     """Replay ``case`` into the kernel; after each sync check explain against the step's
     flows and verify against the fakes' tables. Returns the flows checked."""
@@ -166,6 +213,7 @@ def _replay(case: Case, netns: str, problems: list[str]) -> int:
             checked += 1
             if wrong is not None:
                 problems.append(f"{where} {flow.name}: {wrong}")
+        problems.extend(f"{where} {flow.name}: trace: {w}" for w in _traced(netns, step.flows))
         # verify: the kernel holds what the proxy computes for the same objects.
         differences, _notes = verify(fakes, (Family.IP, Family.IP6), netns=netns)
         problems.extend(f"{where}: verify: {d}" for d in differences)
@@ -258,6 +306,25 @@ def test_verify_reports_a_deleted_an_extra_element_and_a_stale_generation(
         assert (
             f"table ip kube-proxy: stale generation: new connections use generation {gen}, the"
             f" table holds generation {gen + 1} too (a switch that did not finish)" in lines
+        )
+        # trace: the deleted slot leaves one endpoint to pick; an outside client is
+        # masqueraded by its class; the ghost frontend is dispatched but holds no endpoint.
+        assert (
+            main(
+                ["--netns", ns.name, "trace", "--from", "203.0.113.9", "--to", "172.30.0.10:80/tcp"]
+            )
+            == 0
+        )
+        traced = capsys.readouterr().out
+        assert "dispatched: 172.30.0.10:80/tcp of demo/web:http" in traced
+        assert "masqueraded\n" in traced and traced.endswith("=> one of 10.244.0.11:8080\n")
+        assert (
+            main(["--netns", ns.name, "trace", "--from", "10.244.0.5", "--to", "172.30.0.20:81"])
+            == 0
+        )
+        assert (
+            "172.30.0.20 is a cluster IP with no Service port 81/tcp: reject"
+            in capsys.readouterr().out
         )
         assert main([*argv[:5], "--json", *argv[5:]]) == 1
         assert '"equal": false' in capsys.readouterr().out

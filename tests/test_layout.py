@@ -236,6 +236,7 @@ def test_the_nftables_package_holds_the_shipped_structure_only() -> None:
         "stale",
         "support",
         "table",
+        "trace",
         "transaction",
         "verify",
     ]

@@ -2,6 +2,7 @@
 
     kubeproxy explain NAMESPACE/SERVICE [--port NAME] [--family ipv4|ipv6] [--json]
     kubeproxy verify (--manifests DIR | --kubeconfig FILE) [--json] [-- PROXY FLAGS]
+    kubeproxy trace --from IP[:PORT] --to IP:PORT/PROTO [--iif NAME] [--json]
 
 Every answer is read from the kernel over netlink (:mod:`kubeproxy.backends.nftables.
 reader`), never from the proxy's memory, so it is true when the proxy is wedged or gone.
@@ -21,6 +22,7 @@ kernel that could not be read, or a dry run that failed.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import sys
 from collections.abc import Sequence
@@ -30,9 +32,11 @@ from kubeproxy.backends.nftables.explain import FakeSource, FrontendView, Servic
 from kubeproxy.backends.nftables.explain import explain_service as _explain_service
 from kubeproxy.backends.nftables.objects import Family, NftError
 from kubeproxy.backends.nftables.reader import TableReader
+from kubeproxy.backends.nftables.trace import trace
 from kubeproxy.backends.nftables.verify import Difference, compare
 from kubeproxy.backends.nftables.verify import notes as table_notes
-from kubeproxy.objects import NamespacedName
+from kubeproxy.netlink import HostAddresses
+from kubeproxy.objects import IPAddress, NamespacedName
 
 __all__ = ["PROG", "VerifyError", "expected_tables", "explain", "main", "verify"]
 
@@ -49,6 +53,35 @@ def _service(text: str) -> NamespacedName:
     return NamespacedName(namespace, name)
 
 
+def _address(text: str) -> tuple[IPAddress, str]:
+    """``IP[:REST]`` or ``[IPv6][:REST]`` -> (address, rest)."""
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        rest = rest.removeprefix(":")
+    elif text.count(":") > 1:
+        host, rest = text, ""
+    else:
+        host, _, rest = text.partition(":")
+    try:
+        return ipaddress.ip_address(host), rest
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: {host!r} is not an IP address") from None
+
+
+def _source(text: str) -> IPAddress:
+    return _address(text)[0]
+
+
+def _dest(text: str) -> tuple[IPAddress, int, str]:
+    ip, rest = _address(text)
+    port, slash, proto = rest.partition("/")
+    proto = proto.lower() or "tcp"
+    if not port.isdigit() or not 0 < int(port) < 65536 or proto not in ("tcp", "udp", "sctp"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not IP:PORT/tcp|udp|sctp")
+    del slash
+    return ip, int(port), proto
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="What the kernel holds for Services, in Service terms."
@@ -62,6 +95,15 @@ def _parser() -> argparse.ArgumentParser:
     explain_cmd.add_argument("--port", help="one port of the Service, by name")
     explain_cmd.add_argument("--family", choices=sorted(_FAMILIES), default="both")
     explain_cmd.add_argument("--json", action="store_true", help="machine-readable output")
+    trace_cmd = commands.add_parser(
+        "trace", help="the path a new connection takes through the kernel's table"
+    )
+    trace_cmd.add_argument(
+        "--from", dest="source", required=True, type=_source, metavar="IP[:PORT]"
+    )
+    trace_cmd.add_argument("--to", dest="dest", required=True, type=_dest, metavar="IP:PORT/PROTO")
+    trace_cmd.add_argument("--iif", help="the interface the connection comes in on")
+    trace_cmd.add_argument("--json", action="store_true", help="machine-readable output")
     verify_cmd = commands.add_parser(
         "verify", help="compare the kernel with what the Services and EndpointSlices say"
     )
@@ -220,12 +262,54 @@ def _run_verify(args: argparse.Namespace, out: TextIO) -> int:
     return 1 if differences else 0
 
 
+def _run_trace(args: argparse.Namespace, out: TextIO) -> int:
+    dest, port, proto = args.dest
+    family = Family.IP if dest.version == 4 else Family.IP6
+    if args.source.version != dest.version:
+        print(f"{PROG} trace: --from and --to are of different families", file=sys.stderr)
+        return 2
+    try:
+        local = HostAddresses().list_addresses(args.netns)
+        with TableReader(args.netns) as reader:
+            found = trace(
+                TableView(reader, family), args.source, dest, port, proto, local=local, iif=args.iif
+            )
+    except (NftError, OSError, ValueError) as err:
+        print(f"{PROG} trace: cannot read the kernel's tables: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        json.dump(
+            {
+                "verdict": found.verdict,
+                "endpoints": list(found.endpoints),
+                "masquerade": found.masquerade,
+                "service": found.frontend.name if found.frontend else None,
+                "steps": list(found.steps),
+                "unsure": list(found.unsure),
+            },
+            out,
+            indent=2,
+        )
+        print(file=out)
+    else:
+        print(f"{args.source} -> {dest}:{port}/{proto}", file=out)
+        for step in found.steps:
+            print(f"  {step}", file=out)
+        if found.verdict == "endpoints":
+            print(f"=> one of {', '.join(found.endpoints)}", file=out)
+        else:
+            print(f"=> {found.verdict}", file=out)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     """Run ``kubeproxy``; returns the exit code."""
     out = out if out is not None else sys.stdout
     args = _parser().parse_args(argv)
     if args.command == "verify":
         return _run_verify(args, out)
+    if args.command == "trace":
+        return _run_trace(args, out)
     try:
         views = explain(args.service, args.port, _FAMILIES[args.family], netns=args.netns)
     except (NftError, OSError) as err:

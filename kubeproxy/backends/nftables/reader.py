@@ -74,13 +74,16 @@ class Item:
 class RuleRefs:
     """What one rule refers to: the sets it looks up, the chains it jumps or goes to
     (``("goto", CHAIN)``) and its other verdicts, the set it updates and the timeout
-    it gives (seconds), and the modulus of its ``numgen``."""
+    it gives (seconds), the modulus of its ``numgen``, and its raw expressions."""
 
     lookups: tuple[str, ...] = ()
     verdicts: tuple[tuple[str, str], ...] = ()
     updates: str | None = None
     timeout_s: int | None = None
     modulus: int | None = None
+    expressions: tuple[tuple[str, tuple[tuple[int, bytes], ...]], ...] = ()
+    """Every expression as the kernel holds it: its name and attributes (what ``trace``
+    evaluates a rule's matches from)."""
 
     @property
     def target(self) -> str | None:
@@ -275,6 +278,7 @@ def _rule_refs(expressions: bytes) -> RuleRefs:
     updates = None
     timeout = None
     modulus = None
+    seen: list[tuple[str, tuple[tuple[int, bytes], ...]]] = []
     for kind, element in nlmsg.attribute_values(expressions):
         if kind != _LIST_ELEM:
             continue
@@ -286,6 +290,7 @@ def _rule_refs(expressions: bytes) -> RuleRefs:
             elif part == _EXPR_DATA:
                 data = raw
         fields = dict(nlmsg.attribute_values(data))
+        seen.append((_text(name), tuple(fields.items())))
         if name == b"lookup" and _LOOKUP_SET in fields:
             lookups.append(_text(fields[_LOOKUP_SET]))
         elif name == b"immediate" and _IMMEDIATE_DATA in fields:
@@ -301,7 +306,7 @@ def _rule_refs(expressions: bytes) -> RuleRefs:
             modulus = struct.unpack(">I", fields[_NG_MODULUS][:4])[0]
         elif name in (b"reject",):
             verdicts.append(("reject", ""))
-    return RuleRefs(tuple(lookups), tuple(verdicts), updates, timeout, modulus)
+    return RuleRefs(tuple(lookups), tuple(verdicts), updates, timeout, modulus, tuple(seen))
 
 
 def _text(raw: bytes) -> str:
