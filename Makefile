@@ -14,8 +14,8 @@ run: setup
 	$(PY) -m kubeproxy.cmd.demo examples/cluster
 
 lint: setup
-	$(VENV)/bin/ruff check kubeproxy tests bench examples
-	$(VENV)/bin/ruff format --check kubeproxy tests bench examples
+	$(VENV)/bin/ruff check kubeproxy tests bench examples images
+	$(VENV)/bin/ruff format --check kubeproxy tests bench examples images
 
 typecheck: setup
 	$(VENV)/bin/mypy
@@ -25,6 +25,21 @@ test: setup lint typecheck
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+
+# The DaemonSet's image (images/README.md): images/Dockerfile built with docker or podman,
+# whichever is here, on the registry's debian:bookworm-slim or, when no registry is
+# reachable, a base made from Debian's packages; prints what a node pulls and unpacks and
+# what each part costs. IMAGE names it; IMAGE_ARGS="--refresh" resolves the Python
+# dependencies again now (else once a day).
+IMAGE ?= localhost/kubeproxy:dev
+.PHONY: image test-image
+image: setup
+	$(PY) -m images.build --tag $(IMAGE) $(IMAGE_ARGS)
+
+# The image built from this checkout and run as images/manifests/daemonset.yaml says, and
+# the measurement of what its slimming may leave out (also part of make test).
+test-image: setup
+	$(VENV)/bin/pytest -q tests/test_image_run.py tests/test_image_tools.py $(PYTEST_ARGS)
 
 # Every kernel test and flow case on Debian's kernels (tests/vm/kernels.txt), each booted
 # in QEMU under emulation with virtme-ng; setup-kernels installs QEMU and fetches the
@@ -90,6 +105,16 @@ bench: setup
 .PHONY: bench-selfheal
 bench-selfheal: setup
 	$(PY) -m bench.selfheal $(SELFHEAL_ARGS)
+
+# The soak (issue 31): the daemon a node runs, over the bench's realistic mix in the fake
+# API server, under churn and a fault per round (kill -9 mid sync, SIGTERM, nft flush
+# ruleset, table deletes, API restarts and 410s, address changes, hung backends, a full
+# conntrack table), checked at every round against a fresh sync and with real
+# connections (bench/soak.py; 45-90 minutes; bench/results/soak.md). `make test` runs
+# its short version (tests/test_soak.py, about two minutes).
+.PHONY: soak
+soak: setup
+	$(PY) -m bench.soak $(SOAK_ARGS)
 
 # Connections to Services while others flush, delete and reload, with the owned table and
 # with today's unowned one side by side, 10k Services by default (bench/owned.py; README:

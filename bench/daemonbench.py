@@ -80,6 +80,7 @@ __all__ = [
     "probe_health",
     "rewrite_changing",
     "run_case",
+    "stop_process",
     "write_cluster",
 ]
 
@@ -311,13 +312,22 @@ def node_process(netns: str, argv: Sequence[str], *, log: Path) -> Iterator[Node
         yield node
     finally:
         if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                with suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+            stop_process(process, signal.SIGTERM)
+
+
+def stop_process(process: subprocess.Popen[bytes], how: int, timeout: float = 30) -> float:
+    """Send ``how`` to the daemon; kill its whole session if it has not exited within
+    ``timeout`` seconds; the seconds it took to go."""
+    started = time.monotonic()
+    with suppress(ProcessLookupError):
+        process.send_signal(how)
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    return time.monotonic() - started
 
 
 def _count(metrics: Metrics, name: str) -> float:

@@ -82,19 +82,25 @@ def proxy_flags(manifests: Path) -> list[str]:
     return ["--manifests", str(manifests), "--once", *settings_flags()]
 
 
-def settings_flags() -> list[str]:
-    """The bench's proxy settings (:func:`bench.proxyproc.bench_config`) as flags."""
+def settings_flags(
+    *,
+    cluster_cidr: str = str(POD_CIDR),
+    service_range: str = str(SERVICE_CIDR),
+    node_port_addresses: str = "primary",
+) -> list[str]:
+    """The bench's proxy settings (:func:`bench.proxyproc.bench_config`) as flags (the
+    soak, dual-stack, gives both families' ranges)."""
     return [
         "--hostname-override",
         NODE_NAME,
         "--detect-local-mode",
         "ClusterCIDR",
         "--cluster-cidr",
-        str(POD_CIDR),
+        cluster_cidr,
         "--service-cluster-ip-range",
-        str(SERVICE_CIDR),
+        service_range,
         "--nodeport-addresses",
-        "primary",
+        node_port_addresses,
     ]
 
 

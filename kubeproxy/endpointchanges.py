@@ -12,7 +12,11 @@ Semantics follow upstream's ``EndpointSliceCache`` / ``EndpointsChangeTracker``:
   endpoints are sorted by their ``IP:port`` string;
 * change detection per slice: an event changes something iff the slice's parsed content
   differs from its pending version, or, with nothing pending, from its applied version;
-  removing a slice the tracker never saw changes nothing.
+  removing a slice the tracker never saw changes nothing;
+* a slice whose ``kubernetes.io/service-name`` label changed (or went) leaves the Service
+  it named: an update given its ``previous`` version records the slice's removal from
+  that Service before its new content (upstream keeps serving the old Service from it
+  until a restart; a fresh start would not).
 """
 
 from __future__ import annotations
@@ -185,12 +189,47 @@ class EndpointsChangeTracker:
         """How many slices have a pending change."""
         return self._pending_slices
 
-    def update(self, slice_: KubeObject, remove: bool) -> bool:
+    def update(
+        self, slice_: KubeObject, remove: bool, *, previous: KubeObject | None = None
+    ) -> bool:
         """Record an EndpointSlice add or update, or its removal (``remove``).
 
-        Returns whether this event needs a sync (as upstream; unlike
-        :meth:`ServiceChangeTracker.update`).
+        ``previous`` is the slice as it was before an update (a source's ``old``): when
+        it named another Service of this family than ``slice_`` does (a relabel, a label
+        removed, an address type changed), the slice leaves that Service. Returns whether
+        this event needs a sync (as upstream; unlike :meth:`ServiceChangeTracker.update`).
         """
+        left = previous is not None and not remove and self._leave(previous, slice_)
+        return self._update(slice_, remove) or left
+
+    def _leave(self, previous: KubeObject, current: KubeObject) -> bool:
+        """Record the removal of ``previous`` from its Service if ``current`` no longer
+        belongs there; whether that changed anything."""
+        before = self._key_of(previous)
+        if before is None or self._key_of(current) == before:
+            return False
+        service, name = before
+        with self._lock:
+            applied = self._applied.get(service, {}).get(name)
+            pending = self._pending.get(service)
+            known = pending[name] if pending is not None and name in pending else applied
+            if known is None:
+                return False
+            self._set_pending(service, name, None, applied)
+            self._trigger_times.pop(service, None)
+            return True
+
+    def _key_of(self, slice_: KubeObject) -> tuple[NamespacedName, str] | None:
+        """The Service and name ``slice_`` is tracked under here; None when it is of
+        another family or names no valid Service."""
+        if not isinstance(slice_, Mapping) or slice_.get("addressType") != self.family:
+            return None
+        try:
+            return endpoint_slice_key(slice_)
+        except InvalidObject:
+            return None
+
+    def _update(self, slice_: KubeObject, remove: bool) -> bool:
         parsed: ParsedEndpointSlice | None = None
         try:
             if remove:

@@ -18,9 +18,33 @@ Unlike upstream (a goroutine per connection, unbounded), resources are bounded: 
 runs every listener and connection of the family (a ``selectors`` loop; connects are
 non-blocking, no thread per dial); at most ``max_connections`` proxied connections, each
 holding two file descriptors and at most one 64 KiB chunk in flight per direction
-(reading stops until the other side took it). At the cap the listeners stop accepting,
-so further clients wait in the kernel's accept queue; running out of file descriptors
-pauses accepting for a moment instead of spinning, as upstream's loop would.
+(reading stops until the other side took it). Running out of file descriptors pauses
+accepting for a moment instead of spinning, as upstream's loop would.
+
+No Service can take the others' share: a listener accepts another connection only while
+its Service holds fewer connections than there are free slots (a lone Service gets at
+most half the cap; it takes about log2(cap) Services all hoarding to fill it; a Service
+without connections gets one whenever a slot is free). A listener over its share stops
+accepting, so its further clients wait in the kernel's accept queue; the others go on.
+
+Nothing is held forever (upstream's proxy holds a connection until both directions end;
+its legacy ``userspace`` mode closed both sockets at the first end, and had no other
+timer for TCP):
+
+* a connection half closed (one side finished, the other still open) is closed once no
+  byte moved for :data:`HALF_CLOSE_TIMEOUT` (60 s: Linux's ``tcp_fin_timeout``, how long
+  the kernel keeps a closed socket waiting for its peer's end). A client that closed
+  is done with the connection; a backend that ignores the close (a hung application, a
+  long-poll server) no longer keeps it, and its file descriptors, for good;
+* a connection on which no byte moved either way for :data:`IDLE_TIMEOUT` (24 h:
+  upstream's default ``conntrack.tcpEstablishedTimeout``, after which the kernel forgets
+  an idle connection through the packet rules) is closed;
+* both sockets probe their peer with TCP keep-alives after 15 s of silence, every 15 s,
+  9 times (:data:`KEEPALIVE`: Go's defaults, which upstream's proxy's sockets get), so a
+  backend that vanished without a word (its node gone) is noticed in about 2.5 minutes.
+
+:meth:`LocalNodePortProxy.close` stops cleanly from any state (at the cap, while paused,
+with connects or half-closed connections in flight).
 """
 
 from __future__ import annotations
@@ -45,20 +69,38 @@ from kubeproxy.logs import verbosity_level
 from kubeproxy.netns import open_netns, setns
 from kubeproxy.objects import IPFamily
 
-__all__ = ["CHUNK", "DIAL_TIMEOUT", "MAX_CONNECTIONS", "LocalNodePortProxy"]
+__all__ = [
+    "CHUNK",
+    "DIAL_TIMEOUT",
+    "HALF_CLOSE_TIMEOUT",
+    "IDLE_TIMEOUT",
+    "KEEPALIVE",
+    "MAX_CONNECTIONS",
+    "LocalNodePortProxy",
+]
 
 logger = logging.getLogger(__name__)
 
 DIAL_TIMEOUT: Final = 5.0
 """Seconds a backend connection may take (upstream's ``dialTimeout``)."""
-MAX_CONNECTIONS: Final = 512
-"""Proxied connections per family at most (each holds two file descriptors)."""
+MAX_CONNECTIONS: Final = 1024
+"""Proxied connections per family at most (each holds two file descriptors); one Service
+gets at most half of them (512, what the whole family had before the share rule)."""
+HALF_CLOSE_TIMEOUT: Final = 60.0
+"""Seconds a half-closed connection stays without a byte moving (``tcp_fin_timeout``)."""
+IDLE_TIMEOUT: Final = 24 * 3600.0
+"""Seconds a connection stays without a byte moving either way (upstream's default
+``conntrack.tcpEstablishedTimeout``)."""
+KEEPALIVE: Final = (15, 15, 9)
+"""TCP keep-alive: idle seconds before the first probe, seconds between probes, probes
+unanswered before the connection is dropped (Go's defaults, as upstream's sockets)."""
 CHUNK: Final = 64 * 1024
 """Bytes read at once; also the most a direction holds while its receiver is slow."""
 _BACKLOG: Final = 128
 _ACCEPTS_PER_EVENT: Final = 64
 _PAUSE_ON_EXHAUSTION: Final = 0.1
 _FD_RESERVE: Final = 256
+_SWEEP_INTERVAL: Final = 1.0
 _OUT_OF_RESOURCES: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 _AF: Final = {IPFamily.IPV4: socket.AF_INET, IPFamily.IPV6: socket.AF_INET6}
 
@@ -74,9 +116,21 @@ def _connection_cap(wanted: int | None) -> int:
 
 
 class _Listener:
-    """One NodePort's listening socket, its endpoints and its affinity pin."""
+    """One NodePort's listening socket, its endpoints, its affinity pin and connections."""
 
-    __slots__ = ("affinity", "conns", "endpoints", "name", "pin", "pin_used", "port", "sock")
+    __slots__ = (
+        "affinity",
+        "closed",
+        "conns",
+        "endpoints",
+        "name",
+        "pin",
+        "pin_used",
+        "port",
+        "sock",
+        "warned",
+        "watched",
+    )
 
     def __init__(self, sock: socket.socket, target: NodePortTarget) -> None:
         self.sock = sock
@@ -87,6 +141,9 @@ class _Listener:
         self.pin: tuple[str, int] | None = None
         self.pin_used = 0.0
         self.conns: set[_Conn] = set()
+        self.watched = False  # registered for reading (accepting)
+        self.closed = False
+        self.warned = False  # its share was logged as reached
 
     def update(self, target: NodePortTarget) -> None:
         self.name = target.name
@@ -128,18 +185,36 @@ class _Pipe:
 
 
 class _Conn:
-    """A proxied connection: the client's socket, the backend's, and both directions."""
+    """A proxied connection: the client's socket, the backend's, both directions, and
+    when a byte last moved and since when it is half closed (for the timeouts)."""
 
-    __slots__ = ("backend", "client", "connecting", "deadline", "down", "listener", "up")
+    __slots__ = (
+        "active",
+        "backend",
+        "client",
+        "connecting",
+        "deadline",
+        "down",
+        "half_since",
+        "listener",
+        "up",
+    )
 
     def __init__(
-        self, client: socket.socket, backend: socket.socket, listener: _Listener, deadline: float
+        self,
+        client: socket.socket,
+        backend: socket.socket,
+        listener: _Listener,
+        deadline: float,
+        now: float,
     ) -> None:
         self.client = client
         self.backend = backend
         self.listener = listener
         self.connecting = True
         self.deadline = deadline
+        self.active = now
+        self.half_since: float | None = None
         self.up = _Pipe(client, backend)
         self.down = _Pipe(backend, client)
 
@@ -149,10 +224,14 @@ class LocalNodePortProxy:
 
     ``netns`` names the network namespace to serve (None: this one); ``max_connections``
     bounds the proxied connections (default :data:`MAX_CONNECTIONS`, lowered to fit the
-    file-descriptor limit); ``clock`` (monotonic seconds) times affinity and connects;
-    ``rng`` picks endpoints. :meth:`sync` or :meth:`apply` change what is served and
-    return once the listeners exist; :meth:`close` stops everything. The counts
-    (:attr:`listeners`, :attr:`listener_failures`, :attr:`connections`) feed metrics.
+    file-descriptor limit; one Service gets at most half); ``half_close_timeout`` and
+    ``idle_timeout`` close connections on which nothing moved for that long (defaults
+    :data:`HALF_CLOSE_TIMEOUT`, :data:`IDLE_TIMEOUT`); ``clock`` (monotonic seconds) times
+    affinity, connects and those timeouts; ``rng`` picks endpoints. :meth:`sync` or
+    :meth:`apply` change what is served and return once the listeners exist;
+    :meth:`close` stops everything. The counts (:attr:`listeners`,
+    :attr:`listener_failures`, :attr:`connections`, :attr:`closed_idle`,
+    :attr:`closed_half_closed`) feed metrics.
     """
 
     def __init__(
@@ -162,23 +241,37 @@ class LocalNodePortProxy:
         netns: str | None = None,
         max_connections: int | None = None,
         dial_timeout: float = DIAL_TIMEOUT,
+        half_close_timeout: float = HALF_CLOSE_TIMEOUT,
+        idle_timeout: float = IDLE_TIMEOUT,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
     ) -> None:
+        if half_close_timeout <= 0 or idle_timeout <= 0:
+            raise ValueError("the half-close and idle timeouts must be positive")
         self.family = family
         self.address = loopback_address(family)
         self.max_connections = _connection_cap(max_connections)
         self.dial_timeout = dial_timeout
+        self.half_close_timeout = half_close_timeout
+        self.idle_timeout = idle_timeout
         self.listener_failures = 0
+        self.closed_idle = 0
+        """Connections closed after :attr:`idle_timeout` without a byte moving."""
+        self.closed_half_closed = 0
+        """Half-closed connections closed after :attr:`half_close_timeout` of silence."""
         self._clock = clock
         self._rng = rng if rng is not None else random.Random()
+        self._sweep_every = min(_SWEEP_INTERVAL, half_close_timeout / 4, idle_timeout / 4)
         self._listeners: dict[int, _Listener] = {}
         self._conns: set[_Conn] = set()
         self._dialing: set[_Conn] = set()
+        # Listeners holding connections: the only ones whose share moves with the count.
+        self._busy: set[_Listener] = set()
         self._failed: dict[int, str] = {}
-        self._accepting = True
-        self._resume_at = 0.0
-        self._saturated_logged = False
+        self._paused_until = 0.0  # out of file descriptors: nothing accepts until then
+        self._next_sweep = 0.0
+        self._full = False  # every slot taken (logged once per episode)
+        self._stopping = False
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -334,8 +427,10 @@ class LocalNodePortProxy:
 
     def _timeout(self) -> float | None:
         deadlines = [c.deadline for c in self._dialing]
-        if not self._accepting and self._resume_at:
-            deadlines.append(self._resume_at)
+        if self._paused_until:
+            deadlines.append(self._paused_until)
+        if self._conns:
+            deadlines.append(self._next_sweep)
         if not deadlines:
             return None
         return max(0.0, min(deadlines) - self._clock())
@@ -366,9 +461,33 @@ class LocalNodePortProxy:
                 self.dial_timeout,
             )
             self._drop(conn)
-        if not self._accepting and self._resume_at and now >= self._resume_at:
-            self._resume_at = 0.0
-            self._set_accepting(len(self._conns) < self.max_connections)
+        if self._paused_until and now >= self._paused_until:
+            self._paused_until = 0.0
+            self._refresh(self._listeners.values())
+        if self._conns and now >= self._next_sweep:
+            self._sweep(now)
+
+    def _sweep(self, now: float) -> None:
+        """Close the connections on which nothing moved for too long (see the module)."""
+        self._next_sweep = now + self._sweep_every
+        for conn in [c for c in self._conns if not c.connecting]:
+            if conn.half_since is not None:
+                if now - max(conn.active, conn.half_since) < self.half_close_timeout:
+                    continue
+                self.closed_half_closed += 1
+                why = f"half closed, nothing moved for {self.half_close_timeout:g}s"
+            elif now - conn.active >= self.idle_timeout:
+                self.closed_idle += 1
+                why = f"nothing moved for {self.idle_timeout:g}s"
+            else:
+                continue
+            logger.log(
+                verbosity_level(4),
+                "Closing localhost nodeport %d connection: %s",
+                conn.listener.port,
+                why,
+            )
+            self._drop(conn)
 
     # Listeners ---------------------------------------------------------------------------
 
@@ -419,8 +538,7 @@ class LocalNodePortProxy:
         self._failed.pop(port, None)
         listener = _Listener(sock, target)
         self._listeners[port] = listener
-        if self._accepting:
-            self._selector.register(sock, selectors.EVENT_READ, listener)
+        self._refresh((listener,))
         logger.debug(
             "Created localhost nodeport proxy protocol=TCP port=%d endpoints=%d",
             port,
@@ -428,58 +546,95 @@ class LocalNodePortProxy:
         )
 
     def _close_listener(self, listener: _Listener) -> None:
-        if self._accepting:
-            self._selector.unregister(listener.sock)
-        listener.sock.close()
+        self._watch_listener(listener, False)
+        listener.closed = True
+        self._busy.discard(listener)
+        with contextlib.suppress(OSError):
+            listener.sock.close()
         for conn in list(listener.conns):
             self._drop(conn)
 
-    def _set_accepting(self, accepting: bool) -> None:
-        if accepting == self._accepting:
+    def _may_accept(self, listener: _Listener) -> bool:
+        """Whether ``listener`` may take another connection: while its Service holds fewer
+        than the slots still free (see the module), and nothing is paused."""
+        if self._paused_until or self._stopping:
+            return False
+        return len(listener.conns) < self.max_connections - len(self._conns)
+
+    def _refresh(self, listeners: Iterable[_Listener] = ()) -> None:
+        """Watch exactly the listeners that may accept, among ``listeners``, the busy
+        ones, and (when the family filled up or stopped being full) the idle ones."""
+        if self._stopping:
             return
-        self._accepting = accepting
-        for listener in self._listeners.values():
-            if accepting:
-                self._selector.register(listener.sock, selectors.EVENT_READ, listener)
-            else:
-                self._selector.unregister(listener.sock)
-
-    # Connections -------------------------------------------------------------------------
-
-    def _accept(self, listener: _Listener) -> None:
-        for _ in range(_ACCEPTS_PER_EVENT):
-            if len(self._conns) >= self.max_connections:
-                break
-            try:
-                client, _peer = listener.sock.accept()
-            except BlockingIOError:
-                return
-            except OSError as err:
-                if err.errno in _OUT_OF_RESOURCES:
-                    logger.warning(
-                        "Localhost nodeport proxy (%s): cannot accept: %s; pausing %gs",
-                        self.family,
-                        err.strerror,
-                        _PAUSE_ON_EXHAUSTION,
-                    )
-                    self._set_accepting(False)
-                    self._resume_at = self._clock() + _PAUSE_ON_EXHAUSTION
-                    return
-                continue  # the client gave up before we accepted
-            self._connect(listener, client)
-        if len(self._conns) >= self.max_connections:
-            if not self._saturated_logged:
+        full = len(self._conns) >= self.max_connections
+        if full != self._full:
+            # Idle listeners accept whenever a slot is free: they change only here.
+            if full:
                 logger.warning(
                     "Localhost nodeport proxy (%s): %d connections, the most allowed; new"
                     " ones wait in the accept queue",
                     self.family,
                     self.max_connections,
                 )
-                self._saturated_logged = True
-            self._set_accepting(False)
+            self._full = full
+            listeners = self._listeners.values()
+        for listener in (*listeners, *self._busy):
+            self._watch_listener(listener, self._may_accept(listener))
+
+    def _watch_listener(self, listener: _Listener, accepting: bool) -> None:
+        if listener.closed or accepting == listener.watched:
+            return
+        if accepting:
+            self._selector.register(listener.sock, selectors.EVENT_READ, listener)
+        else:
+            self._selector.unregister(listener.sock)
+        listener.watched = accepting
+
+    def _pause(self, strerror: str | None) -> None:
+        """Out of file descriptors (or memory): nothing accepts for a moment."""
+        logger.warning(
+            "Localhost nodeport proxy (%s): cannot accept: %s; pausing %gs",
+            self.family,
+            strerror,
+            _PAUSE_ON_EXHAUSTION,
+        )
+        self._paused_until = self._clock() + _PAUSE_ON_EXHAUSTION
+        for listener in self._listeners.values():
+            self._watch_listener(listener, False)
+
+    # Connections -------------------------------------------------------------------------
+
+    def _accept(self, listener: _Listener) -> None:
+        for _ in range(_ACCEPTS_PER_EVENT):
+            if not self._may_accept(listener):
+                break
+            try:
+                client, _peer = listener.sock.accept()
+            except BlockingIOError:
+                break
+            except OSError as err:
+                if err.errno in _OUT_OF_RESOURCES:
+                    self._pause(err.strerror)
+                    return
+                continue  # the client gave up before we accepted
+            self._connect(listener, client)
+        free = self.max_connections - len(self._conns)
+        if 0 < free <= len(listener.conns) and not listener.warned:
+            listener.warned = True
+            logger.warning(
+                "Localhost nodeport proxy (%s): %s (port %d) holds %d connections, its share"
+                " while %d are free; its new ones wait in the accept queue",
+                self.family,
+                listener.name,
+                listener.port,
+                len(listener.conns),
+                free,
+            )
+        self._refresh((listener,))
 
     def _connect(self, listener: _Listener, client: socket.socket) -> None:
-        endpoint = listener.pick(self._clock(), self._rng)
+        now = self._clock()
+        endpoint = listener.pick(now, self._rng)
         if endpoint is None:
             client.close()
             return
@@ -492,8 +647,7 @@ class LocalNodePortProxy:
         client.setblocking(False)
         backend.setblocking(False)
         for sock in (client, backend):
-            # As Go's net package does for every TCP connection.
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _tune(sock)
         code = backend.connect_ex(endpoint)
         if code not in (0, errno.EINPROGRESS):
             logger.log(
@@ -506,10 +660,13 @@ class LocalNodePortProxy:
             backend.close()
             client.close()
             return
-        conn = _Conn(client, backend, listener, self._clock() + self.dial_timeout)
+        conn = _Conn(client, backend, listener, now + self.dial_timeout, now)
         self._conns.add(conn)
         self._dialing.add(conn)
         listener.conns.add(conn)
+        self._busy.add(listener)
+        if len(self._conns) == 1:
+            self._next_sweep = now + self._sweep_every
         # Only the connect is watched: a client's early bytes wait in the kernel until
         # the backend is there to take them.
         self._selector.register(backend, selectors.EVENT_WRITE, conn)
@@ -537,8 +694,12 @@ class LocalNodePortProxy:
             return
         if conn.up.done and conn.down.done:
             self._drop(conn)
-        else:
-            self._interest(conn)
+            return
+        now = self._clock()
+        conn.active = now
+        if conn.half_since is None and (conn.up.eof or conn.down.eof):
+            conn.half_since = now  # one side said it is done sending
+        self._interest(conn)
 
     def _connected(self, conn: _Conn) -> None:
         code = conn.backend.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
@@ -552,6 +713,7 @@ class LocalNodePortProxy:
             self._drop(conn)
             return
         conn.connecting = False
+        conn.active = self._clock()
         self._dialing.discard(conn)
         self._interest(conn)
 
@@ -615,16 +777,20 @@ class LocalNodePortProxy:
             return
         self._conns.discard(conn)
         self._dialing.discard(conn)
-        conn.listener.conns.discard(conn)
+        listener = conn.listener
+        listener.conns.discard(conn)
+        if not listener.conns:
+            self._busy.discard(listener)
+            listener.warned = False
         for sock in (conn.client, conn.backend):
             with contextlib.suppress(KeyError, ValueError):
                 self._selector.unregister(sock)
             sock.close()
-        if not self._accepting and not self._resume_at and len(self._conns) < self.max_connections:
-            self._saturated_logged = False
-            self._set_accepting(True)
+        self._refresh((listener,))
 
     def _shutdown_all(self) -> None:
+        # Nothing is watched again from here on (a closed listener must never be).
+        self._stopping = True
         for listener in list(self._listeners.values()):
             self._close_listener(listener)
         self._listeners.clear()
@@ -635,6 +801,17 @@ class LocalNodePortProxy:
         self._selector.close()
         self._wake_r.close()
         self._wake_w.close()
+
+
+def _tune(sock: socket.socket) -> None:
+    """What every proxied socket gets: no Nagle delay and keep-alives (as Go's net package
+    gives every TCP connection, upstream's included; :data:`KEEPALIVE`)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle, interval, count = KEEPALIVE
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, count)
 
 
 def _finish(pipe: _Pipe) -> None:

@@ -33,9 +33,10 @@ import logging
 import math
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from decimal import Decimal
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -64,6 +65,7 @@ __all__ = [
     "PACKET_COUNTERS",
     "SYNC_BUCKETS",
     "MetricsServer",
+    "PerRegistry",
     "ProxyMetrics",
     "expose",
     "go_float",
@@ -328,6 +330,27 @@ class _NoLocalEndpoints:
 
 
 PortsOf = Callable[[NamespacedName], Iterable[ServicePortName]]
+
+
+_C = TypeVar("_C", bound=Collector)
+
+
+class PerRegistry(Generic[_C]):
+    """One collector of a kind per registry, made by ``make`` and registered there the
+    first time :meth:`of` is asked (a backend's collectors serve every family of the
+    daemon, which calls its hooks once per backend)."""
+
+    def __init__(self, make: Callable[[], _C]) -> None:
+        self._make = make
+        self._made: weakref.WeakKeyDictionary[Any, _C] = weakref.WeakKeyDictionary()
+
+    def of(self, registry: CollectorRegistry) -> _C:
+        """``registry``'s collector, registered now if it had none."""
+        collector = self._made.get(registry)
+        if collector is None:
+            collector = self._made[registry] = self._make()
+            registry.register(collector)
+        return collector
 
 
 class ProxyMetrics:

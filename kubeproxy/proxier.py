@@ -394,8 +394,8 @@ class Proxier:
             self._sync_if_initialized()
 
     def on_endpoint_slice_update(self, old: KubeObject, new: KubeObject) -> None:
-        """An EndpointSlice changed."""
-        if self._endpoint_changes.update(new, False):
+        """An EndpointSlice changed (a relabelled one leaves the Service ``old`` named)."""
+        if self._endpoint_changes.update(new, False, previous=old):
             self._sync_if_initialized()
 
     def on_endpoint_slice_delete(self, slice_: KubeObject) -> None:

@@ -235,6 +235,7 @@ def test_the_nftables_package_holds_the_shipped_structure_only() -> None:
         "ruleencoder",
         "stale",
         "support",
+        "sweeper",
         "table",
         "trace",
         "transaction",

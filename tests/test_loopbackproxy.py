@@ -331,14 +331,15 @@ def test_a_port_held_by_another_process_is_counted_logged_once_and_retried(
 def test_connections_are_bounded(netns: Netns) -> None:
     backend = Backend(netns, echo=True)
     port = netns.free_port()
-    with proxy(netns, max_connections=2) as p:
+    with proxy(netns, max_connections=4) as p:
         p.sync([target(port, backend)])
         first, second = connect(netns, port), connect(netns, port)
         for sock in (first, second):
             sock.sendall(b"a")
             assert sock.recv(1) == b"a"
         assert p.connections == 2
-        # The third waits in the kernel's accept queue: connected, but not served.
+        # A lone Service gets half the cap: the third waits in the kernel's accept queue,
+        # connected but not served.
         third = connect(netns, port)
         third.settimeout(0.5)
         third.sendall(b"b")
@@ -351,6 +352,140 @@ def test_connections_are_bounded(netns: Netns) -> None:
         second.close()
         third.close()
         assert wait_for(lambda: p.connections == 0)
+
+
+class Hung:
+    """A backend that accepts and then does nothing: never reads, never closes (a hung
+    application); it keeps every connection it accepted."""
+
+    def __init__(self, netns: Netns) -> None:
+        self.sock = netns.open()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(1024)
+        self.port: int = self.sock.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    @property
+    def endpoint(self) -> tuple[str, int]:
+        return ("127.0.0.1", self.port)
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.conns:
+            conn.close()
+
+
+def hung_target(port: int, hung: Hung) -> NodePortTarget:
+    name = ServicePortName(NamespacedName("default", "hung"), "http", Protocol.TCP)
+    return NodePortTarget(name, port, (hung.endpoint,), 0)
+
+
+def test_one_service_cannot_take_every_slot_of_the_family(netns: Netns) -> None:
+    # Issue 31: a backend that ignores its clients held the whole family's cap, and every
+    # other localhost NodePort of the family was dead until it let go.
+    hung, backend = Hung(netns), Backend(netns, echo=True)
+    stuck, other, third = netns.free_port(), netns.free_port(), netns.free_port()
+    with proxy(netns, max_connections=8) as p:
+        p.sync([hung_target(stuck, hung), target(other, backend), target(third, backend)])
+        clients = [connect(netns, stuck) for _ in range(20)]
+        assert wait_for(lambda: p.connections == 4)  # half the cap: the rest wait
+        assert echo(netns, other, b"still served") == b"still served"
+        with connect(netns, other) as held:  # a second Service holding one, the third
+            held.sendall(b"1")
+            assert held.recv(1) == b"1"
+            assert echo(netns, third, b"served too") == b"served too"
+        assert wait_for(lambda: p.connections == 4)
+        for sock in clients:
+            sock.close()
+        hung.close()
+
+
+def test_a_half_closed_connection_is_closed_after_its_timeout(netns: Netns) -> None:
+    hung = Hung(netns)
+    port = netns.free_port()
+    with proxy(netns, half_close_timeout=0.5) as p:
+        p.sync([hung_target(port, hung)])
+        with connect(netns, port) as client:
+            client.sendall(b"request")
+            client.shutdown(socket.SHUT_WR)  # the client is done; the backend never is
+            assert wait_for(lambda: p.connections == 1 and len(hung.conns) == 1)
+            start = time.monotonic()
+            assert wait_for(lambda: p.connections == 0, timeout=5.0)
+            assert time.monotonic() - start >= 0.4
+            assert client.recv(16) == b""  # the proxy ended the client's side too
+        assert p.closed_half_closed == 1
+        backend_side = hung.conns[0]
+        backend_side.settimeout(2.0)
+        assert backend_side.recv(16) == b"request"
+        assert backend_side.recv(16) == b""  # and told the backend
+        hung.close()
+
+
+def test_an_idle_connection_is_closed_after_its_timeout_a_busy_one_is_not(netns: Netns) -> None:
+    backend = Backend(netns, echo=True)
+    port = netns.free_port()
+    with proxy(netns, idle_timeout=0.6) as p:
+        p.sync([target(port, backend)])
+        idle, busy = connect(netns, port), connect(netns, port)
+        with idle, busy:
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline:  # one byte every 0.2 s keeps it open
+                busy.sendall(b"x")
+                assert busy.recv(1) == b"x"
+                time.sleep(0.2)
+            assert idle.recv(1) == b""
+            assert p.connections == 1
+            assert p.closed_idle == 1
+
+
+def test_proxied_sockets_send_keepalives(netns: Netns) -> None:
+    backend = Backend(netns, echo=True)
+    port = netns.free_port()
+    with proxy(netns) as p:
+        p.sync([target(port, backend)])
+        with connect(netns, port) as sock:
+            sock.sendall(b"x")
+            assert sock.recv(1) == b"x"
+            listing = SubprocessRunner()(
+                ["ip", "netns", "exec", netns.name, "ss", "-tnoH", "state", "established"]
+            )
+    # The proxy's two sockets (accepted from the client, connected to the backend) carry
+    # a keep-alive timer; the test's own client and the backend's socket do not.
+    assert listing.count("timer:(keepalive") == 2, listing
+
+
+def test_stopping_at_the_cap_is_clean(netns: Netns, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 31: stopping at the cap registered a closed listener again, and the proxy's
+    # thread ended with a traceback.
+    died: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: died.append(args.exc_value))
+    hung, backend = Hung(netns), Backend(netns, echo=True)
+    stuck, other = netns.free_port(), netns.free_port()
+    p = LocalNodePortProxy(IPFamily.IPV4, netns=netns.name, max_connections=2)
+    p.sync([hung_target(stuck, hung), target(other, backend)])
+    held = [connect(netns, stuck), connect(netns, other)]
+    held[1].sendall(b"x")
+    assert held[1].recv(1) == b"x"
+    assert wait_for(lambda: p.connections == 2)  # every slot taken
+    waiting = connect(netns, other)  # in the accept queue
+    p.close()
+    assert not p._thread.is_alive()
+    assert died == []
+    for sock in (*held, waiting):
+        sock.settimeout(2.0)
+        with contextlib.suppress(ConnectionResetError):
+            assert sock.recv(1) == b""
+        sock.close()
+    hung.close()
 
 
 def test_a_large_transfer_with_half_close(netns: Netns) -> None:

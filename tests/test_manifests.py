@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -13,9 +14,18 @@ from typing import Any
 
 import pytest
 
+from kubeproxy.backends.nftables import NftablesBackend
+from kubeproxy.backends.nftables.fake import FakeNft
+from kubeproxy.backends.nftables.inspect import served_frontends
+from kubeproxy.backends.nftables.objects import Family
+from kubeproxy.config import ProxierConfig
 from kubeproxy.handlers import KubeObject
-from kubeproxy.objects import IPNetwork
+from kubeproxy.objects import IPFamily, IPNetwork
+from kubeproxy.proxier import Proxier
 from kubeproxy.sources.manifests import ManifestSource
+from kubeproxy.testing.fakeapi import builders
+
+V4 = IPFamily.IPV4
 
 Call = tuple[Any, ...]
 
@@ -518,3 +528,97 @@ def test_broken_files_and_node_names_are_listed(tmp_path: Path) -> None:
     assert source.broken == []
     assert source.node_names == ["other-a", "other-b", "this-node"]
     assert ("Node", "", "this-node") in source.objects()
+
+
+# --- what the API server would refuse (issue 31, item 4) --------------------------------
+
+
+def write_list(directory: Path, *objects: dict[str, Any]) -> None:
+    items = {"apiVersion": "v1", "kind": "List", "items": list(objects)}
+    write(directory / "cluster.json", json.dumps(items))
+
+
+def external(name: str, ip: str, k: int) -> dict[str, Any]:
+    return builders.service(name, "demo", cluster_ip=f"172.30.0.{20 + k}", externalIPs=[ip])
+
+
+def nft_proxier() -> tuple[Proxier, FakeNft]:
+    fake = FakeNft()
+    config = ProxierConfig(node_name="node-a")
+    return Proxier(V4, config, NftablesBackend(V4, config, executor=fake)), fake
+
+
+def served(fake: FakeNft) -> set[str]:
+    return {key[0] for key in served_frontends(fake, Family.IP) if len(key) == 3}
+
+
+def test_what_the_api_server_refuses_is_not_programmed_the_rest_is(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    write_list(
+        tmp_path,
+        external("loopback", "127.0.0.1", 1),
+        external("multicast", "224.0.0.1", 2),
+        external("broadcast", "255.255.255.255", 3),  # the API server takes this one
+        external("fine", "203.0.113.7", 4),
+        *(
+            builders.endpoint_slice(f"{n}-1", n, "demo", addresses=["10.244.0.11"])
+            for n in ("loopback", "multicast", "broadcast", "fine")
+        ),
+        builders.endpoint_slice("stray-1", "fine", "demo", addresses=["127.0.0.1"]),
+    )
+    proxier, fake = nft_proxier()
+    source = ManifestSource(tmp_path, proxier, node_name="node-a")
+    with caplog.at_level(logging.ERROR, logger="kubeproxy.sources.manifests"):
+        source.load()
+    programmed = served(fake)
+    assert "127.0.0.1" not in programmed and "224.0.0.1" not in programmed
+    assert {"255.255.255.255", "203.0.113.7", "172.30.0.23", "172.30.0.24"} <= programmed
+    refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refused) == 3, refused  # one line per refused object
+    assert any(
+        "Service demo/loopback refused, as the API server would: spec.externalIPs[0]:"
+        " '127.0.0.1': may not be in the loopback range (127.0.0.0/8, ::1/128); not served" in m
+        for m in refused
+    )
+    assert any("224.0.0.0/24" in m and "demo/multicast" in m for m in refused)
+    assert any("EndpointSlice demo/stray-1" in m and "loopback" in m for m in refused)
+    assert source.refused == [
+        "EndpointSlice demo/stray-1",
+        "Service demo/loopback",
+        "Service demo/multicast",
+    ]
+
+
+def test_a_refused_update_keeps_what_was_delivered(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    proxier, fake = nft_proxier()
+    good = external("web", "203.0.113.7", 1)
+    web = builders.endpoint_slice("web-1", "web", "demo", addresses=["10.244.0.11"])
+    write_list(tmp_path, good, web)
+    source = ManifestSource(tmp_path, proxier, node_name="node-a")
+    source.load()
+    bad = copy.deepcopy(good)
+    bad["spec"]["externalIPs"] = ["203.0.113.7", "169.254.169.254"]
+    write_list(
+        tmp_path, bad, builders.endpoint_slice("web-1", "web", "demo", addresses=["10.244.0.11"])
+    )
+    with caplog.at_level(logging.ERROR, logger="kubeproxy.sources.manifests"):
+        source.poll()
+        proxier.sync_now()
+        (tmp_path / "cluster.json").touch()  # read again, unchanged: reported once
+        source.poll()
+    assert "203.0.113.7" in served(fake)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "the version delivered before stays" in lines[0]
+    assert "link-local range" in lines[0]
+    fixed = copy.deepcopy(good)
+    fixed["spec"]["externalIPs"] = ["203.0.113.8"]
+    write_list(
+        tmp_path, fixed, builders.endpoint_slice("web-1", "web", "demo", addresses=["10.244.0.11"])
+    )
+    source.poll()
+    proxier.sync_now()
+    assert "203.0.113.8" in served(fake) and "203.0.113.7" not in served(fake)
+    assert source.refused == []

@@ -349,6 +349,9 @@ def test_metrics_as_upstream_names_them() -> None:
         'kubeproxy_nftables_localhost_nodeport_listeners{ip_family="IPv4"} 0',
         "kubeproxy_nftables_localhost_nodeport_listener_creation_failures_total"
         '{ip_family="IPv6"} 0',
+        'kubeproxy_nftables_localhost_nodeport_connections{ip_family="IPv4"} 0',
+        "kubeproxy_nftables_localhost_nodeport_timed_out_connections_total"
+        '{ip_family="IPv6",reason="half-closed"} 0',
     ):
         assert line in text
 
@@ -366,7 +369,7 @@ def test_nftables_mode_reports_them_once_per_registry() -> None:
     metrics = ProxyMetrics(mode="nftables")
     for backend in backends:
         hooks = nftables_hooks(backend, metrics)
-        assert len(hooks) == 1  # the cleanup failure counter, as before
+        assert len(hooks) == 2  # the cleanup failure counter and the sweeper, as before
     collector = report_metrics(metrics.registry, backends[0])
     assert set(collector.backends) == {IPFamily.IPV4, IPFamily.IPV6}
 

@@ -3,6 +3,7 @@ node and CIDR handling, and the dual-stack fan-out. Backends are recording fakes
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import threading
@@ -1057,6 +1058,9 @@ operations = st.one_of(
         st.booleans(),
     ),
     st.tuples(st.just("delete-slice"), st.sampled_from(NAMES), st.integers(0, 1)),
+    st.tuples(
+        st.just("relabel"), st.sampled_from(NAMES), st.integers(0, 1), st.sampled_from(NAMES)
+    ),
     st.tuples(st.just("zone"), st.sampled_from(["zone-a", "zone-b"])),
     st.tuples(st.just("sync"), st.booleans()),
 )
@@ -1099,6 +1103,14 @@ def test_incremental_state_matches_recomputation(ops: list[tuple[Any, ...]]) -> 
             gone = slices.pop(f"{name}-{index}", None)
             if gone is not None:
                 proxier.on_endpoint_slice_delete(gone)
+        elif kind == "relabel":
+            _, name, index, other = op
+            old = slices.get(f"{name}-{index}")
+            if old is not None:
+                new = copy.deepcopy(old)
+                new["metadata"]["labels"]["kubernetes.io/service-name"] = other
+                slices[f"{name}-{index}"] = new
+                proxier.on_endpoint_slice_update(old, new)
         elif kind == "zone":
             proxier.on_node_update(node_object(zone=op[1]))
         else:
@@ -1117,6 +1129,17 @@ def test_incremental_state_matches_recomputation(ops: list[tuple[Any, ...]]) -> 
         s: {n for n in last.services if n.service == s} for s in {n.service for n in last.services}
     }
     assert {NamespacedName("demo", n) for n in services} >= {n.service for n in last.services}
+    # A fresh proxier fed the final objects sees the same (relabelled slices included).
+    fresh, fresh_backend = make_proxier()
+    if zone:
+        fresh.on_node_update(node_object(zone=zone))
+    for obj in services.values():
+        fresh.on_service_add(obj)
+    for obj in slices.values():
+        fresh.on_endpoint_slice_add(obj)
+    initialized(fresh)
+    assert fresh_backend.last.endpoints == last.endpoints
+    assert fresh_backend.last.categorized == last.categorized
 
 
 def test_example_cluster_through_the_manifest_source() -> None:

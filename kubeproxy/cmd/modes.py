@@ -146,14 +146,21 @@ class BackendCounters(NullObserver):
 
 
 def nftables_hooks(backend: Backend, metrics: ProxyMetrics) -> Sequence[SyncHook | SyncObserver]:
-    """nftables mode: the stale-chain cleanup failure counter, and the localhost NodePort
-    metrics of a backend with the ``KubeProxyNFTablesLocalhostNodePorts`` gate on."""
+    """nftables mode: the stale-chain cleanup failure counter, the sweeper deleting what a
+    restart or a failed sync left without waiting for a change (with its
+    ``..._nftables_stale_objects`` gauge), and the localhost NodePort metrics of a backend
+    with the ``KubeProxyNFTablesLocalhostNodePorts`` gate on."""
     if hasattr(backend, "rejected_packets"):
         localhost = _module("nftables", "localhost")
         localhost.report_metrics(metrics.registry, backend)
+    hooks: list[SyncHook | SyncObserver] = []
     if hasattr(backend, "stale_chain_failures"):
-        return (CleanupFailureCounter(backend, metrics),)
-    return ()
+        hooks.append(CleanupFailureCounter(backend, metrics))
+    if hasattr(backend, "collect_stale"):
+        sweeper = _module("nftables", "sweeper")
+        sweeper.report_stale_objects(metrics.registry, backend)
+        hooks.append(sweeper.StaleSweeper(backend))
+    return tuple(hooks)
 
 
 def iptables_hooks(backend: Backend, metrics: ProxyMetrics) -> Sequence[SyncHook | SyncObserver]:

@@ -7,6 +7,13 @@ delivers Services (``v1``), EndpointSlices (``discovery.k8s.io/v1``), the Node n
 ``node_name`` (``v1``) and ServiceCIDRs (``networking.k8s.io/v1``) to a
 :class:`~kubeproxy.handlers.ProxyHandler`; other kinds are ignored.
 
+Services and EndpointSlices are validated as the API server validates them (for the
+fields the proxy reads: :mod:`kubeproxy.sources.apivalidation`), since with this source
+nobody else does: one the API server would refuse is reported in one line (the file,
+the document, every reason) and not delivered; as for a refused update, the version
+delivered before stays, until a valid one or the object's removal. Their keys are listed
+in :attr:`ManifestSource.refused` while they stay refused.
+
 Objects are keyed by kind, namespace and name. A file that cannot be read or parsed, or
 that holds a document without a kind or a name, is *broken*: it is reported once (file,
 document, reason) and keeps contributing what it held when it last parsed (the objects
@@ -52,6 +59,7 @@ import yaml
 
 from kubeproxy.handlers import KubeObject, ProxyHandler
 from kubeproxy.objects import IPNetwork
+from kubeproxy.sources.apivalidation import endpoint_slice_errors, service_errors
 from kubeproxy.sources.identity import SliceOwner, identity, slice_owner
 from kubeproxy.sources.jsonitems import json_objects
 
@@ -202,6 +210,9 @@ class ManifestSource:
         # The other definitions of objects defined more than once (rare).
         self._shadowed: dict[ObjectKey, list[_Def]] = {}
         self._reported_duplicates: set[tuple[ObjectKey, Path, int]] = set()
+        # Objects the API server would refuse: key -> the refused text's fingerprint
+        # (reported once per version).
+        self._refused: dict[ObjectKey, int] = {}
         self._service_cidr_objects: dict[ObjectKey, KubeObject] = {}
         self._service_cidrs: tuple[IPNetwork, ...] | None = None
         self._cidrs_changed = False
@@ -233,6 +244,12 @@ class ManifestSource:
     def broken(self) -> list[Path]:
         """The files whose last read failed (each was reported when it broke), sorted."""
         return sorted(path for path, state in self._files.items() if state.broken)
+
+    @property
+    def refused(self) -> list[str]:
+        """The Services and EndpointSlices whose current definition the API server would
+        refuse (each reported once per version), as ``Kind namespace/name``, sorted."""
+        return sorted(_describe(key) for key in self._refused)
 
     @property
     def node_names(self) -> list[str]:
@@ -471,6 +488,8 @@ class ManifestSource:
             return False
         seen[key] = entry.position
         current = self._defs.get(key)
+        if self._refuse(entry, path, current):
+            return False
         if current is None:
             self._defs[key] = definition
             return self._deliver(key, None, entry.obj)
@@ -489,6 +508,37 @@ class ManifestSource:
         if current.fingerprint == entry.fingerprint:
             return False
         return self._deliver(key, current, entry.obj)
+
+    def _refuse(self, entry: _Entry, path: Path, current: _Def | None) -> bool:
+        """Whether the API server would refuse ``entry`` (a Service or an EndpointSlice):
+        then it is reported (once per version) and taken for no definition at all, so
+        what was delivered before stays."""
+        key = entry.key
+        kind = key[0]
+        if kind == SERVICE:
+            reasons = service_errors(entry.obj)
+        elif kind == ENDPOINT_SLICE:
+            reasons = endpoint_slice_errors(entry.obj)
+        else:
+            return False
+        if not reasons:
+            self._refused.pop(key, None)
+            return False
+        if self._refused.get(key) != entry.fingerprint:
+            self._refused[key] = entry.fingerprint
+            kept = (
+                "the version delivered before stays"
+                if current is not None and current.path == path
+                else "not served"
+            )
+            logger.error(
+                "manifests: %s: %s refused, as the API server would: %s; %s",
+                _place(path, entry.position),
+                _describe(key),
+                "; ".join(reasons),
+                kept,
+            )
+        return True
 
     def _shadow(self, key: ObjectKey, definition: _Def, winner: _Def) -> None:
         """Keep ``definition`` as a second one of ``key`` (reported once)."""
@@ -521,6 +571,7 @@ class ManifestSource:
         """``path`` no longer defines ``key``: the next definition in path order takes
         over, or the object is deleted. True if the handler was told."""
         self._unshadow(key, path)
+        self._refused.pop(key, None)
         current = self._defs.get(key)
         if current is None or current.path != path:
             return False
@@ -536,6 +587,8 @@ class ManifestSource:
         try:
             for entry in self._entries(successor.path, self._text(successor.path)):
                 if entry.key == key:
+                    if self._refuse(entry, successor.path, None):
+                        break  # no valid successor: the object goes
                     self._defs[key] = successor._replace(fingerprint=entry.fingerprint)
                     if current.fingerprint == entry.fingerprint:
                         return False

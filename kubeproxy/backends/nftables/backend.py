@@ -21,8 +21,10 @@ the cluster's size, and everything per Service is *data* (see
   served by the old generation until that switch and by the new one after it; a table
   left by another version (the per-Service-chain structure included) is switched over
   the same way. Whatever the kernel held that the new generation does not use is
-  deleted at least a second later, in its own transaction (older kernels still count a
-  chain as used right after the last reference goes).
+  deleted a second later, in its own transaction (older kernels still count a chain as
+  used right after the last reference goes): by the daemon's sweeper
+  (:class:`~kubeproxy.backends.nftables.sweeper.StaleSweeper`, through
+  :meth:`NftablesBackend.collect_stale`) without waiting for the next sync.
 
 Nothing is listed on an incremental sync; a full sync lists only chain and set names.
 """
@@ -131,7 +133,9 @@ class NftablesBackend:
     its class (:attr:`~kubeproxy.backends.nftables.layout.Dispatch.TREE`, or the
     benchmarks' :attr:`~kubeproxy.backends.nftables.layout.Dispatch.RULES`). Counters for
     metrics: :attr:`sync_failures`, :attr:`stale_chain_failures` (failed deletions of
-    unused objects), :attr:`affinity_cleanup_failures`; for tests and logs:
+    unused objects), :attr:`affinity_cleanup_failures`, :attr:`stale_objects` (unused
+    objects waiting for their deletion, which :meth:`collect_stale` does when due); for
+    tests and logs:
     :attr:`last_operations`, :attr:`last_transactions`, :attr:`last_sync_full`,
     :attr:`generation`. ``kept`` names objects that another part of this proxy keeps in
     our table (localhost NodePorts' reject rules), as
@@ -214,10 +218,7 @@ class NftablesBackend:
         if snapshot.family is not self._family:
             raise ValueError(f"snapshot of {snapshot.family} given to the {self._family} backend")
         now = self._clock()
-        if len(self._stale) and not self._stale.collect(
-            now, self._new_transaction, self._run, self._list_names
-        ):
-            self.stale_chain_failures += 1
+        self.collect_stale(now)
         inputs = self._inputs_of(snapshot)
         full = changes.full or self._need_full or inputs != self._inputs
         self.last_sync_full = full
@@ -247,6 +248,31 @@ class NftablesBackend:
                 for spec in (state.affinity.maps if state.affinity is not None else ())
             ]
         self.affinity_cleanup_failures += self._affinity.clean(self._map_live, every)
+
+    # Unused objects --------------------------------------------------------------------
+
+    @property
+    def stale_objects(self) -> int:
+        """Chains, sets and maps of our table that nothing uses any more (an old
+        generation, what a killed or failed full sync built), waiting for their deletion."""
+        return len(self._stale)
+
+    def stale_due(self) -> float | None:
+        """When (on this backend's clock) the first of :attr:`stale_objects` is due for
+        deletion; None when nothing waits."""
+        return self._stale.next_due()
+
+    def collect_stale(self, now: float | None = None) -> bool:
+        """Delete the unused objects that are due (every sync starts with this; the
+        daemon's sweeper calls it between syncs, with syncs held); False when the kernel
+        refused (logged, counted in :attr:`stale_chain_failures`, tried again later)."""
+        if not len(self._stale):
+            return True
+        moment = self._clock() if now is None else now
+        if self._stale.collect(moment, self._new_transaction, self._run, self._list_names):
+            return True
+        self.stale_chain_failures += 1
+        return False
 
     def cleanup(self) -> None:
         """Delete our table (a missing table is fine) and forget all state."""

@@ -32,7 +32,6 @@ them, and deletes them as unused objects after its next full sync.
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
@@ -57,6 +56,7 @@ from kubeproxy.localnodeports import (
     targets_of_services,
 )
 from kubeproxy.loopbackproxy import LocalNodePortProxy
+from kubeproxy.metrics import PerRegistry
 from kubeproxy.objects import IPFamily, NamespacedName, Protocol, ServicePortName
 
 __all__ = [
@@ -336,7 +336,15 @@ class LocalhostNodePortMetrics:
     * ``kubeproxy_nftables_localhost_nodeport_listeners{ip_family}`` (gauge);
     * ``kubeproxy_nftables_localhost_nodeport_listener_creation_failures_total{ip_family}``;
     * ``kubeproxy_nftables_localhost_nodeport_rejected_packets_total{ip_family, protocol}``,
-      read from the rules' counters at each scrape (one small netlink dump per family).
+      read from the rules' counters at each scrape (one small netlink dump per family);
+
+    and two of ours, for what upstream's unbounded proxy has no need of:
+
+    * ``kubeproxy_nftables_localhost_nodeport_connections{ip_family}`` (gauge): the
+      connections proxied now;
+    * ``kubeproxy_nftables_localhost_nodeport_timed_out_connections_total{ip_family,
+      reason}``: connections the proxy closed because nothing moved on them,
+      ``reason="half-closed"`` or ``"idle"`` (:mod:`kubeproxy.loopbackproxy`).
 
     A prometheus-client collector; register one per registry.
     """
@@ -349,7 +357,7 @@ class LocalhostNodePortMetrics:
         self.backends[backend.family] = backend
 
     def collect(self) -> Iterable[Any]:
-        """The three metric families."""
+        """The five metric families."""
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         listeners = GaugeMetricFamily(
@@ -368,10 +376,26 @@ class LocalhostNodePortMetrics:
             "always rejected; TCP is rejected when the localhost NodePort proxy is not running",
             labels=["ip_family", "protocol"],
         )
+        connections = GaugeMetricFamily(
+            "kubeproxy_nftables_localhost_nodeport_connections",
+            "Number of connections the localhost NodePort proxy relays now",
+            labels=["ip_family"],
+        )
+        timed_out = CounterMetricFamily(
+            "kubeproxy_nftables_localhost_nodeport_timed_out_connections",
+            "Number of connections the localhost NodePort proxy closed because nothing moved"
+            " on them (half closed for 60 s, or idle for 24 h)",
+            labels=["ip_family", "reason"],
+        )
         for family, backend in sorted(self.backends.items()):
             proxy = backend.proxy
             listeners.add_metric([family.value], float(proxy.listeners if proxy else 0))
             failures.add_metric([family.value], float(proxy.listener_failures if proxy else 0))
+            connections.add_metric([family.value], float(proxy.connections if proxy else 0))
+            timed_out.add_metric(
+                [family.value, "half-closed"], float(proxy.closed_half_closed if proxy else 0)
+            )
+            timed_out.add_metric([family.value, "idle"], float(proxy.closed_idle if proxy else 0))
             try:
                 counts = backend.rejected_packets()
             except NftError as err:
@@ -382,17 +406,16 @@ class LocalhostNodePortMetrics:
         yield listeners
         yield failures
         yield rejected
+        yield connections
+        yield timed_out
 
 
-_COLLECTORS: weakref.WeakKeyDictionary[Any, LocalhostNodePortMetrics] = weakref.WeakKeyDictionary()
+_COLLECTORS = PerRegistry(LocalhostNodePortMetrics)
 
 
 def report_metrics(registry: Any, backend: LocalhostNodePortsBackend) -> LocalhostNodePortMetrics:
     """Report ``backend``'s family in ``registry``'s :class:`LocalhostNodePortMetrics`
     (registered there the first time)."""
-    collector = _COLLECTORS.get(registry)
-    if collector is None:
-        collector = _COLLECTORS[registry] = LocalhostNodePortMetrics()
-        registry.register(collector)
+    collector = _COLLECTORS.of(registry)
     collector.add(backend)
     return collector

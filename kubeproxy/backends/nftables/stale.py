@@ -1,10 +1,12 @@
 """The objects of our table nothing uses any more: which, since when, and their deletion.
 
 A full sync writes a new generation next to the current one and switches the fixed
-chains over; the old generation (and a table left by another version, the
-per-Service-chain structure's chains and maps included) is then unused, and so is a
-content-named affinity map or chain no port uses after a sync. They are deleted at the
-first sync at least :data:`STALE_DELAY` after they went unused, in one transaction:
+chains over; the old generation (and what a process killed in the middle of a full sync
+built, and a table left by another version, the per-Service-chain structure's chains and
+maps included) is then unused, and so is a content-named affinity map or chain no port
+uses after a sync. They are deleted :data:`STALE_DELAY` after they went unused (by the
+daemon's :class:`~kubeproxy.backends.nftables.sweeper.StaleSweeper`, or at the first
+sync from then on), in one transaction:
 older kernels still count a chain as used right after its last reference went, and the
 deletion order matters (a chain jumped to, a set looked up, cannot be deleted while a
 rule or a verdict element refers to it).
@@ -181,6 +183,12 @@ class StaleCollector:
                 self._since.setdefault(obj, now)
         for obj in [o for o in self._since if o in wanted]:
             del self._since[obj]
+
+    def next_due(self) -> float | None:
+        """When the first object waiting for its deletion is due (None: none waits)."""
+        if not self._since:
+            return None
+        return min(self._since.values()) + self.delay
 
     def due(self, now: float) -> list[TableObject]:
         """The objects unused for at least :attr:`delay`, in :func:`deletion_order`."""

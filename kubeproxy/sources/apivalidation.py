@@ -1,0 +1,527 @@
+"""The API server's validation of the Service and EndpointSlice fields the proxy reads.
+
+With the API source, the API server has validated every object before the proxy sees it;
+with the manifests source (:mod:`kubeproxy.sources.manifests`) nobody has, so the source
+applies the same rules itself and refuses, with one line, what the API server would
+refuse: before this, a manifest with ``externalIPs: [127.0.0.1]`` or ``[224.0.0.1]`` was
+programmed (issue 31). The proxy's own parsing (:mod:`kubeproxy.parse`) stays lenient,
+as upstream's kube-proxy is, for objects the API server stored under older rules.
+
+The rules are upstream's, as of Kubernetes 1.37 with its default feature gates, after the
+API server's defaulting (a field left out takes its default: protocol ``TCP``, type
+``ClusterIP``, ``sessionAffinity: None`` and so on), for the fields the proxy reads
+(``pkg/apis/core/validation/validation.go``: ``ValidateService``,
+``validateServicePort``, ``ValidateServiceClusterIPsRelatedFields``,
+``validateClientIPAffinityConfig``, ``validateServiceExternalTrafficPolicy``,
+``validateServiceInternalTrafficFieldsValue``, ``ValidateLoadBalancerStatus``,
+``ValidateEndpointIP``; ``pkg/apis/discovery/validation/validation.go``:
+``ValidateEndpointSlice``; ``staging/src/k8s.io/apimachinery/pkg/util/validation``:
+``IsValidIPForLegacyField``, ``IsValidCIDRForLegacyField``, names, labels):
+
+Service
+  * ``metadata.name`` and ``metadata.namespace``: DNS-1123 labels (Service names are
+    labels since ``RelaxedServiceNameValidation``, GA in 1.37); ``metadata.labels``:
+    qualified-name keys, label values.
+  * ``spec.type``: ``ClusterIP``, ``NodePort``, ``LoadBalancer`` or ``ExternalName``.
+  * ``spec.ports``: at least one unless headless or ExternalName; each a DNS-1123 label
+    ``name`` (required when there are several, unique), ``port`` 1-65535, ``protocol``
+    ``TCP``, ``UDP`` or ``SCTP``; no ``nodePort`` on a ClusterIP Service; no
+    (protocol, port) and no (protocol, nodePort) twice.
+  * ``spec.clusterIP`` / ``clusterIPs``: ``clusterIPs[0]`` equal to ``clusterIP``, at
+    most two, of different families, ``None`` only alone and not for NodePort or
+    LoadBalancer Services; each a valid IP.
+  * ``spec.externalIPs``: valid IPs, and none unspecified (``0.0.0.0``, ``::``), loopback
+    (``127.0.0.0/8``, ``::1``), link-local (``169.254.0.0/16``, ``fe80::/10``) or
+    link-local multicast (``224.0.0.0/24``, ``ff02::/16``): ``ValidateEndpointIP``.
+    Upstream's own comment there: it is almost, but not exactly, ``IsGlobalUnicast``:
+    global multicast (``224.0.1.1``) and the broadcast address (``255.255.255.255``)
+    are accepted, so they are here too.
+  * ``spec.sessionAffinity``: ``None`` or ``ClientIP``; with ``ClientIP``,
+    ``sessionAffinityConfig.clientIP.timeoutSeconds`` 1-86400; with ``None``, no
+    ``sessionAffinityConfig``.
+  * ``spec.loadBalancerSourceRanges``: only on LoadBalancer Services; valid CIDRs
+    (spaces around them allowed, a historical accident upstream keeps).
+  * ``spec.externalTrafficPolicy``: ``Cluster`` or ``Local``, and only on Services
+    reachable from outside (NodePort, LoadBalancer, or with external IPs);
+    ``spec.healthCheckNodePort`` 1-65535 and only on LoadBalancers with policy
+    ``Local``; ``spec.internalTrafficPolicy``: ``Cluster`` or ``Local``.
+  * ``status.loadBalancer.ingress[].ip``: a valid IP; ``ipMode``: ``VIP`` or ``Proxy``,
+    and only with an ``ip``.
+
+EndpointSlice
+  * ``metadata.name``: a DNS-1123 subdomain; ``metadata.namespace``: a label;
+    ``metadata.labels`` (``kubernetes.io/service-name`` among them): valid labels.
+  * ``addressType``: ``IPv4``, ``IPv6`` or ``FQDN``.
+  * ``endpoints``: at most 1000; each with 1 to 100 ``addresses``, valid addresses of
+    the slice's type (``ValidateEndpointIP`` too, for IPv4 and IPv6), a DNS-1123
+    subdomain ``nodeName``, at most 8 distinct ``hints.forZones`` of valid label values.
+  * ``ports``: at most 20000; DNS-1123 label names, unique; ``protocol`` ``TCP``,
+    ``UDP`` or ``SCTP``.
+
+"Valid IP" and "valid CIDR" are upstream's strict forms (``StrictIPCIDRValidation``,
+beta and on by default): no leading zeros (``010.0.0.1``), no IPv4-mapped IPv6
+(``::ffff:10.0.0.1``), no bits set beyond a CIDR's prefix length. EndpointSlice
+addresses keep the older, sloppy parse, as upstream's discovery validation does.
+
+Each function returns the reasons, ``"<field>: <value>: <why>"``, in field order; an empty
+list for an object the API server would store.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Final
+
+from kubeproxy.objects import IPAddress
+from kubeproxy.parse import parse_ip
+
+__all__ = ["endpoint_slice_errors", "service_errors"]
+
+_DNS_LABEL: Final = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_DNS_SUBDOMAIN: Final = re.compile(
+    r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+)
+_QUALIFIED: Final = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
+_SERVICE_TYPES: Final = ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName")
+_PROTOCOLS: Final = ("TCP", "UDP", "SCTP")
+_ADDRESS_TYPES: Final = ("IPv4", "IPv6", "FQDN")
+_POLICIES: Final = ("Cluster", "Local")
+_IP_MODES: Final = ("VIP", "Proxy")
+_MAX_AFFINITY_SECONDS: Final = 86400
+_MAX_ENDPOINTS: Final = 1000
+_MAX_ADDRESSES: Final = 100
+_MAX_SLICE_PORTS: Final = 20000
+_MAX_ZONE_HINTS: Final = 8
+_LINK_LOCAL_MULTICAST4: Final = ipaddress.IPv4Network("224.0.0.0/24")
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_label(value: object) -> bool:
+    return isinstance(value, str) and len(value) <= 63 and _DNS_LABEL.fullmatch(value) is not None
+
+
+def _is_subdomain(value: object) -> bool:
+    return (
+        isinstance(value, str) and len(value) <= 253 and _DNS_SUBDOMAIN.fullmatch(value) is not None
+    )
+
+
+def _is_qualified_name(value: object) -> bool:
+    if not isinstance(value, str):
+        return False
+    prefix, slash, name = value.rpartition("/")
+    if slash and not (prefix and _is_subdomain(prefix)):
+        return False
+    return len(name) <= 63 and _QUALIFIED.fullmatch(name) is not None
+
+
+def _is_label_value(value: object) -> bool:
+    return isinstance(value, str) and (
+        value == "" or (len(value) <= 63 and _QUALIFIED.fullmatch(value) is not None)
+    )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _port_ok(value: object) -> bool:
+    return _is_int(value) and 1 <= value <= 65535  # type: ignore[operator]
+
+
+def _items(value: object) -> Sequence[Any] | None:
+    """A list field: the list, ``[]`` when absent, None when it is not a list."""
+    if value is None:
+        return []
+    return value if isinstance(value, list) else None
+
+
+def _mapping(value: object) -> Mapping[str, Any] | None:
+    if value is None:
+        return {}
+    return value if isinstance(value, Mapping) else None
+
+
+# --- addresses ------------------------------------------------------------------------
+
+
+def _ip_problem(text: object, *, strict: bool = True) -> str | None:
+    """Why ``text`` is no valid IP (upstream's ``IsValidIPForLegacyField``); None if it is."""
+    if not isinstance(text, str):
+        return "must be a valid IP address"
+    try:
+        parse_ip(text)
+    except ValueError:
+        return "must be a valid IP address"
+    if not strict:
+        return None
+    try:
+        strict_form = ipaddress.ip_address(text)
+    except ValueError:
+        return "must not have leading 0s"
+    if isinstance(strict_form, ipaddress.IPv6Address) and strict_form.ipv4_mapped is not None:
+        return "must not be an IPv4-mapped IPv6 address"
+    return None
+
+
+def _special(address: IPAddress) -> str | None:
+    """Upstream's ``ValidateEndpointIP``: the addresses no endpoint or external IP may be."""
+    if address.is_unspecified:
+        return f"may not be unspecified ({address})"
+    if address.is_loopback:
+        return "may not be in the loopback range (127.0.0.0/8, ::1/128)"
+    if address.is_link_local:
+        return "may not be in the link-local range (169.254.0.0/16, fe80::/10)"
+    if isinstance(address, ipaddress.IPv4Address):
+        link_local_multicast = address in _LINK_LOCAL_MULTICAST4
+    else:  # Go's IsLinkLocalMulticast: ffX2::/16, whatever the flags
+        link_local_multicast = address.packed[0] == 0xFF and address.packed[1] & 0x0F == 0x02
+    if link_local_multicast:
+        return "may not be in the link-local multicast range (224.0.0.0/24, ff02::/10)"
+    return None
+
+
+def _cidr_problem(text: object) -> str | None:
+    """Why ``text`` is no valid CIDR (upstream's strict ``IsValidCIDRForLegacyField``)."""
+    invalid = "must be a valid CIDR value, (e.g. 10.9.8.0/24 or 2001:db8::/64)"
+    if not isinstance(text, str) or text.count("/") != 1:
+        return invalid
+    address, _, prefix = text.partition("/")
+    if _ip_problem(address, strict=False) is not None:
+        return invalid
+    if not (prefix.isascii() and prefix.isdigit()):
+        return invalid
+    if (len(prefix) > 1 and prefix[0] == "0") or _ip_problem(address) == "must not have leading 0s":
+        return "must not have leading 0s in IP or prefix length"
+    if _ip_problem(address) is not None:
+        return "must not have an IPv4-mapped IPv6 address"
+    try:
+        ipaddress.ip_network(text, strict=True)
+    except ValueError as err:
+        if "host bits" in str(err):
+            return "must not have bits set beyond the prefix length"
+        return invalid
+    return None
+
+
+# --- Services ---------------------------------------------------------------------------
+
+
+def service_errors(obj: Mapping[str, Any]) -> list[str]:
+    """Why the API server would refuse Service ``obj`` (see the module); [] if it would not."""
+    return list(_service(obj))
+
+
+def _metadata(obj: Mapping[str, Any], name_ok: Any, name_kind: str) -> Iterator[str]:
+    metadata = _mapping(obj.get("metadata"))
+    if metadata is None:
+        yield "metadata: must be an object"
+        return
+    name = metadata.get("name")
+    if not name_ok(name):
+        yield f"metadata.name: {_show(name)}: must be a valid {name_kind}"
+    namespace = metadata.get("namespace")
+    if not _is_label(namespace):
+        yield f"metadata.namespace: {_show(namespace)}: must be a valid DNS-1123 label"
+    labels = _mapping(metadata.get("labels"))
+    if labels is None:
+        yield "metadata.labels: must be an object"
+        return
+    for key, value in labels.items():
+        if not _is_qualified_name(key):
+            yield f"metadata.labels: {_show(key)}: must be a qualified name"
+        elif not _is_label_value(value):
+            yield f"metadata.labels[{key}]: {_show(value)}: must be a valid label value"
+
+
+def _service(obj: Mapping[str, Any]) -> Iterator[str]:
+    yield from _metadata(obj, _is_label, "DNS-1123 label")
+    spec = _mapping(obj.get("spec"))
+    if spec is None:
+        yield "spec: must be an object"
+        return
+    kind = spec.get("type") or "ClusterIP"
+    if kind not in _SERVICE_TYPES:
+        yield f"spec.type: {_show(kind)}: must be one of {', '.join(_SERVICE_TYPES)}"
+        return
+    cluster_ips = list(_cluster_ips(spec, kind))
+    yield from cluster_ips
+    headless = spec.get("clusterIP") == "None"
+    yield from _ports(spec, kind, headless)
+    external_ips = _items(spec.get("externalIPs"))
+    if external_ips is None:
+        yield "spec.externalIPs: must be a list"
+        external_ips = []
+    for index, text in enumerate(external_ips):
+        problem = _ip_problem(text)
+        if problem is None:
+            problem = _special(parse_ip(text))
+        if problem is not None:
+            yield f"spec.externalIPs[{index}]: {_show(text)}: {problem}"
+    yield from _affinity(spec)
+    yield from _source_ranges(spec, kind)
+    yield from _traffic_policies(spec, kind, bool(external_ips))
+    yield from _load_balancer_status(obj.get("status"))
+
+
+def _cluster_ips(spec: Mapping[str, Any], kind: str) -> Iterator[str]:
+    primary = spec.get("clusterIP")
+    listed = _items(spec.get("clusterIPs"))
+    if listed is None:
+        yield "spec.clusterIPs: must be a list"
+        return
+    if kind == "ExternalName":
+        if listed or primary not in (None, ""):
+            yield "spec.clusterIPs: may not be set for ExternalName services"
+        return
+    if listed and primary not in (None, "") and listed[0] != primary:
+        yield f"spec.clusterIPs[0]: {_show(listed[0])}: must be equal to clusterIP"
+    ips = listed or ([primary] if primary not in (None, "") else [])
+    if len(ips) > 2:
+        yield "spec.clusterIPs: may have at most 2 values (one per IP family)"
+        return
+    if "None" in ips:
+        if len(ips) > 1:
+            yield "spec.clusterIPs: 'None' must be the only value"
+        elif kind in ("NodePort", "LoadBalancer"):
+            yield f"spec.clusterIPs[0]: 'None': may not be set to 'None' for {kind} services"
+        return
+    versions = []
+    for index, text in enumerate(ips):
+        problem = _ip_problem(text)
+        if problem is not None:
+            yield f"spec.clusterIPs[{index}]: {_show(text)}: {problem}"
+        else:
+            versions.append(parse_ip(text).version)
+    if len(versions) == 2 and versions[0] == versions[1]:
+        yield "spec.clusterIPs: may specify no more than one IP for each IP family"
+
+
+def _ports(spec: Mapping[str, Any], kind: str, headless: bool) -> Iterator[str]:
+    ports = _items(spec.get("ports"))
+    if ports is None:
+        yield "spec.ports: must be a list"
+        return
+    if not ports and not headless and kind != "ExternalName":
+        yield "spec.ports: Required value"
+    names: set[str] = set()
+    seen_ports: set[tuple[str, object]] = set()
+    seen_node_ports: set[tuple[str, object]] = set()
+    for index, raw in enumerate(ports):
+        where = f"spec.ports[{index}]"
+        port = _mapping(raw)
+        if port is None:
+            yield f"{where}: must be an object"
+            continue
+        name = port.get("name") or ""
+        if not name and len(ports) > 1:
+            yield f"{where}.name: Required value (several ports)"
+        elif name:
+            if not _is_label(name):
+                yield f"{where}.name: {_show(name)}: must be a valid DNS-1123 label"
+            elif name in names:
+                yield f"{where}.name: {_show(name)}: Duplicate value"
+            names.add(str(name))
+        number = port.get("port")
+        if not _port_ok(number):
+            yield f"{where}.port: {_show(number)}: must be between 1 and 65535, inclusive"
+        protocol = port.get("protocol") or "TCP"
+        if protocol not in _PROTOCOLS:
+            yield f"{where}.protocol: {_show(protocol)}: must be one of {', '.join(_PROTOCOLS)}"
+        if (protocol, number) in seen_ports:
+            yield f"{where}: {protocol}/{_show(number)}: Duplicate value"
+        seen_ports.add((protocol, number))
+        node_port = port.get("nodePort") or 0
+        if node_port:
+            if kind == "ClusterIP":
+                yield f"{where}.nodePort: may not be used when `type` is 'ClusterIP'"
+            elif not _port_ok(node_port):
+                yield f"{where}.nodePort: {_show(node_port)}: must be between 1 and 65535"
+            elif (protocol, node_port) in seen_node_ports:
+                yield f"{where}.nodePort: {node_port}: Duplicate value"
+            seen_node_ports.add((protocol, node_port))
+
+
+def _affinity(spec: Mapping[str, Any]) -> Iterator[str]:
+    affinity = spec.get("sessionAffinity") or "None"
+    config = spec.get("sessionAffinityConfig")
+    if affinity not in ("None", "ClientIP"):
+        yield f"spec.sessionAffinity: {_show(affinity)}: must be None or ClientIP"
+    elif affinity == "None":
+        if config is not None:
+            yield "spec.sessionAffinityConfig: must not be set when session affinity is None"
+    else:
+        # Left out, the config and its timeout are defaulted (10800 s) before validation.
+        client_ip = _mapping((_mapping(config) or {}).get("clientIP"))
+        timeout = (client_ip or {}).get("timeoutSeconds")
+        if timeout is not None and not (_is_int(timeout) and 0 < timeout <= _MAX_AFFINITY_SECONDS):
+            yield (
+                "spec.sessionAffinityConfig.clientIP.timeoutSeconds:"
+                f" {_show(timeout)}: must be greater than 0 and less than"
+                f" {_MAX_AFFINITY_SECONDS}"
+            )
+
+
+def _source_ranges(spec: Mapping[str, Any], kind: str) -> Iterator[str]:
+    ranges = _items(spec.get("loadBalancerSourceRanges"))
+    if ranges is None:
+        yield "spec.loadBalancerSourceRanges: must be a list"
+        return
+    if ranges and kind != "LoadBalancer":
+        yield "spec.loadBalancerSourceRanges: may only be used when `type` is 'LoadBalancer'"
+    for index, text in enumerate(ranges):
+        value = text.strip() if isinstance(text, str) else text
+        problem = _cidr_problem(value)
+        if problem is not None:
+            yield f"spec.loadBalancerSourceRanges[{index}]: {_show(text)}: {problem}"
+
+
+def _traffic_policies(spec: Mapping[str, Any], kind: str, external_ips: bool) -> Iterator[str]:
+    reachable = kind in ("NodePort", "LoadBalancer") or (kind == "ClusterIP" and external_ips)
+    external = spec.get("externalTrafficPolicy") or ""
+    if not reachable and external:
+        yield (
+            f"spec.externalTrafficPolicy: {_show(external)}: may only be set for"
+            " externally-accessible services"
+        )
+    elif external and external not in _POLICIES:
+        yield f"spec.externalTrafficPolicy: {_show(external)}: must be Cluster or Local"
+    health = spec.get("healthCheckNodePort") or 0
+    needs_health = kind == "LoadBalancer" and external == "Local"
+    if health and not needs_health:
+        yield (
+            f"spec.healthCheckNodePort: {_show(health)}: may only be set when `type` is"
+            " 'LoadBalancer' and `externalTrafficPolicy` is 'Local'"
+        )
+    elif health and not _port_ok(health):
+        yield f"spec.healthCheckNodePort: {_show(health)}: must be between 1 and 65535"
+    internal = spec.get("internalTrafficPolicy") or "Cluster"
+    if internal not in _POLICIES:
+        yield f"spec.internalTrafficPolicy: {_show(internal)}: must be Cluster or Local"
+
+
+def _load_balancer_status(status: object) -> Iterator[str]:
+    load_balancer = _mapping((_mapping(status) or {}).get("loadBalancer"))
+    ingress = _items((load_balancer or {}).get("ingress"))
+    if load_balancer is None or ingress is None:
+        yield "status.loadBalancer: must be an object with an ingress list"
+        return
+    for index, raw in enumerate(ingress):
+        where = f"status.loadBalancer.ingress[{index}]"
+        entry = _mapping(raw)
+        if entry is None:
+            yield f"{where}: must be an object"
+            continue
+        address = entry.get("ip") or ""
+        if address:
+            problem = _ip_problem(address)
+            if problem is not None:
+                yield f"{where}.ip: {_show(address)}: {problem}"
+        mode = entry.get("ipMode")
+        if mode is not None:
+            if not address:
+                yield f"{where}.ipMode: may not be specified when `ip` is not"
+            elif mode not in _IP_MODES:
+                yield f"{where}.ipMode: {_show(mode)}: must be VIP or Proxy"
+
+
+# --- EndpointSlices -----------------------------------------------------------------------
+
+
+def endpoint_slice_errors(obj: Mapping[str, Any]) -> list[str]:
+    """Why the API server would refuse EndpointSlice ``obj``; [] if it would not."""
+    return list(_endpoint_slice(obj))
+
+
+def _endpoint_slice(obj: Mapping[str, Any]) -> Iterator[str]:
+    yield from _metadata(obj, _is_subdomain, "DNS-1123 subdomain")
+    address_type = obj.get("addressType")
+    if address_type not in _ADDRESS_TYPES:
+        yield f"addressType: {_show(address_type)}: must be one of {', '.join(_ADDRESS_TYPES)}"
+    endpoints = _items(obj.get("endpoints"))
+    if endpoints is None:
+        yield "endpoints: must be a list"
+    elif len(endpoints) > _MAX_ENDPOINTS:
+        yield f"endpoints: Too many: {len(endpoints)}: must have at most {_MAX_ENDPOINTS} items"
+    else:
+        for index, raw in enumerate(endpoints):
+            yield from _endpoint(index, raw, address_type)
+    ports = _items(obj.get("ports"))
+    if ports is None:
+        yield "ports: must be a list"
+    elif len(ports) > _MAX_SLICE_PORTS:
+        yield f"ports: Too many: {len(ports)}: must have at most {_MAX_SLICE_PORTS} items"
+    else:
+        yield from _slice_ports(ports)
+
+
+def _endpoint(index: int, raw: object, address_type: object) -> Iterator[str]:
+    where = f"endpoints[{index}]"
+    endpoint = _mapping(raw)
+    if endpoint is None:
+        yield f"{where}: must be an object"
+        return
+    addresses = _items(endpoint.get("addresses"))
+    if addresses is None:
+        yield f"{where}.addresses: must be a list"
+        return
+    if not addresses:
+        yield f"{where}.addresses: Required value: must contain at least 1 address"
+    elif len(addresses) > _MAX_ADDRESSES:
+        yield f"{where}.addresses: Too many: must have at most {_MAX_ADDRESSES} items"
+    for number, text in enumerate(addresses):
+        if address_type not in ("IPv4", "IPv6"):
+            continue  # FQDN slices are no business of a proxy's; unknown types fall through
+        problem = _ip_problem(text, strict=False)
+        if problem is None:
+            address = parse_ip(text)
+            if address.version != (4 if address_type == "IPv4" else 6):
+                problem = f"must be a valid {address_type} address"
+            else:
+                problem = _special(address)
+        if problem is not None:
+            yield f"{where}.addresses[{number}]: {_show(text)}: {problem}"
+    node = endpoint.get("nodeName")
+    if node is not None and not _is_subdomain(node):
+        yield f"{where}.nodeName: {_show(node)}: must be a valid DNS-1123 subdomain"
+    hints = _mapping(endpoint.get("hints"))
+    zones = _items((hints or {}).get("forZones"))
+    if hints is None or zones is None:
+        yield f"{where}.hints: must be an object with a forZones list"
+        return
+    if len(zones) > _MAX_ZONE_HINTS:
+        yield f"{where}.hints.forZones: Too many: must have at most {_MAX_ZONE_HINTS} items"
+        return
+    seen: set[object] = set()
+    for number, zone in enumerate(zones):
+        name = (_mapping(zone) or {}).get("name")
+        if not _is_label_value(name):
+            yield f"{where}.hints.forZones[{number}].name: {_show(name)}: must be a label value"
+        elif name in seen:
+            yield f"{where}.hints.forZones[{number}].name: {_show(name)}: Duplicate value"
+        seen.add(name)
+
+
+def _slice_ports(ports: Sequence[Any]) -> Iterator[str]:
+    names: set[object] = set()
+    for index, raw in enumerate(ports):
+        where = f"ports[{index}]"
+        port = _mapping(raw)
+        if port is None:
+            yield f"{where}: must be an object"
+            continue
+        name = port.get("name") or ""
+        if name and not _is_label(name):
+            yield f"{where}.name: {_show(name)}: must be a valid DNS-1123 label"
+        elif name in names:
+            yield f"{where}.name: {_show(name)}: Duplicate value"
+        names.add(name)
+        protocol = port.get("protocol") or "TCP"
+        if protocol not in _PROTOCOLS:
+            yield f"{where}.protocol: {_show(protocol)}: must be one of {', '.join(_PROTOCOLS)}"

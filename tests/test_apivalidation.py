@@ -1,0 +1,173 @@
+"""The API server's validation rules the manifests source applies (issue 31, item 4),
+:mod:`kubeproxy.sources.apivalidation`, case by case against upstream's messages; the
+clusters the benchmarks and the examples build pass them. What the source does with a
+refused object is in ``tests/test_manifests.py``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.synthetic import NODE_NAME, all_slice_dicts, realistic_services
+from kubeproxy.config import ProxierConfig
+from kubeproxy.objects import IPFamily
+from kubeproxy.proxier import Proxier
+from kubeproxy.sources.apivalidation import endpoint_slice_errors, service_errors
+from kubeproxy.sources.manifests import ManifestSource
+from kubeproxy.testing.fakeapi import builders
+
+V4 = IPFamily.IPV4
+
+
+def svc(name: str, **spec: Any) -> dict[str, Any]:
+    """A Service as a manifest may hold it: only what the test sets (the API server's
+    defaults left out), ports as dicts so a test can break them."""
+    body: dict[str, Any] = {
+        "clusterIP": "172.30.0.10",
+        "ports": [{"name": "http", "port": 80, "protocol": "TCP"}],
+        **spec,
+    }
+    return {"metadata": {"name": name, "namespace": "demo"}, "spec": body}
+
+
+def eps(name: str, service: str, *addresses: str, **extra: Any) -> dict[str, Any]:
+    return {**builders.endpoint_slice(name, service, "demo", addresses=addresses), **extra}
+
+
+# --- the rules -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"externalIPs": ["0.0.0.0"]}, "may not be unspecified (0.0.0.0)"),
+        ({"externalIPs": ["::"]}, "may not be unspecified (::)"),
+        ({"externalIPs": ["::1"]}, "loopback range"),
+        ({"externalIPs": ["fe80::1"]}, "link-local range"),
+        ({"externalIPs": ["ff02::1"]}, "link-local multicast range"),
+        ({"externalIPs": ["010.1.2.3"]}, "must not have leading 0s"),
+        ({"externalIPs": ["::ffff:10.1.2.3"]}, "must not be an IPv4-mapped IPv6 address"),
+        ({"externalIPs": ["fe80::1%eth0"]}, "must be a valid IP address"),
+        ({"externalIPs": ["a.b.c.d"]}, "must be a valid IP address"),
+        ({"type": "Cluster"}, "spec.type"),
+        ({"ports": []}, "spec.ports: Required value"),
+        ({"ports": [{"port": 80}, {"port": 81}]}, "Required value (several ports)"),
+        ({"ports": [{"name": "Http", "port": 80}]}, "DNS-1123 label"),
+        ({"ports": [{"name": "a", "port": 0}]}, "must be between 1 and 65535"),
+        ({"ports": [{"name": "a", "port": 80, "protocol": "ICMP"}]}, "spec.ports[0].protocol"),
+        ({"ports": [{"name": "a", "port": 80}, {"name": "b", "port": 80}]}, "Duplicate value"),
+        ({"ports": [{"name": "a", "port": 80, "nodePort": 30001}]}, "'ClusterIP'"),
+        ({"clusterIPs": ["172.30.0.11"]}, "must be equal to clusterIP"),
+        ({"clusterIPs": ["172.30.0.10", "172.30.0.11"]}, "one IP for each IP family"),
+        ({"clusterIP": "None", "type": "NodePort"}, "may not be set to 'None'"),
+        ({"sessionAffinity": "Sticky"}, "spec.sessionAffinity"),
+        ({"sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 5}}}, "must not be set"),
+        (
+            {
+                "sessionAffinity": "ClientIP",
+                "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 86401}},
+            },
+            "timeoutSeconds: 86401",
+        ),
+        ({"loadBalancerSourceRanges": ["10.0.0.0/8"]}, "only be used when `type` is"),
+        ({"externalTrafficPolicy": "Local"}, "externally-accessible"),
+        ({"internalTrafficPolicy": "Nearby"}, "spec.internalTrafficPolicy"),
+        ({"healthCheckNodePort": 30000}, "spec.healthCheckNodePort"),
+    ],
+)
+def test_service_rules(change: dict[str, Any], reason: str) -> None:
+    errors = service_errors(svc("web", **change))
+    assert any(reason in e for e in errors), errors
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"loadBalancerSourceRanges": ["10.0.0.1/8"]}, "bits set beyond the prefix length"),
+        ({"loadBalancerSourceRanges": ["10.0.0.0/08"]}, "leading 0s"),
+        ({"loadBalancerSourceRanges": ["10.0.0.0"]}, "must be a valid CIDR"),
+        ({"externalTrafficPolicy": "Nearby"}, "must be Cluster or Local"),
+        ({"healthCheckNodePort": 70000}, "between 1 and 65535"),
+    ],
+)
+def test_load_balancer_rules(change: dict[str, Any], reason: str) -> None:
+    spec: dict[str, Any] = {
+        "type": "LoadBalancer",
+        "externalTrafficPolicy": "Local",
+        "ports": [{"name": "a", "port": 80, "nodePort": 30001}],
+    }
+    spec.update(change)
+    errors = service_errors(svc("lb", **spec))
+    assert any(reason in e for e in errors), errors
+
+
+def test_load_balancer_status_rules() -> None:
+    lb = svc("lb", type="LoadBalancer", ports=[{"name": "a", "port": 80, "nodePort": 30001}])
+    lb["status"] = {"loadBalancer": {"ingress": [{"ip": "010.0.0.1"}, {"ipMode": "VIP"}]}}
+    errors = service_errors(lb)
+    assert any("ingress[0].ip" in e and "leading 0s" in e for e in errors)
+    assert any("ingress[1].ipMode: may not be specified" in e for e in errors)
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"addressType": "IP"}, "addressType"),
+        ({"endpoints": [{"addresses": []}]}, "must contain at least 1 address"),
+        ({"endpoints": [{"addresses": ["fd00::1"]}]}, "must be a valid IPv4 address"),
+        ({"endpoints": [{"addresses": ["169.254.1.1"]}]}, "link-local range"),
+        ({"endpoints": [{"addresses": ["10.0.0.1"], "nodeName": "Node_A"}]}, "nodeName"),
+        (
+            {"endpoints": [{"addresses": ["10.0.0.1"], "hints": {"forZones": [{"name": "a b"}]}}]},
+            "forZones[0].name",
+        ),
+        ({"ports": [{"name": "a"}, {"name": "a"}]}, "Duplicate value"),
+        ({"ports": [{"name": "a", "protocol": "ICMP"}]}, "ports[0].protocol"),
+    ],
+)
+def test_endpoint_slice_rules(change: dict[str, Any], reason: str) -> None:
+    errors = endpoint_slice_errors(eps("web-1", "web", **change))
+    assert any(reason in e for e in errors), errors
+
+
+def test_a_bad_label_refuses_the_slice() -> None:
+    obj = eps("web-1", "web", "10.0.0.1")
+    obj["metadata"]["labels"]["kubernetes.io/service-name"] = "-web-"
+    assert endpoint_slice_errors(obj) == [
+        "metadata.labels[kubernetes.io/service-name]: '-web-': must be a valid label value"
+    ]
+
+
+def test_defaults_need_not_be_written() -> None:
+    # What the API server fills in before validating may be left out of a manifest.
+    assert service_errors(svc("web", ports=[{"port": 80}])) == []
+    assert service_errors(svc("web", sessionAffinity="ClientIP")) == []
+    assert endpoint_slice_errors(eps("web-1", "web", "10.0.0.1", ports=[{"port": 80}])) == []
+
+
+def test_the_benchmark_and_example_clusters_pass() -> None:
+    services = realistic_services(2000)
+    assert {s.family for s in services} == {"IPv4", "IPv6", "dual"}
+    for synthetic in services:
+        assert service_errors(synthetic.service_dict()) == [], synthetic.port_label
+    for slice_ in all_slice_dicts(services):
+        assert endpoint_slice_errors(slice_) == [], slice_["metadata"]["name"]
+    assert NODE_NAME  # the mix's local endpoints name this node
+    examples = Path(__file__).resolve().parent.parent / "examples" / "cluster"
+    handler = Proxier(V4, ProxierConfig(node_name="demo-node"), _Null())
+    source = ManifestSource(examples, handler, node_name="demo-node")
+    source.load()
+    assert source.refused == []
+
+
+class _Null:
+    family = V4
+
+    def sync(self, snapshot: Any, changes: Any) -> None:
+        pass
+
+    def cleanup(self) -> None:
+        pass
