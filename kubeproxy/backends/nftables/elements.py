@@ -496,8 +496,11 @@ def element_frames(batch: ElementBatch) -> list[Frame]:
             else:
                 container, key, value = item  # type: ignore[misc]
                 grouped.setdefault(container, []).append((key, value))
+        named = {c for c, _key in batch.comments} if batch.comments and verb == "add" else set()
         for container, pairs in grouped.items():
-            comments = batch.comments if verb == "add" else None
+            # Only the containers whose elements carry comments take the second pass
+            # (and the room a comment needs when messages are cut).
+            comments = batch.comments if container in named else None
             frames.extend(_encode(batch, verb, container, pairs, comments))
     return frames
 
