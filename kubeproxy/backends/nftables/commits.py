@@ -63,7 +63,7 @@ class SyncOps:
         self._text_adds: dict[str, list[tuple[Key, tuple[str, ...]]]] = {}
         self._keep_comments = comments
         self._comments: dict[tuple[str, Key], str] = {}
-        self._text_comments: dict[tuple[str, Key], str] = {}
+        self._text_comments: dict[str, dict[Key, str]] = {}
         self._count = 0
         self.operations = 0
         self.transactions = 0
@@ -91,7 +91,10 @@ class SyncOps:
         target = self._adds if netlink else self._text_adds
         target.setdefault(container, []).append((key, value))
         if comment is not None and self._keep_comments:
-            (self._comments if netlink else self._text_comments)[container, key] = comment
+            if netlink:
+                self._comments[container, key] = comment
+            else:
+                self._text_comments.setdefault(container, {})[key] = comment
         self._count += 1
 
     def cut(self) -> None:
@@ -105,7 +108,7 @@ class SyncOps:
         tx = self.tx
         deletes, adds, comments = self._deletes, self._adds, self._comments
         self._deletes, self._adds, self._comments, self._count = {}, {}, {}, 0
-        text_comments: dict[tuple[str, Key], str] = {}
+        text_comments: dict[str, dict[Key, str]] = {}
         if self._text_last and not last:
             text_deletes, text_adds = {}, {}
         else:
@@ -122,12 +125,7 @@ class SyncOps:
                 else:
                     later.setdefault(container, []).append(key)
         for container, items in text_adds.items():
-            if not text_comments:
-                tx.add_elements(container, items)
-                continue
-            for key, value in items:
-                comment = text_comments.get((container, key))
-                tx.add_element(container, key, value, None, comment)
+            tx.add_elements(container, items, text_comments.get(container))
         self.run(tx)
         batch = ElementBatch(
             tx.family,
