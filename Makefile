@@ -106,6 +106,12 @@ bench: setup
 bench-selfheal: setup
 	$(PY) -m bench.selfheal $(SELFHEAL_ARGS)
 
+# Taking a node over from upstream's kube-proxy (and between our modes) at scale:
+# bench/takeover.py, README "Replacing kube-proxy". Not part of bench.
+.PHONY: bench-takeover
+bench-takeover: setup
+	$(PY) -m bench.takeover $(TAKEOVER_ARGS)
+
 # The soak (issue 31): the daemon a node runs, over the bench's realistic mix in the fake
 # API server, under churn and a fault per round (kill -9 mid sync, SIGTERM, nft flush
 # ruleset, table deletes, API restarts and 410s, address changes, hung backends, a full
