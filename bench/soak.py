@@ -553,15 +553,34 @@ class Soak:
         exited = self.daemon.stop(signal.SIGTERM)
         return {"exit_s": round(exited, 2), "first_sync_s": round(self.daemon.start(), 2)}
 
+    def _kept_tables(self) -> list[str]:
+        """Our tables still in the node's namespace."""
+        listing = self.net.run(self.net.node, "nft", "list", "tables")
+        return [f"{family} {name}" for family, name in _TABLES if f"{family} {name}" in listing]
+
     def _flush_ruleset(self) -> dict[str, Any]:
+        # An owned table (issue 29: owner flag, on kernels that have it) is not another
+        # process's to flush: the kernel skips it, and nothing is wiped.
         self.net.run(self.net.node, "nft", "flush", "ruleset")
-        self.resets.append(time.time())
-        return {}
+        kept = self._kept_tables()
+        if not kept:
+            self.resets.append(time.time())
+        return {"tables_kept": kept}
 
     def _delete_table(self) -> dict[str, Any]:
         family = ("ip", "ip6")[self.delete_family % 2]
         self.delete_family += 1
-        self.net.run(self.net.node, "nft", "delete", "table", family, "kube-proxy")
+        try:
+            self.net.run(self.net.node, "nft", "delete", "table", family, "kube-proxy")
+        except RuntimeError as err:
+            # An owned table: the kernel refuses another process (EPERM); it must stay.
+            if "Operation not permitted" not in str(err):
+                raise
+            return {
+                "family": family,
+                "refused": True,
+                "kept": f"{family} kube-proxy" in self._kept_tables(),
+            }
         self.resets.append(time.time())
         return {"family": family}
 
