@@ -555,8 +555,11 @@ class Soak:
 
     def _kept_tables(self) -> list[str]:
         """Our tables still in the node's namespace."""
-        listing = self.net.run(self.net.node, "nft", "list", "tables")
-        return [f"{family} {name}" for family, name in _TABLES if f"{family} {name}" in listing]
+        return [
+            f"{family} {name}"
+            for family, name in _TABLES
+            if self.nft.table_exists(Family(family), name)
+        ]
 
     def _flush_ruleset(self) -> dict[str, Any]:
         # An owned table (issue 29: owner flag, on kernels that have it) is not another
