@@ -775,12 +775,12 @@ process holds, not what its allocators keep."""
 def _second_half(points: Sequence[tuple[float, float]]) -> Sequence[tuple[float, float]]:
     """The checkpoints from the middle of a lifetime on (all of them under 6).
 
-    A lifetime's RSS rises while the allocators reach their high water: glibc's arenas
-    and pymalloc's keep what a full resync or a relist once needed, free but not handed
-    back, and each kind of fault needs its own peak the first time it comes. Measured
-    (``--heap-watch``, ``bench/README.md``): the steps come with no growth of the heap in
-    use, and ``malloc_trim(0)`` gives most of them back. A leak grows in the second half
-    as much as in the first; a high water does not.
+    A lifetime's RSS rises while the allocators reach their high water: glibc malloc's
+    arenas keep what a relist or a full resync once needed, free but not handed back, and
+    each kind of fault needs its own peak the first time it comes. Measured
+    (``bench/results/soak-rss.md``): the steps come with no growth of the heap in use,
+    and ``malloc_trim(0)`` gives them back. So the first half's steps say little; a rise
+    that goes on is judged against the heap in use (:func:`_memory_verdict`).
     """
     return points[len(points) // 2 :] if len(points) >= 6 else points
 

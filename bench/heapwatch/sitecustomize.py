@@ -11,9 +11,9 @@ Python has allocated and not freed.
 
 Why: RSS alone cannot tell a leak (live memory growing) from an allocator keeping what it
 once needed (free memory not handed back); the heap's figures beside it can. Measured in
-the soak's daemon (2000 Services, churn, repeated full resyncs and relists): RSS rose by
-steps while the traced bytes, the blocks in use and malloc's bytes in use stayed level;
-``malloc_trim(0)`` called from outside returned 57 MB of 279 (``bench/README.md``).
+the soak's daemon (2000 Services, churn, repeated relists; ``bench/results/soak-rss.md``):
+RSS rose by steps while the traced bytes, the blocks in use and malloc's bytes in use
+stayed level, and ``malloc_trim(0)`` returned 57 MB of 279 and 79 of 331.
 """
 
 from __future__ import annotations
