@@ -14,8 +14,8 @@ run: setup
 	$(PY) -m kubeproxy.cmd.demo examples/cluster
 
 lint: setup
-	$(VENV)/bin/ruff check kubeproxy tests bench examples
-	$(VENV)/bin/ruff format --check kubeproxy tests bench examples
+	$(VENV)/bin/ruff check kubeproxy tests bench examples images
+	$(VENV)/bin/ruff format --check kubeproxy tests bench examples images
 
 typecheck: setup
 	$(VENV)/bin/mypy
@@ -25,6 +25,21 @@ test: setup lint typecheck
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+
+# The DaemonSet's image (images/README.md): images/Dockerfile built with docker or podman,
+# whichever is here, on the registry's debian:bookworm-slim or, when no registry is
+# reachable, a base made from Debian's packages; prints what a node pulls and unpacks and
+# what each part costs. IMAGE names it; IMAGE_ARGS="--refresh" resolves the Python
+# dependencies again now (else once a day).
+IMAGE ?= localhost/kubeproxy:dev
+.PHONY: image test-image
+image: setup
+	$(PY) -m images.build --tag $(IMAGE) $(IMAGE_ARGS)
+
+# The image built from this checkout and run as images/manifests/daemonset.yaml says, and
+# the measurement of what its slimming may leave out (also part of make test).
+test-image: setup
+	$(VENV)/bin/pytest -q tests/test_image_run.py tests/test_image_tools.py $(PYTEST_ARGS)
 
 # Every kernel test and flow case on Debian's kernels (tests/vm/kernels.txt), each booted
 # in QEMU under emulation with virtme-ng; setup-kernels installs QEMU and fetches the

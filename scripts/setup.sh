@@ -4,9 +4,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
-APT_PACKAGES="nftables libnftables1 iptables conntrack ipset iproute2 socat curl procps"
+# openssl: the fake API server's certificates (kubeproxy/testing/fakeapi/tls.py).
+APT_PACKAGES="nftables libnftables1 iptables conntrack ipset iproute2 socat curl procps openssl"
 
 ./scripts/ensure-apt.sh setup $APT_PACKAGES
+
+# make image and the image's tests (tests/test_image_run.py, part of make test): podman
+# with runc (the tests run the pod in a flow case's named network namespace, which docker
+# cannot join; make image uses docker instead when its engine answers), and mmdebstrap for
+# a base made from Debian's packages when no registry is reachable (images/README.md).
+./scripts/ensure-apt.sh setup podman runc mmdebstrap
 
 PYTHON=${PYTHON:-python3}
 if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then

@@ -135,11 +135,20 @@ def restore_logging() -> Iterator[None]:
 
 class StopWhen:
     """SIGTERM this process (the running binary's handler stops it) once ``check`` holds,
-    or after ``timeout`` seconds unless :meth:`done` was called (the binary returned)."""
+    or after ``timeout`` seconds unless :meth:`done` was called (the binary returned).
 
-    def __init__(self, check: Callable[[], bool], timeout: float = 20.0) -> None:
+    ``to_this_thread``: the signal goes to the watcher's own thread, not the main one,
+    as the kernel may deliver a process's signal; :attr:`stopped_after` says how long the
+    binary took to return then (a process-wide SIGTERM follows after 10 s, so a binary
+    that missed it cannot hang the test)."""
+
+    def __init__(
+        self, check: Callable[[], bool], timeout: float = 20.0, *, to_this_thread: bool = False
+    ) -> None:
         self.check = check
         self.timeout = timeout
+        self.to_this_thread = to_this_thread
+        self.stopped_after: float | None = None
         self._returned = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
         self._thread.start()
@@ -151,8 +160,15 @@ class StopWhen:
                 return
             if time.monotonic() > deadline:
                 break
-        if not self._returned.is_set():
-            os.kill(os.getpid(), signal.SIGTERM)
+        if self._returned.is_set():
+            return
+        if self.to_this_thread:
+            sent = time.monotonic()
+            signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+            if self._returned.wait(10):
+                self.stopped_after = time.monotonic() - sent
+                return
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def done(self) -> None:
         self._returned.set()
@@ -349,6 +365,34 @@ def run_once(fake: FakeAPIServer, binary: Binary, stand_ins: StandIns) -> int:
         modes=stand_ins.modes,
         seams=api_seams(),
     )
+
+
+def test_a_sigterm_another_thread_receives_stops_the_daemon(
+    fake: FakeAPIServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The kernel hands a process's SIGTERM to any thread that does not block it; Python
+    # runs the handler in the main thread, which must not sleep through it (it did: the
+    # DaemonSet's pod then waits out its grace period and is killed).
+    serve_cluster(fake)
+    watcher = StopWhen(lambda: "Starting" in reasons(fake), to_this_thread=True)
+    code = run(
+        nftables_binary.BINARY,
+        [
+            "--master",
+            fake.url,
+            "--kube-api-content-type=application/json",
+            "--hostname-override",
+            NODE,
+            "--healthz-bind-address=",
+            "--metrics-bind-address=",
+        ],
+        modes=StandIns().modes,
+        seams=api_seams(),
+    )
+    watcher.done()
+    assert code == 0
+    assert watcher.stopped_after is not None, "only the process-wide SIGTERM stopped it"
+    assert "Received signal 15, stopping (rules stay in place)" in caplog.messages
 
 
 def test_once_posts_no_mode_events(fake: FakeAPIServer) -> None:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
@@ -18,6 +20,7 @@ from kubeproxy.testing.fakeapi import (
     FakeAPIServer,
     allowed_by,
     endpoint_slice,
+    make_certificates,
     node,
     service,
     service_cidr,
@@ -341,6 +344,38 @@ def test_token_is_required_when_set() -> None:
     with FakeAPIServer(token="t0k") as fake:
         assert get(fake, "/api/v1/services")[0] == 401
         assert get(fake, "/api/v1/services", {"Authorization": "Bearer t0k"})[0] == 200
+        # The scheme in any case, as kube-apiserver reads it (the official client's
+        # in-cluster loader sends "bearer").
+        assert get(fake, "/api/v1/services", {"Authorization": "bearer t0k"})[0] == 200
+        assert get(fake, "/api/v1/services", {"Authorization": "Basic t0k"})[0] == 401
+
+
+def _https_get(fake: FakeAPIServer, context: ssl.SSLContext) -> int:
+    connection = http.client.HTTPSConnection(fake.host, fake.port, context=context, timeout=5)
+    try:
+        connection.request("GET", "/version")
+        return connection.getresponse().status
+    finally:
+        connection.close()
+
+
+def test_https_with_and_without_client_certificates(tmp_path: Path) -> None:
+    certs = make_certificates(tmp_path, hosts=("127.0.0.1",))
+    trusting = ssl.create_default_context(cafile=str(certs.ca))
+    with FakeAPIServer(tls=certs.server_context()) as fake:
+        assert fake.url == f"https://127.0.0.1:{fake.port}"
+        assert _https_get(fake, trusting) == 200
+        # A client that does not trust the fake's authority refuses it.
+        with pytest.raises(ssl.SSLCertVerificationError):
+            _https_get(fake, ssl.create_default_context())
+    with FakeAPIServer(tls=certs.server_context(client_certificates=True)) as fake:
+        with pytest.raises((ssl.SSLError, ConnectionError)):
+            _https_get(fake, trusting)
+        with_certificate = ssl.create_default_context(cafile=str(certs.ca))
+        with_certificate.load_cert_chain(certs.client_certificate, certs.client_key)
+        assert _https_get(fake, with_certificate) == 200
+        # The failed handshake did not stop the server.
+        assert fake.running
 
 
 def test_stop_cuts_everything_and_restart_keeps_port_and_state(fake: FakeAPIServer) -> None:

@@ -11,6 +11,7 @@ no namespace, no veth, no thread, no process, no namespace file descriptor.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import ipaddress
 import os
@@ -30,7 +31,9 @@ import pytest
 from kubeproxy.backend import Backend
 from kubeproxy.config import LocalDetectMode, ProxierConfig
 from kubeproxy.objects import IPFamily, Protocol
+from kubeproxy.proxier import Proxier
 from kubeproxy.testing.cases import (
+    Case,
     Flow,
     FlowCaseWarning,
     Output,
@@ -43,17 +46,19 @@ from kubeproxy.testing.flowcases import main, summary_line
 from kubeproxy.testing.pytest import FlowSuite, KnownFailure, flow_test
 from kubeproxy.testing.runner import (
     BackendNotFound,
+    CaseHandler,
     FlowResult,
     RunOptions,
     Status,
     default_timeout,
+    drive_case,
     flow_id,
     resolve_backend,
     run_case,
     run_file,
     sctp_skip_reason,
 )
-from kubeproxy.testing.scene import plan_scene
+from kubeproxy.testing.scene import Scene, plan_scene
 from kubeproxy.testing.traffic import (
     AFFINITY_ATTEMPTS,
     ClientPorts,
@@ -449,6 +454,58 @@ def test_a_backend_the_kernel_cannot_run_skips_every_flow(run_id: str) -> None:
     (result,) = run_case(parsed, parsed.cases[0], no_ipvs, RunOptions(run_id=run_id))
     assert result.status is Status.SKIP
     assert "kernel lacks IP_VS" in result.detail
+
+
+class InProcessDriver:
+    """A ProxyDriver over this process's proxier and the stand-in backend: what a driver
+    of a proxy elsewhere does, minus the elsewhere."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.error = error
+        self.started: list[str] = []
+        self.stopped: list[str] = []
+
+    @contextlib.contextmanager
+    def __call__(self, case: Case, scene: Scene) -> Iterator[CaseHandler]:
+        if self.error is not None:
+            raise self.error
+        node = scene.plan.node
+        config = node.proxier_config(case.overrides)
+        backend = factory(IPFamily.IPV4, config, netns=scene.node_ns)
+        self.started.append(scene.node_ns)
+        try:
+            yield Proxier(
+                IPFamily.IPV4,
+                config,
+                backend,
+                node=node.node_info(),
+                host_addresses=lambda: node.addresses,
+            )
+        finally:
+            backend.cleanup()
+            self.stopped.append(scene.node_ns)
+
+
+@pytest.mark.kernel
+def test_a_driven_proxy_is_judged_as_a_backend_is(run_id: str) -> None:
+    parsed = load_case_file(CASES / "cli-pass.yaml")
+    driver = InProcessDriver()
+    driven = drive_case(parsed, parsed.cases[0], driver, RunOptions(run_id=run_id))
+    assert driver.started == driver.stopped == [f"kpxf-{run_id}-node"]
+    direct = run_case(parsed, parsed.cases[0], factory, RunOptions(run_id=run_id))
+    assert [(r.id, r.status) for r in driven] == [(r.id, r.status) for r in direct]
+    assert driven[0].status is Status.PASS
+
+
+@pytest.mark.kernel
+def test_a_driver_that_cannot_start_fails_or_skips_every_flow(run_id: str) -> None:
+    parsed = load_case_file(CASES / "cli-fail.yaml")
+    broken = InProcessDriver(RuntimeError("no runtime"))
+    (failed,) = drive_case(parsed, parsed.cases[0], broken, RunOptions(run_id=run_id))
+    assert failed.status is Status.FAIL and "no runtime" in failed.detail
+    lacking = InProcessDriver(OSError("kernel lacks IP_VS"))
+    (skipped,) = drive_case(parsed, parsed.cases[0], lacking, RunOptions(run_id=run_id))
+    assert skipped.status is Status.SKIP
 
 
 @pytest.mark.kernel

@@ -5,7 +5,8 @@ client's models (a document must come back field for field after deserializing a
 serializing, so typos and unknown fields show) and by kubernetes-validate's strict JSON
 schemas for Kubernetes 1.35; the ConfigMap's configuration and the DaemonSet's
 commands must be what our binary accepts; the ClusterRole must allow exactly the API
-calls a daemon run makes. Docker cannot run here: the Dockerfile is checked as text.
+calls a daemon run makes. The Dockerfile is checked as text here, and the tools that
+build it (``images/*.py``) on their own; ``tests/test_image_run.py`` builds and runs it.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
-import yaml
 from kubernetes import client
 
+from images import wheels
+from images.build import SUITE, TARGET
+from images.deployment import container, documents, mount_path, pod_spec, the
 from kubeproxy.backend import Backend
 from kubeproxy.backends import nftables
 from kubeproxy.backends.iptables.exec import IptablesVariant, needed_capabilities
@@ -77,19 +80,6 @@ SYSTEM_DISCOVERY = [
         ],
     }
 ]
-
-
-def documents() -> list[dict[str, Any]]:
-    docs: list[dict[str, Any]] = []
-    for path in MANIFESTS:
-        docs.extend(d for d in yaml.safe_load_all(path.read_text()) if d is not None)
-    return docs
-
-
-def the(kind: str, name: str | None = None) -> dict[str, Any]:
-    found = [d for d in documents() if d["kind"] == kind and name in (None, d["metadata"]["name"])]
-    assert len(found) == 1, f"want exactly one {kind} {name or ''}, found {len(found)}"
-    return found[0]
 
 
 def model_name(doc: Mapping[str, Any]) -> str:
@@ -169,18 +159,6 @@ def test_everything_lives_in_kube_system() -> None:
 # --- what the binary accepts ------------------------------------------------------------
 
 
-def pod_spec() -> dict[str, Any]:
-    spec: dict[str, Any] = the("DaemonSet")["spec"]["template"]["spec"]
-    return spec
-
-
-def container(name: str, init: bool = False) -> dict[str, Any]:
-    listed: list[dict[str, Any]] = pod_spec()["initContainers" if init else "containers"]
-    found = [c for c in listed if c["name"] == name]
-    assert len(found) == 1
-    return found[0]
-
-
 def configuration_text() -> str:
     text: str = the("ConfigMap", "kube-proxy")["data"]["config.conf"]
     return text
@@ -193,13 +171,6 @@ def test_configmap_configuration_is_strict_valid_nftables() -> None:
     assert cfg.healthz_bind_address == "0.0.0.0:10256"
     assert cfg.client_connection.content_type == "application/json"
     assert cfg.client_connection.kubeconfig.startswith(mount_path("kube-proxy") + "/")
-
-
-def mount_path(volume: str, c: Mapping[str, Any] | None = None) -> str:
-    c = c if c is not None else container("kube-proxy")
-    paths = [m["mountPath"] for m in c["volumeMounts"] if m["name"] == volume]
-    assert len(paths) == 1, f"{volume} is not mounted once"
-    return str(paths[0])
 
 
 @pytest.fixture
@@ -443,44 +414,54 @@ def test_allowed_by_check_can_fail(recorded: list[APIRequest]) -> None:
     assert any(not allowed_by(rules, r) for r in recorded if r.resource)
 
 
-# --- the Dockerfile ---------------------------------------------------------------------
+# --- the Dockerfile and what builds it ---------------------------------------------------
 
 
 def dockerfile() -> str:
     return (IMAGES / "Dockerfile").read_text()
 
 
-def test_dockerfile_installs_the_proxy_and_its_kernel_tools() -> None:
+def dockerfile_packages() -> set[str]:
+    (listed,) = re.findall(r'^ARG PACKAGES="([^"]+)"$', dockerfile(), re.MULTILINE)
+    return set(listed.split())
+
+
+def test_dockerfile_builds_the_final_stage_from_debian_packages_only() -> None:
     text = dockerfile()
-    stages = re.findall(r"^FROM (\S+)", text, re.MULTILINE)
-    assert stages and all(s.startswith("debian:") and s.endswith("-slim") for s in stages)
-    # Debian 12 (bookworm) ships Python 3.11, the oldest pyproject.toml allows; both
-    # stages must use the same release so the venv's interpreter exists at run time.
-    assert {s.split()[0] for s in stages} == {"debian:bookworm-slim"}
+    stages = re.findall(r"^FROM (\S+)(?: AS (\S+))?$", text, re.MULTILINE)
+    assert stages == [("${BASE}", "build"), ("scratch", "")]
+    (base_image,) = re.findall(r"^ARG BASE=(\S+)$", text, re.MULTILINE)
+    assert base_image == f"docker.io/library/debian:{SUITE}-slim"
+    # Debian 12 ships Python 3.11, the oldest pyproject.toml allows; the final stage runs
+    # the interpreter the venv was made with (copied from the build stage).
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
-    assert pyproject["project"]["requires-python"] == ">=3.11"
-    runtime = text.split("FROM debian:bookworm-slim\n")[-1]
-    packages = set(re.findall(r"[a-z0-9][a-z0-9.+-]+", runtime.split("install", 1)[1]))
+    assert pyproject["project"]["requires-python"] == f">={TARGET.python}"
     assert {
-        "python3",
+        f"python{TARGET.python}-minimal",
+        f"libpython{TARGET.python}-stdlib",
         "nftables",
         "libnftables1",
         "iptables",
         "conntrack",
         "ipset",
         "iproute2",
-    } <= packages
-    for source in ("pyproject.toml", "kubeproxy"):
-        assert re.search(rf"^COPY .*\b{re.escape(source)}\b", text, re.MULTILINE), source
+        "ca-certificates",
+    } <= dockerfile_packages()
+    # The build stage installs exactly these and hands them to rootfs.py.
+    assert "${PACKAGES}" in text.split("apt-get install", 1)[1].split("\n\n")[0]
+    assert re.search(r"^RUN python3 /build/rootfs.py /rootfs \$\{PACKAGES\}$", text, re.MULTILINE)
+    final = text.split("FROM scratch\n", 1)[1]
+    copied = re.findall(r"^COPY --from=build (\S+) (\S+)$", final, re.MULTILINE)
+    assert copied == [("/rootfs", "/"), ("/opt/kubeproxy", "/opt/kubeproxy")]
     entrypoint = json.loads(re.findall(r"^ENTRYPOINT (.+)$", text, re.MULTILINE)[-1])
     assert entrypoint == [PROG]
     assert PROG in pyproject["project"]["scripts"]
-    assert "PATH=/opt/kubeproxy/bin:$PATH" in text
+    assert "PATH=/opt/kubeproxy/bin:" in final
 
 
 def test_every_binary_and_backend_is_installed_by_the_image() -> None:
-    # The image installs the package with the binaries' extras (pip install '/src[node]'):
-    # its console scripts and backend entry points are what the image holds.
+    # The image installs this project's wheel and the wheels of its [node] extras
+    # (images/wheels.py resolves them): its console scripts and backend entry points.
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     scripts = pyproject["project"]["scripts"]
     assert {
@@ -494,7 +475,10 @@ def test_every_binary_and_backend_is_installed_by_the_image() -> None:
         mode: f"kubeproxy.backends.{mode}:create_backend"
         for mode in ("nftables", "iptables", "ipvs")
     }
-    assert re.search(r"pip install .*'/src\[node\]'$", dockerfile(), re.MULTILINE)
+    assert wheels.EXTRAS == "node"
+    text = dockerfile()
+    assert "--no-index --find-links /wheels/deps" in text
+    assert re.search(r"pip install .*--no-deps /wheels/kubeproxy/\*\.whl", text)
     # [node] brings every optional package a binary uses: the API client, pyroute2.
     extras = pyproject["project"]["optional-dependencies"]
     (included,) = re.findall(r"^kubeproxy\[(.+)\]$", "".join(extras["node"]))
@@ -503,6 +487,13 @@ def test_every_binary_and_backend_is_installed_by_the_image() -> None:
     assert not {"kubernetes", "pyroute2"} & {
         re.split(r"[<>=~ ]", r)[0] for r in pyproject["project"]["dependencies"]
     }
+
+
+def test_the_build_context_holds_what_the_dockerfile_copies_and_not_the_caches() -> None:
+    ignored = (IMAGES / "Dockerfile.dockerignore").read_text().splitlines()
+    assert {".venv", ".git", ".cache", "!.cache/image/wheels"} <= set(ignored)
+    for source in re.findall(r"^COPY (?!--from)(\S+) ", dockerfile(), re.MULTILINE):
+        assert source.startswith(("images/", ".cache/image/wheels/")), source
 
 
 def test_manifests_use_the_image_entrypoint() -> None:

@@ -38,6 +38,14 @@ From pytest, one test per flow::
     )
 
 Relative paths are taken from the current directory unless ``base=`` says otherwise.
+
+A proxy that is not a backend in this process (a binary, a container image, another
+implementation) is checked the same way with :func:`drive_case` and a
+:class:`ProxyDriver`: called with the case and its built scene, it starts the proxy for
+the node namespace and yields a :class:`CaseHandler` that hands the proxy each step's
+objects (a :class:`~kubeproxy.testing.fakeapi.FakeAPIServer` serving them, say) and whose
+``sync_now`` returns once the proxy applied them; the kit sends the traffic and judges it
+as for a backend. ``tests/test_image_run.py`` runs the DaemonSet's image this way.
 The first test of a case runs the whole case; the others read its results, so a file of
 about twenty flows takes a few seconds. For other uses, :func:`run_file` and
 :func:`run_case` return :class:`FlowResult` objects, and :func:`load_case_file` parses a
@@ -70,9 +78,12 @@ from kubeproxy.testing.cases import (
 from kubeproxy.testing.node import STANDARD_NODE
 from kubeproxy.testing.runner import (
     BackendNotFound,
+    CaseHandler,
     FlowResult,
+    ProxyDriver,
     RunOptions,
     Status,
+    drive_case,
     resolve_backend,
     run_case,
     run_file,
@@ -85,11 +96,14 @@ __all__ = [
     "Case",
     "CaseFile",
     "CaseFormatError",
+    "CaseHandler",
     "Flow",
     "FlowCaseWarning",
     "FlowResult",
+    "ProxyDriver",
     "RunOptions",
     "Status",
+    "drive_case",
     "load_case_file",
     "parse_case_file",
     "resolve_backend",

@@ -46,10 +46,13 @@ __all__ = [
     "KERNEL_LACKS",
     "TIMEOUT_SCALE_VARIABLE",
     "BackendNotFound",
+    "CaseHandler",
     "FlowResult",
+    "ProxyDriver",
     "RunOptions",
     "Status",
     "default_timeout",
+    "drive_case",
     "flow_id",
     "replay_syncs",
     "resolve_backend",
@@ -129,18 +132,55 @@ class RunOptions:
     node_check: Callable[[str], str | None] | None = None
 
 
-class _Handler(Protocol):
-    """The part of the proxier API the runner drives (Proxier and DualStackProxier)."""
+class CaseHandler(Protocol):
+    """What the runner drives through a case's steps: the part of the proxier API that
+    :class:`~kubeproxy.proxier.Proxier` and :class:`~kubeproxy.proxier.DualStackProxier`
+    have, or a :class:`ProxyDriver`'s stand-in for a proxy in another process.
 
-    def on_service_add(self, service: Mapping[str, Any]) -> None: ...
-    def on_service_update(self, old: Mapping[str, Any], new: Mapping[str, Any]) -> None: ...
-    def on_service_delete(self, service: Mapping[str, Any]) -> None: ...
-    def on_services_synced(self) -> None: ...
-    def on_endpoint_slice_add(self, slice_: Mapping[str, Any]) -> None: ...
-    def on_endpoint_slice_update(self, old: Mapping[str, Any], new: Mapping[str, Any]) -> None: ...
-    def on_endpoint_slice_delete(self, slice_: Mapping[str, Any]) -> None: ...
-    def on_endpoint_slices_synced(self) -> None: ...
-    def sync_now(self) -> bool: ...
+    ``sync_now`` returns once the proxy has applied every change handed over so far
+    (True), or when it could not (False: the step's flows fail).
+    """
+
+    def on_service_add(self, service: Mapping[str, Any]) -> None:
+        """A Service of the case appeared."""
+
+    def on_service_update(self, old: Mapping[str, Any], new: Mapping[str, Any]) -> None:
+        """A Service of the case changed."""
+
+    def on_service_delete(self, service: Mapping[str, Any]) -> None:
+        """A Service of the case was deleted."""
+
+    def on_services_synced(self) -> None:
+        """Every Service of the first step was handed over."""
+
+    def on_endpoint_slice_add(self, slice_: Mapping[str, Any]) -> None:
+        """An EndpointSlice of the case appeared."""
+
+    def on_endpoint_slice_update(self, old: Mapping[str, Any], new: Mapping[str, Any]) -> None:
+        """An EndpointSlice of the case changed."""
+
+    def on_endpoint_slice_delete(self, slice_: Mapping[str, Any]) -> None:
+        """An EndpointSlice of the case was deleted."""
+
+    def on_endpoint_slices_synced(self) -> None:
+        """Every EndpointSlice of the first step was handed over."""
+
+    def sync_now(self) -> bool:
+        """Sync (or wait for the proxy's sync); False when it failed."""
+        ...
+
+
+class ProxyDriver(Protocol):
+    """Runs a proxy under test that is not a backend in this process (a binary, a
+    container): called with the case and its scene once the scene is built, it starts
+    the proxy for ``scene.node_ns`` and yields the :class:`CaseHandler` that hands it the
+    case's objects (through a fake API server, say) and waits for its syncs; leaving the
+    context stops the proxy. What it raises fails every flow of the case (or skips them
+    when it says ``kernel lacks ...``)."""
+
+    def __call__(self, case: Case, scene: Scene) -> contextlib.AbstractContextManager[CaseHandler]:
+        """Start the proxy for the case's scene; yield its handler."""
+        ...
 
 
 def flow_id(case_file: CaseFile, case: Case, step: Step, flow: Flow) -> str:
@@ -249,7 +289,7 @@ def _key(manifest: Mapping[str, Any]) -> NamespacedName:
     return NamespacedName(metadata.get("namespace", "default"), metadata["name"])
 
 
-def _apply(handler: _Handler, store: _ObjectStore, step: Step) -> list[str]:
+def _apply(handler: CaseHandler, store: _ObjectStore, step: Step) -> list[str]:
     for service in step.services:
         key = _key(service)
         old = store.services.get(key)
@@ -269,7 +309,7 @@ def _apply(handler: _Handler, store: _ObjectStore, step: Step) -> list[str]:
     return []
 
 
-def _delete(handler: _Handler, store: _ObjectStore, step: Step) -> list[str]:
+def _delete(handler: CaseHandler, store: _ObjectStore, step: Step) -> list[str]:
     notes = []
     for key in step.deleted_services:
         old = store.services.pop(key, None)
@@ -294,7 +334,7 @@ def _make_handler(
     node: StandardNode,
     netns: str,
     backends: list[Backend],
-) -> _Handler:
+) -> CaseHandler:
     from kubeproxy.proxier import DualStackProxier, Proxier
 
     config = node.proxier_config(case.overrides)
@@ -309,8 +349,8 @@ def _make_handler(
         backends.append(backend)
         proxiers.append(Proxier(family, config, backend, node=info, host_addresses=addresses))
     if len(proxiers) == 2:
-        return cast(_Handler, DualStackProxier(proxiers[0], proxiers[1]))
-    return cast(_Handler, proxiers[0])
+        return cast(CaseHandler, DualStackProxier(proxiers[0], proxiers[1]))
+    return cast(CaseHandler, proxiers[0])
 
 
 async def _check_flows(
@@ -351,6 +391,40 @@ def run_case(
 ) -> list[FlowResult]:
     """Run one case; return a result for every flow of it, in file order."""
     options = options or RunOptions()
+    factory: BackendFactory | None = None
+
+    def start(scene: Scene) -> contextlib.AbstractContextManager[CaseHandler]:
+        assert factory is not None
+        return _in_process(case, factory, options, scene)
+
+    def resolve() -> None:
+        nonlocal factory
+        factory = resolve_backend(backend)
+
+    return _run(case_file, case, start, options, prepare=resolve)
+
+
+def drive_case(
+    case_file: CaseFile,
+    case: Case,
+    driver: ProxyDriver,
+    options: RunOptions | None = None,
+) -> list[FlowResult]:
+    """Run one case against a proxy a :class:`ProxyDriver` runs; return a result for
+    every flow of it, in file order. ``options.node`` is the node the driver must make
+    the proxy believe it runs on (``scene.plan.node``)."""
+    options = options or RunOptions()
+    return _run(case_file, case, lambda scene: driver(case, scene), options)
+
+
+def _run(
+    case_file: CaseFile,
+    case: Case,
+    start: Callable[[Scene], contextlib.AbstractContextManager[CaseHandler]],
+    options: RunOptions,
+    *,
+    prepare: Callable[[], None] | None = None,
+) -> list[FlowResult]:
     results: dict[str, FlowResult] = {}
     ordered = [(flow_id(case_file, case, step, flow), step, flow) for step, flow in case.flows]
     has_sctp = any(flow.protocol is L4Protocol.SCTP for _, flow in case.flows)
@@ -368,12 +442,13 @@ def run_case(
         if flow.protocol is L4Protocol.SCTP and sctp_reason:
             settle(step, flow, Status.SKIP, sctp_reason)
     try:
-        factory = resolve_backend(backend)
+        if prepare is not None:
+            prepare()
         plan = plan_scene(case, options.node)
         if sctp_reason:
             plan = dataclasses.replace(plan, sctp=False)
         with _sigterm_interrupts(), Scene(plan, run_id=options.run_id) as scene:
-            _run_steps(case_file, case, factory, scene, options, settle)
+            _run_steps(case_file, case, start, scene, options, settle)
     except (BackendNotFound, SceneError) as err:
         fail_rest(str(err))
     finally:
@@ -382,18 +457,34 @@ def run_case(
     return [results[identifier] for identifier, _, _ in ordered]
 
 
+@contextlib.contextmanager
+def _in_process(
+    case: Case, factory: BackendFactory, options: RunOptions, scene: Scene
+) -> Iterator[CaseHandler]:
+    """The proxier(s) of this process over ``factory``'s backends for the node
+    namespace; the backends cleaned up on the way out."""
+    backends: list[Backend] = []
+    try:
+        yield _make_handler(case, factory, options.node, scene.node_ns, backends)
+    finally:
+        for backend in backends:
+            try:
+                backend.cleanup()
+            except Exception:
+                logger.exception("backend cleanup in %s", scene.node_ns)
+
+
 def _run_steps(
     case_file: CaseFile,
     case: Case,
-    factory: BackendFactory,
+    start: Callable[[Scene], contextlib.AbstractContextManager[CaseHandler]],
     scene: Scene,
     options: RunOptions,
     settle: Callable[[Step, Flow, Status, str], None],
 ) -> None:
-    backends: list[Backend] = []
-    try:
+    with contextlib.ExitStack() as stack:
         try:
-            handler = _make_handler(case, factory, options.node, scene.node_ns, backends)
+            handler = stack.enter_context(start(scene))
         except Exception as err:
             logger.debug("creating the backend", exc_info=True)
             # A backend that says the kernel lacks what it needs (ipvs without IP_VS)
@@ -443,12 +534,6 @@ def _run_steps(
                     settle(step, flow, Status.PASS, verdict.detail)
                 else:
                     settle(step, flow, Status.FAIL, verdict.detail + said)
-    finally:
-        for backend in backends:
-            try:
-                backend.cleanup()
-            except Exception:
-                logger.exception("backend cleanup in %s", scene.node_ns)
 
 
 def replay_syncs(

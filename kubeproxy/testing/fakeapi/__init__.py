@@ -1,6 +1,6 @@
 """A fake Kubernetes API server, enough to drive a service proxy end to end.
 
-:class:`FakeAPIServer` speaks HTTP/1.1 on 127.0.0.1 (stdlib only) the way kube-apiserver
+:class:`FakeAPIServer` speaks HTTP/1.1 (or HTTPS) on 127.0.0.1 (stdlib only) the way kube-apiserver
 does for the calls a proxy makes: ``/version`` and API discovery; list (with ``limit`` and
 ``continue``) and watch (one JSON event per line, chunked, ``BOOKMARK`` events when asked
 for, an ``ERROR`` 410 event for a compacted ``resourceVersion``, closing after
@@ -31,7 +31,9 @@ One concept per module, all re-exported here (the names this package had as one 
 * :mod:`~kubeproxy.testing.fakeapi.status`: the ``Status`` bodies of failures;
 * :mod:`~kubeproxy.testing.fakeapi.discovery`: ``/version`` and API discovery;
 * :mod:`~kubeproxy.testing.fakeapi.watchstream`: a watch's events and their encoding;
-* :mod:`~kubeproxy.testing.fakeapi.builders`: objects for tests to apply.
+* :mod:`~kubeproxy.testing.fakeapi.builders`: objects for tests to apply;
+* :mod:`~kubeproxy.testing.fakeapi.tls`: certificates for serving HTTPS (``tls=``), with
+  client certificates if wanted.
 """
 
 from kubeproxy.testing.fakeapi.builders import endpoint_slice, node, service, service_cidr
@@ -39,14 +41,17 @@ from kubeproxy.testing.fakeapi.requestinfo import APIRequest, allowed_by
 from kubeproxy.testing.fakeapi.resources import RESOURCES, ResourceInfo
 from kubeproxy.testing.fakeapi.resources import JSONObject as JSONObject
 from kubeproxy.testing.fakeapi.server import FakeAPIServer
+from kubeproxy.testing.fakeapi.tls import Certificates, make_certificates
 
 __all__ = [
     "RESOURCES",
     "APIRequest",
+    "Certificates",
     "FakeAPIServer",
     "ResourceInfo",
     "allowed_by",
     "endpoint_slice",
+    "make_certificates",
     "node",
     "service",
     "service_cidr",

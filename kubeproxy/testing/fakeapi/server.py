@@ -22,6 +22,7 @@ import itertools
 import json
 import logging
 import socket
+import ssl
 import threading
 import time
 import uuid
@@ -66,9 +67,25 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address: tuple[str, int], fake: FakeAPIServer) -> None:
+    def __init__(
+        self, address: tuple[str, int], fake: FakeAPIServer, tls: ssl.SSLContext | None
+    ) -> None:
         self.fake = fake
+        self.tls = tls
         super().__init__(address, _Handler)
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        conn, address = super().get_request()
+        if self.tls is not None:
+            # The handshake happens in the connection's own thread (_Handler.setup), so a
+            # slow or failing client never holds up the accept loop.
+            conn = self.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+        return conn, address
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that refuses our certificate (or that we refuse) is the test's
+        # business, not a traceback on stderr.
+        logger.debug("fakeapi: connection from %s failed", client_address, exc_info=True)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -79,6 +96,8 @@ class _Handler(BaseHTTPRequestHandler):
     server: _Server
 
     def setup(self) -> None:
+        if isinstance(self.request, ssl.SSLSocket):
+            self.request.do_handshake()
         super().setup()
         self.server.fake._connection_opened(self.connection, self.server)
 
@@ -113,7 +132,9 @@ class FakeAPIServer:
     ``service_cidrs`` says whether ``networking.k8s.io/v1`` serves ``servicecidrs``;
     ``bookmark_interval`` is how often a watch that asked for bookmarks gets one;
     ``default_watch_timeout`` ends watches that gave no ``timeoutSeconds``; ``token``, when
-    set, is the bearer token every request must carry (else 401).
+    set, is the bearer token every request must carry (else 401); ``tls``, when given,
+    makes it serve HTTPS with that context (:mod:`~kubeproxy.testing.fakeapi.tls` makes
+    the certificates and the context, one that asks for client certificates too).
     """
 
     def __init__(
@@ -126,8 +147,10 @@ class FakeAPIServer:
         default_watch_timeout: float = 60.0,
         token: str | None = None,
         git_version: str = "v1.36.0",
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.host = host
+        self.tls = tls
         self.port = port
         self.service_cidrs = service_cidrs
         self.bookmark_interval = bookmark_interval
@@ -162,7 +185,7 @@ class FakeAPIServer:
         with self._lock:
             if self._server is not None:
                 return self
-            server = _Server((self.host, self.port), self)
+            server = _Server((self.host, self.port), self, self.tls)
             self.port = server.server_address[1]
             self._generation += 1
             self._server = server
@@ -207,8 +230,10 @@ class FakeAPIServer:
 
     @property
     def url(self) -> str:
-        """The base URL (``http://127.0.0.1:<port>``)."""
-        return f"http://{self.host}:{self.port}"
+        """The base URL (``http://127.0.0.1:<port>``, ``https://`` with ``tls``)."""
+        scheme = "https" if self.tls is not None else "http"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{scheme}://{host}:{self.port}"
 
     def api_client(self, *, token: str | None = None) -> Any:
         """An official ``kubernetes.client.ApiClient`` pointed at this server (it needs
@@ -484,9 +509,7 @@ class FakeAPIServer:
         hook = self.on_request
         if hook is not None:
             hook(recorded)
-        if self.token is not None and (
-            request.headers.get("Authorization") != f"Bearer {self.token}"
-        ):
+        if self.token is not None and not _bearer(request.headers.get("Authorization"), self.token):
             self._send(request, 401, status(401, "Unauthorized"))
             return
         if not route.resource:
@@ -842,6 +865,13 @@ class FakeAPIServer:
                     },
                 )
                 next_bookmark = now + self.bookmark_interval
+
+
+def _bearer(header: str | None, token: str) -> bool:
+    """Whether an Authorization header carries ``token``: the scheme in any case, as
+    kube-apiserver reads it (the official client's in-cluster loader sends ``bearer``)."""
+    scheme, _, credentials = (header or "").partition(" ")
+    return scheme.lower() == "bearer" and credentials.strip() == token
 
 
 def _without_type(item: JSONObject) -> JSONObject:
