@@ -18,7 +18,9 @@ each round lasts ``--round-seconds`` at least; ``--minutes`` starts no round aft
 sync, the daemon runs in 20 ms slices and gets SIGKILL as soon as the kernel holds part
 of the new generation, before the switch; restart),
 ``sigterm`` (stop, restart), ``flush-ruleset`` (``nft flush ruleset`` in the node's
-namespace), ``delete-table`` (``nft delete table ip kube-proxy``, ``ip6`` the next time),
+namespace), ``delete-table`` (``nft delete table ip kube-proxy``, ``ip6`` the next time;
+an owned table, issue 29, is neither flushed nor deleted by another process: the round
+records that the kernel kept it),
 ``api-restart`` (the API server down for 3 s), ``api-410`` (its history compacted and
 every watch expired: relists), ``address-change`` (an address in ``nodePortAddresses``
 appears or goes on the node, and the Node's zone changes), ``hung-backends`` (600
