@@ -106,6 +106,12 @@ bench: setup
 bench-selfheal: setup
 	$(PY) -m bench.selfheal $(SELFHEAL_ARGS)
 
+# Taking a node over from upstream's kube-proxy (and between our modes) at scale:
+# bench/takeover.py, README "Replacing kube-proxy". Not part of bench.
+.PHONY: bench-takeover
+bench-takeover: setup
+	$(PY) -m bench.takeover $(TAKEOVER_ARGS)
+
 # The soak (issue 31): the daemon a node runs, over the bench's realistic mix in the fake
 # API server, under churn and a fault per round (kill -9 mid sync, SIGTERM, nft flush
 # ruleset, table deletes, API restarts and 410s, address changes, hung backends, a full
@@ -122,3 +128,19 @@ soak: setup
 .PHONY: bench-owned
 bench-owned: setup
 	$(PY) -m bench.owned $(OWNED_ARGS)
+
+# The kernel floor of a full sync (issue 32): the batches our full sync sends, replayed by
+# the same writer into an empty namespace, next to our full sync and its profile, at 10k,
+# 30k and 100k Services, uniform and realistic (bench/floor.py; about 25 minutes here). Not
+# part of bench. FLOOR_ARGS="--sizes 1000,10000 --mixes uniform".
+.PHONY: bench-floor
+bench-floor: setup
+	KPXB_COMMAND="make bench-floor $(FLOOR_ARGS)" $(PY) -m bench.floor $(FLOOR_ARGS)
+
+# Where the whole process's memory is at its peak (issue 32): kube-proxy-nftables --once
+# over JSON manifests under /usr/bin/time -v, then twice under tracemalloc, the live
+# allocations summed by file and line at the traced peak (bench/memory.py; 100k Services
+# by default, about 20 minutes here). MEMORY_ARGS="--services 10000".
+.PHONY: bench-memory
+bench-memory: setup
+	KPXB_COMMAND="make bench-memory $(MEMORY_ARGS)" $(PY) -m bench.memory $(MEMORY_ARGS)

@@ -19,11 +19,12 @@ Targets (issue 29, item 3), judged on the shipped runner (``paced``):
 
 from __future__ import annotations
 
-import json
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
+
+from bench.report import newest_document as newest_of_kind
 
 __all__ = [
     "KIND",
@@ -46,15 +47,7 @@ BASE_RATE: Final = 50.0
 
 def newest_document(results: Path) -> tuple[Path, dict[str, Any]]:
     """The newest network-programming results document in ``results``."""
-    found = []
-    for path in results.glob(f"*-{KIND}-*.json"):
-        document = json.loads(path.read_text())
-        if document.get("kind") == KIND:
-            found.append((document["when"], path.name, path, document))
-    if not found:
-        raise FileNotFoundError(f"no {KIND} results in {results}")
-    _, _, path, document = max(found)
-    return path, document
+    return newest_of_kind(results, KIND)
 
 
 def _size(services: int) -> str:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.floor_report import newest_document as newest_floor
+from bench.floor_report import render as render_floor
 from bench.programming_report import newest_document
 from bench.programming_report import render as render_programming
 from bench.report import readme_summary, sizing_table
@@ -58,6 +60,7 @@ SECTIONS = (
     Section(REPO / "README.md", "bench", readme_summary),
     Section(REPO / "images" / "README.md", "sizing", sizing_table),
     Section(REPO / "README.md", "programming", render_programming, newest_document),
+    Section(REPO / "bench" / "README.md", "floor", render_floor, newest_floor),
 )
 
 

@@ -92,10 +92,12 @@ from bench.targets import (
 __all__ = [
     "Results",
     "machine_info",
+    "newest_document",
     "readme_summary",
     "render_markdown",
     "sizing_table",
     "subject_titles",
+    "write_document",
 ]
 
 
@@ -150,6 +152,42 @@ def machine_info() -> dict[str, Any]:
             _run(["git", "-C", str(repo), "status", "--porcelain", "--", *_MEASURED_CODE])
         ),
     }
+
+
+def write_document(
+    out: Path, kind: str, command: str, fields: dict[str, Any]
+) -> tuple[Path, dict[str, Any]]:
+    """The results document of a benchmark that keeps its own (``kind``: the network
+    programming, the kernel floor, the memory): when, the commit, the command
+    (``KPXB_COMMAND`` when set, else ``command``), the machine, then ``fields``; written
+    as ``out/<date>-<kind>-<host>.json``. Returns the path and the document."""
+    now = datetime.datetime.now(datetime.UTC)
+    machine = machine_info()
+    document = {
+        "kind": kind,
+        "when": now.isoformat(timespec="seconds"),
+        "commit": machine["commit"] or None,
+        "command": os.environ.get("KPXB_COMMAND", command),
+        "machine": machine,
+        **fields,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{now.strftime('%Y%m%dT%H%M%SZ')}-{kind}-{machine['host']}.json"
+    path.write_text(json.dumps(document, indent=1) + "\n")
+    return path, document
+
+
+def newest_document(results: Path, kind: str) -> tuple[Path, dict[str, Any]]:
+    """The newest document of ``kind`` (see :func:`write_document`) in ``results``."""
+    found = []
+    for path in results.glob(f"*-{kind}-*.json"):
+        document = json.loads(path.read_text())
+        if document.get("kind") == kind:
+            found.append((document["when"], path.name, path, document))
+    if not found:
+        raise FileNotFoundError(f"no {kind} results in {results}")
+    _, _, path, document = max(found)
+    return path, document
 
 
 def _verdict(holds: bool | None) -> str:

@@ -15,13 +15,11 @@ apart from ``latest.md``; ``python -m bench.readme`` carries them into the READM
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import sys
 import time
 from collections.abc import Iterator
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +29,7 @@ from bench.conftest import RESULTS_DIR
 from bench.netns import namespace
 from bench.programming import RUNNERS, Window, measure
 from bench.programming_report import KIND, render
-from bench.report import machine_info
+from bench.report import write_document
 from bench.synthetic import build_services
 
 K = 1000
@@ -55,23 +53,14 @@ class ProgrammingResults:
     def write(self) -> None:
         if not self.records:
             return
-        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-        now = datetime.now(UTC)
-        machine = machine_info()
-        document = {
-            "kind": KIND,
-            "when": now.isoformat(timespec="seconds"),
-            "commit": machine["commit"] or None,
-            "command": os.environ.get("KPXB_COMMAND", "pytest bench/test_programming.py"),
+        fields = {
             "pytest_args": shlex.join(sys.argv[1:]),
-            "machine": machine,
             "minutes": (time.monotonic() - self.started) / 60,
             "endpoints": ENDPOINTS,
             "records": self.records,
         }
-        stamp = now.strftime("%Y%m%dT%H%M%SZ")
-        path = RESULTS_DIR / f"{stamp}-{KIND}-{machine['host']}.json"
-        path.write_text(json.dumps(document, indent=1) + "\n")
+        command = "pytest bench/test_programming.py"
+        path, document = write_document(RESULTS_DIR, KIND, command, fields)
         (RESULTS_DIR / f"{KIND}.md").write_text(
             "# Network programming under churn (latest run)\n\n" + render(document, path.name)
         )

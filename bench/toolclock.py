@@ -6,10 +6,11 @@ backend reaches the kernel:
 * libnftables, called in-process through ctypes by the nftables backend: every
   ``nft_run_cmd_from_filename`` call (nft's parsing, the netlink exchange and the
   kernel's commit, all inside that C call) is timed;
-* the map structure's element batches, which skip libnftables (its own netlink socket,
-  ``kubeproxy.backends.nftables.elements``): every transaction on that socket (assembling
-  the already encoded messages, the send, the kernel's commit, reading the acks) is timed
-  as ``netlink elements``, the encoding of the elements before it is not;
+* the batches of our own netlink socket, which skip libnftables
+  (``kubeproxy.backends.nftables.batchsocket``: the element batches, and with the owned
+  table every write of it): every exchange on that socket (the send of the already
+  encoded batch, the kernel's commit, reading the acks) is timed as ``netlink``, the
+  encoding before it is not;
 * tool processes (``iptables-restore``, ``iptables-save``, ``iptables``, ``nft``...):
   :class:`subprocess.Popen` is replaced by a subclass that times each process from its
   start to the moment it is reaped, whatever wrapper (``subprocess.run``, ``check_output``)
@@ -37,7 +38,7 @@ from typing import Any
 __all__ = ["ToolClock", "install", "tool_name"]
 
 _LIBNFTABLES = "libnftables"
-_NETLINK_ELEMENTS = "netlink elements"
+_NETLINK = "netlink"
 _SAMPLE_S = 0.005
 
 
@@ -206,9 +207,10 @@ def install() -> ToolClock:
         return clock
     lib.run_file = _timed(clock, _LIBNFTABLES, lib.run_file)
     try:
-        elements = importlib.import_module("kubeproxy.backends.nftables.elements")
-    except ImportError:  # a checkout whose backend sends every element through nft
+        batches = importlib.import_module("kubeproxy.backends.nftables.batchsocket")
+    except ImportError:  # a checkout whose backend sends everything through nft
         return clock
-    writer = elements.ElementWriter
-    writer._transact = _timed(clock, _NETLINK_ELEMENTS, writer._transact)
+    # Every batch of our own socket (elements; with the owned table, every write).
+    socket_class = batches.BatchSocket
+    socket_class.exchange = _timed(clock, _NETLINK, socket_class.exchange)
     return clock

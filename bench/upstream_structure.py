@@ -12,6 +12,14 @@ table, the one-time add+delete of every base chain, base chains, fixed chains (a
 rules), sets and maps, then per Service port its chains (add+flush, rules) and elements.
 The benchmark applies the text with ``nft -f`` into a fresh namespace, as upstream's
 knftables does (``nft -f -``), to compare with our own structure on the same Services.
+
+:class:`UpstreamOptions` picks the family (``ip`` or ``ip6``: upstream's IPv6 proxier
+writes the same structure into ``table ip6 kube-proxy``) and the layout of the base
+chains: ``1.34`` (1.34 to 1.37: ``filter-prerouting-pre-dnat`` and
+``filter-output-pre-dnat`` at ``dstnat-10``, the other filter chains at ``filter``; PR
+132456) or ``1.33`` (every filter chain at ``dstnat-10`` plus ``filter-output-post-dnat``
+at ``dstnat+10``, and the port in the service chains' masquerade rule). The takeover
+tests and benchmark write both over a node before our proxy starts there.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ __all__ = [
 TABLE = "ip kube-proxy"
 _NAME_MAX = 240  # knftables.NameLengthMax (256) minus the longest chain prefix (16)
 
-# name, type, hook, numeric priority (knftables prints priorities as numbers)
+# name, type, hook, numeric priority (knftables prints priorities as numbers); 1.34+
 _BASE_CHAINS = (
     ("filter-prerouting-pre-dnat", "filter", "prerouting", -110),
     ("filter-output-pre-dnat", "filter", "output", -110),
@@ -69,6 +77,33 @@ _JUMPS = (
     ("filter-output", "ct state new jump cluster-ips-check"),
 )
 
+# 1.33 (before PR 132456): the filter chains before DNAT, the cluster IP check after it.
+_BASE_CHAINS_1_33 = (
+    ("filter-prerouting", "filter", "prerouting", -110),
+    ("filter-input", "filter", "input", -110),
+    ("filter-forward", "filter", "forward", -110),
+    ("filter-output", "filter", "output", -110),
+    ("filter-output-post-dnat", "filter", "output", -90),
+    ("nat-prerouting", "nat", "prerouting", -100),
+    ("nat-output", "nat", "output", -100),
+    ("nat-postrouting", "nat", "postrouting", 100),
+)
+_JUMPS_1_33 = (
+    ("filter-input", "ct state new jump nodeport-endpoints-check"),
+    ("filter-input", "ct state new jump service-endpoints-check"),
+    ("filter-forward", "ct state new jump service-endpoints-check"),
+    ("filter-output", "ct state new jump service-endpoints-check"),
+    ("filter-prerouting", "ct state new jump firewall-check"),
+    ("filter-output", "ct state new jump firewall-check"),
+    ("nat-output", "jump services"),
+    ("nat-prerouting", "jump services"),
+    ("nat-postrouting", "jump masquerading"),
+    ("filter-forward", "ct state new jump cluster-ips-check"),
+    ("filter-output-post-dnat", "ct state new jump cluster-ips-check"),
+)
+LAYOUTS = ("1.33", "1.34")
+"""Upstream's layouts of the base chains: ``1.33``, and ``1.34`` (1.34 to 1.37)."""
+
 _FIXED_CHAINS = (
     "nodeport-endpoints-check",
     "service-endpoints-check",
@@ -80,26 +115,27 @@ _FIXED_CHAINS = (
     "reject-chain",
 )
 
+# (kind, name, type with ADDR for the family's address type, comment)
 _SETS = (
-    ("set", "cluster-ips", "ipv4_addr", "Active ClusterIPs"),
-    ("set", "nodeport-ips", "ipv4_addr", "IPs that accept NodePort traffic"),
+    ("set", "cluster-ips", "ADDR", "Active ClusterIPs"),
+    ("set", "nodeport-ips", "ADDR", "IPs that accept NodePort traffic"),
     (
         "map",
         "service-ips",
-        "ipv4_addr . inet_proto . inet_service : verdict",
+        "ADDR . inet_proto . inet_service : verdict",
         "ClusterIP, ExternalIP and LoadBalancer IP traffic",
     ),
     ("map", "service-nodeports", "inet_proto . inet_service : verdict", "NodePort traffic"),
     (
         "map",
         "firewall-ips",
-        "ipv4_addr . inet_proto . inet_service : verdict",
+        "ADDR . inet_proto . inet_service : verdict",
         "destinations that are subject to LoadBalancerSourceRanges",
     ),
     (
         "map",
         "no-endpoint-services",
-        "ipv4_addr . inet_proto . inet_service : verdict",
+        "ADDR . inet_proto . inet_service : verdict",
         "vmap to drop or reject packets to services with no endpoints",
     ),
     (
@@ -117,13 +153,43 @@ class UpstreamOptions:
 
     ``cluster_cidr`` is the ClusterCIDR local-traffic detector (None: no detector);
     ``node_ips`` fill ``nodeport-ips`` (upstream's default ``primary``: the node's IP).
+    ``family`` is ``ip`` or ``ip6`` (give the addresses of that family), ``layout`` one of
+    :data:`LAYOUTS`.
     """
 
     masquerade_mark: int = 0x4000
     masquerade_all: bool = False
-    cluster_cidr: ipaddress.IPv4Network | None = POD_CIDR
-    service_cidrs: tuple[ipaddress.IPv4Network, ...] = (SERVICE_CIDR,)
-    node_ips: tuple[ipaddress.IPv4Address, ...] = (NODE_IP,)
+    cluster_cidr: ipaddress.IPv4Network | ipaddress.IPv6Network | None = POD_CIDR
+    service_cidrs: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = (SERVICE_CIDR,)
+    node_ips: tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, ...] = (NODE_IP,)
+    family: str = "ip"
+    layout: str = "1.34"
+
+    def __post_init__(self) -> None:
+        if self.family not in ("ip", "ip6"):
+            raise ValueError(f"family must be ip or ip6, not {self.family!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, not {self.layout!r}")
+
+    @property
+    def table(self) -> str:
+        """``ip kube-proxy`` or ``ip6 kube-proxy``."""
+        return f"{self.family} kube-proxy"
+
+    @property
+    def address_type(self) -> str:
+        """``ipv4_addr`` or ``ipv6_addr``."""
+        return "ipv4_addr" if self.family == "ip" else "ipv6_addr"
+
+    @property
+    def base_chains(self) -> tuple[tuple[str, str, str, int], ...]:
+        """The layout's base chains: (name, type, hook, priority)."""
+        return _BASE_CHAINS_1_33 if self.layout == "1.33" else _BASE_CHAINS
+
+    @property
+    def jumps(self) -> tuple[tuple[str, str], ...]:
+        """The layout's jump rules from the base chains: (chain, rule)."""
+        return _JUMPS_1_33 if self.layout == "1.33" else _JUMPS
 
 
 def hash_and_truncate(name: str) -> str:
@@ -143,8 +209,10 @@ def service_chain_base(service: SyntheticService) -> str:
 def endpoint_chain_base(
     service: SyntheticService, endpoint: ipaddress.IPv4Address | ipaddress.IPv6Address
 ) -> str:
-    """The hashed base name of an endpoint's chain and affinity set."""
-    return hash_and_truncate(f"{service.port_identity}__{endpoint}/{service.target_port}")
+    """The hashed base name of an endpoint's chain and affinity set (an IPv6 address with
+    its colons made dots, as upstream's)."""
+    host = str(endpoint).replace(":", ".")
+    return hash_and_truncate(f"{service.port_identity}__{host}/{service.target_port}")
 
 
 def _mark(options: UpstreamOptions) -> str:
@@ -152,52 +220,55 @@ def _mark(options: UpstreamOptions) -> str:
 
 
 def _preamble(options: UpstreamOptions) -> Iterator[str]:
-    yield f'add table {TABLE} {{ comment "rules for kube-proxy" ; }}'
+    table, ip = options.table, options.family
+    yield f'add table {table} {{ comment "rules for kube-proxy" ; }}'
     # First sync after start: upstream adds and deletes every base chain once, so that a
     # chain left by an older version with another priority is recreated.
-    for name, _type, _hook, _prio in _BASE_CHAINS:
-        yield f"add chain {TABLE} {name}"
-        yield f"delete chain {TABLE} {name}"
-    for name, chain_type, hook, priority in _BASE_CHAINS:
+    for name, _type, _hook, _prio in options.base_chains:
+        yield f"add chain {table} {name}"
+        yield f"delete chain {table} {name}"
+    for name, chain_type, hook, priority in options.base_chains:
         yield (
-            f"add chain {TABLE} {name} {{ type {chain_type} hook {hook} priority {priority} ; }}"
+            f"add chain {table} {name} {{ type {chain_type} hook {hook} priority {priority} ; }}"
         )
-        yield f"flush chain {TABLE} {name}"
+        yield f"flush chain {table} {name}"
     for name in _FIXED_CHAINS:
         if name == "reject-chain":
             yield (
-                f"add chain {TABLE} {name} "
+                f"add chain {table} {name} "
                 '{ comment "helper for @no-endpoint-services / @no-endpoint-nodeports" ; }'
             )
         else:
-            yield f"add chain {TABLE} {name}"
-        yield f"flush chain {TABLE} {name}"
+            yield f"add chain {table} {name}"
+        yield f"flush chain {table} {name}"
     for kind, name, key_type, comment in _SETS:
-        yield f'add {kind} {TABLE} {name} {{ type {key_type} ; comment "{comment}" ; }}'
-    yield f"flush set {TABLE} nodeport-ips"
-    for ip in options.node_ips:
-        yield f"add element {TABLE} nodeport-ips {{ {ip} }}"
-    for chain, rule in _JUMPS:
-        yield f"add rule {TABLE} {chain} {rule}"
+        key_type = key_type.replace("ADDR", options.address_type)
+        yield f'add {kind} {table} {name} {{ type {key_type} ; comment "{comment}" ; }}'
+    yield f"flush set {table} nodeport-ips"
+    for node_ip in options.node_ips:
+        yield f"add element {table} nodeport-ips {{ {node_ip} }}"
+    for chain, rule in options.jumps:
+        yield f"add rule {table} {chain} {rule}"
     mark = _mark(options)
     fixed_rules = (
-        ("services", "ip daddr . meta l4proto . th dport vmap @service-ips"),
+        ("services", f"{ip} daddr . meta l4proto . th dport vmap @service-ips"),
         (
             "services",
-            "ip daddr @nodeport-ips meta l4proto . th dport vmap @service-nodeports",
+            f"{ip} daddr @nodeport-ips meta l4proto . th dport vmap @service-nodeports",
         ),
         (
             "service-endpoints-check",
-            "ip daddr . meta l4proto . th dport vmap @no-endpoint-services",
+            f"{ip} daddr . meta l4proto . th dport vmap @no-endpoint-services",
         ),
         (
             "nodeport-endpoints-check",
-            "ip daddr @nodeport-ips meta l4proto . th dport vmap @no-endpoint-nodeports",
+            f"{ip} daddr @nodeport-ips meta l4proto . th dport vmap @no-endpoint-nodeports",
         ),
-        ("firewall-check", "ip daddr . meta l4proto . th dport vmap @firewall-ips"),
+        ("firewall-check", f"{ip} daddr . meta l4proto . th dport vmap @firewall-ips"),
         (
             "cluster-ips-check",
-            'ip daddr @cluster-ips reject comment "Reject traffic to invalid ports of ClusterIPs"',
+            f"{ip} daddr @cluster-ips reject "
+            'comment "Reject traffic to invalid ports of ClusterIPs"',
         ),
         ("reject-chain", "reject"),
         ("mark-for-masquerade", f"mark set mark or {mark}"),
@@ -206,11 +277,11 @@ def _preamble(options: UpstreamOptions) -> Iterator[str]:
         ("masquerading", "masquerade fully-random"),
     )
     for chain, rule in fixed_rules:
-        yield f"add rule {TABLE} {chain} {rule}"
+        yield f"add rule {table} {chain} {rule}"
     if options.service_cidrs:
         cidrs = ",".join(str(c) for c in options.service_cidrs)
         yield (
-            f"add rule {TABLE} cluster-ips-check ip daddr {{ {cidrs} }} drop "
+            f"add rule {table} cluster-ips-check {ip} daddr {{ {cidrs} }} drop "
             'comment "Drop traffic to unallocated ClusterIPs"'
         )
 
@@ -225,64 +296,73 @@ def _service(
     """A Service port's operations; without ``endpoint_chains`` only its service chain
     (upstream's first sync after a restart keeps existing endpoint chains), without
     ``elements`` no map or set elements (already present: ``ensureElem`` queues nothing)."""
+    table, ip = options.table, options.family
     base = service_chain_base(service)
     chain = f"service-{base}"
     # The EndpointsMap order: endpoints sorted by their "IP:port" string.
-    endpoints = sorted(service.endpoints, key=lambda ip: f"{ip}:{service.target_port}")
-    ep_bases = [endpoint_chain_base(service, ip) for ip in endpoints]
+    endpoints = sorted(service.endpoints, key=lambda ep: _host_port(ep, service.target_port))
+    ep_bases = [endpoint_chain_base(service, ep) for ep in endpoints]
     proto = service.protocol.lower()
     if endpoints and not endpoint_chains:
-        yield f"add chain {TABLE} {chain}"
-        yield f"flush chain {TABLE} {chain}"
+        yield f"add chain {table} {chain}"
+        yield f"flush chain {table} {chain}"
         yield from _service_rules(service, chain, ep_bases, options)
     elif endpoints:
         # Every chain and set of the port exists before a rule refers to it.
         for name in (chain, *(f"endpoint-{b}" for b in ep_bases)):
-            yield f"add chain {TABLE} {name}"
-            yield f"flush chain {TABLE} {name}"
+            yield f"add chain {table} {name}"
+            yield f"flush chain {table} {name}"
         if service.affinity_seconds:
             for ep_base in ep_bases:
                 yield (
-                    f"add set {TABLE} affinity-{ep_base} {{ type ipv4_addr ; "
+                    f"add set {table} affinity-{ep_base} {{ type {options.address_type} ; "
                     f"flags dynamic,timeout ; timeout {service.affinity_seconds}s ; }}"
                 )
         yield from _service_rules(service, chain, ep_bases, options)
-        for ip, ep_base in zip(endpoints, ep_bases, strict=True):
+        for endpoint, ep_base in zip(endpoints, ep_bases, strict=True):
             ep_chain = f"endpoint-{ep_base}"
-            yield f"add rule {TABLE} {ep_chain} ip saddr {ip} jump mark-for-masquerade"
+            yield f"add rule {table} {ep_chain} {ip} saddr {endpoint} jump mark-for-masquerade"
             if service.affinity_seconds:
-                yield f"add rule {TABLE} {ep_chain} update @affinity-{ep_base} {{ ip saddr }}"
+                yield f"add rule {table} {ep_chain} update @affinity-{ep_base} {{ {ip} saddr }}"
             yield (
-                f"add rule {TABLE} {ep_chain} "
-                f"meta l4proto {proto} dnat to {ip}:{service.target_port}"
+                f"add rule {table} {ep_chain} "
+                f"meta l4proto {proto} dnat to {_host_port(endpoint, service.target_port)}"
             )
     if not elements:
         return
-    yield f"add element {TABLE} cluster-ips {{ {service.cluster_ip} }}"
+    yield f"add element {table} cluster-ips {{ {service.cluster_ip} }}"
     key = f"{service.cluster_ip} . {proto} . {service.port}"
     if endpoints:
-        yield f"add element {TABLE} service-ips {{ {key} : goto {chain} }}"
+        yield f"add element {table} service-ips {{ {key} : goto {chain} }}"
     else:
         yield (
-            f'add element {TABLE} no-endpoint-services {{ {key} comment "{service.port_label}" '
+            f'add element {table} no-endpoint-services {{ {key} comment "{service.port_label}" '
             ": goto reject-chain }"
         )
+
+
+def _host_port(address: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int) -> str:
+    """``IP:port``, ``[IPv6]:port``: an endpoint's string (its sort key, its DNAT target)."""
+    return f"[{address}]:{port}" if address.version == 6 else f"{address}:{port}"
 
 
 def _service_rules(
     service: SyntheticService, chain: str, ep_bases: Sequence[str], options: UpstreamOptions
 ) -> Iterator[str]:
-    prefix = f"add rule {TABLE} {chain}"
+    ip = options.family
+    prefix = f"add rule {options.table} {chain}"
+    # 1.33's masquerade rule also matched the Service's port (dropped in 1.34).
+    port = f" {service.protocol.lower()} dport {service.port}" if options.layout == "1.33" else ""
     if options.masquerade_all:
-        yield f"{prefix} ip daddr {service.cluster_ip} jump mark-for-masquerade"
+        yield f"{prefix} {ip} daddr {service.cluster_ip}{port} jump mark-for-masquerade"
     elif options.cluster_cidr is not None:
         yield (
-            f"{prefix} ip daddr {service.cluster_ip} "
-            f"ip saddr != {options.cluster_cidr} jump mark-for-masquerade"
+            f"{prefix} {ip} daddr {service.cluster_ip}{port} "
+            f"{ip} saddr != {options.cluster_cidr} jump mark-for-masquerade"
         )
     if service.affinity_seconds:
         for ep_base in ep_bases:
-            yield f"{prefix} ip saddr @affinity-{ep_base} goto endpoint-{ep_base}"
+            yield f"{prefix} {ip} saddr @affinity-{ep_base} goto endpoint-{ep_base}"
     entries = " , ".join(f"{k} : goto endpoint-{b}" for k, b in enumerate(ep_bases))
     yield f"{prefix} numgen random mod {len(ep_bases)} vmap {{ {entries} }}"
 

@@ -5,7 +5,7 @@
   ``ipv6``, also ``fd00::2 -- fd00::1 | fd00:180::1 -- fd00:180::10``);
   :func:`echo_snapshot` proxies ClusterIP 172.30.0.10:80 to that server (plus bulk
   Services), and :func:`assert_restart_keeps_connections` checks a backend restart
-  against live traffic through it;
+  against live traffic through it (:class:`Traffic`: new and long-lived connections);
 * :func:`node_and_pod`: a node namespace (node IP on lo) and a pod namespace holding two
   endpoint IPs, the Service range routed towards the pods; :func:`answered_by` connects
   from the node and says which endpoint answered;
@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -314,76 +314,133 @@ def echo_snapshot(
     )
 
 
-@dataclass
-class Flow:
-    """What :func:`connections_flowing` saw: connections that echoed, those that failed
-    (and why)."""
+class Traffic:
+    """Connections through Services from one namespace across a switch of the rules.
 
-    ok: int = 0
-    failed: int = 0
-    errors: list[str] = field(default_factory=list)
+    ``targets`` are ``(address, port)`` pairs of an echo service. On entering: one
+    connection per target is established and echoes once (the long-lived ones), then a
+    thread opens a new connection to each target in turn, sends a byte and waits for it
+    back, until the block ends. On leaving: each long-lived connection echoes again.
+    Without ``hold``, no long-lived connection.
+    :attr:`ok`, :attr:`failed` and :attr:`errors` count the new connections; a failed
+    echo of a long-lived one is in :attr:`long_lived_errors`.
+    """
 
+    def __init__(
+        self,
+        netns: str,
+        targets: Sequence[tuple[str, int]],
+        *,
+        timeout: float = 1.0,
+        hold: bool = True,
+    ) -> None:
+        self.netns = netns
+        self.targets = list(targets)
+        self.hold = hold
+        self.timeout = timeout
+        self.ok = 0
+        self.failed = 0
+        self.errors: list[str] = []
+        self.long_lived_errors: list[str] = []
+        self._stop = threading.Event()
+        self._fd = -1
+        self._thread: threading.Thread | None = None
+        self._held: list[tuple[socket.socket, str, int]] = []
 
-@contextlib.contextmanager
-def connections_flowing(topology: Topology) -> Iterator[Flow]:
-    """New connections from the client to the echo Service, one after another, for as
-    long as the block runs (each must echo within 1 s)."""
-    stop = threading.Event()
-    flow = Flow()
+    def _connect(self, address: str, port: int) -> socket.socket:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        with entered(self._fd):
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect((address, port))
+        except OSError:
+            sock.close()
+            raise
+        return sock
 
-    def connect_loop() -> None:
-        while not stop.is_set():
+    def _loop(self) -> None:
+        turn = 0
+        while not self._stop.is_set():
+            address, port = self.targets[turn % len(self.targets)]
+            turn += 1
             try:
-                with socket.create_connection((ECHO_VIP, 80), timeout=1) as sock:
+                with self._connect(address, port) as sock:
                     sock.sendall(b"x")
                     if sock.recv(8) != b"x":
                         raise OSError("wrong echo")
-                flow.ok += 1
+                self.ok += 1
             except OSError as err:
-                flow.failed += 1
-                flow.errors.append(str(err))
+                self.failed += 1
+                self.errors.append(f"{address}:{port}: {err}")
             time.sleep(0.002)
 
-    fd = open_namespace(topology.client)
+    def __enter__(self) -> Traffic:
+        self._fd = open_namespace(self.netns)
+        try:
+            for address, port in self.targets if self.hold else ():
+                sock = self._connect(address, port)
+                self._held.append((sock, address, port))
+                sock.sendall(b"before\n")
+                assert sock.recv(64) == b"before\n", f"{address}:{port} did not echo"
+        except BaseException:
+            self._close()
+            raise
+        self._thread = threading.Thread(target=self._loop, name="traffic")
+        self._thread.start()
+        return self
 
-    def loop_in_client() -> None:
-        with entered(fd):
-            connect_loop()
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        for sock, address, port in self._held:
+            try:
+                sock.sendall(b"after\n")
+                if sock.recv(64) != b"after\n":
+                    raise OSError("wrong echo")
+            except OSError as err:
+                self.long_lived_errors.append(f"{address}:{port}: {err}")
+        self._close()
 
-    looper = threading.Thread(target=loop_in_client)
-    looper.start()
-    try:
-        yield flow
-    finally:
-        stop.set()
-        looper.join()
-        os.close(fd)
+    def _close(self) -> None:
+        for sock, _address, _port in self._held:
+            sock.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def assert_unbroken(self, what: str = "the switch") -> None:
+        """No new connection failed, some succeeded, and every long-lived one echoed."""
+        assert self.failed == 0, (
+            f"{self.failed} connections failed during {what}: {self.errors[:5]}"
+        )
+        assert self.ok > 0, f"no connection completed during {what}"
+        assert not self.long_lived_errors, self.long_lived_errors
+
+
+@contextlib.contextmanager
+def connections_flowing(topology: Topology) -> Iterator[Traffic]:
+    """New connections from the client to the echo Service, one after another, for as
+    long as the block runs (each must echo within 1 s): a :class:`Traffic` holding no
+    long-lived connection; its ``ok``, ``failed`` and ``errors`` say what it saw."""
+    with Traffic(topology.client, [(ECHO_VIP, 80)], hold=False) as traffic:
+        yield traffic
 
 
 def assert_restart_keeps_connections(topology: Topology, restart: Callable[[], None]) -> None:
     """Run ``restart`` (a new backend's first sync) while the client holds a connection
     to the echo Service and opens new ones in a loop: no connection fails, some complete
     while ``restart`` runs, and the established one still echoes afterwards."""
-
-    def open_established() -> socket.socket:
-        sock = socket.create_connection((ECHO_VIP, 80), timeout=2)
-        sock.sendall(b"before\n")
-        assert sock.recv(64) == b"before\n"
-        return sock
-
-    established = topology.in_namespace(topology.client, open_established)
-    with connections_flowing(topology) as flow:
+    with Traffic(topology.client, [(ECHO_VIP, 80)]) as traffic:
         time.sleep(0.2)
-        before = flow.ok
+        before = traffic.ok
         started = time.monotonic()
         restart()
         took = time.monotonic() - started
-        during = flow.ok - before
+        during = traffic.ok - before
         time.sleep(0.2)
-    established.sendall(b"after\n")
-    assert established.recv(64) == b"after\n"
-    established.close()
-    assert flow.failed == 0, flow.errors[:5]
+    traffic.assert_unbroken("the restart")
     assert during > 0, f"no connection completed during the {took:.2f}s restart sync"
 
 

@@ -87,6 +87,7 @@ class StandIns:
         self.fakes: list[FakeNft] = []
         self.fail_cleanup = dict(fail_cleanup or {})
         self.fail_create = dict(fail_create or {})
+        self.on_clean: Callable[[], object] = lambda: None  # called as a cleanup starts
         self.modes = {name: self._mode(mode) for name, mode in MODES.items()}
 
     def _mode(self, real: Mode) -> Mode:
@@ -105,6 +106,7 @@ class StandIns:
             return create
 
         def cleanup(netns: str | None) -> None:
+            self.on_clean()
             self.cleaned.append(real.name)
             self.steps.append(f"clean {real.name}")
             if real.name in self.fail_cleanup:
@@ -201,8 +203,9 @@ def run_against(
     metrics_bind: str = "",
 ) -> tuple[int, list[dict[str, Any]]]:
     """Run ``binary`` in this process until ``until`` holds (by default: until Starting has
-    been posted); (exit code, events)."""
-    watcher = StopWhen(until or (lambda: "Starting" in reasons(fake)))
+    been posted and, after the first sync, the other modes' leftovers removed); (exit
+    code, events)."""
+    watcher = StopWhen(until or (lambda: "Starting" in reasons(fake) and bool(stand_ins.cleaned)))
     code = run(
         binary,
         [
@@ -455,7 +458,9 @@ def test_a_cleanup_error_is_one_line_and_the_others_still_run(
 ) -> None:
     stand_ins = StandIns({"iptables": RuntimeError("iptables-restore: line 2 failed\n  -X KUBE-X")})
     assert run(multimode.BINARY, ["--cleanup"], modes=stand_ins.modes) == 1
-    assert stand_ins.cleaned == ["nftables", "iptables", "ipvs"]
+    # The failed one is tried once more after the others (they share chain names: what
+    # one cannot delete another's chains may have held).
+    assert stand_ins.cleaned == ["nftables", "iptables", "ipvs", "iptables"]
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors == ["Cleanup failed: iptables mode: iptables-restore: line 2 failed -X KUBE-X"]
 
@@ -477,12 +482,30 @@ def test_platform_cleanup_removes_the_other_kind_of_mode(mode: str, cleaned: lis
 def test_a_failing_platform_cleanup_is_a_warning_only(caplog: pytest.LogCaptureFixture) -> None:
     stand_ins = StandIns({"iptables": FileNotFoundError(2, "No such file", "iptables-save")})
     errors = platform_cleanup("nftables", stand_ins.modes)
-    assert stand_ins.cleaned == ["iptables", "ipvs"]
+    assert stand_ins.cleaned == ["iptables", "ipvs", "iptables"]
     assert len(errors) == 1 and errors[0].startswith("iptables mode: ")
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert [r.getMessage() for r in warnings] == [
         f"Could not remove another mode's leftovers: {errors[0]}"
     ]
+
+
+def test_a_cleanup_that_another_modes_chains_held_up_works_the_second_time() -> None:
+    stand_ins = StandIns({"iptables": RuntimeError("delete chain KUBE-MARK-MASQ: busy")})
+    real = stand_ins.modes["iptables"].cleanup
+
+    def once_busy(netns: str | None) -> None:
+        try:
+            real(netns)
+        finally:
+            stand_ins.fail_cleanup.pop("iptables", None)  # ipvs mode's chains go next
+
+    modes = {
+        **stand_ins.modes,
+        "iptables": dataclasses.replace(stand_ins.modes["iptables"], cleanup=once_busy),
+    }
+    assert platform_cleanup("nftables", modes) == []
+    assert stand_ins.cleaned == ["iptables", "ipvs", "iptables"]
 
 
 def test_cleanup_modes_reports_each_failure() -> None:
@@ -728,11 +751,14 @@ def test_a_server_that_cannot_bind_with_hard_fail_removes_nothing(fake: FakeAPIS
     assert "FailedToStartMetricServer" in reasons(fake)
 
 
-def test_once_removes_the_other_modes_before_its_sync(fake: FakeAPIServer) -> None:
+def test_once_removes_the_other_modes_after_its_sync(fake: FakeAPIServer) -> None:
     stand_ins = StandIns()
+    synced_first: list[bool] = []
+    stand_ins.on_clean = lambda: synced_first.append(bool(stand_ins.fakes[0].transactions))
     assert run_once(fake, iptables_binary.BINARY, stand_ins) == 0
     assert stand_ins.steps == ["create iptables", "clean nftables"]
-    assert stand_ins.fakes[0].transactions  # the sync ran after the cleanup
+    # The previous proxy's rules serve until ours are in: the sync came first.
+    assert synced_first == [True]
 
 
 def test_a_process_without_the_modes_capabilities_stops_with_one_line(

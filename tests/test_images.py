@@ -16,6 +16,9 @@ import dataclasses
 import ipaddress
 import json
 import re
+import signal
+import subprocess
+import sys
 import time
 import tomllib
 from collections.abc import Callable, Iterator, Mapping
@@ -24,6 +27,7 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+import yaml
 from kubernetes import client
 
 from images import wheels
@@ -515,3 +519,53 @@ def test_health_server_answers_the_probes_address() -> None:
     assert host.is_unspecified or host.is_loopback
     for probe in ("livenessProbe", "readinessProbe"):
         assert container("kube-proxy")[probe]["httpGet"]["host"] == "127.0.0.1"
+
+
+# --- the rollback's cleanup DaemonSet -----------------------------------------------------
+
+ROLLBACK = IMAGES / "manifests" / "rollback" / "cleanup-leftovers.yaml"
+
+
+def rollback_daemonset() -> dict[str, Any]:
+    (doc,) = [d for d in yaml.safe_load_all(ROLLBACK.read_text()) if d is not None]
+    assert doc["kind"] == "DaemonSet"
+    return dict(doc)
+
+
+def test_the_rollback_cleanup_matches_the_api_schema() -> None:
+    doc = rollback_daemonset()
+    assert round_trip(doc) == doc
+    kubernetes_validate.validate(doc, VALIDATE_VERSION, strict=True)
+    assert doc["metadata"]["namespace"] == "kube-system"
+    # Not kubeadm's name: it runs beside whichever kube-proxy DaemonSet is in place.
+    assert doc["metadata"]["name"] != the("DaemonSet")["metadata"]["name"]
+
+
+def test_the_rollback_cleanup_removes_only_our_leftovers_on_every_node() -> None:
+    spec = rollback_daemonset()["spec"]["template"]["spec"]
+    assert spec["hostNetwork"] is True and {"operator": "Exists"} in spec["tolerations"]
+    assert spec["automountServiceAccountToken"] is False  # no API access needed
+    (init,) = spec["initContainers"]
+    options = parse_command(init["command"])
+    assert options.cleanup_leftovers and not options.cleanup
+    assert init["image"] == container("kube-proxy")["image"]
+    security = init["securityContext"]
+    # What the removal touches: nftables (NET_ADMIN), iptables-legacy's socket (NET_RAW).
+    needed = {*MODES["nftables"].capabilities, *needed_capabilities(IptablesVariant.LEGACY)}
+    assert {f"CAP_{name}" for name in security["capabilities"]["add"]} == needed
+    assert security["capabilities"]["drop"] == ["ALL"] and security["readOnlyRootFilesystem"]
+    assert mount_path("xtables-lock", init) == "/run/xtables.lock"
+    (done,) = spec["containers"]
+    assert "add" not in done["securityContext"]["capabilities"]
+    # It only waits, with what the image holds (python3-minimal, no coreutils), and ends
+    # at SIGTERM.
+    assert done["command"][0] == "python3"
+    assert "python3-minimal" in (IMAGES / "Dockerfile").read_text()
+    waiting = subprocess.Popen([sys.executable, *done["command"][1:]])
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            waiting.wait(timeout=0.5)
+        waiting.send_signal(signal.SIGTERM)
+        assert waiting.wait(timeout=10) == 0
+    finally:
+        waiting.kill()

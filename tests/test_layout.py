@@ -194,6 +194,7 @@ def test_cmd_holds_the_binaries_only() -> None:
         "multimode",
         "nftables",
         "options",
+        "takeover",  # what every binary does after its first sync (with the mode table)
     ]
     for path in (PACKAGE / "cmd").glob("*.py"):
         defined = {
@@ -221,6 +222,7 @@ def test_the_nftables_package_holds_the_shipped_structure_only() -> None:
         "fake",
         "frontends",
         "generation",
+        "handback",
         "inspect",
         "layout",
         "localhost",

@@ -11,7 +11,7 @@ import struct
 import pytest
 
 import kubeproxy.nlmsg as nlmsg
-from kubeproxy.backends.nftables.batchencoder import encode_transaction
+from kubeproxy.backends.nftables.batchencoder import deletion_messages, encode_transaction
 from kubeproxy.backends.nftables.declarations import Declaration, _udata
 from kubeproxy.backends.nftables.elements import element_encoder
 from kubeproxy.backends.nftables.frontends import AFFINITY4_MAP_TYPE, KIND_IP, KIND_NODEPORT
@@ -272,3 +272,33 @@ def test_an_invalid_transaction_encodes_nothing() -> None:
     tx.add_rule("c", "drop; flush ruleset")
     with pytest.raises(NftError, match="contains ';'"):
         encode_transaction(tx, lambda name: SLOTS)
+
+
+def test_deletions_by_name_need_no_declaration_and_go_after_the_rules_by_handle() -> None:
+    tx = Transaction(Family.IP, "nat")
+    tx.flush(Chain("KUBE-SVC-A"))
+    tx.delete_chain("KUBE-SVC-A")
+    tx.delete(Map("service-ips", "ipv4_addr . inet_proto . inet_service : verdict"))
+    messages = deletion_messages(tx, rules=[("PREROUTING", 7)])
+    # The jump by its handle, the flush, the chain, the map: DELRULE, DELRULE, DELCHAIN, DELSET.
+    assert [m.kind for m in messages] == [8, 8, 5, 11]
+    assert messages[0].what == "delete rule ip nat PREROUTING handle 7"
+    attrs = dict(nlmsg.attribute_values(messages[0].body))
+    assert struct.unpack(">Q", attrs[3]) == (7,)
+    assert nlmsg.string("PREROUTING") == attrs[2]
+    refused = messages[2].refusal(errno.EBUSY, None, "")
+    assert str(refused).startswith("delete chain ip nat KUBE-SVC-A: Device or resource busy")
+    assert refused.errno == errno.EBUSY
+
+
+def test_a_deletion_batch_refuses_anything_but_flushes_and_deletions() -> None:
+    tx = Transaction(Family.IP, "kube-proxy")
+    tx.add_chain("services")
+    with pytest.raises(NftError, match="add chain ip kube-proxy services: not a flush"):
+        deletion_messages(tx)
+    bad = Transaction(Family.IP, "kube-proxy")
+    bad.delete_chain("a;b")
+    with pytest.raises(NftError):
+        deletion_messages(bad)
+    with pytest.raises(NftError):
+        deletion_messages(Transaction(Family.IP, "nat"), rules=[("PRE ROUTING", 1)])

@@ -12,16 +12,18 @@ Upstream's flags and ``--config`` (see :mod:`kubeproxy.cmd.options`), plus ours:
 ``--manifests DIR`` reads objects from a directory instead of an API server, ``--once``
 syncs once and exits, ``--dry-run`` prints what a sync would send to the kernel and
 touches nothing (nftables and iptables modes). ``--cleanup`` removes what every one of our
-modes made (:func:`~kubeproxy.cmd.modes.cleanup_all`); a normal start removes the other
-kind of mode's leftovers (:func:`~kubeproxy.cmd.modes.platform_cleanup`) once its own
-backends exist and its servers are bound, right before its first sync. A process without
+modes made (:func:`~kubeproxy.cmd.modes.cleanup_all`), ``--cleanup-leftovers`` only what
+upstream's kube-proxy leaves of ours when it takes the node back
+(:func:`~kubeproxy.cmd.modes.cleanup_leftovers`); a normal start takes the node over
+from its previous proxy (:mod:`~kubeproxy.cmd.takeover`): once our first sync of every
+family is in, what our tables hold unused and the other kind of mode's leftovers
+(:func:`~kubeproxy.cmd.modes.platform_cleanup`) go. A process without
 the capabilities its mode needs (``CAP_NET_ADMIN``) stops at once with one line saying
 so. The start-up sequence is the library daemon's (:func:`kubeproxy.daemon.run_daemon`).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import platform
 import sys
@@ -31,7 +33,7 @@ from pathlib import Path
 from typing import Final, TextIO
 
 from kubeproxy.capabilities import missing_capabilities
-from kubeproxy.cmd.modes import MODES, Mode, cleanup_all, platform_cleanup
+from kubeproxy.cmd.modes import MODES, Mode, cleanup_all, cleanup_leftovers
 from kubeproxy.cmd.options import (
     MODE_DEFAULTED_MESSAGE,
     Options,
@@ -39,6 +41,7 @@ from kubeproxy.cmd.options import (
     parse_options,
     usage,
 )
+from kubeproxy.cmd.takeover import Takeover
 from kubeproxy.daemon import DaemonPlugins, DaemonSeams, StartupWarning, run_daemon
 from kubeproxy.events import (
     ACTION_PROXY_MODE_CHECK,
@@ -175,6 +178,10 @@ def run(
         if not _privileged(prog, "--cleanup", table.values()):
             return 1
         return cleanup_all(table, netns)
+    if options.cleanup_leftovers:
+        if not _privileged(prog, "--cleanup-leftovers", table.values()):
+            return 1
+        return cleanup_leftovers(table, netns)
     mode = table[options.mode]
     if options.dry_run:
         return _dry_run(mode, options, out, seams)
@@ -191,12 +198,10 @@ def run(
         backend_hooks=mode.hooks,
         watchers=mode.watchers,
         startup_warnings=warnings,
-        # Only once this mode's backends exist (their support checks passed) and its
-        # servers are bound: a start that fails must leave the node's rules alone.
-        before_first_sync=(
-            None
-            if options.init_only
-            else functools.partial(platform_cleanup, mode.name, table, netns)
+        # Only once our first sync of every family is in: a start that fails leaves the
+        # node's rules alone, and the previous proxy's serve until ours do.
+        after_first_sync=(
+            None if options.init_only else Takeover(mode.name, table, netns, once=options.once)
         ),
     )
     return run_daemon(options, factory, plugins=plugins, seams=seams)

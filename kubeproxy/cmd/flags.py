@@ -2,8 +2,8 @@
 
 Every upstream Linux flag with its name, syntax (Go durations, ``--flag=false``,
 comma-separated lists), help text and the configuration field it sets; our own
-(``--manifests``, ``--once``, ``--dry-run``) beside them. How flags and ``--config``
-combine is :mod:`kubeproxy.cmd.options`' business.
+(``--manifests``, ``--once``, ``--dry-run``, ``--cleanup-leftovers``) beside them. How
+flags and ``--config`` combine is :mod:`kubeproxy.cmd.options`' business.
 
 Longer than most modules (about 680 lines) because :data:`FLAGS` is a table of some
 seventy entries with upstream's help texts: one entry per flag, in one place, is what
@@ -236,6 +236,17 @@ FLAGS: tuple[Flag, ...] = (
             "iptables variants, both families), ipvs mode's virtual servers, kube-ipvs0 "
             "interface, ipsets and chains; then exit (1 if a mode could not be cleaned). "
             "Nothing else is touched."
+        ),
+    ),
+    _b(
+        "--cleanup-leftovers",
+        help=(
+            "After upstream's kube-proxy took the node back: remove what only this proxy "
+            "makes and upstream's leaves unused (in the kube-proxy nftables tables, our "
+            "generation of sets, maps and chains and our affinity and localhost NodePort "
+            "objects; in iptables, KUBE-SERVICE-IPS once nothing jumps to it); then exit "
+            "(1 if a mode could not be cleaned). No name upstream writes is touched, and "
+            "nothing is while our rules are still in use."
         ),
     ),
     _b(

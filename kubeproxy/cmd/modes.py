@@ -4,15 +4,18 @@ Each :class:`Mode` says how to make its backend (imported only when the mode is 
 one mode's missing kernel tool never stops another), what ``--dry-run`` writes into
 instead of the kernel, which backend-specific metrics to wire, and how to remove
 everything the mode ever made. Cleanup across modes follows upstream's
-``platformCleanup`` (``cmd/kube-proxy/app/server_linux.go``): starting in nftables mode
-removes what the iptables and ipvs modes left; starting in iptables or ipvs mode removes
-the nftables tables; ``--cleanup`` removes all of it (:func:`cleanup_all`).
+``platformCleanup`` (``cmd/kube-proxy/app/server_linux.go``), once our first sync is in
+(:mod:`kubeproxy.cmd.takeover`): nftables mode removes what the iptables and ipvs modes
+left; iptables or ipvs mode removes the nftables tables; ``--cleanup`` removes all of it
+(:func:`cleanup_all`), ``--cleanup-leftovers`` what only we make and upstream leaves
+(:func:`cleanup_leftovers`).
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Protocol, TextIO, runtime_checkable
@@ -45,6 +48,7 @@ __all__ = [
     "Mode",
     "NftablesDryRun",
     "cleanup_all",
+    "cleanup_leftovers",
     "cleanup_modes",
     "iptables_hooks",
     "nftables_hooks",
@@ -320,7 +324,12 @@ class Mode:
     available); ``hooks`` wires the mode's own metrics; ``capabilities`` are those the
     mode cannot work without (``CAP_NET_ADMIN`` for ours), checked before anything else;
     ``watchers(backends, netns)`` makes what finds changes others make to the mode's
-    rules (self-healing; None: none).
+    rules (self-healing; None: none); ``leftovers(netns)`` removes what only our
+    proxy makes in this mode and upstream's kube-proxy leaves when it takes the node back
+    (``--cleanup-leftovers``; None: nothing of the kind); ``handover(netns, stop)`` is
+    ``cleanup`` once another mode serves the node, letting established connections that
+    still need this mode's state end first (ipvs mode's IPVS connections; None: the
+    cleanup does it).
     """
 
     name: str
@@ -330,6 +339,8 @@ class Mode:
     dry_run: Callable[[], DryRun] | None = None
     capabilities: tuple[str, ...] = ()
     watchers: WatcherFactory | None = None
+    leftovers: Callable[[str | None], None] | None = None
+    handover: Callable[[str | None, threading.Event], None] | None = None
 
     @property
     def iptables_based(self) -> bool:
@@ -352,23 +363,44 @@ def _backend_mode(
     def factory() -> BackendFactory:
         return load_backend(name)
 
-    def cleanup(netns: str | None) -> None:
+    def installed() -> Any:
+        """The backend's package; None in an installation without it (which never made
+        anything with it)."""
         try:
             entry = backend_entry_point(name)
-            module = importlib.import_module(entry.module)
+            return importlib.import_module(entry.module)
         except (BackendNotFound, ModuleNotFoundError) as err:
             if isinstance(err, ModuleNotFoundError) and err.name != entry.module:
                 raise
-            # An installation without this backend never made anything with it.
             logger.warning("%s mode is not part of this installation: nothing to remove", name)
-            return
-        module.cleanup(netns=netns, **cleanup_options)
+            return None
+
+    def cleanup(netns: str | None) -> None:
+        module = installed()
+        if module is not None:
+            module.cleanup(netns=netns, **cleanup_options)
+
+    def leftovers(netns: str | None) -> None:
+        module = installed()
+        remove = getattr(module, "cleanup_leftovers", None)
+        if remove is not None:
+            remove(netns=netns, **cleanup_options)
+
+    def handover(netns: str | None, stop: threading.Event) -> None:
+        module = installed()
+        hand = getattr(module, "handover", None)
+        if hand is not None:
+            hand(netns=netns, stop=stop)
+        elif module is not None:
+            module.cleanup(netns=netns, **cleanup_options)
 
     def watchers(backends: Sequence[Backend], netns: str | None) -> Sequence[Watcher]:
         found: Sequence[Watcher] = _module(name).watchers(backends, netns)
         return found
 
-    return Mode(name, factory, cleanup, hooks, dry_run, (CAP_NET_ADMIN,), watchers)
+    return Mode(
+        name, factory, cleanup, hooks, dry_run, (CAP_NET_ADMIN,), watchers, leftovers, handover
+    )
 
 
 MODES: Final[Mapping[str, Mode]] = {
@@ -387,25 +419,48 @@ def _one_line(err: BaseException) -> str:
     return text or type(err).__name__
 
 
-def cleanup_modes(modes: Iterable[Mode], netns: str | None = None) -> list[str]:
+def cleanup_modes(
+    modes: Iterable[Mode], netns: str | None = None, *, stop: threading.Event | None = None
+) -> list[str]:
     """Run the cleanup of each mode in turn; the errors, one line each (``mode: why``).
 
-    A mode whose cleanup says the kernel lacks what it needs (``kernel lacks IP_VS``)
-    made nothing here: logged, not an error. One mode failing does not stop the others.
+    With ``stop`` (another mode serves the node now) a mode's ``handover`` runs instead
+    where it has one, which ``stop`` cuts short. A mode whose cleanup says the kernel
+    lacks what it needs (``kernel lacks IP_VS``) made nothing here: logged, not an error.
+    One mode failing does not stop the others, and a mode that failed while another
+    succeeded is tried once more after them.
     """
-    errors: list[str] = []
-    for mode in modes:
-        try:
-            mode.cleanup(netns)
-        except Exception as err:  # any backend's error: report it, go on with the rest
-            message = _one_line(err)
-            if _KERNEL_LACKS in message.lower():
-                logger.info("Nothing to clean up for %s mode: %s", mode.name, message)
-                continue
-            errors.append(f"{mode.name} mode: {message}")
+    listed = list(modes)
+    errors: dict[str, str] = {}
+    for mode in listed:
+        error = _clean(mode, netns, stop)
+        if error is not None:
+            errors[mode.name] = error
+    if errors and len(errors) < len(listed):
+        # The modes share chain names (KUBE-SERVICES, KUBE-MARK-MASQ...): what one could
+        # not delete may have been held by another's chains, gone now. Once more.
+        for mode in listed:
+            if mode.name in errors and _clean(mode, netns, stop) is None:
+                del errors[mode.name]
+    return [f"{name} mode: {message}" for name, message in errors.items()]
+
+
+def _clean(mode: Mode, netns: str | None, stop: threading.Event | None) -> str | None:
+    """Run one mode's cleanup (or handover); its error in one line, None when it worked
+    or there was nothing to do."""
+    try:
+        if stop is not None and mode.handover is not None:
+            mode.handover(netns, stop)
         else:
-            logger.info("Removed what %s mode made (if anything)", mode.name)
-    return errors
+            mode.cleanup(netns)
+    except Exception as err:  # any backend's error: report it, go on with the rest
+        message = _one_line(err)
+        if _KERNEL_LACKS in message.lower():
+            logger.info("Nothing to clean up for %s mode: %s", mode.name, message)
+            return None
+        return message
+    logger.info("Removed what %s mode made (if anything)", mode.name)
+    return None
 
 
 def cleanup_all(modes: Mapping[str, Mode] | None = None, netns: str | None = None) -> int:
@@ -419,19 +474,51 @@ def cleanup_all(modes: Mapping[str, Mode] | None = None, netns: str | None = Non
     return 1 if errors else 0
 
 
+def cleanup_leftovers(modes: Mapping[str, Mode] | None = None, netns: str | None = None) -> int:
+    """``--cleanup-leftovers``: remove what only our proxy makes and upstream's kube-proxy,
+    having taken the node back, leaves unused (each mode's ``leftovers``); the exit code
+    (0, or 1 after one error line per mode that failed, for instance because our rules
+    are still in use there).
+
+    Unlike ``--cleanup`` it never touches a name upstream's kube-proxy writes, so it is
+    safe while upstream's kube-proxy runs, and it changes nothing while ours still does.
+    """
+    errors: list[str] = []
+    for mode in (modes or MODES).values():
+        if mode.leftovers is None:
+            continue
+        try:
+            mode.leftovers(netns)
+        except Exception as err:  # any backend's error: report it, go on with the rest
+            message = _one_line(err)
+            if _KERNEL_LACKS in message.lower():
+                continue
+            errors.append(f"{mode.name} mode: {message}")
+    for error in errors:
+        logger.error("Removing our leftovers failed: %s", error)
+    if not errors:
+        logger.info("Leftovers removed: what only this proxy makes, and nothing in use")
+    return 1 if errors else 0
+
+
 def platform_cleanup(
-    mode: str, modes: Mapping[str, Mode] | None = None, netns: str | None = None
+    mode: str,
+    modes: Mapping[str, Mode] | None = None,
+    netns: str | None = None,
+    *,
+    stop: threading.Event | None = None,
 ) -> list[str]:
-    """At start-up, remove what the other kind of mode left (upstream's
-    ``platformCleanup``): iptables and ipvs leftovers before nftables mode, the nftables
-    tables before iptables or ipvs mode. Failures are logged as warnings (the proxy still
-    starts) and returned."""
+    """Remove what the other kind of mode left (upstream's ``platformCleanup``, which
+    upstream runs at start-up; ours once our first sync is in: :mod:`~.takeover`):
+    iptables and ipvs leftovers in nftables mode, the nftables tables in iptables or ipvs
+    mode. ``stop``: as :func:`cleanup_modes`' (a daemon's handover). Failures are logged
+    as warnings (the proxy goes on) and returned."""
     table = modes or MODES
     if mode in IPTABLES_BASED:
         others = [m for m in table.values() if not m.iptables_based]
     else:
         others = [m for m in table.values() if m.iptables_based]
-    errors = cleanup_modes(others, netns)
+    errors = cleanup_modes(others, netns, stop=stop)
     for error in errors:
         logger.warning("Could not remove another mode's leftovers: %s", error)
     return errors

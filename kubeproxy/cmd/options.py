@@ -80,7 +80,8 @@ class Options(DaemonOptions):
     The daemon's part (the effective configuration, ``config``, ``node_name``,
     ``manifests``, ``master``, ``once``, ``dry_run``, ``init_only``) is
     :class:`~kubeproxy.daemon.DaemonOptions`'; the rest is the binary's: ``mode`` and
-    whether it was defaulted, ``--cleanup``, ``--write-config-to``, ``show_help`` and
+    whether it was defaulted, ``--cleanup``, ``--cleanup-leftovers``, ``--write-config-to``,
+    ``show_help`` and
     ``show_version`` (print :func:`usage` or the version and exit; the other fields then
     hold defaults only), the flags ignored because of ``--config``, and the warnings to log.
     """
@@ -90,6 +91,7 @@ class Options(DaemonOptions):
     config_file: Path | None = None
     write_config_to: Path | None = None
     cleanup: bool = False
+    cleanup_leftovers: bool = False
     show_help: bool = False
     show_version: str = ""
     ignored_flags: tuple[str, ...] = ()
@@ -417,6 +419,7 @@ def parse_options(
         once=bool(given.get("once", False)),
         dry_run=bool(given.get("dry_run", False)),
         cleanup=bool(given.get("cleanup", False)),
+        cleanup_leftovers=bool(given.get("cleanup_leftovers", False)),
         init_only=bool(given.get("init_only", False)),
         ignored_flags=ignored,
         warnings=tuple(warnings),

@@ -22,7 +22,7 @@ from kubeproxy.daemon.nodeips import NodeIPs
 from kubeproxy.daemon.options import DaemonOptions
 from kubeproxy.daemon.serving import Servers
 from kubeproxy.daemon.sources import NODE_WAIT_TIMEOUT, STOP_TIMEOUT, StartedSource
-from kubeproxy.daemon.wiring import DaemonPlugins
+from kubeproxy.daemon.wiring import AfterFirstSync, DaemonPlugins
 from kubeproxy.events import (
     ACTION_START,
     REASON_FAILED_HEALTHCHECK,
@@ -112,6 +112,7 @@ class Daemon:
         self.watchers = tuple(parts.watchers)
         self.startup_warnings = tuple(plugins.startup_warnings)
         self._before_first_sync = plugins.before_first_sync
+        self._after_first_sync = plugins.after_first_sync
         self._serving = parts.serving
         self.address_watcher = parts.address_watcher
         self._stop = parts.stop
@@ -133,8 +134,9 @@ class Daemon:
 
     def start(self) -> None:
         """Post the start-up warnings, serve health and metrics (unless they already
-        are), run the ``before_first_sync`` step (removing other modes' rules), post
-        ``Starting``, have the source deliver (the first sync), and run the sync loops.
+        are), run the ``before_first_sync`` step, post ``Starting``, have the source
+        deliver (the first sync), and run the sync loops, and the ``after_first_sync``
+        step (removing what the node's previous proxy left) once every family synced.
 
         Raises :class:`StartupError` when a server cannot bind with
         ``bindAddressHardFail`` (after posting the Warning event upstream posts); nothing
@@ -157,6 +159,8 @@ class Daemon:
         self._deliver()
         for proxier in self.proxiers.values():
             self._spawn(f"sync-loop-{proxier.family.value}", self._sync_loop, proxier)
+        if self._after_first_sync is not None:
+            self._spawn("after-first-sync", self._when_synced, self._after_first_sync)
         if self._source.poll is not None:
             self._spawn("manifests", self._source.poll, self._stop)
         logger.info("%s started for node %s", self.name, self.node.name)
@@ -169,7 +173,8 @@ class Daemon:
         self._source.begin()
 
     def sync_once(self, timeout: float = NODE_WAIT_TIMEOUT) -> bool:
-        """Sync once after the source's initial list (``--once``); True on success.
+        """Sync once after the source's initial list (``--once``), then run the
+        ``after_first_sync`` step if the sync succeeded; True on success.
 
         The valid objects are synced even when the source reported input it could not
         use (a manifest file that did not parse); that is still a failure, logged once
@@ -186,6 +191,9 @@ class Daemon:
                 return False
             self._stop.wait(_POLL)
         synced = self.handler.sync_now()
+        step, self._after_first_sync = self._after_first_sync, None
+        if synced and step is not None:
+            step(self.proxiers, self._stop)
         problems = self._source.problems()
         if problems:
             logger.error(
@@ -230,6 +238,16 @@ class Daemon:
         step, self._before_first_sync = self._before_first_sync, None
         if step is not None:
             step()
+
+    def _when_synced(self, step: AfterFirstSync) -> None:
+        """Run ``step`` once every family has synced successfully (unless stopped first)."""
+        while not self._stop.wait(_POLL):
+            if set(self.families) <= set(self.health.health().status):
+                try:
+                    step(self.proxiers, self._stop)
+                except Exception:  # the proxy goes on: its rules are in place
+                    logger.exception("The step after the first sync failed")
+                return
 
     def _serve(self, start: Callable[[], None], reason: str) -> None:
         try:

@@ -39,9 +39,22 @@ from kubeproxy.daemon.privileged import HostPaths
 from kubeproxy.daemon.sources import NODE_WAIT_TIMEOUT, SourceTuning
 from kubeproxy.events import EventSink
 from kubeproxy.netlink import HostAddressLister
+from kubeproxy.objects import IPFamily
+from kubeproxy.proxier import Proxier
 from kubeproxy.sysctl import SysctlFiles
 
-__all__ = ["DaemonPlugins", "DaemonSeams", "LegacyKeywords", "LegacyRunKeywords", "from_keywords"]
+__all__ = [
+    "AfterFirstSync",
+    "DaemonPlugins",
+    "DaemonSeams",
+    "LegacyKeywords",
+    "LegacyRunKeywords",
+    "from_keywords",
+]
+
+AfterFirstSync = Callable[[Mapping[IPFamily, Proxier], threading.Event], object]
+"""The step a daemon runs once every family has synced (:class:`DaemonPlugins`): given the
+proxiers by family and the event that stops the daemon."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,8 +68,13 @@ class DaemonPlugins:
     (:data:`~kubeproxy.daemon.hooks.BackendHooks`); ``watchers`` makes the self-healing
     watchers (none without it). ``startup_warnings`` are posted as events when the daemon
     starts. ``before_first_sync`` runs once every backend exists and (for a daemon) the
-    servers are bound, right before the first sync: our binaries remove the other modes'
-    rules there, so a mode that cannot run leaves them in place.
+    servers are bound, right before the first sync, so a mode that cannot run leaves the
+    node as it was. ``after_first_sync(proxiers, stop)`` runs once every family has synced
+    successfully: in a thread of its own in a daemon (it returns soon after ``stop`` is
+    set; a proxier's :meth:`~kubeproxy.proxier.Proxier.syncs_held` keeps its syncs off
+    while it touches that backend), right after the sync in a one-shot run. Our binaries
+    remove what the node's previous proxy left there (:mod:`kubeproxy.cmd.takeover`):
+    its rules served until ours were written.
     """
 
     mode: str = "nftables"
@@ -65,6 +83,7 @@ class DaemonPlugins:
     watchers: WatcherFactory | None = None
     startup_warnings: Sequence[StartupWarning] = ()
     before_first_sync: Callable[[], object] | None = None
+    after_first_sync: AfterFirstSync | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,8 @@ Public API:
   backend's :class:`~kubeproxy.backends.iptables.nfacct.NetlinkNFAcct`) adds upstream's
   packet counters to the rules;
 * :func:`cleanup` - remove every chain any iptables-mode kube-proxy made, in both
-  families and both variants, and nothing else;
+  families and both variants, and nothing else; :func:`cleanup_leftovers` - only the one
+  of ours upstream's iptables mode leaves when it takes a node back;
 * :func:`watchers` - what finds changes others make to our chains (self-healing,
   :mod:`kubeproxy.selfheal`; see :mod:`~kubeproxy.backends.iptables.monitor`).
 
@@ -38,7 +39,13 @@ from kubeproxy.backends.iptables.exec import (
     tool_name,
 )
 from kubeproxy.backends.iptables.nfacct import NetlinkNFAcct
-from kubeproxy.backends.iptables.proxier import IptablesBackend, cleanup_family
+from kubeproxy.backends.iptables.nftchains import remove_ours
+from kubeproxy.backends.iptables.proxier import (
+    IptablesBackend,
+    cleanup_family,
+    cleanup_leftovers_family,
+    owns_chain,
+)
 from kubeproxy.backends.iptables.restore import FILTER, MANGLE, NAT
 from kubeproxy.config import ProxierConfig
 from kubeproxy.netns import run_in_netns
@@ -50,6 +57,7 @@ if TYPE_CHECKING:
 __all__ = [
     "IptablesBackend",
     "cleanup",
+    "cleanup_leftovers",
     "create_backend",
     "create_legacy_backend",
     "watchers",
@@ -123,6 +131,48 @@ def cleanup(netns: str | None = None, *, wait: float = 5.0) -> None:
     cannot be read for want of privilege; the other variants and families are cleaned
     first.
     """
+    _each_variant(netns, wait, _remove_chains)
+
+
+def _remove_chains(executor: IptablesCommands, family: IPFamily, tables: Collection[str]) -> None:
+    """:func:`~kubeproxy.backends.iptables.proxier.cleanup_family`; with iptables-nft as
+    one nf_tables transaction per table (:mod:`~kubeproxy.backends.iptables.nftchains`:
+    iptables-nft-restore's cost grows with the square of the chains), the tools doing it
+    only if the kernel refuses that."""
+    if executor.variant is IptablesVariant.NFT:
+        try:
+            remove_ours(family, tables, owns_chain, executor.netns)
+        except OSError as err:  # NftError is one; a refusal changed nothing
+            log.info("%s: removing our chains in one batch failed (%s)", family, err)
+        else:
+            return
+        try:
+            executor.save(family, NAT)
+        except IptablesPermissionError:
+            raise
+        except IptablesError as err:
+            log.debug("skipping %s %s cleanup: %s", executor.variant, family, err)
+            return
+    cleanup_family(executor, family, tables)
+
+
+def cleanup_leftovers(netns: str | None = None, *, wait: float = 5.0) -> None:
+    """Remove what only our iptables mode makes and nothing uses any more (``--cleanup-
+    leftovers``, after upstream's kube-proxy took the node back): ``KUBE-SERVICE-IPS``,
+    in both families and variants, when no rule jumps to it
+    (:func:`~kubeproxy.backends.iptables.proxier.cleanup_leftovers_family`). Everything
+    else iptables mode writes is upstream's, by name. Raises as :func:`cleanup`.
+    """
+    _each_variant(netns, wait, cleanup_leftovers_family)
+
+
+def _each_variant(
+    netns: str | None,
+    wait: float,
+    action: Callable[[IptablesCommands, IPFamily, Collection[str]], object],
+) -> None:
+    """``action(executor, family, tables)`` for both variants and families whose tools
+    exist and whose tables can be read (see :func:`cleanup`)."""
     denied: list[IptablesPermissionError] = []
     for variant in (IptablesVariant.NFT, IptablesVariant.LEGACY):
         executor = IptablesCommands(variant, netns=netns, wait=wait)
@@ -135,15 +185,19 @@ def cleanup(netns: str | None = None, *, wait: float = 5.0) -> None:
                 if not tables:
                     log.debug("no iptables-legacy %s tables of ours: nothing to remove", family)
                     continue
+                try:
+                    # Whether this process may read them (iptables-legacy's raw socket).
+                    executor.save(family, NAT if NAT in tables else min(tables))
+                except IptablesPermissionError as err:
+                    denied.append(err)
+                    continue
+                except IptablesError as err:
+                    log.debug("skipping %s %s cleanup: %s", variant, family, err)
+                    continue
             try:
-                executor.save(family, NAT if NAT in tables else min(tables))
+                action(executor, family, tables)
             except IptablesPermissionError as err:
                 denied.append(err)
-                continue
-            except IptablesError as err:
-                log.debug("skipping %s %s cleanup: %s", variant, family, err)
-                continue
-            cleanup_family(executor, family, tables)
     if denied:
         raise denied[0]
 

@@ -69,7 +69,13 @@ from kubeproxy.objects import (
     ServicePortName,
 )
 
-__all__ = ["LARGE_CLUSTER_ENDPOINTS", "IptablesBackend", "cleanup_family"]
+__all__ = [
+    "LARGE_CLUSTER_ENDPOINTS",
+    "IptablesBackend",
+    "cleanup_family",
+    "cleanup_leftovers_family",
+    "owns_chain",
+]
 
 log = logging.getLogger(__name__)
 
@@ -683,3 +689,32 @@ def cleanup_family(
         for name in ours:
             restore.delete_chain(table, name)
         executor.restore(family, restore.render())
+
+
+def cleanup_leftovers_family(
+    executor: IptablesExecutor,
+    family: IPFamily,
+    tables: Collection[str] = (NAT, FILTER, MANGLE),
+) -> bool:
+    """Remove the chain only our iptables mode makes, ``KUBE-SERVICE-IPS``, once nothing
+    jumps to it; whether it was removed.
+
+    Upstream's iptables mode rewrites filter ``KUBE-SERVICES`` without our jumps to it at
+    its first sync and never deletes a chain of that name, so after a handback it stays,
+    unused, until this runs. While a rule still jumps to it (our proxy still runs), it is
+    left alone. Raises :class:`IptablesError` on failure.
+    """
+    if FILTER not in tables:
+        return False
+    text = executor.save(family, FILTER)
+    if f":{SERVICE_IPS} " not in text:
+        return False
+    for line in text.splitlines():
+        if line.startswith("-A ") and _target(line.split()) == SERVICE_IPS:
+            log.info("%s %s is still in use: left in place", family, SERVICE_IPS)
+            return False
+    restore = RestoreInput()
+    restore.declare(FILTER, SERVICE_IPS)
+    restore.delete_chain(FILTER, SERVICE_IPS)
+    executor.restore(family, restore.render())
+    return True

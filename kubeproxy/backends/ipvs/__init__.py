@@ -13,7 +13,10 @@ Public API:
   over pyroute2 (IPVS, ``kube-ipvs0``), the ``ipset`` tool and iptables;
 * :class:`IPVSBackend` - the backend, for any executors (the fakes in
   :mod:`kubeproxy.backends.ipvs.fake` for tests and dry runs);
-* :func:`cleanup` - remove everything ipvs mode creates, on any kernel.
+* :func:`cleanup` - remove everything ipvs mode creates, on any kernel;
+  :func:`handover` - the same once another mode serves the node, keeping the virtual
+  servers of established connections until they end
+  (:mod:`~kubeproxy.backends.ipvs.handover`).
 
 Structure and limits are in this package's README.
 """
@@ -23,10 +26,12 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Final
 
+from kubeproxy.backends.ipvs.handover import DRAIN_LIMIT
 from kubeproxy.backends.ipvs.ipset import IPSetCommands, IPSetError
 from kubeproxy.backends.ipvs.netlink import (
     DUMMY_DEVICE,
@@ -38,7 +43,7 @@ from kubeproxy.backends.ipvs.netlink import (
     PyrouteLinks,
     check_ipvs_support,
 )
-from kubeproxy.backends.ipvs.proxier import IPVSBackend, cleanup_family
+from kubeproxy.backends.ipvs.proxier import IPVSBackend
 from kubeproxy.backends.ipvs.sysctls import FileSysctlApplier
 from kubeproxy.config import ProxierConfig
 from kubeproxy.extras import require_extra
@@ -56,6 +61,7 @@ __all__ = [
     "IPVSUnsupported",
     "cleanup",
     "create_backend",
+    "handover",
     "watchers",
 ]
 
@@ -122,7 +128,21 @@ def cleanup(netns: str | None = None) -> None:
     every one), only our chains, jumps and sets. Raises the first error met after trying
     everything.
     """
+    _remove(netns, None, limit=0.0)
+
+
+def handover(netns: str | None = None, stop: threading.Event | None = None) -> None:
+    """:func:`cleanup` once another mode's rules serve the node, keeping each virtual
+    server that carries connections until they end (at most
+    :data:`~kubeproxy.backends.ipvs.handover.DRAIN_LIMIT`), then the IPVS sysctls back
+    to the kernel's defaults (:mod:`~kubeproxy.backends.ipvs.handover`); ``stop`` cuts
+    the wait short."""
+    _remove(netns, stop, limit=DRAIN_LIMIT)
+
+
+def _remove(netns: str | None, stop: threading.Event | None, *, limit: float) -> None:
     from kubeproxy.backends.iptables.exec import IptablesCommands
+    from kubeproxy.backends.ipvs.handover import Executors, handover
 
     if netns is not None:
         check_netns(netns)
@@ -139,23 +159,11 @@ def cleanup(netns: str | None = None) -> None:
             probe.close()
             ipvs = None
     links: LinkExecutor = PyrouteLinks(netns=netns) if device else _NoDevice()
-    ipsets = IPSetCommands(netns=netns)
-    iptables = IptablesCommands(netns=netns)
-    errors: list[Exception] = []
-    for family in (IPFamily.IPV4, IPFamily.IPV6):
-        try:
-            cleanup_family(family, ipvs=ipvs, links=links, ipsets=ipsets, iptables=iptables)
-        except Exception as err:
-            log.warning("ipvs cleanup of %s: %s", family, err)
-            errors.append(err)
+    executors = Executors(ipvs, links, IPSetCommands(netns=netns), IptablesCommands(netns=netns))
     try:
-        links.delete_link(DUMMY_DEVICE)
-    except Exception as err:
-        errors.append(err)
-    if ipvs is not None:
-        ipvs.close()
-    if errors:
-        raise errors[0]
+        handover(executors, stop, netns=netns, limit=limit)
+    finally:
+        executors.close()
 
 
 def _traces(netns: str | None) -> tuple[bool, bool]:

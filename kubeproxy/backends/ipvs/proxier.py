@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from kubeproxy.backend import ProxySnapshot, SyncChanges, SyncError
@@ -720,14 +720,20 @@ def cleanup_family(
     device: str = DUMMY_DEVICE,
     exclude_cidrs: tuple[IPNetwork, ...] = (),
     known: Iterable[VirtualServer] = (),
-) -> None:
+    keep: Callable[[VirtualServer], bool] | None = None,
+) -> list[VirtualServer]:
     """Remove ipvs mode's state of one family; raise the first error after trying it all.
 
     Our virtual servers are those of ``known``, those whose ``address,proto:port`` is in
     our service ipsets, whose address is on ``device``, or whose port is in our NodePort
     sets (``ipvs`` None, or a kernel without IPVS: skipped). Then the jumps and our
     chains, our ipsets, and this family's addresses on ``device``.
+
+    With ``keep``, our virtual servers it holds true for stay, and so do their addresses
+    and our ipsets (what tells a later cleanup those servers are ours); they are returned
+    (:mod:`~kubeproxy.backends.ipvs.handover` keeps those with connections).
     """
+    kept: list[VirtualServer] = []
     errors: list[Exception] = []
     specs = set_specs(family)
     names = [spec.name for spec in specs.values()]
@@ -756,7 +762,9 @@ def cleanup_family(
                     or member_ip_port(vs.address, vs.protocol, vs.port) in frontends
                     or (vs.protocol.lower, vs.port) in node_ports
                 )
-                if mine:
+                if mine and keep is not None and keep(vs):
+                    kept.append(vs)
+                elif mine:
                     ipvs.delete_virtual_server(vs)
         except IPVSError as err:
             if "kernel lacks" not in str(err):
@@ -791,16 +799,17 @@ def cleanup_family(
                     errors.append(err)
     batch = IPSetRestore()
     for name in names:
-        if name in saved:
+        if name in saved and not kept:
             batch.destroy(name)
     try:
         ipsets.restore(batch)
     except IPSetError as err:
         errors.append(err)
-    for address in sorted(addresses, key=_address_order):
+    for address in sorted(addresses - {vs.address for vs in kept}, key=_address_order):
         try:
             links.delete_address(device, address)
         except LinkError as err:
             errors.append(err)
     if errors:
         raise errors[0]
+    return kept

@@ -11,7 +11,8 @@ Public API:
   (``KubeProxyNFTablesLocalhostNodePorts``), which :func:`create_backend` returns when the
   gate is on;
 * :func:`cleanup` - delete our two tables (``ip kube-proxy``, ``ip6 kube-proxy``) and
-  nothing else;
+  nothing else; :func:`cleanup_leftovers` - only what of ours upstream's nftables mode
+  leaves in them when it takes a node back (:mod:`~kubeproxy.backends.nftables.handback`);
 * :func:`watchers` - what finds changes others make to our tables, at once (self-healing,
   :mod:`kubeproxy.selfheal`; see :mod:`~kubeproxy.backends.nftables.monitor`).
 
@@ -59,6 +60,7 @@ __all__ = [
     "NftablesBackend",
     "backend_over",
     "cleanup",
+    "cleanup_leftovers",
     "create_backend",
     "render_transactions",
     "watchers",
@@ -143,6 +145,16 @@ def cleanup(netns: str | None = None) -> None:
                 f"table {family} {TABLE} belongs to a running proxy ({owner}): stop it first",
                 errno.EPERM,
             ) from None
+
+
+def cleanup_leftovers(netns: str | None = None) -> None:
+    """Delete what we leave in the tables that upstream's nftables mode does not use and
+    does not delete when it takes a node back (``--cleanup-leftovers``; see
+    :mod:`~kubeproxy.backends.nftables.handback`); refused, changing nothing, while our
+    rules are still in use."""
+    from kubeproxy.backends.nftables.handback import cleanup_leftovers as remove
+
+    remove(netns)
 
 
 def render_transactions(transactions: Iterable[Transaction]) -> str:

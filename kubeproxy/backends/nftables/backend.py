@@ -240,7 +240,8 @@ class NftablesBackend:
     @property
     def stale_objects(self) -> int:
         """Chains, sets and maps of our table that nothing uses any more (an old
-        generation, what a killed or failed full sync built), waiting for their deletion."""
+        generation, what a killed or failed full sync built, what another proxy left in
+        the table before we took it over), waiting for their deletion."""
         return len(self._stale)
 
     def stale_due(self) -> float | None:
@@ -250,12 +251,21 @@ class NftablesBackend:
 
     def collect_stale(self, now: float | None = None) -> bool:
         """Delete the unused objects that are due (every sync starts with this; the
-        daemon's sweeper calls it between syncs, with syncs held); False when the kernel
-        refused (logged, counted in :attr:`stale_chain_failures`, tried again later)."""
+        daemon's sweeper calls it between syncs, and a takeover right after the first
+        sync, with syncs held); False when the kernel refused (logged, counted in
+        :attr:`stale_chain_failures`, tried again later).
+
+        They go through the executor's
+        :meth:`~kubeproxy.backends.nftables.exec.NftExecutor.run_deletions`: libnftables
+        sends them as one netlink batch with ``NFTablesNetlink`` (upstream's 110k chains
+        at 10k Services in 0.8 s, where an nft transaction took 8.7 s); the owned table
+        over its owner's socket, as every write."""
         if not len(self._stale):
             return True
         moment = self._clock() if now is None else now
-        if self._stale.collect(moment, self._new_transaction, self._run, self._list_names):
+        if self._stale.collect(
+            moment, self._new_transaction, self._run_deletions, self._list_names
+        ):
             return True
         self.stale_chain_failures += 1
         return False
@@ -294,6 +304,11 @@ class NftablesBackend:
         if tx.error is not None:
             raise tx.error
         self._executor.run(tx)
+
+    def _run_deletions(self, tx: Transaction) -> None:
+        if tx.error is not None:
+            raise tx.error
+        self._executor.run_deletions(tx)
 
     def _ops(self, *, text_last: bool = False) -> SyncOps:
         return SyncOps(

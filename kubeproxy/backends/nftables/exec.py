@@ -29,6 +29,7 @@ from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
+from kubeproxy.backends.nftables.batchencoder import FAMILY_NUMBERS, deletion_messages
 from kubeproxy.backends.nftables.elements import ElementBatch, ElementWriter
 from kubeproxy.backends.nftables.objects import (
     Element,
@@ -103,6 +104,14 @@ class NftExecutor(Protocol):
         """Apply element changes atomically, as :meth:`run` of the same ``add``/``delete
         element`` commands would (same errors), without nft's parser where possible."""
         ...
+
+    def run_deletions(self, tx: Transaction) -> None:
+        """Apply ``tx``, flushes and deletions of chains, sets and maps only, as :meth:`run`
+        would: the sweep of unused objects, which may be 110k chains when we take a node
+        over from upstream. :class:`LibNftables` sends them as one netlink batch of ours,
+        without libnftables' listing of the table; :class:`~.owner.OwnedNftables` over the
+        owner's socket, as its every write (the only socket the owned table takes)."""
+        self.run(tx)
 
     def whole_table(self, family: Family, table: str) -> AbstractContextManager[None]:
         """A block that writes everything ``table`` needs (a full sync). An executor
@@ -361,6 +370,22 @@ class LibNftables(NftExecutor):
         if self._writer is None:
             self._writer = ElementWriter(self.netns)
         self._writer.send(batch)
+
+    def run_deletions(self, tx: Transaction) -> None:
+        """Apply ``tx``, flushes and deletions only, as one netlink batch on the element
+        socket (:func:`~kubeproxy.backends.nftables.batchencoder.deletion_messages`, and
+        there why); through libnftables (:meth:`run`) without ``netlink_elements``."""
+        if not self.netlink_elements:
+            self.run(tx)
+            return
+        messages = deletion_messages(tx)
+        if not messages:
+            return
+        if self._writer is None:
+            self._writer = ElementWriter(self.netns)
+        frames = [m.frame() for m in messages]
+        what = f"deleting objects of {tx.family} {tx.table}"
+        self._writer.channel.send(FAMILY_NUMBERS[tx.family], frames, what)
 
     def whole_table(self, family: Family, table: str) -> AbstractContextManager[None]:
         """Nothing to do: libnftables writes as it goes."""

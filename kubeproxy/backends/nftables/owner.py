@@ -44,6 +44,7 @@ import enum
 import errno
 import logging
 import os
+import re
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -74,6 +75,7 @@ __all__ = [
     "OwnedNftables",
     "Owner",
     "TableState",
+    "disown",
     "find_owner",
     "probe_table_flags",
     "running_owner",
@@ -115,21 +117,6 @@ class Owner:
 
 class AnotherOwner(NftError):
     """Another process owns our table: another proxy runs on this node."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Refusal:
-    """What a message of ours stands for, to say what the kernel refused."""
-
-    what: str
-
-    def refusal(self, code: int, offset: int | None, message: str) -> NftError:
-        reason = os.strerror(code) + (f" ({message})" if message else "")
-        return NftError(f"{self.what}: {reason}", code)
-
-
-def _frame(message: Message) -> Frame:
-    return Frame(message.kind, message.flags, message.body, _Refusal(message.what))
 
 
 @dataclass
@@ -213,6 +200,58 @@ def running_owner(family: Family, table: str, netns: str | None = None) -> Owner
     return find_owner(read[1], netns)
 
 
+_TABLE_FLAGS_LINE = re.compile(r"^\tflags\b")
+"""A table's own ``flags`` line in nft's listing (one tab in; a set's are two)."""
+
+
+def disown(
+    family: Family,
+    netns: str | None = None,
+    *,
+    table: str = TABLE,
+    listing: LibNftables | None = None,
+) -> bool:
+    """Make an orphaned owned table unowned again, in place and without a gap; True when
+    there was one (a table without ``persist`` is left alone).
+
+    Why: the kernel will not take ``persist`` off a table (``EOPNOTSUPP``, as it will
+    not put it on one: measured on 6.18), and nft's ``add table`` without flags asks for
+    exactly that. So over a table an owning proxy of ours left, every sync of
+    upstream's nftables mode (knftables: ``add table`` first), of ours with
+    ``NFTablesOwnedTable`` off and of an earlier version of ours is refused, and our
+    last rules serve on, stale. The table is listed (libnftables, ``listing``) and given
+    back in one nft transaction that deletes it and adds the listing without its flags:
+    the old rules serve until that commit, the copy from it (affinity entries with their
+    timeouts too). Raises :class:`AnotherOwner` while a process owns the table (our
+    proxy still runs: stop it first) and :class:`NftError` when nft refuses (nothing
+    changed then).
+    """
+    family = Family(family)
+    where = f"table {family} {table}"
+    channel = BatchSocket(netns)
+    try:
+        read = _read_table(channel, family, table)
+    finally:
+        channel.close()
+    if read is None or not read[0] & NFT_TABLE_F_PERSIST:
+        return False
+    if read[0] & NFT_TABLE_F_OWNER:
+        raise AnotherOwner(
+            f"{where} belongs to a running proxy ({find_owner(read[1], netns)}): stop it first",
+            errno.EPERM,
+        )
+    lib = listing if listing is not None else LibNftables(netns)
+    try:
+        text = lib.run_text(f"list {where}")
+        kept = [line for line in text.splitlines() if not _TABLE_FLAGS_LINE.match(line)]
+        lib.run_text("\n".join([f"delete {where}", *kept, ""]))
+    finally:
+        if listing is None:
+            lib.close()
+    log.info("Made %s unowned, in one transaction, for a proxy that cannot own it", where)
+    return True
+
+
 def probe_table_flags(netns: str | None = None) -> tuple[bool, bool]:
     """Whether this kernel takes the ``owner`` and the ``persist`` table flags: a
     throw-away table created with them on a socket of its own, then deleted."""
@@ -221,7 +260,7 @@ def probe_table_flags(netns: str | None = None) -> tuple[bool, bool]:
     found = {}
     try:
         for name, flags in (("persist", OWNER_FLAGS), ("owner", NFT_TABLE_F_OWNER)):
-            frames = [_frame(table_message(table, flags, None, create=True))]
+            frames = [table_message(table, flags, None, create=True).frame()]
             try:
                 channel.send(FAMILY_NUMBERS[Family.IP], frames, f"probe of {name}")
             except NftError as err:
@@ -231,7 +270,7 @@ def probe_table_flags(netns: str | None = None) -> tuple[bool, bool]:
                 continue
             found[name] = True
             delete = Message(_DELTABLE, 0, nlmsg.attr(_TABLE_NAME, nlmsg.string(table)), "probe")
-            channel.send(FAMILY_NUMBERS[Family.IP], [_frame(delete)], f"probe of {name}")
+            channel.send(FAMILY_NUMBERS[Family.IP], [delete.frame()], f"probe of {name}")
             if name == "persist":
                 found["owner"] = True
                 break
@@ -248,7 +287,9 @@ class OwnedNftables(NftExecutor):
     the same namespace, made here unless given). Thread-safe; :meth:`close` orphans
     the tables (they stay, for the next process to adopt). ``owner_flags`` 0 writes the
     table the same way without owning it (the encoder's kernel tests on kernels that
-    cannot own a table: ``tests/test_nft_owned_kernel.py``).
+    cannot own a table: ``tests/test_nft_owned_kernel.py``). ``channel`` is the socket to
+    write on, made here unless given (a benchmark passes one that records what it sends:
+    ``bench/floor.py``).
     """
 
     def __init__(
@@ -260,13 +301,14 @@ class OwnedNftables(NftExecutor):
         listing: LibNftables | None = None,
         timeout: float = 5.0,
         owner_flags: int = OWNER_FLAGS,
+        channel: BatchSocket | None = None,
     ) -> None:
         self.netns = netns
         self.owner_flags = owner_flags
         self.table = table
         self.comment = comment
         self._lib = listing if listing is not None else LibNftables(netns)
-        self.channel = BatchSocket(netns, timeout=timeout)
+        self.channel = channel if channel is not None else BatchSocket(netns, timeout=timeout)
         self._elements = ElementWriter(netns, channel=self.channel)
         self._states: dict[Family, TableState] = {}
         self._claimed_socket: dict[Family, int] = {}
@@ -363,7 +405,7 @@ class OwnedNftables(NftExecutor):
 
     def _table_frame(self, *, create: bool) -> Frame:
         flags = self.owner_flags
-        return _frame(table_message(self.table, flags, self.comment, create=create))
+        return table_message(self.table, flags, self.comment, create=create).frame()
 
     def _ensure(self, family: Family) -> TableState:
         """The table's state, claimed again if unknown or if the socket was replaced
@@ -400,7 +442,7 @@ class OwnedNftables(NftExecutor):
             delete = Message(
                 _DELTABLE, 0, nlmsg.attr(_TABLE_NAME, nlmsg.string(table)), f"delete {where}"
             )
-            frames = [_frame(delete), self._table_frame(create=True), *handover.frames]
+            frames = [delete.frame(), self._table_frame(create=True), *handover.frames]
             with self.channel.lock:
                 self._send(family, frames, f"replacing {where} by an owned one")
                 self._states[family] = TableState.OURS
@@ -480,7 +522,7 @@ class OwnedNftables(NftExecutor):
                 encoded = encode_transaction(tx, self._declaration(family))
             else:
                 encoded = self._encode(tx)
-            frames = [_frame(m) for m in encoded.messages]
+            frames = [m.frame() for m in encoded.messages]
             if handover is not None:
                 handover.frames.extend(frames)
                 if encoded.table_deleted:
@@ -506,7 +548,7 @@ class OwnedNftables(NftExecutor):
         with self.channel.lock:
             self._open()
             encoded = self._encode(tx)
-            frames = [_frame(m) for m in encoded.messages]
+            frames = [m.frame() for m in encoded.messages]
             self._send(tx.family, frames, f"check of {tx.family} {tx.table}", commit=False)
 
     def write_elements(self, batch: ElementBatch) -> None:

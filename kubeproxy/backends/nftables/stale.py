@@ -204,9 +204,11 @@ class StaleCollector:
         list_held: Callable[[], tuple[set[str], set[str]]],
     ) -> bool:
         """Delete the objects :meth:`due` at ``now`` in one transaction (made by
-        ``transaction``, committed by ``run``); False when the kernel refused it (logged):
-        what is gone already (``list_held`` lists the chains and sets left) is
-        forgotten, the rest is tried again at least :attr:`delay` later."""
+        ``transaction``, committed by ``run``: flushes and deletions only, so
+        :meth:`~kubeproxy.backends.nftables.exec.NftExecutor.run_deletions` will do);
+        False when the kernel refused it (logged): what is gone already (``list_held``
+        lists the chains and sets left) is forgotten, the rest is tried again at least
+        :attr:`delay` later."""
         due = self.due(now)
         if not due:
             return True
@@ -215,6 +217,18 @@ class StaleCollector:
         try:
             run(tx)
         except NftError as err:
+            if self._unreference(due, now, transaction, run):
+                # Older kernels (upstream names those before 6.2) release a chain that a
+                # verdict map's element named only a moment after the element went, so
+                # the chains and the map could not go in one transaction: the map went
+                # and the chains were flushed; they go at least a delay later.
+                log.info(
+                    "deleting %d unused objects at once was refused (%s); the references "
+                    "went first, the rest goes next",
+                    len(due),
+                    err,
+                )
+                return True
             log.error("deleting %d unused chains, sets and maps failed: %s", len(due), err)
             chains, sets = list_held()
             present = {chain_object(c) for c in chains} | {set_object(s) for s in sets}
@@ -226,6 +240,36 @@ class StaleCollector:
             return False
         for obj in due:
             self._gone(obj)
+        return True
+
+    def _unreference(
+        self,
+        due: Sequence[TableObject],
+        now: float,
+        transaction: Callable[[], Transaction],
+        run: Callable[[Transaction], None],
+    ) -> bool:
+        """After a refused deletion: delete the verdict maps among ``due`` and flush its
+        chains, in one transaction; the rest is unused from ``now``. False when there were
+        no verdict maps, or the kernel refused that too (nothing changed)."""
+        maps = [obj for obj in due if obj.kind is ObjectKind.SET and deletion_order(obj)[0] == 0]
+        if not maps:
+            return False
+        tx = transaction()
+        for obj in due:
+            if obj.kind is ObjectKind.CHAIN:
+                tx.flush(Chain(obj.name))
+        for obj in maps:
+            tx.delete(Set(obj.name, "ipv4_addr"))  # the type is not part of a deletion
+        try:
+            run(tx)
+        except NftError:
+            return False
+        for obj in maps:
+            self._gone(obj)
+        for obj in due:
+            if obj not in maps:
+                self._since[obj] = now
         return True
 
     def _gone(self, obj: TableObject) -> None:

@@ -1,0 +1,426 @@
+"""The kernel floor of a full sync (issue 32): what the kernel alone needs for the
+batches our full sync sends, next to our full sync, in one run.
+
+    make bench-floor                                        # 10k, 30k, 100k; both mixes
+    make bench-floor FLOOR_ARGS="--sizes 1000 --mixes uniform --results /tmp/floor"
+
+As root. Since issue 29 every write of our table goes over one netlink socket of ours
+(:class:`~kubeproxy.backends.nftables.batchsocket.BatchSocket`, which the owned table's
+executor and its element writer share), and every batch passes through one method,
+:meth:`BatchSocket.exchange`, with its bytes already encoded. So for each size and mix
+(:mod:`bench.synthetic`: N x 10 endpoints, or the realistic mix), a fresh child process
+in a fresh namespace:
+
+* **ours**: the in-process full sync :mod:`bench.proxyproc` times
+  (:meth:`~bench.proxyproc.BenchProxy.cold`: the Service and EndpointSlice dicts in memory
+  to the rules committed), over the backend the binary builds, except that its owned
+  table's executor writes on a :class:`RecordingSocket` (given to
+  :class:`~kubeproxy.backends.nftables.owner.OwnedNftables`, not patched in): a
+  ``BatchSocket`` that keeps each batch's bytes and times each exchange (the send, the
+  kernel's commit, the answers: the *kernel wait*) and each read it makes. The garbage
+  collector's passes are timed too (``gc.callbacks``);
+* **the floor**: the recorded batches sent again, in the same order, by a plain
+  ``BatchSocket``'s ``exchange`` (the same writer, no model, no encoding), into another
+  empty namespace; three times, each into a fresh one, the median counts. Both
+  namespaces are checked to dispatch the same frontends afterwards.
+
+Then, in another child and namespace, the same full sync under cProfile, its time grouped
+by module and the modules by what they do (:mod:`bench.profile_modules`): the core's
+model, the backend's model, the diff, transactions, encoding, the kernel wait. cProfile
+slows Python, not the kernel, so its shares overstate Python; ours and the floor are
+timed without it.
+
+Writes ``bench/results/<date>-floor-<host>.json`` and ``bench/results/floor.md``
+(:mod:`bench.floor_report`), and prints the table; ``python -m bench.readme`` puts it in
+this directory's README. Not part of ``make bench`` nor of ``make test``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import json
+import logging
+import os
+import pstats
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.floor_report import KIND, render
+from bench.harness import python_module
+from bench.netns import in_netns, namespace, namespaces
+from bench.profile_modules import by_category, by_module
+from bench.report import write_document
+from kubeproxy.backends.nftables.batchsocket import BatchSocket, Refusable
+from kubeproxy.backends.nftables.objects import NftError
+
+__all__ = [
+    "Batch",
+    "Recorder",
+    "RecordingSocket",
+    "Replay",
+    "main",
+    "replay",
+]
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+SIZES = (10_000, 30_000, 100_000)
+MIXES = ("uniform", "realistic")
+REPLAYS = 3
+CHILD_TIMEOUT_S = 1800.0
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """One batch as it went to the kernel: its bytes, its begin message's sequence
+    number, every message's sequence number, what it was, which socket sent it, and how
+    long its exchange took."""
+
+    payload: bytes
+    begin: int
+    seqs: tuple[int, ...]
+    what: str
+    channel: int
+    seconds: float
+
+
+@dataclass
+class Recorder:
+    """What :class:`RecordingSocket` s saw: the batches in the order sent, and the reads
+    (requests outside batches: the table and set look-ups of a claim)."""
+
+    batches: list[Batch] = field(default_factory=list)
+    reads: int = 0
+    read_s: float = 0.0
+    sockets: int = 0
+
+    @property
+    def exchange_s(self) -> float:
+        """The time in the batches' exchanges."""
+        return sum(b.seconds for b in self.batches)
+
+    def summary(self) -> dict[str, Any]:
+        """Counts and sizes, for the results."""
+        return {
+            "batches": len(self.batches),
+            "messages": sum(len(b.seqs) for b in self.batches),
+            "bytes": sum(len(b.payload) for b in self.batches),
+            "largest_batch_bytes": max((len(b.payload) for b in self.batches), default=0),
+            "exchange_s": self.exchange_s,
+            "reads": self.reads,
+            "read_s": self.read_s,
+        }
+
+
+class RecordingSocket(BatchSocket):
+    """A :class:`BatchSocket` that keeps every batch it commits (bytes and timing) in
+    ``recorder``; it writes exactly as its base does."""
+
+    def __init__(self, recorder: Recorder, netns: str | None = None) -> None:
+        super().__init__(netns)
+        self.recorder = recorder
+        self.number = recorder.sockets
+        recorder.sockets += 1
+
+    def exchange(
+        self, payload: bytes, begin: int, sent: Mapping[int, Refusable], what: str
+    ) -> None:
+        """The base's exchange, timed; the batch is recorded once the kernel took it."""
+        start = time.perf_counter()
+        super().exchange(payload, begin, sent, what)
+        seconds = time.perf_counter() - start
+        batch = Batch(payload, begin, tuple(sent), what, self.number, seconds)
+        self.recorder.batches.append(batch)
+
+    def request(
+        self, message: bytes, seq: int, what: str, *, dump: bool = False, bufsize: int = 1 << 16
+    ) -> tuple[list[tuple[int, bytes]], bool]:
+        """The base's request, timed."""
+        start = time.perf_counter()
+        try:
+            return super().request(message, seq, what, dump=dump, bufsize=bufsize)
+        finally:
+            self.recorder.reads += 1
+            self.recorder.read_s += time.perf_counter() - start
+
+
+@dataclass(frozen=True, slots=True)
+class _Replayed:
+    """A replayed message: a refusal names the recorded batch (none is expected)."""
+
+    what: str
+
+    def refusal(self, code: int, offset: int | None, message: str) -> NftError:
+        return NftError(f"replay of {self.what}: {os.strerror(code)} {message}".strip(), code)
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """One replay: its wall time (first send to last answer) and its exchanges' sum."""
+
+    wall_s: float
+    exchange_s: float
+
+
+def replay(batches: Sequence[Batch], netns: str | None) -> Replay:
+    """Send ``batches`` again, in order, each by a plain :class:`BatchSocket` standing for
+    the one that sent it, into ``netns``. Raises :class:`NftError` if the kernel refuses."""
+    channels: dict[int, BatchSocket] = {}
+    sent = [dict.fromkeys(b.seqs, _Replayed(b.what)) for b in batches]
+    try:
+        for batch in batches:
+            if batch.channel not in channels:
+                channels[batch.channel] = BatchSocket(netns)
+        exchange_s = 0.0
+        start = time.perf_counter()
+        for batch, messages in zip(batches, sent, strict=True):
+            began = time.perf_counter()
+            channels[batch.channel].exchange(batch.payload, batch.begin, messages, batch.what)
+            exchange_s += time.perf_counter() - began
+        return Replay(time.perf_counter() - start, exchange_s)
+    finally:
+        for channel in channels.values():
+            channel.close()
+
+
+class _GcClock:
+    """The garbage collector's time, from ``gc.callbacks``."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.passes = 0
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: Mapping[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+            self.passes += 1
+
+
+# The child ------------------------------------------------------------------------------
+
+
+def _bench_proxy(services: int, mix: str, netns: str, recorder: Recorder) -> Any:
+    """:class:`~bench.proxyproc.BenchProxy` over the backend :func:`create_backend`
+    builds (owned table), with recording sockets."""
+    from bench.proxyproc import BenchProxy, bench_config
+    from bench.synthetic import build_services, realistic_services
+    from kubeproxy.backends.nftables import backend_over
+    from kubeproxy.backends.nftables.objects import Family
+    from kubeproxy.backends.nftables.owner import OwnedNftables, probe_table_flags
+    from kubeproxy.objects import IPFamily
+
+    owner, persist = probe_table_flags(netns)
+    if not (owner and persist):
+        raise SystemExit("kernel lacks the owner and persist table flags: no owned table")
+    config = bench_config()
+
+    def backend(family: IPFamily) -> Any:
+        executor = OwnedNftables(netns, channel=RecordingSocket(recorder, netns))
+        built = backend_over(executor, family, config, netns=netns)
+        executor.refuse_another_owner(Family.IP if family is IPFamily.IPV4 else Family.IP6)
+        return built
+
+    realistic = mix == "realistic"
+    cluster = realistic_services(services) if realistic else build_services(services, 10)
+    return BenchProxy(
+        cluster,
+        backend(IPFamily.IPV4),
+        config=config,
+        backend6=backend(IPFamily.IPV6) if realistic else None,
+        realistic=realistic,
+    )
+
+
+def _frontends(netns: str, realistic: bool) -> int:
+    """How many frontends the newest generation dispatches in ``netns`` (both families
+    for the realistic mix)."""
+    from kubeproxy.backends.nftables.exec import LibNftables
+    from kubeproxy.backends.nftables.inspect import served_frontends
+    from kubeproxy.backends.nftables.objects import Family
+
+    executor = LibNftables(netns)
+    families = (Family.IP, Family.IP6) if realistic else (Family.IP,)
+    return sum(len(served_frontends(executor, family)) for family in families)
+
+
+def child(
+    services: int, mix: str, netns: str, floors: Sequence[str], profile: bool, *, gc_held: bool
+) -> dict[str, Any]:
+    """One measurement in this process (see the module): ours, then the floor into each
+    of ``floors``; or with ``profile`` ours under cProfile, grouped. With ``gc_held`` the
+    collector is off from the feed to the commit, as the daemon holds it
+    (:class:`~kubeproxy.daemon.gctuning.GcTuner`)."""
+    from kubeproxy.daemon.gctuning import GcTuner
+    from kubeproxy.objects import IPFamily
+
+    recorder = Recorder()
+    proxy = _bench_proxy(services, mix, netns, recorder)
+    tuner = GcTuner([IPFamily.IPV4])
+    gc_clock = _GcClock()
+    gc.callbacks.append(gc_clock)
+    if gc_held:
+        tuner.hold()
+    profiler = cProfile.Profile() if profile else None
+    if profiler is not None:
+        profiler.enable()
+    cold = proxy.cold()
+    if profiler is not None:
+        profiler.disable()
+    tuner.release()
+    gc.callbacks.remove(gc_clock)
+    if not cold["ok"]:
+        raise SystemExit(f"the full sync failed: {cold}")
+    ours = {
+        "total_s": cold["total_s"],
+        "feed_s": cold["feed_s"],
+        "sync_s": cold["sync_s"],
+        "gc_s": gc_clock.seconds,
+        "gc_passes": gc_clock.passes,
+        "peak_rss_kb": cold.get("peak_kb"),
+        **recorder.summary(),
+    }
+    result: dict[str, Any] = {"services": services, "mix": mix, "gc_held": gc_held, "ours": ours}
+    if profiler is not None:
+        stats = pstats.Stats(profiler)
+        modules = by_module(stats)
+        result["profile"] = {
+            "profiled_s": cold["total_s"],
+            "modules": dict(sorted(modules.items(), key=lambda kv: -kv[1])[:25]),
+            "categories": by_category(modules),
+        }
+        return result
+    expected = _frontends(netns, mix == "realistic")
+    replays = [replay(recorder.batches, floor) for floor in floors]
+    served = [_frontends(floor, mix == "realistic") for floor in floors]
+    if any(count != expected for count in served):
+        raise SystemExit(f"the floor dispatches {served} frontends, ours {expected}")
+    result["frontends"] = expected
+    result["floor"] = {
+        "wall_s": statistics.median(r.wall_s for r in replays),
+        "exchange_s": statistics.median(r.exchange_s for r in replays),
+        "walls_s": [r.wall_s for r in replays],
+    }
+    return result
+
+
+# The parent -----------------------------------------------------------------------------
+
+
+def _run_child(services: int, mix: str, *, profile: bool, gc_held: bool) -> dict[str, Any]:
+    purposes = ["floor"] * (0 if profile else REPLAYS)
+    with namespace("ours") as ours, namespaces(*purposes) as floors:
+        argv = ["child", "--services", str(services), "--mix", mix, "--netns", ours]
+        argv += [f"--floor={name}" for name in floors] + (["--profile"] if profile else [])
+        argv += [] if gc_held else ["--gc-on"]
+        done = subprocess.run(
+            in_netns(ours, python_module("bench.floor", *argv)),
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=CHILD_TIMEOUT_S,
+        )
+    if done.returncode != 0:
+        raise RuntimeError(f"bench.floor child ({services}, {mix}): {done.stderr.strip()}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def measure(
+    sizes: Sequence[int], mixes: Sequence[str], *, profiles: bool = True, gc_held: bool = True
+) -> list[dict[str, Any]]:
+    """Ours and the floor (and a profile) for every size and mix, smallest first."""
+    records = []
+    for services in sorted(sizes):
+        for mix in mixes:
+            started = time.monotonic()
+            record = _run_child(services, mix, profile=False, gc_held=gc_held)
+            if profiles:
+                profiled = _run_child(services, mix, profile=True, gc_held=gc_held)
+                record["profile"] = profiled["profile"]
+            record["minutes"] = (time.monotonic() - started) / 60
+            print(_line(record), file=sys.stderr, flush=True)
+            records.append(record)
+    return records
+
+
+def _line(record: Mapping[str, Any]) -> str:
+    ours, floor = record["ours"], record["floor"]
+    return (
+        f"{record['services']} {record['mix']}: ours {ours['total_s']:.2f} s, floor "
+        f"{floor['wall_s']:.2f} s ({ours['total_s'] / floor['wall_s']:.1f}x)"
+    )
+
+
+def write(records: list[dict[str, Any]], started: float, out: Path = RESULTS_DIR) -> Path:
+    """The results document and ``floor.md``; returns the document's path."""
+    command = shlex.join(["python", "-m", "bench.floor", *sys.argv[1:]])
+    fields = {"load_before": started, "load_after": os.getloadavg()[0], "records": records}
+    path, document = write_document(out, KIND, command, fields)
+    (out / f"{KIND}.md").write_text(
+        "# The kernel floor (latest run)\n\n" + render(document, path.name)
+    )
+    return path
+
+
+def _sizes(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``child ...`` (in a namespace; one JSON line) or the whole run (see the module)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "child":
+        parser = argparse.ArgumentParser(prog="python -m bench.floor child")
+        parser.add_argument("--services", type=int, required=True)
+        parser.add_argument("--mix", choices=MIXES, default="uniform")
+        parser.add_argument("--netns", required=True)
+        parser.add_argument("--floor", action="append", default=[])
+        parser.add_argument("--profile", action="store_true")
+        parser.add_argument("--gc-on", action="store_true")
+        options = parser.parse_args(args[1:])
+        logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+        result = child(
+            options.services,
+            options.mix,
+            options.netns,
+            options.floor,
+            options.profile,
+            gc_held=not options.gc_on,
+        )
+        print(json.dumps(result), flush=True)
+        return 0
+    parser = argparse.ArgumentParser(prog="python -m bench.floor", description=__doc__)
+    parser.add_argument("--sizes", type=_sizes, default=list(SIZES))
+    parser.add_argument("--mixes", type=lambda t: t.split(","), default=list(MIXES))
+    parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument(
+        "--gc-on",
+        action="store_true",
+        help="leave the collector on during ours (as bench/test_bench.py does; the daemon"
+        " holds it)",
+    )
+    parser.add_argument("--results", type=Path, default=RESULTS_DIR)
+    options = parser.parse_args(args)
+    load = os.getloadavg()[0]
+    records = measure(
+        options.sizes, options.mixes, profiles=not options.no_profile, gc_held=not options.gc_on
+    )
+    path = write(records, load, options.results)
+    print((options.results / f"{KIND}.md").read_text())
+    print(f"written: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
