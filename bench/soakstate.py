@@ -44,6 +44,14 @@ def _text(value: object) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
+def _bare(element: object) -> object:
+    """An element's key without its ``elem`` wrapper (a comment, a timeout): a frontend's
+    dispatch element names its Service, its class-bit elements do not."""
+    if isinstance(element, dict) and "elem" in element:
+        return element["elem"].get("val")
+    return element
+
+
 def _strip(expr: object) -> object:
     """A rule expression without what differs between two equal rules: counter values,
     and the protocol nft names a port by. ``nft list table`` prints one and the same rule
@@ -123,7 +131,7 @@ def table_state(listing: Mapping[str, Any]) -> TableState:
         n for n in names if (m := _GEN.search(n)) is not None and int(m.group(1)) != live
     )
     members: dict[str, set[str]] = {
-        name: {_text(e) for e in elements} for name, elements in containers.items()
+        name: {_text(_bare(e)) for e in elements} for name, elements in containers.items()
     }
     # Frontends -> class chains: the dispatch tree, walked with each frontend's bits.
     roots: list[str] = []

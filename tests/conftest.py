@@ -8,12 +8,31 @@ skip, including a kernel test skipped for want of root, is reported as a failure
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Generator
 
 import pytest
 
 LEGITIMATE_SKIP = "kernel lacks"
+_STATE_DIR_ENV = "KUBEPROXY_STATE_DIR"  # kubeproxy.backends.nftables.failures
+_STATE_KEY = pytest.StashKey[str]()
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Failed syncs are kept in a directory of the run's (the proxies the tests start
+    inherit it), never in the node's state directory."""
+    if _STATE_DIR_ENV not in os.environ:
+        os.environ[_STATE_DIR_ENV] = tempfile.mkdtemp(prefix="kpx-state-")
+        config.stash[_STATE_KEY] = os.environ[_STATE_DIR_ENV]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The run's state directory goes with it."""
+    made = config.stash.get(_STATE_KEY, None)
+    if made is not None:
+        shutil.rmtree(made, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -310,11 +310,14 @@ class PodDriver:
         modules.mkdir()
         scratch = work / "tmp"
         scratch.mkdir()
+        state = work / "state"  # the node's /var/lib/kubeproxy: failed syncs kept there
+        state.mkdir()
         return {
             "kube-proxy": config,
             "xtables-lock": lock,
             "lib-modules": modules,
             "tmp": scratch,
+            "state": state,
             "serviceaccount": account,
         }
 

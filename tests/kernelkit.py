@@ -32,6 +32,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeVar
 
 from kubeproxy.backend import NodePortAddresses, ProxySnapshot
@@ -60,6 +61,14 @@ T = TypeVar("T")
 
 ECHO_VIP, ECHO_SERVER_IP = "172.30.0.10", "10.180.0.10"
 ECHO_SERVER_IP6 = "fd00:180::10"
+
+
+NFTABLES_FLOW_FILES = sorted(
+    p
+    for group in ("examples", "behaviour", "nftables")
+    for p in (Path(__file__).resolve().parent.parent / "flowcases" / group).glob("*.yaml")
+)
+"""The flow-case files nftables mode runs (the kernel tests replay each state of them)."""
 
 
 def ip(*args: str) -> None:

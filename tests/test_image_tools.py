@@ -260,6 +260,7 @@ def test_the_pods_containers_become_the_runtime_flags_the_manifest_means() -> No
         "xtables-lock": Path("/t/lock"),
         "lib-modules": Path("/t/modules"),
         "tmp": Path("/t/tmp"),
+        "state": Path("/t/state"),
     }
     proxy = deployment.container_run(
         deployment.container("kube-proxy"), node_name="n1", volumes=volumes
@@ -272,6 +273,7 @@ def test_the_pods_containers_become_the_runtime_flags_the_manifest_means() -> No
     assert "-v /t/cm:/var/lib/kube-proxy:ro" in flags
     assert "-v /t/lock:/run/xtables.lock " in flags + " "
     assert "-v /t/tmp:/tmp " in flags + " "
+    assert "-v /t/state:/var/lib/kubeproxy " in flags + " "
     assert (proxy.entrypoint, proxy.args) == (
         "kube-proxy-nftables",
         ("--config=/var/lib/kube-proxy/config.conf", "--hostname-override=n1"),

@@ -190,6 +190,7 @@ def test_cmd_holds_the_binaries_only() -> None:
         "flags",
         "iptables",
         "ipvs",
+        "kubeproxy",
         "modes",
         "multimode",
         "nftables",
@@ -219,6 +220,8 @@ def test_the_nftables_package_holds_the_shipped_structure_only() -> None:
         "diff",
         "elements",
         "exec",
+        "explain",
+        "failures",
         "fake",
         "frontends",
         "generation",
@@ -229,13 +232,16 @@ def test_the_nftables_package_holds_the_shipped_structure_only() -> None:
         "monitor",
         "objects",
         "owner",
+        "reader",
         "rulecounters",
         "ruleencoder",
         "stale",
         "support",
         "sweeper",
         "table",
+        "trace",
         "transaction",
+        "verify",
     ]
     chain_structure = {p.stem for p in (REPO / "bench" / "chain_structure").glob("*.py")}
     assert {"backend", "fixed", "naming", "render"} <= chain_structure

@@ -9,6 +9,7 @@ import ipaddress
 import logging
 import re
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -166,7 +167,9 @@ def test_a_service_is_data_behind_a_few_fixed_rules() -> None:
     ]
     assert lines(dump, r"element ip kube-proxy (dispatch-ips|endpoints-tcp|cluster-ips)") == [
         "add element ip kube-proxy cluster-ips { 172.30.0.10 }",
-        "add element ip kube-proxy dispatch-ips.g1 { 172.30.0.10 . tcp . 80 }",
+        # The frontend names its Service port (what `kubeproxy explain` reads back).
+        "add element ip kube-proxy dispatch-ips.g1 "
+        '{ 172.30.0.10 . tcp . 80 comment "ns/web:http" }',
         "add element ip kube-proxy endpoints-tcp-b2.g1 "
         "{ 172.30.0.10 . tcp . 80 . 0 : 10.180.0.1 . 8080 }",
         "add element ip kube-proxy endpoints-tcp-b2.g1 "
@@ -194,11 +197,20 @@ def test_no_endpoints_reject_and_local_policy_drops() -> None:
     fake = FakeNft()
     backend(fake).sync(world.snapshot(), full())
     dump = fake.dump()
-    assert "add element ip kube-proxy no-endpoint-reject.g1 { 172.30.0.11 . tcp . 80 }" in dump
+    assert (
+        "add element ip kube-proxy no-endpoint-reject.g1 "
+        '{ 172.30.0.11 . tcp . 80 comment "ns/empty:http" }' in dump
+    )
     # No local endpoint: external traffic is dropped, but pods and the node itself are
     # short-circuited to every endpoint (masqueraded when the node is the source).
-    assert "add element ip kube-proxy no-endpoint-nodeports-drop.g1 { udp . 30053 }" in dump
-    assert "add element ip kube-proxy dispatch-nodeports.g1 { udp . 30053 }" in dump
+    assert (
+        "add element ip kube-proxy no-endpoint-nodeports-drop.g1 "
+        '{ udp . 30053 comment "ns/remote:http" }' in dump
+    )
+    assert (
+        'add element ip kube-proxy dispatch-nodeports.g1 { udp . 30053 comment "ns/remote:http" }'
+        in dump
+    )
     assert "add rule ip kube-proxy dispatch-nodeports-0.g1 goto nodeport-local-0-1.g1" in dump
     assert lines(dump, r"rule ip kube-proxy nodeport-local-0-1\.g1 ") == [
         "add rule ip kube-proxy nodeport-local-0-1.g1 "
@@ -417,7 +429,8 @@ def test_a_new_lb_ip_is_never_reachable_before_its_source_ranges() -> None:
     b.sync(world.snapshot(), changed(name))
     added = [tx.render() for tx in fake.transactions[start:]]
     vip = "{ 5.6.7.8 . tcp . 443"
-    reachable = _first(added, f"add element ip kube-proxy dispatch-ips.g1 {vip} }}")
+    named = 'comment "ns/lb:http"'
+    reachable = _first(added, f"add element ip kube-proxy dispatch-ips.g1 {vip} {named} }}")
     assert _first(added, f"add element ip kube-proxy firewall-ips.g1 {vip} }}") <= reachable
     allow = "{ 5.6.7.8 . 443"
     assert _first(added, f"add element ip kube-proxy firewall-allow-tcp.g1 {allow}") <= reachable
@@ -498,7 +511,10 @@ def test_a_connection_to_a_service_ip_never_records_a_nodeports_affinity() -> No
     backend(fake).sync(world.snapshot(), full())
     (rule,) = lines(fake.dump(), r"affinity-record .*@affinity-record-nodeports")
     assert "ct original proto-dst != @dispatch-ips.g1" in rule
-    assert "add element ip kube-proxy dispatch-ips.g1 { 172.30.0.30 . tcp . 30080 }" in fake.dump()
+    assert (
+        "add element ip kube-proxy dispatch-ips.g1 "
+        '{ 172.30.0.30 . tcp . 30080 comment "ns/a:http" }' in fake.dump()
+    )
 
 
 # Incremental syncs send data only -----------------------------------------------------------
@@ -653,10 +669,18 @@ def test_a_refused_sync_keeps_the_rules_and_the_next_one_is_full() -> None:
     before = fake.dump()
     web(world, "10.180.0.2")
     fake.fail_next = NftError("refused")
-    with pytest.raises(SyncError, match="refused"):
+    with pytest.raises(SyncError, match="refused") as failed:
         b.sync(world.snapshot(), changed(name))
     assert fake.dump() == before
     assert b.sync_failures == 1
+    # The refused write is kept where an operator finds it, and the error line says where.
+    (kept,) = re.findall(r"the refused write is in (\S+)\)", str(failed.value))
+    text = Path(kept).read_text()
+    assert text.startswith("# ") and "nftables ip sync failed" in text and "# refused\n" in text
+    assert (
+        "add element ip kube-proxy endpoints-tcp-b1.g1 "
+        "{ 172.30.0.10 . tcp . 80 . 0 : 10.180.0.2 . 8080 }" in text
+    )
     b.sync(world.snapshot(), SyncChanges(full=False))
     assert b.last_sync_full and b.generation == 2
     assert slots_of(fake, Family.IP, ("172.30.0.10", "tcp", "80")) == [("10.180.0.2", "8080")]

@@ -43,18 +43,24 @@ class Store:
 
     def __init__(self) -> None:
         self.elements: dict[str, dict[Key, tuple[str, ...]]] = {}
+        self.comments: dict[tuple[str, Key], str] = {}
         self.changes = 0
 
-    def add(self, container: str, key: Key, value: tuple[str, ...] = ()) -> None:
+    def add(
+        self, container: str, key: Key, value: tuple[str, ...] = (), comment: str | None = None
+    ) -> None:
         held = self.elements.setdefault(container, {})
         assert key not in held, f"add of {key} to {container}: already there"
         held[key] = value
+        if comment is not None:
+            self.comments[container, key] = comment
         self.changes += 1
 
     def delete(self, container: str, key: Key) -> None:
         held = self.elements.get(container, {})
         assert key in held, f"delete of {key} from {container}: not there"
         del held[key]
+        self.comments.pop((container, key), None)
         if not held:
             del self.elements[container]
         self.changes += 1
@@ -69,6 +75,7 @@ CLASSES = [
     for affinity in (False, True)
 ]
 NUMBERS = {cls: number for number, cls in enumerate(CLASSES)}
+NAMES_OF_PORTS = ("demo/web:http", "demo/api:http")
 
 
 @st.composite
@@ -77,10 +84,12 @@ def frontends(draw: st.DrawFn, kind: Kind) -> Frontend | None:
     if draw(st.booleans()) and draw(st.booleans()):
         return None
     key = IP_KEY if kind is Kind.IP else NODE_KEY
+    # The frontend may change hands (another Service port claims it): its name changes.
+    name = draw(st.sampled_from(NAMES_OF_PORTS))
     count = draw(st.sampled_from((0, 1, 2, 5)))
     if count == 0:
         verdict = draw(st.sampled_from(NoEndpoint))
-        return Frontend(kind, key, None, no_endpoint=verdict)
+        return Frontend(kind, key, None, no_endpoint=verdict, name=name)
     shortcut = draw(st.sampled_from((0, 3)))
     affinity = draw(st.booleans())
     shape = Shape.LOCAL if shortcut else draw(st.sampled_from((Shape.INTERNAL, Shape.LOCAL)))
@@ -97,6 +106,8 @@ def frontends(draw: st.DrawFn, kind: Kind) -> Frontend | None:
         lookup=lookup,
         shortcut_lookup=lookup if affinity and shortcut else None,
         record="record-a" if affinity else None,
+        no_endpoint=draw(st.sampled_from((None, *NoEndpoint))) if shape is Shape.LOCAL else None,
+        name=name,
     )
 
 
@@ -123,6 +134,8 @@ def test_any_sequence_of_plans_ends_where_a_fresh_diff_starts(
     again = _write(fresh, None, plans[-1], tree)
     # Slots may be numbered otherwise (endpoints keep theirs); compare the values per map.
     assert _by_value(store) == _by_value(fresh)
+    # Every element that names the frontend's Service names the last plan's.
+    assert store.comments == fresh.comments
     assert (held is None) == (plans[-1] is None) == (again is None)
     if held is not None:
         assert held.fe == plans[-1]

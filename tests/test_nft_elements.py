@@ -23,7 +23,10 @@ from kubeproxy.backends.nftables.elements import (
     ElementBatch,
     ElementWriter,
     _Message,
+    comment_userdata,
+    element_encoder,
     encode_part,
+    with_comment,
 )
 from kubeproxy.backends.nftables.exec import LibNftables
 from kubeproxy.backends.nftables.fake import FakeNft
@@ -66,6 +69,19 @@ def test_parts_are_encoded_as_the_kernel_stores_them() -> None:
     ]:
         with pytest.raises(ValueError):
             encode_part(datatype, bad)
+
+
+def test_a_comment_is_the_user_data_nft_writes() -> None:
+    # libnftnl's udata: type 0 (the element comment), its length with the NUL, the text.
+    assert comment_userdata("demo/web:http") == b"\x00\x0edemo/web:http\x00"
+    plain = element_encoder(*TYPES4["ports"])(("tcp", "30080"), ())
+    named = with_comment(plain, "demo/web:http")
+    (length,) = struct.unpack_from("=H", named)
+    assert length == len(named) == len(plain) + 4 + 16  # padded to 4 bytes
+    assert named[: len(plain)][4:] == plain[4:]
+    for bad in ('say "hi"', "x" * 129, "tab\there"):
+        with pytest.raises(ValueError):
+            comment_userdata(bad)
 
 
 def test_the_fake_applies_a_batch_as_its_commands() -> None:
@@ -190,7 +206,13 @@ def _changes() -> tuple[ElementBatch, ElementBatch]:
         ("frontends", (f"10.96.0.{i}", p, "53"), ()) for i in range(20) for p in ("udp", "sctp")
     ]
     adds += [("ports", ("tcp", str(30000 + i)), ()) for i in range(10)]
-    first = ElementBatch(Family.IP, "t", TYPES4, adds=adds)
+    # Frontends name their Service port in a comment: a few, of every length up to the
+    # longest nft takes (128 characters).
+    comments = {
+        (container, key): f"ns-{i}/{'s' * (i * 6)}:dns"[:128]
+        for i, (container, key, _v) in enumerate(a for a in adds if a[0] != "slots")
+    }
+    first = ElementBatch(Family.IP, "t", TYPES4, adds=adds, comments=comments)
     second = ElementBatch(
         Family.IP,
         "t",

@@ -53,6 +53,7 @@ from kubeproxy.objects import IPFamily
 from kubeproxy.testing.cases import Step, load_case_file
 from kubeproxy.testing.runner import default_timeout, replay_syncs
 from tests.kernelkit import (
+    NFTABLES_FLOW_FILES,
     Topology,
     assert_restart_keeps_connections,
     client_node_server,
@@ -69,11 +70,7 @@ pytestmark = pytest.mark.kernel
 REPO = Path(__file__).resolve().parent.parent
 PREFIX = "kpxo"
 CONFIG = ProxierConfig(node_name="kpxo-node")
-FLOW_FILES = sorted(
-    p
-    for group in ("examples", "behaviour", "nftables")
-    for p in (REPO / "flowcases" / group).glob("*.yaml")
-)
+FLOW_FILES = NFTABLES_FLOW_FILES
 BIN = Path(sys.executable).parent
 EXAMPLES = REPO / "examples" / "cluster"
 

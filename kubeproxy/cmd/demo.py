@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
 import socket
 import subprocess
@@ -199,22 +198,19 @@ def run_demo(manifests: Path) -> int:
         if _netns_exec(NODE, *argv).returncode != 0:
             print("kube-proxy-nftables failed", file=sys.stderr)
             return 1
-        # The class rules, then the endpoint slots they choose from (pure data).
-        print(f"\n$ ip netns exec {NODE} nft list chain ip kube-proxy service-frontends")
-        listing = _netns_exec(
-            NODE, "nft", "list", "chain", "ip", "kube-proxy", "service-frontends", capture=True
-        ).stdout
-        print(listing, end="")
-        generation = re.search(r"\.g([0-9]+)\b", listing)
-        if generation is not None:
-            slots = f"endpoints-tcp.g{generation.group(1)}"
-            print(f"\n$ ip netns exec {NODE} nft list map ip kube-proxy {slots}")
-            print(
-                _netns_exec(
-                    NODE, "nft", "list", "map", "ip", "kube-proxy", slots, capture=True
-                ).stdout,
-                end="",
-            )
+        # What the kernel now holds, in Service terms (kubeproxy explain and verify read
+        # the kernel, not the proxy, which has exited).
+        tool = str(Path(binary).parent / "kubeproxy")
+        flags = argv[3:-1]  # the proxy's own flags, but --manifests and --once
+        for command in (
+            [tool, "explain", "demo/web"],
+            [tool, "explain", "demo/shop", "--family", "ipv4"],
+            [tool, "verify", "--manifests", str(manifests), "--", *flags],
+        ):
+            print(f"\n$ ip netns exec {NODE} {' '.join(command)}")
+            shown = _netns_exec(NODE, *command, capture=True)
+            print(shown.stdout, end="")
+            ok &= shown.returncode == 0
         print("\nReal connections from an outside client through the rules:")
         for url in ["http://172.30.0.10/"] * 4 + [f"http://{NODE_IP}:30080/"]:
             reply = _curl(CLIENT, url)

@@ -36,6 +36,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kubeproxy.backend import (
@@ -55,7 +56,9 @@ from kubeproxy.backends.nftables.diff import (
     release_shared,
     restitch,
 )
+from kubeproxy.backends.nftables.elements import ElementBatch
 from kubeproxy.backends.nftables.exec import NftExecutor, delete_table
+from kubeproxy.backends.nftables.failures import FailureDump
 from kubeproxy.backends.nftables.frontends import AffinityPlan, Frontend, PortPlan, plan_port
 from kubeproxy.backends.nftables.generation import (
     Generation,
@@ -137,7 +140,12 @@ class NftablesBackend:
     :attr:`generation`. ``kept`` names objects that another part of this proxy keeps in
     our table (localhost NodePorts' reject rules), as
     :class:`~kubeproxy.backends.nftables.stale.TableObject` values or their text
-    (``chain NAME``, ``set NAME``): never deleted as unused.
+    (``chain NAME``, ``set NAME``): never deleted as unused. ``element_names``: a
+    frontend's dispatch and no-endpoint elements carry its Service port's name as their
+    comment (what ``kubeproxy explain`` reads); off, they carry none (the structure before
+    issue 30, kept for ``make bench``). A refused transaction or element batch is kept
+    in ``failure_dir`` (default: the state directory) and named in the sync's error
+    (:mod:`~kubeproxy.backends.nftables.failures`).
     """
 
     def __init__(
@@ -151,6 +159,8 @@ class NftablesBackend:
         support_check: bool = True,
         dispatch: str = DISPATCH_TREE,
         kept: Iterable[TableObject | str] = (),
+        element_names: bool = True,
+        failure_dir: Path | None = None,
     ) -> None:
         if elements_per_transaction < 1:
             raise ValueError("elements_per_transaction must be at least 1")
@@ -165,6 +175,8 @@ class NftablesBackend:
         self._executor = executor
         self._clock = clock
         self.elements_per_transaction = elements_per_transaction
+        self.element_names = element_names
+        self.failures = FailureDump(str(self._nft_family), failure_dir)
         self.sync_failures = 0
         self.stale_chain_failures = 0
         self.affinity_cleanup_failures = 0
@@ -222,7 +234,9 @@ class NftablesBackend:
             if not isinstance(err, NftError):
                 raise
             self.sync_failures += 1
-            raise SyncError(f"nftables {self._nft_family} sync failed: {err}") from err
+            kept = self.failures.write(err)
+            where = f" (the refused write is in {kept})" if kept is not None else ""
+            raise SyncError(f"nftables {self._nft_family} sync failed: {err}{where}") from err
         self._need_full = False
         self.last_operations = ops.operations
         self.last_transactions = ops.transactions
@@ -303,7 +317,18 @@ class NftablesBackend:
     def _run(self, tx: Transaction) -> None:
         if tx.error is not None:
             raise tx.error
-        self._executor.run(tx)
+        try:
+            self._executor.run(tx)
+        except NftError:
+            self.failures.keep(tx)
+            raise
+
+    def _write_elements(self, batch: ElementBatch) -> None:
+        try:
+            self._executor.write_elements(batch)
+        except NftError:
+            self.failures.keep(batch)
+            raise
 
     def _run_deletions(self, tx: Transaction) -> None:
         if tx.error is not None:
@@ -315,9 +340,10 @@ class NftablesBackend:
             self._nft_family,
             self._gen.element_types,
             run=self._run,
-            write_elements=self._executor.write_elements,
+            write_elements=self._write_elements,
             budget=self.elements_per_transaction,
             text_last=text_last,
+            comments=self.element_names,
         )
 
     def _map_live(self, name: str) -> bool:

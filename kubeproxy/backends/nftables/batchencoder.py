@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import kubeproxy.nlmsg as nlmsg
 from kubeproxy.backends.nftables.batchsocket import Frame
 from kubeproxy.backends.nftables.declarations import Declaration
-from kubeproxy.backends.nftables.elements import element_encoder, supports
+from kubeproxy.backends.nftables.elements import element_encoder, supports, with_comment
 from kubeproxy.backends.nftables.objects import (
     Chain,
     Element,
@@ -298,20 +298,28 @@ class _Encoder:
         # 2.9 us through the declaration's general one; timeit, this machine).
         fast = element_encoder(*types) if types is not None and all(map(supports, types)) else None
         for element in elements:
-            if element.comment is not None or element.timeout is not None:
+            if element.timeout is not None:
                 raise NftError(
-                    f"element {element.key} of {container}: comments and timeouts are not"
+                    f"element {element.key} of {container}: timeouts are not"
                     " written by the owned table",
                     errno.EINVAL,
                 )
             value = () if verb == "delete" else element.value
             if fast is None:
-                encoded.append(declaration.element(element.key, value))
-                continue
-            try:
-                encoded.append(fast(element.key, value))
-            except ValueError:  # the general encoder names what is wrong
-                encoded.append(declaration.element(element.key, value))
+                data = declaration.element(element.key, value)
+            else:
+                try:
+                    data = fast(element.key, value)
+                except ValueError:  # the general encoder names what is wrong
+                    data = declaration.element(element.key, value)
+            if element.comment is not None and verb != "delete":
+                try:  # the frontends' Service names (user data as libnftnl writes it)
+                    data = with_comment(data, element.comment)
+                except ValueError as err:
+                    raise NftError(
+                        f"element {element.key} of {container}: {err}", errno.EINVAL
+                    ) from None
+            encoded.append(data)
         budget = nlmsg.MESSAGE_BYTES
         start = 0
         while start < len(encoded):

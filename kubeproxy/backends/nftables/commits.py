@@ -45,6 +45,7 @@ class SyncOps:
         write_elements: Callable[[ElementBatch], None],
         budget: int,
         text_last: bool = False,
+        comments: bool = True,
     ) -> None:
         self._family = family
         self._run_tx = run
@@ -60,6 +61,9 @@ class SyncOps:
         self._adds: dict[str, list[tuple[Key, tuple[str, ...]]]] = {}
         self._text_deletes: dict[str, list[Key]] = {}
         self._text_adds: dict[str, list[tuple[Key, tuple[str, ...]]]] = {}
+        self._keep_comments = comments
+        self._comments: dict[tuple[str, Key], str] = {}
+        self._text_comments: dict[str, dict[Key, str]] = {}
         self._count = 0
         self.operations = 0
         self.transactions = 0
@@ -74,10 +78,23 @@ class SyncOps:
         target.setdefault(container, []).append(key)
         self._count += 1
 
-    def add(self, container: str, key: Key, value: tuple[str, ...] = _VALUE_NONE) -> None:
-        """Queue the addition of ``key`` (with ``value`` in a map) to ``container``."""
-        target = self._adds if container in self._types else self._text_adds
+    def add(
+        self,
+        container: str,
+        key: Key,
+        value: tuple[str, ...] = _VALUE_NONE,
+        comment: str | None = None,
+    ) -> None:
+        """Queue the addition of ``key`` (with ``value`` in a map, and ``comment``) to
+        ``container``."""
+        netlink = container in self._types
+        target = self._adds if netlink else self._text_adds
         target.setdefault(container, []).append((key, value))
+        if comment is not None and self._keep_comments:
+            if netlink:
+                self._comments[container, key] = comment
+            else:
+                self._text_comments.setdefault(container, {})[key] = comment
         self._count += 1
 
     def cut(self) -> None:
@@ -89,13 +106,15 @@ class SyncOps:
         """Commit what is queued (see the class documentation); ``last`` ends the sync
         (text elements held back until then go too)."""
         tx = self.tx
-        deletes, adds = self._deletes, self._adds
-        self._deletes, self._adds, self._count = {}, {}, 0
+        deletes, adds, comments = self._deletes, self._adds, self._comments
+        self._deletes, self._adds, self._comments, self._count = {}, {}, {}, 0
+        text_comments: dict[str, dict[Key, str]] = {}
         if self._text_last and not last:
             text_deletes, text_adds = {}, {}
         else:
             text_deletes, text_adds = self._text_deletes, self._text_adds
-            self._text_deletes, self._text_adds = {}, {}
+            text_comments = self._text_comments
+            self._text_deletes, self._text_adds, self._text_comments = {}, {}, {}
         self.tx = self.new_transaction()
         later: dict[str, list[Key]] = {}
         for container, keys in text_deletes.items():
@@ -106,7 +125,7 @@ class SyncOps:
                 else:
                     later.setdefault(container, []).append(key)
         for container, items in text_adds.items():
-            tx.add_elements(container, items)
+            tx.add_elements(container, items, text_comments.get(container))
         self.run(tx)
         batch = ElementBatch(
             tx.family,
@@ -114,6 +133,7 @@ class SyncOps:
             self._types,
             [(c, k) for c, keys in deletes.items() for k in keys],
             [(c, k, v) for c, items in adds.items() for k, v in items],
+            comments or None,
         )
         if len(batch):
             self._write_elements(batch)

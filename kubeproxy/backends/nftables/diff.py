@@ -51,8 +51,15 @@ _SLOT_TEXTS = tuple(str(i) for i in range(1024))
 class ElementSink(Protocol):
     """Where element changes are queued."""
 
-    def add(self, container: str, key: Key, value: tuple[str, ...] = _VALUE_NONE) -> None:
-        """Queue the addition of ``key`` (with ``value`` in a map) to ``container``."""
+    def add(
+        self,
+        container: str,
+        key: Key,
+        value: tuple[str, ...] = _VALUE_NONE,
+        comment: str | None = None,
+    ) -> None:
+        """Queue the addition of ``key`` (with ``value`` in a map, and ``comment``) to
+        ``container``."""
 
     def delete(self, container: str, key: Key) -> None:
         """Queue the deletion of ``key`` from ``container``."""
@@ -98,15 +105,20 @@ def diff_class(
     key: Key,
     old: ClassSpec | None,
     new: ClassSpec | None,
+    name: str | None = None,
+    renamed: bool = False,
 ) -> None:
     """Queue the membership changes that move frontend ``key`` from class ``old`` to
     ``new`` (None: not dispatched): its class-number bits with the tree dispatch
-    (``numbers``), its class set with one rule per class (``numbers`` None)."""
-    if (old is None) != (new is None):
-        if old is None:
-            sink.add(names.dispatch(kind), key)
-        else:
+    (``numbers``), its class set with one rule per class (``numbers`` None). Its
+    dispatch element carries ``name`` (its Service port's comment); ``renamed``: the
+    frontend changed hands, so an element it keeps is written again with the new name
+    (the kernel keeps an element's comment when the element is added again)."""
+    if (old is None) != (new is None) or (renamed and old is not None):
+        if old is not None:
             sink.delete(names.dispatch(kind), key)
+        if new is not None:
+            sink.add(names.dispatch(kind), key, comment=name)
     if numbers is None:
         if old is not None:
             sink.delete(names.cls(old), key)
@@ -137,8 +149,10 @@ def diff_frontend(
     kind = new.kind if new is not None else before.kind  # type: ignore[union-attr]
     old_cls = before.cls if before else None
     new_cls = new.cls if new else None
-    if old_cls != new_cls:
-        diff_class(sink, names, numbers, kind, key, old_cls, new_cls)
+    name = new.name if new is not None else None
+    renamed = before is not None and new is not None and before.name != name
+    if old_cls != new_cls or renamed:
+        diff_class(sink, names, numbers, kind, key, old_cls, new_cls, name, renamed)
     proto = key[1] if kind == KIND_IP else key[0]
     main = diff_slots(
         sink,
@@ -162,11 +176,11 @@ def diff_frontend(
     )
     old_ne = before.no_endpoint if before else None
     new_ne = new.no_endpoint if new else None
-    if old_ne != new_ne:
+    if old_ne != new_ne or (renamed and old_ne is not None):
         if old_ne is not None:
             sink.delete(names.no_endpoint(kind, old_ne), key)
         if new_ne is not None:
-            sink.add(names.no_endpoint(kind, new_ne), key)
+            sink.add(names.no_endpoint(kind, new_ne), key, comment=name)
     for container, verdict, old_chain, new_chain in (
         (
             names.affinity_lookup(kind, False),

@@ -35,13 +35,17 @@ from kubeproxy.backends.nftables.batchsocket import BatchSocket, Frame
 from kubeproxy.backends.nftables.objects import Family, NftError, validate_name
 
 __all__ = [
+    "COMMENT_MAX",
     "ElementBatch",
     "ElementWriter",
+    "comment_userdata",
     "decode_part",
+    "decode_parts",
     "element_encoder",
     "element_frames",
     "encode_part",
     "supports",
+    "with_comment",
 ]
 
 Key = tuple[str, ...]
@@ -61,12 +65,43 @@ _NFTA_SET_ELEM_LIST_ELEMENTS = 3
 _NFTA_LIST_ELEM = 1
 _NFTA_SET_ELEM_KEY = 1
 _NFTA_SET_ELEM_DATA = 2
+_NFTA_SET_ELEM_USERDATA = 6
 _NFTA_DATA_VALUE = 1
+# libnftnl's udata type of an element's comment (NFTNL_UDATA_SET_ELEM_COMMENT).
+_UDATA_SET_ELEM_COMMENT = 0
+COMMENT_MAX = 128
+"""Longest element comment we write, in bytes (nft allows 128 characters; the kernel
+keeps up to 256 bytes of user data per element)."""
+# What a comment may add to an element: its attribute header, udata type and length, the
+# text, its NUL, the padding.
+_COMMENT_ROOM = nlmsg.align(4 + 2 + COMMENT_MAX + 1)
 
 
 def supports(types: Sequence[str]) -> bool:
     """Whether elements of these concatenated types can be sent by :class:`ElementWriter`."""
     return all(t in SUPPORTED_TYPES for t in types)
+
+
+def comment_userdata(comment: str) -> bytes:
+    """An element comment as nft stores it in the element's user data (libnftnl's udata:
+    type, length, the text with its terminating NUL), so ``nft list`` shows it as its own.
+
+    Raises :class:`ValueError` for a comment nft could not have written (too long, a
+    double quote, a control character).
+    """
+    data = comment.encode()
+    if len(data) > COMMENT_MAX or '"' in comment or not comment.isprintable():
+        raise ValueError(f"{comment!r} cannot be an element comment")
+    return bytes((_UDATA_SET_ELEM_COMMENT, len(data) + 1)) + data + b"\0"
+
+
+def with_comment(element: bytes, comment: str) -> bytes:
+    """An encoded ``NFTA_LIST_ELEM`` attribute with ``comment`` added as its user data
+    (``NFTA_SET_ELEM_USERDATA``): what an element written with a comment carries, for any
+    encoder of elements (this module's, or one that encodes whole transactions)."""
+    extra = nlmsg.attr(_NFTA_SET_ELEM_USERDATA, comment_userdata(comment))
+    length, kind = nlmsg.ATTR.unpack_from(element)
+    return nlmsg.ATTR.pack(length + len(extra), kind) + element[nlmsg.ATTR.size :] + extra
 
 
 def encode_part(datatype: str, text: str) -> bytes:
@@ -117,7 +152,8 @@ def decode_part(datatype: str, data: bytes) -> str:
     raise ValueError(f"data type {datatype!r} is not supported")
 
 
-def _decode(types: tuple[str, ...], data: bytes) -> Key:
+def decode_parts(types: tuple[str, ...], data: bytes) -> Key:
+    """A key or value of ``types`` as nft writes it (the inverse of the encoder)."""
     parts = []
     offset = 0
     for datatype in types:
@@ -301,6 +337,8 @@ class ElementBatch:
 
     ``types`` gives each container's key types and value types (empty for a set);
     deletions are applied before additions. Parts are text as nft writes them.
+    ``comments`` names the comment of an added element (``(container, key)`` -> text), for
+    the few containers whose elements carry one (the frontends' Service names).
     """
 
     family: Family
@@ -308,6 +346,7 @@ class ElementBatch:
     types: Mapping[str, tuple[tuple[str, ...], tuple[str, ...]]]
     deletes: Sequence[tuple[str, Key]] = ()
     adds: Sequence[tuple[str, Key, Key]] = ()
+    comments: Mapping[tuple[str, Key], str] | None = None
 
     def __len__(self) -> int:
         return len(self.deletes) + len(self.adds)
@@ -316,8 +355,12 @@ class ElementBatch:
         """The same changes as nft commands (for fakes, dry runs and error messages)."""
         prefix = f"{self.family} {self.table}"
         lines = [f"delete element {prefix} {c} {{ {' . '.join(k)} }}" for c, k in self.deletes]
+        comments = self.comments or {}
         for container, key, value in self.adds:
             text = " . ".join(key)
+            comment = comments.get((container, key)) if comments else None
+            if comment is not None:
+                text += f' comment "{comment}"'
             if value:
                 text += " : " + " . ".join(value)
             lines.append(f"add element {prefix} {container} {{ {text} }}")
@@ -453,13 +496,21 @@ def element_frames(batch: ElementBatch) -> list[Frame]:
             else:
                 container, key, value = item  # type: ignore[misc]
                 grouped.setdefault(container, []).append((key, value))
+        named = {c for c, _key in batch.comments} if batch.comments and verb == "add" else set()
         for container, pairs in grouped.items():
-            frames.extend(_encode(batch, verb, container, pairs))
+            # Only the containers whose elements carry comments take the second pass
+            # (and the room a comment needs when messages are cut).
+            comments = batch.comments if container in named else None
+            frames.extend(_encode(batch, verb, container, pairs, comments))
     return frames
 
 
 def _encode(
-    batch: ElementBatch, verb: str, container: str, pairs: list[tuple[Key, Key]]
+    batch: ElementBatch,
+    verb: str,
+    container: str,
+    pairs: list[tuple[Key, Key]],
+    comments: Mapping[tuple[str, Key], str] | None = None,
 ) -> list[Frame]:
     validate_name("set", container)
     types = batch.types.get(container)
@@ -470,7 +521,8 @@ def _encode(
     flags = 0 if verb == "delete" else nlmsg.NLM_F_CREATE
     head = _container(batch.table, container)
     # One attribute holds at most 64 KiB: elements are split into messages below that.
-    per_message = max(1, nlmsg.MESSAGE_BYTES // codec.size)
+    size = codec.size + (_COMMENT_ROOM if comments else 0)
+    per_message = max(1, nlmsg.MESSAGE_BYTES // size)
     frames: list[Frame] = []
     for start in range(0, len(pairs), per_message):
         chunk = pairs[start : start + per_message]
@@ -481,6 +533,8 @@ def _encode(
             raise NftError(
                 f"element {' . '.join(bad)} of {container}: {err}", _errno.EINVAL
             ) from None
+        if comments:
+            elements = _commented(elements, chunk, container, comments)
         offsets = []
         position = nlmsg.HEADER.size + nlmsg.NFGEN.size + len(head) + nlmsg.ATTR.size
         for element in elements:
@@ -490,6 +544,28 @@ def _encode(
         keys = tuple(k for k, _v in chunk)
         frames.append(Frame(kind, flags, body, _Message(verb, container, keys, tuple(offsets))))
     return frames
+
+
+def _commented(
+    elements: list[bytes],
+    chunk: list[tuple[Key, Key]],
+    container: str,
+    comments: Mapping[tuple[str, Key], str],
+) -> list[bytes]:
+    """``elements`` with the comments ``comments`` name for them (a separate pass: the
+    containers without comments keep the encoder's one list comprehension)."""
+    out = []
+    for element, (key, _value) in zip(elements, chunk, strict=True):
+        comment = comments.get((container, key))
+        if comment is not None:
+            try:
+                element = with_comment(element, comment)
+            except ValueError as err:
+                raise NftError(
+                    f"element {' . '.join(key)} of {container}: {err}", _errno.EINVAL
+                ) from None
+        out.append(element)
+    return out
 
 
 def _elements(
@@ -508,9 +584,9 @@ def _elements(
                 if part_kind in (_NFTA_SET_ELEM_KEY, _NFTA_SET_ELEM_DATA):
                     raw = next((v for k, v in nlmsg.attribute_values(part) if k == 1), b"")
                     if part_kind == _NFTA_SET_ELEM_KEY:
-                        key = _decode(types[0], raw)
+                        key = decode_parts(types[0], raw)
                     else:
-                        value = _decode(types[1], raw)
+                        value = decode_parts(types[1], raw)
             if key:
                 yield key, value
 

@@ -250,8 +250,15 @@ class FakeNft(NftExecutor):
         tx = Transaction(batch.family, batch.table)
         for container, key in batch.deletes:
             tx.delete_element(container, key)
+        comments = batch.comments or {}
         for container, key, value in batch.adds:
-            tx.add_element(container, key, value, is_map=bool(batch.types[container][1]))
+            tx.add_element(
+                container,
+                key,
+                value,
+                is_map=bool(batch.types[container][1]),
+                comment=comments.get((container, key)) if comments else None,
+            )
         self.run(tx)
 
     def whole_table(self, family: Family, table: str) -> AbstractContextManager[None]:

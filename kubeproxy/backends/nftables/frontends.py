@@ -9,6 +9,8 @@ NodePort), and each frontend becomes data elements only:
   session affinity), read by one rule per class;
 * its endpoints as numbered slots of a map read by ``numgen random mod N``;
 * membership of the no-endpoint reject/drop sets and of the firewall sets;
+* its Service port's name (:func:`frontend_comment`), the comment of its element in the
+  dispatch set (or the no-endpoint set), so tools reading the kernel name its Service;
 * for ClientIP session affinity, elements of the affinity lookup and record verdict
   maps that send the frontend to its port's affinity chains (:class:`AffinityPlan`).
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import hashlib
 import ipaddress
 import sys
 from dataclasses import dataclass
@@ -40,7 +43,15 @@ from kubeproxy.backends.nftables.table import (
     chain_name,
     port_identity,
 )
-from kubeproxy.objects import CategorizedEndpoints, Endpoint, IPFamily, ServicePort
+from kubeproxy.objects import (
+    CategorizedEndpoints,
+    Endpoint,
+    IPFamily,
+    NamespacedName,
+    Protocol,
+    ServicePort,
+    ServicePortName,
+)
 
 __all__ = [
     "AFFINITY_LOCAL_ENDPOINTS",
@@ -60,7 +71,9 @@ __all__ = [
     "NoEndpoint",
     "PortPlan",
     "Shape",
+    "comment_names",
     "endpoint_value",
+    "frontend_comment",
     "plan_port",
 ]
 
@@ -152,7 +165,8 @@ class Frontend:
     verdict or None. With ClientIP affinity, ``lookup`` and ``shortcut_lookup``
     name the chains its main and short-circuit picks look the client up in, and
     ``record`` the chain that records a new connection's endpoint (all in the port's
-    :class:`AffinityPlan`).
+    :class:`AffinityPlan`). ``name`` is the Service port's :func:`frontend_comment`, the
+    comment of the frontend's dispatch and no-endpoint elements.
     """
 
     kind: Kind
@@ -164,6 +178,42 @@ class Frontend:
     lookup: str | None = None
     shortcut_lookup: str | None = None
     record: str | None = None
+    name: str | None = None
+
+
+COMMENT_LIMIT = 128
+"""Longest frontend comment: what nft's parser takes (``NFTNL_UDATA_COMMENT_MAXLEN``), so
+a listing of the table loads again."""
+_SHORTENED = "~"
+_ANY_PROTOCOL = Protocol.TCP  # the comment names no protocol (a port name is unique)
+
+
+def frontend_comment(name: ServicePortName) -> str:
+    """What the kernel keeps to name a frontend's Service port: upstream's
+    ``namespace/name:port`` (``namespace/name`` for an unnamed port), as the comment of the
+    frontend's dispatch (or no-endpoint) element.
+
+    A name longer than :data:`COMMENT_LIMIT` (a 63-character namespace and Service name
+    with a long port name can be 143) keeps its first characters, a ``~`` and eight
+    characters of its hash (:func:`comment_names`)."""
+    text = str(name)
+    if len(text) <= COMMENT_LIMIT:
+        return text
+    digest = hashlib.sha256(text.encode()).hexdigest()[:8]
+    return f"{text[: COMMENT_LIMIT - 9]}{_SHORTENED}{digest}"
+
+
+def comment_names(comment: str, service: NamespacedName, port: str | None = None) -> bool:
+    """Whether a frontend comment (:func:`frontend_comment`) names a port of ``service``
+    (of that ``port`` name, when given). A shortened comment names the Service whose full
+    name begins with its kept characters (and, with ``port``, whose hash matches)."""
+    if port is not None:
+        return comment == frontend_comment(ServicePortName(service, port, _ANY_PROTOCOL))
+    whole = str(service)
+    if comment == whole or comment.startswith(whole + ":"):
+        return True
+    kept, shortened, _digest = comment.rpartition(_SHORTENED)
+    return bool(shortened) and len(comment) == COMMENT_LIMIT and (whole + ":").startswith(kept)
 
 
 AFFINITY_LOCAL_ENDPOINTS = "affinity-local-endpoints"
@@ -304,6 +354,7 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
     frontends: list[Frontend] = []
     cluster_key: Key = (cip, proto, port_text)
     claims: set[Key] = {cluster_key}
+    name = frontend_comment(port.name)
     internal_list = _LOCAL_LIST if port.internal_policy_local else _CLUSTER_LIST
     if internal:
         frontends.append(
@@ -314,10 +365,11 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
                 internal,
                 lookup=affinity.lookup(internal_list) if affinity else None,
                 record=record,
+                name=name,
             )
         )
     else:
-        frontends.append(Frontend(KIND_IP, cluster_key, None, no_endpoint=no_endpoint))
+        frontends.append(Frontend(KIND_IP, cluster_key, None, no_endpoint=no_endpoint, name=name))
 
     external_keys: list[tuple[Kind, Key]] = []
     for ext in (*port.external_ips, *port.load_balancer_vips):
@@ -357,9 +409,10 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
                     lookup,
                     shortcut_lookup,
                     record if served else None,
+                    name,
                 )
             else:
-                fe = Frontend(kind, key, None, no_endpoint=no_endpoint)
+                fe = Frontend(kind, key, None, no_endpoint=no_endpoint, name=name)
             frontends.append(fe)
 
     firewall: list[tuple[Key, tuple[str, ...]]] = []

@@ -22,7 +22,7 @@ bounded chunks. They validate exactly as :meth:`Transaction.add` does.
 from __future__ import annotations
 
 import errno
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Final
 
 from kubeproxy.backends.nftables.objects import (
@@ -339,10 +339,14 @@ class Transaction:
         self._ops.append(("add", _ELEMENT, container, key, value, comment, is_map, None))
 
     def add_elements(
-        self, container: str, items: Iterable[tuple[tuple[str, ...], tuple[str, ...]]]
+        self,
+        container: str,
+        items: Iterable[tuple[tuple[str, ...], tuple[str, ...]]],
+        comments: Mapping[tuple[str, ...], str] | None = None,
     ) -> None:
         """Queue ``add element`` of each ``(key, value)``, like :meth:`add_element` for each
-        (an empty value means a set element), checking the container name once.
+        (an empty value means a set element), checking the container name once; an
+        element's comment is ``comments[key]`` when there is one.
         """
         if self._error is not None or not self._name_ok("set", container):
             return
@@ -354,7 +358,10 @@ class Transaction:
                 and parts_ok("value", value, allow_empty=True)
             ):
                 return
-            append(("add", _ELEMENT, container, key, value, None, bool(value), None))
+            comment = comments.get(key) if comments else None
+            if comment is not None and not self._check(validate_comment, comment):
+                return
+            append(("add", _ELEMENT, container, key, value, comment, bool(value), None))
 
     def delete_element(self, container: str, key: tuple[str, ...]) -> None:
         """Queue ``delete element``, like ``delete(Element(container, key))`` (only the key

@@ -1,0 +1,313 @@
+"""Reading ``table <family> kube-proxy`` back from the kernel over netlink, for tools.
+
+What ``kubeproxy explain``, ``verify`` and ``trace`` read: the table's sets and maps
+(declarations), the elements of one container with their comments (a frontend's
+Service name), verdicts (``goto CHAIN``) and expirations (affinity entries), and what the
+rules of one chain refer to (sets looked up, chains jumped or gone to, sets updated and
+their timeouts).
+
+Why netlink and not libnftables: nft 1.0.6 fetches every element of the table before it
+lists anything of it (``rulecounters.py``: 3.2 s at 300k elements), and its JSON listing
+of a 100k-Service table takes seconds more to parse; asking the kernel for one set's
+elements or one chain's rules costs what that object holds (``bench/explain.py`` measures
+both at 100k Services). The socket is a :class:`~.batchsocket.BatchSocket` of its own,
+read-only: nothing is ever written.
+"""
+
+from __future__ import annotations
+
+import errno
+import struct
+from dataclasses import dataclass
+from typing import Final
+
+import kubeproxy.nlmsg as nlmsg
+from kubeproxy.backends.nftables.batchsocket import BatchSocket
+from kubeproxy.backends.nftables.declarations import Declaration
+from kubeproxy.backends.nftables.elements import SUPPORTED_TYPES, decode_parts, element_encoder
+from kubeproxy.backends.nftables.objects import Family, NftError, validate_name
+from kubeproxy.backends.nftables.table import TABLE
+
+__all__ = ["Item", "RuleRefs", "TableReader"]
+
+Key = tuple[str, ...]
+
+_FAMILY_NUMBERS: Final = {Family.IP: 2, Family.IP6: 10}
+_NEWRULE, _GETRULE, _NEWSET, _GETSET, _NEWSETELEM, _GETSETELEM = 6, 7, 9, 10, 12, 13
+_LIST_TABLE, _LIST_SET, _LIST_ELEMENTS = 1, 2, 3
+_LIST_ELEM = 1
+_ELEM_KEY, _ELEM_DATA, _ELEM_EXPIRATION, _ELEM_USERDATA = 1, 2, 5, 6
+_DATA_VALUE, _DATA_VERDICT = 1, 2
+_VERDICT_CODE, _VERDICT_CHAIN = 1, 2
+_RULE_TABLE, _RULE_CHAIN, _RULE_EXPRESSIONS = 1, 2, 4
+_EXPR_NAME, _EXPR_DATA = 1, 2
+_IMMEDIATE_DATA = 2
+_LOOKUP_SET = 1
+_DYNSET_SET_NAME, _DYNSET_TIMEOUT = 1, 6
+_NG_MODULUS = 2
+_UDATA_COMMENT = 0
+# Verdict codes (linux/netfilter/nf_tables.h, netfilter.h).
+VERDICTS: Final = {
+    0: "drop",
+    1: "accept",
+    -1: "continue",
+    -2: "break",
+    -3: "jump",
+    -4: "goto",
+    -5: "return",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One element: its key and value as nft writes them (``()`` for a set element; a
+    verdict map's value is ``("goto", CHAIN)``), its comment, and for an element with a
+    timeout the milliseconds until it expires."""
+
+    key: Key
+    value: Key = ()
+    comment: str | None = None
+    expires_ms: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RuleRefs:
+    """What one rule refers to: the sets it looks up, the chains it jumps or goes to
+    (``("goto", CHAIN)``) and its other verdicts, the set it updates and the timeout
+    it gives (seconds), the modulus of its ``numgen``, and its raw expressions."""
+
+    lookups: tuple[str, ...] = ()
+    verdicts: tuple[tuple[str, str], ...] = ()
+    updates: str | None = None
+    timeout_s: int | None = None
+    modulus: int | None = None
+    expressions: tuple[tuple[str, tuple[tuple[int, bytes], ...]], ...] = ()
+    """Every expression as the kernel holds it: its name and attributes (what ``trace``
+    evaluates a rule's matches from)."""
+
+    @property
+    def target(self) -> str | None:
+        """The chain this rule jumps or goes to, if any."""
+        return next((chain for verb, chain in self.verdicts if chain), None)
+
+
+class TableReader:
+    """Reads one table (``kube-proxy`` unless told) over a socket of its own in
+    ``netns`` (None: this one). Raises :class:`NftError` (``ENOENT``: no such table, set
+    or chain)."""
+
+    def __init__(self, netns: str | None = None, *, table: str = TABLE, timeout: float = 5.0):
+        validate_name("table", table)
+        self.table = table
+        self.channel = BatchSocket(netns, timeout=timeout)
+
+    def close(self) -> None:
+        """Close the socket."""
+        self.channel.close()
+
+    def __enter__(self) -> TableReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _dump(self, family: Family, kind: int, body: bytes, what: str) -> list[bytes]:
+        """The payloads (after ``nfgenmsg``) of a dump, asked again when a commit
+        interrupted it."""
+        head = nlmsg.NFGEN.pack(_FAMILY_NUMBERS[family], 0, 0)
+        for _attempt in range(3):
+            seq = self.channel.next_seq()
+            request = nlmsg.message(
+                nlmsg.nfnl_type(nlmsg.NFNL_SUBSYS_NFTABLES, kind),
+                nlmsg.NLM_F_REQUEST | nlmsg.NLM_F_DUMP,
+                seq,
+                head + body,
+            )
+            with self.channel.lock:
+                answers, interrupted = self.channel.request(
+                    request, seq, what, dump=True, bufsize=1 << 20
+                )
+            if not interrupted:
+                return [payload[nlmsg.NFGEN.size :] for _kind, payload in answers]
+        raise NftError(f"{what}: interrupted by other changes", errno.EINTR)
+
+    def exists(self, family: Family) -> bool:
+        """Whether the table exists in ``family``."""
+        try:
+            self.sets(family)
+        except NftError as err:
+            if err.errno == errno.ENOENT:
+                return False
+            raise
+        return True
+
+    def sets(self, family: Family) -> dict[str, Declaration]:
+        """Every named set and map of the table, by name."""
+        body = nlmsg.attr(_LIST_TABLE, nlmsg.string(self.table))
+        found: dict[str, Declaration] = {}
+        for payload in self._dump(family, _GETSET, body, f"sets of {family} {self.table}"):
+            try:
+                declaration = Declaration.from_kernel(payload)
+            except NftError:
+                continue  # a type we never write: not ours to explain
+            if not declaration.name.startswith("__"):
+                found[declaration.name] = declaration
+        return found
+
+    def elements(self, family: Family, name: str, declaration: Declaration) -> list[Item]:
+        """Every element of set or map ``name`` (an interval set's ranges are left out:
+        they list as their start only)."""
+        validate_name("set", name)
+        key_types = tuple(f.datatype.name for f in declaration.key)
+        value_types = tuple(f.datatype.name for f in declaration.value or ())
+        if not set(key_types + value_types) <= SUPPORTED_TYPES:
+            raise NftError(f"set {name}: data types not read here", errno.EINVAL)
+        body = nlmsg.attr(_LIST_TABLE, nlmsg.string(self.table))
+        body += nlmsg.attr(_LIST_SET, nlmsg.string(name))
+        items: list[Item] = []
+        for payload in self._dump(family, _GETSETELEM, body, f"listing {name}"):
+            for kind, value in nlmsg.attribute_values(payload):
+                if kind == _LIST_ELEMENTS:
+                    items.extend(_items(value, key_types, value_types))
+        return items
+
+    def get(self, family: Family, name: str, declaration: Declaration, key: Key) -> Item | None:
+        """The element ``key`` of set or map ``name`` (None when it holds none): one
+        question to the kernel, whatever the set holds (``nft get element``)."""
+        validate_name("set", name)
+        key_types = tuple(f.datatype.name for f in declaration.key)
+        value_types = tuple(f.datatype.name for f in declaration.value or ())
+        if not set(key_types + value_types) <= SUPPORTED_TYPES:
+            raise NftError(f"set {name}: data types not read here", errno.EINVAL)
+        try:
+            element = element_encoder(key_types, ())(key, ())
+        except ValueError as err:
+            raise NftError(f"element {' . '.join(key)} of {name}: {err}", errno.EINVAL) from None
+        seq = self.channel.next_seq()
+        body = nlmsg.NFGEN.pack(_FAMILY_NUMBERS[family], 0, 0)
+        body += nlmsg.attr(_LIST_TABLE, nlmsg.string(self.table))
+        body += nlmsg.attr(_LIST_SET, nlmsg.string(name))
+        body += nlmsg.nested(_LIST_ELEMENTS, element)
+        request = nlmsg.message(
+            nlmsg.nfnl_type(nlmsg.NFNL_SUBSYS_NFTABLES, _GETSETELEM), nlmsg.NLM_F_REQUEST, seq, body
+        )
+        try:
+            with self.channel.lock:
+                answers, _interrupted = self.channel.request(request, seq, f"element of {name}")
+        except NftError as err:
+            if err.errno == errno.ENOENT:
+                return None
+            raise
+        for _kind, payload in answers:
+            for kind, value in nlmsg.attribute_values(payload[nlmsg.NFGEN.size :]):
+                if kind == _LIST_ELEMENTS:
+                    found = _items(value, key_types, value_types)
+                    if found:
+                        return found[0]
+        return None
+
+    def rules(self, family: Family, chain: str) -> list[RuleRefs]:
+        """What each rule of ``chain`` refers to, in order."""
+        validate_name("chain", chain)
+        body = nlmsg.attr(_RULE_TABLE, nlmsg.string(self.table))
+        body += nlmsg.attr(_RULE_CHAIN, nlmsg.string(chain))
+        out = []
+        for payload in self._dump(family, _GETRULE, body, f"rules of {chain}"):
+            for kind, value in nlmsg.attribute_values(payload):
+                if kind == _RULE_EXPRESSIONS:
+                    out.append(_rule_refs(value))
+        return out
+
+
+def _items(data: bytes, key_types: Key, value_types: Key) -> list[Item]:
+    items = []
+    for kind, element in nlmsg.attribute_values(data):
+        if kind != _LIST_ELEM:
+            continue
+        key: Key = ()
+        value: Key = ()
+        comment = None
+        expires = None
+        for part, raw in nlmsg.attribute_values(element):
+            if part == _ELEM_KEY:
+                key = decode_parts(key_types, _nested(raw, _DATA_VALUE))
+            elif part == _ELEM_DATA:
+                verdict = _nested(raw, _DATA_VERDICT)
+                if verdict:
+                    value = _verdict(verdict)
+                else:
+                    value = decode_parts(value_types, _nested(raw, _DATA_VALUE))
+            elif part == _ELEM_EXPIRATION:
+                expires = struct.unpack(">Q", raw[:8])[0]
+            elif part == _ELEM_USERDATA:
+                comment = _comment(raw)
+        if key:
+            items.append(Item(key, value, comment, expires))
+    return items
+
+
+def _nested(data: bytes, wanted: int) -> bytes:
+    return next((v for k, v in nlmsg.attribute_values(data) if k == wanted), b"")
+
+
+def _verdict(data: bytes) -> Key:
+    code = 0
+    chain = ""
+    for kind, raw in nlmsg.attribute_values(data):
+        if kind == _VERDICT_CODE:
+            code = struct.unpack(">i", raw[:4])[0]
+        elif kind == _VERDICT_CHAIN:
+            chain = raw.split(b"\0", 1)[0].decode(errors="replace")
+    return (VERDICTS.get(code, str(code)), chain)
+
+
+def _comment(userdata: bytes) -> str | None:
+    """The comment in an element's user data (libnftnl's udata: type, length, text)."""
+    offset = 0
+    while offset + 2 <= len(userdata):
+        kind, length = userdata[offset], userdata[offset + 1]
+        if kind == _UDATA_COMMENT:
+            return userdata[offset + 2 : offset + 2 + length].split(b"\0", 1)[0].decode()
+        offset += 2 + length
+    return None
+
+
+def _rule_refs(expressions: bytes) -> RuleRefs:
+    lookups: list[str] = []
+    verdicts: list[tuple[str, str]] = []
+    updates = None
+    timeout = None
+    modulus = None
+    seen: list[tuple[str, tuple[tuple[int, bytes], ...]]] = []
+    for kind, element in nlmsg.attribute_values(expressions):
+        if kind != _LIST_ELEM:
+            continue
+        name = b""
+        data = b""
+        for part, raw in nlmsg.attribute_values(element):
+            if part == _EXPR_NAME:
+                name = raw.split(b"\0", 1)[0]
+            elif part == _EXPR_DATA:
+                data = raw
+        fields = dict(nlmsg.attribute_values(data))
+        seen.append((_text(name), tuple(fields.items())))
+        if name == b"lookup" and _LOOKUP_SET in fields:
+            lookups.append(_text(fields[_LOOKUP_SET]))
+        elif name == b"immediate" and _IMMEDIATE_DATA in fields:
+            verdict = _nested(fields[_IMMEDIATE_DATA], _DATA_VERDICT)
+            if verdict:
+                verb, chain = _verdict(verdict)
+                verdicts.append((verb, chain))
+        elif name == b"dynset":
+            updates = _text(fields.get(_DYNSET_SET_NAME, b""))
+            if _DYNSET_TIMEOUT in fields:
+                timeout = struct.unpack(">Q", fields[_DYNSET_TIMEOUT][:8])[0] // 1000
+        elif name == b"numgen" and _NG_MODULUS in fields:
+            modulus = struct.unpack(">I", fields[_NG_MODULUS][:4])[0]
+        elif name in (b"reject",):
+            verdicts.append(("reject", ""))
+    return RuleRefs(tuple(lookups), tuple(verdicts), updates, timeout, modulus, tuple(seen))
+
+
+def _text(raw: bytes) -> str:
+    return raw.split(b"\0", 1)[0].decode(errors="replace")

@@ -1,0 +1,327 @@
+"""``kubeproxy``: answers for operators, read from the kernel (issue 30).
+
+    kubeproxy explain NAMESPACE/SERVICE [--port NAME] [--family ipv4|ipv6] [--json]
+    kubeproxy verify (--manifests DIR | --kubeconfig FILE) [--json] [-- PROXY FLAGS]
+    kubeproxy trace --from IP[:PORT] --to IP:PORT/PROTO [--iif NAME] [--json]
+
+Every answer is read from the kernel over netlink (:mod:`kubeproxy.backends.nftables.
+reader`), never from the proxy's memory, so it is true when the proxy is wedged or gone.
+``--netns NAME`` reads the table of a named network namespace (tests, and a node whose
+proxy runs in one).
+
+``verify`` runs the proxy itself, nftables mode, with ``--dry-run`` (the flags after
+``--`` as the node's proxy has them: ``--config``, ``--hostname-override``...) into an
+in-memory table, and compares that with the kernel's in Service terms
+(:mod:`kubeproxy.backends.nftables.verify`).
+
+Exit codes: 0 an answer (``verify``: the kernel holds what it should); 1 the kernel holds
+nothing for what was asked (``verify``: differences, one line each); 2 a usage error, a
+kernel that could not be read, or a dry run that failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any, Final, TextIO
+
+from kubeproxy.backends.nftables.explain import FakeSource, FrontendView, ServiceView, TableView
+from kubeproxy.backends.nftables.explain import explain_service as _explain_service
+from kubeproxy.backends.nftables.objects import Family, NftError
+from kubeproxy.backends.nftables.reader import TableReader
+from kubeproxy.backends.nftables.trace import trace
+from kubeproxy.backends.nftables.verify import Difference, compare
+from kubeproxy.backends.nftables.verify import notes as table_notes
+from kubeproxy.netlink import HostAddresses
+from kubeproxy.objects import IPAddress, NamespacedName
+
+__all__ = ["PROG", "VerifyError", "expected_tables", "explain", "main", "verify"]
+
+PROG: Final = "kubeproxy"
+"""The tool's name (in messages and ``--help``)."""
+
+_FAMILIES: Final = {"ipv4": (Family.IP,), "ipv6": (Family.IP6,), "both": (Family.IP, Family.IP6)}
+
+
+def _service(text: str) -> NamespacedName:
+    namespace, slash, name = text.partition("/")
+    if not slash or not namespace or not name or "/" in name:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAMESPACE/SERVICE")
+    return NamespacedName(namespace, name)
+
+
+def _address(text: str) -> tuple[IPAddress, str]:
+    """``IP[:REST]`` or ``[IPv6][:REST]`` -> (address, rest)."""
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        rest = rest.removeprefix(":")
+    elif text.count(":") > 1:
+        host, rest = text, ""
+    else:
+        host, _, rest = text.partition(":")
+    try:
+        return ipaddress.ip_address(host), rest
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: {host!r} is not an IP address") from None
+
+
+def _source(text: str) -> IPAddress:
+    return _address(text)[0]
+
+
+def _dest(text: str) -> tuple[IPAddress, int, str]:
+    ip, rest = _address(text)
+    port, slash, proto = rest.partition("/")
+    proto = proto.lower() or "tcp"
+    if not port.isdigit() or not 0 < int(port) < 65536 or proto not in ("tcp", "udp", "sctp"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not IP:PORT/tcp|udp|sctp")
+    del slash
+    return ip, int(port), proto
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="What the kernel holds for Services, in Service terms."
+    )
+    parser.add_argument("--netns", help="read the tables of this network namespace")
+    commands = parser.add_subparsers(dest="command", required=True)
+    explain_cmd = commands.add_parser(
+        "explain", help="a Service's frontends, classes and endpoints, as the kernel holds them"
+    )
+    explain_cmd.add_argument("service", type=_service, metavar="NAMESPACE/SERVICE")
+    explain_cmd.add_argument("--port", help="one port of the Service, by name")
+    explain_cmd.add_argument("--family", choices=sorted(_FAMILIES), default="both")
+    explain_cmd.add_argument("--json", action="store_true", help="machine-readable output")
+    trace_cmd = commands.add_parser(
+        "trace", help="the path a new connection takes through the kernel's table"
+    )
+    trace_cmd.add_argument(
+        "--from", dest="source", required=True, type=_source, metavar="IP[:PORT]"
+    )
+    trace_cmd.add_argument("--to", dest="dest", required=True, type=_dest, metavar="IP:PORT/PROTO")
+    trace_cmd.add_argument("--iif", help="the interface the connection comes in on")
+    trace_cmd.add_argument("--json", action="store_true", help="machine-readable output")
+    verify_cmd = commands.add_parser(
+        "verify", help="compare the kernel with what the Services and EndpointSlices say"
+    )
+    source = verify_cmd.add_mutually_exclusive_group(required=True)
+    source.add_argument("--manifests", help="a directory of manifests (as the proxy's)")
+    source.add_argument("--kubeconfig", help="a kubeconfig to list the objects with")
+    verify_cmd.add_argument("--family", choices=sorted(_FAMILIES), default="both")
+    verify_cmd.add_argument("--json", action="store_true", help="machine-readable output")
+    verify_cmd.add_argument(
+        "proxy_flags",
+        nargs=argparse.REMAINDER,
+        help="after --: the proxy's own flags (--config, --hostname-override, ...)",
+    )
+    return parser
+
+
+def explain(
+    service: NamespacedName,
+    port: str | None = None,
+    families: Sequence[Family] = (Family.IP, Family.IP6),
+    *,
+    netns: str | None = None,
+) -> list[ServiceView]:
+    """``service`` (its port ``port``) in each family's table of the current generation."""
+    with TableReader(netns) as reader:
+        return [_explain_service(TableView(reader, family), service, port) for family in families]
+
+
+def _slots(values: Sequence[str | None]) -> str:
+    return ", ".join(
+        f"[{slot}] {value if value is not None else 'MISSING'}" for slot, value in enumerate(values)
+    )
+
+
+def _print_frontend(fe: FrontendView, out: TextIO) -> None:
+    where = " (cluster IP)" if fe.cluster_ip else ""
+    if fe.nodeport_addresses:
+        where = f" on {', '.join(fe.nodeport_addresses)}"
+    print(f"  {fe.address}{where}  {fe.name or ''}", file=out)
+    if fe.chain is not None:
+        print(f"    class {fe.chain}: {fe.what}", file=out)
+        print(f"    endpoints by slot: {_slots(fe.endpoints) or 'none'}", file=out)
+        if fe.shortcut:
+            print(f"    short-circuit (pods, this node): {_slots(fe.shortcut)}", file=out)
+    else:
+        print(f"    {fe.what}", file=out)
+    if fe.chain is not None and fe.no_endpoint is not None:
+        print(f"    no endpoint for clients from outside: {fe.no_endpoint}", file=out)
+    if fe.source_ranges:
+        print("    loadBalancerSourceRanges apply (firewall-ips): others dropped", file=out)
+    if fe.affinity_maps:
+        held = ", ".join(
+            f"{a.client} -> {a.endpoint}"
+            + (f" ({a.expires_s:.0f} s left)" if a.expires_s is not None else "")
+            for a in fe.affinity
+        )
+        print(
+            f"    affinity entries ({', '.join(fe.affinity_maps)}): {held or 'none held'}",
+            file=out,
+        )
+
+
+def _print_views(views: Sequence[ServiceView], out: TextIO) -> None:
+    for view in views:
+        if view.generation is None:
+            print(f"{view.service}: table {view.family} kube-proxy is not there", file=out)
+            continue
+        if not view.frontends:
+            print(
+                f"{view.service}: nothing in table {view.family} kube-proxy"
+                f" (generation {view.generation})",
+                file=out,
+            )
+            continue
+        head = f"{view.service} in {view.family} kube-proxy, generation {view.generation}:"
+        print(head, file=out)
+        for fe in view.frontends:
+            _print_frontend(fe, out)
+
+
+def expected_tables(
+    source: Sequence[str], proxy_flags: Sequence[str], netns: str | None
+) -> list[Any]:
+    """The tables the proxy would write from ``source`` (``--manifests DIR`` or
+    ``--kubeconfig FILE``) with its ``proxy_flags``: one dry run of
+    ``kube-proxy-nftables``, whose in-memory fakes are returned (None: it failed)."""
+    from kubeproxy.cmd.binary import mode_warnings
+    from kubeproxy.cmd.modes import MODES, NftablesDryRun
+    from kubeproxy.cmd.options import parse_options
+    from kubeproxy.daemon import DaemonPlugins, DaemonSeams, run_daemon
+
+    flags = [*source, *[f for f in proxy_flags if f != "--"], "--dry-run"]
+    options = parse_options(flags, "kube-proxy-nftables", "nftables")
+    mode = MODES["nftables"]
+    dry_run = NftablesDryRun()
+    plugins = DaemonPlugins(
+        mode=mode.name, backend_hooks=mode.hooks, startup_warnings=mode_warnings(options)
+    )
+    code = run_daemon(options, dry_run, plugins=plugins, seams=DaemonSeams(netns=netns))
+    if code != 0:
+        raise VerifyError(f"the dry run of the proxy failed (exit {code}); see the log above")
+    return list(dry_run.fakes)
+
+
+class VerifyError(Exception):
+    """What the proxy would write could not be computed."""
+
+
+def verify(
+    fakes: Sequence[Any], families: Sequence[Family], *, netns: str | None = None
+) -> tuple[list[Difference], list[str]]:
+    """The differences (and notes) between the kernel's tables and ``fakes``'."""
+    differences: list[Difference] = []
+    notes: list[str] = []
+    with TableReader(netns) as reader:
+        for family in families:
+            want = next((FakeSource(f) for f in fakes if FakeSource(f).exists(family)), None)
+            have = TableView(reader, family)
+            if want is None:
+                if have.generation is not None:
+                    notes.append(f"table {family} kube-proxy: the proxy would not write it")
+                continue
+            differences.extend(compare(TableView(want, family), have))
+            notes.extend(table_notes(have))
+    return differences, notes
+
+
+def _run_verify(args: argparse.Namespace, out: TextIO) -> int:
+    source = (
+        ["--manifests", args.manifests] if args.manifests else ["--kubeconfig", args.kubeconfig]
+    )
+    try:
+        fakes = expected_tables(source, args.proxy_flags, args.netns)
+        differences, notes = verify(fakes, _FAMILIES[args.family], netns=args.netns)
+    except (VerifyError, NftError, OSError, ValueError) as err:
+        print(f"{PROG} verify: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        json.dump(
+            {
+                "equal": not differences,
+                "differences": [{"subject": d.subject, "what": d.what} for d in differences],
+                "notes": notes,
+            },
+            out,
+            indent=2,
+        )
+        print(file=out)
+    else:
+        for note in notes:
+            print(f"note: {note}", file=out)
+        for difference in differences:
+            print(difference, file=out)
+        if not differences:
+            print("the kernel holds what the objects say", file=out)
+    return 1 if differences else 0
+
+
+def _run_trace(args: argparse.Namespace, out: TextIO) -> int:
+    dest, port, proto = args.dest
+    family = Family.IP if dest.version == 4 else Family.IP6
+    if args.source.version != dest.version:
+        print(f"{PROG} trace: --from and --to are of different families", file=sys.stderr)
+        return 2
+    try:
+        local = HostAddresses().list_addresses(args.netns)
+        with TableReader(args.netns) as reader:
+            found = trace(
+                TableView(reader, family), args.source, dest, port, proto, local=local, iif=args.iif
+            )
+    except (NftError, OSError, ValueError) as err:
+        print(f"{PROG} trace: cannot read the kernel's tables: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        json.dump(
+            {
+                "verdict": found.verdict,
+                "endpoints": list(found.endpoints),
+                "masquerade": found.masquerade,
+                "service": found.frontend.name if found.frontend else None,
+                "steps": list(found.steps),
+                "unsure": list(found.unsure),
+            },
+            out,
+            indent=2,
+        )
+        print(file=out)
+    else:
+        print(f"{args.source} -> {dest}:{port}/{proto}", file=out)
+        for step in found.steps:
+            print(f"  {step}", file=out)
+        if found.verdict == "endpoints":
+            print(f"=> one of {', '.join(found.endpoints)}", file=out)
+        else:
+            print(f"=> {found.verdict}", file=out)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
+    """Run ``kubeproxy``; returns the exit code."""
+    out = out if out is not None else sys.stdout
+    args = _parser().parse_args(argv)
+    if args.command == "verify":
+        return _run_verify(args, out)
+    if args.command == "trace":
+        return _run_trace(args, out)
+    try:
+        views = explain(args.service, args.port, _FAMILIES[args.family], netns=args.netns)
+    except (NftError, OSError) as err:
+        print(f"{PROG}: cannot read the kernel's tables: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        json.dump([v.as_json() for v in views], out, indent=2)
+        print(file=out)
+    else:
+        _print_views(views, out)
+    return 0 if any(v.frontends for v in views) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
