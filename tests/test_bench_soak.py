@@ -207,3 +207,12 @@ def test_rss_is_judged_on_the_second_half_of_a_lifetime() -> None:
     assert high["memory"] == "high water (the heap in use flat)"
     assert not leak["malloc_in_use_mb"]["flat"] and leak["memory"] == "NOT flat"
     assert unwatched["memory"] == "NOT flat"
+
+
+def test_a_fall_is_flat_and_a_rise_is_not() -> None:
+    # fds coming down (what the first rounds held, let go) is no leak; the same amount
+    # going up is.
+    falling = [_point(t, 1, fds_other=v, rss_mb=100.0) for t, v in ((0, 60), (60, 40), (120, 25))]
+    rising = [_point(t, 1, fds_other=v, rss_mb=100.0) for t, v in ((0, 25), (60, 40), (120, 60))]
+    assert slopes(falling)["lifetimes"][0]["fds_other"]["flat"]
+    assert not slopes(rising)["lifetimes"][0]["fds_other"]["flat"]
