@@ -8,7 +8,7 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
-from bench.soak import affinity_verdict, slope_per_hour
+from bench.soak import Checkpoint, affinity_verdict, slope_per_hour, slopes
 from bench.soakcluster import expectations
 from bench.soaknet import RANGE_SOURCE
 from bench.soakstate import compare, table_state
@@ -161,3 +161,58 @@ def test_slopes() -> None:
     assert slope_per_hour([(0.0, 1.0), (1800.0, 2.0), (3600.0, 3.0)]) == 2.0
     assert slope_per_hour([(0.0, 5.0), (60.0, 5.0), (120.0, 5.0)]) == 0.0
     assert slope_per_hour([(0.0, 5.0), (60.0, 5.0)]) is None
+
+
+def _point(elapsed: float, lifetime: int, **resources: float) -> Checkpoint:
+    base = {"fds": 30.0, "listeners": 5.0, "fds_other": 25.0, "threads": 17.0}
+    return Checkpoint(
+        round=int(elapsed),
+        fault="none",
+        fault_details={},
+        lifetime=lifetime,
+        elapsed_s=elapsed,
+        services=1,
+        changes=0,
+        converged_s=0.0,
+        differences=[],
+        reference_s=0.0,
+        connections={},
+        localhost={},
+        resources={**base, **resources},
+        kernel={"chains": 1, "sets": 1, "elements": 1},
+        kernel_fresh={"chains": 1, "sets": 1, "elements": 1},
+        stale_objects=0.0,
+        first_differences=0,
+    )
+
+
+def test_rss_is_judged_on_the_second_half_of_a_lifetime() -> None:
+    # Steps in the first rounds, level after: flat. A rise going on in the second half
+    # is a high water while the heap in use stays level, and not flat when it grows or
+    # when nothing says what the heap does.
+    water = [110, 125, 135, 140, 141, 141, 140, 141]
+    rising = [110, 118, 126, 134, 142, 150, 158, 166]
+    heap = {"malloc_in_use_mb": 60.0, "pymalloc_blocks_k": 900.0}
+    points = [_point(60.0 * i, 1, rss_mb=mb) for i, mb in enumerate(water)]
+    points += [_point(600 + 60.0 * i, 2, rss_mb=mb, **heap) for i, mb in enumerate(rising)]
+    points += [
+        _point(1200 + 60.0 * i, 3, rss_mb=mb, **{**heap, "malloc_in_use_mb": 60.0 + 3 * i})
+        for i, mb in enumerate(rising)
+    ]
+    points += [_point(1800 + 60.0 * i, 4, rss_mb=mb) for i, mb in enumerate(rising)]
+    water_, high, leak, unwatched = slopes(points)["lifetimes"]
+    assert not water_["rss_mb"]["flat"] and water_["rss_mb_second_half"]["flat"]
+    assert water_["rss_mb_second_half"]["first"] == 141 and water_["memory"] == "flat"
+    assert not high["rss_mb_second_half"]["flat"]
+    assert high["memory"] == "high water (the heap in use flat)"
+    assert not leak["malloc_in_use_mb"]["flat"] and leak["memory"] == "NOT flat"
+    assert unwatched["memory"] == "NOT flat"
+
+
+def test_a_fall_is_flat_and_a_rise_is_not() -> None:
+    # fds coming down (what the first rounds held, let go) is no leak; the same amount
+    # going up is.
+    falling = [_point(t, 1, fds_other=v, rss_mb=100.0) for t, v in ((0, 60), (60, 40), (120, 25))]
+    rising = [_point(t, 1, fds_other=v, rss_mb=100.0) for t, v in ((0, 25), (60, 40), (120, 60))]
+    assert slopes(falling)["lifetimes"][0]["fds_other"]["flat"]
+    assert not slopes(rising)["lifetimes"][0]["fds_other"]["flat"]
