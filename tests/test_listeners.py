@@ -38,6 +38,7 @@ from kubeproxy.health import (
 from kubeproxy.metrics import MetricsServer, ProxyMetrics
 from kubeproxy.netns import in_netns
 from kubeproxy.objects import IPFamily, NamespacedName, NodeInfo
+from kubeproxy.testing.runner import default_timeout
 from tests.test_health import lb_service, lb_slice
 
 SOMAXCONN = 5000  # above socket.SOMAXCONN (4096): a listener showing it read the kernel's limit
@@ -164,11 +165,17 @@ def test_every_listener_of_the_daemon_asks_for_the_kernels_accept_queue(
         stderr=subprocess.STDOUT,
     )
     try:
-        deadline = time.monotonic() + 30
+        # The health check server binds after the first sync: under emulation (make
+        # test-kernels) nothing listened yet 30 s after the start (the binary's --once
+        # took 76 s there), so the wait grows with the flow kit's timeout scale.
+        deadline = time.monotonic() + 30 * default_timeout()
         queues = listen_queues(namespace)
         while (NODE_IP, HEALTH_CHECK_PORT) not in queues:
             assert daemon.poll() is None, (tmp_path / "daemon.log").read_text()
-            assert time.monotonic() < deadline, f"no health check listener: {queues}"
+            assert time.monotonic() < deadline, (
+                f"no health check listener: {queues}; the daemon said: "
+                + (tmp_path / "daemon.log").read_text()[-2000:]
+            )
             time.sleep(0.1)
             queues = listen_queues(namespace)
         # Everything the daemon listens on, and nothing else is in this namespace.
@@ -180,7 +187,7 @@ def test_every_listener_of_the_daemon_asks_for_the_kernels_accept_queue(
     finally:
         daemon.send_signal(signal.SIGTERM)
         try:
-            daemon.wait(15)
+            daemon.wait(15 * default_timeout())
         except subprocess.TimeoutExpired:
             daemon.kill()
             daemon.wait()

@@ -30,6 +30,7 @@ from kubeproxy.cmd.modes import MODES
 from kubeproxy.config import ProxierConfig
 from kubeproxy.objects import IPFamily, NodeInfo, Protocol
 from kubeproxy.proxier import Proxier
+from kubeproxy.testing.runner import default_timeout
 from kubeproxy.testing.traffic import ListenerServer, make_listener
 from tests import kernelkit
 from tests.kernelkit import node_and_pod
@@ -94,13 +95,16 @@ def proxied(node: Node) -> set[str]:
 
 
 def in_ns(node: Node, *argv: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    """``argv`` in the node namespace. A binary's run takes about a second here; under
+    emulation (make test-kernels, 6.12) a ``--once`` or ``--cleanup`` took over 60 s, so
+    the timeout grows with the flow kit's timeout scale."""
     return subprocess.run(
         ["ip", "netns", "exec", node.netns, *argv],
         input=stdin,
         capture_output=True,
         text=True,
         check=False,
-        timeout=60,
+        timeout=60 * default_timeout(),
     )
 
 
