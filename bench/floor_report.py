@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from bench.report import newest_document as newest_of_kind
+from bench.targets import size_label as _size
 
 __all__ = ["KIND", "TARGET_RATIO", "TARGET_SIZE", "newest_document", "render", "targets"]
 
@@ -27,10 +28,6 @@ TARGET_SIZE: Final = 100_000
 def newest_document(results: Path) -> tuple[Path, dict[str, Any]]:
     """The newest floor results document in ``results``."""
     return newest_of_kind(results, KIND)
-
-
-def _size(services: int) -> str:
-    return f"{services // 1000}k" if services >= 1000 else str(services)
 
 
 def _ratio(record: Mapping[str, Any]) -> float:

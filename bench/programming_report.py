@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from bench.report import newest_document as newest_of_kind
+from bench.targets import size_label as _size
 
 __all__ = [
     "KIND",
@@ -48,10 +49,6 @@ BASE_RATE: Final = 50.0
 def newest_document(results: Path) -> tuple[Path, dict[str, Any]]:
     """The newest network-programming results document in ``results``."""
     return newest_of_kind(results, KIND)
-
-
-def _size(services: int) -> str:
-    return f"{services // 1000}k" if services >= 1000 else str(services)
 
 
 def _number(value: float | None, digits: int = 1) -> str:
