@@ -1,8 +1,10 @@
 """``kubeproxy``: answers for operators, read from the kernel (issue 30).
 
     kubeproxy explain NAMESPACE/SERVICE [--port NAME] [--family ipv4|ipv6] [--json]
+    kubeproxy explain IP:PORT/PROTO [--json]
     kubeproxy verify (--manifests DIR | --kubeconfig FILE) [--json] [-- PROXY FLAGS]
     kubeproxy trace --from IP[:PORT] --to IP:PORT/PROTO [--iif NAME] [--json]
+    kubeproxy trace --live --to IP:PORT/PROTO [--from IP] [--count N] [--seconds S]
 
 Every answer is read from the kernel over netlink (:mod:`kubeproxy.backends.nftables.
 reader`), never from the proxy's memory, so it is true when the proxy is wedged or gone.
@@ -25,20 +27,45 @@ import argparse
 import ipaddress
 import json
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any, Final, TextIO
 
-from kubeproxy.backends.nftables.explain import FakeSource, FrontendView, ServiceView, TableView
+from kubeproxy.backends.nftables.explain import (
+    FakeSource,
+    FrontendView,
+    ServiceView,
+    TableView,
+    explain_address,
+)
 from kubeproxy.backends.nftables.explain import explain_service as _explain_service
+from kubeproxy.backends.nftables.livetrace import (
+    TRACE_TABLE,
+    TableRules,
+    TraceEvents,
+    follow,
+    trace_rules,
+    trace_table,
+)
 from kubeproxy.backends.nftables.objects import Family, NftError
 from kubeproxy.backends.nftables.reader import TableReader
+from kubeproxy.backends.nftables.table import TABLE
 from kubeproxy.backends.nftables.trace import trace
 from kubeproxy.backends.nftables.verify import Difference, compare
 from kubeproxy.backends.nftables.verify import notes as table_notes
 from kubeproxy.netlink import HostAddresses
 from kubeproxy.objects import IPAddress, NamespacedName
 
-__all__ = ["PROG", "VerifyError", "expected_tables", "explain", "main", "verify"]
+__all__ = [
+    "PROG",
+    "VerifyError",
+    "expected_tables",
+    "explain",
+    "explain_at",
+    "live_trace",
+    "main",
+    "verify",
+]
 
 PROG: Final = "kubeproxy"
 """The tool's name (in messages and ``--help``)."""
@@ -51,6 +78,22 @@ def _service(text: str) -> NamespacedName:
     if not slash or not namespace or not name or "/" in name:
         raise argparse.ArgumentTypeError(f"{text!r} is not NAMESPACE/SERVICE")
     return NamespacedName(namespace, name)
+
+
+def _target(text: str) -> NamespacedName | tuple[IPAddress, int, str]:
+    """What ``explain`` is asked about: a frontend (``IP:PORT[/PROTO]``: looked up by
+    key) or a Service (``NAMESPACE/SERVICE``: found by its elements' comments). A
+    namespace cannot hold ``:`` or ``.``, so an address is never a name."""
+    try:
+        return _dest(text)
+    except argparse.ArgumentTypeError:
+        pass
+    try:
+        return _service(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither NAMESPACE/SERVICE nor IP:PORT/PROTO"
+        ) from None
 
 
 def _address(text: str) -> tuple[IPAddress, str]:
@@ -91,7 +134,12 @@ def _parser() -> argparse.ArgumentParser:
     explain_cmd = commands.add_parser(
         "explain", help="a Service's frontends, classes and endpoints, as the kernel holds them"
     )
-    explain_cmd.add_argument("service", type=_service, metavar="NAMESPACE/SERVICE")
+    explain_cmd.add_argument(
+        "service",
+        type=_target,
+        metavar="NAMESPACE/SERVICE|IP:PORT/PROTO",
+        help="a Service, or one frontend by its address (a node address and NodePort too)",
+    )
     explain_cmd.add_argument("--port", help="one port of the Service, by name")
     explain_cmd.add_argument("--family", choices=sorted(_FAMILIES), default="both")
     explain_cmd.add_argument("--json", action="store_true", help="machine-readable output")
@@ -99,10 +147,21 @@ def _parser() -> argparse.ArgumentParser:
         "trace", help="the path a new connection takes through the kernel's table"
     )
     trace_cmd.add_argument(
-        "--from", dest="source", required=True, type=_source, metavar="IP[:PORT]"
+        "--from", dest="source", type=_source, metavar="IP[:PORT]", help="(--live: optional)"
     )
     trace_cmd.add_argument("--to", dest="dest", required=True, type=_dest, metavar="IP:PORT/PROTO")
     trace_cmd.add_argument("--iif", help="the interface the connection comes in on")
+    trace_cmd.add_argument(
+        "--live",
+        action="store_true",
+        help="watch real packets (nftables tracing, in a table of its own removed afterwards)",
+    )
+    trace_cmd.add_argument(
+        "--count", type=int, default=10, help="--live: stop after this many packets (10)"
+    )
+    trace_cmd.add_argument(
+        "--seconds", type=float, default=60.0, help="--live: stop after this long (60)"
+    )
     trace_cmd.add_argument("--json", action="store_true", help="machine-readable output")
     verify_cmd = commands.add_parser(
         "verify", help="compare the kernel with what the Services and EndpointSlices say"
@@ -130,6 +189,18 @@ def explain(
     """``service`` (its port ``port``) in each family's table of the current generation."""
     with TableReader(netns) as reader:
         return [_explain_service(TableView(reader, family), service, port) for family in families]
+
+
+def explain_at(
+    dest: IPAddress, port: int, proto: str, *, netns: str | None = None
+) -> tuple[TableView, FrontendView | None]:
+    """The frontend a connection to ``dest:port/proto`` meets, asked of the kernel by key
+    (the table of ``dest``'s family, and that table's view)."""
+    family = Family.IP if dest.version == 4 else Family.IP6
+    local = HostAddresses().list_addresses(netns)
+    with TableReader(netns) as reader:
+        view = TableView(reader, family)
+        return view, explain_address(view, dest, port, proto, local)
 
 
 def _slots(values: Sequence[str | None]) -> str:
@@ -166,22 +237,55 @@ def _print_frontend(fe: FrontendView, out: TextIO) -> None:
         )
 
 
+def _absent(view: ServiceView) -> str:
+    """Why a family's table holds nothing of the Service, in a few words."""
+    if view.generation is None:
+        return f"{view.family} (no table {view.family} kube-proxy)"
+    return f"{view.family} (generation {view.generation} has no frontend of it)"
+
+
 def _print_views(views: Sequence[ServiceView], out: TextIO) -> None:
+    """Each family's frontends; the families holding none of them in one line (a
+    single-stack Service or node has nothing in the other family: said once, not as
+    an error)."""
     for view in views:
-        if view.generation is None:
-            print(f"{view.service}: table {view.family} kube-proxy is not there", file=out)
-            continue
         if not view.frontends:
-            print(
-                f"{view.service}: nothing in table {view.family} kube-proxy"
-                f" (generation {view.generation})",
-                file=out,
-            )
             continue
         head = f"{view.service} in {view.family} kube-proxy, generation {view.generation}:"
         print(head, file=out)
         for fe in view.frontends:
             _print_frontend(fe, out)
+    empty = [view for view in views if not view.frontends]
+    if empty:
+        print(f"{empty[0].service}: not in " + ", nor in ".join(map(_absent, empty)), file=out)
+
+
+def _run_explain_at(args: argparse.Namespace, out: TextIO) -> int:
+    dest, port, proto = args.service
+    try:
+        view, fe = explain_at(dest, port, proto, netns=args.netns)
+    except (NftError, OSError) as err:
+        print(f"{PROG}: cannot read the kernel's tables: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        json.dump(
+            {
+                "family": str(view.family),
+                "generation": view.generation,
+                "frontend": fe.as_json() if fe else None,
+            },
+            out,
+            indent=2,
+        )
+        print(file=out)
+    elif fe is None:
+        where = f"table {view.family} kube-proxy"
+        held = f"generation {view.generation}" if view.generation is not None else "absent"
+        print(f"{dest}:{port}/{proto}: no frontend in {where} ({held})", file=out)
+    else:
+        print(f"{fe.address} in {view.family} kube-proxy, generation {view.generation}:", file=out)
+        _print_frontend(fe, out)
+    return 0 if fe is not None else 1
 
 
 def expected_tables(
@@ -262,11 +366,82 @@ def _run_verify(args: argparse.Namespace, out: TextIO) -> int:
     return 1 if differences else 0
 
 
+def live_trace(
+    dest: IPAddress,
+    port: int,
+    proto: str,
+    source: IPAddress | None,
+    out: TextIO,
+    *,
+    netns: str | None = None,
+    packets: int = 10,
+    seconds: float = 60.0,
+) -> int:
+    """Follow real packets to ``dest:port/proto`` (from ``source``) through our table,
+    hop by hop (:mod:`~kubeproxy.backends.nftables.livetrace`); returns how many."""
+    family = Family.IP if dest.version == 4 else Family.IP6
+    rules = trace_rules(family, dest, port, proto, source)
+    # Subscribed before the first packet is marked: no hop is missed.
+    with (
+        TraceEvents(netns) as events,
+        TableReader(netns) as reader,
+        trace_table(rules, family, netns),
+    ):
+        who = f"from {source}" if source is not None else "from anywhere"
+        print(
+            f"tracing packets to {_hostport(dest, port)}/{proto} {who} through table"
+            f" {family} {TABLE} (table {family} {TRACE_TABLE} marks them; removed on exit)",
+            file=out,
+            flush=True,
+        )
+        return follow(
+            events,
+            TableRules(reader, family),
+            out,
+            packets=packets,
+            seconds=seconds,
+            clock=time.monotonic,
+        )
+
+
+def _hostport(ip: IPAddress, port: int) -> str:
+    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+
+
+def _run_live_trace(args: argparse.Namespace, out: TextIO) -> int:
+    dest, port, proto = args.dest
+    try:
+        seen = live_trace(
+            dest,
+            port,
+            proto,
+            args.source,
+            out,
+            netns=args.netns,
+            packets=args.count,
+            seconds=args.seconds,
+        )
+    except KeyboardInterrupt:
+        print("stopped; the trace table is removed", file=out)
+        return 0
+    except (NftError, OSError, ValueError) as err:
+        print(f"{PROG} trace --live: {err}", file=sys.stderr)
+        return 2
+    if not seen:
+        print(f"no packet to {_hostport(dest, port)}/{proto} in {args.seconds:g} s", file=out)
+    return 0 if seen else 1
+
+
 def _run_trace(args: argparse.Namespace, out: TextIO) -> int:
     dest, port, proto = args.dest
     family = Family.IP if dest.version == 4 else Family.IP6
-    if args.source.version != dest.version:
+    if args.source is not None and args.source.version != dest.version:
         print(f"{PROG} trace: --from and --to are of different families", file=sys.stderr)
+        return 2
+    if args.live:
+        return _run_live_trace(args, out)
+    if args.source is None:
+        print(f"{PROG} trace: --from is needed (but with --live)", file=sys.stderr)
         return 2
     try:
         local = HostAddresses().list_addresses(args.netns)
@@ -310,6 +485,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         return _run_verify(args, out)
     if args.command == "trace":
         return _run_trace(args, out)
+    if not isinstance(args.service, NamespacedName):
+        return _run_explain_at(args, out)
     try:
         views = explain(args.service, args.port, _FAMILIES[args.family], netns=args.netns)
     except (NftError, OSError) as err:
