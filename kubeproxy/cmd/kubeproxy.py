@@ -24,7 +24,6 @@ kernel that could not be read, or a dry run that failed.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import json
 import sys
 import time
@@ -32,7 +31,6 @@ from collections.abc import Sequence
 from typing import Any, Final, TextIO
 
 from kubeproxy.backends.nftables.explain import (
-    FakeSource,
     FrontendView,
     ServiceView,
     TableView,
@@ -51,10 +49,10 @@ from kubeproxy.backends.nftables.objects import Family, NftError
 from kubeproxy.backends.nftables.reader import TableReader
 from kubeproxy.backends.nftables.table import TABLE
 from kubeproxy.backends.nftables.trace import trace
-from kubeproxy.backends.nftables.verify import Difference, compare
-from kubeproxy.backends.nftables.verify import notes as table_notes
+from kubeproxy.backends.nftables.verify import Difference, verify_tables
 from kubeproxy.netlink import HostAddresses
 from kubeproxy.objects import IPAddress, NamespacedName
+from kubeproxy.parse import parse_frontend, parse_host
 
 __all__ = [
     "PROG",
@@ -96,33 +94,18 @@ def _target(text: str) -> NamespacedName | tuple[IPAddress, int, str]:
         ) from None
 
 
-def _address(text: str) -> tuple[IPAddress, str]:
-    """``IP[:REST]`` or ``[IPv6][:REST]`` -> (address, rest)."""
-    if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
-        rest = rest.removeprefix(":")
-    elif text.count(":") > 1:
-        host, rest = text, ""
-    else:
-        host, _, rest = text.partition(":")
-    try:
-        return ipaddress.ip_address(host), rest
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: {host!r} is not an IP address") from None
-
-
 def _source(text: str) -> IPAddress:
-    return _address(text)[0]
+    try:
+        return parse_host(text)[0]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _dest(text: str) -> tuple[IPAddress, int, str]:
-    ip, rest = _address(text)
-    port, slash, proto = rest.partition("/")
-    proto = proto.lower() or "tcp"
-    if not port.isdigit() or not 0 < int(port) < 65536 or proto not in ("tcp", "udp", "sctp"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not IP:PORT/tcp|udp|sctp")
-    del slash
-    return ip, int(port), proto
+    try:
+        return parse_frontend(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -320,19 +303,7 @@ def verify(
     fakes: Sequence[Any], families: Sequence[Family], *, netns: str | None = None
 ) -> tuple[list[Difference], list[str]]:
     """The differences (and notes) between the kernel's tables and ``fakes``'."""
-    differences: list[Difference] = []
-    notes: list[str] = []
-    with TableReader(netns) as reader:
-        for family in families:
-            want = next((FakeSource(f) for f in fakes if FakeSource(f).exists(family)), None)
-            have = TableView(reader, family)
-            if want is None:
-                if have.generation is not None:
-                    notes.append(f"table {family} kube-proxy: the proxy would not write it")
-                continue
-            differences.extend(compare(TableView(want, family), have))
-            notes.extend(table_notes(have))
-    return differences, notes
+    return verify_tables(fakes, families, netns=netns)
 
 
 def _run_verify(args: argparse.Namespace, out: TextIO) -> int:
@@ -453,18 +424,7 @@ def _run_trace(args: argparse.Namespace, out: TextIO) -> int:
         print(f"{PROG} trace: cannot read the kernel's tables: {err}", file=sys.stderr)
         return 2
     if args.json:
-        json.dump(
-            {
-                "verdict": found.verdict,
-                "endpoints": list(found.endpoints),
-                "masquerade": found.masquerade,
-                "service": found.frontend.name if found.frontend else None,
-                "steps": list(found.steps),
-                "unsure": list(found.unsure),
-            },
-            out,
-            indent=2,
-        )
+        json.dump(found.as_json(), out, indent=2)
         print(file=out)
     else:
         print(f"{args.source} -> {dest}:{port}/{proto}", file=out)

@@ -58,6 +58,17 @@ class Trace:
     steps: tuple[str, ...] = ()
     unsure: tuple[str, ...] = field(default=())
 
+    def as_json(self) -> dict[str, object]:
+        """The trace as plain data (``--json``, ``/debug/trace``)."""
+        return {
+            "verdict": self.verdict,
+            "endpoints": list(self.endpoints),
+            "masquerade": self.masquerade,
+            "service": self.frontend.name if self.frontend else None,
+            "steps": list(self.steps),
+            "unsure": list(self.unsure),
+        }
+
 
 def _value(raw: bytes) -> bytes:
     return next((v for k, v in nlmsg.attribute_values(raw) if k == _DATA_VALUE), b"")
