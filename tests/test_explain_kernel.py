@@ -275,6 +275,7 @@ def test_the_console_script_explains_a_service(capsys: pytest.CaptureFixture[str
         assert result.returncode == 1, result.stderr
         assert result.stdout == (
             "shop/web: not in ip (no table ip kube-proxy), nor in ip6 (no table ip6 kube-proxy)\n"
+            "no table of the proxy's here: for a node in iptables mode, --mode iptables\n"
         )
 
 

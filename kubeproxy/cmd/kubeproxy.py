@@ -50,8 +50,9 @@ from kubeproxy.backends.nftables.reader import TableReader
 from kubeproxy.backends.nftables.table import TABLE
 from kubeproxy.backends.nftables.trace import trace
 from kubeproxy.backends.nftables.verify import Difference, verify_tables
+from kubeproxy.cmd.iptables_answers import IptablesError, run_explain_iptables, verify_iptables
 from kubeproxy.netlink import HostAddresses
-from kubeproxy.objects import IPAddress, NamespacedName
+from kubeproxy.objects import IPAddress, IPFamily, NamespacedName
 from kubeproxy.parse import parse_frontend, parse_host
 
 __all__ = [
@@ -69,6 +70,8 @@ PROG: Final = "kubeproxy"
 """The tool's name (in messages and ``--help``)."""
 
 _FAMILIES: Final = {"ipv4": (Family.IP,), "ipv6": (Family.IP6,), "both": (Family.IP, Family.IP6)}
+_IP_FAMILIES: Final = {Family.IP: IPFamily.IPV4, Family.IP6: IPFamily.IPV6}
+_MODE_HELP: Final = "the node's proxy mode (ipvs: not read; see the README)"
 
 
 def _service(text: str) -> NamespacedName:
@@ -126,6 +129,9 @@ def _parser() -> argparse.ArgumentParser:
     explain_cmd.add_argument("--port", help="one port of the Service, by name")
     explain_cmd.add_argument("--family", choices=sorted(_FAMILIES), default="both")
     explain_cmd.add_argument("--json", action="store_true", help="machine-readable output")
+    explain_cmd.add_argument(
+        "--mode", choices=("nftables", "iptables"), default="nftables", help=_MODE_HELP
+    )
     trace_cmd = commands.add_parser(
         "trace", help="the path a new connection takes through the kernel's table"
     )
@@ -154,6 +160,9 @@ def _parser() -> argparse.ArgumentParser:
     source.add_argument("--kubeconfig", help="a kubeconfig to list the objects with")
     verify_cmd.add_argument("--family", choices=sorted(_FAMILIES), default="both")
     verify_cmd.add_argument("--json", action="store_true", help="machine-readable output")
+    verify_cmd.add_argument(
+        "--mode", choices=("nftables", "iptables"), default="nftables", help=_MODE_HELP
+    )
     verify_cmd.add_argument(
         "proxy_flags",
         nargs=argparse.REMAINDER,
@@ -241,6 +250,10 @@ def _print_views(views: Sequence[ServiceView], out: TextIO) -> None:
     empty = [view for view in views if not view.frontends]
     if empty:
         print(f"{empty[0].service}: not in " + ", nor in ".join(map(_absent, empty)), file=out)
+    if views and all(view.generation is None for view in views):
+        print(
+            "no table of the proxy's here: for a node in iptables mode, --mode iptables", file=out
+        )
 
 
 def _run_explain_at(args: argparse.Namespace, out: TextIO) -> int:
@@ -272,20 +285,24 @@ def _run_explain_at(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def expected_tables(
-    source: Sequence[str], proxy_flags: Sequence[str], netns: str | None
+    source: Sequence[str],
+    proxy_flags: Sequence[str],
+    netns: str | None,
+    mode_name: str = "nftables",
 ) -> list[Any]:
     """The tables the proxy would write from ``source`` (``--manifests DIR`` or
     ``--kubeconfig FILE``) with its ``proxy_flags``: one dry run of
-    ``kube-proxy-nftables``, whose in-memory fakes are returned (None: it failed)."""
+    ``kube-proxy-<mode_name>``, whose in-memory fakes are returned."""
     from kubeproxy.cmd.binary import mode_warnings
-    from kubeproxy.cmd.modes import MODES, NftablesDryRun
+    from kubeproxy.cmd.modes import MODES
     from kubeproxy.cmd.options import parse_options
     from kubeproxy.daemon import DaemonPlugins, DaemonSeams, run_daemon
 
     flags = [*source, *[f for f in proxy_flags if f != "--"], "--dry-run"]
-    options = parse_options(flags, "kube-proxy-nftables", "nftables")
-    mode = MODES["nftables"]
-    dry_run = NftablesDryRun()
+    options = parse_options(flags, f"kube-proxy-{mode_name}", mode_name)
+    mode = MODES[mode_name]
+    assert mode.dry_run is not None  # nftables and iptables modes have one
+    dry_run: Any = mode.dry_run()
     plugins = DaemonPlugins(
         mode=mode.name, backend_hooks=mode.hooks, startup_warnings=mode_warnings(options)
     )
@@ -311,9 +328,14 @@ def _run_verify(args: argparse.Namespace, out: TextIO) -> int:
         ["--manifests", args.manifests] if args.manifests else ["--kubeconfig", args.kubeconfig]
     )
     try:
-        fakes = expected_tables(source, args.proxy_flags, args.netns)
-        differences, notes = verify(fakes, _FAMILIES[args.family], netns=args.netns)
-    except (VerifyError, NftError, OSError, ValueError) as err:
+        fakes = expected_tables(source, args.proxy_flags, args.netns, args.mode)
+        if args.mode == "iptables":
+            ip_families = [_IP_FAMILIES[f] for f in _FAMILIES[args.family]]
+            differences: Sequence[Any] = verify_iptables(fakes, ip_families, netns=args.netns)
+            notes: list[str] = []
+        else:
+            differences, notes = verify(fakes, _FAMILIES[args.family], netns=args.netns)
+    except (VerifyError, NftError, IptablesError, OSError, ValueError) as err:
         print(f"{PROG} verify: {err}", file=sys.stderr)
         return 2
     if args.json:
@@ -445,6 +467,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         return _run_verify(args, out)
     if args.command == "trace":
         return _run_trace(args, out)
+    if args.mode == "iptables":
+        return run_explain_iptables(args, [_IP_FAMILIES[f] for f in _FAMILIES[args.family]], out)
     if not isinstance(args.service, NamespacedName):
         return _run_explain_at(args, out)
     try:
