@@ -187,18 +187,40 @@ class _Events:
 
 def test_packets_are_followed_to_a_count_or_a_time() -> None:
     now = [0.0]
+
+    def marked(packet_id: int, sport: int) -> Hop:
+        return _hop(
+            "prerouting",
+            id=packet_id,
+            table="kube-proxy-trace",
+            kind="rule",
+            handle=4,
+            verdict=("continue", ""),
+            source="10.0.0.2",
+            dest="172.30.0.10",
+            proto="tcp",
+            sport=sport,
+            dport=80,
+        )
+
     hop = _hop("nat-output", kind="policy", policy="accept")
-    later = replace(hop, id=8)
-    third = replace(hop, id=9)
     out = io.StringIO()
-    events = _Events([[hop, later], [hop, third]], now)
+    # The second packet reuses the first's id (the kernel's id is the buffer's address);
+    # a third is not followed; a hop of no marked packet is left out.
+    events = _Events(
+        [
+            [marked(7, 5000), hop, replace(hop, id=99)],
+            [marked(7, 5001), hop, marked(8, 5002), replace(hop, id=8)],
+        ],
+        now,
+    )
     seen = follow(events, _Table(), out, packets=2, seconds=60, clock=lambda: now[0])
     assert seen == 2
-    # The first packet's later hop is printed; a third packet is not followed.
     assert out.getvalue().splitlines() == [
+        "#1 10.0.0.2:5000 -> 172.30.0.10:80/tcp arrives",
         "#1 nat-output: end of base chain, policy accept",
+        "#2 10.0.0.2:5001 -> 172.30.0.10:80/tcp arrives",
         "#2 nat-output: end of base chain, policy accept",
-        "#1 nat-output: end of base chain, policy accept",
     ]
     assert now[0] < 10  # stopped soon after the count, not at the time limit
     quiet = follow(

@@ -25,6 +25,7 @@ import pytest
 from kubeproxy.backend import SyncChanges
 from kubeproxy.backends.nftables import create_backend
 from kubeproxy.backends.nftables.livetrace import TRACE_TABLE
+from kubeproxy.backends.nftables.owner import probe_table_flags
 from kubeproxy.cmd.kubeproxy import live_trace
 from kubeproxy.config import ProxierConfig
 from kubeproxy.objects import IPFamily
@@ -85,6 +86,10 @@ def _wait_for_trace_table(topo: Topology, present: bool) -> None:
 
 
 def test_live_trace_prints_each_hop_of_real_packets_in_our_names(topo: Topology) -> None:
+    owner, persist = probe_table_flags(topo.node)
+    if owner and persist:
+        # The proxy (this process's backend) owns its table: no one else may write there.
+        assert "flags owner" in run_in(topo.node, "nft", "list", "table", "ip", "kube-proxy")
     out = io.StringIO()
     seen: list[int] = []
     vip, client = ipaddress.ip_address(ECHO_VIP), ipaddress.ip_address("10.0.0.2")
@@ -105,7 +110,9 @@ def test_live_trace_prints_each_hop_of_real_packets_in_our_names(topo: Topology)
     assert seen == [1]
     lines = out.getvalue().splitlines()
     assert lines[0].startswith(f"tracing packets to {ECHO_VIP}:80/tcp from 10.0.0.2")
-    hops = "\n".join(lines[1:])
+    assert lines[1].startswith("#1 10.0.0.2:"), lines
+    assert lines[1].endswith(f" -> {ECHO_VIP}:80/tcp arrives"), lines
+    hops = "\n".join(lines[2:])
     # The first packet (the SYN), as it arrives, then through dispatch, class and pick.
     assert "#1 nat-prerouting rule" in hops and "[10.0.0.2:" in hops
     assert f"{ECHO_VIP} . tcp . 80 is {PREFIX}/echo:tcp" in hops, hops

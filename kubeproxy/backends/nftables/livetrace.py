@@ -336,28 +336,41 @@ def follow(
 ) -> int:
     """Print the hops of traced packets, each line marked with the packet's number in
     order of arrival, until ``packets`` packets were seen (and ``settle`` seconds more
-    for the last one's hops) or ``seconds`` passed. Returns the packets seen."""
-    numbers: dict[int, int] = {}
+    for the last one's hops) or ``seconds`` passed. Returns the packets seen.
+
+    A packet begins at the trace table's marking rule (its first event, with its
+    headers): the kernel's trace id is a hash of the packet buffer's address, which a
+    later packet may reuse, so the id alone does not tell packets apart."""
+    current: dict[int, int] = {}
+    seen = 0
     headers: dict[int, Hop] = {}
     described: set[tuple[int, str]] = set()
     deadline = clock() + seconds
     while True:
         now = clock()
         if now >= deadline:
-            return len(numbers)
+            return seen
         for hop in events.receive(min(deadline - now, 0.5)):
-            if hop.id not in numbers:
-                if len(numbers) >= packets:
-                    continue
-                numbers[hop.id] = len(numbers) + 1
+            if hop.table == TRACE_TABLE:
+                if hop.kind == "rule" and hop.handle is not None:
+                    current.pop(hop.id, None)
+                    if seen < packets:
+                        seen += 1
+                        current[hop.id] = seen
+                        where = "arrives" if hop.chain == "prerouting" else "leaves this node"
+                        print(f"#{seen} {hop.packet} {where}", file=out, flush=True)
+                continue
+            number = current.get(hop.id)
+            if number is None:
+                continue  # a packet not followed (over the count)
             if hop.source is not None:
-                headers[hop.id] = hop
-            first = (hop.id, hop.chain) not in described
-            described.add((hop.id, hop.chain))
-            line = describe_hop(hop, table, headers.get(hop.id), first)
+                headers[number] = hop
+            first = (number, hop.chain) not in described
+            described.add((number, hop.chain))
+            line = describe_hop(hop, table, headers.get(number), first)
             if line is not None:
-                print(f"#{numbers[hop.id]} {line}", file=out, flush=True)
-        if len(numbers) >= packets:
+                print(f"#{number} {line}", file=out, flush=True)
+        if seen >= packets:
             deadline = min(deadline, clock() + settle)
 
 
