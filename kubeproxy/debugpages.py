@@ -293,12 +293,12 @@ ModePages = Callable[[DebugState, str | None], Mapping[str, Route]]
 (None: this one)."""
 
 
-def core_pages(state: DebugState, more: Mapping[str, Route] = {}) -> dict[str, Route]:
+def core_pages(state: DebugState, more: Mapping[str, Route] | None = None) -> dict[str, Route]:
     """The core's pages, the mode's (``more``) and the index of both."""
     pages: dict[str, Route] = {
         "/debug/syncs": lambda: json_page(state.syncs()),
         "/debug/services": QueryRoute(lambda query: _services(state, query)),
-        **more,
+        **(more or {}),
     }
     index = "".join(f"{path}\n" for path in sorted(pages))
     pages["/debug/"] = lambda: text_page(index)

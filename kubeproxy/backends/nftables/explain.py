@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kubeproxy.backends.nftables.fake import FakeNft, parse_commands
+from kubeproxy.backends.nftables.fake import FakeNft
 from kubeproxy.backends.nftables.frontends import (
     COMMENT_LIMIT,
     KIND_IP,
@@ -37,7 +37,7 @@ from kubeproxy.backends.nftables.frontends import (
     comment_names,
 )
 from kubeproxy.backends.nftables.layout import SLOT_PROTOCOLS, GenNames, generation_of
-from kubeproxy.backends.nftables.objects import Family, Rule
+from kubeproxy.backends.nftables.objects import Family
 from kubeproxy.backends.nftables.reader import Item, RuleRefs
 from kubeproxy.backends.nftables.table import TABLE, Names
 from kubeproxy.objects import IPAddress, NamespacedName
@@ -302,13 +302,12 @@ class FakeSource:
 
     def rules(self, family: Family, chain: str) -> list[RuleRefs]:
         """The references of ``chain``'s rules, from their text."""
-        chains = self._chains.get(family)
-        if chains is None:
-            chains = self._chains[family] = {}
-            for _family, table, _verb, obj in parse_commands(self.fake.dump(family)):
-                if table == self.table and isinstance(obj, Rule):
-                    chains.setdefault(obj.chain, []).append(refs_of_text(obj.rule))
-        return chains.get(chain, [])
+        chains = self._chains.setdefault(family, {})
+        found = chains.get(chain)
+        if found is None:
+            rules = self.fake.list_rules(family, self.table, chain)
+            found = chains[chain] = [refs_of_text(rule.rule) for rule in rules]
+        return found
 
 
 def refs_of_text(rule: str) -> RuleRefs:
