@@ -126,13 +126,18 @@ def test_live_trace_prints_each_hop_of_real_packets_in_our_names(topo: Topology)
     assert TRACE_TABLE not in _tables(topo)
 
 
-@pytest.mark.parametrize("how", ["interrupt", "kill"])
+_SIGNALS = {"interrupt": signal.SIGINT, "terminate": signal.SIGTERM, "kill": signal.SIGKILL}
+
+
+@pytest.mark.parametrize("how", sorted(_SIGNALS))
 def test_the_trace_table_goes_when_the_tracer_is_stopped(topo: Topology, how: str) -> None:
     tracer = subprocess.Popen(
         [SCRIPT, "--netns", topo.node, "trace", "--live", "--to", f"{ECHO_VIP}:80/tcp"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # As from a terminal: a test run started in the background inherits SIGINT ignored.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         _wait_for_trace_table(topo, present=True)
@@ -143,16 +148,16 @@ def test_the_trace_table_goes_when_the_tracer_is_stopped(topo: Topology, how: st
             line = tracer.stdout.readline()  # each hop's line is flushed as it comes
             assert line, f"the tracer ended: {printed}"
             printed.append(line)
-        tracer.send_signal(signal.SIGINT if how == "interrupt" else signal.SIGKILL)
+        tracer.send_signal(_SIGNALS[how])
         rest, stderr = tracer.communicate(timeout=30 * default_timeout())
         stdout = "".join(printed) + rest
     finally:
         if tracer.poll() is None:
             tracer.kill()
             tracer.wait()
-    # Ctrl-C: deleted by the tracer; kill -9: by the kernel (the table was its socket's).
+    # Ctrl-C, SIGTERM: deleted by the tracer; kill -9: by the kernel (its socket's table).
     _wait_for_trace_table(topo, present=False)
     assert "kube-proxy" in _tables(topo)
-    if how == "interrupt":
+    if how != "kill":
         assert tracer.returncode == 0, stderr
         assert stdout.endswith("stopped; the trace table is removed\n"), stdout

@@ -5,6 +5,7 @@
     kubeproxy verify (--manifests DIR | --kubeconfig FILE) [--json] [-- PROXY FLAGS]
     kubeproxy trace --from IP[:PORT] --to IP:PORT/PROTO [--iif NAME] [--json]
     kubeproxy trace --live --to IP:PORT/PROTO [--from IP] [--count N] [--seconds S]
+    kubeproxy explain|verify --mode iptables ...
 
 Every answer is read from the kernel over netlink (:mod:`kubeproxy.backends.nftables.
 reader`), never from the proxy's memory, so it is true when the proxy is wedged or gone.
@@ -16,6 +17,10 @@ proxy runs in one).
 in-memory table, and compares that with the kernel's in Service terms
 (:mod:`kubeproxy.backends.nftables.verify`).
 
+``--mode iptables`` reads iptables mode's chains with ``iptables-save``
+(:mod:`kubeproxy.backends.iptables.explain`; that backend is imported only then). ipvs
+mode is not read (see that module).
+
 Exit codes: 0 an answer (``verify``: the kernel holds what it should); 1 the kernel holds
 nothing for what was asked (``verify``: differences, one line each); 2 a usage error, a
 kernel that could not be read, or a dry run that failed.
@@ -24,7 +29,9 @@ kernel that could not be read, or a dry run that failed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -50,7 +57,6 @@ from kubeproxy.backends.nftables.reader import TableReader
 from kubeproxy.backends.nftables.table import TABLE
 from kubeproxy.backends.nftables.trace import trace
 from kubeproxy.backends.nftables.verify import Difference, verify_tables
-from kubeproxy.cmd.iptables_answers import IptablesError, run_explain_iptables, verify_iptables
 from kubeproxy.netlink import HostAddresses
 from kubeproxy.objects import IPAddress, IPFamily, NamespacedName
 from kubeproxy.parse import parse_frontend, parse_host
@@ -331,7 +337,7 @@ def _run_verify(args: argparse.Namespace, out: TextIO) -> int:
         fakes = expected_tables(source, args.proxy_flags, args.netns, args.mode)
         if args.mode == "iptables":
             ip_families = [_IP_FAMILIES[f] for f in _FAMILIES[args.family]]
-            differences: Sequence[Any] = verify_iptables(fakes, ip_families, netns=args.netns)
+            differences: Sequence[Any] = _verify_iptables(fakes, ip_families, args.netns)
             notes: list[str] = []
         else:
             differences, notes = verify(fakes, _FAMILIES[args.family], netns=args.netns)
@@ -357,6 +363,59 @@ def _run_verify(args: argparse.Namespace, out: TextIO) -> int:
         if not differences:
             print("the kernel holds what the objects say", file=out)
     return 1 if differences else 0
+
+
+class IptablesError(Exception):
+    """The iptables tools could not be run or read (their message)."""
+
+
+def _run_explain_iptables(
+    args: argparse.Namespace, families: Sequence[IPFamily], out: TextIO
+) -> int:
+    """``explain --mode iptables``: a Service's frontends per family (exit 1: none).
+    The iptables backend is imported here only: nftables mode's answers never load it."""
+    from kubeproxy.backends.iptables.exec import IptablesError as ToolError
+    from kubeproxy.backends.iptables.explain import explain_service, read_tables
+
+    if not isinstance(args.service, NamespacedName):
+        print(f"{PROG} explain IP:PORT/PROTO: nftables mode only", file=sys.stderr)
+        return 2
+    found: dict[IPFamily, list[Any]] = {}
+    try:
+        for family in families:
+            tables = read_tables(family, args.netns)
+            found[family] = explain_service(
+                tables["nat"], tables["filter"], args.service, args.port
+            )
+    except (ToolError, OSError) as err:
+        print(f"{PROG}: cannot read iptables: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        data = {str(f): [fe.as_json() for fe in fes] for f, fes in found.items()}
+        json.dump({"service": str(args.service), "families": data}, out, indent=2)
+        print(file=out)
+    else:
+        for family, frontends in found.items():
+            if frontends:
+                print(f"{args.service} in iptables ({family}):", file=out)
+                for fe in frontends:
+                    print("\n".join(fe.lines()), file=out)
+        empty = [str(f) for f, fes in found.items() if not fes]
+        if empty:
+            print(f"{args.service}: not in iptables ({', '.join(empty)})", file=out)
+    return 0 if any(found.values()) else 1
+
+
+def _verify_iptables(
+    fakes: Sequence[Any], families: Sequence[IPFamily], netns: str | None
+) -> list[Any]:
+    from kubeproxy.backends.iptables.exec import IptablesError as ToolError
+    from kubeproxy.backends.iptables.explain import verify_tables
+
+    try:
+        return list(verify_tables(fakes, families, netns=netns))
+    except ToolError as err:
+        raise IptablesError(str(err)) from err
 
 
 def live_trace(
@@ -401,8 +460,22 @@ def _hostport(ip: IPAddress, port: int) -> str:
     return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
 
 
+def _stop_on_signals() -> None:
+    """SIGTERM and SIGHUP end a live trace as Ctrl-C does (the trace table deleted on the
+    way out); SIGINT too where the shell left it ignored (a background job). From the
+    main thread only; elsewhere the table's owner flag has the kernel delete it."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        with contextlib.suppress(ValueError):
+            signal.signal(number, stop)
+
+
 def _run_live_trace(args: argparse.Namespace, out: TextIO) -> int:
     dest, port, proto = args.dest
+    _stop_on_signals()
     try:
         seen = live_trace(
             dest,
@@ -468,7 +541,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     if args.command == "trace":
         return _run_trace(args, out)
     if args.mode == "iptables":
-        return run_explain_iptables(args, [_IP_FAMILIES[f] for f in _FAMILIES[args.family]], out)
+        return _run_explain_iptables(args, [_IP_FAMILIES[f] for f in _FAMILIES[args.family]], out)
     if not isinstance(args.service, NamespacedName):
         return _run_explain_at(args, out)
     try:

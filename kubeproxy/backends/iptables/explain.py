@@ -150,6 +150,23 @@ class IptFrontend:
         ip = self.dest.removesuffix("/32").removesuffix("/128")
         return f"[{ip}]:{where}" if ":" in ip else f"{ip}:{where}"
 
+    def lines(self) -> list[str]:
+        """The frontend as ``kubeproxy explain --mode iptables`` prints it (indented)."""
+        table = "filter" if self.no_endpoint else "nat"
+        out = [f'  {self.address}  {table} {self.chain} "{self.comment}"']
+        if self.no_endpoint:
+            return [*out, f"    no endpoint: new connections get {self.no_endpoint}"]
+        out.append(f"    chains: {' -> '.join(self.path) or 'none'}")
+        out.extend(f"    masqueraded when: {match}" for match in self.masquerade)
+        shown = [
+            endpoint + (f" (p {float(chance):.3f})" if chance is not None else "")
+            for endpoint, chance in self.endpoints
+        ]
+        out.append(f"    endpoints: {', '.join(shown) or 'none'}")
+        if self.affinity_s is not None:
+            out.append(f"    ClientIP affinity {self.affinity_s} s")
+        return out
+
     def as_json(self) -> dict[str, Any]:
         """The frontend as plain data (``--json``)."""
         return {
