@@ -24,7 +24,9 @@ import logging
 import queue
 import socket
 import threading
+import urllib.parse
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from socketserver import TCPServer
 from typing import Any, Final
@@ -34,11 +36,13 @@ __all__ = [
     "RETRY_INTERVAL",
     "BackgroundServer",
     "HandlerSlots",
+    "QueryRoute",
     "Response",
     "Route",
     "ServerBindError",
     "listen_backlog",
     "parse_bind_address",
+    "query_of",
     "send",
 ]
 
@@ -205,6 +209,26 @@ Response = tuple[int, Mapping[str, str], bytes]
 Route = Callable[[], Response]
 """Produces the answer for one path."""
 
+
+@dataclass(frozen=True, slots=True)
+class QueryRoute:
+    """A route that answers from the request's query string: ``answer`` gets each
+    parameter's first value (``/debug/explain?service=ns/web``). Called without a
+    query, as any :data:`Route`, it gets none."""
+
+    answer: Callable[[Mapping[str, str]], Response]
+
+    def __call__(self) -> Response:
+        """The answer to a request without a query."""
+        return self.answer({})
+
+
+def query_of(path: str) -> dict[str, str]:
+    """The first value of each parameter of ``path``'s query string."""
+    query = urllib.parse.parse_qs(path.partition("?")[2], keep_blank_values=True)
+    return {name: values[0] for name, values in query.items()}
+
+
 _NOT_FOUND: Final[Response] = (
     404,
     {"Content-Type": "text/plain; charset=utf-8", "X-Content-Type-Options": "nosniff"},
@@ -259,7 +283,8 @@ def send(handler: BaseHTTPRequestHandler, response: Response, *, head: bool = Fa
 
 
 class _RoutingHandler(BaseHTTPRequestHandler):
-    """Answers GET and HEAD from the server's routes (exact paths, query ignored)."""
+    """Answers GET and HEAD from the server's routes (exact paths; the query only for a
+    :class:`QueryRoute`)."""
 
     protocol_version = "HTTP/1.1"
     timeout = 30
@@ -268,7 +293,10 @@ class _RoutingHandler(BaseHTTPRequestHandler):
     def _answer(self, head: bool) -> None:
         route = self.server.routes.get(self.path.partition("?")[0])
         try:
-            response = route() if route is not None else _NOT_FOUND
+            if isinstance(route, QueryRoute):
+                response = route.answer(query_of(self.path))
+            else:
+                response = route() if route is not None else _NOT_FOUND
         except Exception:  # a broken route must not kill the server
             logger.exception("%s: answering %s failed", self.server.label, self.path)
             response = (500, {"Content-Type": "text/plain; charset=utf-8"}, b"internal error\n")
@@ -382,6 +410,11 @@ class BackgroundServer:
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self._bound = threading.Event()
+
+    def add_routes(self, routes: Mapping[str, Route]) -> None:
+        """Serve ``routes`` too, from now on (also when already serving: the server
+        reads this same mapping)."""
+        self.routes.update(routes)
 
     @property
     def enabled(self) -> bool:

@@ -720,6 +720,10 @@ class MetricsServer:
         """Stop serving."""
         self.server.stop()
 
+    def add_routes(self, routes: Mapping[str, Route]) -> None:
+        """Serve ``routes`` too (the ``/debug/`` pages, added once the backends exist)."""
+        self.server.add_routes(routes)
+
     def _metrics(self) -> Response:
         return 200, {"Content-Type": CONTENT_TYPE}, self.metrics.expose()
 

@@ -48,6 +48,8 @@ __all__ = [
     "endpoint_with_port",
     "parse_cidr",
     "parse_endpoint_slice",
+    "parse_frontend",
+    "parse_host",
     "parse_ip",
     "parse_node",
     "parse_service",
@@ -142,6 +144,33 @@ def _parse_ip_text(text: str) -> tuple[IPAddress, str | None]:
         else:
             return ipaddress.IPv4Address(value), None
     raise ValueError(f"invalid IP address {_show(text)}")
+
+
+def parse_host(text: str) -> tuple[IPAddress, str]:
+    """An operator's ``IP[:REST]`` or ``[IPv6][:REST]`` (a bare IPv6 address too):
+    (address, rest). Raises ``ValueError`` naming the text."""
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        rest = rest.removeprefix(":")
+    elif text.count(":") > 1:
+        host, rest = text, ""
+    else:
+        host, _, rest = text.partition(":")
+    try:
+        return ipaddress.ip_address(host), rest
+    except ValueError:
+        raise ValueError(f"{text!r}: {host!r} is not an IP address") from None
+
+
+def parse_frontend(text: str) -> tuple[IPAddress, int, str]:
+    """An operator's ``IP:PORT[/PROTO]`` (``tcp`` when no protocol is given): (address,
+    port, protocol in lower case). Raises ``ValueError`` naming the text."""
+    ip, rest = parse_host(text)
+    port, _, proto = rest.partition("/")
+    proto = proto.lower() or "tcp"
+    if not port.isdigit() or not 0 < int(port) < 65536 or proto not in ("tcp", "udp", "sctp"):
+        raise ValueError(f"{text!r} is not IP:PORT/tcp|udp|sctp")
+    return ip, int(port), proto
 
 
 def parse_cidr(text: str) -> IPNetwork:

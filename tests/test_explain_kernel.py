@@ -247,12 +247,23 @@ def test_the_console_script_explains_a_service(capsys: pytest.CaptureFixture[str
             capsys.readouterr()
             assert main(["--netns", ns.name, "explain", "shop/empty", "--json"]) == 0
             seen["json"] = capsys.readouterr().out
+            assert main(["--netns", ns.name, "explain", "172.30.10.1:80/tcp"]) == 0
+            seen["address"] = capsys.readouterr().out
+            assert main(["--netns", ns.name, "explain", "172.30.10.1:81/tcp"]) == 1
+            seen["no address"] = capsys.readouterr().out
 
         replay_syncs(case, create_backend, ns.name, on_sync)
         text = str(seen["text"])
         assert "172.30.10.1:80/tcp (cluster IP)  shop/web:http" in text
         assert "[0] 10.180.1.1:8080, [1] 10.180.2.1:8080" in text
         assert '"no_endpoint": "reject"' in str(seen["json"])
+        # Single-stack: the empty ip6 table is one line, not an error.
+        assert text.endswith("shop/web: not in ip6 (no table ip6 kube-proxy)\n")
+        assert sum("ip6" in line for line in text.splitlines()) == 1
+        address = str(seen["address"]).splitlines()
+        assert address[0] == "172.30.10.1:80/tcp in ip kube-proxy, generation 1:"
+        assert address[1] == "  172.30.10.1:80/tcp (cluster IP)  shop/web:http"
+        assert "no frontend in table ip kube-proxy" in str(seen["no address"])
         # The installed script, after the replay cleaned the table up: nothing to explain.
         script = str(Path(sys.executable).parent / "kubeproxy")
         result = subprocess.run(
@@ -262,7 +273,10 @@ def test_the_console_script_explains_a_service(capsys: pytest.CaptureFixture[str
             check=False,
         )
         assert result.returncode == 1, result.stderr
-        assert "shop/web: table ip kube-proxy is not there" in result.stdout
+        assert result.stdout == (
+            "shop/web: not in ip (no table ip kube-proxy), nor in ip6 (no table ip6 kube-proxy)\n"
+            "no table of the proxy's here: for a node in iptables mode, --mode iptables\n"
+        )
 
 
 EXAMPLES = REPO / "examples" / "cluster"

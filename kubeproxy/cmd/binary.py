@@ -172,7 +172,11 @@ def run(
     for warning in options.warnings:
         logger.warning("%s", warning)
     if options.enable_profiling:
-        logger.warning("enableProfiling (--profiling) is not supported; ignored")
+        logger.warning(
+            "enableProfiling (--profiling): no pprof in Python; the /debug/ pages are served"
+            " on the metrics server instead (Service names and endpoints: keep that port"
+            " private)"
+        )
     netns = seams.netns
     if options.cleanup:
         if not _privileged(prog, "--cleanup", table.values()):
@@ -197,6 +201,7 @@ def run(
         mode=mode.name,
         backend_hooks=mode.hooks,
         watchers=mode.watchers,
+        debug_pages=mode.debug_pages,
         startup_warnings=warnings,
         # Only once our first sync of every family is in: a start that fails leaves the
         # node's rules alone, and the previous proxy's serve until ours do.

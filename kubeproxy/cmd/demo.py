@@ -163,6 +163,24 @@ def _curl(ns: str, url: str) -> str:
     return result.stdout if result.returncode == 0 else f"(curl failed: exit {result.returncode})\n"
 
 
+def _live_trace(tool: str) -> bool:
+    """``kubeproxy trace --live`` on the node while the client opens one connection."""
+    command = [tool, "trace", "--live", "--to", "172.30.0.10:80/tcp", "--count", "1"]
+    print(f"\n$ ip netns exec {NODE} {' '.join(command)}   # while the client connects")
+    tracer = subprocess.Popen(
+        ["ip", "netns", "exec", NODE, *command, "--seconds", "20"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert tracer.stdout is not None
+    first = tracer.stdout.readline()  # printed once the trace table is in place
+    print(first, end="")
+    _curl(CLIENT, "http://172.30.0.10/")
+    rest, _ = tracer.communicate(timeout=30)
+    print(rest, end="")
+    return tracer.returncode == 0
+
+
 def _proxy_binary() -> str:
     found = shutil.which("kube-proxy-nftables")
     if found is None:
@@ -205,12 +223,14 @@ def run_demo(manifests: Path) -> int:
         for command in (
             [tool, "explain", "demo/web"],
             [tool, "explain", "demo/shop", "--family", "ipv4"],
+            [tool, "explain", "172.30.0.53:53/udp"],
             [tool, "verify", "--manifests", str(manifests), "--", *flags],
         ):
             print(f"\n$ ip netns exec {NODE} {' '.join(command)}")
             shown = _netns_exec(NODE, *command, capture=True)
             print(shown.stdout, end="")
             ok &= shown.returncode == 0
+        ok &= _live_trace(tool)
         print("\nReal connections from an outside client through the rules:")
         for url in ["http://172.30.0.10/"] * 4 + [f"http://{NODE_IP}:30080/"]:
             reply = _curl(CLIENT, url)

@@ -338,7 +338,8 @@ FLAGS: tuple[Flag, ...] = (
     ),
     _b(
         "--profiling",
-        help="Serve profiling data on the metrics server. " + _IGNORED_WITH_CONFIG,
+        help="Serve the /debug/ pages (upstream: pprof) on the metrics server. "
+        + _IGNORED_WITH_CONFIG,
         field="enableProfiling",
     ),
     _f(

@@ -13,6 +13,7 @@ left; iptables or ipvs mode removes the nftables tables; ``--cleanup`` removes a
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import threading
@@ -24,7 +25,9 @@ from kubeproxy.backend import Backend, BackendFactory
 from kubeproxy.capabilities import CAP_NET_ADMIN
 from kubeproxy.config import ProxierConfig
 from kubeproxy.daemon import BackendContext, BackendHooks, WatcherFactory
+from kubeproxy.debugpages import DebugState, ModePages
 from kubeproxy.entrypoints import BackendNotFound, backend_entry_point, load_backend
+from kubeproxy.httpserving import Route
 from kubeproxy.metrics import ProxyMetrics
 from kubeproxy.objects import IPFamily
 from kubeproxy.proxier import NullObserver, Proxier, SyncHook, SyncObserver
@@ -329,7 +332,8 @@ class Mode:
     (``--cleanup-leftovers``; None: nothing of the kind); ``handover(netns, stop)`` is
     ``cleanup`` once another mode serves the node, letting established connections that
     still need this mode's state end first (ipvs mode's IPVS connections; None: the
-    cleanup does it).
+    cleanup does it); ``debug_pages`` are the mode's own ``/debug/`` pages
+    (:data:`~kubeproxy.debugpages.ModePages`; None: the core's only).
     """
 
     name: str
@@ -341,6 +345,7 @@ class Mode:
     watchers: WatcherFactory | None = None
     leftovers: Callable[[str | None], None] | None = None
     handover: Callable[[str | None, threading.Event], None] | None = None
+    debug_pages: ModePages | None = None
 
     @property
     def iptables_based(self) -> bool:
@@ -403,8 +408,16 @@ def _backend_mode(
     )
 
 
+def _nftables_pages(state: DebugState, netns: str | None) -> Mapping[str, Route]:
+    """nftables mode's ``/debug/`` pages (the backend imported only when they are on)."""
+    found: Mapping[str, Route] = _module("nftables", "debugpages").pages(state, netns)
+    return found
+
+
 MODES: Final[Mapping[str, Mode]] = {
-    "nftables": _backend_mode("nftables", NFTABLES_HOOKS, NftablesDryRun),
+    "nftables": dataclasses.replace(
+        _backend_mode("nftables", NFTABLES_HOOKS, NftablesDryRun), debug_pages=_nftables_pages
+    ),
     "iptables": _backend_mode("iptables", IPTABLES_HOOKS, IptablesDryRun, wait=XTABLES_LOCK_WAIT),
     "ipvs": _backend_mode("ipvs", IPTABLES_HOOKS, IPVSDryRun),
 }

@@ -53,6 +53,7 @@ from kubeproxy.daemon.sources import (
     open_manifests,
 )
 from kubeproxy.daemon.wiring import DaemonPlugins, DaemonSeams, LegacyKeywords, from_keywords
+from kubeproxy.debugpages import DebugState, core_pages
 from kubeproxy.events import (
     ACTION_START,
     REASON_FAILED_HEALTHCHECK,
@@ -210,6 +211,30 @@ def stop_serving(parts: Servers) -> None:
     parts.metrics_server.stop()
 
 
+def _debug_pages(
+    options: DaemonOptions,
+    config: ProxierConfig,
+    plugins: DaemonPlugins,
+    parts: Servers,
+    netns: str | None,
+) -> DebugState | None:
+    """The ``/debug/`` pages on the metrics server when ``enableProfiling`` asks for
+    them (a daemon's only), and the state they show (a hook and observer of every
+    proxier); None when off."""
+    if not options.enable_profiling or options.once or options.dry_run:
+        return None
+    state = DebugState(config)
+    more = plugins.debug_pages(state, netns) if plugins.debug_pages is not None else {}
+    routes = core_pages(state, more)
+    parts.metrics_server.add_routes(routes)
+    logger.info(
+        "enableProfiling: serving %s on the metrics server (%s)",
+        ", ".join(sorted(routes)),
+        options.metrics_bind_address or "disabled",
+    )
+    return state
+
+
 def _make_backends(
     factory: BackendFactory,
     families: Sequence[IPFamily],
@@ -295,11 +320,12 @@ def _assemble(
     healer = SelfHealer({}, counter=metrics, events=events, kernel_state=parts.health)
     healing = tuple(w.after_sync for w in watching)
     proxiers: dict[IPFamily, Proxier] = {}
+    debug = _debug_pages(options, config, plugins, parts, seams.netns)
     for family, backend in backends.items():
-        extra: tuple[SyncHook | SyncObserver, ...] = ()
+        extra: tuple[SyncHook | SyncObserver, ...] = () if debug is None else (debug,)
         if plugins.backend_hooks is not None:
             context = BackendContext(backend, family, metrics, parts.health, events)
-            extra = tuple(plugins.backend_hooks(context))
+            extra += tuple(plugins.backend_hooks(context))
         hooks = [item for item in extra if callable(item)]
         observers = [cast(SyncObserver, o) for o in extra if hasattr(o, "sync_finished")]
         proxiers[family] = Proxier(

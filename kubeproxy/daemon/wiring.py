@@ -37,6 +37,7 @@ from kubeproxy.daemon.gctuning import GcOps
 from kubeproxy.daemon.hooks import BackendHooks, WatcherFactory
 from kubeproxy.daemon.privileged import HostPaths
 from kubeproxy.daemon.sources import NODE_WAIT_TIMEOUT, SourceTuning
+from kubeproxy.debugpages import ModePages
 from kubeproxy.events import EventSink
 from kubeproxy.netlink import HostAddressLister
 from kubeproxy.objects import IPFamily
@@ -84,6 +85,9 @@ class DaemonPlugins:
     startup_warnings: Sequence[StartupWarning] = ()
     before_first_sync: Callable[[], object] | None = None
     after_first_sync: AfterFirstSync | None = None
+    debug_pages: ModePages | None = None
+    """The mode's own ``/debug/`` pages, served with the core's when the pages are on
+    (``enableProfiling``: :mod:`kubeproxy.debugpages`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,12 +19,13 @@ connection really reaches; the class chain's name says what the class does
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kubeproxy.backends.nftables.fake import FakeNft, parse_commands
+from kubeproxy.backends.nftables.fake import FakeNft
 from kubeproxy.backends.nftables.frontends import (
+    COMMENT_LIMIT,
     KIND_IP,
     KIND_NODEPORT,
     SHAPE_EXTERNAL,
@@ -36,10 +37,10 @@ from kubeproxy.backends.nftables.frontends import (
     comment_names,
 )
 from kubeproxy.backends.nftables.layout import SLOT_PROTOCOLS, GenNames, generation_of
-from kubeproxy.backends.nftables.objects import Family, Rule
+from kubeproxy.backends.nftables.objects import Family
 from kubeproxy.backends.nftables.reader import Item, RuleRefs
 from kubeproxy.backends.nftables.table import TABLE, Names
-from kubeproxy.objects import NamespacedName
+from kubeproxy.objects import IPAddress, NamespacedName
 
 __all__ = [
     "EVERY_LOCAL_ADDRESS",
@@ -49,6 +50,7 @@ __all__ = [
     "TableSource",
     "TableView",
     "describe_class",
+    "explain_address",
     "explain_service",
     "parse_class",
     "refs_of_text",
@@ -239,8 +241,11 @@ class TableSource(Protocol):
         """The table's sets and maps by name (with what :meth:`elements` needs)."""
         ...
 
-    def elements(self, family: Family, name: str, declaration: Any) -> list[Item]:
-        """Every element of one set or map."""
+    def elements(
+        self, family: Family, name: str, declaration: Any, containing: str | None = None
+    ) -> list[Item]:
+        """Every element of one set or map (with ``containing``: those whose comment
+        contains that text)."""
         ...
 
     def get(self, family: Family, name: str, declaration: Any, key: Key) -> Item | None:
@@ -282,9 +287,14 @@ class FakeSource:
                 found[element.key] = Item(element.key, value, element.comment, None)
         return found
 
-    def elements(self, family: Family, name: str, declaration: Any) -> list[Item]:
+    def elements(
+        self, family: Family, name: str, declaration: Any, containing: str | None = None
+    ) -> list[Item]:
         """A set's elements as the kernel reader returns them."""
-        return list(self._held(family, name).values())
+        held = self._held(family, name).values()
+        if containing is None:
+            return list(held)
+        return [i for i in held if i.comment is not None and containing in i.comment]
 
     def get(self, family: Family, name: str, declaration: Any, key: Key) -> Item | None:
         """One element."""
@@ -292,13 +302,12 @@ class FakeSource:
 
     def rules(self, family: Family, chain: str) -> list[RuleRefs]:
         """The references of ``chain``'s rules, from their text."""
-        chains = self._chains.get(family)
-        if chains is None:
-            chains = self._chains[family] = {}
-            for _family, table, _verb, obj in parse_commands(self.fake.dump(family)):
-                if table == self.table and isinstance(obj, Rule):
-                    chains.setdefault(obj.chain, []).append(refs_of_text(obj.rule))
-        return chains.get(chain, [])
+        chains = self._chains.setdefault(family, {})
+        found = chains.get(chain)
+        if found is None:
+            rules = self.fake.list_rules(family, self.table, chain)
+            found = chains[chain] = [refs_of_text(rule.rule) for rule in rules]
+        return found
 
 
 def refs_of_text(rule: str) -> RuleRefs:
@@ -384,15 +393,43 @@ class TableView:
                 out.append((kind, self.names.no_endpoint(kind, verdict), str(verdict)))
         return out
 
-    def frontends_named(self, match: Any) -> list[tuple[Kind, Key, str | None]]:
+    def frontends_named(
+        self, match: Any, containing: str | None = None
+    ) -> list[tuple[Kind, Key, str | None]]:
         """Every frontend whose element comment ``match(comment)`` accepts: (kind, key,
-        comment), each once, in table order."""
+        comment), each once, in table order. ``containing``: a text every accepted
+        comment contains, so that only the elements holding it are decoded (a scan of
+        the whole set still, but at C speed: :meth:`~.reader.TableReader.elements`)."""
         seen: dict[tuple[Kind, Key], str | None] = {}
         for kind, container, _verdict in self.named_containers():
-            for key, item in self.dump(container).items():
+            if containing is None or container in self._dumps:
+                items: Iterable[Item] = self.dump(container).values()
+            elif container in self.declarations:
+                declaration = self.declarations[container]
+                items = self.reader.elements(self.family, container, declaration, containing)
+            else:
+                items = ()
+            for item in items:
                 if item.comment is not None and match(item.comment):
-                    seen.setdefault((kind, key), item.comment)
+                    seen.setdefault((kind, item.key), item.comment)
         return [(kind, key, name) for (kind, key), name in seen.items()]
+
+    def frontend_at(
+        self, dest: str, port: int, proto: str, nodeport_address: bool
+    ) -> tuple[Kind, Key, str | None] | None:
+        """The frontend a connection to ``dest:port/proto`` meets, asked by key (a
+        handful of single-element gets, whatever the table holds): its address's
+        element in the dispatch or no-endpoint sets, else, when ``nodeport_address``
+        (``dest`` is an address NodePorts answer on), the NodePort's. (kind, key,
+        comment), or None."""
+        candidates: list[tuple[Kind, Key]] = [(KIND_IP, (dest, proto, str(port)))]
+        if nodeport_address:
+            candidates.append((KIND_NODEPORT, (proto, str(port))))
+        for kind, key in candidates:
+            for k, container, _verdict in self.named_containers():
+                if k == kind and (item := self.get(container, key)) is not None:
+                    return kind, key, item.comment
+        return None
 
     def class_chain(self, kind: Kind, key: Key) -> str | None:
         """The class chain a new connection to frontend ``key`` reaches, walking the
@@ -482,6 +519,14 @@ class TableView:
                 return (EVERY_LOCAL_ADDRESS,)
         return tuple(sorted(k[0] for k in self.dump(Names.NODEPORT_IPS)))
 
+    def answers_nodeports(self, dest: IPAddress, local: Sequence[IPAddress]) -> bool:
+        """Whether NodePorts answer on ``dest`` (``local``: the node's addresses, what
+        ``fib daddr type local`` matches without nodePortAddresses)."""
+        addresses = self.nodeport_addresses()
+        if EVERY_LOCAL_ADDRESS in addresses:
+            return dest in local and not dest.is_loopback
+        return str(dest) in addresses
+
     def _slots(self, container: str, key: Key, count: int) -> tuple[str | None, ...]:
         out: list[str | None] = []
         for slot in range(count):
@@ -494,9 +539,28 @@ def explain_service(
     view: TableView, service: NamespacedName, port: str | None = None
 ) -> ServiceView:
     """Every frontend of ``service`` (of its port ``port``, when given) in ``view``."""
-    found = view.frontends_named(lambda comment: comment_names(comment, service, port))
+    # Every comment naming the Service begins with (at most) this much of its name.
+    needle = str(service)[: COMMENT_LIMIT - 9]
+    found = view.frontends_named(lambda c: comment_names(c, service, port), containing=needle)
     frontends = tuple(view.explain(kind, key, name) for kind, key, name in found)
     return ServiceView(service, view.family, view.generation, frontends)
+
+
+def explain_address(
+    view: TableView,
+    dest: IPAddress,
+    port: int,
+    proto: str,
+    local: Sequence[IPAddress] = (),
+) -> FrontendView | None:
+    """The frontend a connection to ``dest:port/proto`` meets (a NodePort when ``dest``
+    is an address NodePorts answer on, ``local`` the node's addresses), found by key:
+    what ``kubeproxy explain IP:PORT/PROTO`` prints, in constant time at any size."""
+    found = view.frontend_at(str(dest), port, proto, view.answers_nodeports(dest, local))
+    if found is None:
+        return None
+    kind, key, name = found
+    return view.explain(kind, key, name)
 
 
 def services_named(view: TableView) -> Iterable[str]:

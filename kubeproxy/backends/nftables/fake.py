@@ -279,6 +279,13 @@ class FakeNft(NftExecutor):
             return {}
         return {name: chain.spec.comment for name, chain in state.chains.items()}
 
+    def list_rules(self, family: Family, table: str, chain: str) -> list[Rule]:
+        """The rules of a chain, in order (``[]`` if the table or chain does not exist)."""
+        state = self._tables.get((Family(family), table))
+        if state is None or chain not in state.chains:
+            return []
+        return [rule.rule for rule in state.chains[chain].rules]
+
     def list_sets(self, family: Family, table: str) -> list[str]:
         """Names of the table's sets and maps (``[]`` if the table does not exist)."""
         state = self._tables.get((Family(family), table))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import errno
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Final
 
 import kubeproxy.nlmsg as nlmsg
@@ -28,7 +28,7 @@ from kubeproxy.backends.nftables.elements import SUPPORTED_TYPES, decode_parts, 
 from kubeproxy.backends.nftables.objects import Family, NftError, validate_name
 from kubeproxy.backends.nftables.table import TABLE
 
-__all__ = ["Item", "RuleRefs", "TableReader"]
+__all__ = ["VERDICTS", "Item", "RuleRefs", "TableReader", "verdict_of"]
 
 Key = tuple[str, ...]
 
@@ -39,7 +39,7 @@ _LIST_ELEM = 1
 _ELEM_KEY, _ELEM_DATA, _ELEM_EXPIRATION, _ELEM_USERDATA = 1, 2, 5, 6
 _DATA_VALUE, _DATA_VERDICT = 1, 2
 _VERDICT_CODE, _VERDICT_CHAIN = 1, 2
-_RULE_TABLE, _RULE_CHAIN, _RULE_EXPRESSIONS = 1, 2, 4
+_RULE_TABLE, _RULE_CHAIN, _RULE_HANDLE, _RULE_EXPRESSIONS = 1, 2, 3, 4
 _EXPR_NAME, _EXPR_DATA = 1, 2
 _IMMEDIATE_DATA = 2
 _LOOKUP_SET = 1
@@ -84,6 +84,8 @@ class RuleRefs:
     expressions: tuple[tuple[str, tuple[tuple[int, bytes], ...]], ...] = ()
     """Every expression as the kernel holds it: its name and attributes (what ``trace``
     evaluates a rule's matches from)."""
+    handle: int | None = None
+    """The kernel's handle of the rule (what ``trace --live``'s events name a rule by)."""
 
     @property
     def target(self) -> str | None:
@@ -154,9 +156,18 @@ class TableReader:
                 found[declaration.name] = declaration
         return found
 
-    def elements(self, family: Family, name: str, declaration: Declaration) -> list[Item]:
+    def elements(
+        self, family: Family, name: str, declaration: Declaration, containing: str | None = None
+    ) -> list[Item]:
         """Every element of set or map ``name`` (an interval set's ranges are left out:
-        they list as their start only)."""
+        they list as their start only); with ``containing``, only those whose comment
+        contains that text.
+
+        ``containing`` is what makes finding a Service by name cheap: the kernel still
+        sends every element, but an answer message (a few hundred elements) whose bytes
+        do not contain the text is skipped without being decoded (one C-speed ``in``),
+        and decoding was almost all of a 100k-element dump's time (README "Reading the
+        table back" has the figures, ``bench/explain.py`` measures both ways)."""
         validate_name("set", name)
         key_types = tuple(f.datatype.name for f in declaration.key)
         value_types = tuple(f.datatype.name for f in declaration.value or ())
@@ -164,11 +175,16 @@ class TableReader:
             raise NftError(f"set {name}: data types not read here", errno.EINVAL)
         body = nlmsg.attr(_LIST_TABLE, nlmsg.string(self.table))
         body += nlmsg.attr(_LIST_SET, nlmsg.string(name))
+        needle = containing.encode() if containing is not None else None
         items: list[Item] = []
         for payload in self._dump(family, _GETSETELEM, body, f"listing {name}"):
+            if needle is not None and needle not in payload:
+                continue
             for kind, value in nlmsg.attribute_values(payload):
                 if kind == _LIST_ELEMENTS:
                     items.extend(_items(value, key_types, value_types))
+        if containing is not None:
+            items = [i for i in items if i.comment is not None and containing in i.comment]
         return items
 
     def get(self, family: Family, name: str, declaration: Declaration, key: Key) -> Item | None:
@@ -213,9 +229,12 @@ class TableReader:
         body += nlmsg.attr(_RULE_CHAIN, nlmsg.string(chain))
         out = []
         for payload in self._dump(family, _GETRULE, body, f"rules of {chain}"):
+            handle = None
             for kind, value in nlmsg.attribute_values(payload):
-                if kind == _RULE_EXPRESSIONS:
-                    out.append(_rule_refs(value))
+                if kind == _RULE_HANDLE and len(value) == 8:
+                    handle = struct.unpack(">Q", value)[0]
+                elif kind == _RULE_EXPRESSIONS:
+                    out.append(replace(_rule_refs(value), handle=handle))
         return out
 
 
@@ -234,7 +253,7 @@ def _items(data: bytes, key_types: Key, value_types: Key) -> list[Item]:
             elif part == _ELEM_DATA:
                 verdict = _nested(raw, _DATA_VERDICT)
                 if verdict:
-                    value = _verdict(verdict)
+                    value = verdict_of(verdict)
                 else:
                     value = decode_parts(value_types, _nested(raw, _DATA_VALUE))
             elif part == _ELEM_EXPIRATION:
@@ -250,7 +269,9 @@ def _nested(data: bytes, wanted: int) -> bytes:
     return next((v for k, v in nlmsg.attribute_values(data) if k == wanted), b"")
 
 
-def _verdict(data: bytes) -> Key:
+def verdict_of(data: bytes) -> Key:
+    """A verdict's (verb, chain) from its ``NFTA_VERDICT_*`` attributes (chain ``""``
+    when it names none)."""
     code = 0
     chain = ""
     for kind, raw in nlmsg.attribute_values(data):
@@ -296,7 +317,7 @@ def _rule_refs(expressions: bytes) -> RuleRefs:
         elif name == b"immediate" and _IMMEDIATE_DATA in fields:
             verdict = _nested(fields[_IMMEDIATE_DATA], _DATA_VERDICT)
             if verdict:
-                verb, chain = _verdict(verdict)
+                verb, chain = verdict_of(verdict)
                 verdicts.append((verb, chain))
         elif name == b"dynset":
             updates = _text(fields.get(_DYNSET_SET_NAME, b""))

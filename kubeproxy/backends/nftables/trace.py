@@ -19,11 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import kubeproxy.nlmsg as nlmsg
-from kubeproxy.backends.nftables.explain import (
-    EVERY_LOCAL_ADDRESS,
-    FrontendView,
-    TableView,
-)
+from kubeproxy.backends.nftables.explain import FrontendView, TableView
 from kubeproxy.backends.nftables.frontends import KIND_IP, KIND_NODEPORT, Kind, NoEndpoint
 from kubeproxy.backends.nftables.reader import RuleRefs
 from kubeproxy.backends.nftables.table import Names
@@ -61,6 +57,17 @@ class Trace:
     frontend: FrontendView | None = None
     steps: tuple[str, ...] = ()
     unsure: tuple[str, ...] = field(default=())
+
+    def as_json(self) -> dict[str, object]:
+        """The trace as plain data (``--json``, ``/debug/trace``)."""
+        return {
+            "verdict": self.verdict,
+            "endpoints": list(self.endpoints),
+            "masquerade": self.masquerade,
+            "service": self.frontend.name if self.frontend else None,
+            "steps": list(self.steps),
+            "unsure": list(self.unsure),
+        }
 
 
 def _value(raw: bytes) -> bytes:
@@ -149,16 +156,9 @@ def _dispatched(
         return KIND_IP, ip_key
     np_key = (proto, str(port))
     dispatched = view.get(view.names.dispatch(KIND_NODEPORT), np_key) is not None
-    if dispatched and _nodeport_address(view, dest, local):
+    if dispatched and view.answers_nodeports(dest, local):
         return KIND_NODEPORT, np_key
     return None
-
-
-def _nodeport_address(view: TableView, dest: IPAddress, local: Sequence[IPAddress]) -> bool:
-    addresses = view.nodeport_addresses()
-    if EVERY_LOCAL_ADDRESS in addresses:
-        return dest in local and not dest.is_loopback
-    return str(dest) in addresses
 
 
 def trace(
@@ -244,7 +244,7 @@ def _not_dispatched(
 ) -> Trace:
     names = view.names
     keys: list[tuple[Kind, tuple[str, ...]]] = [(KIND_IP, (str(dest), proto, str(port)))]
-    if _nodeport_address(view, dest, local):
+    if view.answers_nodeports(dest, local):
         keys.append((KIND_NODEPORT, (proto, str(port))))
     for kind, fkey in keys:
         for verdict in (NoEndpoint.REJECT, NoEndpoint.DROP):

@@ -16,12 +16,16 @@ reported as notes, not differences.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kubeproxy.backends.nftables.explain import FrontendView, TableView
+from kubeproxy.backends.nftables.explain import FakeSource, FrontendView, TableView
+from kubeproxy.backends.nftables.fake import FakeNft
+from kubeproxy.backends.nftables.layout import generation_of
+from kubeproxy.backends.nftables.objects import Family
+from kubeproxy.backends.nftables.reader import TableReader
 
-__all__ = ["Difference", "compare", "notes"]
+__all__ = ["Difference", "compare", "notes", "verify_tables"]
 
 Key = tuple[str, ...]
 
@@ -38,6 +42,14 @@ class Difference:
 
 
 def _frontends(view: TableView) -> dict[tuple[str, Key], FrontendView]:
+    """Every frontend explained. Every container of the live generation is dumped
+    first, so each fact is then answered from the dumps: asking the kernel one
+    element at a time took 28 s for 10k Services (about 15 questions a frontend), the
+    dumps a fraction of it (README "Reading the table back")."""
+    if view.generation is not None:
+        for name in view.declarations:
+            if generation_of(name) in (None, view.generation):
+                view.dump(name)
     return {
         (str(kind), key): view.explain(kind, key, name)
         for kind, key, name in view.frontends_named(lambda _comment: True)
@@ -134,3 +146,23 @@ def notes(have: TableView) -> list[str]:
         f"table {have.family} kube-proxy: generation(s) {', '.join(map(str, older))} still"
         f" held beside the live {have.generation} (deleted at a later sync)"
     ]
+
+
+def verify_tables(
+    fakes: Sequence[FakeNft], families: Sequence[Family], *, netns: str | None = None
+) -> tuple[list[Difference], list[str]]:
+    """The differences (and :func:`notes`) between the kernel's tables of ``families``
+    in ``netns`` and what ``fakes`` hold (what the proxy would write)."""
+    differences: list[Difference] = []
+    found_notes: list[str] = []
+    with TableReader(netns) as reader:
+        for family in families:
+            want = next((FakeSource(f) for f in fakes if FakeSource(f).exists(family)), None)
+            have = TableView(reader, family)
+            if want is None:
+                if have.generation is not None:
+                    found_notes.append(f"table {family} kube-proxy: the proxy would not write it")
+                continue
+            differences.extend(compare(TableView(want, family), have))
+            found_notes.extend(notes(have))
+    return differences, found_notes
