@@ -274,6 +274,8 @@ class Proxier:
         self._pending_stale_udp: list[tuple[ServicePortName, Endpoint]] = []
         self._pending_conntrack_cleanup = False
         self._pending_trigger_times: list[float] = []
+        # How many Services the last sync changed (1 for a full one), for the pacing.
+        self._last_sync_changes = 1
 
         fixed_rest = config.min_sync_period
         self._runner = BoundedFrequencyRunner(
@@ -509,16 +511,20 @@ class Proxier:
         if self.initialized:
             self.sync()
 
-    def _run_sync(self) -> None:
+    def _run_sync(self) -> int:
+        """One sync of the loop; how many changes it carried (the runner's pacing rests
+        by the cost per change: :mod:`kubeproxy.pacing`)."""
         with self._sync_lock:
             if not self.initialized:
-                return
+                return 1
             ok = self._sync_locked()
             partial = not self._attempted_full
+            changes = self._last_sync_changes
         if not ok:
             # A failed partial sync is followed at once by a full one (the next sync is
             # full after any failure); a failed full sync waits for the backoff.
             raise RunFailed(f"{self._family} sync failed", retry_now=partial)
+        return changes
 
     def _sync_locked(self) -> bool:
         start = self._clock()
@@ -549,8 +555,11 @@ class Proxier:
                 "full" if full else "partial",
                 duration * 1000,
             )
+        self._last_sync_changes = 1
         if synced is not None:
             snapshot, changes = synced
+            if not changes.full:
+                self._last_sync_changes = max(1, len(changes.changed_services))
             if self._conntrack is not None and changes.conntrack_cleanup_required:
                 self._notify(self._conntrack, self, snapshot, changes)
             for hook in self._after_sync:
