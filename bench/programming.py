@@ -29,14 +29,19 @@ Each runner (:data:`RUNNERS`) gets a fresh API server and a fresh daemon over th
 cluster, and the same sequence of updates (the fake's shuffled order is seeded): the
 sync loop as it is shipped, and as it was (upstream's fixed rest of
 ``minSyncPeriod: 1s`` after every sync, which ``--iptables-min-sync-period=1s`` still
-selects), side by side in one run.
+selects), side by side in one run. ``KPXB_PROGRAMMING_BASELINE=<git revision>`` adds a
+third (:func:`baseline_runner`): the daemon as it was at that commit, its code exported
+from git and put first on ``PYTHONPATH``, with today's defaults (paced), so a change to
+the daemon is measured against the code it replaced in the same run.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import re
 import statistics
+import subprocess
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -45,10 +50,10 @@ from typing import Any, Final
 
 from bench.commitstamps import CommitStamper, match_updates
 from bench.daemonbench import api_server, churn, daemon_argv, node_process, write_cluster
-from bench.harness import percentile
+from bench.harness import REPO, percentile
 from bench.synthetic import SyntheticService
 
-__all__ = ["RUNNERS", "Runner", "Window", "measure", "thirds"]
+__all__ = ["RUNNERS", "Runner", "Window", "baseline_runner", "measure", "thirds"]
 
 
 NICENESS: Final = int(os.environ.get("KPXB_PROGRAMMING_NICE", "-10"))
@@ -62,6 +67,8 @@ class Runner:
     name: str
     flags: tuple[str, ...] = ()
     before: bool = False
+    code: str | None = None
+    """A git revision whose code the daemon runs instead of the working tree's."""
 
 
 RUNNERS: Final = (
@@ -71,6 +78,30 @@ RUNNERS: Final = (
 """The shipped sync loop (nftables mode's default: paced by the sync's cost) and the one
 it replaced (a fixed rest of 1 s, upstream's default, still what an operator setting
 ``minSyncPeriod: 1s`` gets)."""
+
+
+def baseline_runner(revision: str) -> Runner:
+    """The daemon as it was at ``revision`` (a commit, a branch), paced as shipped then."""
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", f"{revision}^{{commit}}"],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    return Runner(f"paced at {commit} (before)", before=True, code=commit)
+
+
+def _exported(revision: str, workdir: Path) -> Path:
+    """``revision``'s tree, exported once under ``workdir`` (``git archive``)."""
+    target = workdir / f"code-{revision}"
+    if not target.exists():
+        target.mkdir(parents=True)
+        archive = subprocess.run(
+            ["git", "archive", revision], cwd=REPO, check=True, capture_output=True
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", str(target)], input=archive, check=True)
+    return target
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,9 +203,11 @@ def measure(
     with ExitStack() as stack:
         api = stack.enter_context(api_server(netns, manifests, sync_timeout_s, niceness=NICENESS))
         argv = daemon_argv(api_port=api.ready["port"], extra=runner.flags)
+        if runner.code is not None:
+            argv = ["env", f"PYTHONPATH={_exported(runner.code, workdir)}", *argv]
         if NICENESS:
             argv = ["nice", "-n", str(NICENESS), *argv]
-        log = workdir / f"daemon-{len(runner.flags)}.log"
+        log = workdir / f"daemon-{re.sub(r'[^A-Za-z0-9]+', '-', runner.name)}.log"
         node = stack.enter_context(node_process(netns, argv, log=log))
         first_sync_s = node.synced(sync_timeout_s)
         stamper = stack.enter_context(CommitStamper(netns, niceness=NICENESS))

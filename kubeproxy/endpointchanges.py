@@ -247,7 +247,7 @@ class EndpointsChangeTracker:
             known = pending[name] if pending is not None and name in pending else applied
             if known is None:
                 return False
-            self._set_pending(service, name, None, applied)
+            self._set_pending(service, name, None, applied is None)
             self._trigger_times.pop(service, None)
             return True
 
@@ -283,13 +283,16 @@ class EndpointsChangeTracker:
             self.total_changes += 1
             applied = self._applied.get(service, {}).get(name)
             pending = self._pending.get(service)
+            # Each comparison walks both slices' endpoints: made once per event.
             if pending is not None and name in pending:
-                changed = pending[name] != parsed
+                if pending[name] == parsed:
+                    return False
+                back = parsed == applied
             else:
-                changed = applied != parsed
-            if not changed:
-                return False
-            self._set_pending(service, name, parsed, applied)
+                if applied == parsed:
+                    return False
+                back = False
+            self._set_pending(service, name, parsed, back)
             if remove:
                 # A deletion carries the time of the slice's last update, not of this
                 # change: no latency sample for it.
@@ -309,10 +312,11 @@ class EndpointsChangeTracker:
         service: NamespacedName,
         name: str,
         parsed: ParsedEndpointSlice | None,
-        applied: ParsedEndpointSlice | None,
+        back: bool,
     ) -> None:
+        """Record ``parsed`` as the slice's pending state; ``back``: it is what is applied."""
         pending = self._pending.get(service)
-        if parsed == applied:
+        if back:
             # Back to what is applied: nothing left to do for this slice.
             if pending is not None and name in pending:
                 del pending[name]
