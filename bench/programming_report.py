@@ -206,11 +206,15 @@ def _command(document: dict[str, Any]) -> str:
 
 def _niceness(records: Sequence[dict[str, Any]]) -> str:
     values = {r.get("niceness", 0) for r in records}
-    if values == {0}:
+    base = {r.get("bench_niceness", 0) for r in records}
+    if values == {0} and base == {0}:
         return "; every process at the default priority"
-    return "; the daemon, the fake API server and the stamping thread at nice " + "/".join(
+    text = "; the daemon, the fake API server and the stamping thread at nice " + "/".join(
         str(v) for v in sorted(values)
     )
+    if base != {0}:
+        text += " (the benchmark run at nice " + "/".join(str(v) for v in sorted(base)) + ")"
+    return text
 
 
 def render(document: dict[str, Any], source: str) -> str:
