@@ -11,6 +11,8 @@ EndpointSlice updates a second for :data:`BASE_SECONDS`, then ten times that for
 :data:`FAST_SECONDS` (:mod:`bench.programming` says what is measured and how). Results go
 to ``bench/results/<date>-programming-<host>.json`` and ``bench/results/programming.md``,
 apart from ``latest.md``; ``python -m bench.readme`` carries them into the README.
+``KPXB_PROGRAMMING_BASELINE=main`` (any git revision) adds the daemon as it was there
+(:func:`bench.programming.baseline_runner`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import pytest
 
 from bench.conftest import RESULTS_DIR
 from bench.netns import namespace
-from bench.programming import RUNNERS, Window, measure
+from bench.programming import RUNNERS, Window, baseline_runner, measure
 from bench.programming_report import KIND, render
 from bench.report import write_document
 from bench.synthetic import build_services
@@ -41,6 +43,8 @@ BASE_SECONDS, FAST_SECONDS = (
 )
 SYNC_TIMEOUT_S = float(os.environ.get("KPXB_SYNC_TIMEOUT_S", "600"))
 WINDOWS = (Window(BASE_RATE, BASE_SECONDS), Window(10 * BASE_RATE, FAST_SECONDS))
+# KPXB_PROGRAMMING_BASELINE=<git revision> adds the daemon as it was there, side by side.
+BASELINE = os.environ.get("KPXB_PROGRAMMING_BASELINE")
 
 
 class ProgrammingResults:
@@ -89,7 +93,8 @@ def test_programming(
 ) -> None:
     """Both runners over the same cluster and the same updates, one after the other."""
     cluster = build_services(services, ENDPOINTS)
-    for runner in RUNNERS:
+    runners = (*RUNNERS, baseline_runner(BASELINE)) if BASELINE else RUNNERS
+    for runner in runners:
         with namespace("np") as netns:
             records = measure(
                 netns, cluster, runner, WINDOWS, tmp_path, sync_timeout_s=SYNC_TIMEOUT_S

@@ -7,11 +7,12 @@ is busy or resting yield one run. Time is read and waited on through an injected
 :class:`Clock`, so tests drive the loop with a fake clock and no real sleeping.
 
 Where we differ from upstream: given a :class:`~kubeproxy.pacing.SyncPacing`, the rest
-after a run follows what the run cost (its thread's CPU time) instead of a fixed
-``min_interval`` (nftables mode's default; an operator's ``minSyncPeriod`` keeps
-upstream's fixed rest). After a failure the next run comes after a backoff that
-starts at ``initial_retry`` (1 s) and doubles with each consecutive failure up to
-``retry_interval`` (the sync period), instead of a flat ``retry_interval``: a sync the
+after a run follows what the run cost (its thread's CPU time) per change it carried
+(what ``fn`` returns) instead of a fixed ``min_interval`` (nftables mode's default; an
+operator's ``minSyncPeriod`` keeps upstream's fixed rest). After a failure the next run
+comes after a backoff that starts at ``initial_retry`` (1 s) and doubles with each
+consecutive failure up to ``retry_interval`` (the sync period), instead of a flat
+``retry_interval``: a sync the
 kernel refused because someone else removed what it built on is usually repaired by the
 full sync that follows, and waiting 30 s for it leaves every Service dead meanwhile. A
 function that raises :class:`RunFailed` with ``retry_now`` (a failed partial sync: the
@@ -90,15 +91,16 @@ class BoundedFrequencyRunner:
       did it itself): a failure counts as if the loop had run it (the next run comes after
       the backoff), a success starts the count afresh.
     * After every run the loop rests before starting another: ``min_interval``, or with
-      ``pacing`` the longer of that and ``pacing.rest(cost)``, ``cost`` being the CPU
-      time the run took (``cost_clock``: the thread's CPU clock). A request that arrived
+      ``pacing`` the longer of that and ``pacing.rest(cost, changes)``, ``cost`` being the
+      CPU time the run took (``cost_clock``: the thread's CPU clock) and ``changes`` what
+      ``fn`` returned (how many changes the run carried; None counts as 1). A request that arrived
       meanwhile, even during ``fn`` itself, starts the next run right after the rest.
     """
 
     def __init__(
         self,
         name: str,
-        fn: Callable[[], None],
+        fn: Callable[[], int | None],
         min_interval: float,
         retry_interval: float,
         max_interval: float,
@@ -144,12 +146,12 @@ class BoundedFrequencyRunner:
         # 2**60 overflows nothing and exceeds any sane ceiling: no need to go further.
         return min(self.initial_retry * 2.0 ** min(failures - 1, 60), ceiling)
 
-    def rest_after(self, cost: float) -> float:
-        """Seconds to rest after a run whose work cost ``cost`` CPU seconds (and keep it
-        as :attr:`last_rest`)."""
+    def rest_after(self, cost: float, changes: int | None = None) -> float:
+        """Seconds to rest after a run whose work cost ``cost`` CPU seconds and carried
+        ``changes`` changes (and keep it as :attr:`last_rest`)."""
         rest = self.min_interval
         if self.pacing is not None:
-            rest = max(rest, self.pacing.rest(cost))
+            rest = max(rest, self.pacing.rest(cost, 1 if changes is None else changes))
         self.last_rest = rest
         return rest
 
@@ -195,8 +197,8 @@ class BoundedFrequencyRunner:
                 # bit short).
                 continue
             began = self._cost_clock()
-            failure = self._run_once()
-            rest = self.rest_after(self._cost_clock() - began)
+            failure, changes = self._run_once()
+            rest = self.rest_after(self._cost_clock() - began, changes)
             if failure is None:
                 self._failures = 0
                 retried_now = False
@@ -219,13 +221,12 @@ class BoundedFrequencyRunner:
         stop.wait()
         self._wake.set()
 
-    def _run_once(self) -> Exception | None:
-        """Call ``fn``; the exception it raised (never propagated)."""
+    def _run_once(self) -> tuple[Exception | None, int | None]:
+        """Call ``fn``; the exception it raised (never propagated), or what it returned."""
         try:
-            self._fn()
+            return None, self._fn()
         except Exception as err:  # the loop must survive any failure of fn
-            return err
-        return None
+            return err, None
 
     def _log_failure(self, err: Exception, at_once: bool) -> None:
         logger.error(

@@ -15,9 +15,15 @@ from kubeproxy.endpointchanges import (
     EndpointsChangeTracker,
     EndpointsMap,
     merge_endpoint_slices,
+    same_owner,
 )
 from kubeproxy.objects import Endpoint, IPFamily, NamespacedName, Protocol, ServicePortName
-from kubeproxy.parse import InvalidObject, ParsedEndpointSlice, parse_endpoint_slice
+from kubeproxy.parse import (
+    LABEL_SERVICE_NAME,
+    InvalidObject,
+    ParsedEndpointSlice,
+    parse_endpoint_slice,
+)
 
 V4 = IPFamily.IPV4
 NODE = "node-1"
@@ -526,3 +532,65 @@ def test_merge_endpoint_slices_directly() -> None:
     assert parsed is not None
     assert merge_endpoint_slices(WEB, [parsed]) == {HTTP: (Endpoint(ip("10.0.0.1"), 80),)}
     assert merge_endpoint_slices(WEB, []) == {}
+
+
+# same_owner: the watch's common update skips validating both versions' keys.
+
+_OWNER_VALUES = {
+    "addressType": st.sampled_from(["IPv4", "IPv6", "FQDN", None, 4]),
+    "namespace": st.sampled_from(["ns", "other", "", None, "Bad_NS"]),
+    "name": st.sampled_from(["s1", "s2", "", None, "-bad-"]),
+    "service": st.sampled_from(["svc", "other", "", None, "Bad_Svc", 7]),
+}
+
+
+@st.composite
+def _owned_slices(draw: st.DrawFn) -> Any:
+    """A slice-like object built from a few values of each part of its key, any of them
+    missing or malformed (metadata or labels not even a mapping, now and then)."""
+    values = {key: draw(strategy) for key, strategy in _OWNER_VALUES.items()}
+    labels: Any = {} if values["service"] is None else {LABEL_SERVICE_NAME: values["service"]}
+    if draw(st.integers(0, 9)) == 0:
+        labels = "not a mapping"
+    metadata: Any = {
+        key: values[key] for key in ("namespace", "name") if values[key] is not None
+    } | {"labels": labels}
+    if draw(st.integers(0, 9)) == 0:
+        metadata = None
+    obj: dict[str, Any] = {"kind": "EndpointSlice", "metadata": metadata}
+    if values["addressType"] is not None:
+        obj["addressType"] = values["addressType"]
+    return obj
+
+
+@settings(max_examples=300)
+@given(previous=_owned_slices(), current=_owned_slices(), family=st.sampled_from(IPFamily))
+def test_same_owner_implies_the_same_tracking_key(
+    previous: Any, current: Any, family: IPFamily
+) -> None:
+    """Whenever the raw comparison says "same owner", the validated keys agree (both
+    valid and equal, or both untracked), so skipping the leave check loses nothing."""
+    tracker = EndpointsChangeTracker(family, NODE)
+    if same_owner(previous, current):
+        assert tracker._key_of(previous) == tracker._key_of(current)
+
+
+def test_an_update_of_endpoints_only_skips_the_leave_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    tracker = EndpointsChangeTracker(IPFamily.IPV4, NODE)
+    first = endpoint_slice("s1", [ep("10.0.0.1")])
+    assert tracker.update(first, False)
+    left: list[Any] = []
+
+    def leave(*args: Any) -> bool:
+        left.append(args)
+        return False
+
+    monkeypatch.setattr(tracker, "_leave", leave)
+    second = endpoint_slice("s1", [ep("10.0.0.2")])
+    assert tracker.update(second, False, previous=first)
+    assert left == []
+    moved = endpoint_slice("s1", [ep("10.0.0.2")], service="dns")
+    tracker.update(moved, False, previous=second)
+    assert len(left) == 1

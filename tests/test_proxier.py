@@ -1162,3 +1162,25 @@ def test_example_cluster_through_the_manifest_source() -> None:
         "10.244.0.12:8080",
     ]
     assert all(e.is_local for e in first.categorized[web].cluster)
+
+
+def test_the_loop_is_told_how_many_services_each_sync_changed() -> None:
+    """The runner paces by the cost per change (kubeproxy.pacing): a partial sync
+    reports the Services it changed, a full one and an empty one count as one."""
+    proxier, backend = make_proxier()
+    two_services(proxier)
+    initialized(proxier)  # the first sync, full
+    proxier.on_endpoint_slice_update(
+        endpoint_slice("web-1", "web", [ep("10.244.0.11")]),
+        endpoint_slice("web-1", "web", [ep("10.244.0.12")]),
+    )
+    proxier.on_endpoint_slice_update(
+        endpoint_slice("db-1", "db", [ep("10.244.0.20", "node-b")], ports=[("sql", 5432, "TCP")]),
+        endpoint_slice("db-1", "db", [ep("10.244.0.21", "node-b")], ports=[("sql", 5432, "TCP")]),
+    )
+    assert proxier._run_sync() == 2
+    assert not backend.last.full
+    assert proxier._run_sync() == 1  # nothing changed
+    proxier.request_full_sync()
+    assert proxier._run_sync() == 1
+    assert backend.last.full

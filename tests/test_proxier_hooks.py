@@ -226,3 +226,23 @@ def test_other_threads_wait_for_the_hook_and_then_read_the_synced_state() -> Non
     threads[0].join(5)
     assert waiting == [True]
     assert results == [{NamespacedName("demo", "dns"): 2}]
+
+
+def test_the_group_calls_only_the_methods_an_observer_does_not_ignore() -> None:
+    calls: list[str] = []
+
+    class Finishing(NullObserver):
+        def sync_finished(self, *args: Any) -> None:
+            calls.append("finished")
+
+    class Queueing(NullObserver):
+        def sync_queued(self, family: IPFamily) -> None:
+            calls.append(f"queued {family.value}")
+
+    group = ObserverGroup([Finishing(), NullObserver(), Queueing()])
+    assert len(group._queued) == 1 and len(group._finished) == 1
+    assert group._trigger_times == ()
+    group.sync_queued(IPFamily.IPV4)
+    group.sync_finished(IPFamily.IPV4, False, 0.001, None, (1, 1))
+    group.endpoints_trigger_times(IPFamily.IPV4, [1.0])
+    assert calls == ["queued IPv4", "finished"]

@@ -63,7 +63,7 @@ class Harness:
         self.stop = threading.Event()
         self.clock = FakeClock(self.stop)
         self.runs: list[float] = []
-        self.behaviour: list[Callable[[], None]] = []
+        self.behaviour: list[Callable[[], int | None]] = []
         # The CPU time runs have used: a run's behaviour adds its cost.
         self.cpu = 0.0
         self.runner = BoundedFrequencyRunner(
@@ -78,10 +78,9 @@ class Harness:
             cost_clock=lambda: self.cpu,
         )
 
-    def _fn(self) -> None:
+    def _fn(self) -> int | None:
         self.runs.append(self.clock.t)
-        if self.behaviour:
-            self.behaviour.pop(0)()
+        return self.behaviour.pop(0)() if self.behaviour else None
 
     def loop_until(self, end: float) -> list[float]:
         self.clock.at(end, self.stop.set)
@@ -470,3 +469,93 @@ def test_invalid_pacing(floor: float, ratio: float, ceiling: float) -> None:
 )
 def test_default_pacing_rests(cost: float, rest: float) -> None:
     assert DEFAULT_PACING.rest(cost) == pytest.approx(rest)
+
+
+def test_paced_rest_follows_the_cost_per_change() -> None:
+    h = Harness(min_interval=0, pacing=SyncPacing(floor=0.04, ratio=4, ceiling=1))
+
+    def batch(cpu: float, changes: int) -> Callable[[], int]:
+        def run() -> int:
+            costing(h, cpu)()
+            return changes
+
+        return run
+
+    h.behaviour = [batch(0.1, 1), batch(0.1, 10), batch(0.1, 100)]
+    keep_requesting(h, 2)
+    runs = h.loop_until(0.8)
+    # One change for 0.1 s: 0.4 of rest; ten: 4 x 0.01; a hundred: the floor.
+    assert runs[:4] == [0, pytest.approx(0.5), pytest.approx(0.64), pytest.approx(0.78)]
+
+
+class Churn:
+    """Changes arriving at ``rate`` a second into a loop whose runs cost ``fixed`` +
+    ``per_change`` x the changes they carry (CPU), stretched ``stretch`` times in wall
+    time (a busy node); each run carries every change that arrived before it began."""
+
+    def __init__(
+        self,
+        pacing: SyncPacing,
+        rate: float,
+        fixed: float,
+        per_change: float,
+        stretch: float = 1.0,
+        *,
+        report_changes: bool = True,
+    ) -> None:
+        self.h = Harness(min_interval=0, max_interval=1000, pacing=pacing)
+        self.rate, self.fixed, self.per_change, self.stretch = rate, fixed, per_change, stretch
+        self.report_changes = report_changes
+        self.taken = 0
+        self.batches: list[int] = []
+
+    def _run(self) -> int | None:
+        arrived = int(self.h.clock.t * self.rate) + 1
+        batch, self.taken = arrived - self.taken, arrived
+        cpu = self.fixed + self.per_change * batch
+        self.h.cpu += cpu
+        self.h.clock.t += cpu * self.stretch
+        self.batches.append(batch)
+        return batch if self.report_changes else None
+
+    def run(self, seconds: float) -> list[int]:
+        self.h.behaviour = [self._run] * int(seconds * 1000)
+        keep_requesting(self.h, seconds, every=1 / self.rate)
+        self.h.loop_until(seconds)
+        return self.batches
+
+
+def test_a_batch_rest_by_its_whole_cost_queues_and_by_its_cost_per_change_does_not() -> None:
+    """The first pacing of issue 29 rested 4 x the whole sync's cost: the rest grew with
+    the batch and the batch with the rest, up to the ceiling, a queue once 5 x the
+    per-change CPU x the rate nears 1 (here 5 x 0.3 ms x 1000/s, stretched 1.5 times by a
+    busy node). Resting by the cost per change keeps the batches at what arrives in a
+    floor and a sync."""
+    pacing = SyncPacing(floor=0.05, ratio=4, ceiling=1)
+    whole = Churn(pacing, 1000, 0.001, 0.0003, 1.5, report_changes=False).run(30)
+    per_change = Churn(pacing, 1000, 0.001, 0.0003, 1.5).run(30)
+    assert max(whole[-10:]) > 1000  # rests of the ceiling: a second of changes a sync
+    assert max(per_change[len(per_change) // 3 :]) < 150  # about (0.05 + 1.5 x 1 ms) / 0.55
+
+
+@settings(deadline=None, max_examples=40)
+@given(
+    rate=st.floats(min_value=10, max_value=2000),
+    fixed=st.floats(min_value=0, max_value=0.01),
+    load=st.floats(min_value=0.01, max_value=0.8),
+    stretch=st.floats(min_value=1, max_value=4),
+    floor=st.floats(min_value=0.01, max_value=0.2),
+)
+def test_paced_batches_stay_bounded_while_the_loop_can_keep_up(
+    rate: float, fixed: float, load: float, stretch: float, floor: float
+) -> None:
+    """Whenever the syncs' per-change wall time takes ``load`` < 1 of the time at this
+    rate, the batches never outgrow ``rate x T*``, the period's fixed point:
+    ``T* = (stretch x fixed + R) / (1 - load)``, ``R`` the longest rest the pacing gives
+    (``ratio x`` the cost of a one-change sync, within floor and ceiling)."""
+    per_change = load / (rate * stretch)
+    pacing = SyncPacing(floor=floor, ratio=4, ceiling=1)
+    batches = Churn(pacing, rate, fixed, per_change, stretch).run(8)
+    longest_rest = pacing.rest(fixed + per_change, 1)
+    fixed_point = (stretch * fixed + longest_rest) / (1 - load)
+    assert max(batches) <= rate * fixed_point + 2
