@@ -20,7 +20,12 @@ from kubeproxy.backends.nftables import NftablesBackend
 from kubeproxy.backends.nftables.backend import restitch
 from kubeproxy.backends.nftables.fake import FakeNft, parse_commands
 from kubeproxy.backends.nftables.inspect import served_frontends, slots_of
-from kubeproxy.backends.nftables.layout import CLASS_NAME, generation_of
+from kubeproxy.backends.nftables.layout import (
+    AFFINITY_PER_PORT,
+    AFFINITY_SHARED,
+    CLASS_NAME,
+    generation_of,
+)
 from kubeproxy.backends.nftables.objects import (
     Chain,
     Element,
@@ -57,6 +62,7 @@ def backend(
     family: IPFamily = IPFamily.IPV4,
     *,
     elements_per_transaction: int = 10_000,
+    affinity: str = AFFINITY_SHARED,
 ) -> NftablesBackend:
     return NftablesBackend(
         family,
@@ -64,6 +70,7 @@ def backend(
         executor=fake,
         clock=clock or Clock(),
         elements_per_transaction=elements_per_transaction,
+        affinity=affinity,
         support_check=False,
     )
 
@@ -284,7 +291,7 @@ def test_firewall_and_hairpin_are_data() -> None:
     ]
 
 
-def test_session_affinity_is_per_port_and_list() -> None:
+def test_per_port_session_affinity_is_per_port_and_list() -> None:
     world = World()
     web(
         world,
@@ -294,7 +301,7 @@ def test_session_affinity_is_per_port_and_list() -> None:
         load_balancer_vips=(ip("5.6.7.8"),),
     )
     fake = FakeNft()
-    backend(fake).sync(world.snapshot(), full())
+    backend(fake, affinity=AFFINITY_PER_PORT).sync(world.snapshot(), full())
     dump = fake.dump()
     # One map for the port's endpoint list, read and written by every frontend of it.
     maps = lines(dump, r"^add map ip kube-proxy affinity-[A-Z2-7]{16} ")
@@ -381,11 +388,11 @@ def test_a_lone_data_type_is_declared_as_an_expression() -> None:
         assert readable_by_every_nft(kept) is kept
 
 
-def test_local_policy_affinity_records_in_every_list_holding_the_endpoint() -> None:
+def test_per_port_local_policy_affinity_records_in_every_list_holding_the_endpoint() -> None:
     world = World()
     world.add(LOCAL_STICKY, ep("10.180.0.1", local=True), ep("10.180.0.2"))
     fake = FakeNft()
-    backend(fake).sync(world.snapshot(), full())
+    backend(fake, affinity=AFFINITY_PER_PORT).sync(world.snapshot(), full())
     dump = fake.dump()
     # The cluster list (both endpoints) and the node-local one each have their map; one
     # record chain for the port writes the cluster map always (it holds every endpoint)
@@ -828,11 +835,11 @@ def _affinity_maps(fake: FakeNft, family: Family = Family.IP) -> list[str]:
     )
 
 
-def test_affinity_entries_of_removed_endpoints_are_deleted() -> None:
+def test_per_port_affinity_entries_of_removed_endpoints_are_deleted() -> None:
     world = World()
     name = web(world, "10.180.0.1", "10.180.0.2", session_affinity_seconds=60)
     fake = FakeNft()
-    b = backend(fake)
+    b = backend(fake, affinity=AFFINITY_PER_PORT)
     b.sync(world.snapshot(), full())
     (cluster,) = _affinity_maps(fake)
     fake.run_text(
@@ -844,14 +851,14 @@ def test_affinity_entries_of_removed_endpoints_are_deleted() -> None:
     assert [e.key for e in fake.list_elements(Family.IP, "kube-proxy", cluster)] == [("10.0.0.6",)]
 
 
-def test_short_circuit_affinity_entries_of_removed_endpoints_are_deleted() -> None:
+def test_per_port_short_circuit_affinity_entries_of_removed_endpoints_are_deleted() -> None:
     # Pods and the node itself pick from every endpoint of a Local-policy NodePort: their
     # entries sit in the cluster list's map and go with the endpoint too.
     world = World()
     port = LOCAL_STICKY
     name = world.add(port, ep("10.180.0.1", local=True), ep("10.180.0.2"))
     fake, clock = FakeNft(), Clock()
-    b = backend(fake, clock)
+    b = backend(fake, clock, affinity=AFFINITY_PER_PORT)
     b.sync(world.snapshot(), full())
     cluster = affinity_map_name(port_identity(name), "service", 0)
     local = affinity_map_name(port_identity(name), "local", 0)
@@ -875,7 +882,7 @@ def test_short_circuit_affinity_entries_of_removed_endpoints_are_deleted() -> No
     assert not [c for c in fake.list_chains(Family.IP, "kube-proxy") if "ns/web" in c]
 
 
-def test_ipv6_affinity_has_a_map_per_endpoint_port() -> None:
+def test_per_port_ipv6_affinity_has_a_map_per_endpoint_port() -> None:
     world = v6_world()
     name = world.add(
         ServicePort(spn("v6"), ip("fd00:96::10"), 80, Protocol.TCP, session_affinity_seconds=60),
@@ -883,7 +890,7 @@ def test_ipv6_affinity_has_a_map_per_endpoint_port() -> None:
         Endpoint(ip("fd00:180::2"), 9090),
     )
     fake = FakeNft()
-    b = backend(fake, family=IPFamily.IPV6)
+    b = backend(fake, family=IPFamily.IPV6, affinity=AFFINITY_PER_PORT)
     b.sync(world.snapshot(), full())
     dump = fake.dump()
     maps = _affinity_maps(fake, Family.IP6)

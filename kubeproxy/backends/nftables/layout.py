@@ -54,6 +54,9 @@ from kubeproxy.backends.nftables.frontends import (
     NoEndpoint,
 )
 from kubeproxy.backends.nftables.table import (
+    AFFINITY_FULL,
+    AFFINITY_SHARD_PREFIX,
+    AFFINITY_SHARDS,
     AFFINITY_TIMEOUT,
     ContainerSpec,
     FamilyTokens,
@@ -64,7 +67,12 @@ from kubeproxy.backends.nftables.table import (
 )
 
 __all__ = [
+    "AFFINITY_FULL_COMMENT",
+    "AFFINITY_MAPS",
+    "AFFINITY_PER_PORT",
     "AFFINITY_PROTOCOLS",
+    "AFFINITY_SHARD_TYPES",
+    "AFFINITY_SHARED",
     "CLASS_NAME",
     "DISPATCH_RULES",
     "DISPATCH_TREE",
@@ -73,6 +81,7 @@ __all__ = [
     "Dispatch",
     "GenNames",
     "Pick",
+    "affinity_shards",
     "class_bits",
     "class_chain",
     "class_numbers",
@@ -571,6 +580,7 @@ FIXED_CHAINS = (
     Names.MARK_FOR_MASQUERADE,
     Names.MASQUERADING,
     "affinity-record",
+    AFFINITY_FULL,
 )
 """Every chain that is not per generation, in creation order (the rule dispatch's; the
 tree dispatch has no ``service-frontends`` and ``nodeport-frontends``)."""
@@ -578,6 +588,8 @@ tree dispatch has no ``service-frontends`` and ``nodeport-frontends``)."""
 SERVICE_FRONTENDS = "service-frontends"
 NODEPORT_FRONTENDS = "nodeport-frontends"
 AFFINITY_RECORD = "affinity-record"
+AFFINITY_FULL_COMMENT = "not recorded"
+"""The comment of :data:`~.table.AFFINITY_FULL`'s counted rule (what the metrics read)."""
 
 
 def fixed_chain_names(dispatch: Dispatch) -> tuple[str, ...]:
@@ -595,6 +607,43 @@ def public_containers(tokens: FamilyTokens) -> tuple[ContainerSpec, ...]:
         ContainerSpec(Names.CLUSTER_IPS, False, addr, comment="Active ClusterIPs"),
         ContainerSpec(Names.NODEPORT_IPS, False, addr, comment="IPs that accept NodePort traffic"),
         ContainerSpec(AFFINITY_LOCAL_ENDPOINTS, False, f"{addr} . inet_service"),
+    )
+
+
+AFFINITY_SHARED = "shared"
+"""ClientIP affinity in the shared maps (:func:`affinity_shards`), the default."""
+AFFINITY_PER_PORT = "per-port"
+"""ClientIP affinity in maps of each Service port's own (before issue 32; benchmarks)."""
+AFFINITY_MAPS = (AFFINITY_SHARED, AFFINITY_PER_PORT)
+
+AFFINITY_SHARD_TYPES = {
+    "ip": "numgen random mod 1 . numgen random mod 1 . ip saddr : ip daddr . th dport",
+    "ip6": "numgen random mod 1 . numgen random mod 1 . numgen random mod 1 : ip6 daddr",
+}
+"""The ``typeof`` of the shared affinity maps: two 32-bit pin numbers (written as ``numgen
+random mod 1 offset N``, see :mod:`.frontends`) and the client (IPv6: a 32-bit hash of
+it, typed as any 32-bit number) : the endpoint."""
+
+
+def affinity_shards(tokens: FamilyTokens, size: int | None = None) -> tuple[ContainerSpec, ...]:
+    """The shared affinity maps of a family (:data:`~.table.AFFINITY_SHARDS`), outside
+    generations: their entries outlive them.
+
+    Without ``size`` each is bounded at 65535 entries by the kernel, allocating nothing
+    up front (see :func:`affinity_container`): 16.7M clients per family in all, a Service
+    port sharing its map with 1 in 256 of the others. ``size`` (tests) declares it."""
+    kind = AFFINITY_SHARD_TYPES[tokens.table_family]
+    return tuple(
+        ContainerSpec(
+            f"{AFFINITY_SHARD_PREFIX}{n}",
+            True,
+            kind,
+            flags=("dynamic", "timeout"),
+            timeout=AFFINITY_TIMEOUT,
+            size=size,
+            typeof=True,
+        )
+        for n in range(AFFINITY_SHARDS)
     )
 
 
@@ -705,4 +754,5 @@ def fixed_chains(
             ),
         ),
         FixedChain(AFFINITY_RECORD, _affinity_record_rules(names, tokens, match_all_nodeports)),
+        FixedChain(AFFINITY_FULL, ("counter",), comment=AFFINITY_FULL_COMMENT),
     )
