@@ -64,6 +64,7 @@ from bench.subjects import (
     IPTABLES_LEGACY,
     IPTABLES_NFT,
     NFTABLES,
+    NFTABLES_AFFINITY_MAPS,
     NFTABLES_CHAINS,
     NFTABLES_RULES,
     UPSTREAM,
@@ -374,6 +375,13 @@ AFFINITY_CASES = [
     pytest.param(NFTABLES, 1 * K, marks=quick, id="nftables-1k"),
     pytest.param(NFTABLES, 5 * K, id="nftables-5k"),
     pytest.param(NFTABLES, 10 * K, id="nftables-10k"),
+    pytest.param(NFTABLES, 30 * K, id="nftables-30k"),
+    pytest.param(NFTABLES, 100 * K, id="nftables-100k"),
+    # The affinity maps per Service port (before issue 32): quadratic in the kernel, so
+    # to 30k only (10k took 10.5 s where the shared maps take a fraction of that).
+    pytest.param(NFTABLES_AFFINITY_MAPS, 1 * K, id="nftables-affinity-maps-1k"),
+    pytest.param(NFTABLES_AFFINITY_MAPS, 10 * K, id="nftables-affinity-maps-10k"),
+    pytest.param(NFTABLES_AFFINITY_MAPS, 30 * K, id="nftables-affinity-maps-30k"),
     pytest.param(NFTABLES_CHAINS, 1 * K, marks=quick, id="nftables-chains-1k"),
     pytest.param(NFTABLES_CHAINS, 5 * K, id="nftables-chains-5k"),
     pytest.param(NFTABLES_CHAINS, 10 * K, id="nftables-chains-10k"),
