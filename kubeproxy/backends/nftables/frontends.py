@@ -513,6 +513,7 @@ class _Affinity:
         self.ipv6 = ctx.tokens.family is IPFamily.IPV6
         self.maps: dict[str, AffinityMap] = {}
         self.pins: dict[tuple[str, str], AffinityPin] = {}
+        self.targets: dict[str, list[tuple[str, str, int]]] = {}
         self.chains: dict[str, ChainSpec] = {}
         # The lists some frontend picks from, known before any frontend is built (the
         # record chain, shared by every frontend, writes each of them).
@@ -552,6 +553,9 @@ class _Affinity:
         endpoint list: the port's own maps keyed by the client, or the shared maps keyed
         by the list's pin numbers and the client (IPv6: a 32-bit hash of it, see
         :data:`AFFINITY6_SHARED_KEY`)."""
+        known = self.targets.get(which)
+        if known is not None:
+            return known
         ip = "ip6" if self.ipv6 else "ip"
         if not self.ctx.shared_affinity:
             return [(name, f"{ip} saddr", port) for name, port in self._maps_of(which)]
@@ -571,6 +575,7 @@ class _Affinity:
             client = AFFINITY6_CLIENT if self.ipv6 else "ip saddr"
             key = f"{_CONSTANT} offset {high} . {_CONSTANT} offset {low} . {client}"
             out.append((shard, key, port))
+        self.targets[which] = out
         return out
 
     def _chain(self, prefix: str, rules: list[str]) -> str:

@@ -416,11 +416,11 @@ class Generation:
         for chain in fixed:
             tx.flush(Chain(chain.name))
         for chain in fixed:
-            if chain.comment is None:
+            if chain.rule_comment is None:
                 tx.add_rules(chain.name, chain.rules)
             else:
                 for rule in chain.rules:
-                    tx.add_rule(chain.name, rule, chain.comment)
+                    tx.add_rule(chain.name, rule, chain.rule_comment)
         tx.flush(Set(Names.CLUSTER_IPS, addr_type))
         tx.add_elements(Names.CLUSTER_IPS, [((k,), _VALUE_NONE) for k in self.shared.cluster_ips])
         tx.flush(Set(AFFINITY_LOCAL_ENDPOINTS, addr_type))

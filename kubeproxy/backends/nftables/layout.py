@@ -754,5 +754,5 @@ def fixed_chains(
             ),
         ),
         FixedChain(AFFINITY_RECORD, _affinity_record_rules(names, tokens, match_all_nodeports)),
-        FixedChain(AFFINITY_FULL, ("counter",), comment=AFFINITY_FULL_COMMENT),
+        FixedChain(AFFINITY_FULL, ("counter",), rule_comment=AFFINITY_FULL_COMMENT),
     )

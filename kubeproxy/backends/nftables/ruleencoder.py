@@ -64,6 +64,10 @@ _HASH_JENKINS = 0
 # a port, the 4-byte register 7; in a dynamic map update, the value's register (the value
 # is loaded over it afterwards). Read from ``nft --debug=netlink``.
 _HASH_SCRATCH_DNAT = 7
+_OFFSET = re.compile(r"(?<=\boffset )[0-9]+")
+# Numbers no rule of ours holds elsewhere, compiled in place of the offsets of a rule
+# reused by RuleEncoder.encode (checked: each appears once in the compiled rule).
+_SENTINELS = (0xA5C3E1F0, 0xA5C3E1F1, 0xA5C3E1F2, 0xA5C3E1F3)
 _NAT_DNAT = 1
 _NAT_PROTO_SPECIFIED = 0x2
 _NAT_RANDOM_FULLY = 0x10
@@ -326,6 +330,11 @@ class RuleEncoder:
         self._set_id = set_id
         self._protocol_maps: set[str] = set()
         self._scratch: int | None = None
+        # Compiled rules by their text without offset numbers (see encode), and how many
+        # rules added the protocol match of a map's first reader (such a rule is not
+        # reused: the next reader of that map gets no match).
+        self._templates: dict[str, tuple[bytes, tuple[bytes, ...]]] = {}
+        self._stateful = 0
 
     def _hash_scratch(self) -> int:
         if self._scratch is None:
@@ -334,7 +343,36 @@ class RuleEncoder:
 
     def encode(self, rule: str) -> EncodedRule:
         """The expressions of ``rule`` (raises :class:`NftError` naming it when it is not
-        in the vocabulary, or names a value that is not of its type)."""
+        in the vocabulary, or names a value that is not of its type).
+
+        Rules that differ only in their ``offset`` numbers (the ClientIP affinity chains
+        of every Service port, a lookup and a record each, which name one of 256 shared
+        maps) are compiled once per transaction and their numbers patched in: compiling
+        was 100-200 us a rule, most of the affinity chains' cost at a cold sync."""
+        numbers = _OFFSET.findall(rule)
+        if not numbers or len(numbers) > len(_SENTINELS):
+            return self._compile(rule)
+        template = _OFFSET.sub("#", rule)
+        patched = self._templates.get(template)
+        if patched is None:
+            before = self._stateful
+            compiled = self._compile(rule)
+            if self._stateful != before or compiled.anonymous:
+                return compiled  # not reusable (see __init__)
+            probe = rule
+            for number, sentinel in zip(numbers, _SENTINELS, strict=False):
+                probe = probe.replace(f"offset {number}", f"offset {sentinel}", 1)
+            expressions = self._compile(probe).expressions
+            marks = tuple(_u32(s) for s in _SENTINELS[: len(numbers)])
+            if all(expressions.count(m) == 1 for m in marks):
+                self._templates[template] = (expressions, marks)
+            return compiled
+        expressions, marks = patched
+        for mark, number in zip(marks, numbers, strict=True):
+            expressions = expressions.replace(mark, _u32(int(number)))
+        return EncodedRule(expressions)
+
+    def _compile(self, rule: str) -> EncodedRule:
         state = _State()
         try:
             tokens = _TOKEN.findall(rule)
@@ -611,6 +649,7 @@ class RuleEncoder:
         # later rules match the protocol through the key anyway).
         if name not in self._protocol_maps:
             self._protocol_maps.add(name)
+            self._stateful += 1
             for value_field in declaration.value:
                 words = (value_field.expression or "").split()
                 if len(words) == 2 and words[1] == "dport" and words[0] in _PROTOCOLS:

@@ -201,8 +201,8 @@ class FixedChain:
     hook: str | None = None
     priority: int | None = None
     comment: str | None = None
+    rule_comment: str | None = None
     """The comment of every rule (what a counter is read by)."""
-    comment: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
