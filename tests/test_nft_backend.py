@@ -36,7 +36,12 @@ from kubeproxy.backends.nftables.objects import (
     Set,
     readable_by_every_nft,
 )
-from kubeproxy.backends.nftables.table import affinity_map_name, port_identity
+from kubeproxy.backends.nftables.table import (
+    AFFINITY_SHARDS,
+    affinity_map_name,
+    affinity_pin,
+    port_identity,
+)
 from kubeproxy.config import LocalDetector, ProxierConfig
 from kubeproxy.objects import Endpoint, IPFamily, Protocol, ServicePort, ServicePortName
 from tests import chain_ruleset
@@ -1000,3 +1005,155 @@ IncrementalEqualsFull6.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestIncrementalEqualsFull6 = IncrementalEqualsFull6.TestCase
+
+
+# Session affinity in the shared maps (issue 32) ---------------------------------------------
+
+
+def _pin_key(identity: str, which: str, port: int = 0, client: str = "ip saddr") -> tuple[str, str]:
+    shard, high, low = affinity_pin(identity, which, port)
+    return shard, f"numgen random mod 1 offset {high} . numgen random mod 1 offset {low} . {client}"
+
+
+def test_shared_affinity_keys_one_maps_entries_by_the_ports_pin_and_the_client() -> None:
+    world = World()
+    web(
+        world,
+        "10.180.0.1",
+        session_affinity_seconds=600,
+        node_port=30080,
+        load_balancer_vips=(ip("5.6.7.8"),),
+    )
+    fake = FakeNft()
+    backend(fake).sync(world.snapshot(), full())
+    dump = fake.dump()
+    # A fixed number of maps whatever the number of ports, none of a port's own.
+    shards = lines(dump, r"^add map ip kube-proxy affinity-clients-")
+    assert len(shards) == AFFINITY_SHARDS
+    assert _affinity_maps(fake) == []
+    assert (
+        "{ typeof numgen random mod 1 . numgen random mod 1 . ip saddr : ip daddr . th dport ;"
+        " flags dynamic,timeout ;" in shards[0]
+    )
+    assert "size" not in shards[0]  # the kernel bounds each at 65535 without preallocating
+    shard, key = _pin_key(port_identity(spn("web")), "service")
+    lookup = lines(dump, r"^add rule ip kube-proxy affinity-lookup-[A-Z2-7]{8}-ns/web/tcp/http ")
+    record = lines(dump, r"^add rule ip kube-proxy affinity-record-[A-Z2-7]{8}-ns/web/tcp/http ")
+    assert [r.split(" ", 5)[5] for r in lookup] == [f"meta l4proto tcp dnat to {key} map @{shard}"]
+    # A recorded connection returns; one that could not be recorded (the map is full)
+    # reaches affinity-full, whose rule the metric reads.
+    assert [r.split(" ", 5)[5] for r in record] == [
+        f"update @{shard} {{ {key} timeout 600s : ip daddr . th dport }} return",
+        "jump affinity-full",
+    ]
+    assert lines(dump, r"^add rule ip kube-proxy affinity-full ") == [
+        'add rule ip kube-proxy affinity-full counter comment "not recorded"'
+    ]
+    # Every frontend of the port reads and writes the same entries.
+    lookup_chain, record_chain = lookup[0].split()[4], record[0].split()[4]
+    for frontend in ("172.30.0.10 . tcp . 80", "5.6.7.8 . tcp . 80"):
+        assert f"affinity-lookup-ips.g1 {{ {frontend} : jump {lookup_chain} }}" in dump
+        assert f"affinity-record-ips.g1 {{ {frontend} : goto {record_chain} }}" in dump
+    assert f"affinity-lookup-nodeports.g1 {{ tcp . 30080 : jump {lookup_chain} }}" in dump
+
+
+def test_shared_affinity_records_the_local_list_first_then_the_cluster_list() -> None:
+    world = World()
+    world.add(LOCAL_STICKY, ep("10.180.0.1", local=True), ep("10.180.0.2"))
+    fake = FakeNft()
+    backend(fake).sync(world.snapshot(), full())
+    identity = port_identity(LOCAL_STICKY.name)
+    shard, cluster = _pin_key(identity, "service")
+    same_shard, local = _pin_key(identity, "local")
+    assert same_shard == shard  # every entry of a port in one map
+    record = [
+        r.split(" ", 5)[5] for r in lines(fake.dump(), r"^add rule ip kube-proxy affinity-record-")
+    ]
+    assert record == [
+        "ip daddr . th dport @affinity-local-endpoints "
+        f"update @{shard} {{ {local} timeout 60s : ip daddr . th dport }}",
+        f"update @{shard} {{ {cluster} timeout 60s : ip daddr . th dport }} return",
+        "jump affinity-full",
+    ]
+
+
+def _pin(identity: str, which: str, port: int = 0) -> tuple[str, str, str]:
+    shard, high, low = affinity_pin(identity, which, port)
+    return shard, str(high), str(low)
+
+
+def test_shared_affinity_entries_of_removed_endpoints_and_ports_are_deleted() -> None:
+    world = World()
+    name = web(world, "10.180.0.1", "10.180.0.2", session_affinity_seconds=60)
+    fake = FakeNft()
+    b = backend(fake)
+    b.sync(world.snapshot(), full())
+    shard, high, low = _pin(port_identity(name), "service")
+    # Another port's entry (pins that no port has) in the same map, pointing at the
+    # endpoint that goes: left alone by the incremental sync, gone at the full sync.
+    fake.run_text(
+        f"add element ip kube-proxy {shard} {{ "
+        f"{high} . {low} . 10.0.0.5 : 10.180.0.1 . 8080, "
+        f"{high} . {low} . 10.0.0.6 : 10.180.0.2 . 8080, "
+        "7 . 8 . 10.0.0.7 : 10.180.0.1 . 8080 }"
+    )
+
+    def keys() -> list[tuple[str, ...]]:
+        return sorted(e.key for e in fake.list_elements(Family.IP, "kube-proxy", shard))
+
+    web(world, "10.180.0.2", session_affinity_seconds=60)
+    b.sync(world.snapshot(), changed(name))
+    assert keys() == [(high, low, "10.0.0.6"), ("7", "8", "10.0.0.7")]
+    b.sync(world.snapshot(), full())
+    assert keys() == [(high, low, "10.0.0.6")]
+
+
+def test_shared_ipv6_affinity_keys_a_hash_of_the_client_with_a_pin_per_endpoint_port() -> None:
+    world = v6_world()
+    world.add(
+        ServicePort(spn("v6"), ip("fd00:96::10"), 80, Protocol.TCP, session_affinity_seconds=60),
+        Endpoint(ip("fd00:180::1"), 8080),
+        Endpoint(ip("fd00:180::2"), 9090),
+    )
+    fake = FakeNft()
+    backend(fake, family=IPFamily.IPV6).sync(world.snapshot(), full())
+    dump = fake.dump()
+    identity = port_identity(spn("v6"))
+    client = "jhash ip6 saddr mod 4294967295 seed 0x0"
+    keys = {p: _pin_key(identity, "service", p, client) for p in (8080, 9090)}
+    lookup = lines(dump, r"^add rule ip6 kube-proxy affinity-lookup-[A-Z2-7]{8}-")
+    assert sorted(r.split(" ", 5)[5] for r in lookup) == sorted(
+        f"meta l4proto tcp dnat to {key} map @{shard} : {p}" for p, (shard, key) in keys.items()
+    )
+    record = [r.split(" ", 5)[5] for r in lines(dump, r"^add rule ip6 kube-proxy affinity-record-")]
+    assert sorted(record) == sorted(
+        [
+            *(
+                f"th dport {p} update @{shard} {{ {key} timeout 60s : ip6 daddr }} return"
+                for p, (shard, key) in keys.items()
+            ),
+            "jump affinity-full",
+        ]
+    )
+    assert (
+        "typeof numgen random mod 1 . numgen random mod 1 . numgen random mod 1 : ip6 daddr" in dump
+    )
+
+
+def test_a_table_with_maps_per_port_loses_them_to_the_shared_maps() -> None:
+    world = World()
+    web(world, "10.180.0.1", session_affinity_seconds=60)
+    fake, clock = FakeNft(), Clock()
+    backend(fake, clock, affinity=AFFINITY_PER_PORT).sync(world.snapshot(), full())
+    assert len(_affinity_maps(fake)) == 1
+    b = backend(fake, clock)
+    b.sync(world.snapshot(), full())
+    clock.now += 2.0
+    assert b.collect_stale()
+    assert _affinity_maps(fake) == []
+    assert len([n for n in fake.list_sets(Family.IP, "kube-proxy") if "clients" in n]) == 256
+
+
+def test_the_affinity_choice_is_checked() -> None:
+    with pytest.raises(ValueError, match="unknown affinity maps"):
+        backend(FakeNft(), affinity="both")
