@@ -1157,3 +1157,21 @@ def test_a_table_with_maps_per_port_loses_them_to_the_shared_maps() -> None:
 def test_the_affinity_choice_is_checked() -> None:
     with pytest.raises(ValueError, match="unknown affinity maps"):
         backend(FakeNft(), affinity="both")
+
+
+def test_explain_shows_a_ports_own_entries_of_its_shared_map() -> None:
+    from kubeproxy.backends.nftables.explain import FakeSource, TableView, explain_service
+
+    world = World()
+    name = web(world, "10.180.0.1", session_affinity_seconds=60)
+    fake = FakeNft()
+    backend(fake).sync(world.snapshot(), full())
+    shard, high, low = _pin(port_identity(name), "service")
+    fake.run_text(
+        f"add element ip kube-proxy {shard} {{ "
+        f"{high} . {low} . 10.0.0.5 : 10.180.0.1 . 8080, 7 . 8 . 10.0.0.7 : 10.180.0.1 . 8080 }}"
+    )
+    view = explain_service(TableView(FakeSource(fake), Family.IP), name.service)
+    (frontend,) = view.frontends
+    assert frontend.affinity_maps == (shard,)
+    assert [(a.client, a.endpoint) for a in frontend.affinity] == [("10.0.0.5", "10.180.0.1:8080")]

@@ -334,6 +334,7 @@ class RuleEncoder:
         # rules added the protocol match of a map's first reader (such a rule is not
         # reused: the next reader of that map gets no match).
         self._templates: dict[str, tuple[bytes, tuple[bytes, ...]]] = {}
+        self._same: dict[str, EncodedRule] = {}
         self._stateful = 0
 
     def _hash_scratch(self) -> int:
@@ -349,8 +350,18 @@ class RuleEncoder:
         of every Service port, a lookup and a record each, which name one of 256 shared
         maps) are compiled once per transaction and their numbers patched in: compiling
         was 100-200 us a rule, most of the affinity chains' cost at a cold sync."""
-        numbers = _OFFSET.findall(rule)
-        if not numbers or len(numbers) > len(_SENTINELS):
+        numbers = _OFFSET.findall(rule) if "offset" in rule else []
+        if not numbers:
+            # The same rule again (every record chain's "jump affinity-full").
+            same = self._same.get(rule)
+            if same is not None:
+                return same
+            before = self._stateful
+            compiled = self._compile(rule)
+            if self._stateful == before and not compiled.anonymous:
+                self._same[rule] = compiled
+            return compiled
+        if len(numbers) > len(_SENTINELS):
             return self._compile(rule)
         template = _OFFSET.sub("#", rule)
         patched = self._templates.get(template)
