@@ -327,7 +327,7 @@ def test_per_port_session_affinity_is_per_port_and_list() -> None:
     lookup_chain, record_chain = lookup[0].split()[4], record[0].split()[4]
     for key in ("172.30.0.10 . tcp . 80", "5.6.7.8 . tcp . 80"):
         assert f"affinity-lookup-ips.g1 {{ {key} : jump {lookup_chain} }}" in dump
-        assert f"affinity-record-ips.g1 {{ {key} : goto {record_chain} }}" in dump
+        assert f"affinity-record-ips.g1 {{ {key} : jump {record_chain} }}" in dump
     assert f"affinity-lookup-nodeports.g1 {{ tcp . 30080 : jump {lookup_chain} }}" in dump
     assert lines(dump, r"rule ip kube-proxy pick-1-affinity\.g1 ")[0] == (
         "add rule ip kube-proxy pick-1-affinity.g1 jump affinity-lookup-ips.g1"
@@ -413,8 +413,8 @@ def test_per_port_local_policy_affinity_records_in_every_list_holding_the_endpoi
     ]
     assert "add element ip kube-proxy affinity-local-endpoints { 10.180.0.1 . 8080 }" in dump
     (chain,) = {r.split()[4] for r in lines(dump, r"^add rule ip kube-proxy affinity-record-")}
-    assert f"affinity-record-ips.g1 {{ 172.30.0.10 . tcp . 80 : goto {chain} }}" in dump
-    assert f"affinity-record-nodeports.g1 {{ tcp . 30080 : goto {chain} }}" in dump
+    assert f"affinity-record-ips.g1 {{ 172.30.0.10 . tcp . 80 : jump {chain} }}" in dump
+    assert f"affinity-record-nodeports.g1 {{ tcp . 30080 : jump {chain} }}" in dump
 
 
 def _first(transactions: list[str], text: str) -> int:
@@ -521,7 +521,7 @@ def test_a_connection_to_a_service_ip_never_records_a_nodeports_affinity() -> No
     )
     fake = FakeNft()
     backend(fake).sync(world.snapshot(), full())
-    (rule,) = lines(fake.dump(), r"affinity-record .*@affinity-record-nodeports")
+    (rule,) = lines(fake.dump(), r"affinity-record .*vmap @affinity-record-nodeports")
     assert "ct original proto-dst != @dispatch-ips.g1" in rule
     assert (
         "add element ip kube-proxy dispatch-ips.g1 "
@@ -1040,20 +1040,28 @@ def test_shared_affinity_keys_one_maps_entries_by_the_ports_pin_and_the_client()
     lookup = lines(dump, r"^add rule ip kube-proxy affinity-lookup-[A-Z2-7]{8}-ns/web/tcp/http ")
     record = lines(dump, r"^add rule ip kube-proxy affinity-record-[A-Z2-7]{8}-ns/web/tcp/http ")
     assert [r.split(" ", 5)[5] for r in lookup] == [f"meta l4proto tcp dnat to {key} map @{shard}"]
-    # A recorded connection returns; one that could not be recorded (the map is full)
-    # reaches affinity-full, whose rule the metric reads.
+    # A recorded connection is accepted; one that could not be recorded (the map is
+    # full) comes back to affinity-record, which counts it in affinity-full's rule.
     assert [r.split(" ", 5)[5] for r in record] == [
-        f"update @{shard} {{ {key} timeout 600s : ip daddr . th dport }} return",
-        "jump affinity-full",
+        f"update @{shard} {{ {key} timeout 600s : ip daddr . th dport }} accept",
     ]
     assert lines(dump, r"^add rule ip kube-proxy affinity-full ") == [
         'add rule ip kube-proxy affinity-full counter comment "not recorded"'
+    ]
+    assert [r for r in lines(dump, r"^add rule ip kube-proxy affinity-record ") if "full" in r] == [
+        "add rule ip kube-proxy affinity-record meta l4proto { tcp, udp, sctp } "
+        "ct original ip daddr . meta l4proto . ct original proto-dst "
+        "@affinity-record-ips.g1 jump affinity-full",
+        "add rule ip kube-proxy affinity-record ct original ip daddr @nodeport-ips "
+        "meta l4proto { tcp, udp, sctp } ct original ip daddr . meta l4proto . "
+        "ct original proto-dst != @dispatch-ips.g1 meta l4proto . ct original proto-dst "
+        "@affinity-record-nodeports.g1 jump affinity-full",
     ]
     # Every frontend of the port reads and writes the same entries.
     lookup_chain, record_chain = lookup[0].split()[4], record[0].split()[4]
     for frontend in ("172.30.0.10 . tcp . 80", "5.6.7.8 . tcp . 80"):
         assert f"affinity-lookup-ips.g1 {{ {frontend} : jump {lookup_chain} }}" in dump
-        assert f"affinity-record-ips.g1 {{ {frontend} : goto {record_chain} }}" in dump
+        assert f"affinity-record-ips.g1 {{ {frontend} : jump {record_chain} }}" in dump
     assert f"affinity-lookup-nodeports.g1 {{ tcp . 30080 : jump {lookup_chain} }}" in dump
 
 
@@ -1072,8 +1080,7 @@ def test_shared_affinity_records_the_local_list_first_then_the_cluster_list() ->
     assert record == [
         "ip daddr . th dport @affinity-local-endpoints "
         f"update @{shard} {{ {local} timeout 60s : ip daddr . th dport }}",
-        f"update @{shard} {{ {cluster} timeout 60s : ip daddr . th dport }} return",
-        "jump affinity-full",
+        f"update @{shard} {{ {cluster} timeout 60s : ip daddr . th dport }} accept",
     ]
 
 
@@ -1129,10 +1136,9 @@ def test_shared_ipv6_affinity_keys_a_hash_of_the_client_with_a_pin_per_endpoint_
     assert sorted(record) == sorted(
         [
             *(
-                f"th dport {p} update @{shard} {{ {key} timeout 60s : ip6 daddr }} return"
+                f"th dport {p} update @{shard} {{ {key} timeout 60s : ip6 daddr }} accept"
                 for p, (shard, key) in keys.items()
             ),
-            "jump affinity-full",
         ]
     )
     assert (

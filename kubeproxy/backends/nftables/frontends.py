@@ -34,7 +34,6 @@ from typing import Final
 
 from kubeproxy.backends.nftables.table import (
     AFFINITY6_MAP_TYPE,
-    AFFINITY_FULL,
     MAX_AFFINITY_SECONDS,
     ChainSpec,
     InvalidPort,
@@ -602,9 +601,12 @@ class _Affinity:
         may choose, the local list those in :data:`AFFINITY_LOCAL_ENDPOINTS` (when the
         port picks from both).
 
-        With the shared maps the last list's rules end in ``return`` and the chain in
-        ``jump affinity-full``: a connection gets there only when no entry could be
-        written, which the kernel refuses when the map is full (its rule counts them)."""
+        With the shared maps the last list's rules end in ``accept``: the fixed
+        ``affinity-record`` chain jumps here, and counts (``affinity-full``) the
+        connections that come back, those whose entry the kernel refused (the map is
+        full). ``accept`` ends the base chain as its end would: ``affinity-record`` is
+        the last rule of the filter chains, whose policy accepts (no rule of another
+        table is skipped)."""
         seconds = self.seconds
         both = len(self.used) == 2
         shared = self.ctx.shared_affinity
@@ -620,7 +622,7 @@ class _Affinity:
                 if both and which == _LOCAL_LIST
                 else ""
             )
-            end = " return" if shared and which == last else ""
+            end = " accept" if shared and which == last else ""
             for name, key, port in self._targets(which):
                 if self.ipv6:
                     rules.append(
@@ -632,8 +634,6 @@ class _Affinity:
                         f"{member}update @{name} "
                         f"{{ {key} timeout {seconds}s : ip daddr . th dport }}{end}"
                     )
-        if shared:
-            rules.append(f"jump {AFFINITY_FULL}")
         return self._chain("affinity-record", rules)
 
     def plan(self) -> AffinityPlan:

@@ -389,6 +389,7 @@ class Generation:
             service_cidrs=service_cidrs,
             dispatch=self.dispatch,
             classes=self.classes,
+            shared_affinity=bool(self.shards),
         )
 
     def queue_switch(

@@ -539,7 +539,7 @@ def affinity_dispatch_chains(names: GenNames, tokens: FamilyTokens) -> dict[str,
 
 
 def _affinity_record_rules(
-    names: GenNames, tokens: FamilyTokens, match_all_nodeports: bool
+    names: GenNames, tokens: FamilyTokens, match_all_nodeports: bool, counted: bool = True
 ) -> tuple[str, ...]:
     """``affinity-record``: after DNAT, a new connection to a frontend with affinity goes to
     its port's record chain, found by the original destination (``ct original``). nft
@@ -555,10 +555,18 @@ def _affinity_record_rules(
     # A connection to a Service IP with no affinity may have the port of a NodePort with
     # one: only a destination no Service IP dispatches went through the NodePorts.
     not_ip = f"{frontend} != @{names.dispatch(KIND_IP)}"
-    return (
-        f"{_L4} {frontend} vmap @{names.affinity_record(KIND_IP)}",
-        f"{guard} {_L4} {not_ip} {original} vmap @{names.affinity_record(KIND_NODEPORT)}",
-    )
+    ips, nodeports = names.affinity_record(KIND_IP), names.affinity_record(KIND_NODEPORT)
+    rules = [
+        f"{_L4} {frontend} vmap @{ips}",
+        f"{guard} {_L4} {not_ip} {original} vmap @{nodeports}",
+    ]
+    if counted:
+        # A record chain of the shared maps accepts once it recorded the connection; one
+        # that comes back could not (its map is full): counted. The verdict maps read as
+        # sets (no value, so filling them checks nothing more).
+        rules.insert(1, f"{_L4} {frontend} @{ips} jump {AFFINITY_FULL}")
+        rules.append(f"{guard} {_L4} {not_ip} {original} @{nodeports} jump {AFFINITY_FULL}")
+    return tuple(rules)
 
 
 FIXED_CHAINS = (
@@ -669,6 +677,7 @@ def fixed_chains(
     service_cidrs: Iterable[str],
     dispatch: Dispatch = DISPATCH_TREE,
     classes: Iterable[ClassSpec] = (),
+    shared_affinity: bool = True,
 ) -> tuple[FixedChain, ...]:
     """The chains outside generations, with rules reading generation ``names``.
 
@@ -753,6 +762,9 @@ def fixed_chains(
                 "masquerade fully-random",
             ),
         ),
-        FixedChain(AFFINITY_RECORD, _affinity_record_rules(names, tokens, match_all_nodeports)),
+        FixedChain(
+            AFFINITY_RECORD,
+            _affinity_record_rules(names, tokens, match_all_nodeports, shared_affinity),
+        ),
         FixedChain(AFFINITY_FULL, ("counter",), rule_comment=AFFINITY_FULL_COMMENT),
     )
