@@ -502,12 +502,19 @@ WHOLE_PROCESS_CASES = [
 
 
 def _whole_process_record(
-    results: Results, subject: Subject, services: int, runs: list[ApplyResult], how: str
+    results: Results,
+    subject: Subject,
+    services: int,
+    runs: list[ApplyResult],
+    how: str,
+    kind: str = "whole_process",
+    **extra: Any,
 ) -> dict[str, Any]:
     seconds = sorted(r.seconds for r in runs)
     return results.add(
-        "whole_process",
+        kind,
         subject.name,
+        **extra,
         services=services,
         endpoints=ENDPOINTS,
         how=how,
@@ -594,20 +601,8 @@ def test_whole_process_affinity(results: Results, services: int, tmp_path: Path)
                 assert run.ok, f"{subject.name}: {run.stderr}"
                 assert installed_services(subject, netns) == services
     for i, (subject, _argv, affinity, how) in enumerate(ours):
-        seconds = sorted(r.seconds for r in runs[i])
-        results.add(
-            "whole_process_affinity",
-            subject.name,
-            services=services,
-            endpoints=ENDPOINTS,
-            affinity=affinity,
-            how=how,
-            rounds=len(seconds),
-            seconds=statistics.median(seconds),
-            min_s=seconds[0],
-            max_s=seconds[-1],
-            peak_mb=max(r.peak_rss_mb for r in runs[i]),
-            ok=all(r.ok for r in runs[i]),
+        _whole_process_record(
+            results, subject, services, runs[i], how, "whole_process_affinity", affinity=affinity
         )
 
 

@@ -296,7 +296,8 @@ def test_firewall_and_hairpin_are_data() -> None:
     ]
 
 
-def test_per_port_session_affinity_is_per_port_and_list() -> None:
+def _sticky_web(affinity: str) -> FakeNft:
+    """The fake after a full sync of one ClientIP port with a NodePort and an LB IP."""
     world = World()
     web(
         world,
@@ -306,7 +307,12 @@ def test_per_port_session_affinity_is_per_port_and_list() -> None:
         load_balancer_vips=(ip("5.6.7.8"),),
     )
     fake = FakeNft()
-    backend(fake, affinity=AFFINITY_PER_PORT).sync(world.snapshot(), full())
+    backend(fake, affinity=affinity).sync(world.snapshot(), full())
+    return fake
+
+
+def test_per_port_session_affinity_is_per_port_and_list() -> None:
+    fake = _sticky_web(AFFINITY_PER_PORT)
     dump = fake.dump()
     # One map for the port's endpoint list, read and written by every frontend of it.
     maps = lines(dump, r"^add map ip kube-proxy affinity-[A-Z2-7]{16} ")
@@ -1016,16 +1022,7 @@ def _pin_key(identity: str, which: str, port: int = 0, client: str = "ip saddr")
 
 
 def test_shared_affinity_keys_one_maps_entries_by_the_ports_pin_and_the_client() -> None:
-    world = World()
-    web(
-        world,
-        "10.180.0.1",
-        session_affinity_seconds=600,
-        node_port=30080,
-        load_balancer_vips=(ip("5.6.7.8"),),
-    )
-    fake = FakeNft()
-    backend(fake).sync(world.snapshot(), full())
+    fake = _sticky_web(AFFINITY_SHARED)
     dump = fake.dump()
     # A fixed number of maps whatever the number of ports, none of a port's own.
     shards = lines(dump, r"^add map ip kube-proxy affinity-clients-")
