@@ -136,3 +136,37 @@ def test_a_full_sync_cleans_the_shared_maps_it_found_with_entries_of_ports_gone(
     maps.fail_write = False
     assert clean.clean(lambda name: True, every) == 0
     assert maps.entries[held] == {(*P1, "192.0.2.1"): A}
+
+
+class Counting:
+    """A backend's affinity counter (failing when told to)."""
+
+    def __init__(self, family: IPFamily, count: int, fails: bool = False) -> None:
+        self.family = family
+        self.count = count
+        self.fails = fails
+
+    def affinity_unrecorded(self) -> int:
+        if self.fails:
+            raise NftError("No such file or directory")
+        return self.count
+
+
+def test_the_metric_reads_each_familys_count_and_skips_a_failed_read() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from kubeproxy.backends.nftables.affinity_metrics import report_affinity
+
+    registry = CollectorRegistry()
+    report_affinity(registry, Counting(IPFamily.IPV4, 3))
+    six = Counting(IPFamily.IPV6, 5, fails=True)
+    report_affinity(registry, six)
+
+    def sample(family: str) -> float | None:
+        return registry.get_sample_value(
+            "kubeproxy_nftables_affinity_unrecorded_connections_total", {"ip_family": family}
+        )
+
+    assert (sample("IPv4"), sample("IPv6")) == (3.0, None)
+    six.fails = False
+    assert sample("IPv6") == 5.0
