@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.report import Results
+from bench.report import Results, recorded_command
 
 # KPXB_RESULTS_DIR sends a trial run's files elsewhere (bench/results/ holds the record).
 RESULTS_DIR = Path(
@@ -32,7 +32,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 @pytest.fixture(scope="session")
 def results(request: pytest.FixtureRequest) -> Iterator[Results]:
     """The run's records; written to bench/results/ when the session ends."""
-    command = os.environ.get("KPXB_COMMAND") or shlex.join(["pytest", *sys.argv[1:]])
+    command = recorded_command(shlex.join(["pytest", *sys.argv[1:]]))
     collected = Results(command)
     try:
         yield collected

@@ -64,9 +64,10 @@ import json
 import math
 import os
 import platform
+import shlex
 import socket
 import subprocess
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -154,6 +155,18 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def recorded_command(default: str, environ: Mapping[str, str] = os.environ) -> str:
+    """The command a results file records: ``KPXB_COMMAND`` when set, else ``default``;
+    with the ``BENCH_ARGS`` a ``make bench`` run was given (make exports command-line
+    variables to its recipes). A selection recorded as plain ``make bench`` would pass
+    for a full run, and ``bench.readme`` would quote its partial figures as the run."""
+    command = environ.get("KPXB_COMMAND") or default
+    selection = environ.get("BENCH_ARGS", "").strip()
+    if command == "make bench" and selection:
+        return f"make bench BENCH_ARGS={shlex.quote(selection)}"
+    return command
+
+
 def write_document(
     out: Path, kind: str, command: str, fields: dict[str, Any]
 ) -> tuple[Path, dict[str, Any]]:
@@ -167,7 +180,7 @@ def write_document(
         "kind": kind,
         "when": now.isoformat(timespec="seconds"),
         "commit": machine["commit"] or None,
-        "command": os.environ.get("KPXB_COMMAND", command),
+        "command": recorded_command(command),
         "machine": machine,
         **fields,
     }

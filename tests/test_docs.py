@@ -19,6 +19,7 @@ import ast
 import copy
 import json
 import re
+import shlex
 import subprocess
 import sys
 import tomllib
@@ -29,7 +30,7 @@ import yaml
 
 import kubeproxy
 from bench import readme
-from bench.report import readme_summary, sizing_table
+from bench.report import readme_summary, recorded_command, sizing_table
 from bench.targets import IPT_NFT, OURS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -58,6 +59,17 @@ def test_the_readmes_figures_are_the_newest_full_runs() -> None:
         assert str(path.relative_to(REPO)) in generated
     # One set of figures: the section is the only place the README quotes a run.
     assert README.count("Measured by `make bench`") == 1
+
+
+def test_a_selection_of_make_bench_is_not_recorded_as_a_full_run() -> None:
+    selection = '-k "cold_affinity and not upstream"'
+    recorded = recorded_command(
+        "pytest bench", {"KPXB_COMMAND": "make bench", "BENCH_ARGS": selection}
+    )
+    assert recorded != readme.FULL_RUN
+    assert shlex.split(recorded) == ["make", "bench", f"BENCH_ARGS={selection}"]
+    assert recorded_command("pytest bench", {"KPXB_COMMAND": "make bench"}) == readme.FULL_RUN
+    assert recorded_command("pytest bench -k x", {}) == "pytest bench -k x"
 
 
 def test_a_stale_section_is_found(tmp_path: Path) -> None:
