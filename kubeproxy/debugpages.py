@@ -12,6 +12,14 @@ The core's pages (this module):
 * ``/debug/`` lists the pages;
 * ``/debug/syncs``: the last syncs of each family (when, full or partial, how long, the
   Service ports in the snapshot, the error of a failed one), newest first;
+* ``/debug/plan``: what each family's last successful sync did: full or partial, when,
+  the Services the sync was told changed (a partial one's; the first
+  :data:`PLAN_SERVICES` named), and what the backend counted while doing it when it
+  says (:class:`SyncPlanSource`; nftables: the generation, Service ports planned,
+  operations, transactions, element additions and deletions per set and map);
+* ``/debug/repairs``: self-healing's recent repairs, newest first (the under way ones
+  first): what was reported changed, when, how long the repair took, its outcome
+  (:meth:`kubeproxy.selfheal.SelfHealer.recent_repairs`, a bounded ring);
 * ``/debug/services``: the daemon's view, as JSON: without a query, every Service with
   its port count; ``?service=NAMESPACE/NAME`` that Service's ports, each with its
   frontends' settings and endpoints (as the EndpointSlices say, and as the core
@@ -34,9 +42,9 @@ import collections
 import json
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Protocol, runtime_checkable
 
 from kubeproxy.backend import ProxySnapshot, SyncChanges
 from kubeproxy.config import ProxierConfig
@@ -52,8 +60,10 @@ from kubeproxy.objects import (
 
 __all__ = [
     "KEPT_SYNCS",
+    "PLAN_SERVICES",
     "DebugState",
     "ModePages",
+    "SyncPlanSource",
     "SyncRecord",
     "core_pages",
     "json_page",
@@ -63,6 +73,9 @@ __all__ = [
 
 KEPT_SYNCS: Final = 20
 """Syncs kept per family for ``/debug/syncs``."""
+
+PLAN_SERVICES: Final = 20
+"""Changed Services named in ``/debug/plan`` (the others are counted)."""
 
 _JSON: Final = {"Content-Type": "application/json"}
 _TEXT: Final = {"Content-Type": "text/plain; charset=utf-8"}
@@ -84,6 +97,16 @@ def parse_service(text: str | None) -> NamespacedName | None:
     if not slash or not namespace or not name or "/" in name:
         return None
     return NamespacedName(namespace, name)
+
+
+@runtime_checkable
+class SyncPlanSource(Protocol):
+    """A backend that can say what its last successful sync did, from what it counted
+    while doing it (no extra work per sync): plain, JSON-ready data."""
+
+    def last_sync_plan(self) -> Mapping[str, object]:
+        """The last successful sync's plan."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,11 +145,15 @@ class DebugState:
         self._lock = threading.Lock()
         self._views: dict[IPFamily, _FamilyView] = {}
         self._syncs: dict[IPFamily, collections.deque[SyncRecord]] = {}
+        self._plans: dict[IPFamily, dict[str, Any]] = {}
+        self.repairs: Callable[[], Sequence[Mapping[str, object]]] = tuple
+        """Self-healing's recent repairs (the daemon sets it to its healer's)."""
 
     # --- the hook and the observer ----------------------------------------------------
 
     def __call__(self, proxier: object, snapshot: ProxySnapshot, changes: SyncChanges) -> None:
-        """Record the view a successful sync wrote (following ``changes``)."""
+        """Record the view a successful sync wrote (following ``changes``) and its plan."""
+        self._record_plan(proxier, snapshot, changes)
         with self._lock:
             view = self._views.get(snapshot.family)
             if view is None or changes.full:
@@ -157,6 +184,21 @@ class DebugState:
                     view.services[name] = snapshot.services[name]
                     view.endpoints[name] = snapshot.endpoints.get(name, ())
                     view.categorized[name] = snapshot.categorized.get(name, CategorizedEndpoints())
+
+    def _record_plan(self, proxier: object, snapshot: ProxySnapshot, changes: SyncChanges) -> None:
+        changed = sorted(changes.changed_services, key=str)
+        plan: dict[str, Any] = {
+            "ended": _when(self.clock()),
+            "full": changes.full,
+            "service_ports": len(snapshot.services),
+            "changed_services": len(changed),
+            "changed_services_named": [str(s) for s in changed[:PLAN_SERVICES]],
+        }
+        backend = getattr(proxier, "backend", None)
+        if isinstance(backend, SyncPlanSource):
+            plan["backend"] = dict(backend.last_sync_plan())
+        with self._lock:
+            self._plans[snapshot.family] = plan
 
     def sync_queued(self, family: IPFamily) -> None:
         """Nothing to record."""
@@ -237,6 +279,12 @@ class DebugState:
                     counts.setdefault(str(service), {})[str(family)] = len(names)
         return {"services": dict(sorted(counts.items()))}
 
+    def plans(self) -> dict[str, dict[str, Any]]:
+        """The last successful sync's plan per family."""
+        with self._lock:
+            plans = sorted(self._plans.items(), key=lambda i: str(i[0]))
+            return {str(family): dict(plan) for family, plan in plans}
+
     def syncs(self) -> dict[str, list[dict[str, Any]]]:
         """The last syncs per family, newest first."""
         with self._lock:
@@ -276,10 +324,13 @@ def _port_json(
     return data
 
 
+def _when(seconds: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
+
+
 def _sync_json(record: SyncRecord) -> dict[str, Any]:
-    ended = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(record.ended))
     return {
-        "ended": ended,
+        "ended": _when(record.ended),
         "full": record.full,
         "duration_s": record.duration_s,
         "service_ports": record.service_ports,
@@ -297,6 +348,8 @@ def core_pages(state: DebugState, more: Mapping[str, Route] | None = None) -> di
     """The core's pages, the mode's (``more``) and the index of both."""
     pages: dict[str, Route] = {
         "/debug/syncs": lambda: json_page(state.syncs()),
+        "/debug/plan": lambda: json_page(state.plans()),
+        "/debug/repairs": lambda: json_page(state.repairs()),
         "/debug/services": QueryRoute(lambda query: _services(state, query)),
         **(more or {}),
     }

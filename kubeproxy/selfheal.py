@@ -28,12 +28,17 @@ first :data:`FREE_REPAIRS` are repaired at once and later ones after 1 s, 2 s, 4
 to :data:`MAX_REPAIR_DELAY` (said once in the log): the fight slows down to one full sync
 every half minute instead of one a second.
 
+The healer keeps its last :data:`KEPT_REPAIRS` repairs (and those under way) for
+``/debug/repairs`` (:meth:`SelfHealer.recent_repairs`): what was reported, when, how
+long the repair took, the syncs that failed meanwhile.
+
 A watcher sees only what changed, never what it means: reacting with a full sync keeps
 every backend's structure its own business.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
@@ -41,7 +46,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from kubeproxy.events import ACTION_REPAIR, REASON_RULES_CHANGED_EXTERNALLY
 from kubeproxy.health import FAULT_RULES_REMOVED
@@ -56,6 +61,7 @@ if TYPE_CHECKING:
 __all__ = [
     "EVENT_INTERVAL",
     "FREE_REPAIRS",
+    "KEPT_REPAIRS",
     "KINDS",
     "KIND_CANARY",
     "KIND_CHAIN",
@@ -72,6 +78,7 @@ __all__ = [
     "ExternalChangeCounter",
     "KernelStateReporter",
     "PeriodicCheck",
+    "RepairRecord",
     "SelfHealer",
     "WatchHost",
     "Watcher",
@@ -122,6 +129,50 @@ FREE_REPAIRS: Final = 5
 
 MAX_REPAIR_DELAY: Final = 30.0
 """The longest wait of a repair in a streak."""
+
+KEPT_REPAIRS: Final = 50
+"""Finished repairs kept for ``/debug/repairs`` (a ring: the oldest go)."""
+
+DETAILS_PER_REPAIR: Final = 5
+"""Reports' details kept per repair (a firewall reloading in a loop sends hundreds; the
+others are counted)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RepairRecord:
+    """One repair as ``/debug/repairs`` shows it: the family, when the first report came
+    (wall-clock seconds) and when the repairing full sync ended (None: under way), how
+    many reports it took in, their kinds and first :data:`DETAILS_PER_REPAIR` details,
+    the syncs of the family that failed meanwhile and the last one's error."""
+
+    family: str
+    started: float
+    ended: float | None
+    took_s: float
+    reports: int
+    kinds: tuple[str, ...]
+    details: tuple[str, ...]
+    failed_syncs: int = 0
+    last_error: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        """Plain data (times as UTC ISO 8601)."""
+        return {
+            "family": self.family,
+            "outcome": "repaired" if self.ended is not None else "under way",
+            "started": _when(self.started),
+            "ended": None if self.ended is None else _when(self.ended),
+            "took_s": round(self.took_s, 3),
+            "reports": self.reports,
+            "kinds": list(self.kinds),
+            "details": list(self.details),
+            "failed_syncs": self.failed_syncs,
+            "last_error": self.last_error,
+        }
+
+
+def _when(seconds: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,14 +246,33 @@ class KernelStateReporter(Protocol):
 
 
 class _Repair:
-    """A family's repair under way: since when, the latest report, and what was found."""
+    """A family's repair under way: since when (monotonic, and wall-clock), the latest
+    report, what was found, and the syncs that failed meanwhile."""
 
-    __slots__ = ("kinds", "latest", "since")
+    __slots__ = ("details", "error", "failed", "kinds", "latest", "reports", "since", "wall")
 
-    def __init__(self, since: float) -> None:
+    def __init__(self, since: float, wall: float) -> None:
         self.since = since
+        self.wall = wall
         self.latest = since
         self.kinds: list[str] = []
+        self.details: list[str] = []
+        self.reports = 0
+        self.failed = 0
+        self.error: str | None = None
+
+    def record(self, family: IPFamily, took: float, ended: float | None) -> RepairRecord:
+        return RepairRecord(
+            str(family),
+            self.wall,
+            ended,
+            took,
+            self.reports,
+            tuple(dict.fromkeys(self.kinds)),
+            tuple(self.details),
+            self.failed,
+            self.error,
+        )
 
 
 class _Streak:
@@ -232,8 +302,8 @@ class SelfHealer(NullObserver):
     (the daemon puts it in their observers): a successful full sync that *started* after
     the latest report of its family ends the repair (one already running when the damage
     was done may have listed the kernel before it). ``clock`` is monotonic seconds, the
-    proxiers' clock; ``schedule(delay, action)`` runs a delayed repair request (a daemon
-    timer thread).
+    proxiers' clock, ``wall_clock`` wall-clock seconds (for :meth:`recent_repairs`);
+    ``schedule(delay, action)`` runs a delayed repair request (a daemon timer thread).
     """
 
     def __init__(
@@ -244,6 +314,7 @@ class SelfHealer(NullObserver):
         events: EventSink | None = None,
         kernel_state: KernelStateReporter | None = None,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
         event_interval: float = EVENT_INTERVAL,
         schedule: Callable[[float, Callable[[], None]], None] = _start_timer,
     ) -> None:
@@ -252,6 +323,7 @@ class SelfHealer(NullObserver):
         self.events = events
         self.kernel_state = kernel_state
         self.clock = clock
+        self.wall_clock = wall_clock
         self.event_interval = event_interval
         self._lock = threading.Lock()
         self._repairs: dict[IPFamily, _Repair] = {}
@@ -264,6 +336,7 @@ class SelfHealer(NullObserver):
         self.repaired: list[tuple[IPFamily, float]] = []
         """(family, seconds from the first report to the repairing sync's end), in order
         (bounded)."""
+        self._done: collections.deque[RepairRecord] = collections.deque(maxlen=KEPT_REPAIRS)
         self._threads: list[threading.Thread] = []
 
     # WatchHost ----------------------------------------------------------------------------
@@ -276,12 +349,19 @@ class SelfHealer(NullObserver):
             logger.debug("external change about a family we do not proxy: %s", change.detail)
             return
         now = self.clock()
+        wall = self.wall_clock()
         with self._lock:
             self.reports.append(change)
             del self.reports[:-1000]
             for family in families:
-                repair = self._repairs.setdefault(family, _Repair(now))
-                repair.kinds.append(change.kind)
+                repair = self._repairs.get(family)
+                if repair is None:
+                    repair = self._repairs[family] = _Repair(now, wall)
+                if change.kind not in repair.kinds:
+                    repair.kinds.append(change.kind)
+                if len(repair.details) < DETAILS_PER_REPAIR:
+                    repair.details.append(change.detail)
+                repair.reports += 1
                 repair.latest = now
         logger.warning(
             "Rules changed by someone else (%s, %s): %s; full sync requested",
@@ -363,8 +443,16 @@ class SelfHealer(NullObserver):
         error: BaseException | None,
         snapshot_sizes: tuple[int, int],
     ) -> None:
-        """A successful full sync begun after the family's latest report ends its repair."""
-        if error is not None or not full:
+        """A successful full sync begun after the family's latest report ends its repair
+        (a failed sync meanwhile is counted in it)."""
+        if error is not None:
+            with self._lock:
+                failing = self._repairs.get(family)
+                if failing is not None:
+                    failing.failed += 1
+                    failing.error = f"{type(error).__name__}: {error}"
+            return
+        if not full:
             return
         now = self.clock()
         with self._lock:
@@ -375,14 +463,27 @@ class SelfHealer(NullObserver):
             took = now - repair.since
             self.repaired.append((family, took))
             del self.repaired[:-1000]
+            self._done.appendleft(repair.record(family, took, self.wall_clock()))
         logger.info(
             "%s rules repaired %.2fs after someone else changed them (%s)",
             family,
             took,
-            ", ".join(dict.fromkeys(repair.kinds)),
+            ", ".join(repair.kinds),
         )
         if self.kernel_state is not None:
             _safely(self.kernel_state.report_data_plane_repaired, family, FAULT_RULES_REMOVED)
+
+    def recent_repairs(self) -> list[dict[str, Any]]:
+        """The repairs under way, then the last :data:`KEPT_REPAIRS` finished ones, newest
+        first, as plain data (``/debug/repairs``)."""
+        now = self.clock()
+        with self._lock:
+            going = [
+                r.record(f, now - r.since, None)
+                for f, r in sorted(self._repairs.items(), key=lambda i: i[1].since, reverse=True)
+            ]
+            records = [*going, *self._done]
+        return [r.as_json() for r in records]
 
     @property
     def repairing(self) -> frozenset[IPFamily]:

@@ -23,6 +23,7 @@ from kubeproxy.debugpages import DebugState, core_pages
 from kubeproxy.httpserving import QueryRoute
 from kubeproxy.netlink import FakeHostAddresses
 from kubeproxy.objects import IPFamily, NamespacedName, Protocol, ServicePort, ServicePortName
+from kubeproxy.selfheal import ExternalChange
 from kubeproxy.testing.fakeapi import node, service
 from tests.snapshots import World, ep
 from tests.test_daemon import NODE, FakeBackends, get, options_for, running, slice_of, wait_for
@@ -101,6 +102,8 @@ def test_core_pages_show_the_view_and_the_syncs() -> None:
     pages = core_pages(state, {"/debug/mode": lambda: (200, {}, b"")})
     assert pages["/debug/"]()[2].decode().splitlines() == [
         "/debug/mode",
+        "/debug/plan",
+        "/debug/repairs",
         "/debug/services",
         "/debug/syncs",
     ]
@@ -118,6 +121,40 @@ def test_core_pages_show_the_view_and_the_syncs() -> None:
     assert port["external_traffic_policy"] == "Cluster" and port["has_usable_endpoints"]
     assert services.answer({"service": "ns/nothing"})[0] == 404
     assert services.answer({"service": "no-slash"})[0] == 400
+
+
+class _PlanningBackend:
+    def last_sync_plan(self) -> dict[str, object]:
+        return {"operations": 7}
+
+
+class _Proxier:
+    backend = _PlanningBackend()
+
+
+def test_the_plan_page_shows_each_familys_last_sync_and_the_repairs_page_the_healers() -> None:
+    world = World()
+    web = world.add(_port("web", "http", 10), ep("10.180.0.1"))
+    state = DebugState(ProxierConfig(node_name="n"), clock=lambda: 60.0)
+    pages = core_pages(state)
+    assert json.loads(pages["/debug/plan"]()[2]) == {}
+    assert json.loads(pages["/debug/repairs"]()[2]) == []
+    state(None, world.snapshot(), SyncChanges(full=True))
+    world.add(_port("db", "sql", 11))
+    changed = frozenset({web.service, NamespacedName("ns", "db")})
+    state(_Proxier(), world.snapshot(), SyncChanges(full=False, changed_services=changed))
+    assert json.loads(pages["/debug/plan"]()[2]) == {
+        "IPv4": {
+            "ended": "1970-01-01T00:01:00Z",
+            "full": False,
+            "service_ports": 2,
+            "changed_services": 2,
+            "changed_services_named": ["ns/db", "ns/web"],
+            "backend": {"operations": 7},
+        }
+    }
+    state.repairs = lambda: [{"family": "IPv4", "outcome": "repaired"}]
+    assert json.loads(pages["/debug/repairs"]()[2]) == [{"family": "IPv4", "outcome": "repaired"}]
 
 
 def _daemon(where: Path, *flags: str) -> Daemon:
@@ -155,6 +192,12 @@ def test_a_daemon_serves_the_pages_only_when_asked(tmp_path: Path) -> None:
         (held,) = json.loads(body)["families"]["IPv4"]
         assert held["cluster_ip"] == "172.30.0.10" and held["endpoints"] == ["10.244.0.11:8080"]
         # nftables mode's pages are there too (their kernel test: test_debugpages_kernel).
+        (plan,) = json.loads(get(port, "/debug/plan")[2]).values()
+        assert plan["full"] and plan["service_ports"] == 1
+        # The daemon's healer keeps the repairs the page shows.
+        on.healer.report(ExternalChange("table", "table deleted", IPFamily.IPV4))
+        (repair,) = json.loads(get(port, "/debug/repairs")[2])
+        assert repair["family"] == "IPv4" and repair["details"] == ["table deleted"]
         index = set(get(port, "/debug/")[2].decode().split())
         assert {"/debug/explain", "/debug/verify", "/debug/trace", "/debug/failed-sync"} <= index
     with running(_daemon(tmp_path / "off")) as off:

@@ -1,7 +1,9 @@
 """nftables mode's ``/debug/`` pages, served by the running daemon (``kube-proxy-nftables
 --profiling``) in a namespace of ours (``kpdp-...``, deleted whatever happens): explain,
 trace and verify read the kernel's (owned) table, the failed-sync page the state
-directory."""
+directory; the plan page has the backend's counts of its first sync. (The repairs
+page's repair is tested over fakes, test_debugpages.py: others cannot change an owned
+table.)"""
 
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ def _get(fd: int, path: str) -> tuple[int, str]:
             return err.code, err.read().decode()
 
 
-def test_the_running_daemon_serves_explain_trace_verify_and_the_failed_sync(
+def test_the_running_daemon_serves_explain_trace_verify_the_failed_sync_and_the_plan(
     tmp_path: Path,
 ) -> None:
     with lone_namespace("kpdp") as ns:
@@ -86,6 +88,13 @@ def test_the_running_daemon_serves_explain_trace_verify_and_the_failed_sync(
             (tmp_path / "failed-sync-ip.nft").write_text("# refused\nadd rule ip kube-proxy x\n")
             code, text = _get(ns.fd, "/debug/failed-sync")
             assert code == 200 and "add rule ip kube-proxy x" in text
+            # The last sync's plan, as the backend counted it.
+            code, text = _get(ns.fd, "/debug/plan")
+            plan = json.loads(text)["IPv4"]
+            assert code == 200 and plan["backend"]["generation"] >= 1, text
+            assert plan["backend"]["operations"] > 0 or not plan["backend"]["full"], text
+            # No repair on this node (the table is owned: others cannot change it).
+            assert json.loads(_get(ns.fd, "/debug/repairs")[1]) == []
         finally:
             daemon.send_signal(signal.SIGTERM)
             daemon.communicate(timeout=30 * default_timeout())

@@ -557,6 +557,37 @@ def test_an_endpoint_change_rewrites_one_slot() -> None:
     assert b.last_operations == 4 and b.last_transactions == 1 and not b.last_sync_full
 
 
+def test_the_last_sync_plan_says_what_the_sync_committed(monkeypatch: pytest.MonkeyPatch) -> None:
+    world = World()
+    name = web(world, "10.180.0.1", "10.180.0.2", "10.180.0.3")
+    fake = FakeNft()
+    b = backend(fake)
+    b.sync(world.snapshot(), full())
+    cold = b.last_sync_plan()
+    assert cold["full"] and cold["generation"] == 1 and cold["ports_planned"] == 1
+    assert cold["elements"]["dispatch-ips.g1"] == {"added": 1, "deleted": 0}
+    assert cold["elements"]["endpoints-tcp-b2.g1"] == {"added": 3, "deleted": 0}
+    web(world, "10.180.0.1", "10.180.0.4", "10.180.0.3")
+    b.sync(world.snapshot(), changed(name))
+    assert b.last_sync_plan() == {
+        "full": False,
+        "generation": 1,
+        "ports_planned": 1,
+        "operations": 4,
+        "transactions": 1,
+        "elements": {
+            "endpoints-tcp-b2.g1": {"added": 1, "deleted": 1},
+            "hairpin-endpoints.g1": {"added": 1, "deleted": 1},
+        },
+        "other_containers": {"containers": 0, "added": 0, "deleted": 0},
+    }
+    # Beyond PLAN_CONTAINERS, containers are summed, the busiest named.
+    monkeypatch.setattr("kubeproxy.backends.nftables.backend.PLAN_CONTAINERS", 1)
+    bounded = b.last_sync_plan()
+    assert list(bounded["elements"]) == ["endpoints-tcp-b2.g1"]
+    assert bounded["other_containers"] == {"containers": 1, "added": 1, "deleted": 1}
+
+
 def test_scaling_moves_the_frontend_between_classes_and_fills_holes() -> None:
     world = World()
     name = web(world, "10.180.0.1", "10.180.0.2", "10.180.0.3")

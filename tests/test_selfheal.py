@@ -34,6 +34,8 @@ from kubeproxy.nftevents import NftablesEventWatcher
 from kubeproxy.objects import IPFamily, Protocol, ServicePort
 from kubeproxy.proxier import Proxier
 from kubeproxy.selfheal import (
+    DETAILS_PER_REPAIR,
+    KEPT_REPAIRS,
     ExternalChange,
     PeriodicCheck,
     SelfHealer,
@@ -158,6 +160,43 @@ def test_the_first_full_sync_begun_after_the_reports_ends_the_repair(
     # The other observer events mean nothing here.
     healer.sync_queued(V4)
     healer.endpoints_trigger_times(V4, [1.0])
+
+
+def test_recent_repairs_show_what_was_found_how_long_it_took_and_keep_a_bounded_ring() -> None:
+    healer, _, _, _, _, clock = healer_with(V4)
+    healer.wall_clock = lambda: clock.t + 1_700_000_000.0
+    assert healer.recent_repairs() == []
+    for n in range(DETAILS_PER_REPAIR + 2):
+        healer.report(ExternalChange("element", f"element {n} deleted", V4))
+    healer.report(ExternalChange("table", "table deleted", V4))
+    clock.t += 0.5
+    healer.sync_finished(V4, True, 0.1, SyncError("refused"), (1, 1))
+    (going,) = healer.recent_repairs()
+    assert going["outcome"] == "under way" and going["ended"] is None
+    assert going["took_s"] == 0.5 and going["failed_syncs"] == 1
+    assert going["last_error"] == "SyncError: refused"
+    assert going["reports"] == DETAILS_PER_REPAIR + 3 and going["kinds"] == ["element", "table"]
+    assert going["details"] == [f"element {n} deleted" for n in range(DETAILS_PER_REPAIR)]
+    clock.t += 0.25
+    healer.sync_finished(V4, True, 0.1, None, (1, 1))
+    (done,) = healer.recent_repairs()
+    assert done["outcome"] == "repaired" and done["took_s"] == 0.75
+    assert done["started"] == "2023-11-14T22:15:00Z" and done["ended"] == "2023-11-14T22:15:00Z"
+    assert done["failed_syncs"] == 1 and done["kinds"] == ["element", "table"]
+    # The ring keeps the newest KEPT_REPAIRS, newest first, and a repair under way before.
+    for n in range(KEPT_REPAIRS + 3):
+        healer.report(ExternalChange("rule", f"repair {n}", V4))
+        clock.t += 20.0  # out of the streak: repaired at once
+        healer.sync_finished(V4, True, 1.0, None, (1, 1))
+    healer.report(ExternalChange("chain", "chain deleted", V4))
+    kept = healer.recent_repairs()
+    assert len(kept) == KEPT_REPAIRS + 1
+    assert kept[0]["outcome"] == "under way" and kept[0]["details"] == ["chain deleted"]
+    assert [r["details"][0] for r in kept[1:3]] == [
+        f"repair {KEPT_REPAIRS + 2}",
+        f"repair {KEPT_REPAIRS + 1}",
+    ]
+    assert kept[-1]["details"] == ["repair 3"]
 
 
 def test_a_change_of_no_family_concerns_every_family() -> None:

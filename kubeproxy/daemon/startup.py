@@ -321,6 +321,8 @@ def _assemble(
     healing = tuple(w.after_sync for w in watching)
     proxiers: dict[IPFamily, Proxier] = {}
     debug = _debug_pages(options, config, plugins, parts, seams.netns)
+    if debug is not None:
+        debug.repairs = healer.recent_repairs
     for family, backend in backends.items():
         extra: tuple[SyncHook | SyncObserver, ...] = () if debug is None else (debug,)
         if plugins.backend_hooks is not None:

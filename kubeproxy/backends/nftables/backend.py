@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from kubeproxy.backend import (
     NodePortAddresses,
@@ -103,11 +103,15 @@ from kubeproxy.config import ProxierConfig
 from kubeproxy.featuregates import KUBE_PROXY_NFTABLES_LOCALHOST_NODEPORTS
 from kubeproxy.objects import IPFamily, ServicePortName
 
-__all__ = ["STALE_DELAY", "NftablesBackend", "restitch"]
+__all__ = ["PLAN_CONTAINERS", "STALE_DELAY", "NftablesBackend", "restitch"]
 
 log = logging.getLogger(__name__)
 
 _FAMILIES = {IPFamily.IPV4: Family.IP, IPFamily.IPV6: Family.IP6}
+
+PLAN_CONTAINERS: Final = 20
+"""Containers named in :meth:`NftablesBackend.last_sync_plan` (content-named affinity
+maps can make thousands; the page stays small)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,8 +147,9 @@ class NftablesBackend:
     objects waiting for their deletion, which :meth:`collect_stale` does when due); for
     tests and logs:
     :attr:`last_operations`, :attr:`last_transactions`, :attr:`last_sync_full`,
-    :attr:`generation`. ``kept`` names objects that another part of this proxy keeps in
-    our table (localhost NodePorts' reject rules), as
+    :attr:`generation`; :meth:`last_sync_plan` for ``/debug/plan``. ``kept`` names
+    objects that another part of this proxy keeps in our table (localhost NodePorts'
+    reject rules), as
     :class:`~kubeproxy.backends.nftables.stale.TableObject` values or their text
     (``chain NAME``, ``set NAME``): never deleted as unused. ``element_names``: a
     frontend's dispatch and no-endpoint elements carry its Service port's name as their
@@ -197,6 +202,8 @@ class NftablesBackend:
         self.last_operations = 0
         self.last_transactions = 0
         self.last_sync_full = False
+        self._last_ports = 0
+        self._last_elements: dict[str, list[int]] = {}
         self.generation: int | None = None
         """The generation the fixed chains read (None before the first full sync)."""
         if support_check:
@@ -255,6 +262,7 @@ class NftablesBackend:
         self._need_full = False
         self.last_operations = ops.operations
         self.last_transactions = ops.transactions
+        self._last_elements = ops.elements
         every = None
         if full:
             plans = [s.affinity for s in self._gen.ports.values() if s.affinity is not None]
@@ -264,6 +272,28 @@ class NftablesBackend:
                 self._held_shards,
             )
         self.affinity_cleanup_failures += self._affinity.clean(self._map_live, every)
+
+    def last_sync_plan(self) -> dict[str, Any]:
+        """What the last successful sync did, as counted while doing it (for
+        ``/debug/plan``): full or partial, the generation, the Service ports planned (a
+        partial sync's changed ones), the operations and transactions committed, and the
+        element additions and deletions of the :data:`PLAN_CONTAINERS` containers that
+        changed most (the others summed)."""
+        ranked = sorted(self._last_elements.items(), key=lambda i: (-sum(i[1]), i[0]))
+        shown, rest = ranked[:PLAN_CONTAINERS], ranked[PLAN_CONTAINERS:]
+        return {
+            "full": self.last_sync_full,
+            "generation": self.generation,
+            "ports_planned": self._last_ports,
+            "operations": self.last_operations,
+            "transactions": self.last_transactions,
+            "elements": {c: {"added": a, "deleted": d} for c, (a, d) in shown},
+            "other_containers": {
+                "containers": len(rest),
+                "added": sum(a for _c, (a, _d) in rest),
+                "deleted": sum(d for _c, (_a, d) in rest),
+            },
+        }
 
     def affinity_unrecorded(self) -> int:
         """New connections whose ClientIP affinity entry could not be written (a full
@@ -459,6 +489,7 @@ class NftablesBackend:
             claims.resolve()
         for name in claims.skipped:
             plans.pop(name, None)
+        self._last_ports = len(plans)
         if self._dispatch == DISPATCH_TREE:
             model.number_classes(plans.values())
         try:
@@ -562,6 +593,7 @@ class NftablesBackend:
         for name in plans:
             if name in claims.skipped:
                 plans[name] = None
+        self._last_ports = len(plans)
         ops = self._ops()
         live = self.generation == model.gen
         for plan in plans.values():

@@ -8,7 +8,7 @@ adds.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sized
 
 from kubeproxy.backends.nftables.elements import ElementBatch
 from kubeproxy.backends.nftables.objects import Family
@@ -33,7 +33,9 @@ class SyncOps:
     it, and out only after the batch that stops dispatching it; affinity verdicts
     likewise. :meth:`cut` commits once ``budget`` changes are queued; callers call it only
     between frontends, so one frontend's netlink changes are always in one transaction.
-    :attr:`operations` and :attr:`transactions` count what was committed.
+    :attr:`operations` and :attr:`transactions` count what was committed;
+    :attr:`elements` the element additions and deletions committed per container (tallied
+    per container at each commit, not per element: what ``/debug/plan`` shows).
     """
 
     def __init__(
@@ -67,6 +69,8 @@ class SyncOps:
         self._count = 0
         self.operations = 0
         self.transactions = 0
+        self.elements: dict[str, list[int]] = {}
+        """``[added, deleted]`` by container, of what was committed."""
 
     def new_transaction(self) -> Transaction:
         """An empty transaction of our table in this family."""
@@ -116,6 +120,10 @@ class SyncOps:
             text_comments = self._text_comments
             self._text_deletes, self._text_adds, self._text_comments = {}, {}, {}
         self.tx = self.new_transaction()
+        self._tally(adds, 0)
+        self._tally(deletes, 1)
+        self._tally(text_adds, 0)
+        self._tally(text_deletes, 1)
         later: dict[str, list[Key]] = {}
         for container, keys in text_deletes.items():
             readded = {k for k, _v in text_adds.get(container, ())}
@@ -145,6 +153,10 @@ class SyncOps:
                 for key in keys:
                     final.delete_element(container, key)
             self.run(final)
+
+    def _tally(self, queued: Mapping[str, Sized], which: int) -> None:
+        for container, items in queued.items():
+            self.elements.setdefault(container, [0, 0])[which] += len(items)
 
     def run(self, tx: Transaction) -> None:
         """Commit ``tx`` if it holds anything, and count it."""

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import ipaddress
 import os
 import re
@@ -62,6 +63,10 @@ from kubeproxy.backends.nftables.objects import (
 from kubeproxy.backends.nftables.transaction import NftObject, Transaction, render_operation
 
 __all__ = ["FakeNft", "parse_commands"]
+
+CANONICAL_CACHE = 1 << 16
+"""Element parts whose canonical form is kept (see ``_canonical``): an evaluation and
+the commit after it of a transaction of 10,000 elements hit it; a few MiB at most."""
 
 _JUMP_DEPTH_MAX = 16  # NFT_JUMP_STACK_SIZE: a chain at this depth is refused
 _QUOTED = re.compile(r'"[^"]*"')
@@ -138,6 +143,7 @@ _TYPEOF_TYPES = {
 }
 
 
+@functools.lru_cache(maxsize=1024)
 def _datatypes(text: str, typeof: bool) -> tuple[str, ...]:
     parts = tuple(text.split(" . "))
     if not typeof:
@@ -724,8 +730,14 @@ def _canonical_parts(
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=CANONICAL_CACHE)
 def _canonical(datatype: str, part: str, interval: bool) -> str | None:
-    """``part`` as the kernel lists it, or None if it is not a ``datatype``."""
+    """``part`` as the kernel lists it, or None if it is not a ``datatype``.
+
+    Cached (a pure function): every element is checked twice, at evaluation and at
+    commit, and the same addresses, ports and protocols recur in many sets; a dry-run
+    render (``kubeproxy verify``, ``/debug/verify``) of 10k Services spent most of its
+    time here, parsing addresses (``python -m bench.verify``; README, "verify")."""
     if interval and "-" in part and datatype != "ifname":
         low, _, high = part.partition("-")
         low_c, high_c = _canonical(datatype, low, False), _canonical(datatype, high, False)
