@@ -7,7 +7,8 @@ checked against the kernel; ``tests/test_nft_fake.py`` runs the same transaction
 
 * ``add`` of an existing table, chain, set or map is a no-op (its comment is kept), except:
   a base chain whose type differs, or a regular chain given a hook -> ``EEXIST``; a base
-  chain whose hook or priority differs -> ``EOPNOTSUPP`` (its policy is updated); a set or
+  chain whose hook or priority differs -> ``EOPNOTSUPP`` as 6.12 and 6.18 answer (6.1 says
+  ``EEXIST``; either is a refusal) (its policy is updated); a set or
   map whose kind, type or flags differ -> ``EEXIST`` (its size and timeout are updated).
   ``create`` of an existing object -> ``EEXIST``.
 * ``flush``/``delete`` of a missing object -> ``ENOENT``. ``flush table`` removes every
