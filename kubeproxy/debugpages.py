@@ -57,6 +57,7 @@ from kubeproxy.objects import (
     ServicePort,
     ServicePortName,
 )
+from kubeproxy.selfheal import utc_text
 
 __all__ = [
     "KEPT_SYNCS",
@@ -188,7 +189,7 @@ class DebugState:
     def _record_plan(self, proxier: object, snapshot: ProxySnapshot, changes: SyncChanges) -> None:
         changed = sorted(changes.changed_services, key=str)
         plan: dict[str, Any] = {
-            "ended": _when(self.clock()),
+            "ended": utc_text(self.clock()),
             "full": changes.full,
             "service_ports": len(snapshot.services),
             "changed_services": len(changed),
@@ -324,13 +325,9 @@ def _port_json(
     return data
 
 
-def _when(seconds: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
-
-
 def _sync_json(record: SyncRecord) -> dict[str, Any]:
     return {
-        "ended": _when(record.ended),
+        "ended": utc_text(record.ended),
         "full": record.full,
         "duration_s": record.duration_s,
         "service_ports": record.service_ports,

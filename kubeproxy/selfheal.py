@@ -82,6 +82,7 @@ __all__ = [
     "SelfHealer",
     "WatchHost",
     "Watcher",
+    "utc_text",
 ]
 
 logger = logging.getLogger(__name__)
@@ -160,8 +161,8 @@ class RepairRecord:
         return {
             "family": self.family,
             "outcome": "repaired" if self.ended is not None else "under way",
-            "started": _when(self.started),
-            "ended": None if self.ended is None else _when(self.ended),
+            "started": utc_text(self.started),
+            "ended": None if self.ended is None else utc_text(self.ended),
             "took_s": round(self.took_s, 3),
             "reports": self.reports,
             "kinds": list(self.kinds),
@@ -171,7 +172,9 @@ class RepairRecord:
         }
 
 
-def _when(seconds: float) -> str:
+def utc_text(seconds: float) -> str:
+    """Wall-clock ``seconds`` as UTC ISO 8601 to the second, as the ``/debug/`` pages show
+    times."""
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
 
 
