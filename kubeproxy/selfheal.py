@@ -271,7 +271,7 @@ class _Repair:
             ended,
             took,
             self.reports,
-            tuple(dict.fromkeys(self.kinds)),
+            tuple(self.kinds),
             tuple(self.details),
             self.failed,
             self.error,
