@@ -29,7 +29,6 @@ proxy sat idle in ``select`` (2026-11-28, thread dump and ``dmesg``).
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 from collections.abc import Iterator
@@ -42,7 +41,7 @@ from pytest_benchmark.fixture import BenchmarkFixture
 from bench.conftest import RESULTS_DIR
 from bench.harness import REPO, ProxyProcess, child_process, python_module, time_once
 from bench.netns import in_netns, ip, namespace, sysctl
-from bench.report import machine_info
+from bench.report import machine_info, recorded_command
 from bench.servingproc import HEALTHZ_PORT, METRICS_PORT, NODE_ADDRESS
 
 SERVICES = 10_000
@@ -144,7 +143,7 @@ class ServingResults:
         document = {
             "when": now.isoformat(timespec="seconds"),
             "commit": machine["commit"] or None,
-            "command": os.environ.get("KPXB_COMMAND", "pytest bench/test_serving.py"),
+            "command": recorded_command("pytest bench/test_serving.py"),
             "machine": machine,
             "services": SERVICES,
             "health_checks": HEALTH_CHECKS,
