@@ -75,6 +75,13 @@ NFTABLES_RULES = Subject(
     "nft-maps",
 )
 """The map structure with the class dispatch before issue 19 (one rule per class)."""
+NFTABLES_PRECREATED = Subject(
+    "kubeproxy-nftables-precreated",
+    "bench.subjects:precreated_backend",
+    "ours: nftables (maps), classes of counts 1-1024 precreated",
+    "nft-maps",
+)
+"""The map structure with every count's class precreated (issue 32 item 4)."""
 IPTABLES_NFT = Subject(
     "kubeproxy-iptables-nft",
     # The node's variant, detected as upstream's iptables-wrapper does: nft in a fresh
@@ -149,3 +156,21 @@ def rules_dispatch_backend(
     return NftablesBackend(
         family, config, executor=LibNftables(netns=netns), dispatch=DISPATCH_RULES
     )
+
+
+PRECREATE_BOUND = 1024
+"""Endpoint counts the ``nftables-precreated`` subject's generations hold from the start."""
+
+
+def precreated_backend(
+    family: IPFamily, config: ProxierConfig, *, netns: str | None = None
+) -> NftablesBackend:
+    """The map structure whose generations precreate the classes of every endpoint count
+    up to :data:`PRECREATE_BOUND` (issue 32 item 4), over the same executor as shipped
+    (the owned table where the kernel has it)."""
+    from kubeproxy.backends.nftables.owner import OwnedNftables, probe_table_flags
+    from kubeproxy.backends.nftables.support import table_ownership
+
+    owned = table_ownership(config.feature_gates, lambda: probe_table_flags(netns)).owned
+    executor = OwnedNftables(netns) if owned else LibNftables(netns=netns)
+    return NftablesBackend(family, config, executor=executor, precreate_counts=PRECREATE_BOUND)

@@ -65,6 +65,7 @@ from bench.subjects import (
     IPTABLES_NFT,
     NFTABLES,
     NFTABLES_CHAINS,
+    NFTABLES_PRECREATED,
     NFTABLES_RULES,
     UPSTREAM,
     Subject,
@@ -692,7 +693,7 @@ def test_realistic(results: Results, subject: Subject, services: int) -> None:
 NEW_COUNT_OPS = ("endpoint", "add", "remove", "newcount", "seencount")
 NEW_COUNT_CASES = [
     pytest.param(subject, n, marks=[quick] if n == 1 * K else [], id=f"{name}-{_size_id(n)}")
-    for subject, name in ((NFTABLES, "nftables"),)
+    for subject, name in ((NFTABLES, "nftables"), (NFTABLES_PRECREATED, "nftables-precreated"))
     for n in (1 * K, 30 * K, 100 * K)
 ]
 
@@ -705,20 +706,16 @@ def test_new_count(results: Results, subject: Subject, services: int) -> None:
     (``newcount``: a class and a pick the table never had) and its control (``seencount``:
     a count some Service has, about as many endpoints). Records of kind
     ``new_count_incremental``; no dataplane, no restart (``test_realistic`` has those)."""
-    with namespace("newcount") as netns:
-        with proxy_process(netns, services, 0, backend=subject.backend, mix="realistic") as proxy:
-            cold = _synced(results, "new_count_cold", subject, services, proxy, endpoints=None)
-            assert cold["ok"], f"{subject.name}: realistic cold sync failed"
-            for op in NEW_COUNT_OPS:
-                _incremental(
-                    results,
-                    subject,
-                    services,
-                    proxy,
-                    op,
-                    kind="new_count_incremental",
-                    endpoints=None,
-                )
+    with (
+        namespace("newcount") as netns,
+        proxy_process(netns, services, 0, backend=subject.backend, mix="realistic") as proxy,
+    ):
+        cold = _synced(results, "new_count_cold", subject, services, proxy, endpoints=None)
+        assert cold["ok"], f"{subject.name}: realistic cold sync failed"
+        for op in NEW_COUNT_OPS:
+            _incremental(
+                results, subject, services, proxy, op, kind="new_count_incremental", endpoints=None
+            )
 
 
 # Classes and the first packet (issue 19) ------------------------------------------------------

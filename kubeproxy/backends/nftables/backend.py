@@ -71,6 +71,7 @@ from kubeproxy.backends.nftables.layout import (
     Dispatch,
     affinity_container,
     generation_of,
+    precreated_classes,
 )
 from kubeproxy.backends.nftables.objects import Chain, Family, NftError, Set, Table
 from kubeproxy.backends.nftables.owner import OwnedNftables
@@ -166,6 +167,7 @@ class NftablesBackend:
         kept: Iterable[TableObject | str] = (),
         element_names: bool = True,
         failure_dir: Path | None = None,
+        precreate_counts: int = 0,
     ) -> None:
         if elements_per_transaction < 1:
             raise ValueError("elements_per_transaction must be at least 1")
@@ -173,6 +175,9 @@ class NftablesBackend:
             self._dispatch = Dispatch(dispatch)
         except ValueError:
             raise ValueError(f"unknown class dispatch {dispatch!r}") from None
+        if precreate_counts < 0 or (precreate_counts and self._dispatch != DISPATCH_TREE):
+            raise ValueError("precreate_counts needs the tree dispatch and a count >= 0")
+        self._precreated = precreated_classes(precreate_counts)
         self._family = family
         self._nft_family = _FAMILIES[family]
         self._tokens: FamilyTokens = tokens_for(family)
@@ -459,7 +464,7 @@ class NftablesBackend:
             plans.pop(name, None)
         self._last_ports = len(plans)
         if self._dispatch == DISPATCH_TREE:
-            model.number_classes(plans.values())
+            model.number_classes(plans.values(), self._precreated)
         try:
             ops = self._write_generation(plans)
         except BaseException:
@@ -483,6 +488,9 @@ class NftablesBackend:
         model.declare_fixed(tx, {c.name for c in fixed if c.hook is not None})
         for plan in plans.values():
             self._add_structure(tx, plan, live=False)
+        for cls in self._precreated:
+            if cls not in model.class_chains:
+                model.add_class(tx, cls, self._ctx, live=False)
         model.update_tree(tx)
         ops.commit()
         for name, plan in plans.items():
