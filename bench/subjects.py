@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from bench.harness import UPSTREAM_BACKEND
 from bench.netns import in_netns
-from kubeproxy.backends.nftables import NftablesBackend
+from kubeproxy.backend import Backend
+from kubeproxy.backends.nftables import NftablesBackend, create_backend
 from kubeproxy.backends.nftables.exec import LibNftables
 from kubeproxy.backends.nftables.layout import DISPATCH_RULES
 from kubeproxy.config import ProxierConfig
@@ -164,13 +165,7 @@ PRECREATE_BOUND = 1024
 
 def precreated_backend(
     family: IPFamily, config: ProxierConfig, *, netns: str | None = None
-) -> NftablesBackend:
-    """The map structure whose generations precreate the classes of every endpoint count
-    up to :data:`PRECREATE_BOUND` (issue 32 item 4), over the same executor as shipped
-    (the owned table where the kernel has it)."""
-    from kubeproxy.backends.nftables.owner import OwnedNftables, probe_table_flags
-    from kubeproxy.backends.nftables.support import table_ownership
-
-    owned = table_ownership(config.feature_gates, lambda: probe_table_flags(netns)).owned
-    executor = OwnedNftables(netns) if owned else LibNftables(netns=netns)
-    return NftablesBackend(family, config, executor=executor, precreate_counts=PRECREATE_BOUND)
+) -> Backend:
+    """The nftables backend as shipped, its generations precreating the classes of every
+    endpoint count up to :data:`PRECREATE_BOUND` (issue 32 item 4)."""
+    return create_backend(family, config, netns=netns, precreate_counts=PRECREATE_BOUND)
