@@ -12,8 +12,10 @@ the cluster's size, and everything per Service is *data* (see
 * an **incremental sync** renders the changed Service ports, diffs them frontend by
   frontend against what it last wrote, and commits one transaction of element additions
   and deletions (endpoints keep their slot numbers, so one endpoint changed is one slot
-  rewritten). A class or pick that appears for the first time adds its chain and one
-  rule, the only case that makes the kernel validate the table.
+  rewritten). A class or pick that appears for the first time adds its chains and the
+  tree chains on its path, the only case that makes the kernel validate the table
+  (``precreate_counts``, off by default, makes the classes of counts up to it exist from
+  the full sync on).
 * a **full sync** (start, restart, the periodic one, after a failure) never reads rules
   or elements back: it writes a complete new *generation* of the containers, class and
   pick chains next to the current one, in bounded transactions, then rewrites the fixed
@@ -151,7 +153,12 @@ class NftablesBackend:
     comment (what ``kubeproxy explain`` reads); off, they carry none (the structure before
     issue 30, kept for ``make bench``). A refused transaction or element batch is kept
     in ``failure_dir`` (default: the state directory) and named in the sync's error
-    (:mod:`~kubeproxy.backends.nftables.failures`).
+    (:mod:`~kubeproxy.backends.nftables.failures`). ``precreate_counts`` N (tree dispatch
+    only; 0, the default, for none): every generation holds the classes of 1 to N
+    endpoints of the shapes whose class is their count alone from its start
+    (:func:`~kubeproxy.backends.nftables.layout.precreated_classes`), so a Service
+    reaching such a count is element changes only; measured against the default in the
+    package README ("A never-seen endpoint count": every commit pays for the chains).
     """
 
     def __init__(

@@ -18,8 +18,11 @@ the generation's ``dispatch-ips`` set (one lookup, also for traffic to no Servic
 walks the tree: the chain of class number ``c`` tests, from high to low, the bits below
 ``c``'s lowest set bit and goes to the subtree of the first one set, or else to the
 class chain of ``c``. A connection costs one lookup per bit of the class numbers (9 at
-500 classes), whatever the class, and a frontend's class is data (its bits), so a new
-endpoint count is element changes only. The tree's gotos count towards the kernel's
+500 classes), whatever the class, and a frontend's class is data (its bits), so moving
+to a class the generation has is element changes only (a class seen for the first time
+adds its chains: the package README's "A never-seen endpoint count"; with
+``precreate_counts`` a generation holds the classes of the counts up to it from its
+start, :func:`precreated_classes`). The tree's gotos count towards the kernel's
 16-level jump limit once per set bit, so class numbers are handed out by popularity in
 order of fewer set bits, never more than :data:`MAX_CLASS_BITS` of them.
 The previous dispatch (one rule per class in ``service-frontends``, every rule a lookup
