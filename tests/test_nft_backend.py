@@ -8,6 +8,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import re
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
@@ -607,6 +608,17 @@ def test_scaling_moves_the_frontend_between_classes_and_fills_holes() -> None:
     assert classes_of(fake)[key] == "internal-4.g1"
 
 
+def ladder(world: World, numbers: Iterable[int]) -> list[ServicePortName]:
+    """Service ``s<n>`` with ``n + 1`` endpoints for each ``n``: one class each."""
+    return [
+        world.add(
+            ServicePort(spn(f"s{n}"), ip(f"172.30.{n // 200}.{n % 200}"), 80, Protocol.TCP),
+            *(ep(str(ip("10.0.0.0") + 1024 * n + k)) for k in range(1, n + 2)),
+        )
+        for n in numbers
+    ]
+
+
 def test_precreated_counts_make_a_new_count_data_only_up_to_the_bound() -> None:
     world = World()
     name = web(world, "10.180.0.1", "10.180.0.2", "10.180.0.3", node_port=30080)
@@ -637,25 +649,14 @@ def test_a_tree_grown_class_by_class_leads_where_a_full_syncs_does() -> None:
     """Each new class rewrites the tree chains on its own path only (``tree_chains``'
     ``only``); the frontends still reach the class a fresh full sync sends them to."""
     world = World()
-    names = [
-        world.add(
-            ServicePort(spn(f"s{n}"), ip(f"172.30.1.{n}"), 80, Protocol.TCP),
-            *(ep(str(ip("10.0.0.0") + 1024 * n + k)) for k in range(1, n + 2)),
-        )
-        for n in range(20)
-    ]
+    ladder(world, range(20))
     fake = FakeNft()
     b = backend(fake)
     b.sync(world.snapshot(), full())
     for n in range(20, 40):  # twenty classes seen for the first time, one sync each
-        names.append(
-            world.add(
-                ServicePort(spn(f"s{n}"), ip(f"172.30.1.{n}"), 80, Protocol.TCP),
-                *(ep(str(ip("10.0.0.0") + 1024 * n + k)) for k in range(1, n + 2)),
-            )
-        )
+        (name,) = ladder(world, [n])
         count = len(fake.transactions)
-        b.sync(world.snapshot(), changed(names[-1]))
+        b.sync(world.snapshot(), changed(name))
         assert f"add chain ip kube-proxy internal-{n + 1}.g1" in fake.transactions[count].render()
     # The tree the incremental syncs built leads every frontend where a full sync's does.
     incremental = classes_of(fake)
@@ -669,13 +670,7 @@ def test_a_tree_grown_class_by_class_leads_where_a_full_syncs_does() -> None:
 
 def test_hundreds_of_classes_cost_a_few_lookups_and_a_change_is_data() -> None:
     world = World()
-    names = [
-        world.add(
-            ServicePort(spn(f"s{n}"), ip(f"172.30.{n // 200}.{n % 200}"), 80, Protocol.TCP),
-            *(ep(str(ip("10.0.0.0") + 1024 * n + k)) for k in range(1, n + 2)),
-        )
-        for n in range(150)
-    ]
+    names = ladder(world, range(150))
     fake = FakeNft()
     b = backend(fake)
     b.sync(world.snapshot(), full())
