@@ -17,7 +17,9 @@ read-only: nothing is ever written.
 from __future__ import annotations
 
 import errno
+import os
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Final
 
@@ -28,7 +30,7 @@ from kubeproxy.backends.nftables.elements import SUPPORTED_TYPES, decode_parts, 
 from kubeproxy.backends.nftables.objects import Family, NftError, validate_name
 from kubeproxy.backends.nftables.table import TABLE
 
-__all__ = ["VERDICTS", "Item", "RuleRefs", "TableReader", "verdict_of"]
+__all__ = ["PROBE_BATCH", "VERDICTS", "Item", "RuleRefs", "TableReader", "verdict_of"]
 
 Key = tuple[str, ...]
 
@@ -46,6 +48,9 @@ _LOOKUP_SET = 1
 _DYNSET_SET_NAME, _DYNSET_TIMEOUT = 1, 6
 _NG_MODULUS = 2
 _UDATA_COMMENT = 0
+PROBE_BATCH: Final = 1024
+"""Keys asked for in one request by :meth:`TableReader.probe_blobs` (their answers,
+some 5 KiB of receive buffer each, must all fit)."""
 # Verdict codes (linux/netfilter/nf_tables.h, netfilter.h).
 VERDICTS: Final = {
     0: "drop",
@@ -205,6 +210,61 @@ class TableReader:
             for kind, start, end in nlmsg.attributes(payload, 0, len(payload)):
                 if kind == _LIST_ELEMENTS:
                     out.extend(_blobs(payload, start, end))
+        return out
+
+    def probe_blobs(
+        self, family: Family, name: str, declaration: Declaration, keys: Sequence[Key]
+    ) -> list[bytes]:
+        """The elements of set or map ``name`` with these ``keys`` that it holds, as
+        :meth:`element_blobs` gives them: single-element gets, :data:`PROBE_BATCH` in
+        one request (the kernel answers each in a message of its own, and stops at the
+        first key it lacks: the request goes on after it).
+
+        Why not a dump for a big container: the kernel walks a hash set from its start
+        again for every answer buffer of a dump (32 KiB, some 700 elements), so a dump
+        costs the square of the set's size: 1M endpoint slots took 49 s, a 100k set
+        0.4 s. Asking for the keys costs what they are. What the container holds
+        beyond ``keys`` is not seen."""
+        validate_name("set", name)
+        key_types = tuple(f.datatype.name for f in declaration.key)
+        encode = element_encoder(key_types, ())
+        head = nlmsg.NFGEN.pack(_FAMILY_NUMBERS[family], 0, 0)
+        head += nlmsg.attr(_LIST_TABLE, nlmsg.string(self.table))
+        head += nlmsg.attr(_LIST_SET, nlmsg.string(name))
+        message_type = nlmsg.nfnl_type(nlmsg.NFNL_SUBSYS_NFTABLES, _GETSETELEM)
+        flags = nlmsg.NLM_F_REQUEST | nlmsg.NLM_F_ACK
+        answer_head = head[nlmsg.NFGEN.size :]
+        skip = nlmsg.NFGEN.size + len(answer_head) + nlmsg.ATTR.size
+        out: list[bytes] = []
+        start = 0
+        while start < len(keys):
+            chunk = keys[start : start + PROBE_BATCH]
+            try:
+                elements = [encode(key, ()) for key in chunk]
+            except ValueError as err:
+                raise NftError(f"a key of {name}: {err}", errno.EINVAL) from None
+            body = head + nlmsg.nested(_LIST_ELEMENTS, *elements)
+            seq = self.channel.next_seq()
+            with self.channel.lock:
+                answers, code = self.channel.ask(
+                    nlmsg.message(message_type, flags, seq, body),
+                    seq,
+                    f"elements of {name}",
+                    len(chunk),
+                )
+            for _kind, payload in answers:
+                # Every answer is this set's head (nfgenmsg, table, set), then the one
+                # element in its list: cut there when the head is the one expected.
+                if payload.startswith(answer_head, nlmsg.NFGEN.size):
+                    out.append(payload[skip:])
+                    continue
+                for kind, first, last in nlmsg.attributes(payload, nlmsg.NFGEN.size, len(payload)):
+                    if kind == _LIST_ELEMENTS:
+                        out.extend(_blobs(payload, first, last))
+            if code not in (0, errno.ENOENT):
+                raise NftError(f"elements of {name}: {os.strerror(code)}", code)
+            # Stopped at a key it lacks (ENOENT), or done: go on after what was answered.
+            start += len(answers) + (1 if code else 0)
         return out
 
     @staticmethod

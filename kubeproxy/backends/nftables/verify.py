@@ -55,7 +55,7 @@ from kubeproxy.backends.nftables.objects import Family, NftError
 from kubeproxy.backends.nftables.reader import Item, RuleRefs, TableReader
 from kubeproxy.backends.nftables.written import WrittenSource, WrittenTable, blob_types
 
-__all__ = ["Difference", "compare", "compare_written", "notes", "verify_tables"]
+__all__ = ["PROBE_OVER", "Difference", "compare", "compare_written", "notes", "verify_tables"]
 
 Key = tuple[str, ...]
 
@@ -187,7 +187,18 @@ class BlobSource(TableSource, Protocol):
         """Every element of ``name``, each its ``NFTA_LIST_ELEM`` attribute's bytes."""
         ...
 
+    def probe_blobs(
+        self, family: Family, name: str, declaration: Declaration, keys: Sequence[Key]
+    ) -> list[bytes]:
+        """The elements of ``name`` with these keys (as :meth:`element_blobs`)."""
+        ...
 
+
+PROBE_OVER: Final = 100_000
+"""Elements beyond which a container is read by asking for the wanted keys, not dumped
+(:meth:`~.reader.TableReader.probe_blobs` says why: a dump costs the square of a hash
+set's size). What such a container holds beyond the wanted keys is not seen: nothing
+reads an endpoint slot beyond its frontend's count, or a hairpin pair no endpoint has."""
 _DUMP_OVER: Final = 2000
 """Frontends to explain beyond which the live generation is dumped first (about 15
 single-element gets a frontend otherwise: :func:`compare` measured both ways)."""
@@ -314,7 +325,12 @@ def _differing(
     have_decl = have.view.declarations[have_name]
     types = blob_types(want_decl)
     if types is not None and blob_types(have_decl) == types:
-        wanted, held = want.element_set(name), have.element_set(have_name)
+        wanted = want.element_set(name)
+        if len(wanted) > PROBE_OVER:
+            keys = list(want.view.dump(name))
+            held = set(have.source.probe_blobs(have.family, have_name, have_decl, keys))
+        else:
+            held = have.element_set(have_name)
         if wanted == held:
             return [], []
         decode = TableReader.decode_blobs

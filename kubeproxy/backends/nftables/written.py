@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
@@ -299,6 +299,18 @@ class WrittenSource:
             blob = encode(key, value)
             out.append(blob if comment is None else with_comment(blob, comment))
         return out
+
+    def probe_blobs(
+        self, family: Family, name: str, declaration: Declaration, keys: Sequence[Key]
+    ) -> list[bytes]:
+        """The elements of ``name`` with these ``keys``, as :meth:`element_blobs`."""
+        items = self._items(family, name)
+        wanted = set(keys)
+        return [
+            blob
+            for blob, key in zip(self.element_blobs(family, name, declaration), items, strict=True)
+            if key in wanted
+        ]
 
     def chain_names(self, family: Family) -> Iterator[str]:
         """Every chain written."""
