@@ -20,6 +20,7 @@ import subprocess
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -37,6 +38,7 @@ from kubeproxy.backends.nftables.frontends import KIND_IP, SHAPE_LOCAL
 from kubeproxy.backends.nftables.objects import Family
 from kubeproxy.backends.nftables.reader import TableReader
 from kubeproxy.backends.nftables.trace import trace
+from kubeproxy.backends.nftables.written import WrittenTable
 from kubeproxy.cmd.kubeproxy import main, verify
 from kubeproxy.config import ProxierConfig
 from kubeproxy.objects import IPFamily, NamespacedName
@@ -121,31 +123,36 @@ def _check(flow: Flow, fe: FrontendView | None) -> str | None:
 
 
 class _Fakes:
-    """Backends over fakes (what ``kubeproxy verify`` computes), one per family."""
+    """Backends over fakes (what ``kubeproxy verify`` computes), one per family:
+    :class:`FakeNft` (the whole-table comparison's) or :class:`WrittenTable`."""
 
-    def __init__(self) -> None:
-        self.fakes: list[FakeNft] = []
+    def __init__(self, kind: type[FakeNft] | type[WrittenTable]) -> None:
+        self.kind = kind
+        self.fakes: list[FakeNft | WrittenTable] = []
 
     def __call__(
         self, family: IPFamily, config: ProxierConfig, *, netns: str | None = None
     ) -> Backend:
-        fake = FakeNft()
+        fake = self.kind()
         self.fakes.append(fake)
         return NftablesBackend(family, config, executor=fake, support_check=False)
 
 
-def _expected(case: Case, netns: str) -> list[list[FakeNft]]:
+def _copy(fake: FakeNft | WrittenTable) -> FakeNft | WrittenTable:
+    if isinstance(fake, WrittenTable):
+        return fake.copy()
+    copy = FakeNft()
+    copy.run_text(fake.dump())
+    return copy
+
+
+def _expected(case: Case, netns: str, kind: type[FakeNft] | type[WrittenTable]) -> list[list[Any]]:
     """The fakes' tables after each sync of ``case`` (copies: the replay goes on)."""
-    states: list[list[FakeNft]] = []
-    fakes = _Fakes()
+    states: list[list[Any]] = []
+    fakes = _Fakes(kind)
 
     def on_sync(step: Step, ok: bool) -> None:
-        copies = []
-        for fake in fakes.fakes:
-            copy = FakeNft()
-            copy.run_text(fake.dump())
-            copies.append(copy)
-        states.append(copies)
+        states.append([_copy(fake) for fake in fakes.fakes])
 
     replay_syncs(case, fakes, netns, on_sync)
     return states
@@ -198,12 +205,14 @@ def _traced(netns: str, flows: Sequence[Flow]) -> Iterator[str]:
 def _replay(case: Case, netns: str, problems: list[str]) -> int:
     """Replay ``case`` into the kernel; after each sync check explain against the step's
     flows and verify against the fakes' tables. Returns the flows checked."""
-    expected = iter(_expected(case, netns))
+    expected = iter(
+        zip(_expected(case, netns, FakeNft), _expected(case, netns, WrittenTable), strict=True)
+    )
     checked = 0
 
     def on_sync(step: Step, ok: bool) -> None:
         nonlocal checked
-        fakes = next(expected)
+        fakes, written = next(expected)
         if not ok:
             return
         where = f"{case.name} step {step.index}"
@@ -217,6 +226,9 @@ def _replay(case: Case, netns: str, problems: list[str]) -> int:
         # verify: the kernel holds what the proxy computes for the same objects.
         differences, _notes = verify(fakes, (Family.IP, Family.IP6), netns=netns)
         problems.extend(f"{where}: verify: {d}" for d in differences)
+        # The fast comparison (what the command and /debug/verify run) agrees.
+        fast, _notes = verify(written, (Family.IP, Family.IP6), netns=netns)
+        problems.extend(f"{where}: verify (written): {d}" for d in fast)
 
     replay_syncs(case, create_backend, netns, on_sync)
     return checked
