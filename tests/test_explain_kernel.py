@@ -26,6 +26,7 @@ import pytest
 
 from kubeproxy.backend import Backend
 from kubeproxy.backends.nftables import NftablesBackend, create_backend
+from kubeproxy.backends.nftables.elements import element_encoder
 from kubeproxy.backends.nftables.explain import (
     EVERY_LOCAL_ADDRESS,
     FrontendView,
@@ -406,9 +407,10 @@ def test_probing_elements_by_key_goes_on_past_the_keys_the_kernel_lacks() -> Non
                 declaration = view.declarations[name]
                 held = reader.element_blobs(Family.IP, name, declaration)
                 keys = list(view.dump(name))
-                ghosts = [("192.0.2.1", "tcp", str(port)) for port in range(1, 3000)]
+                encode = element_encoder(("ipv4_addr", "inet_proto", "inet_service"), ())
+                ghosts = [encode(("192.0.2.1", "tcp", str(port)), ()) for port in range(1, 3000)]
                 # Lacking keys first, between, last, and more than one request's worth.
-                asked = [ghosts[0], *keys[:1], *ghosts[1:1500], *keys[1:], *ghosts[1500:]]
+                asked = [ghosts[0], *held[:1], *ghosts[1:1500], *held[1:], *ghosts[1500:]]
                 probed = reader.probe_blobs(Family.IP, name, declaration, asked)
                 seen.append((len(keys), len(probed), sorted(probed) == sorted(held)))
 

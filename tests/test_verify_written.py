@@ -19,6 +19,7 @@ import ipaddress
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import rule
@@ -105,7 +106,7 @@ def replace_endpoint(have: WrittenTable, data: st.DataObject) -> str:
     held = have.table(FAMILY)
     assert held is not None
     key = data.draw(st.sampled_from(sorted(held.elements[name])))
-    held.elements[name][key] = (("10.99.99.99", "1"), None)
+    held.elements[name][key] = ("10.99.99.99", "1")
     return f"replaced slot {key} of {name}"
 
 
@@ -114,7 +115,9 @@ def add_frontend(have: WrittenTable, data: st.DataObject) -> str:
     assert held is not None
     name = data.draw(st.sampled_from(["dispatch-ips", "no-endpoint-reject"]))
     container = f"{name}.g{_live(have)}"
-    held.elements.setdefault(container, {})[("172.31.9.9", "tcp", "80")] = ((), "ns/ghost:http")
+    ghost = ("172.31.9.9", "tcp", "80")
+    held.elements.setdefault(container, {})[ghost] = ()
+    held.comments.setdefault(container, {})[ghost] = "ns/ghost:http"
     return f"added a ghost to {container}"
 
 
@@ -196,9 +199,10 @@ def test_each_kind_of_difference_in_service_terms() -> None:
     assert held is not None
     gen = _live(have)
     slots = held.elements[f"endpoints-tcp-b2.g{gen}"]
-    slots[("172.30.0.2", "tcp", "5432", "1")] = (("10.1.0.9", "5432"), None)
+    slots[("172.30.0.2", "tcp", "5432", "1")] = ("10.1.0.9", "5432")
     del held.elements[f"dispatch-ips.g{gen}"][("172.30.0.1", "tcp", "80")]
-    held.elements[f"dispatch-ips.g{gen}"][("172.30.0.9", "tcp", "80")] = ((), "ns/ghost:http")
+    held.elements[f"dispatch-ips.g{gen}"][("172.30.0.9", "tcp", "80")] = ()
+    held.comments[f"dispatch-ips.g{gen}"][("172.30.0.9", "tcp", "80")] = "ns/ghost:http"
     name = f"dispatch-ips.g{gen + 1}"
     held.declarations[name] = Declaration.of(Set(name, "ipv4_addr . inet_proto . inet_service"))
     differences = [
@@ -260,3 +264,26 @@ def test_another_generation_with_other_class_numbers_and_slots_agrees() -> None:
     assert _live(have) != _live(want)
     old, new = _both(want, have)
     assert old == [] and new == []
+
+
+def test_containers_read_by_key_find_the_same_but_extra_elements(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    want = _written(_world())
+    have = want.copy()
+    held = have.table(FAMILY)
+    assert held is not None
+    gen = _live(have)
+    held.elements[f"endpoints-tcp-b2.g{gen}"][("172.30.0.2", "tcp", "5432", "1")] = (
+        "10.1.0.9",
+        "5432",
+    )
+    del held.elements[f"endpoints-tcp-b1.g{gen}"][("172.30.0.1", "tcp", "80", "0")]
+    held.elements[f"dispatch-ips.g{gen}"][("172.30.0.9", "tcp", "80")] = ()
+    dumped = compare_written(WrittenSource(want), WrittenSource(have), FAMILY)
+    monkeypatch.setattr("kubeproxy.backends.nftables.verify.PROBE_OVER", 0)
+    probed = compare_written(WrittenSource(want), WrittenSource(have), FAMILY)
+    assert any("extra, the objects have no such frontend" in d.what for d in dumped)
+    assert probed == [d for d in dumped if "extra, the objects" not in d.what]
+    assert any("endpoints: the kernel lacks slot(s) 0" in d.what for d in probed)
+    assert any("endpoints: extra 10.1.0.9:5432" in d.what for d in probed)

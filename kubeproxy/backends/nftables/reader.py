@@ -213,37 +213,41 @@ class TableReader:
         return out
 
     def probe_blobs(
-        self, family: Family, name: str, declaration: Declaration, keys: Sequence[Key]
+        self, family: Family, name: str, declaration: Declaration, elements: Sequence[bytes]
     ) -> list[bytes]:
-        """The elements of set or map ``name`` with these ``keys`` that it holds, as
-        :meth:`element_blobs` gives them: single-element gets, :data:`PROBE_BATCH` in
-        one request (the kernel answers each in a message of its own, and stops at the
-        first key it lacks: the request goes on after it).
+        """The elements of set or map ``name`` with the keys of ``elements`` (each an
+        ``NFTA_LIST_ELEM`` holding a key, as :meth:`element_blobs` gives them: a get
+        reads only the key) that it holds, as :meth:`element_blobs` gives them:
+        single-element gets, up to :data:`PROBE_BATCH` in one request (the kernel
+        answers each in a message of its own, and stops at the first key it lacks: the
+        request goes on after it).
 
         Why not a dump for a big container: the kernel walks a hash set from its start
         again for every answer buffer of a dump (32 KiB, some 700 elements), so a dump
         costs the square of the set's size: 1M endpoint slots took 49 s, a 100k set
         0.4 s. Asking for the keys costs what they are. What the container holds
-        beyond ``keys`` is not seen."""
+        beyond them is not seen."""
         validate_name("set", name)
-        key_types = tuple(f.datatype.name for f in declaration.key)
-        encode = element_encoder(key_types, ())
         head = nlmsg.NFGEN.pack(_FAMILY_NUMBERS[family], 0, 0)
         head += nlmsg.attr(_LIST_TABLE, nlmsg.string(self.table))
         head += nlmsg.attr(_LIST_SET, nlmsg.string(name))
         message_type = nlmsg.nfnl_type(nlmsg.NFNL_SUBSYS_NFTABLES, _GETSETELEM)
         flags = nlmsg.NLM_F_REQUEST | nlmsg.NLM_F_ACK
         answer_head = head[nlmsg.NFGEN.size :]
-        skip = nlmsg.NFGEN.size + len(answer_head) + nlmsg.ATTR.size
+        # Where the element starts in an answer: after nlmsghdr, nfgenmsg, table, set
+        # and the element list's header.
+        skip = nlmsg.HEADER.size + nlmsg.NFGEN.size + len(answer_head) + nlmsg.ATTR.size
         out: list[bytes] = []
         start = 0
-        while start < len(keys):
-            chunk = keys[start : start + PROBE_BATCH]
-            try:
-                elements = [encode(key, ()) for key in chunk]
-            except ValueError as err:
-                raise NftError(f"a key of {name}: {err}", errno.EINVAL) from None
-            body = head + nlmsg.nested(_LIST_ELEMENTS, *elements)
+        while start < len(elements):
+            chunk: list[bytes] = []
+            size = 0
+            for element in elements[start : start + PROBE_BATCH]:
+                size += len(element)
+                if chunk and size > nlmsg.MESSAGE_BYTES:
+                    break  # an attribute holds at most 64 KiB
+                chunk.append(element)
+            body = head + nlmsg.nested(_LIST_ELEMENTS, *chunk)
             seq = self.channel.next_seq()
             with self.channel.lock:
                 answers, code = self.channel.ask(
@@ -252,15 +256,16 @@ class TableReader:
                     f"elements of {name}",
                     len(chunk),
                 )
-            for _kind, payload in answers:
-                # Every answer is this set's head (nfgenmsg, table, set), then the one
-                # element in its list: cut there when the head is the one expected.
-                if payload.startswith(answer_head, nlmsg.NFGEN.size):
-                    out.append(payload[skip:])
+            for answer in answers:
+                # Every answer is this set's head, then the one element in its list:
+                # cut there when the head is the one expected.
+                if answer.startswith(answer_head, nlmsg.HEADER.size + nlmsg.NFGEN.size):
+                    out.append(answer[skip:])
                     continue
-                for kind, first, last in nlmsg.attributes(payload, nlmsg.NFGEN.size, len(payload)):
+                first = nlmsg.HEADER.size + nlmsg.NFGEN.size
+                for kind, begin, end in nlmsg.attributes(answer, first, len(answer)):
                     if kind == _LIST_ELEMENTS:
-                        out.extend(_blobs(payload, first, last))
+                        out.extend(_blobs(answer, begin, end))
             if code not in (0, errno.ENOENT):
                 raise NftError(f"elements of {name}: {os.strerror(code)}", code)
             # Stopped at a key it lacks (ENOENT), or done: go on after what was answered.

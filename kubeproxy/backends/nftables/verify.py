@@ -188,9 +188,10 @@ class BlobSource(TableSource, Protocol):
         ...
 
     def probe_blobs(
-        self, family: Family, name: str, declaration: Declaration, keys: Sequence[Key]
+        self, family: Family, name: str, declaration: Declaration, elements: Sequence[bytes]
     ) -> list[bytes]:
-        """The elements of ``name`` with these keys (as :meth:`element_blobs`)."""
+        """The elements of ``name`` with the keys of ``elements`` (as
+        :meth:`element_blobs`)."""
         ...
 
 
@@ -233,6 +234,13 @@ class _Side:
                 self.source.element_blobs(self.family, name, declaration)
             )
         return found
+
+    def keys(self, name: str) -> Iterable[Key]:
+        """The keys of a container's elements (what the backend wrote: no
+        :class:`~.reader.Item` made for them)."""
+        if isinstance(self.source, WrittenSource):
+            return self.source.keys(self.family, name)
+        return self.view.dump(name).keys()
 
     def rules(self, chain: str) -> list[RuleRefs] | None:
         """``chain``'s rules, None when there is no such chain."""
@@ -327,8 +335,8 @@ def _differing(
     if types is not None and blob_types(have_decl) == types:
         wanted = want.element_set(name)
         if len(wanted) > PROBE_OVER:
-            keys = list(want.view.dump(name))
-            held = set(have.source.probe_blobs(have.family, have_name, have_decl, keys))
+            asked = list(wanted)
+            held = set(have.source.probe_blobs(have.family, have_name, have_decl, asked))
         else:
             held = have.element_set(have_name)
         if wanted == held:
@@ -351,7 +359,7 @@ def _class_bits(
     wanted_number: dict[Key, int] = {}
     bit = 0
     while want.view.has(wnames.class_bit(kind, bit)):
-        for key in want.view.dump(wnames.class_bit(kind, bit)):
+        for key in want.keys(wnames.class_bit(kind, bit)):
             wanted_number[key] = wanted_number.get(key, 0) | 1 << bit
         bit += 1
     want_classes = want.class_of_numbers(kind)
@@ -360,7 +368,7 @@ def _class_bits(
         if held_class is not None:
             have_numbers[held_class] = held_number
     expected: dict[int, list[Key]] = {}
-    for key in want.view.dump(wnames.dispatch(kind)):
+    for key in want.keys(wnames.dispatch(kind)):
         cls = want_classes.get(wanted_number.get(key, 0))
         number = have_numbers.get(cls) if cls is not None else None
         if number is None:
@@ -467,7 +475,9 @@ def compare_written(
     want, have = _Side(want_source, family), _Side(have_source, family)
     if have.view.generation is None:
         wanted = any(
-            want.view.dump(container) for _k, container, _v in want.view.named_containers()
+            any(True for _key in want.keys(container))
+            for _k, container, _v in want.view.named_containers()
+            if want.view.has(container)
         )
         return [Difference(table, "not there, or nothing dispatches from it")] if wanted else []
     out: list[Difference] = []
@@ -501,11 +511,11 @@ def compare_written(
         have_name = rename(name)
         keyed = generation is not None and not name.startswith(_OUTSIDE_FRONTENDS)
         if have_name not in have.view.declarations:
-            items = want.view.dump(name)
-            if items:
+            keys = list(want.keys(name))
+            if keys:
                 out.append(Difference(table, f"set {have_name}: missing"))
                 if keyed:
-                    dirty.update(_frontend_of(k) for k in items)
+                    dirty.update(_frontend_of(k) for k in keys)
             continue
         missing, extra = _differing(want, have, name, have_name, rename)
         if keyed:

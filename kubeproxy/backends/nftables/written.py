@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
@@ -40,21 +40,23 @@ from kubeproxy.backends.nftables.objects import (
     Set,
     Table,
 )
-from kubeproxy.backends.nftables.reader import Item, RuleRefs
+from kubeproxy.backends.nftables.reader import Item, RuleRefs, TableReader
 from kubeproxy.backends.nftables.table import TABLE
 from kubeproxy.backends.nftables.transaction import Transaction
 
 __all__ = ["WrittenSource", "WrittenTable", "blob_types"]
 
 Key = tuple[str, ...]
-_Held = tuple[Key, str | None]
-"""An element's value and comment."""
 
 
 @dataclass(slots=True)
 class _Table:
+    """One table: declarations, each container's elements (key -> value, ``()`` in a
+    set), the comments of the elements that have one, each chain's rules."""
+
     declarations: dict[str, Declaration] = field(default_factory=dict)
-    elements: dict[str, dict[Key, _Held]] = field(default_factory=dict)
+    elements: dict[str, dict[Key, Key]] = field(default_factory=dict)
+    comments: dict[str, dict[Key, str]] = field(default_factory=dict)
     chains: dict[str, list[str]] = field(default_factory=dict)
 
 
@@ -92,6 +94,7 @@ class WrittenTable:
             out._tables[family] = _Table(
                 dict(held.declarations),
                 {name: dict(items) for name, items in held.elements.items()},
+                {name: dict(items) for name, items in held.comments.items()},
                 {name: list(rules) for name, rules in held.chains.items()},
             )
         return out
@@ -134,18 +137,24 @@ class WrittenTable:
                 self._container(held, verb, obj)
             elif isinstance(obj, Element):
                 items = held.elements.setdefault(obj.container, {})
+                comments = held.comments.setdefault(obj.container, {})
+                comments.pop(obj.key, None)
                 if verb == "delete":
                     items.pop(obj.key, None)
-                else:
-                    items[obj.key] = (obj.value, obj.comment)
+                    continue
+                items[obj.key] = obj.value
+                if obj.comment is not None:
+                    comments[obj.key] = obj.comment
 
     @staticmethod
     def _container(held: _Table, verb: str, obj: Set | Map) -> None:
         if verb == "delete":
             held.declarations.pop(obj.name, None)
             held.elements.pop(obj.name, None)
+            held.comments.pop(obj.name, None)
         elif verb == "flush":
             held.elements[obj.name] = {}
+            held.comments[obj.name] = {}
         elif obj.name not in held.declarations:
             try:
                 held.declarations[obj.name] = Declaration.of(obj)
@@ -163,17 +172,19 @@ class WrittenTable:
         if batch.table != TABLE or not len(batch):
             return
         held = self._tables.setdefault(Family(batch.family), _Table())
-        elements = held.elements
+        elements, comments = held.elements, held.comments
         for container, key in batch.deletes:
             elements.setdefault(container, {}).pop(key, None)
-        comments = batch.comments or {}
+            comments.get(container, {}).pop(key, None)
         current = ""
-        items: dict[Key, _Held] = {}
+        items: dict[Key, Key] = {}
         for container, key, value in batch.adds:
             if container != current:
                 current = container
                 items = elements.setdefault(container, {})
-            items[key] = (value, comments.get((container, key)) if comments else None)
+            items[key] = value
+        for (container, key), comment in (batch.comments or {}).items():
+            comments.setdefault(container, {})[key] = comment
 
     def run_deletions(self, tx: Transaction) -> None:
         """As :meth:`run`."""
@@ -199,9 +210,10 @@ class WrittenTable:
         if held is None or container not in held.declarations:
             raise NftError(f"no set {container}", errno.ENOENT)
         is_map = held.declarations[container].is_map
+        comments = held.comments.get(container, {})
         return [
-            Element(container, key, value, comment, is_map)
-            for key, (value, comment) in held.elements.get(container, {}).items()
+            Element(container, key, value, comments.get(key), is_map)
+            for key, value in held.elements.get(container, {}).items()
         ]
 
     def read_elements(
@@ -249,12 +261,12 @@ class WrittenSource:
         """The declarations by name."""
         return self._held(family).declarations
 
-    def _items(self, family: Family, name: str) -> dict[Key, _Held]:
-        return self._held(family).elements.get(name, {})
+    def keys(self, family: Family, name: str) -> Iterable[Key]:
+        """The keys of a container's elements (no :class:`Item` made)."""
+        return self._held(family).elements.get(name, {}).keys()
 
     @staticmethod
-    def _item(key: Key, held: _Held) -> Item:
-        value, comment = held
+    def _item(key: Key, value: Key, comment: str | None) -> Item:
         if len(value) == 1 and " " in value[0]:  # a verdict: "goto CHAIN"
             verb, _, chain = value[0].partition(" ")
             value = (verb, chain)
@@ -264,15 +276,20 @@ class WrittenSource:
         self, family: Family, name: str, declaration: object, containing: str | None = None
     ) -> list[Item]:
         """A container's elements as the kernel reader returns them."""
-        out = [self._item(k, v) for k, v in self._items(family, name).items()]
+        held = self._held(family)
+        comments = held.comments.get(name, {})
+        out = [self._item(k, v, comments.get(k)) for k, v in held.elements.get(name, {}).items()]
         if containing is None:
             return out
         return [i for i in out if i.comment is not None and containing in i.comment]
 
     def get(self, family: Family, name: str, declaration: object, key: Key) -> Item | None:
         """One element."""
-        held = self._items(family, name).get(key)
-        return None if held is None else self._item(key, held)
+        held = self._held(family)
+        value = held.elements.get(name, {}).get(key)
+        return (
+            None if value is None else self._item(key, value, held.comments.get(name, {}).get(key))
+        )
 
     def rules(self, family: Family, chain: str) -> list[RuleRefs]:
         """What each rule of ``chain`` refers to, from its text (raises ``ENOENT`` for a
@@ -294,18 +311,24 @@ class WrittenSource:
         if types is None:
             raise NftError(f"set {name}: not compared as bytes", errno.EINVAL)
         encode = element_encoder(*types, dumped=True)
-        out = []
-        for key, (value, comment) in self._items(family, name).items():
-            blob = encode(key, value)
-            out.append(blob if comment is None else with_comment(blob, comment))
+        held = self._held(family)
+        items = held.elements.get(name, {})
+        out = [encode(key, value) for key, value in items.items()]
+        comments = held.comments.get(name)
+        if comments:
+            out = [
+                with_comment(blob, comments[key]) if key in comments else blob
+                for blob, key in zip(out, items, strict=True)
+            ]
         return out
 
     def probe_blobs(
-        self, family: Family, name: str, declaration: Declaration, keys: Sequence[Key]
+        self, family: Family, name: str, declaration: Declaration, elements: Sequence[bytes]
     ) -> list[bytes]:
-        """The elements of ``name`` with these ``keys``, as :meth:`element_blobs`."""
-        items = self._items(family, name)
-        wanted = set(keys)
+        """The elements of ``name`` with the keys of ``elements``, as
+        :meth:`element_blobs`."""
+        wanted = {item.key for item in TableReader.decode_blobs(declaration, list(elements))}
+        items = self._held(family).elements.get(name, {})
         return [
             blob
             for blob, key in zip(self.element_blobs(family, name, declaration), items, strict=True)
