@@ -13,17 +13,19 @@ A cold full sync of ``bench.nft_scale.build_world`` into a fresh namespace
   then ``verify_tables`` over it (``compare_written_s``): each container compared as a
   set of elements in the kernel's encoding, only the frontends that differ explained.
 
-``--command`` also times the whole ``kubeproxy verify --manifests DIR`` as an operator
-runs it (``command_s``: a process of its own, reading the manifests, the proxy's dry
-run, the comparison), against a table ``kube-proxy-nftables --manifests DIR --once``
-wrote in another fresh namespace (``command_sync_s``: what a full sync of the same
-objects costs, start to exit): ``bench.synthetic.build_services`` written by
+Both with Python's cyclic collector off, as the command runs them. ``--command`` also
+times the whole ``kubeproxy verify --manifests DIR`` as an operator runs it
+(``command_s``: a process of its own, reading the manifests, the proxy's dry run, the
+comparison), against a table ``kube-proxy-nftables --manifests DIR --once`` wrote in
+another fresh namespace (``command_sync_s``: what a full sync of the same objects costs,
+start to exit): ``bench.synthetic.build_services`` written by
 ``bench.wholeproc.write_manifests`` into a temporary directory.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -74,11 +76,16 @@ def _in_process(services: int, endpoints: int, paths: list[str]) -> dict[str, An
         record["sync_s"] = round(time.perf_counter() - began, 2)
         for path in paths:
             executor = FakeNft() if path == "fake" else WrittenTable()
-            record[f"render_{path}_s"] = round(_render(executor, world), 2)
-            took, found = _compare(executor, netns)
+            gc.disable()  # as the command runs (kubeproxy.cmd.kubeproxy._collector_off)
+            try:
+                record[f"render_{path}_s"] = round(_render(executor, world), 2)
+                took, found = _compare(executor, netns)
+            finally:
+                gc.enable()
             record[f"compare_{path}_s"] = round(took, 2)
             record[f"differences_{path}"] = found
             del executor
+            gc.collect()
         close = getattr(backend, "close", None)
         if close is not None:
             close()

@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Final, TextIO
 
 from kubeproxy.backends.nftables.explain import (
@@ -357,13 +358,14 @@ def _run_verify(args: argparse.Namespace, out: TextIO) -> int:
         ["--manifests", args.manifests] if args.manifests else ["--kubeconfig", args.kubeconfig]
     )
     try:
-        fakes = expected_tables(source, args.proxy_flags, args.netns, args.mode)
-        if args.mode == "iptables":
-            ip_families = [_IP_FAMILIES[f] for f in _FAMILIES[args.family]]
-            differences: Sequence[Any] = _verify_iptables(fakes, ip_families, args.netns)
-            notes: list[str] = []
-        else:
-            differences, notes = verify(fakes, _FAMILIES[args.family], netns=args.netns)
+        with _collector_off():
+            fakes = expected_tables(source, args.proxy_flags, args.netns, args.mode)
+            if args.mode == "iptables":
+                ip_families = [_IP_FAMILIES[f] for f in _FAMILIES[args.family]]
+                differences: Sequence[Any] = _verify_iptables(fakes, ip_families, args.netns)
+                notes: list[str] = []
+            else:
+                differences, notes = verify(fakes, _FAMILIES[args.family], netns=args.netns)
     except (VerifyError, NftError, IptablesError, OSError, ValueError) as err:
         print(f"{PROG} verify: {err}", file=sys.stderr)
         return 2
@@ -386,6 +388,22 @@ def _run_verify(args: argparse.Namespace, out: TextIO) -> int:
         if not differences:
             print("the kernel holds what the objects say", file=out)
     return 1 if differences else 0
+
+
+@contextlib.contextmanager
+def _collector_off() -> Iterator[None]:
+    """Python's cyclic garbage collector off for a verify: the command lives for one
+    answer and makes little cyclic garbage, while each of the collector's full passes
+    walks every object alive (millions at 100k Services: the dry run's and the dumps'
+    elements); rendering 10k Services took a quarter less without it (README "Reading
+    the table back")."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 class IptablesError(Exception):

@@ -256,16 +256,17 @@ class TableReader:
                     f"elements of {name}",
                     len(chunk),
                 )
-            for answer in answers:
-                # Every answer is this set's head, then the one element in its list:
-                # cut there when the head is the one expected.
-                if answer.startswith(answer_head, nlmsg.HEADER.size + nlmsg.NFGEN.size):
-                    out.append(answer[skip:])
-                    continue
-                first = nlmsg.HEADER.size + nlmsg.NFGEN.size
-                for kind, begin, end in nlmsg.attributes(answer, first, len(answer)):
-                    if kind == _LIST_ELEMENTS:
-                        out.extend(_blobs(answer, begin, end))
+            # Every answer is this set's head, then the one element in its list: cut
+            # there (one comprehension: a million answers at 100k Services).
+            first = nlmsg.HEADER.size + nlmsg.NFGEN.size
+            cut = [a[skip:] for a in answers if a.startswith(answer_head, first)]
+            out.extend(cut)
+            if len(cut) < len(answers):  # another layout (not seen from our kernels)
+                for answer in answers:
+                    if not answer.startswith(answer_head, first):
+                        for kind, begin, end in nlmsg.attributes(answer, first, len(answer)):
+                            if kind == _LIST_ELEMENTS:
+                                out.extend(_blobs(answer, begin, end))
             if code not in (0, errno.ENOENT):
                 raise NftError(f"elements of {name}: {os.strerror(code)}", code)
             # Stopped at a key it lacks (ENOENT), or done: go on after what was answered.
