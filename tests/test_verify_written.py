@@ -47,6 +47,7 @@ from tests.snapshots import (
 CONFIG = ProxierConfig(node_name="test-node")
 FAMILY = Family.IP
 Mutation = Callable[[WrittenTable, st.DataObject], str]
+Key = tuple[str, ...]
 
 
 def _backend(written: WrittenTable) -> NftablesBackend:
@@ -85,29 +86,38 @@ def _containers(have: WrittenTable, *stems: str) -> list[str]:
     )
 
 
-def delete_element(have: WrittenTable, data: st.DataObject) -> str:
-    stems = ("dispatch-", "no-endpoint-", "endpoints-", "nodeport-endpoints-", "shortcut-")
-    names = _containers(have, *stems, "class-bit-", "firewall-ips", "affinity-")
-    if not names:
-        return "nothing to delete"
-    name = data.draw(st.sampled_from(names))
+_SLOTS = ("endpoints-", "nodeport-endpoints-", "shortcut-")
+
+
+def _element(
+    have: WrittenTable, data: st.DataObject, *stems: str
+) -> tuple[dict[Key, Key], Key] | None:
+    """A live-generation container of ``stems`` and one of its keys, drawn."""
+    names = _containers(have, *stems)
     held = have.table(FAMILY)
-    assert held is not None
-    key = data.draw(st.sampled_from(sorted(held.elements[name])))
-    del held.elements[name][key]
-    return f"deleted {key} from {name}"
+    if not names or held is None:
+        return None
+    items = held.elements[data.draw(st.sampled_from(names))]
+    return items, data.draw(st.sampled_from(sorted(items)))
+
+
+def delete_element(have: WrittenTable, data: st.DataObject) -> str:
+    stems = ("dispatch-", "no-endpoint-", *_SLOTS, "class-bit-", "firewall-ips", "affinity-")
+    found = _element(have, data, *stems)
+    if found is None:
+        return "nothing to delete"
+    items, key = found
+    del items[key]
+    return f"deleted {key}"
 
 
 def replace_endpoint(have: WrittenTable, data: st.DataObject) -> str:
-    names = _containers(have, "endpoints-", "nodeport-endpoints-", "shortcut-")
-    if not names:
+    found = _element(have, data, *_SLOTS)
+    if found is None:
         return "no slot"
-    name = data.draw(st.sampled_from(names))
-    held = have.table(FAMILY)
-    assert held is not None
-    key = data.draw(st.sampled_from(sorted(held.elements[name])))
-    held.elements[name][key] = ("10.99.99.99", "1")
-    return f"replaced slot {key} of {name}"
+    items, key = found
+    items[key] = ("10.99.99.99", "1")
+    return f"replaced slot {key}"
 
 
 def add_frontend(have: WrittenTable, data: st.DataObject) -> str:
