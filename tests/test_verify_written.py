@@ -202,7 +202,12 @@ def _world() -> World:
     return world
 
 
-def test_each_kind_of_difference_in_service_terms() -> None:
+@pytest.mark.parametrize("dump_over", [2000, 0], ids=["asked", "dumped first"])
+def test_each_kind_of_difference_in_service_terms(
+    dump_over: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Past _DUMP_OVER frontends to explain, the kernel's containers are dumped first.
+    monkeypatch.setattr("kubeproxy.backends.nftables.verify._DUMP_OVER", dump_over)
     want = _written(_world())
     have = want.copy()
     held = have.table(FAMILY)

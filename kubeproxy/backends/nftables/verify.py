@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import errno
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
@@ -201,8 +201,9 @@ PROBE_OVER: Final = 100_000
 set's size). What such a container holds beyond the wanted keys is not seen: nothing
 reads an endpoint slot beyond its frontend's count, or a hairpin pair no endpoint has."""
 _DUMP_OVER: Final = 2000
-"""Frontends to explain beyond which the live generation is dumped first (about 15
-single-element gets a frontend otherwise: :func:`compare` measured both ways)."""
+"""Frontends to explain beyond which the kernel's live generation is dumped first (about
+15 single-element gets a frontend otherwise: :func:`compare` measured both ways), but
+the containers of more than :data:`PROBE_OVER` elements."""
 _SHOWN: Final = 5
 """Elements named in one line about a set outside the frontends (the rest counted)."""
 _TREE: Final = re.compile(r"dispatch-(ips|nodeports)-([0-9]+)\.g[0-9]+")
@@ -235,7 +236,7 @@ class _Side:
             )
         return found
 
-    def keys(self, name: str) -> Iterable[Key]:
+    def keys(self, name: str) -> Collection[Key]:
         """The keys of a container's elements (what the backend wrote: no
         :class:`~.reader.Item` made for them)."""
         if isinstance(self.source, WrittenSource):
@@ -530,10 +531,12 @@ def compare_written(
             out.append(Difference(table, f"set {name}: missing"))
     out.extend(Difference(table, what) for what in _chain_differences(want, have, rename))
     if len(dirty) > _DUMP_OVER:
-        for side in (want, have):
-            for name in side.view.declarations:
-                if generation_of(name) == side.view.generation:
-                    side.view.dump(name)
+        for name in want.view.declarations:
+            kernel_name = rename(name)
+            big = len(want.keys(name)) > PROBE_OVER  # asked for one by one still
+            live = generation_of(name) == want.view.generation
+            if live and have.view.has(kernel_name) and not big:
+                have.view.dump(kernel_name)
     for frontend in sorted(dirty):
         kind, key = frontend
         (wanted, wanted_name), (held, held_name) = _named(want, frontend), _named(have, frontend)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
@@ -261,7 +261,7 @@ class WrittenSource:
         """The declarations by name."""
         return self._held(family).declarations
 
-    def keys(self, family: Family, name: str) -> Iterable[Key]:
+    def keys(self, family: Family, name: str) -> Collection[Key]:
         """The keys of a container's elements (no :class:`Item` made)."""
         return self._held(family).elements.get(name, {}).keys()
 
