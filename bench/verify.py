@@ -1,7 +1,7 @@
 """How long ``kubeproxy verify`` (and ``/debug/verify``) takes on a big table: the dry
 run's rendering and the comparison, the way before and the way now, side by side.
 
-    python -m bench.verify --services 10000 [--paths fake,written] [--command]
+    python -m bench.verify --services 10000 [--paths written,fake] [--command]
 
 A cold full sync of ``bench.nft_scale.build_world`` into a fresh namespace
 ``kpxb-<pid>`` (deleted whatever happens), then, in one run, each of ``--paths``:
@@ -13,7 +13,9 @@ A cold full sync of ``bench.nft_scale.build_world`` into a fresh namespace
   then ``verify_tables`` over it (``compare_written_s``): each container compared as a
   set of elements in the kernel's encoding, only the frontends that differ explained.
 
-Both with Python's cyclic collector off, as the command runs them. ``--command`` also
+Both with Python's cyclic collector off, as the command runs them; ``peak_rss_mb_after_*``
+is the process's peak resident memory after the cold sync and after each path (a peak:
+what a path adds shows for the first one run, ``written`` by default). ``--command`` also
 times the whole ``kubeproxy verify --manifests DIR`` as an operator runs it
 (``command_s``: a process of its own, reading the manifests, the proxy's dry run, the
 comparison), against a table ``kube-proxy-nftables --manifests DIR --once`` wrote in
@@ -28,6 +30,7 @@ import argparse
 import gc
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -41,7 +44,13 @@ from kubeproxy.objects import IPFamily
 
 __all__ = ["main"]
 
-PATHS = ("fake", "written")
+PATHS = ("written", "fake")
+
+
+def _peak_mb() -> int:
+    """This process's peak resident memory so far (MB): what a path added shows when
+    it runs first (the default order)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
 
 
 def _render(executor: Any, world: Any) -> float:
@@ -74,6 +83,7 @@ def _in_process(services: int, endpoints: int, paths: list[str]) -> dict[str, An
         began = time.perf_counter()
         backend.sync(world.snapshot(), SyncChanges(full=True))
         record["sync_s"] = round(time.perf_counter() - began, 2)
+        record["peak_rss_mb_after_sync"] = _peak_mb()
         for path in paths:
             executor = FakeNft() if path == "fake" else WrittenTable()
             gc.disable()  # as the command runs (kubeproxy.cmd.kubeproxy._collector_off)
@@ -84,6 +94,7 @@ def _in_process(services: int, endpoints: int, paths: list[str]) -> dict[str, An
                 gc.enable()
             record[f"compare_{path}_s"] = round(took, 2)
             record[f"differences_{path}"] = found
+            record[f"peak_rss_mb_after_{path}"] = _peak_mb()
             del executor
             gc.collect()
         close = getattr(backend, "close", None)

@@ -14,8 +14,9 @@ proxy runs in one).
 
 ``verify`` runs the proxy itself, nftables mode, with ``--dry-run`` (the flags after
 ``--`` as the node's proxy has them: ``--config``, ``--hostname-override``...) into an
-in-memory table, and compares that with the kernel's in Service terms
-(:mod:`kubeproxy.backends.nftables.verify`).
+in-memory record of what it would write (:mod:`kubeproxy.backends.nftables.written`),
+and compares that with the kernel's table container by container, the frontends that
+differ in Service terms (:mod:`kubeproxy.backends.nftables.verify`).
 
 ``--mode iptables`` reads iptables mode's chains with ``iptables-save``
 (:mod:`kubeproxy.backends.iptables.explain`; that backend is imported only then). ipvs
