@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import errno
 import re
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
@@ -215,11 +215,13 @@ _NOT_COMPARED: Final = ("firewall-allow-",)
 """Containers left out: source ranges are ranges, which a dump gives as their start
 only (whether they apply is compared per frontend, ``firewall-ips``)."""
 Frontend = tuple[Kind, Key]
+Rename = Callable[[str], str]
+"""A name of the wanted table's generation as the kernel's generation has it."""
 
 
 class _Side:
-    """One table read for :func:`compare_written`: its view, and its generation's names
-    turned into the other side's (``rename``)."""
+    """One table read for :func:`compare_written`: its view (what is explained), and
+    its containers' elements as bytes, each read once."""
 
     def __init__(self, source: BlobSource, family: Family) -> None:
         self.source = source
@@ -275,6 +277,8 @@ class _Side:
         return {n: self._walk(kind, n) for n in numbers}
 
     def _walk(self, kind: Kind, number: int) -> str | None:
+        """:meth:`~.explain.TableView.class_chain`'s walk, for a class number rather
+        than a frontend's membership in the bit sets."""
         chain = self.view.names.tree(kind, 0)
         for _depth in range(64):
             for rule in self.rules(chain) or ():
@@ -317,7 +321,7 @@ def _listed_items(items: Iterable[Item]) -> str:
     return ", ".join(texts[:_SHOWN]) + more
 
 
-def _decoded(side: _Side, name: str, rename: Any) -> set[Item]:
+def _decoded(side: _Side, name: str, rename: Rename) -> set[Item]:
     """A container's elements decoded, verdicts naming the other side's generation."""
     items = side.source.elements(side.family, name, side.view.declarations[name])
     return {
@@ -326,7 +330,7 @@ def _decoded(side: _Side, name: str, rename: Any) -> set[Item]:
 
 
 def _differing(
-    want: _Side, have: _Side, name: str, have_name: str, rename: Any
+    want: _Side, have: _Side, name: str, have_name: str, rename: Rename
 ) -> tuple[list[Item], list[Item]]:
     """The elements of container ``name`` (``have_name`` in the kernel) that the kernel
     lacks, and those it holds beyond; decoded, only these."""
@@ -350,7 +354,7 @@ def _differing(
 
 
 def _class_bits(
-    want: _Side, have: _Side, kind: Kind, dirty: set[Frontend], rename: Any
+    want: _Side, have: _Side, kind: Kind, dirty: set[Frontend], rename: Rename
 ) -> Iterable[str]:
     """Compare the class of every dispatched frontend of ``kind`` through each side's
     own class numbers: the kernel's bit sets against what they hold when the wanted
@@ -404,7 +408,7 @@ def _class_bits(
                 dirty.add((kind, item.key))
 
 
-def _refs(refs: Sequence[RuleRefs], rename: Any) -> list[tuple[Any, ...]]:
+def _refs(refs: Sequence[RuleRefs], rename: Rename) -> list[tuple[Any, ...]]:
     """What a chain's rules refer to, comparable across generations and between rules
     the kernel holds and rules written as text (anonymous sets left out)."""
     return [
@@ -426,7 +430,7 @@ def _rule_text(refs: tuple[Any, ...]) -> str:
     return " ".join(words) or "no set or chain named"
 
 
-def _chain_differences(want: _Side, have: _Side, rename: Any) -> Iterable[str]:
+def _chain_differences(want: _Side, have: _Side, rename: Rename) -> Iterable[str]:
     """Every chain the backend writes (but the dispatch tree's: checked by walking it),
     compared rule by rule by what each rule refers to."""
     source = want.source
