@@ -15,7 +15,9 @@ A cold full sync of ``bench.nft_scale.build_world`` into a fresh namespace
 
 Both with Python's cyclic collector off, as the command runs them; ``peak_rss_mb_after_*``
 is the process's peak resident memory after the cold sync and after each path (a peak:
-what a path adds shows for the first one run, ``written`` by default). ``--command`` also
+what a path adds shows for the first one run, ``written`` by default); ``*_cpu_s`` the
+CPU seconds (user and system: the kernel's work for our dumps and gets is system time
+of ours) beside each wall figure, which a shared machine stretches. ``--command`` also
 times the whole ``kubeproxy verify --manifests DIR`` as an operator runs it
 (``command_s``: a process of its own, reading the manifests, the proxy's dry run, the
 comparison), against a table ``kube-proxy-nftables --manifests DIR --once`` wrote in
@@ -53,22 +55,23 @@ def _peak_mb() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
 
 
-def _render(executor: Any, world: Any) -> float:
+def _render(executor: Any, world: Any) -> tuple[float, float]:
+    """Wall and CPU seconds (this process's, user and system) of the dry run."""
     from kubeproxy.backends.nftables import NftablesBackend
 
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), time.process_time()
     backend = NftablesBackend(IPFamily.IPV4, CONFIG, executor=executor, support_check=False)
     backend.sync(world.snapshot(), SyncChanges(full=True))
-    return time.perf_counter() - began
+    return time.perf_counter() - began, time.process_time() - cpu
 
 
-def _compare(executor: Any, netns: str) -> tuple[float, int]:
+def _compare(executor: Any, netns: str) -> tuple[float, float, int]:
     from kubeproxy.backends.nftables.objects import Family
     from kubeproxy.backends.nftables.verify import verify_tables
 
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), time.process_time()
     differences, _notes = verify_tables([executor], [Family.IP], netns=netns)
-    return time.perf_counter() - began, len(differences)
+    return time.perf_counter() - began, time.process_time() - cpu, len(differences)
 
 
 def _in_process(services: int, endpoints: int, paths: list[str]) -> dict[str, Any]:
@@ -88,11 +91,14 @@ def _in_process(services: int, endpoints: int, paths: list[str]) -> dict[str, An
             executor = FakeNft() if path == "fake" else WrittenTable()
             gc.disable()  # as the command runs (kubeproxy.cmd.kubeproxy._collector_off)
             try:
-                record[f"render_{path}_s"] = round(_render(executor, world), 2)
-                took, found = _compare(executor, netns)
+                took, cpu = _render(executor, world)
+                record[f"render_{path}_s"] = round(took, 2)
+                record[f"render_{path}_cpu_s"] = round(cpu, 2)
+                took, cpu, found = _compare(executor, netns)
             finally:
                 gc.enable()
             record[f"compare_{path}_s"] = round(took, 2)
+            record[f"compare_{path}_cpu_s"] = round(cpu, 2)
             record[f"differences_{path}"] = found
             record[f"peak_rss_mb_after_{path}"] = _peak_mb()
             del executor
@@ -101,6 +107,12 @@ def _in_process(services: int, endpoints: int, paths: list[str]) -> dict[str, An
         if close is not None:
             close()
     return record
+
+
+def _children_cpu() -> float:
+    """User and system seconds of the children waited for so far."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
 
 
 def _command(services: int, endpoints: int) -> dict[str, Any]:
@@ -120,11 +132,12 @@ def _command(services: int, endpoints: int) -> dict[str, Any]:
             )
             record["command_sync_s"] = round(time.perf_counter() - began, 2)
             argv = [tool, "--netns", netns, "verify", "--manifests", str(manifests)]
-            began = time.perf_counter()
+            began, cpu = time.perf_counter(), _children_cpu()
             done = subprocess.run(
                 [*argv, "--", *settings_flags()], check=False, capture_output=True, text=True
             )
             record["command_s"] = round(time.perf_counter() - began, 2)
+            record["command_cpu_s"] = round(_children_cpu() - cpu, 2)
             record["command_exit"] = done.returncode
             record["command_output"] = (done.stdout or done.stderr).strip().splitlines()[-3:]
     return record
