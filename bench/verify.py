@@ -124,13 +124,14 @@ def _command(services: int, endpoints: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kpxb-verify-") as work:
         manifests = write_manifests(Path(work), build_services(services, endpoints))
         with namespace(f"kpxb-{os.getpid()}-cmd") as netns:
-            began = time.perf_counter()
+            began, cpu = time.perf_counter(), _children_cpu()
             subprocess.run(
                 ["ip", "netns", "exec", netns, *binary_argv(manifests)],
                 check=True,
                 capture_output=True,
             )
             record["command_sync_s"] = round(time.perf_counter() - began, 2)
+            record["command_sync_cpu_s"] = round(_children_cpu() - cpu, 2)
             argv = [tool, "--netns", netns, "verify", "--manifests", str(manifests)]
             began, cpu = time.perf_counter(), _children_cpu()
             done = subprocess.run(
