@@ -10,10 +10,10 @@ kernel's table, read as ``kubeproxy`` reads it, from inside the daemon.
   :class:`~kubeproxy.backends.nftables.written.WrittenTable` by a fresh backend as
   ``kubeproxy verify`` does with a dry run): ``{"equal", "differences", "notes"}``,
   status 200 either way (a difference is an answer, not an error). It renders every
-  Service and dumps the live generation, in the handler's thread: about the time of a
-  cold sync's rendering, with no kernel write (about 15 s at 100k Services on the
-  shared 2-core machine, README "Reading the table back"); one runs at a time, and a
-  second request meanwhile gets 503 at once;
+  Service and reads the live generation back, in the handler's thread: at 100k
+  Services 20 s of CPU (43-50 s of wall time on the loaded shared 2-core machine) and
+  some 800 MB more memory while it runs (README "Reading the table back"); one runs at
+  a time, and a second request meanwhile gets 503 at once;
 * ``/debug/failed-sync``: the last failed-sync dump of each family (text), 404 when
   there is none.
 
