@@ -222,6 +222,35 @@ CASES = [
     Case("constant set in use", "add element ip t k { 1.1.1.1 }", errno.EBUSY),
     Case("port with a leading zero", "add element ip t pp { tcp . 080 }"),
     Case("concatenated verdict map", "add element ip t um { 10.0.0.1 . tcp . 80 : goto c }"),
+    # The shared ClientIP affinity maps (issue 32): pin numbers as "numgen ... offset N",
+    # IPv6 clients as a hash; entries written by the kernel, and by hand here.
+    Case(
+        "shared affinity map, its rules and an entry",
+        "add map ip t aff { typeof numgen random mod 1 . numgen random mod 1 . ip saddr"
+        " : ip daddr . th dport ; flags dynamic,timeout ; timeout 10800s ; }\n"
+        "add chain ip t lk\n"
+        "add rule ip t lk meta l4proto tcp dnat to numgen random mod 1 offset 7"
+        " . numgen random mod 1 offset 8 . ip saddr map @aff\n"
+        "add chain ip t rec\n"
+        "add rule ip t rec update @aff { numgen random mod 1 offset 7 . numgen random mod 1"
+        " offset 8 . ip saddr timeout 60s : ip daddr . th dport } return\n"
+        "add rule ip t rec jump c2\n"
+        "add element ip t aff { 7 . 8 . 10.0.0.5 : 10.180.0.1 . 8080 }",
+    ),
+    Case(
+        "shared IPv6 affinity map keyed by a hash of the client",
+        "add map ip6 t6 aff { typeof numgen random mod 1 . numgen random mod 1"
+        " . numgen random mod 1 : ip6 daddr ; flags dynamic,timeout ; timeout 10800s ; }\n"
+        "add chain ip6 t6 lk\n"
+        "add rule ip6 t6 lk meta l4proto tcp dnat to numgen random mod 1 offset 7"
+        " . numgen random mod 1 offset 8 . jhash ip6 saddr mod 4294967295 seed 0x0"
+        " map @aff : 8080\n"
+        "add chain ip6 t6 rec\n"
+        "add rule ip6 t6 rec th dport 8080 update @aff { numgen random mod 1 offset 7"
+        " . numgen random mod 1 offset 8 . jhash ip6 saddr mod 4294967295 seed 0x0"
+        " timeout 60s : ip6 daddr } return\n"
+        "add element ip6 t6 aff { 7 . 8 . 4294967294 : fd00:180::1 }",
+    ),
     # flush and delete
     Case("delete a chain with rules", "delete chain ip t c2"),
     Case("delete a chain a rule jumps to", "delete chain ip t c4", errno.EBUSY),

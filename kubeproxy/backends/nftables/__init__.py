@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from kubeproxy.backends.nftables.backend import NftablesBackend
+from kubeproxy.backends.nftables.layout import AFFINITY_SHARED
 from kubeproxy.backends.nftables.localhost import (  # noqa: F401 (OBJECT_NAMES: importable here before)
     KEPT_OBJECTS,
     OBJECT_NAMES,
@@ -68,7 +69,11 @@ __all__ = [
 
 
 def create_backend(
-    family: IPFamily, config: ProxierConfig, *, netns: str | None = None
+    family: IPFamily,
+    config: ProxierConfig,
+    *,
+    netns: str | None = None,
+    affinity: str = AFFINITY_SHARED,
 ) -> NftablesBackend | LocalhostNodePortsBackend:
     """A backend for ``family`` in ``netns`` (the current namespace if None).
 
@@ -84,6 +89,8 @@ def create_backend(
     when another process owns the table (another proxy on this node). With the
     ``KubeProxyNFTablesLocalhostNodePorts`` gate on, the backend comes wrapped in a
     :class:`~kubeproxy.backends.nftables.localhost.LocalhostNodePortsBackend`.
+    ``affinity`` picks where ClientIP entries live (the shared maps; the benchmarks keep
+    the per-port maps before them, :data:`~.layout.AFFINITY_PER_PORT`).
     """
     from kubeproxy.backends.nftables.exec import LibNftables
     from kubeproxy.backends.nftables.owner import OwnedNftables, probe_table_flags
@@ -97,7 +104,7 @@ def create_backend(
         executor = OwnedNftables(netns)
     else:
         executor = LibNftables(netns=netns, netlink_elements=gates.enabled(NFTABLES_NETLINK))
-    backend = backend_over(executor, family, config, netns=netns)
+    backend = backend_over(executor, family, config, netns=netns, affinity=affinity)
     if isinstance(executor, OwnedNftables):
         # Refused at once when another process owns the table (another proxy); created
         # or adopted with the first write (nothing is written before the daemon starts).
@@ -113,12 +120,15 @@ def backend_over(
     *,
     netns: str | None = None,
     clock: Callable[[], float] = time.monotonic,
+    affinity: str = AFFINITY_SHARED,
 ) -> NftablesBackend | LocalhostNodePortsBackend:
     """The backend :func:`create_backend` builds, over a given executor and clock (tests
     compare two executors writing the same syncs)."""
     if not config.feature_gates.enabled(KUBE_PROXY_NFTABLES_LOCALHOST_NODEPORTS):
-        return NftablesBackend(family, config, executor=executor, clock=clock)
-    inner = NftablesBackend(family, config, executor=executor, clock=clock, kept=KEPT_OBJECTS)
+        return NftablesBackend(family, config, executor=executor, clock=clock, affinity=affinity)
+    inner = NftablesBackend(
+        family, config, executor=executor, clock=clock, kept=KEPT_OBJECTS, affinity=affinity
+    )
     return LocalhostNodePortsBackend.create(inner, config, executor, netns=netns)
 
 

@@ -54,6 +54,9 @@ from kubeproxy.backends.nftables.frontends import (
     NoEndpoint,
 )
 from kubeproxy.backends.nftables.table import (
+    AFFINITY_FULL,
+    AFFINITY_SHARD_PREFIX,
+    AFFINITY_SHARDS,
     AFFINITY_TIMEOUT,
     ContainerSpec,
     FamilyTokens,
@@ -64,7 +67,12 @@ from kubeproxy.backends.nftables.table import (
 )
 
 __all__ = [
+    "AFFINITY_FULL_COMMENT",
+    "AFFINITY_MAPS",
+    "AFFINITY_PER_PORT",
     "AFFINITY_PROTOCOLS",
+    "AFFINITY_SHARD_TYPES",
+    "AFFINITY_SHARED",
     "CLASS_NAME",
     "DISPATCH_RULES",
     "DISPATCH_TREE",
@@ -73,6 +81,7 @@ __all__ = [
     "Dispatch",
     "GenNames",
     "Pick",
+    "affinity_shards",
     "class_bits",
     "class_chain",
     "class_numbers",
@@ -530,7 +539,7 @@ def affinity_dispatch_chains(names: GenNames, tokens: FamilyTokens) -> dict[str,
 
 
 def _affinity_record_rules(
-    names: GenNames, tokens: FamilyTokens, match_all_nodeports: bool
+    names: GenNames, tokens: FamilyTokens, match_all_nodeports: bool, counted: bool = True
 ) -> tuple[str, ...]:
     """``affinity-record``: after DNAT, a new connection to a frontend with affinity goes to
     its port's record chain, found by the original destination (``ct original``). nft
@@ -546,10 +555,18 @@ def _affinity_record_rules(
     # A connection to a Service IP with no affinity may have the port of a NodePort with
     # one: only a destination no Service IP dispatches went through the NodePorts.
     not_ip = f"{frontend} != @{names.dispatch(KIND_IP)}"
-    return (
-        f"{_L4} {frontend} vmap @{names.affinity_record(KIND_IP)}",
-        f"{guard} {_L4} {not_ip} {original} vmap @{names.affinity_record(KIND_NODEPORT)}",
-    )
+    ips, nodeports = names.affinity_record(KIND_IP), names.affinity_record(KIND_NODEPORT)
+    rules = [
+        f"{_L4} {frontend} vmap @{ips}",
+        f"{guard} {_L4} {not_ip} {original} vmap @{nodeports}",
+    ]
+    if counted:
+        # A record chain of the shared maps accepts once it recorded the connection; one
+        # that comes back could not (its map is full): counted. The verdict maps read as
+        # sets (no value, so filling them checks nothing more).
+        rules.insert(1, f"{_L4} {frontend} @{ips} jump {AFFINITY_FULL}")
+        rules.append(f"{guard} {_L4} {not_ip} {original} @{nodeports} jump {AFFINITY_FULL}")
+    return tuple(rules)
 
 
 FIXED_CHAINS = (
@@ -571,6 +588,7 @@ FIXED_CHAINS = (
     Names.MARK_FOR_MASQUERADE,
     Names.MASQUERADING,
     "affinity-record",
+    AFFINITY_FULL,
 )
 """Every chain that is not per generation, in creation order (the rule dispatch's; the
 tree dispatch has no ``service-frontends`` and ``nodeport-frontends``)."""
@@ -578,6 +596,8 @@ tree dispatch has no ``service-frontends`` and ``nodeport-frontends``)."""
 SERVICE_FRONTENDS = "service-frontends"
 NODEPORT_FRONTENDS = "nodeport-frontends"
 AFFINITY_RECORD = "affinity-record"
+AFFINITY_FULL_COMMENT = "not recorded"
+"""The comment of :data:`~.table.AFFINITY_FULL`'s counted rule (what the metrics read)."""
 
 
 def fixed_chain_names(dispatch: Dispatch) -> tuple[str, ...]:
@@ -595,6 +615,43 @@ def public_containers(tokens: FamilyTokens) -> tuple[ContainerSpec, ...]:
         ContainerSpec(Names.CLUSTER_IPS, False, addr, comment="Active ClusterIPs"),
         ContainerSpec(Names.NODEPORT_IPS, False, addr, comment="IPs that accept NodePort traffic"),
         ContainerSpec(AFFINITY_LOCAL_ENDPOINTS, False, f"{addr} . inet_service"),
+    )
+
+
+AFFINITY_SHARED = "shared"
+"""ClientIP affinity in the shared maps (:func:`affinity_shards`), the default."""
+AFFINITY_PER_PORT = "per-port"
+"""ClientIP affinity in maps of each Service port's own (before issue 32; benchmarks)."""
+AFFINITY_MAPS = (AFFINITY_SHARED, AFFINITY_PER_PORT)
+
+AFFINITY_SHARD_TYPES = {
+    "ip": "numgen random mod 1 . numgen random mod 1 . ip saddr : ip daddr . th dport",
+    "ip6": "numgen random mod 1 . numgen random mod 1 . numgen random mod 1 : ip6 daddr",
+}
+"""The ``typeof`` of the shared affinity maps: two 32-bit pin numbers (written as ``numgen
+random mod 1 offset N``, see :mod:`.frontends`) and the client (IPv6: a 32-bit hash of
+it, typed as any 32-bit number) : the endpoint."""
+
+
+def affinity_shards(tokens: FamilyTokens, size: int | None = None) -> tuple[ContainerSpec, ...]:
+    """The shared affinity maps of a family (:data:`~.table.AFFINITY_SHARDS`), outside
+    generations: their entries outlive them.
+
+    Without ``size`` each is bounded at 65535 entries by the kernel, allocating nothing
+    up front (see :func:`affinity_container`): 16.7M clients per family in all, a Service
+    port sharing its map with 1 in 256 of the others. ``size`` (tests) declares it."""
+    kind = AFFINITY_SHARD_TYPES[tokens.table_family]
+    return tuple(
+        ContainerSpec(
+            f"{AFFINITY_SHARD_PREFIX}{n}",
+            True,
+            kind,
+            flags=("dynamic", "timeout"),
+            timeout=AFFINITY_TIMEOUT,
+            size=size,
+            typeof=True,
+        )
+        for n in range(AFFINITY_SHARDS)
     )
 
 
@@ -620,6 +677,7 @@ def fixed_chains(
     service_cidrs: Iterable[str],
     dispatch: Dispatch = DISPATCH_TREE,
     classes: Iterable[ClassSpec] = (),
+    shared_affinity: bool = True,
 ) -> tuple[FixedChain, ...]:
     """The chains outside generations, with rules reading generation ``names``.
 
@@ -704,5 +762,9 @@ def fixed_chains(
                 "masquerade fully-random",
             ),
         ),
-        FixedChain(AFFINITY_RECORD, _affinity_record_rules(names, tokens, match_all_nodeports)),
+        FixedChain(
+            AFFINITY_RECORD,
+            _affinity_record_rules(names, tokens, match_all_nodeports, shared_affinity),
+        ),
+        FixedChain(AFFINITY_FULL, ("counter",), rule_comment=AFFINITY_FULL_COMMENT),
     )
