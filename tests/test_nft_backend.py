@@ -333,16 +333,20 @@ def test_per_port_session_affinity_is_per_port_and_list() -> None:
     lookup_chain, record_chain = lookup[0].split()[4], record[0].split()[4]
     for key in ("172.30.0.10 . tcp . 80", "5.6.7.8 . tcp . 80"):
         assert f"affinity-lookup-ips.g1 {{ {key} : jump {lookup_chain} }}" in dump
-        assert f"affinity-record-ips.g1 {{ {key} : jump {record_chain} }}" in dump
+        assert f"affinity-record-ips.g1 {{ {key} : goto {record_chain} }}" in dump
     assert f"affinity-lookup-nodeports.g1 {{ tcp . 30080 : jump {lookup_chain} }}" in dump
     assert lines(dump, r"rule ip kube-proxy pick-1-affinity\.g1 ")[0] == (
         "add rule ip kube-proxy pick-1-affinity.g1 jump affinity-lookup-ips.g1"
     )
+    # Per-port record chains write without counting: affinity-record only goes on.
     assert lines(dump, r"rule ip kube-proxy affinity-record ") == [
-        "add rule ip kube-proxy affinity-record meta l4proto { tcp, udp, sctp } "
+        "add rule ip kube-proxy affinity-record jump affinity-find"
+    ]
+    assert lines(dump, r"rule ip kube-proxy affinity-find ") == [
+        "add rule ip kube-proxy affinity-find meta l4proto { tcp, udp, sctp } "
         "ct original ip daddr . meta l4proto . ct original proto-dst "
         "vmap @affinity-record-ips.g1",
-        "add rule ip kube-proxy affinity-record ct original ip daddr @nodeport-ips "
+        "add rule ip kube-proxy affinity-find ct original ip daddr @nodeport-ips "
         "meta l4proto { tcp, udp, sctp } ct original ip daddr . meta l4proto . "
         "ct original proto-dst != @dispatch-ips.g1 meta l4proto . ct original proto-dst "
         "vmap @affinity-record-nodeports.g1",
@@ -419,8 +423,8 @@ def test_per_port_local_policy_affinity_records_in_every_list_holding_the_endpoi
     ]
     assert "add element ip kube-proxy affinity-local-endpoints { 10.180.0.1 . 8080 }" in dump
     (chain,) = {r.split()[4] for r in lines(dump, r"^add rule ip kube-proxy affinity-record-")}
-    assert f"affinity-record-ips.g1 {{ 172.30.0.10 . tcp . 80 : jump {chain} }}" in dump
-    assert f"affinity-record-nodeports.g1 {{ tcp . 30080 : jump {chain} }}" in dump
+    assert f"affinity-record-ips.g1 {{ 172.30.0.10 . tcp . 80 : goto {chain} }}" in dump
+    assert f"affinity-record-nodeports.g1 {{ tcp . 30080 : goto {chain} }}" in dump
 
 
 def _first(transactions: list[str], text: str) -> int:
@@ -527,7 +531,7 @@ def test_a_connection_to_a_service_ip_never_records_a_nodeports_affinity() -> No
     )
     fake = FakeNft()
     backend(fake).sync(world.snapshot(), full())
-    (rule,) = lines(fake.dump(), r"affinity-record .*vmap @affinity-record-nodeports")
+    (rule,) = lines(fake.dump(), r"affinity-find .*vmap @affinity-record-nodeports")
     assert "ct original proto-dst != @dispatch-ips.g1" in rule
     assert (
         "add element ip kube-proxy dispatch-ips.g1 "
@@ -1069,27 +1073,34 @@ def test_shared_affinity_keys_one_maps_entries_by_the_ports_pin_and_the_client()
     record = lines(dump, r"^add rule ip kube-proxy affinity-record-[A-Z2-7]{8}-ns/web/tcp/http ")
     assert [r.split(" ", 5)[5] for r in lookup] == [f"meta l4proto tcp dnat to {key} map @{shard}"]
     # A recorded connection is accepted; one that could not be recorded (the map is
-    # full) comes back to affinity-record, which counts it in affinity-full's rule.
+    # full) comes back to affinity-record, which counts it in affinity-full's rule. The
+    # record maps' elements go to the record chain from affinity-find, which accepts a
+    # connection no map holds, so nothing else comes back.
     assert [r.split(" ", 5)[5] for r in record] == [
         f"update @{shard} {{ {key} timeout 600s : ip daddr . th dport }} accept",
     ]
     assert lines(dump, r"^add rule ip kube-proxy affinity-full ") == [
         'add rule ip kube-proxy affinity-full counter comment "not recorded"'
     ]
-    assert [r for r in lines(dump, r"^add rule ip kube-proxy affinity-record ") if "full" in r] == [
-        "add rule ip kube-proxy affinity-record meta l4proto { tcp, udp, sctp } "
+    assert lines(dump, r"^add rule ip kube-proxy affinity-record ") == [
+        "add rule ip kube-proxy affinity-record jump affinity-find",
+        "add rule ip kube-proxy affinity-record jump affinity-full",
+    ]
+    assert lines(dump, r"^add rule ip kube-proxy affinity-find ") == [
+        "add rule ip kube-proxy affinity-find meta l4proto { tcp, udp, sctp } "
         "ct original ip daddr . meta l4proto . ct original proto-dst "
-        "@affinity-record-ips.g1 jump affinity-full",
-        "add rule ip kube-proxy affinity-record ct original ip daddr @nodeport-ips "
+        "vmap @affinity-record-ips.g1",
+        "add rule ip kube-proxy affinity-find ct original ip daddr @nodeport-ips "
         "meta l4proto { tcp, udp, sctp } ct original ip daddr . meta l4proto . "
         "ct original proto-dst != @dispatch-ips.g1 meta l4proto . ct original proto-dst "
-        "@affinity-record-nodeports.g1 jump affinity-full",
+        "vmap @affinity-record-nodeports.g1",
+        "add rule ip kube-proxy affinity-find accept",
     ]
     # Every frontend of the port reads and writes the same entries.
     lookup_chain, record_chain = lookup[0].split()[4], record[0].split()[4]
     for frontend in ("172.30.0.10 . tcp . 80", "5.6.7.8 . tcp . 80"):
         assert f"affinity-lookup-ips.g1 {{ {frontend} : jump {lookup_chain} }}" in dump
-        assert f"affinity-record-ips.g1 {{ {frontend} : jump {record_chain} }}" in dump
+        assert f"affinity-record-ips.g1 {{ {frontend} : goto {record_chain} }}" in dump
     assert f"affinity-lookup-nodeports.g1 {{ tcp . 30080 : jump {lookup_chain} }}" in dump
 
 

@@ -3,8 +3,9 @@ connections to a Service port with ClientIP affinity whose endpoint could not be
 recorded, because the shared affinity map holding the port's entries was full.
 
 The shared maps (:func:`~kubeproxy.backends.nftables.layout.affinity_shards`) are bounded
-(65535 entries each, by the kernel); a record chain that wrote no entry ends in the
-``affinity-full`` chain, whose one rule counts the connection. The count is read at each
+(65535 entries each, by the kernel); a connection whose record chain wrote no entry comes
+back to ``affinity-record``, which jumps to the ``affinity-full`` chain, whose one rule
+counts the connection. The count is read at each
 scrape over netlink (:func:`~kubeproxy.backends.nftables.rulecounters.rule_counters`: a
 dump of that chain's one rule, whatever the table holds). Such a connection is served;
 only its next connection may go to another endpoint. A count that grows says the node has

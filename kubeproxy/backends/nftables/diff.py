@@ -196,7 +196,7 @@ def diff_frontend(
         ),
         (
             names.affinity_record(kind),
-            "jump",
+            "goto",
             before.record if before else None,
             new.record if new else None,
         ),

@@ -602,11 +602,11 @@ class _Affinity:
         port picks from both).
 
         With the shared maps the last list's rules end in ``accept``: the fixed
-        ``affinity-record`` chain jumps here, and counts (``affinity-full``) the
-        connections that come back, those whose entry the kernel refused (the map is
-        full). ``accept`` ends the base chain as its end would: ``affinity-record`` is
-        the last rule of the filter chains, whose policy accepts (no rule of another
-        table is skipped)."""
+        ``affinity-find`` chain goes here (``goto``), and ``affinity-record``, which
+        jumped to it, counts (``affinity-full``) the connections that come back, those
+        whose entry the kernel refused (the map is full). ``accept`` ends the base chain
+        as its end would: ``affinity-record`` is the last rule of the filter chains,
+        whose policy accepts (no rule of another table is skipped)."""
         seconds = self.seconds
         both = len(self.used) == 2
         shared = self.ctx.shared_affinity

@@ -54,6 +54,7 @@ from kubeproxy.backends.nftables.frontends import (
     NoEndpoint,
 )
 from kubeproxy.backends.nftables.table import (
+    AFFINITY_FIND,
     AFFINITY_FULL,
     AFFINITY_SHARD_PREFIX,
     AFFINITY_SHARDS,
@@ -538,13 +539,25 @@ def affinity_dispatch_chains(names: GenNames, tokens: FamilyTokens) -> dict[str,
     }
 
 
-def _affinity_record_rules(
+def _affinity_record_chains(
     names: GenNames, tokens: FamilyTokens, match_all_nodeports: bool, counted: bool = True
-) -> tuple[str, ...]:
-    """``affinity-record``: after DNAT, a new connection to a frontend with affinity goes to
-    its port's record chain, found by the original destination (``ct original``). nft
-    needs the protocol before it can type ``ct original proto-dst``; a set of protocols
-    (unlike one protocol) survives ``nft list`` as written, so the listing reloads."""
+) -> tuple[FixedChain, FixedChain]:
+    """``affinity-record`` and ``affinity-find``: after DNAT, a new connection to a
+    frontend with affinity goes to its port's record chain, found by the original
+    destination (``ct original``) in the ``affinity-record-*`` verdict maps. nft needs the
+    protocol before it can type ``ct original proto-dst``; a set of protocols (unlike one
+    protocol) survives ``nft list`` as written, so the listing reloads.
+
+    ``counted`` (the shared maps): a record chain accepts once it recorded the
+    connection. The maps' elements ``goto`` it from ``affinity-find``, which
+    ``affinity-record`` jumps to, so a connection whose entry the kernel refused (its map
+    is full) falls off the record chain's end back into ``affinity-record``, whose next
+    rule counts it (``affinity-full``); one no map holds is accepted at the end of
+    ``affinity-find`` (``affinity-record`` is the last rule of the filter chains, whose
+    policy accepts, so ``accept`` ends them as their end would). Reading a verdict map
+    as a plain set would say the same in one chain, but kernels before 6.5 (Debian 12's
+    6.1) refuse a map lookup without a destination register (EINVAL), and a rule per
+    port at each record chain's end costs a rule per port."""
     ip = tokens.table_family
     original = "meta l4proto . ct original proto-dst"
     frontend = f"ct original {ip} daddr . {original}"
@@ -556,17 +569,15 @@ def _affinity_record_rules(
     # one: only a destination no Service IP dispatches went through the NodePorts.
     not_ip = f"{frontend} != @{names.dispatch(KIND_IP)}"
     ips, nodeports = names.affinity_record(KIND_IP), names.affinity_record(KIND_NODEPORT)
-    rules = [
+    find = [
         f"{_L4} {frontend} vmap @{ips}",
         f"{guard} {_L4} {not_ip} {original} vmap @{nodeports}",
     ]
+    record = [f"jump {AFFINITY_FIND}"]
     if counted:
-        # A record chain of the shared maps accepts once it recorded the connection; one
-        # that comes back could not (its map is full): counted. The verdict maps read as
-        # sets (no value, so filling them checks nothing more).
-        rules.insert(1, f"{_L4} {frontend} @{ips} jump {AFFINITY_FULL}")
-        rules.append(f"{guard} {_L4} {not_ip} {original} @{nodeports} jump {AFFINITY_FULL}")
-    return tuple(rules)
+        find.append("accept")
+        record.append(f"jump {AFFINITY_FULL}")
+    return FixedChain(AFFINITY_RECORD, tuple(record)), FixedChain(AFFINITY_FIND, tuple(find))
 
 
 FIXED_CHAINS = (
@@ -588,6 +599,7 @@ FIXED_CHAINS = (
     Names.MARK_FOR_MASQUERADE,
     Names.MASQUERADING,
     "affinity-record",
+    AFFINITY_FIND,
     AFFINITY_FULL,
 )
 """Every chain that is not per generation, in creation order (the rule dispatch's; the
@@ -762,9 +774,6 @@ def fixed_chains(
                 "masquerade fully-random",
             ),
         ),
-        FixedChain(
-            AFFINITY_RECORD,
-            _affinity_record_rules(names, tokens, match_all_nodeports, shared_affinity),
-        ),
+        *_affinity_record_chains(names, tokens, match_all_nodeports, shared_affinity),
         FixedChain(AFFINITY_FULL, ("counter",), rule_comment=AFFINITY_FULL_COMMENT),
     )

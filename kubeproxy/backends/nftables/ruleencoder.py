@@ -352,7 +352,7 @@ class RuleEncoder:
         was 100-200 us a rule, most of the affinity chains' cost at a cold sync."""
         numbers = _OFFSET.findall(rule) if "offset" in rule else []
         if not numbers:
-            # The same rule again (every record chain's "jump affinity-full").
+            # The same rule again (one that many chains hold alike).
             same = self._same.get(rule)
             if same is not None:
                 return same

@@ -41,6 +41,7 @@ from kubeproxy.objects import IPAddress, IPFamily, ServicePortName
 
 __all__ = [
     "AFFINITY6_MAP_TYPE",
+    "AFFINITY_FIND",
     "AFFINITY_FULL",
     "AFFINITY_MAP_PREFIX",
     "AFFINITY_SHARDS",
@@ -97,9 +98,13 @@ names: one map named by every port's two chains is quadratic in the ports, a map
 quadratic in the maps; 256 keeps both walks short at 100k ports. Measured with ``nft -f``,
 30k ports, a lookup and a record chain each: 1 map 8.9 s, 16 maps 9.6 s, 64 6.2 s, 256
 5.3 s, against 2.5-3.2 s for the same chains naming no map (2026-11-29, shared machine)."""
+AFFINITY_FIND = "affinity-find"
+"""The chain that sends a new connection to its port's record chain (``goto``, by the
+``affinity-record-*`` verdict maps): with the shared maps one that comes back to
+``affinity-record`` could not be recorded."""
 AFFINITY_FULL = "affinity-full"
-"""The chain a record chain of the shared maps ends in when no entry could be written
-(its map is full): one counted rule, read for the metrics."""
+"""The chain ``affinity-record`` jumps to when a record chain of the shared maps could
+write no entry (its map is full): one counted rule, read for the metrics."""
 
 _HASH_CHARS = 8
 # Namespaces, Service names and port names are DNS labels / IANA service names after API
