@@ -311,6 +311,19 @@ def _sticky_web(affinity: str) -> FakeNft:
     return fake
 
 
+# affinity-find: a new DNATed connection's port (by its original destination) in the
+# record maps, whose elements go to the port's record chain.
+FIND_RULES = [
+    "add rule ip kube-proxy affinity-find meta l4proto { tcp, udp, sctp } "
+    "ct original ip daddr . meta l4proto . ct original proto-dst "
+    "vmap @affinity-record-ips.g1",
+    "add rule ip kube-proxy affinity-find ct original ip daddr @nodeport-ips "
+    "meta l4proto { tcp, udp, sctp } ct original ip daddr . meta l4proto . "
+    "ct original proto-dst != @dispatch-ips.g1 meta l4proto . ct original proto-dst "
+    "vmap @affinity-record-nodeports.g1",
+]
+
+
 def test_per_port_session_affinity_is_per_port_and_list() -> None:
     fake = _sticky_web(AFFINITY_PER_PORT)
     dump = fake.dump()
@@ -342,15 +355,7 @@ def test_per_port_session_affinity_is_per_port_and_list() -> None:
     assert lines(dump, r"rule ip kube-proxy affinity-record ") == [
         "add rule ip kube-proxy affinity-record jump affinity-find"
     ]
-    assert lines(dump, r"rule ip kube-proxy affinity-find ") == [
-        "add rule ip kube-proxy affinity-find meta l4proto { tcp, udp, sctp } "
-        "ct original ip daddr . meta l4proto . ct original proto-dst "
-        "vmap @affinity-record-ips.g1",
-        "add rule ip kube-proxy affinity-find ct original ip daddr @nodeport-ips "
-        "meta l4proto { tcp, udp, sctp } ct original ip daddr . meta l4proto . "
-        "ct original proto-dst != @dispatch-ips.g1 meta l4proto . ct original proto-dst "
-        "vmap @affinity-record-nodeports.g1",
-    ]
+    assert lines(dump, r"rule ip kube-proxy affinity-find ") == FIND_RULES
     assert (
         "add rule ip kube-proxy filter-forward ct state new ct status dnat jump affinity-record"
         in dump
@@ -1087,13 +1092,7 @@ def test_shared_affinity_keys_one_maps_entries_by_the_ports_pin_and_the_client()
         "add rule ip kube-proxy affinity-record jump affinity-full",
     ]
     assert lines(dump, r"^add rule ip kube-proxy affinity-find ") == [
-        "add rule ip kube-proxy affinity-find meta l4proto { tcp, udp, sctp } "
-        "ct original ip daddr . meta l4proto . ct original proto-dst "
-        "vmap @affinity-record-ips.g1",
-        "add rule ip kube-proxy affinity-find ct original ip daddr @nodeport-ips "
-        "meta l4proto { tcp, udp, sctp } ct original ip daddr . meta l4proto . "
-        "ct original proto-dst != @dispatch-ips.g1 meta l4proto . ct original proto-dst "
-        "vmap @affinity-record-nodeports.g1",
+        *FIND_RULES,
         "add rule ip kube-proxy affinity-find accept",
     ]
     # Every frontend of the port reads and writes the same entries.
