@@ -556,8 +556,8 @@ def _affinity_record_chains(
     ``affinity-find`` (``affinity-record`` is the last rule of the filter chains, whose
     policy accepts, so ``accept`` ends them as their end would). Reading a verdict map
     as a plain set would say the same in one chain, but kernels before 6.5 (Debian 12's
-    6.1) refuse a map lookup without a destination register (EINVAL), and a rule per
-    port at each record chain's end costs a rule per port."""
+    6.1) refuse a map lookup without a destination register (EINVAL), and a ``jump
+    affinity-full`` at each record chain's end would cost a rule per port."""
     ip = tokens.table_family
     original = "meta l4proto . ct original proto-dst"
     frontend = f"ct original {ip} daddr . {original}"
