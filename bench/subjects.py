@@ -19,7 +19,8 @@ from bench.netns import in_netns
 from kubeproxy.backend import Backend
 from kubeproxy.backends.nftables import NftablesBackend, create_backend
 from kubeproxy.backends.nftables.exec import LibNftables
-from kubeproxy.backends.nftables.layout import DISPATCH_RULES
+from kubeproxy.backends.nftables.layout import AFFINITY_PER_PORT, DISPATCH_RULES
+from kubeproxy.backends.nftables.localhost import LocalhostNodePortsBackend
 from kubeproxy.config import ProxierConfig
 from kubeproxy.objects import IPFamily
 
@@ -27,6 +28,7 @@ __all__ = [
     "IPTABLES_LEGACY",
     "IPTABLES_NFT",
     "NFTABLES",
+    "NFTABLES_AFFINITY_MAPS",
     "NFTABLES_CHAINS",
     "NFTABLES_RULES",
     "SUBJECTS",
@@ -83,6 +85,14 @@ NFTABLES_PRECREATED = Subject(
     "nft-maps",
 )
 """The map structure with every count's class precreated (issue 32 item 4)."""
+NFTABLES_AFFINITY_MAPS = Subject(
+    "kubeproxy-nftables-affinity-maps",
+    "bench.subjects:per_port_affinity_backend",
+    "ours: nftables (maps), an affinity map per Service port (before)",
+    "nft-maps",
+)
+"""The map structure with ClientIP affinity in maps of each port's own (before issue 32),
+over the same executor as the shipped one (the owned table where the kernel has it)."""
 IPTABLES_NFT = Subject(
     "kubeproxy-iptables-nft",
     # The node's variant, detected as upstream's iptables-wrapper does: nft in a fresh
@@ -103,7 +113,15 @@ UPSTREAM = Subject(
     "upstream-nft", UPSTREAM_BACKEND, "upstream's nftables structure (nft -f)", "nft"
 )
 
-SUBJECTS = (NFTABLES, NFTABLES_RULES, NFTABLES_CHAINS, IPTABLES_NFT, IPTABLES_LEGACY, UPSTREAM)
+SUBJECTS = (
+    NFTABLES,
+    NFTABLES_RULES,
+    NFTABLES_AFFINITY_MAPS,
+    NFTABLES_CHAINS,
+    IPTABLES_NFT,
+    IPTABLES_LEGACY,
+    UPSTREAM,
+)
 
 
 def _nft_map_size(netns: str, name: str) -> int:
@@ -169,3 +187,11 @@ def precreated_backend(
     """The nftables backend as shipped, its generations precreating the classes of every
     endpoint count up to :data:`PRECREATE_BOUND` (issue 32 item 4)."""
     return create_backend(family, config, netns=netns, precreate_counts=PRECREATE_BOUND)
+
+
+def per_port_affinity_backend(
+    family: IPFamily, config: ProxierConfig, *, netns: str | None = None
+) -> NftablesBackend | LocalhostNodePortsBackend:
+    """The shipped backend with ClientIP affinity in maps of each Service port's own (the
+    structure before issue 32; the ``nftables-affinity-maps`` subject)."""
+    return create_backend(family, config, netns=netns, affinity=AFFINITY_PER_PORT)

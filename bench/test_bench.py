@@ -64,6 +64,7 @@ from bench.subjects import (
     IPTABLES_LEGACY,
     IPTABLES_NFT,
     NFTABLES,
+    NFTABLES_AFFINITY_MAPS,
     NFTABLES_CHAINS,
     NFTABLES_PRECREATED,
     NFTABLES_RULES,
@@ -81,7 +82,12 @@ from bench.synthetic import (
 )
 from bench.targets import NO_RULES
 from bench.upstream_structure import write_upstream_ruleset
-from bench.wholeproc import binary_argv, chain_binary_argv, write_manifests
+from bench.wholeproc import (
+    binary_argv,
+    chain_binary_argv,
+    per_port_affinity_argv,
+    write_manifests,
+)
 
 K = 1000
 ENDPOINTS = 10
@@ -376,6 +382,13 @@ AFFINITY_CASES = [
     pytest.param(NFTABLES, 1 * K, marks=quick, id="nftables-1k"),
     pytest.param(NFTABLES, 5 * K, id="nftables-5k"),
     pytest.param(NFTABLES, 10 * K, id="nftables-10k"),
+    pytest.param(NFTABLES, 30 * K, id="nftables-30k"),
+    pytest.param(NFTABLES, 100 * K, id="nftables-100k"),
+    # The affinity maps per Service port (before issue 32): quadratic in the kernel, so
+    # to 30k only (10k took 10.5 s where the shared maps take a fraction of that).
+    pytest.param(NFTABLES_AFFINITY_MAPS, 1 * K, id="nftables-affinity-maps-1k"),
+    pytest.param(NFTABLES_AFFINITY_MAPS, 10 * K, id="nftables-affinity-maps-10k"),
+    pytest.param(NFTABLES_AFFINITY_MAPS, 30 * K, id="nftables-affinity-maps-30k"),
     pytest.param(NFTABLES_CHAINS, 1 * K, marks=quick, id="nftables-chains-1k"),
     pytest.param(NFTABLES_CHAINS, 5 * K, id="nftables-chains-5k"),
     pytest.param(NFTABLES_CHAINS, 10 * K, id="nftables-chains-10k"),
@@ -491,12 +504,19 @@ WHOLE_PROCESS_CASES = [
 
 
 def _whole_process_record(
-    results: Results, subject: Subject, services: int, runs: list[ApplyResult], how: str
+    results: Results,
+    subject: Subject,
+    services: int,
+    runs: list[ApplyResult],
+    how: str,
+    kind: str = "whole_process",
+    **extra: Any,
 ) -> dict[str, Any]:
     seconds = sorted(r.seconds for r in runs)
     return results.add(
-        "whole_process",
+        kind,
         subject.name,
+        **extra,
         services=services,
         endpoints=ENDPOINTS,
         how=how,
@@ -544,6 +564,48 @@ def test_whole_process(results: Results, services: int, tmp_path: Path) -> None:
         if not run.timed_out:
             assert run.ok, run.stderr
             assert installed_services(UPSTREAM, netns) == services
+
+
+AFFINITY_WHOLE_PROCESS_CASES = [
+    pytest.param(1 * K, marks=quick, id="1k"),
+    pytest.param(10 * K, id="10k"),
+]
+
+
+@pytest.mark.timeout(3 * WHOLE_PROCESS_ROUNDS * SYNC_TIMEOUT_S + 600)
+@pytest.mark.parametrize("services", AFFINITY_WHOLE_PROCESS_CASES)
+def test_whole_process_affinity(results: Results, services: int, tmp_path: Path) -> None:
+    """``kube-proxy-nftables --manifests DIR --once``, every Service with ClientIP
+    affinity, against the same cluster without it, and the affinity maps per Service port
+    (before issue 32) through the same start-up (:mod:`bench.wholeproc`), rounds
+    interleaved."""
+    plain = write_manifests(tmp_path / "plain", build_services(services, ENDPOINTS))
+    sticky = write_manifests(
+        tmp_path / "sticky",
+        build_services(services, ENDPOINTS, affinity_seconds=AFFINITY_SECONDS),
+    )
+    ours = (
+        (NFTABLES, binary_argv(plain), False, "kube-proxy-nftables --manifests DIR --once"),
+        (NFTABLES, binary_argv(sticky), True, "the same, ClientIP affinity on every Service"),
+        (
+            NFTABLES_AFFINITY_MAPS,
+            per_port_affinity_argv(sticky),
+            True,
+            "the same, affinity maps per Service port swapped in",
+        ),
+    )
+    runs: dict[int, list[ApplyResult]] = {i: [] for i in range(len(ours))}
+    for _ in range(WHOLE_PROCESS_ROUNDS):
+        for i, (subject, argv, _affinity, _how) in enumerate(ours):
+            with namespace("wpa") as netns:
+                run = run_measured(netns, argv, timeout_s=SYNC_TIMEOUT_S, cwd=tmp_path)
+                runs[i].append(run)
+                assert run.ok, f"{subject.name}: {run.stderr}"
+                assert installed_services(subject, netns) == services
+    for i, (subject, _argv, affinity, how) in enumerate(ours):
+        _whole_process_record(
+            results, subject, services, runs[i], how, "whole_process_affinity", affinity=affinity
+        )
 
 
 # Churn -------------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ __all__ = [
     "chain_binary_argv",
     "main",
     "node_manifest",
+    "per_port_affinity_argv",
     "proxy_flags",
     "settings_flags",
     "write_manifests",
@@ -119,11 +120,20 @@ def chain_binary_argv(manifests: Path) -> list[str]:
     return python_module("bench.wholeproc", "--chains", *proxy_flags(manifests))
 
 
+def per_port_affinity_argv(manifests: Path) -> list[str]:
+    """The binary's start-up with the affinity maps per Service port (before issue 32)."""
+    return python_module("bench.wholeproc", "--per-port-affinity", *proxy_flags(manifests))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``--chains ARGS``: run ``kube-proxy-nftables`` with the per-Service-chain backend."""
+    """``--chains ARGS``: run ``kube-proxy-nftables`` with the per-Service-chain backend;
+    ``--per-port-affinity ARGS``: with the affinity maps per Service port."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] != "--chains":
-        print("usage: python -m bench.wholeproc --chains KUBE-PROXY-FLAGS...", file=sys.stderr)
+    if not args or args[0] not in ("--chains", "--per-port-affinity"):
+        print(
+            "usage: python -m bench.wholeproc --chains|--per-port-affinity KUBE-PROXY-FLAGS...",
+            file=sys.stderr,
+        )
         return 2
     from kubeproxy.backend import BackendFactory
     from kubeproxy.cmd.binary import run
@@ -131,6 +141,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kubeproxy.cmd.nftables import BINARY
 
     def chain_factory() -> BackendFactory:
+        if args[0] == "--per-port-affinity":
+            from bench.subjects import per_port_affinity_backend
+
+            return per_port_affinity_backend
         from bench.chain_structure import create_chain_backend
 
         return create_chain_backend

@@ -86,6 +86,24 @@ def test_another_class_other_endpoints_and_leftovers_are_differences() -> None:
     assert compare(left, fresh)[0].startswith("1 leftover objects")
 
 
+def test_clients_pinned_in_the_shared_affinity_maps_are_not_state() -> None:
+    # Packets record clients in affinity-clients-<n>; a fresh table has none yet. Another
+    # set's extra element still is a difference.
+    pin = [{"elem": {"val": {"concat": [1, 2, "10.99.0.9"]}, "expires": 10799}}]
+    pinned = [[pin[0], {"concat": ["10.128.6.241", 8080]}]]
+    live = table_state(
+        listing(4, bit=False, endpoints=["10.0.0.1"], extra=[_set("affinity-clients-7", pinned)])
+    )
+    fresh = table_state(
+        listing(1, bit=False, endpoints=["10.0.0.1"], extra=[_set("affinity-clients-7", [])])
+    )
+    assert compare(live, fresh) == []
+    other = table_state(
+        listing(4, bit=False, endpoints=["10.0.0.1"], extra=[_set("no-endpoints", pinned)])
+    )
+    assert any(d.startswith("elements: 1 differ") for d in compare(other, fresh))
+
+
 def service(name: str, **spec: Any) -> dict[str, Any]:
     body = {
         "type": "ClusterIP",

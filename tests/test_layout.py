@@ -211,6 +211,7 @@ def test_the_nftables_package_holds_the_shipped_structure_only() -> None:
     assert names == [
         "__init__",
         "affinity_cleanup",
+        "affinity_metrics",
         "backend",
         "batchencoder",
         "batchsocket",

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kubeproxy.backends.nftables.affinity_cleanup import AffinityCleaner
+from kubeproxy.backends.nftables.affinity_cleanup import AffinityCleaner, Every
 from kubeproxy.backends.nftables.elements import ElementBatch
-from kubeproxy.backends.nftables.frontends import AffinityMap, AffinityPlan
+from kubeproxy.backends.nftables.frontends import AffinityMap, AffinityPin, AffinityPlan
 from kubeproxy.backends.nftables.objects import Family, NftError
 from kubeproxy.objects import IPFamily
 
@@ -74,7 +74,7 @@ def test_a_full_sync_cleans_every_live_map_and_failures_are_retried() -> None:
     ]
     maps.fail_write = True
     # The missing map is a listing failure, the refused deletion another.
-    assert clean.clean(lambda name: name != "affinity-stale", every) == 2
+    assert clean.clean(lambda name: name != "affinity-stale", Every(every, (), ())) == 2
     assert maps.reads == ["affinity-a", "affinity-gone"]
     # Every map of the refused batch is tried again after the next sync.
     assert set(clean.losses) == {"affinity-a", "affinity-gone"}
@@ -82,3 +82,91 @@ def test_a_full_sync_cleans_every_live_map_and_failures_are_retried() -> None:
     assert clean.clean(lambda name: name != "affinity-gone") == 0
     assert maps.entries["affinity-a"] == {("192.0.2.1",): A}
     assert clean.losses == {}
+
+
+def pins(*pinned: AffinityPin) -> AffinityPlan:
+    return AffinityPlan((), (), (), pinned)
+
+
+P1, P2 = ("11", "12"), ("21", "22")
+
+
+def test_shared_maps_lose_only_the_entries_of_the_pins_that_lost_endpoints() -> None:
+    shard = "affinity-clients-7"
+    maps = Maps(
+        {
+            shard: {
+                (*P1, "192.0.2.1"): A,
+                (*P1, "192.0.2.2"): B,
+                (*P2, "192.0.2.1"): B,  # another port's entry, same client and endpoint
+                ("31", "32", "192.0.2.9"): C,  # a port gone: left to a full sync
+            }
+        }
+    )
+    clean = cleaner(maps)
+    other = AffinityPin(shard, P2, frozenset({B}))
+    before = pins(AffinityPin(shard, P1, frozenset({A, B})), other)
+    clean.follow(before, before)
+    assert clean.clean(lambda name: True) == 0 and maps.reads == []
+    clean.follow(before, pins(AffinityPin(shard, P1, frozenset({A})), other))
+    assert clean.clean(lambda name: True) == 0
+    assert maps.reads == [shard]
+    assert set(maps.entries[shard]) == {
+        (*P1, "192.0.2.1"),
+        (*P2, "192.0.2.1"),
+        ("31", "32", "192.0.2.9"),
+    }
+
+
+def test_a_full_sync_cleans_the_shared_maps_it_found_with_entries_of_ports_gone() -> None:
+    held, new = "affinity-clients-1", "affinity-clients-2"
+    maps = Maps(
+        {held: {(*P1, "192.0.2.1"): A, (*P1, "192.0.2.2"): C, ("31", "32", "192.0.2.9"): C}}
+    )
+    clean = cleaner(maps)
+    every = Every(
+        (), (AffinityPin(held, P1, frozenset({A})), AffinityPin(new, P2, frozenset())), (held,)
+    )
+    maps.fail_write = True
+    assert clean.clean(lambda name: True, every) == 1
+    # Only the maps the kernel held before the sync are read; the refused batch is
+    # tried again after the next sync, pins and all.
+    assert maps.reads == [held]
+    assert clean.pin_losses == {held: {P1: frozenset({A})}}
+    maps.fail_write = False
+    assert clean.clean(lambda name: True, every) == 0
+    assert maps.entries[held] == {(*P1, "192.0.2.1"): A}
+
+
+class Counting:
+    """A backend's affinity counter (failing when told to)."""
+
+    def __init__(self, family: IPFamily, count: int, fails: bool = False) -> None:
+        self.family = family
+        self.count = count
+        self.fails = fails
+
+    def affinity_unrecorded(self) -> int:
+        if self.fails:
+            raise NftError("No such file or directory")
+        return self.count
+
+
+def test_the_metric_reads_each_familys_count_and_skips_a_failed_read() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from kubeproxy.backends.nftables.affinity_metrics import report_affinity
+
+    registry = CollectorRegistry()
+    report_affinity(registry, Counting(IPFamily.IPV4, 3))
+    six = Counting(IPFamily.IPV6, 5, fails=True)
+    report_affinity(registry, six)
+
+    def sample(family: str) -> float | None:
+        return registry.get_sample_value(
+            "kubeproxy_nftables_affinity_unrecorded_connections_total", {"ip_family": family}
+        )
+
+    assert (sample("IPv4"), sample("IPv6")) == (3.0, None)
+    six.fails = False
+    assert sample("IPv6") == 5.0

@@ -21,7 +21,12 @@ from kubeproxy.backends.nftables import NftablesBackend
 from kubeproxy.backends.nftables.backend import restitch
 from kubeproxy.backends.nftables.fake import FakeNft, parse_commands
 from kubeproxy.backends.nftables.inspect import served_frontends, slots_of
-from kubeproxy.backends.nftables.layout import CLASS_NAME, generation_of
+from kubeproxy.backends.nftables.layout import (
+    AFFINITY_PER_PORT,
+    AFFINITY_SHARED,
+    CLASS_NAME,
+    generation_of,
+)
 from kubeproxy.backends.nftables.objects import (
     Chain,
     Element,
@@ -32,7 +37,12 @@ from kubeproxy.backends.nftables.objects import (
     Set,
     readable_by_every_nft,
 )
-from kubeproxy.backends.nftables.table import affinity_map_name, port_identity
+from kubeproxy.backends.nftables.table import (
+    AFFINITY_SHARDS,
+    affinity_map_name,
+    affinity_pin,
+    port_identity,
+)
 from kubeproxy.config import LocalDetector, ProxierConfig
 from kubeproxy.objects import Endpoint, IPFamily, Protocol, ServicePort, ServicePortName
 from tests import chain_ruleset
@@ -58,6 +68,7 @@ def backend(
     family: IPFamily = IPFamily.IPV4,
     *,
     elements_per_transaction: int = 10_000,
+    affinity: str = AFFINITY_SHARED,
     precreate_counts: int = 0,
 ) -> NftablesBackend:
     return NftablesBackend(
@@ -66,6 +77,7 @@ def backend(
         executor=fake,
         clock=clock or Clock(),
         elements_per_transaction=elements_per_transaction,
+        affinity=affinity,
         support_check=False,
         precreate_counts=precreate_counts,
     )
@@ -287,7 +299,8 @@ def test_firewall_and_hairpin_are_data() -> None:
     ]
 
 
-def test_session_affinity_is_per_port_and_list() -> None:
+def _sticky_web(affinity: str) -> FakeNft:
+    """The fake after a full sync of one ClientIP port with a NodePort and an LB IP."""
     world = World()
     web(
         world,
@@ -297,7 +310,25 @@ def test_session_affinity_is_per_port_and_list() -> None:
         load_balancer_vips=(ip("5.6.7.8"),),
     )
     fake = FakeNft()
-    backend(fake).sync(world.snapshot(), full())
+    backend(fake, affinity=affinity).sync(world.snapshot(), full())
+    return fake
+
+
+# affinity-find: a new DNATed connection's port (by its original destination) in the
+# record maps, whose elements go to the port's record chain.
+FIND_RULES = [
+    "add rule ip kube-proxy affinity-find meta l4proto { tcp, udp, sctp } "
+    "ct original ip daddr . meta l4proto . ct original proto-dst "
+    "vmap @affinity-record-ips.g1",
+    "add rule ip kube-proxy affinity-find ct original ip daddr @nodeport-ips "
+    "meta l4proto { tcp, udp, sctp } ct original ip daddr . meta l4proto . "
+    "ct original proto-dst != @dispatch-ips.g1 meta l4proto . ct original proto-dst "
+    "vmap @affinity-record-nodeports.g1",
+]
+
+
+def test_per_port_session_affinity_is_per_port_and_list() -> None:
+    fake = _sticky_web(AFFINITY_PER_PORT)
     dump = fake.dump()
     # One map for the port's endpoint list, read and written by every frontend of it.
     maps = lines(dump, r"^add map ip kube-proxy affinity-[A-Z2-7]{16} ")
@@ -323,15 +354,11 @@ def test_session_affinity_is_per_port_and_list() -> None:
     assert lines(dump, r"rule ip kube-proxy pick-1-affinity\.g1 ")[0] == (
         "add rule ip kube-proxy pick-1-affinity.g1 jump affinity-lookup-ips.g1"
     )
+    # Per-port record chains write without counting: affinity-record only goes on.
     assert lines(dump, r"rule ip kube-proxy affinity-record ") == [
-        "add rule ip kube-proxy affinity-record meta l4proto { tcp, udp, sctp } "
-        "ct original ip daddr . meta l4proto . ct original proto-dst "
-        "vmap @affinity-record-ips.g1",
-        "add rule ip kube-proxy affinity-record ct original ip daddr @nodeport-ips "
-        "meta l4proto { tcp, udp, sctp } ct original ip daddr . meta l4proto . "
-        "ct original proto-dst != @dispatch-ips.g1 meta l4proto . ct original proto-dst "
-        "vmap @affinity-record-nodeports.g1",
+        "add rule ip kube-proxy affinity-record jump affinity-find"
     ]
+    assert lines(dump, r"rule ip kube-proxy affinity-find ") == FIND_RULES
     assert (
         "add rule ip kube-proxy filter-forward ct state new ct status dnat jump affinity-record"
         in dump
@@ -384,11 +411,11 @@ def test_a_lone_data_type_is_declared_as_an_expression() -> None:
         assert readable_by_every_nft(kept) is kept
 
 
-def test_local_policy_affinity_records_in_every_list_holding_the_endpoint() -> None:
+def test_per_port_local_policy_affinity_records_in_every_list_holding_the_endpoint() -> None:
     world = World()
     world.add(LOCAL_STICKY, ep("10.180.0.1", local=True), ep("10.180.0.2"))
     fake = FakeNft()
-    backend(fake).sync(world.snapshot(), full())
+    backend(fake, affinity=AFFINITY_PER_PORT).sync(world.snapshot(), full())
     dump = fake.dump()
     # The cluster list (both endpoints) and the node-local one each have their map; one
     # record chain for the port writes the cluster map always (it holds every endpoint)
@@ -512,7 +539,7 @@ def test_a_connection_to_a_service_ip_never_records_a_nodeports_affinity() -> No
     )
     fake = FakeNft()
     backend(fake).sync(world.snapshot(), full())
-    (rule,) = lines(fake.dump(), r"affinity-record .*@affinity-record-nodeports")
+    (rule,) = lines(fake.dump(), r"affinity-find .*vmap @affinity-record-nodeports")
     assert "ct original proto-dst != @dispatch-ips.g1" in rule
     assert (
         "add element ip kube-proxy dispatch-ips.g1 "
@@ -916,11 +943,11 @@ def _affinity_maps(fake: FakeNft, family: Family = Family.IP) -> list[str]:
     )
 
 
-def test_affinity_entries_of_removed_endpoints_are_deleted() -> None:
+def test_per_port_affinity_entries_of_removed_endpoints_are_deleted() -> None:
     world = World()
     name = web(world, "10.180.0.1", "10.180.0.2", session_affinity_seconds=60)
     fake = FakeNft()
-    b = backend(fake)
+    b = backend(fake, affinity=AFFINITY_PER_PORT)
     b.sync(world.snapshot(), full())
     (cluster,) = _affinity_maps(fake)
     fake.run_text(
@@ -932,14 +959,14 @@ def test_affinity_entries_of_removed_endpoints_are_deleted() -> None:
     assert [e.key for e in fake.list_elements(Family.IP, "kube-proxy", cluster)] == [("10.0.0.6",)]
 
 
-def test_short_circuit_affinity_entries_of_removed_endpoints_are_deleted() -> None:
+def test_per_port_short_circuit_affinity_entries_of_removed_endpoints_are_deleted() -> None:
     # Pods and the node itself pick from every endpoint of a Local-policy NodePort: their
     # entries sit in the cluster list's map and go with the endpoint too.
     world = World()
     port = LOCAL_STICKY
     name = world.add(port, ep("10.180.0.1", local=True), ep("10.180.0.2"))
     fake, clock = FakeNft(), Clock()
-    b = backend(fake, clock)
+    b = backend(fake, clock, affinity=AFFINITY_PER_PORT)
     b.sync(world.snapshot(), full())
     cluster = affinity_map_name(port_identity(name), "service", 0)
     local = affinity_map_name(port_identity(name), "local", 0)
@@ -963,7 +990,7 @@ def test_short_circuit_affinity_entries_of_removed_endpoints_are_deleted() -> No
     assert not [c for c in fake.list_chains(Family.IP, "kube-proxy") if "ns/web" in c]
 
 
-def test_ipv6_affinity_has_a_map_per_endpoint_port() -> None:
+def test_per_port_ipv6_affinity_has_a_map_per_endpoint_port() -> None:
     world = v6_world()
     name = world.add(
         ServicePort(spn("v6"), ip("fd00:96::10"), 80, Protocol.TCP, session_affinity_seconds=60),
@@ -971,7 +998,7 @@ def test_ipv6_affinity_has_a_map_per_endpoint_port() -> None:
         Endpoint(ip("fd00:180::2"), 9090),
     )
     fake = FakeNft()
-    b = backend(fake, family=IPFamily.IPV6)
+    b = backend(fake, family=IPFamily.IPV6, affinity=AFFINITY_PER_PORT)
     b.sync(world.snapshot(), full())
     dump = fake.dump()
     maps = _affinity_maps(fake, Family.IP6)
@@ -1081,3 +1108,171 @@ IncrementalEqualsFull6.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestIncrementalEqualsFull6 = IncrementalEqualsFull6.TestCase
+
+
+# Session affinity in the shared maps (issue 32) ---------------------------------------------
+
+
+def _pin_key(identity: str, which: str, port: int = 0, client: str = "ip saddr") -> tuple[str, str]:
+    shard, high, low = affinity_pin(identity, which, port)
+    return shard, f"numgen random mod 1 offset {high} . numgen random mod 1 offset {low} . {client}"
+
+
+def test_shared_affinity_keys_one_maps_entries_by_the_ports_pin_and_the_client() -> None:
+    fake = _sticky_web(AFFINITY_SHARED)
+    dump = fake.dump()
+    # A fixed number of maps whatever the number of ports, none of a port's own.
+    shards = lines(dump, r"^add map ip kube-proxy affinity-clients-")
+    assert len(shards) == AFFINITY_SHARDS
+    assert _affinity_maps(fake) == []
+    assert (
+        "{ typeof numgen random mod 1 . numgen random mod 1 . ip saddr : ip daddr . th dport ;"
+        " flags dynamic,timeout ;" in shards[0]
+    )
+    assert "size" not in shards[0]  # the kernel bounds each at 65535 without preallocating
+    shard, key = _pin_key(port_identity(spn("web")), "service")
+    lookup = lines(dump, r"^add rule ip kube-proxy affinity-lookup-[A-Z2-7]{8}-ns/web/tcp/http ")
+    record = lines(dump, r"^add rule ip kube-proxy affinity-record-[A-Z2-7]{8}-ns/web/tcp/http ")
+    assert [r.split(" ", 5)[5] for r in lookup] == [f"meta l4proto tcp dnat to {key} map @{shard}"]
+    # A recorded connection is accepted; one that could not be recorded (the map is
+    # full) comes back to affinity-record, which counts it in affinity-full's rule. The
+    # record maps' elements go to the record chain from affinity-find, which accepts a
+    # connection no map holds, so nothing else comes back.
+    assert [r.split(" ", 5)[5] for r in record] == [
+        f"update @{shard} {{ {key} timeout 600s : ip daddr . th dport }} accept",
+    ]
+    assert lines(dump, r"^add rule ip kube-proxy affinity-full ") == [
+        'add rule ip kube-proxy affinity-full counter comment "not recorded"'
+    ]
+    assert lines(dump, r"^add rule ip kube-proxy affinity-record ") == [
+        "add rule ip kube-proxy affinity-record jump affinity-find",
+        "add rule ip kube-proxy affinity-record jump affinity-full",
+    ]
+    assert lines(dump, r"^add rule ip kube-proxy affinity-find ") == [
+        *FIND_RULES,
+        "add rule ip kube-proxy affinity-find accept",
+    ]
+    # Every frontend of the port reads and writes the same entries.
+    lookup_chain, record_chain = lookup[0].split()[4], record[0].split()[4]
+    for frontend in ("172.30.0.10 . tcp . 80", "5.6.7.8 . tcp . 80"):
+        assert f"affinity-lookup-ips.g1 {{ {frontend} : jump {lookup_chain} }}" in dump
+        assert f"affinity-record-ips.g1 {{ {frontend} : goto {record_chain} }}" in dump
+    assert f"affinity-lookup-nodeports.g1 {{ tcp . 30080 : jump {lookup_chain} }}" in dump
+
+
+def test_shared_affinity_records_the_local_list_first_then_the_cluster_list() -> None:
+    world = World()
+    world.add(LOCAL_STICKY, ep("10.180.0.1", local=True), ep("10.180.0.2"))
+    fake = FakeNft()
+    backend(fake).sync(world.snapshot(), full())
+    identity = port_identity(LOCAL_STICKY.name)
+    shard, cluster = _pin_key(identity, "service")
+    same_shard, local = _pin_key(identity, "local")
+    assert same_shard == shard  # every entry of a port in one map
+    record = [
+        r.split(" ", 5)[5] for r in lines(fake.dump(), r"^add rule ip kube-proxy affinity-record-")
+    ]
+    assert record == [
+        "ip daddr . th dport @affinity-local-endpoints "
+        f"update @{shard} {{ {local} timeout 60s : ip daddr . th dport }}",
+        f"update @{shard} {{ {cluster} timeout 60s : ip daddr . th dport }} accept",
+    ]
+
+
+def _pin(identity: str, which: str, port: int = 0) -> tuple[str, str, str]:
+    shard, high, low = affinity_pin(identity, which, port)
+    return shard, str(high), str(low)
+
+
+def test_shared_affinity_entries_of_removed_endpoints_and_ports_are_deleted() -> None:
+    world = World()
+    name = web(world, "10.180.0.1", "10.180.0.2", session_affinity_seconds=60)
+    fake = FakeNft()
+    b = backend(fake)
+    b.sync(world.snapshot(), full())
+    shard, high, low = _pin(port_identity(name), "service")
+    # Another port's entry (pins that no port has) in the same map, pointing at the
+    # endpoint that goes: left alone by the incremental sync, gone at the full sync.
+    fake.run_text(
+        f"add element ip kube-proxy {shard} {{ "
+        f"{high} . {low} . 10.0.0.5 : 10.180.0.1 . 8080, "
+        f"{high} . {low} . 10.0.0.6 : 10.180.0.2 . 8080, "
+        "7 . 8 . 10.0.0.7 : 10.180.0.1 . 8080 }"
+    )
+
+    def keys() -> list[tuple[str, ...]]:
+        return sorted(e.key for e in fake.list_elements(Family.IP, "kube-proxy", shard))
+
+    web(world, "10.180.0.2", session_affinity_seconds=60)
+    b.sync(world.snapshot(), changed(name))
+    assert keys() == [(high, low, "10.0.0.6"), ("7", "8", "10.0.0.7")]
+    b.sync(world.snapshot(), full())
+    assert keys() == [(high, low, "10.0.0.6")]
+
+
+def test_shared_ipv6_affinity_keys_a_hash_of_the_client_with_a_pin_per_endpoint_port() -> None:
+    world = v6_world()
+    world.add(
+        ServicePort(spn("v6"), ip("fd00:96::10"), 80, Protocol.TCP, session_affinity_seconds=60),
+        Endpoint(ip("fd00:180::1"), 8080),
+        Endpoint(ip("fd00:180::2"), 9090),
+    )
+    fake = FakeNft()
+    backend(fake, family=IPFamily.IPV6).sync(world.snapshot(), full())
+    dump = fake.dump()
+    identity = port_identity(spn("v6"))
+    client = "jhash ip6 saddr mod 4294967295 seed 0x0"
+    keys = {p: _pin_key(identity, "service", p, client) for p in (8080, 9090)}
+    lookup = lines(dump, r"^add rule ip6 kube-proxy affinity-lookup-[A-Z2-7]{8}-")
+    assert sorted(r.split(" ", 5)[5] for r in lookup) == sorted(
+        f"meta l4proto tcp dnat to {key} map @{shard} : {p}" for p, (shard, key) in keys.items()
+    )
+    record = [r.split(" ", 5)[5] for r in lines(dump, r"^add rule ip6 kube-proxy affinity-record-")]
+    assert sorted(record) == sorted(
+        [
+            *(
+                f"th dport {p} update @{shard} {{ {key} timeout 60s : ip6 daddr }} accept"
+                for p, (shard, key) in keys.items()
+            ),
+        ]
+    )
+    assert (
+        "typeof numgen random mod 1 . numgen random mod 1 . numgen random mod 1 : ip6 daddr" in dump
+    )
+
+
+def test_a_table_with_maps_per_port_loses_them_to_the_shared_maps() -> None:
+    world = World()
+    web(world, "10.180.0.1", session_affinity_seconds=60)
+    fake, clock = FakeNft(), Clock()
+    backend(fake, clock, affinity=AFFINITY_PER_PORT).sync(world.snapshot(), full())
+    assert len(_affinity_maps(fake)) == 1
+    b = backend(fake, clock)
+    b.sync(world.snapshot(), full())
+    clock.now += 2.0
+    assert b.collect_stale()
+    assert _affinity_maps(fake) == []
+    assert len([n for n in fake.list_sets(Family.IP, "kube-proxy") if "clients" in n]) == 256
+
+
+def test_the_affinity_choice_is_checked() -> None:
+    with pytest.raises(ValueError, match="unknown affinity maps"):
+        backend(FakeNft(), affinity="both")
+
+
+def test_explain_shows_a_ports_own_entries_of_its_shared_map() -> None:
+    from kubeproxy.backends.nftables.explain import FakeSource, TableView, explain_service
+
+    world = World()
+    name = web(world, "10.180.0.1", session_affinity_seconds=60)
+    fake = FakeNft()
+    backend(fake).sync(world.snapshot(), full())
+    shard, high, low = _pin(port_identity(name), "service")
+    fake.run_text(
+        f"add element ip kube-proxy {shard} {{ "
+        f"{high} . {low} . 10.0.0.5 : 10.180.0.1 . 8080, 7 . 8 . 10.0.0.7 : 10.180.0.1 . 8080 }}"
+    )
+    view = explain_service(TableView(FakeSource(fake), Family.IP), name.service)
+    (frontend,) = view.frontends
+    assert frontend.affinity_maps == (shard,)
+    assert [(a.client, a.endpoint) for a in frontend.affinity] == [("10.0.0.5", "10.180.0.1:8080")]

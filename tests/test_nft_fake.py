@@ -110,12 +110,15 @@ add element ip6 t6 s6 { fd00::1 }
 @dataclass(frozen=True)
 class Case:
     """A transaction run on top of BASE, and the errno it must fail with (None: succeed);
-    ``older``: the errno older kernels of the matrix answer instead, where it changed."""
+    ``older``: the errno older kernels of the matrix answer instead, where it changed;
+    ``accepted_since``: the kernel version from which the kernel accepts what the fake
+    (as the matrix's oldest kernel) refuses."""
 
     id: str
     tx: str
     fails: int | None = None
     older: int | None = None
+    accepted_since: tuple[int, int] | None = None
 
 
 CASES = [
@@ -222,6 +225,35 @@ CASES = [
     Case("constant set in use", "add element ip t k { 1.1.1.1 }", errno.EBUSY),
     Case("port with a leading zero", "add element ip t pp { tcp . 080 }"),
     Case("concatenated verdict map", "add element ip t um { 10.0.0.1 . tcp . 80 : goto c }"),
+    # The shared ClientIP affinity maps (issue 32): pin numbers as "numgen ... offset N",
+    # IPv6 clients as a hash; entries written by the kernel, and by hand here.
+    Case(
+        "shared affinity map, its rules and an entry",
+        "add map ip t aff { typeof numgen random mod 1 . numgen random mod 1 . ip saddr"
+        " : ip daddr . th dport ; flags dynamic,timeout ; timeout 10800s ; }\n"
+        "add chain ip t lk\n"
+        "add rule ip t lk meta l4proto tcp dnat to numgen random mod 1 offset 7"
+        " . numgen random mod 1 offset 8 . ip saddr map @aff\n"
+        "add chain ip t rec\n"
+        "add rule ip t rec update @aff { numgen random mod 1 offset 7 . numgen random mod 1"
+        " offset 8 . ip saddr timeout 60s : ip daddr . th dport } return\n"
+        "add rule ip t rec jump c2\n"
+        "add element ip t aff { 7 . 8 . 10.0.0.5 : 10.180.0.1 . 8080 }",
+    ),
+    Case(
+        "shared IPv6 affinity map keyed by a hash of the client",
+        "add map ip6 t6 aff { typeof numgen random mod 1 . numgen random mod 1"
+        " . numgen random mod 1 : ip6 daddr ; flags dynamic,timeout ; timeout 10800s ; }\n"
+        "add chain ip6 t6 lk\n"
+        "add rule ip6 t6 lk meta l4proto tcp dnat to numgen random mod 1 offset 7"
+        " . numgen random mod 1 offset 8 . jhash ip6 saddr mod 4294967295 seed 0x0"
+        " map @aff : 8080\n"
+        "add chain ip6 t6 rec\n"
+        "add rule ip6 t6 rec th dport 8080 update @aff { numgen random mod 1 offset 7"
+        " . numgen random mod 1 offset 8 . jhash ip6 saddr mod 4294967295 seed 0x0"
+        " timeout 60s : ip6 daddr } return\n"
+        "add element ip6 t6 aff { 7 . 8 . 4294967294 : fd00:180::1 }",
+    ),
     # flush and delete
     Case("delete a chain with rules", "delete chain ip t c2"),
     Case("delete a chain a rule jumps to", "delete chain ip t c4", errno.EBUSY),
@@ -267,6 +299,15 @@ CASES = [
     Case("loop not reachable from a base chain", "add rule ip t c4 goto c3"),
     Case("loop through a verdict map", "add rule ip t c ip daddr vmap @m", errno.EMLINK),
     Case("vmap on a set", "add rule ip t c ip daddr vmap @u", errno.EINVAL),
+    # Debian 12's 6.1 (make test-kernels) refuses a map lookup without a value.
+    Case("map read as a set", "add rule ip t c ip daddr @mm accept", errno.EINVAL, None, (6, 5)),
+    Case(
+        "map read as a set, inverted",
+        "add rule ip t c ip daddr != @mm accept",
+        errno.EINVAL,
+        accepted_since=(6, 5),
+    ),
+    Case("map read for its value", "add rule ip t c meta l4proto tcp dnat to ip saddr map @mm"),
     Case(
         "anonymous vmap targets",
         "add rule ip t c numgen random mod 2 vmap { 0 : goto c2, 1 : goto c3 }",
@@ -681,6 +722,11 @@ def _same_errno(kernel_error: NftError, expected: int, older: int | None = None)
     )
 
 
+def _kernel_version() -> tuple[int, int]:
+    major, minor = os.uname().release.split(".")[:2]
+    return int(major), int(minor)
+
+
 @pytest.mark.kernel
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_kernel_agrees(kernel: LibNftables, case: Case) -> None:
@@ -690,6 +736,13 @@ def test_kernel_agrees(kernel: LibNftables, case: Case) -> None:
         kernel.run(tx)
         fake.run(tx)
     assert state(kernel) == state(fake)
+    if case.accepted_since is not None and _kernel_version() >= case.accepted_since:
+        (tx,) = transactions(case.tx)
+        kernel.run(tx)
+        with pytest.raises(NftError) as refused:
+            fake.run(tx)
+        assert refused.value.errno == case.fails
+        return
     for tx in transactions(case.tx):
         if case.fails is None:
             kernel.run(tx)

@@ -16,6 +16,7 @@ import ipaddress
 import re
 import socket
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,7 @@ from tests.kernelkit import (
     client_node_server,
     echo_port_name,
     echo_snapshot,
+    ip,
     nft_listing_reloads,
     run_in,
 )
@@ -309,3 +311,47 @@ def test_refused_transaction_leaves_the_previous_rules(topology: Topology) -> No
         ("10.181.1.142", "8080"),
     ]
     assert topology.in_namespace(topology.client, echo) == b"still\n"
+
+
+# A full affinity map -----------------------------------------------------------------------
+
+
+def test_a_full_affinity_map_is_counted_and_the_connection_still_served(
+    topology: Topology,
+) -> None:
+    """Maps of one entry (``affinity_size``): the client's connection takes the echo
+    port's map; the node's own connection cannot be recorded: it is served all the same,
+    and counted in ``kubeproxy_nftables_affinity_unrecorded_connections_total``."""
+    from prometheus_client import CollectorRegistry
+
+    from kubeproxy.backends.nftables.affinity_metrics import report_affinity
+
+    backend = NftablesBackend(
+        IPFamily.IPV4, CONFIG, executor=LibNftables(netns=topology.node), affinity_size=1
+    )
+    base = snapshot(0)
+    sticky = {n: replace(p, session_affinity_seconds=60) for n, p in base.services.items()}
+    backend.sync(replace(base, services=sticky), full())
+    registry = CollectorRegistry()
+    report_affinity(registry, backend)
+
+    def unrecorded() -> float | None:
+        return registry.get_sample_value(
+            "kubeproxy_nftables_affinity_unrecorded_connections_total", {"ip_family": "IPv4"}
+        )
+
+    def echo() -> bytes:
+        with socket.create_connection(("172.30.0.10", 80), timeout=5) as conn:
+            conn.sendall(b"x")
+            return conn.recv(1)
+
+    assert unrecorded() == 0
+    assert topology.in_namespace(topology.client, echo) == b"x"
+    assert unrecorded() == 0
+    # The node's own connection leaves towards the Service CIDR before its DNAT.
+    ip("-n", topology.node, "route", "add", "172.30.0.0/16", "dev", f"{PREFIX}-s")
+    assert topology.in_namespace(topology.node, echo) == b"x"
+    assert unrecorded() == 1
+    # The client's entry is there, refreshed by its next connection (not counted).
+    assert topology.in_namespace(topology.client, echo) == b"x"
+    assert unrecorded() == 1

@@ -234,12 +234,11 @@ def test_a_failed_full_sync_leaves_no_generation_behind(topology: Topology) -> N
     assert _echo(topology) == b"hello\n"
 
 
-def test_each_port_has_affinity_maps_of_its_own_bounded_by_the_kernel(
-    topology: Topology,
-) -> None:
-    # One busy Service cannot fill another's affinity: every port's endpoint lists have
-    # maps of their own, which the kernel bounds at 65535 clients once a rule updates
-    # them (declared without a size, so nothing is allocated up front).
+def test_affinity_maps_are_shared_and_bounded_by_the_kernel(topology: Topology) -> None:
+    # A fixed number of maps whatever the number of ports (256 per family), each bounded
+    # at 65535 clients by the kernel once a rule updates it (declared without a size, so
+    # nothing is allocated up front); none of a port's own. The per-port maps before
+    # them (affinity="per-port", the benchmarks' structure): one per port.
     snapshot = echo_snapshot(PREFIX, 20)
     sticky = [
         (replace(port, session_affinity_seconds=60), snapshot.categorized[name])
@@ -248,6 +247,18 @@ def test_each_port_has_affinity_maps_of_its_own_bounded_by_the_kernel(
     ]
     backend = NftablesBackend(IPFamily.IPV4, CONFIG, executor=LibNftables(topology.node))
     backend.sync(_with_ports(snapshot, sticky), SyncChanges(full=True))
+    listing = run_in(topology.node, "nft", "list", "table", "ip", "kube-proxy")
+    shards = dict(re.findall(r"map (affinity-clients-[0-9]+) \{\n([^}]*)\}", listing))
+    assert len(shards) == 256
+    used = set(re.findall(r"update @(affinity-clients-[0-9]+) ", listing))
+    assert 1 < len(used) <= 20
+    assert all("size 65535" in shards[n] and "flags dynamic,timeout" in shards[n] for n in used)
+    assert re.findall(r"map affinity-[A-Z2-7]{16} ", listing) == []
+    backend.cleanup()
+    old = NftablesBackend(
+        IPFamily.IPV4, CONFIG, executor=LibNftables(topology.node), affinity="per-port"
+    )
+    old.sync(_with_ports(snapshot, sticky), SyncChanges(full=True))
     listing = run_in(topology.node, "nft", "list", "table", "ip", "kube-proxy")
     maps = re.findall(r"map (affinity-[A-Z2-7]{16}) \{\n([^}]*)\}", listing)
     assert len(maps) == 20

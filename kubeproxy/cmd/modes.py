@@ -153,8 +153,9 @@ class BackendCounters(NullObserver):
 
 
 def nftables_hooks(backend: Backend, metrics: ProxyMetrics) -> Sequence[SyncHook | SyncObserver]:
-    """nftables mode: the stale-chain cleanup failure counter, the sweeper deleting what a
-    restart or a failed sync left without waiting for a change (with its
+    """nftables mode: the stale-chain cleanup failure counter, the session affinity
+    counter (``kubeproxy_nftables_affinity_unrecorded_connections_total``), the sweeper
+    deleting what a restart or a failed sync left without waiting for a change (with its
     ``..._nftables_stale_objects`` gauge), and the localhost NodePort metrics of a backend
     with the ``KubeProxyNFTablesLocalhostNodePorts`` gate on."""
     if hasattr(backend, "rejected_packets"):
@@ -163,6 +164,8 @@ def nftables_hooks(backend: Backend, metrics: ProxyMetrics) -> Sequence[SyncHook
     hooks: list[SyncHook | SyncObserver] = []
     if hasattr(backend, "stale_chain_failures"):
         hooks.append(CleanupFailureCounter(backend, metrics))
+    if hasattr(backend, "affinity_unrecorded"):
+        _module("nftables", "affinity_metrics").report_affinity(metrics.registry, backend)
     if hasattr(backend, "collect_stale"):
         sweeper = _module("nftables", "sweeper")
         sweeper.report_stale_objects(metrics.registry, backend)

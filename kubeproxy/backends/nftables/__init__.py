@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from kubeproxy.backends.nftables.backend import NftablesBackend
+from kubeproxy.backends.nftables.layout import AFFINITY_SHARED
 from kubeproxy.backends.nftables.localhost import (  # noqa: F401 (OBJECT_NAMES: importable here before)
     KEPT_OBJECTS,
     OBJECT_NAMES,
@@ -68,7 +69,12 @@ __all__ = [
 
 
 def create_backend(
-    family: IPFamily, config: ProxierConfig, *, netns: str | None = None, precreate_counts: int = 0
+    family: IPFamily,
+    config: ProxierConfig,
+    *,
+    netns: str | None = None,
+    affinity: str = AFFINITY_SHARED,
+    precreate_counts: int = 0,
 ) -> NftablesBackend | LocalhostNodePortsBackend:
     """A backend for ``family`` in ``netns`` (the current namespace if None).
 
@@ -87,6 +93,8 @@ def create_backend(
     when another process owns the table (another proxy on this node). With the
     ``KubeProxyNFTablesLocalhostNodePorts`` gate on, the backend comes wrapped in a
     :class:`~kubeproxy.backends.nftables.localhost.LocalhostNodePortsBackend`.
+    ``affinity`` picks where ClientIP entries live (the shared maps; the benchmarks keep
+    the per-port maps before them, :data:`~.layout.AFFINITY_PER_PORT`).
     """
     from kubeproxy.backends.nftables.exec import LibNftables
     from kubeproxy.backends.nftables.owner import OwnedNftables, probe_table_flags
@@ -100,7 +108,14 @@ def create_backend(
         executor = OwnedNftables(netns)
     else:
         executor = LibNftables(netns=netns, netlink_elements=gates.enabled(NFTABLES_NETLINK))
-    backend = backend_over(executor, family, config, netns=netns, precreate_counts=precreate_counts)
+    backend = backend_over(
+        executor,
+        family,
+        config,
+        netns=netns,
+        affinity=affinity,
+        precreate_counts=precreate_counts,
+    )
     if isinstance(executor, OwnedNftables):
         # Refused at once when another process owns the table (another proxy); created
         # or adopted with the first write (nothing is written before the daemon starts).
@@ -116,6 +131,7 @@ def backend_over(
     *,
     netns: str | None = None,
     clock: Callable[[], float] = time.monotonic,
+    affinity: str = AFFINITY_SHARED,
     precreate_counts: int = 0,
 ) -> NftablesBackend | LocalhostNodePortsBackend:
     """The backend :func:`create_backend` builds, over a given executor and clock (tests
@@ -127,6 +143,7 @@ def backend_over(
         executor=executor,
         clock=clock,
         kept=KEPT_OBJECTS if localhost else (),
+        affinity=affinity,
         precreate_counts=precreate_counts,
     )
     if not localhost:

@@ -37,7 +37,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final
 
@@ -48,7 +48,7 @@ from kubeproxy.backend import (
     SyncChanges,
     SyncError,
 )
-from kubeproxy.backends.nftables.affinity_cleanup import AffinityCleaner
+from kubeproxy.backends.nftables.affinity_cleanup import AffinityCleaner, Every
 from kubeproxy.backends.nftables.claims import Claims
 from kubeproxy.backends.nftables.commits import SyncOps
 from kubeproxy.backends.nftables.diff import (
@@ -59,7 +59,7 @@ from kubeproxy.backends.nftables.diff import (
     restitch,
 )
 from kubeproxy.backends.nftables.elements import ElementBatch
-from kubeproxy.backends.nftables.exec import NftExecutor, delete_table
+from kubeproxy.backends.nftables.exec import LibNftables, NftExecutor, delete_table
 from kubeproxy.backends.nftables.failures import FailureDump
 from kubeproxy.backends.nftables.frontends import AffinityPlan, Frontend, PortPlan, plan_port
 from kubeproxy.backends.nftables.generation import (
@@ -69,14 +69,19 @@ from kubeproxy.backends.nftables.generation import (
     add_container,
 )
 from kubeproxy.backends.nftables.layout import (
+    AFFINITY_FULL_COMMENT,
+    AFFINITY_MAPS,
+    AFFINITY_SHARED,
     DISPATCH_TREE,
     Dispatch,
     affinity_container,
+    affinity_shards,
     generation_of,
     precreated_classes,
 )
 from kubeproxy.backends.nftables.objects import Chain, Family, NftError, Set, Table
 from kubeproxy.backends.nftables.owner import OwnedNftables
+from kubeproxy.backends.nftables.rulecounters import rule_counters
 from kubeproxy.backends.nftables.stale import (
     STALE_DELAY,
     StaleCollector,
@@ -86,6 +91,7 @@ from kubeproxy.backends.nftables.stale import (
 )
 from kubeproxy.backends.nftables.support import check_support
 from kubeproxy.backends.nftables.table import (
+    AFFINITY_FULL,
     TABLE,
     TABLE_COMMENT,
     FamilyTokens,
@@ -174,10 +180,16 @@ class NftablesBackend:
         kept: Iterable[TableObject | str] = (),
         element_names: bool = True,
         failure_dir: Path | None = None,
+        affinity: str = AFFINITY_SHARED,
+        affinity_size: int | None = None,
         precreate_counts: int = 0,
     ) -> None:
         if elements_per_transaction < 1:
             raise ValueError("elements_per_transaction must be at least 1")
+        if affinity not in AFFINITY_MAPS:
+            raise ValueError(f"unknown affinity maps {affinity!r}")
+        if affinity_size is not None and not 1 <= affinity_size <= 2**31:
+            raise ValueError(f"affinity map size {affinity_size} is out of range")
         try:
             self._dispatch = Dispatch(dispatch)
         except ValueError:
@@ -188,6 +200,8 @@ class NftablesBackend:
         self._family = family
         self._nft_family = _FAMILIES[family]
         self._tokens: FamilyTokens = tokens_for(family)
+        self._shared_affinity = affinity == AFFINITY_SHARED
+        self._shards = affinity_shards(self._tokens, affinity_size) if self._shared_affinity else ()
         self._config = config
         self._executor = executor
         self._clock = clock
@@ -219,7 +233,8 @@ class NftablesBackend:
         self._ctx: RenderContext | None = None
         self._node_ports: NodePortAddresses | None = None
         self._nodeport_keys: tuple[Key, ...] = ()
-        self._gen = Generation(0, self._tokens, self._dispatch)
+        self._held_shards: tuple[str, ...] = ()
+        self._gen = Generation(0, self._tokens, self._dispatch, self._shards)
 
     # Backend protocol -------------------------------------------------------------------
 
@@ -262,11 +277,12 @@ class NftablesBackend:
         self._last_elements = ops.elements
         every = None
         if full:
-            every = [
-                spec
-                for state in self._gen.ports.values()
-                for spec in (state.affinity.maps if state.affinity is not None else ())
-            ]
+            plans = [s.affinity for s in self._gen.ports.values() if s.affinity is not None]
+            every = Every(
+                [spec for plan in plans for spec in plan.maps],
+                [pin for plan in plans for pin in plan.pins],
+                self._held_shards,
+            )
         self.affinity_cleanup_failures += self._affinity.clean(self._map_live, every)
 
     def last_sync_plan(self) -> dict[str, Any]:
@@ -290,6 +306,14 @@ class NftablesBackend:
                 "deleted": sum(d for _c, (_a, d) in rest),
             },
         }
+
+    def affinity_unrecorded(self) -> int:
+        """New connections whose ClientIP affinity entry could not be written (a full
+        shared map), as the kernel counted them (0 without a kernel: the fake, tools)."""
+        if not isinstance(self._executor, (LibNftables, OwnedNftables)):
+            return 0
+        counts = rule_counters(self._nft_family, TABLE, AFFINITY_FULL, netns=self._executor.netns)
+        return counts.get(AFFINITY_FULL_COMMENT, 0)
 
     # Unused objects --------------------------------------------------------------------
 
@@ -350,7 +374,7 @@ class NftablesBackend:
     # Plumbing ---------------------------------------------------------------------------
 
     def _new_generation(self, gen: int) -> None:
-        self._gen = Generation(gen, self._tokens, self._dispatch)
+        self._gen = Generation(gen, self._tokens, self._dispatch, self._shards)
         self._affinity.forget()
 
     def _new_transaction(self) -> Transaction:
@@ -403,12 +427,15 @@ class NftablesBackend:
         addresses = snapshot.node.addresses_of(self._family)
         context = (detector, self._config.masquerade_all, addresses)
         if self._inputs is None or self._inputs.context != context or self._ctx is None:
-            self._ctx = context_or_default(
-                self._tokens,
-                detector,
-                masquerade_all=self._config.masquerade_all,
-                node_addresses=addresses,
-                logger=log,
+            self._ctx = replace(
+                context_or_default(
+                    self._tokens,
+                    detector,
+                    masquerade_all=self._config.masquerade_all,
+                    node_addresses=addresses,
+                    logger=log,
+                ),
+                shared_affinity=self._shared_affinity,
             )
         node_ports = snapshot.node_port_addresses
         if node_ports != self._node_ports:
@@ -454,6 +481,11 @@ class NftablesBackend:
         self._new_generation(gen)
         model = self._gen
         self._stale.listed(chains, sets)
+        # The shared affinity maps the kernel held (a new one holds nothing to clean);
+        # every full sync declares them all.
+        self._held_shards = tuple(c.name for c in self._shards if c.name in sets)
+        for spec in self._shards:
+            self._stale.take(set_object(spec.name))
         self._inputs = inputs
         claims = self._claims
         claims.reset()

@@ -319,6 +319,7 @@ def refs_of_text(rule: str) -> RuleRefs:
         verdicts=tuple(re.findall(r"\b(goto|jump) (\S+)", rule)),
         updates=update[1] if update else None,
         timeout_s=int(timeout[1]) if timeout else None,
+        offsets=tuple(int(n) for n in re.findall(r"\boffset ([0-9]+)", rule)),
     )
 
 
@@ -470,6 +471,8 @@ class TableView:
             if self.get(names.no_endpoint(kind, verdict), key) is not None:
                 no_endpoint = str(verdict)
         maps: list[str] = []
+        # A shared map's entries of this port: its lookup rules' pin numbers.
+        pins: dict[str, set[Key]] = {}
         timeout = None
         entries: list[Affinity] = []
         if spec is not None and spec.affinity:
@@ -478,16 +481,25 @@ class TableView:
                 if held is not None and len(held.value) == 2 and held.value[1]:
                     for rule in self.rules(held.value[1]):
                         maps.extend(m for m in rule.lookups if m not in maps)
+                        if len(rule.offsets) == 2:
+                            for m in rule.lookups:
+                                pins.setdefault(m, set()).add(tuple(map(str, rule.offsets)))
             record = self.get(names.affinity_record(kind), key)
             if record is not None and len(record.value) == 2 and record.value[1]:
                 for rule in self.rules(record.value[1]):
                     if rule.timeout_s is not None:
                         timeout = rule.timeout_s
             for affinity_map in maps:
+                mine = pins.get(affinity_map)
                 for item in self.dump(affinity_map).values():
+                    client = item.key[0]
+                    if mine is not None:
+                        if item.key[:2] not in mine:
+                            continue  # another port's entry
+                        client = item.key[2]  # IPv6: a hash of the client's address
                     expires = None if item.expires_ms is None else item.expires_ms / 1000
                     endpoint = _endpoint(item.value) if len(item.value) == 2 else item.value[0]
-                    entries.append(Affinity(item.key[0], endpoint, expires))
+                    entries.append(Affinity(client, endpoint, expires))
         cluster_ip = kind == KIND_IP and self.get(Names.CLUSTER_IPS, key[:1]) is not None
         addresses: tuple[str, ...] = ()
         if kind == KIND_NODEPORT:

@@ -16,7 +16,9 @@ checked against the kernel; ``tests/test_nft_fake.py`` runs the same transaction
   while a rule (``jump``/``goto``) or a map element (``goto X``) refers to the chain;
   ``delete set``/``map`` fails with ``EBUSY`` while a rule refers to it (``@name``).
 * A rule's chain, its ``@set``/``@map`` and its ``jump``/``goto`` targets must exist
-  (``ENOENT``); jumping to a base chain -> ``EOPNOTSUPP``; ``vmap @set`` -> ``EINVAL``.
+  (``ENOENT``); jumping to a base chain -> ``EOPNOTSUPP``; ``vmap @set`` -> ``EINVAL``; a
+  map looked up as a plain set (``ip daddr @map``, ``!= @map``: no ``vmap``, ``map`` or
+  ``update``) -> ``EINVAL`` as Debian 12's 6.1 answers (Linux 6.5 and newer accept it).
 * Elements: the container must exist (``ENOENT``); key and value must match the set's type
   (number of concatenated parts, addresses, ports, protocols, verdicts; prefixes and
   ranges only with ``flags interval``; a timeout only with ``flags timeout``) or
@@ -74,6 +76,9 @@ _QUOTED = re.compile(r'"[^"]*"')
 _TARGET = re.compile(r"\b(?:jump|goto)\s+([A-Za-z_][A-Za-z0-9_./:-]*)")
 _SET_REF = re.compile(r"@([A-Za-z_][A-Za-z0-9_./:-]*)")
 _VMAP_REF = re.compile(r"\bvmap\s+@([A-Za-z_][A-Za-z0-9_./:-]*)")
+# A map named where its value is read (vmap, map) or written (update): anywhere else the
+# rule looks it up as a plain set, which kernels before 6.5 refuse.
+_VALUE_REF = re.compile(r"\b(?:vmap|map|update)\s+@([A-Za-z_][A-Za-z0-9_./:-]*)")
 _VERDICTS = frozenset({"accept", "drop", "return", "continue"})
 _PROTOCOLS = frozenset({"tcp", "udp", "sctp", "icmp", "icmpv6", "ipv6-icmp", "udplite", "dccp"})
 _SERVICE_NAME = re.compile(r"[a-z][a-z0-9-]*")
@@ -615,6 +620,11 @@ def _apply_rule(run: _Run, key: _Key, verb: str, obj: Rule, command: str) -> Non
     for ref in _VMAP_REF.findall(text):
         if not table.sets[ref].is_map:
             raise _error(errno.EINVAL, command, f"{ref} is not a map")
+    valued = set(_VALUE_REF.findall(text))
+    for ref in refs:
+        if table.sets[ref].is_map and ref not in valued:
+            # nft_lookup_init before Linux 6.5 ("relax set/map validation checks").
+            raise _error(errno.EINVAL, command, f"{ref} is a map, looked up without its value")
     for target in targets:
         table.chain_refs[target] = table.chain_refs.get(target, 0) + 1
     for ref in refs:

@@ -40,6 +40,7 @@ from kubeproxy.backends.nftables.table import (
     Key,
     RenderContext,
     affinity_map_name,
+    affinity_pin,
     chain_name,
     port_identity,
 )
@@ -64,6 +65,7 @@ __all__ = [
     "SHAPE_INTERNAL",
     "SHAPE_LOCAL",
     "AffinityMap",
+    "AffinityPin",
     "AffinityPlan",
     "ClassSpec",
     "Frontend",
@@ -136,6 +138,18 @@ upstream's endpoints have sets of their own, so one busy Service never crowds ou
 another's clients."""
 AFFINITY4_MAP_TYPE = "ipv4_addr : ipv4_addr . inet_service"
 """An IPv4 affinity map: client address : endpoint address . port."""
+_CONSTANT = "numgen random mod 1"
+# A 32-bit constant in a key: nft 1.0.6 cannot type a literal number in the concatenation
+# of a map lookup ("Can't parse symbolic invalid expressions"); "numgen random mod 1
+# offset N" is always N, typed as an integer.
+AFFINITY6_CLIENT = "jhash ip6 saddr mod 4294967295 seed 0x0"
+"""The client in an IPv6 key of the shared maps: a 32-bit hash of its address. nft 1.0.6
+puts a dynamic map's value in the register after the first 16 bytes of the key, so a key
+of the pin numbers and a whole IPv6 address would be overwritten by the value (its
+listing looks right; the kernel holds a key no lookup finds). Two clients of one port
+with the same hash share an entry (both still go to an endpoint of that port). The seed
+is given: without one the kernel draws one per rule, and the lookup and the record would
+hash differently."""
 _CLUSTER_LIST = "service"
 _LOCAL_LIST = "local"
 
@@ -236,6 +250,19 @@ class AffinityMap:
 
 
 @dataclass(frozen=True, slots=True)
+class AffinityPin:
+    """The entries of one endpoint list of a Service port in a shared affinity map
+    (:func:`~.table.affinity_pin`): in map ``shard``, keyed by the two numbers ``pin``
+    (as nft lists them) and the client. ``allowed`` are the values an entry may hold
+    while the list is what it is; the backend deletes the others after an endpoint went
+    away."""
+
+    shard: str
+    pin: tuple[str, str]
+    allowed: frozenset[Key]
+
+
+@dataclass(frozen=True, slots=True)
 class AffinityPlan:
     """ClientIP affinity of one Service port: per endpoint list (the port's cluster list
     and its node-local list, as upstream's ``service-`` and ``local-`` chains), dynamic
@@ -255,6 +282,7 @@ class AffinityPlan:
     maps: tuple[AffinityMap, ...]
     chains: tuple[ChainSpec, ...]
     local_members: tuple[Key, ...] = ()
+    pins: tuple[AffinityPin, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -483,6 +511,8 @@ class _Affinity:
         self.lists = {_CLUSTER_LIST: cluster, _LOCAL_LIST: local}
         self.ipv6 = ctx.tokens.family is IPFamily.IPV6
         self.maps: dict[str, AffinityMap] = {}
+        self.pins: dict[tuple[str, str], AffinityPin] = {}
+        self.targets: dict[str, list[tuple[str, str, int]]] = {}
         self.chains: dict[str, ChainSpec] = {}
         # The lists some frontend picks from, known before any frontend is built (the
         # record chain, shared by every frontend, writes each of them).
@@ -500,7 +530,8 @@ class _Affinity:
                 self.used.add(_CLUSTER_LIST)
 
     def _maps_of(self, which: str) -> list[tuple[str, int]]:
-        """(map name, endpoint port: 0 for IPv4's one map) of one endpoint list."""
+        """(map name, endpoint port: 0 for IPv4's one map) of one endpoint list (the
+        per-port maps)."""
         endpoints = [endpoint_value(key) for key in self.lists[which]]
         if not self.ipv6:
             name = affinity_map_name(self.identity, which, 0)
@@ -516,6 +547,36 @@ class _Affinity:
             out.append((name, port))
         return out
 
+    def _targets(self, which: str) -> list[tuple[str, str, int]]:
+        """(map name, key expression, endpoint port: 0 for IPv4) of the entries of one
+        endpoint list: the port's own maps keyed by the client, or the shared maps keyed
+        by the list's pin numbers and the client (IPv6: a 32-bit hash of it, see
+        :data:`AFFINITY6_SHARED_KEY`)."""
+        known = self.targets.get(which)
+        if known is not None:
+            return known
+        ip = "ip6" if self.ipv6 else "ip"
+        if not self.ctx.shared_affinity:
+            return [(name, f"{ip} saddr", port) for name, port in self._maps_of(which)]
+        endpoints = [endpoint_value(key) for key in self.lists[which]]
+        ports = sorted({int(p) for _host, p in endpoints}) if self.ipv6 else [0]
+        out = []
+        for port in ports:
+            shard, high, low = affinity_pin(self.identity, which, port)
+            pin = (str(high), str(low))
+            if pin not in self.pins:
+                allowed = frozenset(
+                    (h,) if self.ipv6 else (h, p)
+                    for h, p in endpoints
+                    if not self.ipv6 or int(p) == port
+                )
+                self.pins[pin] = AffinityPin(shard, pin, allowed)
+            client = AFFINITY6_CLIENT if self.ipv6 else "ip saddr"
+            key = f"{_CONSTANT} offset {high} . {_CONSTANT} offset {low} . {client}"
+            out.append((shard, key, port))
+        self.targets[which] = out
+        return out
+
     def _chain(self, prefix: str, rules: list[str]) -> str:
         spec = ChainSpec(chain_name(prefix, self.identity, rules), tuple(rules))
         self.chains.setdefault(spec.name, spec)
@@ -524,39 +585,54 @@ class _Affinity:
     def lookup(self, which: str) -> str:
         """The chain that DNATs a client with a recorded endpoint of list ``which``."""
         if self.ipv6:
-            maps = self._maps_of(which)
-            rules = [f"{self.l4} dnat to ip6 saddr map @{name} : {port}" for name, port in maps]
+            rules = [
+                f"{self.l4} dnat to {key} map @{name} : {port}"
+                for name, key, port in self._targets(which)
+            ]
         else:
-            rules = [f"{self.l4} dnat to ip saddr map @{name}" for name, _ in self._maps_of(which)]
+            rules = [
+                f"{self.l4} dnat to {key} map @{name}" for name, key, _ in self._targets(which)
+            ]
         return self._chain("affinity-lookup", rules)
 
     def record(self) -> str:
-        """The chain that records a new connection's endpoint in the maps of every list
+        """The chain that records a new connection's endpoint in the entries of every list
         the port picks from that holds it: the cluster list holds every endpoint a pick
         may choose, the local list those in :data:`AFFINITY_LOCAL_ENDPOINTS` (when the
-        port picks from both)."""
+        port picks from both).
+
+        With the shared maps the last list's rules end in ``accept``: the fixed
+        ``affinity-find`` chain goes here (``goto``), and ``affinity-record``, which
+        jumped to it, counts (``affinity-full``) the connections that come back, those
+        whose entry the kernel refused (the map is full). ``accept`` ends the base chain
+        as its end would: ``affinity-record`` is the last rule of the filter chains,
+        whose policy accepts (no rule of another table is skipped)."""
         seconds = self.seconds
         both = len(self.used) == 2
+        shared = self.ctx.shared_affinity
+        order = (_LOCAL_LIST, _CLUSTER_LIST) if shared else (_CLUSTER_LIST, _LOCAL_LIST)
+        last = _CLUSTER_LIST if _CLUSTER_LIST in self.used else _LOCAL_LIST
+        ip = "ip6" if self.ipv6 else "ip"
         rules = []
-        for which in (_CLUSTER_LIST, _LOCAL_LIST):
+        for which in order:
             if which not in self.used:
                 continue
-            ip = "ip6" if self.ipv6 else "ip"
             member = (
                 f"{ip} daddr . th dport @{AFFINITY_LOCAL_ENDPOINTS} "
                 if both and which == _LOCAL_LIST
                 else ""
             )
-            for name, port in self._maps_of(which):
+            end = " accept" if shared and which == last else ""
+            for name, key, port in self._targets(which):
                 if self.ipv6:
                     rules.append(
                         f"th dport {port} {member}update @{name} "
-                        f"{{ ip6 saddr timeout {seconds}s : ip6 daddr }}"
+                        f"{{ {key} timeout {seconds}s : ip6 daddr }}{end}"
                     )
                 else:
                     rules.append(
                         f"{member}update @{name} "
-                        f"{{ ip saddr timeout {seconds}s : ip daddr . th dport }}"
+                        f"{{ {key} timeout {seconds}s : ip daddr . th dport }}{end}"
                     )
         return self._chain("affinity-record", rules)
 
@@ -565,4 +641,9 @@ class _Affinity:
         members: tuple[Key, ...] = ()
         if len(self.used) == 2:
             members = tuple(endpoint_value(key) for key in self.lists[_LOCAL_LIST])
-        return AffinityPlan(tuple(self.maps.values()), tuple(self.chains.values()), members)
+        return AffinityPlan(
+            tuple(self.maps.values()),
+            tuple(self.chains.values()),
+            members,
+            tuple(self.pins.values()),
+        )

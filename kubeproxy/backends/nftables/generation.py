@@ -177,10 +177,18 @@ class Generation:
     replaces it at every full sync; the element diff reads and updates :attr:`held` and
     :attr:`shared`."""
 
-    def __init__(self, gen: int, tokens: FamilyTokens, dispatch: Dispatch) -> None:
+    def __init__(
+        self,
+        gen: int,
+        tokens: FamilyTokens,
+        dispatch: Dispatch,
+        shards: tuple[ContainerSpec, ...] = (),
+    ) -> None:
         self.names = GenNames(gen)
         self.tokens = tokens
         self.dispatch = dispatch
+        # The shared affinity maps (outside generations, declared by every full sync).
+        self.shards = shards
         self.ports: dict[ServicePortName, PortState] = {}
         self.by_service: dict[NamespacedName, set[ServicePortName]] = {}
         self.held: dict[Key, HeldFrontend] = {}
@@ -228,7 +236,11 @@ class Generation:
         (``hooked``) with the affinity dispatch chains (a full sync's first
         transaction)."""
         names, tokens = self.names, self.tokens
-        for spec in (*public_containers(tokens), *names.containers(tokens, self.dispatch)):
+        for spec in (
+            *public_containers(tokens),
+            *self.shards,
+            *names.containers(tokens, self.dispatch),
+        ):
             self.declare(tx, spec)
         for kind in KINDS:
             for bit in range(self.depth[kind]):
@@ -247,6 +259,7 @@ class Generation:
         wanted = {chain_object(n) for n in fixed_chain_names(dispatch)}
         wanted.update(kept)
         wanted.update(set_object(c.name) for c in public_containers(tokens))
+        wanted.update(set_object(c.name) for c in self.shards)
         wanted.update(set_object(c.name) for c in names.containers(tokens, dispatch))
         wanted.update(chain_object(n) for n in affinity_dispatch_chains(names, tokens))
         wanted.update(chain_object(names.cls(spec)) for spec in self.class_chains)
@@ -409,6 +422,7 @@ class Generation:
             service_cidrs=service_cidrs,
             dispatch=self.dispatch,
             classes=self.classes,
+            shared_affinity=bool(self.shards),
         )
 
     def queue_switch(
@@ -436,7 +450,11 @@ class Generation:
         for chain in fixed:
             tx.flush(Chain(chain.name))
         for chain in fixed:
-            tx.add_rules(chain.name, chain.rules)
+            if chain.rule_comment is None:
+                tx.add_rules(chain.name, chain.rules)
+            else:
+                for rule in chain.rules:
+                    tx.add_rule(chain.name, rule, chain.rule_comment)
         tx.flush(Set(Names.CLUSTER_IPS, addr_type))
         tx.add_elements(Names.CLUSTER_IPS, [((k,), _VALUE_NONE) for k in self.shared.cluster_ips])
         tx.flush(Set(AFFINITY_LOCAL_ENDPOINTS, addr_type))

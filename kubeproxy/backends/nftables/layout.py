@@ -59,6 +59,10 @@ from kubeproxy.backends.nftables.frontends import (
     NoEndpoint,
 )
 from kubeproxy.backends.nftables.table import (
+    AFFINITY_FIND,
+    AFFINITY_FULL,
+    AFFINITY_SHARD_PREFIX,
+    AFFINITY_SHARDS,
     AFFINITY_TIMEOUT,
     ContainerSpec,
     FamilyTokens,
@@ -69,7 +73,12 @@ from kubeproxy.backends.nftables.table import (
 )
 
 __all__ = [
+    "AFFINITY_FULL_COMMENT",
+    "AFFINITY_MAPS",
+    "AFFINITY_PER_PORT",
     "AFFINITY_PROTOCOLS",
+    "AFFINITY_SHARD_TYPES",
+    "AFFINITY_SHARED",
     "CLASS_NAME",
     "DISPATCH_RULES",
     "DISPATCH_TREE",
@@ -78,6 +87,7 @@ __all__ = [
     "Dispatch",
     "GenNames",
     "Pick",
+    "affinity_shards",
     "class_bits",
     "class_chain",
     "class_numbers",
@@ -614,13 +624,25 @@ def affinity_dispatch_chains(names: GenNames, tokens: FamilyTokens) -> dict[str,
     }
 
 
-def _affinity_record_rules(
-    names: GenNames, tokens: FamilyTokens, match_all_nodeports: bool
-) -> tuple[str, ...]:
-    """``affinity-record``: after DNAT, a new connection to a frontend with affinity goes to
-    its port's record chain, found by the original destination (``ct original``). nft
-    needs the protocol before it can type ``ct original proto-dst``; a set of protocols
-    (unlike one protocol) survives ``nft list`` as written, so the listing reloads."""
+def _affinity_record_chains(
+    names: GenNames, tokens: FamilyTokens, match_all_nodeports: bool, counted: bool = True
+) -> tuple[FixedChain, FixedChain]:
+    """``affinity-record`` and ``affinity-find``: after DNAT, a new connection to a
+    frontend with affinity goes to its port's record chain, found by the original
+    destination (``ct original``) in the ``affinity-record-*`` verdict maps. nft needs the
+    protocol before it can type ``ct original proto-dst``; a set of protocols (unlike one
+    protocol) survives ``nft list`` as written, so the listing reloads.
+
+    ``counted`` (the shared maps): a record chain accepts once it recorded the
+    connection. The maps' elements ``goto`` it from ``affinity-find``, which
+    ``affinity-record`` jumps to, so a connection whose entry the kernel refused (its map
+    is full) falls off the record chain's end back into ``affinity-record``, whose next
+    rule counts it (``affinity-full``); one no map holds is accepted at the end of
+    ``affinity-find`` (``affinity-record`` is the last rule of the filter chains, whose
+    policy accepts, so ``accept`` ends them as their end would). Reading a verdict map
+    as a plain set would say the same in one chain, but kernels before 6.5 (Debian 12's
+    6.1) refuse a map lookup without a destination register (EINVAL), and a ``jump
+    affinity-full`` at each record chain's end would cost a rule per port."""
     ip = tokens.table_family
     original = "meta l4proto . ct original proto-dst"
     frontend = f"ct original {ip} daddr . {original}"
@@ -631,10 +653,16 @@ def _affinity_record_rules(
     # A connection to a Service IP with no affinity may have the port of a NodePort with
     # one: only a destination no Service IP dispatches went through the NodePorts.
     not_ip = f"{frontend} != @{names.dispatch(KIND_IP)}"
-    return (
-        f"{_L4} {frontend} vmap @{names.affinity_record(KIND_IP)}",
-        f"{guard} {_L4} {not_ip} {original} vmap @{names.affinity_record(KIND_NODEPORT)}",
-    )
+    ips, nodeports = names.affinity_record(KIND_IP), names.affinity_record(KIND_NODEPORT)
+    find = [
+        f"{_L4} {frontend} vmap @{ips}",
+        f"{guard} {_L4} {not_ip} {original} vmap @{nodeports}",
+    ]
+    record = [f"jump {AFFINITY_FIND}"]
+    if counted:
+        find.append("accept")
+        record.append(f"jump {AFFINITY_FULL}")
+    return FixedChain(AFFINITY_RECORD, tuple(record)), FixedChain(AFFINITY_FIND, tuple(find))
 
 
 FIXED_CHAINS = (
@@ -656,6 +684,8 @@ FIXED_CHAINS = (
     Names.MARK_FOR_MASQUERADE,
     Names.MASQUERADING,
     "affinity-record",
+    AFFINITY_FIND,
+    AFFINITY_FULL,
 )
 """Every chain that is not per generation, in creation order (the rule dispatch's; the
 tree dispatch has no ``service-frontends`` and ``nodeport-frontends``)."""
@@ -663,6 +693,8 @@ tree dispatch has no ``service-frontends`` and ``nodeport-frontends``)."""
 SERVICE_FRONTENDS = "service-frontends"
 NODEPORT_FRONTENDS = "nodeport-frontends"
 AFFINITY_RECORD = "affinity-record"
+AFFINITY_FULL_COMMENT = "not recorded"
+"""The comment of :data:`~.table.AFFINITY_FULL`'s counted rule (what the metrics read)."""
 
 
 def fixed_chain_names(dispatch: Dispatch) -> tuple[str, ...]:
@@ -680,6 +712,43 @@ def public_containers(tokens: FamilyTokens) -> tuple[ContainerSpec, ...]:
         ContainerSpec(Names.CLUSTER_IPS, False, addr, comment="Active ClusterIPs"),
         ContainerSpec(Names.NODEPORT_IPS, False, addr, comment="IPs that accept NodePort traffic"),
         ContainerSpec(AFFINITY_LOCAL_ENDPOINTS, False, f"{addr} . inet_service"),
+    )
+
+
+AFFINITY_SHARED = "shared"
+"""ClientIP affinity in the shared maps (:func:`affinity_shards`), the default."""
+AFFINITY_PER_PORT = "per-port"
+"""ClientIP affinity in maps of each Service port's own (before issue 32; benchmarks)."""
+AFFINITY_MAPS = (AFFINITY_SHARED, AFFINITY_PER_PORT)
+
+AFFINITY_SHARD_TYPES = {
+    "ip": "numgen random mod 1 . numgen random mod 1 . ip saddr : ip daddr . th dport",
+    "ip6": "numgen random mod 1 . numgen random mod 1 . numgen random mod 1 : ip6 daddr",
+}
+"""The ``typeof`` of the shared affinity maps: two 32-bit pin numbers (written as ``numgen
+random mod 1 offset N``, see :mod:`.frontends`) and the client (IPv6: a 32-bit hash of
+it, typed as any 32-bit number) : the endpoint."""
+
+
+def affinity_shards(tokens: FamilyTokens, size: int | None = None) -> tuple[ContainerSpec, ...]:
+    """The shared affinity maps of a family (:data:`~.table.AFFINITY_SHARDS`), outside
+    generations: their entries outlive them.
+
+    Without ``size`` each is bounded at 65535 entries by the kernel, allocating nothing
+    up front (see :func:`affinity_container`): 16.7M clients per family in all, a Service
+    port sharing its map with 1 in 256 of the others. ``size`` (tests) declares it."""
+    kind = AFFINITY_SHARD_TYPES[tokens.table_family]
+    return tuple(
+        ContainerSpec(
+            f"{AFFINITY_SHARD_PREFIX}{n}",
+            True,
+            kind,
+            flags=("dynamic", "timeout"),
+            timeout=AFFINITY_TIMEOUT,
+            size=size,
+            typeof=True,
+        )
+        for n in range(AFFINITY_SHARDS)
     )
 
 
@@ -705,6 +774,7 @@ def fixed_chains(
     service_cidrs: Iterable[str],
     dispatch: Dispatch = DISPATCH_TREE,
     classes: Iterable[ClassSpec] = (),
+    shared_affinity: bool = True,
 ) -> tuple[FixedChain, ...]:
     """The chains outside generations, with rules reading generation ``names``.
 
@@ -789,5 +859,6 @@ def fixed_chains(
                 "masquerade fully-random",
             ),
         ),
-        FixedChain(AFFINITY_RECORD, _affinity_record_rules(names, tokens, match_all_nodeports)),
+        *_affinity_record_chains(names, tokens, match_all_nodeports, shared_affinity),
+        FixedChain(AFFINITY_FULL, ("counter",), rule_comment=AFFINITY_FULL_COMMENT),
     )

@@ -47,6 +47,7 @@ _IMMEDIATE_DATA = 2
 _LOOKUP_SET = 1
 _DYNSET_SET_NAME, _DYNSET_TIMEOUT = 1, 6
 _NG_MODULUS = 2
+_NG_OFFSET = 4
 _UDATA_COMMENT = 0
 PROBE_BATCH: Final = 1024
 """Keys asked for in one request by :meth:`TableReader.probe_blobs` (their answers,
@@ -87,6 +88,9 @@ class RuleRefs:
     timeout_s: int | None = None
     modulus: int | None = None
     expressions: tuple[tuple[str, tuple[tuple[int, bytes], ...]], ...] = ()
+    offsets: tuple[int, ...] = ()
+    """The offsets of its ``numgen`` expressions, in order (a shared affinity map's pin
+    numbers)."""
     """Every expression as the kernel holds it: its name and attributes (what ``trace``
     evaluates a rule's matches from)."""
     handle: int | None = None
@@ -408,6 +412,7 @@ def _rule_refs(expressions: bytes) -> RuleRefs:
     updates = None
     timeout = None
     modulus = None
+    offsets: list[int] = []
     seen: list[tuple[str, tuple[tuple[int, bytes], ...]]] = []
     for kind, element in nlmsg.attribute_values(expressions):
         if kind != _LIST_ELEM:
@@ -434,9 +439,13 @@ def _rule_refs(expressions: bytes) -> RuleRefs:
                 timeout = struct.unpack(">Q", fields[_DYNSET_TIMEOUT][:8])[0] // 1000
         elif name == b"numgen" and _NG_MODULUS in fields:
             modulus = struct.unpack(">I", fields[_NG_MODULUS][:4])[0]
+            if _NG_OFFSET in fields:
+                offsets.append(struct.unpack(">I", fields[_NG_OFFSET][:4])[0])
         elif name in (b"reject",):
             verdicts.append(("reject", ""))
-    return RuleRefs(tuple(lookups), tuple(verdicts), updates, timeout, modulus, tuple(seen))
+    return RuleRefs(
+        tuple(lookups), tuple(verdicts), updates, timeout, modulus, tuple(seen), tuple(offsets)
+    )
 
 
 def _text(raw: bytes) -> str:

@@ -16,7 +16,8 @@ this module compiles exactly that vocabulary, the way nft does:
   made it), ``meta l4proto``, ``meta mark`` (``& mask == value``), ``iifname`` (a
   trailing ``*`` compares the prefix only), ``ct state``, ``ct status`` (flag tests),
   ``ct original`` addresses and ``proto-dst``, ``fib saddr``/``daddr type``,
-  ``numgen random mod N``; concatenations of them; against a value, a named set
+  ``numgen random mod N [offset M]``, ``jhash ip6 saddr mod N seed S`` (in a DNAT map
+  lookup with a port, or a map update); concatenations of them; against a value, a named set
   (``@s``, ``!= @s``), a verdict map (``vmap @m``) or an anonymous set (``{ a, b }``);
 * statements ``jump``/``goto`` X, ``accept``/``drop``/``return``, ``reject``,
   ``counter``, ``masquerade [fully-random]``, ``meta mark set meta mark or|xor V``,
@@ -58,6 +59,15 @@ _CMP_EQ, _CMP_NEQ = 0, 1
 _LOOKUP_INV = 1
 _FIB_SADDR, _FIB_DADDR, _FIB_ADDRTYPE = 1, 2, 3
 _NG_RANDOM = 1
+_HASH_JENKINS = 0
+# Where nft 1.0.6 loads a hashed field (``jhash ip6 saddr``): in a DNAT's map lookup with
+# a port, the 4-byte register 7; in a dynamic map update, the value's register (the value
+# is loaded over it afterwards). Read from ``nft --debug=netlink``.
+_HASH_SCRATCH_DNAT = 7
+_OFFSET = re.compile(r"(?<=\boffset )[0-9]+")
+# Numbers no rule of ours holds elsewhere, compiled in place of the offsets of a rule
+# reused by RuleEncoder.encode (checked: each appears once in the compiled rule).
+_SENTINELS = (0xA5C3E1F0, 0xA5C3E1F1, 0xA5C3E1F2, 0xA5C3E1F3)
 _NAT_DNAT = 1
 _NAT_PROTO_SPECIFIED = 0x2
 _NAT_RANDOM_FULLY = 0x10
@@ -227,21 +237,42 @@ for _which, _flag in (("saddr", _FIB_SADDR), ("daddr", _FIB_DADDR)):
         4,
         "fibtype",
     )
-_SELECTOR_STARTS = frozenset(words[0] for words in _SELECTORS) | {"numgen"}
+_SELECTOR_STARTS = frozenset(words[0] for words in _SELECTORS) | {"numgen", "jhash"}
 
 
-def _numgen(modulus: int) -> _Selector:
+def _numgen(modulus: int, offset: int = 0) -> _Selector:
     return _Selector(
         lambda slot: _expr(
             "numgen",
             nlmsg.attr(1, _u32(register(slot))),
             nlmsg.attr(2, _u32(modulus)),
             nlmsg.attr(3, _u32(_NG_RANDOM)),
-            nlmsg.attr(4, _u32(0)),
+            nlmsg.attr(4, _u32(offset)),
         ),
         4,
         "integer",
     )
+
+
+def _jhash(source: _Selector, modulus: int, seed: int, scratch: Callable[[], int]) -> _Selector:
+    """``jhash <source> mod M seed S``: nft loads the source into a scratch register of
+    the statement (``scratch``: where nft 1.0.6 puts it there) and hashes it into the
+    part's own."""
+
+    def load(slot: int) -> bytes:
+        at = scratch()
+        return source.load(at) + _expr(
+            "hash",
+            nlmsg.attr(1, _u32(register(at))),
+            nlmsg.attr(2, _u32(register(slot))),
+            nlmsg.attr(3, _u32(source.length)),
+            nlmsg.attr(4, _u32(modulus)),
+            nlmsg.attr(5, _u32(seed)),
+            nlmsg.attr(6, _u32(0)),
+            nlmsg.attr(7, _u32(_HASH_JENKINS)),
+        )
+
+    return _Selector(load, 4, "integer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,10 +329,61 @@ class RuleEncoder:
         self._declaration = declaration
         self._set_id = set_id
         self._protocol_maps: set[str] = set()
+        self._scratch: int | None = None
+        # Compiled rules by their text without offset numbers (see encode), and how many
+        # rules added the protocol match of a map's first reader (such a rule is not
+        # reused: the next reader of that map gets no match).
+        self._templates: dict[str, tuple[bytes, tuple[bytes, ...]]] = {}
+        self._same: dict[str, EncodedRule] = {}
+        self._stateful = 0
+
+    def _hash_scratch(self) -> int:
+        if self._scratch is None:
+            raise _Unsupported("jhash outside a DNAT map lookup or a map update")
+        return self._scratch
 
     def encode(self, rule: str) -> EncodedRule:
         """The expressions of ``rule`` (raises :class:`NftError` naming it when it is not
-        in the vocabulary, or names a value that is not of its type)."""
+        in the vocabulary, or names a value that is not of its type).
+
+        Rules that differ only in their ``offset`` numbers (the ClientIP affinity chains
+        of every Service port, a lookup and a record each, which name one of 256 shared
+        maps) are compiled once per transaction and their numbers patched in: compiling
+        was 100-200 us a rule, most of the affinity chains' cost at a cold sync."""
+        numbers = _OFFSET.findall(rule) if "offset" in rule else []
+        if not numbers:
+            # The same rule again (one that many chains hold alike).
+            same = self._same.get(rule)
+            if same is not None:
+                return same
+            before = self._stateful
+            compiled = self._compile(rule)
+            if self._stateful == before and not compiled.anonymous:
+                self._same[rule] = compiled
+            return compiled
+        if len(numbers) > len(_SENTINELS):
+            return self._compile(rule)
+        template = _OFFSET.sub("#", rule)
+        patched = self._templates.get(template)
+        if patched is None:
+            before = self._stateful
+            compiled = self._compile(rule)
+            if self._stateful != before or compiled.anonymous:
+                return compiled  # not reusable (see __init__)
+            probe = rule
+            for number, sentinel in zip(numbers, _SENTINELS, strict=False):
+                probe = probe.replace(f"offset {number}", f"offset {sentinel}", 1)
+            expressions = self._compile(probe).expressions
+            marks = tuple(_u32(s) for s in _SENTINELS[: len(numbers)])
+            if all(expressions.count(m) == 1 for m in marks):
+                self._templates[template] = (expressions, marks)
+            return compiled
+        expressions, marks = patched
+        for mark, number in zip(marks, numbers, strict=True):
+            expressions = expressions.replace(mark, _u32(int(number)))
+        return EncodedRule(expressions)
+
+    def _compile(self, rule: str) -> EncodedRule:
         state = _State()
         try:
             tokens = _TOKEN.findall(rule)
@@ -367,7 +449,20 @@ class RuleEncoder:
             stream.expect("numgen")
             stream.expect("random")
             stream.expect("mod")
-            return _numgen(_number(stream.take(), 1, 2**32 - 1))
+            modulus = _number(stream.take(), 1, 2**32 - 1)
+            offset = 0
+            if stream.peek() == "offset":
+                stream.take()
+                offset = _number(stream.take(), 0, 2**32 - 1)
+            return _numgen(modulus, offset)
+        if stream.peek() == "jhash":
+            stream.take()
+            source = self._selector(stream)
+            stream.expect("mod")
+            modulus = _number(stream.take(), 1, 2**32 - 1)
+            stream.expect("seed")
+            seed = _number(stream.take(), 0, 2**32 - 1)
+            return _jhash(source, modulus, seed, self._hash_scratch)
         for length in (4, 3, 2, 1):
             words = tuple(stream.peek(i) or "" for i in range(length))
             found = _SELECTORS.get(words)
@@ -565,12 +660,17 @@ class RuleEncoder:
         # later rules match the protocol through the key anyway).
         if name not in self._protocol_maps:
             self._protocol_maps.add(name)
+            self._stateful += 1
             for value_field in declaration.value:
                 words = (value_field.expression or "").split()
                 if len(words) == 2 and words[1] == "dport" and words[0] in _PROTOCOLS:
                     self._depend(words[0], state)
         addr_slots = 1 if self.family is Family.IP else _SLOTS_OF_REGISTER
-        self._load(selectors, state)
+        self._scratch = _HASH_SCRATCH_DNAT if port is not None else None
+        try:
+            self._load(selectors, state)
+        finally:
+            self._scratch = None
         state.exprs.append(_lookup(name, 0, dreg=register(0), set_id=None))
         attributes = [
             nlmsg.attr(1, _u32(_NAT_DNAT)),
@@ -605,8 +705,16 @@ class RuleEncoder:
         stream.expect(":")
         data = self._selectors(stream, state)
         stream.expect("}")
-        key_slots = sum(s.slots for s in key) if len(key) > 1 else _SLOTS_OF_REGISTER
-        self._load(key, state, 0)
+        # nft 1.0.6 puts the value in the second 16-byte register, however long the key
+        # (a longer key would be overwritten by it: refused here).
+        if sum(s.slots for s in key) > _SLOTS_OF_REGISTER:
+            raise _Unsupported("a dynamic map key longer than 16 bytes")
+        key_slots = _SLOTS_OF_REGISTER
+        self._scratch = key_slots
+        try:
+            self._load(key, state, 0)
+        finally:
+            self._scratch = None
         self._load(data, state, key_slots)
         state.exprs.append(
             _expr(
