@@ -32,7 +32,6 @@ from datetime import datetime
 from kubeproxy.handlers import KubeObject
 from kubeproxy.objects import (
     Endpoint,
-    IPAddress,
     IPFamily,
     NamespacedName,
     Protocol,
@@ -399,9 +398,9 @@ class EndpointsMap(dict[ServicePortName, tuple[Endpoint, ...]]):
                 stale.extend((name, e) for e in endpoints if e.key not in kept)
             if not conntrack_cleanup:
                 conntrack_cleanup = any(name.protocol is Protocol.UDP for name in current)
-            local_ips: set[IPAddress] = set()
+            local_ips: set[str] = set()
             for endpoints in current.values():
-                local_ips.update(e.ip for e in endpoints if e.is_local and e.ready)
+                local_ips.update(e.address for e in endpoints if e.is_local and e.ready)
             if local_ips:
                 self._local_ready[service] = len(local_ips)
             else:

@@ -26,6 +26,7 @@ __all__ = [
     "Protocol",
     "ServicePort",
     "ServicePortName",
+    "endpoint_key",
     "endpoint_string",
     "make_endpoint",
 ]
@@ -156,48 +157,94 @@ class ServicePort:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Endpoint:
-    """One backend of a Service port, merged from the Service's EndpointSlices."""
+    """One backend of a Service port, merged from the Service's EndpointSlices.
 
-    ip: IPAddress
+    The address is kept as its canonical text (``address``, as ``str(ip)`` spells it),
+    not as an :class:`ipaddress.IPv4Address`: at 100k Services x 10 endpoints the address
+    object and the int inside it were 84 MB, and every backend writes the text anyway
+    (issue 32). ``Endpoint(address, port, ...)`` takes an address object or any text
+    :func:`ipaddress.ip_address` reads (and keeps its canonical text); :attr:`ip` parses
+    the text again when an address object is wanted.
+    """
+
+    address: str
+    """The endpoint's IP address, canonical text (``10.0.0.1``, ``fd00::1``)."""
     port: int
-    is_local: bool = False
-    ready: bool = True
-    serving: bool = True
-    terminating: bool = False
-    zone_hints: frozenset[str] = frozenset()
-    node_hints: frozenset[str] = frozenset()
-    remote: bool = False
+    is_local: bool
+    ready: bool
+    serving: bool
+    terminating: bool
+    zone_hints: frozenset[str]
+    node_hints: frozenset[str]
+    remote: bool
     """Known to run on another node (its ``nodeName`` names another node): it can never
     be the source of a hairpin connection through this node."""
-    key: str = field(default="", compare=False)
+    key: str = field(compare=False, init=False)
+    """``IP:port`` (IPv6 bracketed): the endpoint's identity everywhere (sorting, dedup,
+    rule names), computed once."""
 
-    def __post_init__(self) -> None:
-        # The IP:port string is the endpoint's identity everywhere (sorting, dedup,
-        # rule names); compute it once.
-        object.__setattr__(self, "key", endpoint_string(self.ip, self.port))
+    def __init__(
+        self,
+        address: IPAddress | str,
+        port: int,
+        is_local: bool = False,
+        ready: bool = True,
+        serving: bool = True,
+        terminating: bool = False,
+        zone_hints: frozenset[str] = frozenset(),
+        node_hints: frozenset[str] = frozenset(),
+        remote: bool = False,
+    ) -> None:
+        text = str(ipaddress.ip_address(address))
+        _fill(
+            self,
+            text,
+            port,
+            endpoint_key(text, port),
+            is_local,
+            ready,
+            serving,
+            terminating,
+            zone_hints,
+            node_hints,
+            remote,
+        )
+
+    @property
+    def ip(self) -> IPAddress:
+        """The address as an address object (parsed again at each call)."""
+        return ipaddress.ip_address(self.address)
+
+    @property
+    def version(self) -> int:
+        """4 or 6, as :attr:`ipaddress.IPv4Address.version` says."""
+        return 6 if ":" in self.address else 4
 
     def __str__(self) -> str:
         return self.key
 
 
-def _endpoint_maker() -> Callable[
-    [IPAddress, int, str, bool, bool, bool, bool, frozenset[str], frozenset[str], bool], Endpoint
-]:
+_Filler: TypeAlias = Callable[
+    [Endpoint, str, int, str, bool, bool, bool, bool, frozenset[str], frozenset[str], bool], None
+]
+
+
+def _endpoint_filler() -> _Filler:
     # A frozen dataclass sets every field through object.__setattr__; at hundreds of
     # thousands of endpoints per start-up that was most of the parsing time. Writing the
     # slots through their descriptors gives the same object in a quarter of the time.
     setters = {f.name: getattr(Endpoint, f.name).__set__ for f in fields(Endpoint)}
-    set_ip, set_port, set_key = setters["ip"], setters["port"], setters["key"]
+    set_address, set_port, set_key = setters["address"], setters["port"], setters["key"]
     set_local, set_ready = setters["is_local"], setters["ready"]
     set_serving, set_terminating = setters["serving"], setters["terminating"]
     set_zone_hints, set_node_hints = setters["zone_hints"], setters["node_hints"]
     set_remote = setters["remote"]
-    new = object.__new__
 
-    def make(
-        ip: IPAddress,
+    def fill(
+        endpoint: Endpoint,
+        address: str,
         port: int,
         key: str,
         is_local: bool,
@@ -206,10 +253,9 @@ def _endpoint_maker() -> Callable[
         terminating: bool,
         zone_hints: frozenset[str],
         node_hints: frozenset[str],
-        remote: bool = False,
-    ) -> Endpoint:
-        endpoint: Endpoint = new(Endpoint)
-        set_ip(endpoint, ip)
+        remote: bool,
+    ) -> None:
+        set_address(endpoint, address)
         set_port(endpoint, port)
         set_local(endpoint, is_local)
         set_ready(endpoint, ready)
@@ -219,19 +265,56 @@ def _endpoint_maker() -> Callable[
         set_node_hints(endpoint, node_hints)
         set_remote(endpoint, remote)
         set_key(endpoint, key)
-        return endpoint
 
-    return make
+    return fill
 
 
-make_endpoint = _endpoint_maker()
-"""Build an :class:`Endpoint` fast, from already validated parts and its precomputed key.
+_fill = _endpoint_filler()
 
-``make_endpoint(ip, port, key, is_local, ready, serving, terminating, zone_hints,
-node_hints, remote)`` equals ``Endpoint(ip, port, is_local, ...)`` when ``key`` is
-``endpoint_string(ip, port)``; the parser uses it for the hundreds of thousands of
-endpoints of a big cluster.
-"""
+
+def make_endpoint(
+    address: str,
+    port: int,
+    key: str,
+    is_local: bool,
+    ready: bool,
+    serving: bool,
+    terminating: bool,
+    zone_hints: frozenset[str],
+    node_hints: frozenset[str],
+    remote: bool = False,
+) -> Endpoint:
+    """Build an :class:`Endpoint` fast, from already validated parts and its precomputed key.
+
+    ``address`` must be the canonical text of a valid address and ``key``
+    ``endpoint_key(address, port)``; then the result equals ``Endpoint(address, port,
+    is_local, ...)``. The parser uses it for the hundreds of thousands of endpoints of a
+    big cluster (no address object, no second parse).
+    """
+    endpoint: Endpoint = _new(Endpoint)
+    _fill(
+        endpoint,
+        address,
+        port,
+        key,
+        is_local,
+        ready,
+        serving,
+        terminating,
+        zone_hints,
+        node_hints,
+        remote,
+    )
+    return endpoint
+
+
+_new = object.__new__
+
+
+def endpoint_key(address: str, port: int) -> str:
+    """``address:port``, the address bracketed when it is IPv6 (``address`` is an
+    :attr:`Endpoint.address`)."""
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
 
 
 @dataclass(frozen=True, slots=True)

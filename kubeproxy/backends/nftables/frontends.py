@@ -28,7 +28,6 @@ import enum
 import functools
 import hashlib
 import ipaddress
-import sys
 from dataclasses import dataclass
 from typing import Final
 
@@ -308,8 +307,8 @@ def _check(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) -> 
     # distinct list once.
     for group in {id(g): g for g in (eps.cluster, eps.local, eps.all_reachable)}.values():
         for ep in group:
-            if ep.ip.version != version:
-                raise InvalidPort(f"endpoint {ep.ip} is not {ctx.tokens.family}")
+            if ep.version != version:
+                raise InvalidPort(f"endpoint {ep.address} is not {ctx.tokens.family}")
             if not 1 <= ep.port <= 65535:
                 raise InvalidPort(f"endpoint port {ep.port} is out of range")
     for cidr in port.load_balancer_source_ranges:
@@ -424,11 +423,10 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
     # Every endpoint, as upstream: a hairpin connection comes from the endpoint itself,
     # and whether an endpoint runs here is only as good as the node name it names (with
     # a --hostname-override it may name none). Measured: at 30k Services x 10 endpoints,
-    # none of them local, this costs 0.4 s of a 5 s cold sync. Addresses are interned:
-    # one string per endpoint, however many ports share it.
-    hairpin = tuple(
-        dict.fromkeys(sys.intern(endpoint_value(ep.key)[0]) for ep in eps.all_reachable)
-    )
+    # none of them local, this costs 0.4 s of a 5 s cold sync. The endpoint's own address
+    # text: one string per endpoint, however many ports share it (the parser's, shared
+    # with every port's copy of the endpoint), no second copy split from the key.
+    hairpin = tuple(dict.fromkeys(ep.address for ep in eps.all_reachable))
     return PortPlan(
         tuple(frontends),
         tuple(firewall),
