@@ -264,7 +264,8 @@ class PortPlan:
     sources it accepts (CIDRs or addresses). ``cluster_ip`` (in ``cluster-ips``) and
     ``hairpin`` (endpoint addresses, each an ``address . address`` element of
     ``hairpin-endpoints``) may be shared with other ports: the backend counts them.
-    ``claims`` are the keys no other port may use; ``affinity`` the port's ClientIP
+    ``claims`` are the keys no other port may use (each once; a tuple, as most ports
+    claim one key: a frozenset of one was 216 bytes a port); ``affinity`` the port's ClientIP
     affinity maps and chains.
     """
 
@@ -272,7 +273,7 @@ class PortPlan:
     firewall: tuple[tuple[Key, tuple[str, ...]], ...]
     cluster_ip: str
     hairpin: tuple[str, ...]
-    claims: frozenset[Key]
+    claims: tuple[Key, ...]
     affinity: AffinityPlan | None = None
 
 
@@ -352,7 +353,7 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
 
     frontends: list[Frontend] = []
     cluster_key: Key = (cip, proto, port_text)
-    claims: set[Key] = {cluster_key}
+    claims: list[Key] = [cluster_key]
     name = frontend_comment(port.name)
     internal_list = _LOCAL_LIST if port.internal_policy_local else _CLUSTER_LIST
     if internal:
@@ -373,12 +374,12 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
     external_keys: list[tuple[Kind, Key]] = []
     for ext in (*port.external_ips, *port.load_balancer_vips):
         key: Key = (str(ext), proto, port_text)
-        if key != cluster_key and key not in claims:
-            claims.add(key)
+        if key not in claims:
+            claims.append(key)
             external_keys.append((KIND_IP, key))
     if port.node_port:
         node_key: Key = (proto, _port_text(port.node_port))
-        claims.add(node_key)
+        claims.append(node_key)
         external_keys.append((KIND_NODEPORT, node_key))
 
     if external_keys:
@@ -432,7 +433,7 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
         tuple(firewall),
         cip,
         hairpin,
-        frozenset(claims),
+        tuple(claims),
         affinity.plan() if affinity is not None else None,
     )
 

@@ -66,7 +66,8 @@ from kubeproxy.backends.nftables.table import (
     RenderContext,
 )
 from kubeproxy.backends.nftables.transaction import Transaction
-from kubeproxy.objects import NamespacedName, ServicePortName
+from kubeproxy.objects import ServicePortName
+from kubeproxy.portindex import PortsByService
 
 __all__ = [
     "KINDS",
@@ -181,7 +182,7 @@ class Generation:
         self.tokens = tokens
         self.dispatch = dispatch
         self.ports: dict[ServicePortName, PortState] = {}
-        self.by_service: dict[NamespacedName, set[ServicePortName]] = {}
+        self.by_service = PortsByService()
         self.held: dict[Key, HeldFrontend] = {}
         self.shared = SharedCounts()
         self.classes: list[ClassSpec] = []  # rule dispatch: the class rules, in order
