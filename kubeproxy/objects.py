@@ -229,9 +229,12 @@ class Endpoint:
 _Filler: TypeAlias = Callable[
     [Endpoint, str, int, str, bool, bool, bool, bool, frozenset[str], frozenset[str], bool], None
 ]
+_Maker: TypeAlias = Callable[
+    [str, int, str, bool, bool, bool, bool, frozenset[str], frozenset[str], bool], Endpoint
+]
 
 
-def _endpoint_filler() -> _Filler:
+def _endpoint_builders() -> tuple[_Filler, _Maker]:
     # A frozen dataclass sets every field through object.__setattr__; at hundreds of
     # thousands of endpoints per start-up that was most of the parsing time. Writing the
     # slots through their descriptors gives the same object in a quarter of the time.
@@ -241,6 +244,7 @@ def _endpoint_filler() -> _Filler:
     set_serving, set_terminating = setters["serving"], setters["terminating"]
     set_zone_hints, set_node_hints = setters["zone_hints"], setters["node_hints"]
     set_remote = setters["remote"]
+    new = object.__new__
 
     def fill(
         endpoint: Endpoint,
@@ -266,49 +270,46 @@ def _endpoint_filler() -> _Filler:
         set_remote(endpoint, remote)
         set_key(endpoint, key)
 
-    return fill
+    # The same sets again rather than a call of fill: the parser calls this once per
+    # endpoint of the cluster, and a Python call costs as much as the sets.
+    def make(
+        address: str,
+        port: int,
+        key: str,
+        is_local: bool,
+        ready: bool,
+        serving: bool,
+        terminating: bool,
+        zone_hints: frozenset[str],
+        node_hints: frozenset[str],
+        remote: bool = False,
+    ) -> Endpoint:
+        endpoint: Endpoint = new(Endpoint)
+        set_address(endpoint, address)
+        set_port(endpoint, port)
+        set_local(endpoint, is_local)
+        set_ready(endpoint, ready)
+        set_serving(endpoint, serving)
+        set_terminating(endpoint, terminating)
+        set_zone_hints(endpoint, zone_hints)
+        set_node_hints(endpoint, node_hints)
+        set_remote(endpoint, remote)
+        set_key(endpoint, key)
+        return endpoint
+
+    return fill, make
 
 
-_fill = _endpoint_filler()
+_fill, _make = _endpoint_builders()
+make_endpoint: _Maker = _make
+"""Build an :class:`Endpoint` fast, from already validated parts and its precomputed key.
 
-
-def make_endpoint(
-    address: str,
-    port: int,
-    key: str,
-    is_local: bool,
-    ready: bool,
-    serving: bool,
-    terminating: bool,
-    zone_hints: frozenset[str],
-    node_hints: frozenset[str],
-    remote: bool = False,
-) -> Endpoint:
-    """Build an :class:`Endpoint` fast, from already validated parts and its precomputed key.
-
-    ``address`` must be the canonical text of a valid address and ``key``
-    ``endpoint_key(address, port)``; then the result equals ``Endpoint(address, port,
-    is_local, ...)``. The parser uses it for the hundreds of thousands of endpoints of a
-    big cluster (no address object, no second parse).
-    """
-    endpoint: Endpoint = _new(Endpoint)
-    _fill(
-        endpoint,
-        address,
-        port,
-        key,
-        is_local,
-        ready,
-        serving,
-        terminating,
-        zone_hints,
-        node_hints,
-        remote,
-    )
-    return endpoint
-
-
-_new = object.__new__
+``make_endpoint(address, port, key, is_local, ready, serving, terminating, zone_hints,
+node_hints, remote)``: ``address`` must be the canonical text of a valid address and
+``key`` ``endpoint_key(address, port)``; then the result equals ``Endpoint(address, port,
+is_local, ...)``. The parser uses it for the hundreds of thousands of endpoints of a big
+cluster (no address object, no second parse).
+"""
 
 
 def endpoint_key(address: str, port: int) -> str:
