@@ -333,7 +333,9 @@ class _Context:
             return ""
         if not _is_dns_label(value):
             raise self.fail(field, index, f"{_show(value)} is not a valid DNS-1123 label")
-        return str(value)
+        # A few port names ("http", "dns") repeat over every Service and slice: one
+        # string each instead of two per Service kept from the JSON (issue 32).
+        return _intern(str(value))
 
 
 def _is_dns_label(value: Any) -> bool:
