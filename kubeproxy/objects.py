@@ -10,12 +10,17 @@ import ipaddress
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
-from typing import TypeAlias
+from typing import Final, TypeAlias
 
 IPAddress: TypeAlias = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork: TypeAlias = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 __all__ = [
+    "IS_LOCAL",
+    "READY",
+    "REMOTE",
+    "SERVING",
+    "TERMINATING",
     "CategorizedEndpoints",
     "Endpoint",
     "IPAddress",
@@ -26,6 +31,7 @@ __all__ = [
     "Protocol",
     "ServicePort",
     "ServicePortName",
+    "endpoint_flags",
     "endpoint_key",
     "endpoint_string",
     "make_endpoint",
@@ -157,30 +163,59 @@ class ServicePort:
         )
 
 
-@dataclass(frozen=True, slots=True, init=False)
+IS_LOCAL: Final = 1
+"""The bit of :attr:`Endpoint.flags` that says :attr:`Endpoint.is_local`."""
+READY: Final = 2
+"""The bit of :attr:`Endpoint.flags` that says :attr:`Endpoint.ready`."""
+SERVING: Final = 4
+"""The bit of :attr:`Endpoint.flags` that says :attr:`Endpoint.serving`."""
+TERMINATING: Final = 8
+"""The bit of :attr:`Endpoint.flags` that says :attr:`Endpoint.terminating`."""
+REMOTE: Final = 16
+"""The bit of :attr:`Endpoint.flags` that says :attr:`Endpoint.remote`."""
+_DEFAULT_FLAGS: Final = READY | SERVING
+
+
+def endpoint_flags(
+    is_local: bool, ready: bool, serving: bool, terminating: bool, remote: bool = False
+) -> int:
+    """The :attr:`Endpoint.flags` of these conditions."""
+    return (
+        (IS_LOCAL if is_local else 0)
+        | (READY if ready else 0)
+        | (SERVING if serving else 0)
+        | (TERMINATING if terminating else 0)
+        | (REMOTE if remote else 0)
+    )
+
+
+@dataclass(frozen=True, slots=True, init=False, repr=False)
 class Endpoint:
     """One backend of a Service port, merged from the Service's EndpointSlices.
 
-    The address is kept as its canonical text (``address``, as ``str(ip)`` spells it),
-    not as an :class:`ipaddress.IPv4Address`: at 100k Services x 10 endpoints the address
-    object and the int inside it were 84 MB, and every backend writes the text anyway
-    (issue 32). ``Endpoint(address, port, ...)`` takes an address object or any text
-    :func:`ipaddress.ip_address` reads (and keeps its canonical text); :attr:`ip` parses
-    the text again when an address object is wanted.
+    Kept small, as a big cluster has a million of them (issue 32). The address is its
+    canonical text (``address``, as ``str(ip)`` spells it), not an
+    :class:`ipaddress.IPv4Address`: at 100k Services x 10 endpoints the address object and
+    the int inside it were 84 MB, and every backend writes the text anyway; :attr:`ip`
+    parses the text again when an address object is wanted. The five conditions are bits
+    of one small int (``flags``), read through properties of their own names: five slots
+    were 32 MB more.
+
+    ``Endpoint(address, port, is_local, ready, serving, terminating, zone_hints,
+    node_hints, remote)`` takes an address object or any text
+    :func:`ipaddress.ip_address` reads (and keeps its canonical text); a condition left
+    out (None) is taken from ``flags`` when given (as :func:`dataclasses.replace` gives
+    it), else is its default: ready and serving, not local, terminating nor remote.
     """
 
     address: str
     """The endpoint's IP address, canonical text (``10.0.0.1``, ``fd00::1``)."""
     port: int
-    is_local: bool
-    ready: bool
-    serving: bool
-    terminating: bool
+    flags: int
+    """:data:`IS_LOCAL`, :data:`READY`, :data:`SERVING`, :data:`TERMINATING` and
+    :data:`REMOTE`, or-ed (see :func:`endpoint_flags`)."""
     zone_hints: frozenset[str]
     node_hints: frozenset[str]
-    remote: bool
-    """Known to run on another node (its ``nodeName`` names another node): it can never
-    be the source of a hairpin connection through this node."""
     key: str = field(compare=False, init=False)
     """``IP:port`` (IPv6 bracketed): the endpoint's identity everywhere (sorting, dedup,
     rule names), computed once."""
@@ -189,28 +224,53 @@ class Endpoint:
         self,
         address: IPAddress | str,
         port: int,
-        is_local: bool = False,
-        ready: bool = True,
-        serving: bool = True,
-        terminating: bool = False,
+        is_local: bool | None = None,
+        ready: bool | None = None,
+        serving: bool | None = None,
+        terminating: bool | None = None,
         zone_hints: frozenset[str] = frozenset(),
         node_hints: frozenset[str] = frozenset(),
-        remote: bool = False,
+        remote: bool | None = None,
+        flags: int | None = None,
     ) -> None:
         text = str(ipaddress.ip_address(address))
-        _fill(
-            self,
-            text,
-            port,
-            endpoint_key(text, port),
-            is_local,
-            ready,
-            serving,
-            terminating,
-            zone_hints,
-            node_hints,
-            remote,
-        )
+        bits = _DEFAULT_FLAGS if flags is None else flags
+        for given, bit in (
+            (is_local, IS_LOCAL),
+            (ready, READY),
+            (serving, SERVING),
+            (terminating, TERMINATING),
+            (remote, REMOTE),
+        ):
+            if given is not None:
+                bits = bits | bit if given else bits & ~bit
+        _fill(self, text, port, endpoint_key(text, port), bits, zone_hints, node_hints)
+
+    @property
+    def is_local(self) -> bool:
+        """Runs on this node (its ``nodeName`` is this proxy's node)."""
+        return self.flags & IS_LOCAL != 0
+
+    @property
+    def ready(self) -> bool:
+        """Its ``conditions.ready`` (true when not given)."""
+        return self.flags & READY != 0
+
+    @property
+    def serving(self) -> bool:
+        """Its ``conditions.serving`` (true when not given)."""
+        return self.flags & SERVING != 0
+
+    @property
+    def terminating(self) -> bool:
+        """Its ``conditions.terminating`` (false when not given)."""
+        return self.flags & TERMINATING != 0
+
+    @property
+    def remote(self) -> bool:
+        """Known to run on another node (its ``nodeName`` names another node): it can
+        never be the source of a hairpin connection through this node."""
+        return self.flags & REMOTE != 0
 
     @property
     def ip(self) -> IPAddress:
@@ -222,13 +282,27 @@ class Endpoint:
         """4 or 6, as :attr:`ipaddress.IPv4Address.version` says."""
         return 6 if ":" in self.address else 4
 
+    def with_port(self, port: int) -> Endpoint:
+        """A copy with another port (sharing the address text, the hints and the flags)."""
+        endpoint: Endpoint = _new(Endpoint)
+        address = self.address
+        key = endpoint_key(address, port)
+        _fill(endpoint, address, port, key, self.flags, self.zone_hints, self.node_hints)
+        return endpoint
+
     def __str__(self) -> str:
         return self.key
 
+    def __repr__(self) -> str:
+        return (
+            f"Endpoint(address={self.address!r}, port={self.port!r}, "
+            f"is_local={self.is_local}, ready={self.ready}, serving={self.serving}, "
+            f"terminating={self.terminating}, zone_hints={self.zone_hints!r}, "
+            f"node_hints={self.node_hints!r}, remote={self.remote})"
+        )
 
-_Filler: TypeAlias = Callable[
-    [Endpoint, str, int, str, bool, bool, bool, bool, frozenset[str], frozenset[str], bool], None
-]
+
+_Filler: TypeAlias = Callable[[Endpoint, str, int, str, int, frozenset[str], frozenset[str]], None]
 _Maker: TypeAlias = Callable[
     [str, int, str, bool, bool, bool, bool, frozenset[str], frozenset[str], bool], Endpoint
 ]
@@ -240,10 +314,8 @@ def _endpoint_builders() -> tuple[_Filler, _Maker]:
     # slots through their descriptors gives the same object in a quarter of the time.
     setters = {f.name: getattr(Endpoint, f.name).__set__ for f in fields(Endpoint)}
     set_address, set_port, set_key = setters["address"], setters["port"], setters["key"]
-    set_local, set_ready = setters["is_local"], setters["ready"]
-    set_serving, set_terminating = setters["serving"], setters["terminating"]
+    set_flags = setters["flags"]
     set_zone_hints, set_node_hints = setters["zone_hints"], setters["node_hints"]
-    set_remote = setters["remote"]
     new = object.__new__
 
     def fill(
@@ -251,23 +323,15 @@ def _endpoint_builders() -> tuple[_Filler, _Maker]:
         address: str,
         port: int,
         key: str,
-        is_local: bool,
-        ready: bool,
-        serving: bool,
-        terminating: bool,
+        flags: int,
         zone_hints: frozenset[str],
         node_hints: frozenset[str],
-        remote: bool,
     ) -> None:
         set_address(endpoint, address)
         set_port(endpoint, port)
-        set_local(endpoint, is_local)
-        set_ready(endpoint, ready)
-        set_serving(endpoint, serving)
-        set_terminating(endpoint, terminating)
+        set_flags(endpoint, flags)
         set_zone_hints(endpoint, zone_hints)
         set_node_hints(endpoint, node_hints)
-        set_remote(endpoint, remote)
         set_key(endpoint, key)
 
     # The same sets again rather than a call of fill: the parser calls this once per
@@ -287,13 +351,16 @@ def _endpoint_builders() -> tuple[_Filler, _Maker]:
         endpoint: Endpoint = new(Endpoint)
         set_address(endpoint, address)
         set_port(endpoint, port)
-        set_local(endpoint, is_local)
-        set_ready(endpoint, ready)
-        set_serving(endpoint, serving)
-        set_terminating(endpoint, terminating)
+        set_flags(
+            endpoint,
+            (IS_LOCAL if is_local else 0)
+            | (READY if ready else 0)
+            | (SERVING if serving else 0)
+            | (TERMINATING if terminating else 0)
+            | (REMOTE if remote else 0),
+        )
         set_zone_hints(endpoint, zone_hints)
         set_node_hints(endpoint, node_hints)
-        set_remote(endpoint, remote)
         set_key(endpoint, key)
         return endpoint
 
@@ -301,6 +368,7 @@ def _endpoint_builders() -> tuple[_Filler, _Maker]:
 
 
 _fill, _make = _endpoint_builders()
+_new = object.__new__
 make_endpoint: _Maker = _make
 """Build an :class:`Endpoint` fast, from already validated parts and its precomputed key.
 

@@ -33,7 +33,6 @@ from kubeproxy.objects import (
     Protocol,
     ServicePort,
     ServicePortName,
-    endpoint_key,
     make_endpoint,
 )
 
@@ -584,21 +583,9 @@ def _policy_is_local(context: _Context, spec: Mapping[str, Any], field: str) -> 
 
 
 def endpoint_with_port(endpoint: Endpoint, port: int) -> Endpoint:
-    """A copy of ``endpoint`` with another port (same as ``dataclasses.replace``, faster);
-    the copy shares the address text."""
-    address = endpoint.address
-    return make_endpoint(
-        address,
-        port,
-        endpoint_key(address, port),
-        endpoint.is_local,
-        endpoint.ready,
-        endpoint.serving,
-        endpoint.terminating,
-        endpoint.zone_hints,
-        endpoint.node_hints,
-        endpoint.remote,
-    )
+    """A copy of ``endpoint`` with another port (:meth:`Endpoint.with_port`, as
+    ``dataclasses.replace`` but faster); the copy shares the address text."""
+    return endpoint.with_port(port)
 
 
 @dataclass(frozen=True, slots=True)
