@@ -13,6 +13,7 @@ Conversion is per IP family, as upstream: a dual-stack Service yields one view p
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import re
@@ -732,9 +733,19 @@ def parse_endpoint_slice(
         service=service,
         name=slice_name,
         address_type=family.value,
-        ports=tuple(ports),
+        ports=_shared_ports(tuple(ports)),
         endpoints=tuple(endpoints),
     )
+
+
+_SlicePorts = tuple[tuple[str, int, Protocol], ...]
+
+
+@functools.lru_cache(maxsize=4096)
+def _shared_ports(ports: _SlicePorts) -> _SlicePorts:
+    # Most slices of a cluster have one of a few port lists ("http", 8080, TCP): one
+    # tuple each instead of two per slice (13 MB at 100k Services; issue 32).
+    return ports
 
 
 def _hint_names(context: _Context, value: Any, field: str) -> frozenset[str]:
