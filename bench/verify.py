@@ -1,28 +1,43 @@
-"""How long ``kubeproxy verify`` (and ``/debug/verify``) compares a big table, before and
-after reading it by dumps.
+"""How long ``kubeproxy verify`` (and ``/debug/verify``) takes on a big table: the dry
+run's rendering and the comparison, the way before and the way now, side by side.
 
-    python -m bench.verify --services 10000
+    python -m bench.verify --services 10000 [--paths written,fake] [--command]
 
 A cold full sync of ``bench.nft_scale.build_world`` into a fresh namespace
-``kpxb-<pid>`` (deleted whatever happens) and the same world into a ``FakeNft`` (what the
-dry run computes; timed as ``render_s``, and beside it as ``render_uncached_s`` with the
-fake's cache of canonical element parts off, as before it had one), then, side by side in
-one run:
+``kpxb-<pid>`` (deleted whatever happens), then, in one run, each of ``--paths``:
 
-* **one element at a time** (before): every frontend of both tables explained with one
-  single-element get per fact from the kernel, the fake's rules read by parsing its whole
-  dump;
-* **dumps** (now): ``verify_tables``: every container of the live generation dumped
-  once, the fake's rules read chain by chain.
+* **fake** (before): the same world rendered into a ``FakeNft`` (``render_fake_s``),
+  then ``verify_tables`` over it (``compare_fake_s``): every frontend of both tables
+  explained from dumps of every container of the live generation, and compared;
+* **written** (now): the world rendered into a ``WrittenTable`` (``render_written_s``),
+  then ``verify_tables`` over it (``compare_written_s``): each container compared as a
+  set of elements in the kernel's encoding, only the frontends that differ explained.
+
+Both with Python's cyclic collector off, as the command runs them; ``peak_rss_mb_after_*``
+is the process's peak resident memory after the cold sync and after each path (a peak:
+what a path adds shows for the first one run, ``written`` by default); ``*_cpu_s`` the
+CPU seconds (user and system: the kernel's work for our dumps and gets is system time
+of ours) beside each wall figure, which a shared machine stretches. ``--command`` also
+times the whole ``kubeproxy verify --manifests DIR`` as an operator runs it
+(``command_s``: a process of its own, reading the manifests, the proxy's dry run, the
+comparison), against a table ``kube-proxy-nftables --manifests DIR --once`` wrote in
+another fresh namespace (``command_sync_s``: what a full sync of the same objects costs,
+start to exit): ``bench.synthetic.build_services`` written by
+``bench.wholeproc.write_manifests`` into a temporary directory.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import resource
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from bench.nft_scale import CONFIG, build_world, namespace
@@ -31,84 +46,125 @@ from kubeproxy.objects import IPFamily
 
 __all__ = ["main"]
 
+PATHS = ("written", "fake")
 
-def main(argv: list[str] | None = None) -> int:
-    from kubeproxy.backends.nftables import NftablesBackend, create_backend
-    from kubeproxy.backends.nftables.explain import FakeSource, TableView, refs_of_text
-    from kubeproxy.backends.nftables.fake import FakeNft, parse_commands
-    from kubeproxy.backends.nftables.objects import Family, Rule
-    from kubeproxy.backends.nftables.reader import RuleRefs, TableReader
+
+def _peak_mb() -> int:
+    """This process's peak resident memory so far (MB): what a path added shows when
+    it runs first (the default order)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+
+
+def _render(executor: Any, world: Any) -> tuple[float, float]:
+    """Wall and CPU seconds (this process's, user and system) of the dry run."""
+    from kubeproxy.backends.nftables import NftablesBackend
+
+    began, cpu = time.perf_counter(), time.process_time()
+    backend = NftablesBackend(IPFamily.IPV4, CONFIG, executor=executor, support_check=False)
+    backend.sync(world.snapshot(), SyncChanges(full=True))
+    return time.perf_counter() - began, time.process_time() - cpu
+
+
+def _compare(executor: Any, netns: str) -> tuple[float, float, int]:
+    from kubeproxy.backends.nftables.objects import Family
     from kubeproxy.backends.nftables.verify import verify_tables
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--services", type=int, default=10_000)
-    parser.add_argument("--endpoints", type=int, default=10)
-    args = parser.parse_args(argv)
+    began, cpu = time.perf_counter(), time.process_time()
+    differences, _notes = verify_tables([executor], [Family.IP], netns=netns)
+    return time.perf_counter() - began, time.process_time() - cpu, len(differences)
 
-    class WholeDumpSource(FakeSource):
-        """The fake's rules as they were read before: its whole dump parsed once."""
 
-        def rules(self, family: Family, chain: str) -> list[RuleRefs]:
-            chains = self._chains.get(family)
-            if chains is None:
-                chains = self._chains[family] = {}
-                for _family, table, _verb, obj in parse_commands(self.fake.dump(family)):
-                    if table == self.table and isinstance(obj, Rule):
-                        chains.setdefault(obj.chain, []).append(refs_of_text(obj.rule))
-            return chains.get(chain, [])
+def _in_process(services: int, endpoints: int, paths: list[str]) -> dict[str, Any]:
+    from kubeproxy.backends.nftables import create_backend
+    from kubeproxy.backends.nftables.fake import FakeNft
+    from kubeproxy.backends.nftables.written import WrittenTable
 
-    def one_at_a_time(fake: Any, netns: str) -> int:
-        explained = 0
-        with TableReader(netns) as reader:
-            for view in (TableView(WholeDumpSource(fake), Family.IP), TableView(reader, Family.IP)):
-                for kind, key, name in view.frontends_named(lambda _comment: True):
-                    view.explain(kind, key, name)
-                    explained += 1
-        return explained
-
+    record: dict[str, Any] = {}
     with namespace(f"kpxb-{os.getpid()}") as netns:
-        world = build_world(args.services, args.endpoints, affinity=False)
+        world = build_world(services, endpoints, affinity=False)
         backend = create_backend(IPFamily.IPV4, CONFIG, netns=netns)
-        backend.sync(world.snapshot(), SyncChanges(full=True))
-        from kubeproxy.backends.nftables import fake as fake_module
-
-        cached = fake_module._canonical
-        fake_module._canonical = cached.__wrapped__  # type: ignore[assignment]
-        try:
-            began = time.perf_counter()
-            NftablesBackend(IPFamily.IPV4, CONFIG, executor=FakeNft(), support_check=False).sync(
-                world.snapshot(), SyncChanges(full=True)
-            )
-            uncached = time.perf_counter() - began
-        finally:
-            fake_module._canonical = cached
-        cached.cache_clear()
         began = time.perf_counter()
-        fake = FakeNft()
-        dry = NftablesBackend(IPFamily.IPV4, CONFIG, executor=fake, support_check=False)
-        dry.sync(world.snapshot(), SyncChanges(full=True))
-        rendered = time.perf_counter()
-        explained = one_at_a_time(fake, netns)
-        before = time.perf_counter()
-        differences, _notes = verify_tables([fake], [Family.IP], netns=netns)
-        after = time.perf_counter()
+        backend.sync(world.snapshot(), SyncChanges(full=True))
+        record["sync_s"] = round(time.perf_counter() - began, 2)
+        record["peak_rss_mb_after_sync"] = _peak_mb()
+        for path in paths:
+            executor = FakeNft() if path == "fake" else WrittenTable()
+            gc.disable()  # as the command runs (kubeproxy.cmd.kubeproxy._collector_off)
+            try:
+                took, cpu = _render(executor, world)
+                record[f"render_{path}_s"] = round(took, 2)
+                record[f"render_{path}_cpu_s"] = round(cpu, 2)
+                took, cpu, found = _compare(executor, netns)
+            finally:
+                gc.enable()
+            record[f"compare_{path}_s"] = round(took, 2)
+            record[f"compare_{path}_cpu_s"] = round(cpu, 2)
+            record[f"differences_{path}"] = found
+            record[f"peak_rss_mb_after_{path}"] = _peak_mb()
+            del executor
+            gc.collect()
         close = getattr(backend, "close", None)
         if close is not None:
             close()
-    print(
-        json.dumps(
-            {
-                "services": args.services,
-                "endpoints": args.endpoints,
-                "render_s": round(rendered - began, 2),
-                "render_uncached_s": round(uncached, 2),
-                "compare_one_element_at_a_time_s": round(before - rendered, 2),
-                "compare_dumps_s": round(after - before, 2),
-                "frontends_explained": explained,
-                "differences": len(differences),
-            }
-        )
+    return record
+
+
+def _children_cpu() -> float:
+    """User and system seconds of the children waited for so far."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
+def _command(services: int, endpoints: int) -> dict[str, Any]:
+    from bench.synthetic import build_services
+    from bench.wholeproc import binary_argv, settings_flags, write_manifests
+
+    tool = str(Path(sys.executable).parent / "kubeproxy")
+    record: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="kpxb-verify-") as work:
+        manifests = write_manifests(Path(work), build_services(services, endpoints))
+        with namespace(f"kpxb-{os.getpid()}-cmd") as netns:
+            began, cpu = time.perf_counter(), _children_cpu()
+            subprocess.run(
+                ["ip", "netns", "exec", netns, *binary_argv(manifests)],
+                check=True,
+                capture_output=True,
+            )
+            record["command_sync_s"] = round(time.perf_counter() - began, 2)
+            record["command_sync_cpu_s"] = round(_children_cpu() - cpu, 2)
+            argv = [tool, "--netns", netns, "verify", "--manifests", str(manifests)]
+            began, cpu = time.perf_counter(), _children_cpu()
+            done = subprocess.run(
+                [*argv, "--", *settings_flags()], check=False, capture_output=True, text=True
+            )
+            record["command_s"] = round(time.perf_counter() - began, 2)
+            record["command_cpu_s"] = round(_children_cpu() - cpu, 2)
+            record["command_exit"] = done.returncode
+            record["command_output"] = (done.stdout or done.stderr).strip().splitlines()[-3:]
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--services", type=int, default=10_000)
+    parser.add_argument("--endpoints", type=int, default=10)
+    parser.add_argument(
+        "--paths",
+        default=",".join(PATHS),
+        help=f"comma-separated, of {', '.join(PATHS)} (in this order)",
     )
+    parser.add_argument(
+        "--command", action="store_true", help="also time the whole kubeproxy verify"
+    )
+    args = parser.parse_args(argv)
+    paths = [p for p in args.paths.split(",") if p]
+    if not set(paths) <= set(PATHS):
+        parser.error(f"--paths: of {', '.join(PATHS)}")
+    record: dict[str, Any] = {"services": args.services, "endpoints": args.endpoints}
+    record.update(_in_process(args.services, args.endpoints, paths))
+    if args.command:
+        record.update(_command(args.services, args.endpoints))
+    print(json.dumps(record))
     return 0
 
 

@@ -19,7 +19,8 @@ from kubeproxy.backends.nftables.explain import (
 )
 from kubeproxy.backends.nftables.fake import FakeNft
 from kubeproxy.backends.nftables.objects import Family
-from kubeproxy.backends.nftables.verify import compare
+from kubeproxy.backends.nftables.verify import compare, compare_written
+from kubeproxy.backends.nftables.written import WrittenSource, WrittenTable
 from kubeproxy.cmd.kubeproxy import _dest, _parser, _print_views, _target
 from kubeproxy.config import ProxierConfig
 from kubeproxy.objects import IPFamily, NamespacedName, Protocol, ServicePort
@@ -60,12 +61,29 @@ def test_two_tables_compare_in_service_terms() -> None:
     world.add(port, ep("10.180.0.1"), ep("10.180.0.2"))
     want = _table(world)
     assert compare(want, _table(world)) == []
+    before = replace(world, services=dict(world.services), endpoints=dict(world.endpoints))
     explained = explain_service(want, NamespacedName("ns", "web"))
     assert {f.address for f in explained.frontends} == {"172.30.0.10:80/tcp", "NodePort 30080/tcp"}
     world.add(replace(port, session_affinity_seconds=60), ep("10.180.0.1"))
     found = [str(d) for d in compare(want, _table(world))]
     assert "ns/web:http: 172.30.0.10:80/tcp: endpoints: missing 10.180.0.2:8080" in found
     assert any("affinity timeout 60 s, should be None s" in d for d in found), found
+    # The fast comparison (what the command runs) says the same of the Service, and
+    # names the chains of the class the kernel lacks.
+    fast = compare_written(
+        WrittenSource(_written(before)), WrittenSource(_written(world)), Family.IP
+    )
+    assert [str(d) for d in fast if d.subject == "ns/web:http"] == found
+    assert any(d.what.startswith("chain internal-2.g1: missing") for d in fast), fast
+
+
+def _written(world: World) -> WrittenTable:
+    written = WrittenTable()
+    backend = NftablesBackend(
+        IPFamily.IPV4, ProxierConfig(node_name="n"), executor=written, support_check=False
+    )
+    backend.sync(world.snapshot(), full())
+    return written
 
 
 def test_explain_finds_a_service_by_name_or_one_frontend_by_address() -> None:
