@@ -16,7 +16,11 @@ ClusterIP Services with 1 to N endpoints (N endpoint-count classes).
   once; the timings (the end-to-end figure: objects in memory to rules committed);
 * ``{"op": "endpoint"}``: change one endpoint of one Service, sync; ``{"op": "add"}``:
   add one Service with its endpoints, sync; ``{"op": "remove"}``: delete one Service
-  and its slices, sync (each rotates through the Services);
+  and its slices, sync (each rotates through the Services); ``{"op": "newcount"}``: add
+  one IPv4 ClusterIP Service whose endpoint count no Service had (the smallest such count
+  first, so a class and a pick the table never had), sync; ``{"op": "seencount"}``: the
+  same with the largest count some Service has below that one (the control: about as
+  many elements, no new class);
 * ``{"op": "churn", "seconds": S, "rate": R, "seed": N}``: the proxier's own sync loop
   (:meth:`kubeproxy.proxier.Proxier.run`, rate-limited by ``--min-sync-period`` as the
   daemon's is) runs for S seconds while R random endpoint changes per second arrive
@@ -44,6 +48,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import ipaddress
+import itertools
 import json
 import logging
 import random
@@ -242,6 +247,7 @@ class BenchProxy:
         self._removed = 0
         self._added = 0
         self._affinity = self.services[0].affinity_seconds if self.services else 0
+        self._counts = {s.endpoint_count for s in self.services}
 
     def cold(self) -> dict[str, Any]:
         """Feed everything, mark the sources synced (the Proxier syncs then), sync once.
@@ -353,6 +359,7 @@ class BenchProxy:
         index = _ADDED_INDEX_BASE + self._added
         if self._realistic:
             service = realistic_service(index, self._added_rng, iter(()))
+            self._counts.add(service.endpoint_count)
         else:
             width = len(self.services[0].endpoints) if self.services else 1
             service = synthetic_service(index, width, affinity_seconds=self._affinity)
@@ -363,6 +370,23 @@ class BenchProxy:
         for slice_ in slices:
             self.proxier.on_endpoint_slice_add(slice_)
         return self._timed_sync(start, mark)
+
+    def add_count(self, new: bool) -> dict[str, Any]:
+        """Add one IPv4 ClusterIP Service (no affinity, Cluster policies) with the smallest
+        endpoint count no Service had (``new``), or with the largest count below it that
+        some Service has (the control), and sync."""
+        unseen = next(n for n in itertools.count(1) if n not in self._counts)
+        count = unseen if new else max(n for n in self._counts if n < unseen)
+        self._counts.add(count)
+        index = _ADDED_INDEX_BASE + self._added
+        self._added += 1
+        service = synthetic_service(index, count)
+        service_dict, slices = service.service_dict(), service.slice_dicts()
+        mark, start = self.clock.snapshot(), time.perf_counter()
+        self.proxier.on_service_add(service_dict)
+        for slice_ in slices:
+            self.proxier.on_endpoint_slice_add(slice_)
+        return {**self._timed_sync(start, mark), "count": count}
 
     def remove_service(self) -> dict[str, Any]:
         """Delete one of the original Services (from the end) with its slices, and sync."""
@@ -452,6 +476,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "endpoint": lambda _: proxy.change_endpoint(),
         "add": lambda _: proxy.add_service(),
         "remove": lambda _: proxy.remove_service(),
+        "newcount": lambda _: proxy.add_count(new=True),
+        "seencount": lambda _: proxy.add_count(new=False),
         "churn": lambda c: proxy.churn(
             float(c["seconds"]), float(c["rate"]), int(c.get("seed", 11))
         ),

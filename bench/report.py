@@ -686,7 +686,32 @@ _TARGET_TITLES = {
     "(chain structure's figures quoted)",
     19: "Real clusters: targets (issue 19), the map structure (one rule per class, before, quoted)",
     20: "The daemon a node runs, against the in-process figures of this run (issue 20)",
+    32: "Every change data only (issue 32 item 4)",
 }
+
+
+def _new_count_table(records: Sequence[Record]) -> list[str]:
+    """Per size and subject: each kind of change of ``test_new_count``, and the full sync
+    before them."""
+    found = find(records, kind="new_count_incremental")
+    ops = ("endpoint", "add", "remove", "newcount", "seencount")
+    rows = []
+    for n in sorted({r["services"] for r in found}):
+        for subject in _present(records, "new_count_incremental"):
+            cold = one(records, kind="new_count_cold", subject=subject, services=n)
+            cells = []
+            for op in ops:
+                r = one(found, subject=subject, services=n, op=op)
+                cells.append(
+                    "-"
+                    if r is None
+                    else f"{r['median_ms']:.2f} / {r.get('p99_ms', r['max_ms']):.2f} "
+                    f"({r['tool_median_ms']:.2f})"
+                )
+            rows.append(
+                (size_label(n), _title(subject), "-" if cold is None else _sync_cell(cold), *cells)
+            )
+    return _table(("Services", "subject", "full sync", *ops), rows)
 
 
 def _realistic_table(records: Sequence[Record]) -> list[str]:
@@ -832,6 +857,11 @@ def render_markdown(run: dict[str, Any]) -> str:
             "The realistic mix next to the uniform one (issue 19): seconds (kernel tools), "
             "peak MB, incremental medians in ms",
             _realistic_table(records),
+        ),
+        (
+            "Every kind of change on the realistic mix, a never-seen endpoint count included "
+            "(issue 32): median / p99 ms (median inside the kernel tools)",
+            _new_count_table(records),
         ),
         (
             "Endpoint-count classes and the first packet: p50 (p99) microseconds per new "

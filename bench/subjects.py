@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from bench.harness import UPSTREAM_BACKEND
 from bench.netns import in_netns
-from kubeproxy.backends.nftables import NftablesBackend
+from kubeproxy.backend import Backend
+from kubeproxy.backends.nftables import NftablesBackend, create_backend
 from kubeproxy.backends.nftables.exec import LibNftables
 from kubeproxy.backends.nftables.layout import DISPATCH_RULES
 from kubeproxy.config import ProxierConfig
@@ -75,6 +76,13 @@ NFTABLES_RULES = Subject(
     "nft-maps",
 )
 """The map structure with the class dispatch before issue 19 (one rule per class)."""
+NFTABLES_PRECREATED = Subject(
+    "kubeproxy-nftables-precreated",
+    "bench.subjects:precreated_backend",
+    "ours: nftables (maps), classes of counts 1-1024 precreated",
+    "nft-maps",
+)
+"""The map structure with every count's class precreated (issue 32 item 4)."""
 IPTABLES_NFT = Subject(
     "kubeproxy-iptables-nft",
     # The node's variant, detected as upstream's iptables-wrapper does: nft in a fresh
@@ -149,3 +157,15 @@ def rules_dispatch_backend(
     return NftablesBackend(
         family, config, executor=LibNftables(netns=netns), dispatch=DISPATCH_RULES
     )
+
+
+PRECREATE_BOUND = 1024
+"""Endpoint counts the ``nftables-precreated`` subject's generations hold from the start."""
+
+
+def precreated_backend(
+    family: IPFamily, config: ProxierConfig, *, netns: str | None = None
+) -> Backend:
+    """The nftables backend as shipped, its generations precreating the classes of every
+    endpoint count up to :data:`PRECREATE_BOUND` (issue 32 item 4)."""
+    return create_backend(family, config, netns=netns, precreate_counts=PRECREATE_BOUND)

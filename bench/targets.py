@@ -23,6 +23,7 @@ __all__ = [
     "IPT_NFT",
     "NO_RULES",
     "OURS",
+    "PRECREATED",
     "RULES",
     "SUBJECT_ORDER",
     "SUBJECT_TITLES",
@@ -35,6 +36,7 @@ __all__ = [
     "find",
     "full_sync",
     "issue19_targets",
+    "new_count_target",
     "one",
     "plain",
     "scale_targets",
@@ -44,14 +46,16 @@ __all__ = [
 
 OURS = "kubeproxy-nftables"  # the map structure: the nftables backend as shipped
 RULES = "kubeproxy-nftables-rules"  # the map structure's class dispatch before issue 19
+PRECREATED = "kubeproxy-nftables-precreated"  # classes of counts 1-1024 precreated (issue 32)
 CHAINS = "kubeproxy-nftables-chains"  # the per-Service-chain structure it replaced
 IPT_NFT = "kubeproxy-iptables-nft"
 IPT_LEGACY = "kubeproxy-iptables-legacy"
 UPSTREAM = "upstream-nft"
 NO_RULES = "no-rules"  # the data-plane baseline: the topology without any rules
-SUBJECT_ORDER = (OURS, RULES, CHAINS, IPT_NFT, IPT_LEGACY, UPSTREAM)
+SUBJECT_ORDER = (OURS, PRECREATED, RULES, CHAINS, IPT_NFT, IPT_LEGACY, UPSTREAM)
 SUBJECT_TITLES = {
     OURS: "nftables (maps)",
+    PRECREATED: "nftables (maps, classes of counts 1-1024 precreated)",
     RULES: "nftables (maps, class rules, before)",
     CHAINS: "nftables (chains, before)",
     IPT_NFT: "iptables-nft",
@@ -935,11 +939,38 @@ def daemon_targets(records: Sequence[Record]) -> list[TargetCheck]:
     ]
 
 
+# Issue 32 item 4: every change data only, a never-seen endpoint count included ------------
+
+EVERY_CHANGE_P99_MAX_MS = 2.0
+NEW_COUNT_OPS = ("endpoint", "add", "remove", "newcount")
+
+
+def new_count_target(records: Sequence[Record]) -> TargetCheck:
+    """p99 of every kind of change on the realistic mix at 100k, a Service of an endpoint
+    count no Service had included, within :data:`EVERY_CHANGE_P99_MAX_MS` (the shipped
+    structure; ``test_new_count``)."""
+    found = [
+        (op, one(records, kind="new_count_incremental", subject=OURS, services=100_000, op=op))
+        for op in NEW_COUNT_OPS
+    ]
+    measured = [(op, r) for op, r in found if r is not None and "p99_ms" in r]
+    return TargetCheck(
+        f"realistic mix at 100k: p99 of every kind of change (endpoint, add, remove, a "
+        f"never-seen endpoint count) <= {EVERY_CHANGE_P99_MAX_MS:.0f} ms",
+        ", ".join(f"{op} {r['p99_ms']:.2f} ms" for op, r in measured) or "not measured",
+        all(r["p99_ms"] <= EVERY_CHANGE_P99_MAX_MS for _, r in measured)
+        if len(measured) == len(NEW_COUNT_OPS)
+        else None,
+        issue=32,
+    )
+
+
 def evaluate_targets(records: Sequence[Record]) -> list[TargetCheck]:
-    """Every target (issue 4's, 11's, 19's and 20's) against the records of one run."""
+    """Every target (issue 4's, 11's, 19's, 20's and 32's) against the records of one run."""
     return (
         backend_targets(records)
         + scale_targets(records)
         + issue19_targets(records)
         + daemon_targets(records)
+        + [new_count_target(records)]
     )

@@ -65,6 +65,7 @@ from bench.subjects import (
     IPTABLES_NFT,
     NFTABLES,
     NFTABLES_CHAINS,
+    NFTABLES_PRECREATED,
     NFTABLES_RULES,
     UPSTREAM,
     Subject,
@@ -312,6 +313,7 @@ def _incremental(
         rounds=len(ordered),
         median_ms=1000 * statistics.median(ordered),
         p90_ms=1000 * ordered[int(0.9 * (len(ordered) - 1))],
+        p99_ms=1000 * ordered[int(0.99 * (len(ordered) - 1))],
         max_ms=1000 * ordered[-1],
         tool_median_ms=1000 * statistics.median(tools),
         # upstream's structure only: failed stale-chain cleanups so far (see upstreamproc)
@@ -674,7 +676,7 @@ def test_realistic(results: Results, subject: Subject, services: int) -> None:
                 results, "realistic_restart", subject, services, proxy, endpoints=None
             )
             assert restart["ok"], f"{subject.name}: realistic restart failed"
-            for op in ("endpoint", "add", "remove"):
+            for op in ("endpoint", "add", "remove", "newcount"):
                 _incremental(
                     results,
                     subject,
@@ -684,6 +686,36 @@ def test_realistic(results: Results, subject: Subject, services: int) -> None:
                     kind="realistic_incremental",
                     endpoints=None,
                 )
+
+
+# A never-seen endpoint count (issue 32 item 4) ------------------------------------------
+
+NEW_COUNT_OPS = ("endpoint", "add", "remove", "newcount", "seencount")
+NEW_COUNT_CASES = [
+    pytest.param(subject, n, marks=[quick] if n == 1 * K else [], id=f"{name}-{_size_id(n)}")
+    for subject, name in ((NFTABLES, "nftables"), (NFTABLES_PRECREATED, "nftables-precreated"))
+    for n in (1 * K, 30 * K, 100 * K)
+]
+
+
+@pytest.mark.timeout(SYNC_TIMEOUT_S + 1800)
+@pytest.mark.parametrize(("subject", "services"), NEW_COUNT_CASES)
+def test_new_count(results: Results, subject: Subject, services: int) -> None:
+    """Every kind of change on the realistic mix, side by side: an endpoint change, a
+    Service added and removed, a Service whose endpoint count no Service had
+    (``newcount``: a class and a pick the table never had) and its control (``seencount``:
+    a count some Service has, about as many endpoints). Records of kind
+    ``new_count_incremental``; no dataplane, no restart (``test_realistic`` has those)."""
+    with (
+        namespace("newcount") as netns,
+        proxy_process(netns, services, 0, backend=subject.backend, mix="realistic") as proxy,
+    ):
+        cold = _synced(results, "new_count_cold", subject, services, proxy, endpoints=None)
+        assert cold["ok"], f"{subject.name}: realistic cold sync failed"
+        for op in NEW_COUNT_OPS:
+            _incremental(
+                results, subject, services, proxy, op, kind="new_count_incremental", endpoints=None
+            )
 
 
 # Classes and the first packet (issue 19) ------------------------------------------------------

@@ -12,10 +12,12 @@ from bench.report import render_markdown, subject_titles
 from bench.targets import (
     CHAINS,
     OURS,
+    PRECREATED,
     RULES,
     UPSTREAM,
     evaluate_targets,
     issue19_targets,
+    new_count_target,
     scale_targets,
 )
 
@@ -244,9 +246,9 @@ def test_timed_out_100k_cold_sync_misses() -> None:
 def test_issue4_targets_stay_first_and_judge_the_map_structure() -> None:
     checks = evaluate_targets(_good_run())
     issue20 = len([c for c in checks if c.issue == 20])
-    assert [c.issue for c in checks] == [4] * (len(checks) - 16 - issue20) + [11] * 12 + [
+    assert [c.issue for c in checks] == [4] * (len(checks) - 17 - issue20) + [11] * 12 + [
         19
-    ] * 4 + [20] * issue20
+    ] * 4 + [20] * issue20 + [32]
     ten = next(c for c in checks if c.target.startswith("cold full sync 10k x 10 <= 10 s"))
     assert ten.holds is True and ten.measured == "3.70 s"
 
@@ -339,3 +341,24 @@ def test_realistic_targets_need_every_size_and_change() -> None:
     assert issue19_targets(records)[-1].holds is True
     records.append(change(100_000, "add", 1.5))
     assert issue19_targets(records)[-1].holds is False
+
+
+def test_new_count_target_judges_every_kind_of_change_at_100k() -> None:
+    def change(op: str, p99_ms: float, subject: str = OURS) -> Record:
+        record = _incremental(subject, 100_000, op, p99_ms / 2)
+        return {**record, "kind": "new_count_incremental", "p99_ms": p99_ms}
+
+    assert new_count_target([]).holds is None
+    records = [change(op, 1.5) for op in ("endpoint", "add", "remove")]
+    assert new_count_target(records).holds is None  # no never-seen count yet
+    records.append(change("newcount", 1.9))
+    assert new_count_target(records).holds is True
+    # Another subject's figures (the precreated classes) are quoted, never judged.
+    assert new_count_target([*records, change("newcount", 80.0, PRECREATED)]).holds is True
+    missed = new_count_target([*records[:3], change("newcount", 83.0)])
+    assert missed.holds is False and "newcount 83.00 ms" in missed.measured
+    machine = {"date": "2026-01-01T00:00:00+00:00", "nproc": 2, "kernel": "6", "nft": "1.0.6"}
+    machine |= {"python": "3.11", "memory_gb": 23.5, "commit": "abc"}
+    run = {"command": "make bench", "machine": machine, "duration_s": 60.0}
+    text = render_markdown({**run, "records": [*records, change("seencount", 3.0)]})
+    assert "| 100k | nftables (maps) | - | 0.75 / 1.50 (0.38) |" in text

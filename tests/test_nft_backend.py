@@ -8,6 +8,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import re
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
@@ -57,6 +58,7 @@ def backend(
     family: IPFamily = IPFamily.IPV4,
     *,
     elements_per_transaction: int = 10_000,
+    precreate_counts: int = 0,
 ) -> NftablesBackend:
     return NftablesBackend(
         family,
@@ -65,6 +67,7 @@ def backend(
         clock=clock or Clock(),
         elements_per_transaction=elements_per_transaction,
         support_check=False,
+        precreate_counts=precreate_counts,
     )
 
 
@@ -605,15 +608,69 @@ def test_scaling_moves_the_frontend_between_classes_and_fills_holes() -> None:
     assert classes_of(fake)[key] == "internal-4.g1"
 
 
-def test_hundreds_of_classes_cost_a_few_lookups_and_a_change_is_data() -> None:
-    world = World()
-    names = [
+def ladder(world: World, numbers: Iterable[int]) -> list[ServicePortName]:
+    """Service ``s<n>`` with ``n + 1`` endpoints for each ``n``: one class each."""
+    return [
         world.add(
             ServicePort(spn(f"s{n}"), ip(f"172.30.{n // 200}.{n % 200}"), 80, Protocol.TCP),
             *(ep(str(ip("10.0.0.0") + 1024 * n + k)) for k in range(1, n + 2)),
         )
-        for n in range(150)
+        for n in numbers
     ]
+
+
+def test_precreated_counts_make_a_new_count_data_only_up_to_the_bound() -> None:
+    world = World()
+    name = web(world, "10.180.0.1", "10.180.0.2", "10.180.0.3", node_port=30080)
+    fake = FakeNft()
+    b = backend(fake, precreate_counts=6)
+    b.sync(world.snapshot(), full())
+    key, nodeport = ("172.30.0.10", "tcp", "80"), ("tcp", "30080")
+    assert classes_of(fake)[key] == "internal-3.g1"
+    # A count no Service has, within the bound: its class is there, only elements move.
+    web(world, *(f"10.180.0.{n}" for n in range(1, 6)), node_port=30080)
+    count = len(fake.transactions)
+    b.sync(world.snapshot(), changed(name))
+    (only,) = (tx.render() for tx in fake.transactions[count:])
+    assert "rule" not in only and "chain" not in only
+    assert classes_of(fake)[key] == "internal-5.g1"
+    assert classes_of(fake)[nodeport] == "nodeport-5.g1"
+    assert len(slots_of(fake, Family.IP, key)) == 5
+    # Above the bound: the class comes as before, in a transaction before the elements.
+    web(world, *(f"10.180.0.{n}" for n in range(1, 8)), node_port=30080)
+    count = len(fake.transactions)
+    b.sync(world.snapshot(), changed(name))
+    structure, _elements = (tx.render() for tx in fake.transactions[count:])
+    assert "add chain ip kube-proxy internal-7.g1" in structure
+    assert classes_of(fake)[key] == "internal-7.g1"
+
+
+def test_a_tree_grown_class_by_class_leads_where_a_full_syncs_does() -> None:
+    """Each new class rewrites the tree chains on its own path only (``tree_chains``'
+    ``only``); the frontends still reach the class a fresh full sync sends them to."""
+    world = World()
+    ladder(world, range(20))
+    fake = FakeNft()
+    b = backend(fake)
+    b.sync(world.snapshot(), full())
+    for n in range(20, 40):  # twenty classes seen for the first time, one sync each
+        (name,) = ladder(world, [n])
+        count = len(fake.transactions)
+        b.sync(world.snapshot(), changed(name))
+        assert f"add chain ip kube-proxy internal-{n + 1}.g1" in fake.transactions[count].render()
+    # The tree the incremental syncs built leads every frontend where a full sync's does.
+    incremental = classes_of(fake)
+    fresh = FakeNft()
+    backend(fresh).sync(world.snapshot(), full())
+    assert len(set(incremental.values())) == 40
+    assert {k: c.split(".")[0] for k, c in incremental.items()} == {
+        k: c.split(".")[0] for k, c in classes_of(fresh).items()
+    }
+
+
+def test_hundreds_of_classes_cost_a_few_lookups_and_a_change_is_data() -> None:
+    world = World()
+    names = ladder(world, range(150))
     fake = FakeNft()
     b = backend(fake)
     b.sync(world.snapshot(), full())

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from kubeproxy.backend import ProxySnapshot, SyncChanges, SyncError
+from kubeproxy.backend import Backend, ProxySnapshot, SyncChanges, SyncError
 from kubeproxy.backends.nftables import NftablesBackend, cleanup, create_backend
 from kubeproxy.backends.nftables.exec import LibNftables
 from kubeproxy.backends.nftables.inspect import served_frontends, slots_of
@@ -84,6 +84,33 @@ def node_checks(netns: str) -> str | None:
 test_flow_cases = flow_test(
     ["flowcases/examples/*.yaml", "flowcases/behaviour/*.yaml", "flowcases/nftables/*.yaml"],
     backend="nftables",
+    options=RunOptions(node_check=node_checks),
+    base=REPO,
+    marks=[pytest.mark.kernel],
+)
+
+PRECREATED_COUNTS = 8
+"""The bound of the precreated classes' flow cases: above every count the cases reach."""
+
+
+def precreated_backend(
+    family: IPFamily, config: ProxierConfig, *, netns: str | None = None
+) -> Backend:
+    """The shipped backend with the classes of endpoint counts 1-8 precreated (issue 32,
+    off by default): the cases' new counts are then element changes, over a class tree of
+    a few hundred classes whose numbers have up to 8 bits set."""
+    return create_backend(family, config, netns=netns, precreate_counts=PRECREATED_COUNTS)
+
+
+test_flow_cases_precreated = flow_test(
+    [
+        "flowcases/examples/*.yaml",
+        "flowcases/behaviour/many-endpoints.yaml",
+        "flowcases/behaviour/loadbalancer.yaml",
+        "flowcases/behaviour/traffic-policy.yaml",
+        "flowcases/behaviour/affinity.yaml",
+    ],
+    backend=precreated_backend,
     options=RunOptions(node_check=node_checks),
     base=REPO,
     marks=[pytest.mark.kernel],

@@ -68,7 +68,7 @@ __all__ = [
 
 
 def create_backend(
-    family: IPFamily, config: ProxierConfig, *, netns: str | None = None
+    family: IPFamily, config: ProxierConfig, *, netns: str | None = None, precreate_counts: int = 0
 ) -> NftablesBackend | LocalhostNodePortsBackend:
     """A backend for ``family`` in ``netns`` (the current namespace if None).
 
@@ -79,6 +79,9 @@ def create_backend(
     ``NFTablesNetlink`` gate picks how elements reach the kernel (see
     :class:`~kubeproxy.backends.nftables.exec.LibNftables`). The choice and its reason
     are logged (:func:`~kubeproxy.backends.nftables.support.table_ownership`).
+
+    ``precreate_counts``: the classes of every endpoint count up to it are in each
+    generation from its start (see :class:`NftablesBackend`; 0, the default, for none).
 
     Raises :class:`NftError` when nftables mode cannot run here (the support check), or
     when another process owns the table (another proxy on this node). With the
@@ -97,7 +100,7 @@ def create_backend(
         executor = OwnedNftables(netns)
     else:
         executor = LibNftables(netns=netns, netlink_elements=gates.enabled(NFTABLES_NETLINK))
-    backend = backend_over(executor, family, config, netns=netns)
+    backend = backend_over(executor, family, config, netns=netns, precreate_counts=precreate_counts)
     if isinstance(executor, OwnedNftables):
         # Refused at once when another process owns the table (another proxy); created
         # or adopted with the first write (nothing is written before the daemon starts).
@@ -113,12 +116,21 @@ def backend_over(
     *,
     netns: str | None = None,
     clock: Callable[[], float] = time.monotonic,
+    precreate_counts: int = 0,
 ) -> NftablesBackend | LocalhostNodePortsBackend:
     """The backend :func:`create_backend` builds, over a given executor and clock (tests
     compare two executors writing the same syncs)."""
-    if not config.feature_gates.enabled(KUBE_PROXY_NFTABLES_LOCALHOST_NODEPORTS):
-        return NftablesBackend(family, config, executor=executor, clock=clock)
-    inner = NftablesBackend(family, config, executor=executor, clock=clock, kept=KEPT_OBJECTS)
+    localhost = config.feature_gates.enabled(KUBE_PROXY_NFTABLES_LOCALHOST_NODEPORTS)
+    inner = NftablesBackend(
+        family,
+        config,
+        executor=executor,
+        clock=clock,
+        kept=KEPT_OBJECTS if localhost else (),
+        precreate_counts=precreate_counts,
+    )
+    if not localhost:
+        return inner
     return LocalhostNodePortsBackend.create(inner, config, executor, netns=netns)
 
 

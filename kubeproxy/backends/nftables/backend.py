@@ -12,8 +12,10 @@ the cluster's size, and everything per Service is *data* (see
 * an **incremental sync** renders the changed Service ports, diffs them frontend by
   frontend against what it last wrote, and commits one transaction of element additions
   and deletions (endpoints keep their slot numbers, so one endpoint changed is one slot
-  rewritten). A class or pick that appears for the first time adds its chain and one
-  rule, the only case that makes the kernel validate the table.
+  rewritten). A class or pick that appears for the first time adds its chains and the
+  tree chains on its path, the only case that makes the kernel validate the table
+  (``precreate_counts``, off by default, makes the classes of counts up to it exist from
+  the full sync on).
 * a **full sync** (start, restart, the periodic one, after a failure) never reads rules
   or elements back: it writes a complete new *generation* of the containers, class and
   pick chains next to the current one, in bounded transactions, then rewrites the fixed
@@ -71,6 +73,7 @@ from kubeproxy.backends.nftables.layout import (
     Dispatch,
     affinity_container,
     generation_of,
+    precreated_classes,
 )
 from kubeproxy.backends.nftables.objects import Chain, Family, NftError, Set, Table
 from kubeproxy.backends.nftables.owner import OwnedNftables
@@ -150,7 +153,12 @@ class NftablesBackend:
     comment (what ``kubeproxy explain`` reads); off, they carry none (the structure before
     issue 30, kept for ``make bench``). A refused transaction or element batch is kept
     in ``failure_dir`` (default: the state directory) and named in the sync's error
-    (:mod:`~kubeproxy.backends.nftables.failures`).
+    (:mod:`~kubeproxy.backends.nftables.failures`). ``precreate_counts`` N (tree dispatch
+    only; 0, the default, for none): every generation holds the classes of 1 to N
+    endpoints of the shapes whose class is their count alone from its start
+    (:func:`~kubeproxy.backends.nftables.layout.precreated_classes`), so a Service
+    reaching such a count is element changes only; measured against the default in the
+    package README ("A never-seen endpoint count": every commit pays for the chains).
     """
 
     def __init__(
@@ -166,6 +174,7 @@ class NftablesBackend:
         kept: Iterable[TableObject | str] = (),
         element_names: bool = True,
         failure_dir: Path | None = None,
+        precreate_counts: int = 0,
     ) -> None:
         if elements_per_transaction < 1:
             raise ValueError("elements_per_transaction must be at least 1")
@@ -173,6 +182,9 @@ class NftablesBackend:
             self._dispatch = Dispatch(dispatch)
         except ValueError:
             raise ValueError(f"unknown class dispatch {dispatch!r}") from None
+        if precreate_counts < 0 or (precreate_counts and self._dispatch != DISPATCH_TREE):
+            raise ValueError("precreate_counts needs the tree dispatch and a count >= 0")
+        self._precreated = precreated_classes(precreate_counts)
         self._family = family
         self._nft_family = _FAMILIES[family]
         self._tokens: FamilyTokens = tokens_for(family)
@@ -459,7 +471,7 @@ class NftablesBackend:
             plans.pop(name, None)
         self._last_ports = len(plans)
         if self._dispatch == DISPATCH_TREE:
-            model.number_classes(plans.values())
+            model.number_classes(plans.values(), self._precreated)
         try:
             ops = self._write_generation(plans)
         except BaseException:
@@ -483,6 +495,9 @@ class NftablesBackend:
         model.declare_fixed(tx, {c.name for c in fixed if c.hook is not None})
         for plan in plans.values():
             self._add_structure(tx, plan, live=False)
+        for cls in self._precreated:
+            if cls not in model.class_chains:
+                model.add_class(tx, cls, self._ctx, live=False)
         model.update_tree(tx)
         ops.commit()
         for name, plan in plans.items():

@@ -52,6 +52,7 @@ from kubeproxy.backends.nftables.layout import (
     pick_chain,
     picks_of,
     public_containers,
+    tree_below,
     tree_chains,
     tree_depth,
 )
@@ -194,8 +195,10 @@ class Generation:
         self.by_number: dict[Kind, dict[int, ClassSpec]] = {kind: {} for kind in KINDS}
         self.depth: dict[Kind, int] = dict.fromkeys(KINDS, 0)
         self.tree: dict[str, tuple[str, ...]] = {}
-        # Whether a class got a number since the tree chains were written.
-        self._tree_stale = True
+        # Per kind: the numbers handed out since the tree chains were written (None: all
+        # of them, the tree is written whole), and tree_below of every number.
+        self._new_numbers: dict[Kind, list[int] | None] = dict.fromkeys(KINDS)
+        self._below: dict[Kind, set[tuple[int, int]]] = {kind: set() for kind in KINDS}
         # How many ports use each content-named affinity map and chain.
         self.content_refs: dict[TableObject, int] = {}
         self.element_types: ElementTypes = {}
@@ -259,21 +262,32 @@ class Generation:
 
     # Classes and their dispatch -------------------------------------------------------------
 
-    def number_classes(self, plans: Iterable[PortPlan]) -> None:
+    def number_classes(
+        self, plans: Iterable[PortPlan], precreated: Iterable[ClassSpec] = ()
+    ) -> None:
         """Class numbers for a new generation: the most used classes get the numbers with
-        the fewest bits set (fewer elements, fewer gotos per connection)."""
+        the fewest bits set (fewer elements, fewer gotos per connection); the
+        ``precreated`` classes no frontend uses yet come after them, fewest endpoints
+        first."""
         use: dict[ClassSpec, int] = {}
         for plan in plans:
             for fe in plan.frontends:
                 if fe.cls is not None:
                     use[fe.cls] = use.get(fe.cls, 0) + 1
+        for cls in precreated:
+            use.setdefault(cls, 0)
         for kind in KINDS:
-            ranked = sorted((c for c in use if c.kind == kind), key=lambda c: (-use[c], c))
+            ranked = sorted(
+                (c for c in use if c.kind == kind),
+                key=lambda c: (-use[c], c.count if not use[c] else 0, c),
+            )
             depth = tree_depth(len(ranked))
             self.depth[kind] = depth
             for cls, number in zip(ranked, class_numbers(depth), strict=False):
                 self.numbers[cls] = number
                 self.by_number[kind][number] = cls
+            self._below[kind] = tree_below(self.by_number[kind])
+            self._new_numbers[kind] = None
 
     def add_structure(
         self, tx: Transaction, plan: PortPlan, ctx: RenderContext, *, live: bool
@@ -282,35 +296,39 @@ class Generation:
         dispatch-tree chains follow in :meth:`update_tree`). ``live``: the fixed chains
         read this generation already (with one rule per class, a new class's rule goes
         into them now; else the switch writes it)."""
-        names, tokens = self.names, self.tokens
-        tree = self.dispatch == DISPATCH_TREE
         for fe in plan.frontends:
             cls = fe.cls
-            if cls is None or cls in self.class_chains:
-                continue
-            for pick in picks_of(cls):
-                if pick not in self.picks:
-                    for spec in names.slot_maps(pick, tokens):
-                        if spec.name not in self.slot_maps:
-                            self.declare(tx, spec)
-                            self.slot_maps.add(spec.name)
-                    chain = pick_chain(names, pick, tokens)
-                    tx.add_chain(chain.name)
-                    tx.add_rules(chain.name, chain.rules)
-                    self.picks.add(pick)
-            chain = class_chain(names, cls, ctx)
-            tx.add_chain(chain.name)
-            tx.add_rules(chain.name, chain.rules)
-            self.class_chains.add(cls)
-            if tree:
-                if cls not in self.numbers:
-                    self._new_number(tx, cls)
-                continue
-            self.declare(tx, names.class_set(cls, tokens))
-            frontends = SERVICE_FRONTENDS if cls.kind == KIND_IP else NODEPORT_FRONTENDS
-            if live:
-                tx.add_rule(frontends, class_rule(names, cls, tokens))
-            self.classes.append(cls)
+            if cls is not None and cls not in self.class_chains:
+                self.add_class(tx, cls, ctx, live=live)
+
+    def add_class(self, tx: Transaction, cls: ClassSpec, ctx: RenderContext, *, live: bool) -> None:
+        """Queue one class the generation lacks: its picks and their slot maps, its chain,
+        and its number (tree dispatch) or its rule (see :meth:`add_structure`)."""
+        names, tokens = self.names, self.tokens
+        tree = self.dispatch == DISPATCH_TREE
+        for pick in picks_of(cls):
+            if pick not in self.picks:
+                for spec in names.slot_maps(pick, tokens):
+                    if spec.name not in self.slot_maps:
+                        self.declare(tx, spec)
+                        self.slot_maps.add(spec.name)
+                chain = pick_chain(names, pick, tokens)
+                tx.add_chain(chain.name)
+                tx.add_rules(chain.name, chain.rules)
+                self.picks.add(pick)
+        chain = class_chain(names, cls, ctx)
+        tx.add_chain(chain.name)
+        tx.add_rules(chain.name, chain.rules)
+        self.class_chains.add(cls)
+        if tree:
+            if cls not in self.numbers:
+                self._new_number(tx, cls)
+            return
+        self.declare(tx, names.class_set(cls, tokens))
+        frontends = SERVICE_FRONTENDS if cls.kind == KIND_IP else NODEPORT_FRONTENDS
+        if live:
+            tx.add_rule(frontends, class_rule(names, cls, tokens))
+        self.classes.append(cls)
 
     def _new_number(self, tx: Transaction, cls: ClassSpec) -> None:
         """Give a class seen for the first time in this generation a free number, one
@@ -328,19 +346,34 @@ class Generation:
         self.depth[kind] = depth
         self.numbers[cls] = free
         taken[free] = cls
-        self._tree_stale = True
+        self._below[kind].update(tree_below((free,)))
+        pending = self._new_numbers[kind]
+        if pending is not None:
+            pending.append(free)
 
     def update_tree(self, tx: Transaction) -> None:
         """Queue the dispatch-tree chains that are new or changed: new chains first
-        (a parent's rules go to them), then their rules."""
-        if self.dispatch != DISPATCH_TREE or not self._tree_stale:
+        (a parent's rules go to them), then their rules. Only the chains on the paths of
+        numbers handed out since the last call can change (:func:`tree_chains`)."""
+        if self.dispatch != DISPATCH_TREE:
             return
-        self._tree_stale = False
         wanted: dict[str, tuple[str, ...]] = {}
         for kind in KINDS:
+            pending = self._new_numbers[kind]
+            if pending == []:
+                continue
             wanted.update(
-                tree_chains(self.names, kind, self.by_number[kind], self.depth[kind], self.tokens)
+                tree_chains(
+                    self.names,
+                    kind,
+                    self.by_number[kind],
+                    self.depth[kind],
+                    self.tokens,
+                    only=pending,
+                    below=self._below[kind],
+                )
             )
+            self._new_numbers[kind] = []
         changed = [name for name, rules in wanted.items() if self.tree.get(name) != rules]
         for name in changed:
             if name not in self.tree:
