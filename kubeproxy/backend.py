@@ -13,8 +13,7 @@ is a :class:`BackendFactory`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
-from collections.abc import Set as AbstractSet
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar, runtime_checkable
 
@@ -85,7 +84,7 @@ class ProxySnapshot:
     service_cidrs: tuple[IPNetwork, ...] = ()
     node_port_addresses: NodePortAddresses = field(default_factory=NodePortAddresses)
     local_detector: LocalDetector = field(default_factory=LocalDetector)
-    ports_by_service: Mapping[NamespacedName, AbstractSet[ServicePortName]] | None = None
+    ports_by_service: Mapping[NamespacedName, Collection[ServicePortName]] | None = None
 
     def ports_of(self, service: NamespacedName) -> list[ServicePortName]:
         """The port names of one Service present in this snapshot, sorted.

@@ -296,8 +296,7 @@ class DebugState:
 
 
 def _endpoint(endpoint: Endpoint) -> str:
-    ip = str(endpoint.ip)
-    return f"[{ip}]:{endpoint.port}" if ":" in ip else f"{ip}:{endpoint.port}"
+    return endpoint.key
 
 
 def _port_json(

@@ -74,7 +74,7 @@ def _target(snapshot: ProxySnapshot, name: ServicePortName) -> NodePortTarget | 
     if categorized is None or not categorized.has_any:
         return None
     chosen = categorized.local if port.external_policy_local else categorized.cluster
-    endpoints = tuple(dict.fromkeys((str(e.ip), e.port) for e in chosen))
+    endpoints = tuple(dict.fromkeys((e.address, e.port) for e in chosen))
     if not endpoints:
         return None
     return NodePortTarget(name, port.node_port, endpoints, port.session_affinity_seconds)

@@ -10,12 +10,17 @@ import ipaddress
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
-from typing import TypeAlias
+from typing import Final, TypeAlias
 
 IPAddress: TypeAlias = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork: TypeAlias = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 __all__ = [
+    "IS_LOCAL",
+    "READY",
+    "REMOTE",
+    "SERVING",
+    "TERMINATING",
     "CategorizedEndpoints",
     "Endpoint",
     "IPAddress",
@@ -26,6 +31,8 @@ __all__ = [
     "Protocol",
     "ServicePort",
     "ServicePortName",
+    "endpoint_flags",
+    "endpoint_key",
     "endpoint_string",
     "make_endpoint",
 ]
@@ -156,48 +163,181 @@ class ServicePort:
         )
 
 
-@dataclass(frozen=True, slots=True)
+IS_LOCAL: Final = 1
+"""The bit of :attr:`Endpoint.flags` that says :attr:`Endpoint.is_local`."""
+READY: Final = 2
+"""The bit of :attr:`Endpoint.flags` that says :attr:`Endpoint.ready`."""
+SERVING: Final = 4
+"""The bit of :attr:`Endpoint.flags` that says :attr:`Endpoint.serving`."""
+TERMINATING: Final = 8
+"""The bit of :attr:`Endpoint.flags` that says :attr:`Endpoint.terminating`."""
+REMOTE: Final = 16
+"""The bit of :attr:`Endpoint.flags` that says :attr:`Endpoint.remote`."""
+_DEFAULT_FLAGS: Final = READY | SERVING
+
+
+def endpoint_flags(
+    is_local: bool, ready: bool, serving: bool, terminating: bool, remote: bool = False
+) -> int:
+    """The :attr:`Endpoint.flags` of these conditions."""
+    return (
+        (IS_LOCAL if is_local else 0)
+        | (READY if ready else 0)
+        | (SERVING if serving else 0)
+        | (TERMINATING if terminating else 0)
+        | (REMOTE if remote else 0)
+    )
+
+
+@dataclass(frozen=True, slots=True, init=False, repr=False)
 class Endpoint:
-    """One backend of a Service port, merged from the Service's EndpointSlices."""
+    """One backend of a Service port, merged from the Service's EndpointSlices.
 
-    ip: IPAddress
+    Kept small, as a big cluster has a million of them (issue 32). The address is its
+    canonical text (``address``, as ``str(ip)`` spells it), not an
+    :class:`ipaddress.IPv4Address`: at 100k Services x 10 endpoints the address object and
+    the int inside it were 84 MB, and every backend writes the text anyway; :attr:`ip`
+    parses the text again when an address object is wanted. The five conditions are bits
+    of one small int (``flags``), read through properties of their own names: five slots
+    were 32 MB more.
+
+    ``Endpoint(address, port, is_local, ready, serving, terminating, zone_hints,
+    node_hints, remote)`` takes an address object or any text
+    :func:`ipaddress.ip_address` reads (and keeps its canonical text); a condition left
+    out (None) is taken from ``flags`` when given (as :func:`dataclasses.replace` gives
+    it), else is its default: ready and serving, not local, terminating nor remote.
+    """
+
+    address: str
+    """The endpoint's IP address, canonical text (``10.0.0.1``, ``fd00::1``)."""
     port: int
-    is_local: bool = False
-    ready: bool = True
-    serving: bool = True
-    terminating: bool = False
-    zone_hints: frozenset[str] = frozenset()
-    node_hints: frozenset[str] = frozenset()
-    remote: bool = False
-    """Known to run on another node (its ``nodeName`` names another node): it can never
-    be the source of a hairpin connection through this node."""
-    key: str = field(default="", compare=False)
+    flags: int
+    """:data:`IS_LOCAL`, :data:`READY`, :data:`SERVING`, :data:`TERMINATING` and
+    :data:`REMOTE`, or-ed (see :func:`endpoint_flags`)."""
+    zone_hints: frozenset[str]
+    node_hints: frozenset[str]
+    key: str = field(compare=False, init=False)
+    """``IP:port`` (IPv6 bracketed): the endpoint's identity everywhere (sorting, dedup,
+    rule names), computed once."""
 
-    def __post_init__(self) -> None:
-        # The IP:port string is the endpoint's identity everywhere (sorting, dedup,
-        # rule names); compute it once.
-        object.__setattr__(self, "key", endpoint_string(self.ip, self.port))
+    def __init__(
+        self,
+        address: IPAddress | str,
+        port: int,
+        is_local: bool | None = None,
+        ready: bool | None = None,
+        serving: bool | None = None,
+        terminating: bool | None = None,
+        zone_hints: frozenset[str] = frozenset(),
+        node_hints: frozenset[str] = frozenset(),
+        remote: bool | None = None,
+        flags: int | None = None,
+    ) -> None:
+        text = str(ipaddress.ip_address(address))
+        bits = _DEFAULT_FLAGS if flags is None else flags
+        for given, bit in (
+            (is_local, IS_LOCAL),
+            (ready, READY),
+            (serving, SERVING),
+            (terminating, TERMINATING),
+            (remote, REMOTE),
+        ):
+            if given is not None:
+                bits = bits | bit if given else bits & ~bit
+        _fill(self, text, port, endpoint_key(text, port), bits, zone_hints, node_hints)
+
+    @property
+    def is_local(self) -> bool:
+        """Runs on this node (its ``nodeName`` is this proxy's node)."""
+        return self.flags & IS_LOCAL != 0
+
+    @property
+    def ready(self) -> bool:
+        """Its ``conditions.ready`` (true when not given)."""
+        return self.flags & READY != 0
+
+    @property
+    def serving(self) -> bool:
+        """Its ``conditions.serving`` (true when not given)."""
+        return self.flags & SERVING != 0
+
+    @property
+    def terminating(self) -> bool:
+        """Its ``conditions.terminating`` (false when not given)."""
+        return self.flags & TERMINATING != 0
+
+    @property
+    def remote(self) -> bool:
+        """Known to run on another node (its ``nodeName`` names another node): it can
+        never be the source of a hairpin connection through this node."""
+        return self.flags & REMOTE != 0
+
+    @property
+    def ip(self) -> IPAddress:
+        """The address as an address object (parsed again at each call)."""
+        return ipaddress.ip_address(self.address)
+
+    @property
+    def version(self) -> int:
+        """4 or 6, as :attr:`ipaddress.IPv4Address.version` says."""
+        return 6 if ":" in self.address else 4
+
+    def with_port(self, port: int) -> Endpoint:
+        """A copy with another port (sharing the address text, the hints and the flags)."""
+        endpoint: Endpoint = _new(Endpoint)
+        address = self.address
+        key = endpoint_key(address, port)
+        _fill(endpoint, address, port, key, self.flags, self.zone_hints, self.node_hints)
+        return endpoint
 
     def __str__(self) -> str:
         return self.key
 
+    def __repr__(self) -> str:
+        return (
+            f"Endpoint(address={self.address!r}, port={self.port!r}, "
+            f"is_local={self.is_local}, ready={self.ready}, serving={self.serving}, "
+            f"terminating={self.terminating}, zone_hints={self.zone_hints!r}, "
+            f"node_hints={self.node_hints!r}, remote={self.remote})"
+        )
 
-def _endpoint_maker() -> Callable[
-    [IPAddress, int, str, bool, bool, bool, bool, frozenset[str], frozenset[str], bool], Endpoint
-]:
+
+_Filler: TypeAlias = Callable[[Endpoint, str, int, str, int, frozenset[str], frozenset[str]], None]
+_Maker: TypeAlias = Callable[
+    [str, int, str, bool, bool, bool, bool, frozenset[str], frozenset[str], bool], Endpoint
+]
+
+
+def _endpoint_builders() -> tuple[_Filler, _Maker]:
     # A frozen dataclass sets every field through object.__setattr__; at hundreds of
     # thousands of endpoints per start-up that was most of the parsing time. Writing the
     # slots through their descriptors gives the same object in a quarter of the time.
     setters = {f.name: getattr(Endpoint, f.name).__set__ for f in fields(Endpoint)}
-    set_ip, set_port, set_key = setters["ip"], setters["port"], setters["key"]
-    set_local, set_ready = setters["is_local"], setters["ready"]
-    set_serving, set_terminating = setters["serving"], setters["terminating"]
+    set_address, set_port, set_key = setters["address"], setters["port"], setters["key"]
+    set_flags = setters["flags"]
     set_zone_hints, set_node_hints = setters["zone_hints"], setters["node_hints"]
-    set_remote = setters["remote"]
     new = object.__new__
 
+    def fill(
+        endpoint: Endpoint,
+        address: str,
+        port: int,
+        key: str,
+        flags: int,
+        zone_hints: frozenset[str],
+        node_hints: frozenset[str],
+    ) -> None:
+        set_address(endpoint, address)
+        set_port(endpoint, port)
+        set_flags(endpoint, flags)
+        set_zone_hints(endpoint, zone_hints)
+        set_node_hints(endpoint, node_hints)
+        set_key(endpoint, key)
+
+    # The same sets again rather than a call of fill: the parser calls this once per
+    # endpoint of the cluster, and a Python call costs as much as the sets.
     def make(
-        ip: IPAddress,
+        address: str,
         port: int,
         key: str,
         is_local: bool,
@@ -209,29 +349,41 @@ def _endpoint_maker() -> Callable[
         remote: bool = False,
     ) -> Endpoint:
         endpoint: Endpoint = new(Endpoint)
-        set_ip(endpoint, ip)
+        set_address(endpoint, address)
         set_port(endpoint, port)
-        set_local(endpoint, is_local)
-        set_ready(endpoint, ready)
-        set_serving(endpoint, serving)
-        set_terminating(endpoint, terminating)
+        set_flags(
+            endpoint,
+            (IS_LOCAL if is_local else 0)
+            | (READY if ready else 0)
+            | (SERVING if serving else 0)
+            | (TERMINATING if terminating else 0)
+            | (REMOTE if remote else 0),
+        )
         set_zone_hints(endpoint, zone_hints)
         set_node_hints(endpoint, node_hints)
-        set_remote(endpoint, remote)
         set_key(endpoint, key)
         return endpoint
 
-    return make
+    return fill, make
 
 
-make_endpoint = _endpoint_maker()
+_fill, _make = _endpoint_builders()
+_new = object.__new__
+make_endpoint: _Maker = _make
 """Build an :class:`Endpoint` fast, from already validated parts and its precomputed key.
 
-``make_endpoint(ip, port, key, is_local, ready, serving, terminating, zone_hints,
-node_hints, remote)`` equals ``Endpoint(ip, port, is_local, ...)`` when ``key`` is
-``endpoint_string(ip, port)``; the parser uses it for the hundreds of thousands of
-endpoints of a big cluster.
+``make_endpoint(address, port, key, is_local, ready, serving, terminating, zone_hints,
+node_hints, remote)``: ``address`` must be the canonical text of a valid address and
+``key`` ``endpoint_key(address, port)``; then the result equals ``Endpoint(address, port,
+is_local, ...)``. The parser uses it for the hundreds of thousands of endpoints of a big
+cluster (no address object, no second parse).
 """
+
+
+def endpoint_key(address: str, port: int) -> str:
+    """``address:port``, the address bracketed when it is IPv6 (``address`` is an
+    :attr:`Endpoint.address`)."""
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
 
 
 @dataclass(frozen=True, slots=True)

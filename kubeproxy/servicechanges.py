@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -28,6 +28,7 @@ from kubeproxy.objects import (
     ServicePortName,
 )
 from kubeproxy.parse import InvalidObject, parse_service, service_key
+from kubeproxy.portindex import PortsByService
 
 __all__ = ["ServiceChangeTracker", "ServicePortMap", "ServiceUpdateResult", "UdpFrontend"]
 
@@ -180,7 +181,7 @@ class ServicePortMap(dict[ServicePortName, ServicePort]):
     def __init__(self, ports: Mapping[ServicePortName, ServicePort] | None = None) -> None:
         super().__init__()
         self._udp_ports_by_ip: dict[IPAddress, int] = {}
-        self._ports_by_service: dict[NamespacedName, set[ServicePortName]] = {}
+        self._ports_by_service = PortsByService()
         self._health_check_ports: dict[NamespacedName, int] = {}
         self._udp_frontends: dict[UdpFrontend, set[ServicePortName]] = {}
         self._udp_node_ports: dict[int, set[ServicePortName]] = {}
@@ -190,8 +191,9 @@ class ServicePortMap(dict[ServicePortName, ServicePort]):
                 self._index_health_check(service)
 
     @property
-    def ports_by_service(self) -> Mapping[NamespacedName, AbstractSet[ServicePortName]]:
-        """The port names of every Service in the map (a read-only view)."""
+    def ports_by_service(self) -> Mapping[NamespacedName, Collection[ServicePortName]]:
+        """The port names of every Service in the map (a read-only view; each Service's
+        names once, in the order they came)."""
         return MappingProxyType(self._ports_by_service)
 
     @property
@@ -210,7 +212,7 @@ class ServicePortMap(dict[ServicePortName, ServicePort]):
             if old is not None:
                 self._forget(old)
             self[name] = port
-            self._ports_by_service.setdefault(name.service, set()).add(name)
+            self._ports_by_service.add(name)
             if port.protocol is Protocol.UDP:
                 ip = port.cluster_ip
                 self._udp_ports_by_ip[ip] = self._udp_ports_by_ip.get(ip, 0) + 1
@@ -221,11 +223,7 @@ class ServicePortMap(dict[ServicePortName, ServicePort]):
 
     def _forget(self, port: ServicePort) -> None:
         """Drop ``port`` from the side indexes (the caller removes or replaces it)."""
-        names = self._ports_by_service.get(port.name.service)
-        if names is not None:
-            names.discard(port.name)
-            if not names:
-                del self._ports_by_service[port.name.service]
+        self._ports_by_service.discard(port.name)
         if port.protocol is Protocol.UDP:
             ip = port.cluster_ip
             left = self._udp_ports_by_ip[ip] - 1

@@ -6,16 +6,26 @@ refused object is in ``tests/test_manifests.py``.
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bench.synthetic import NODE_NAME, all_slice_dicts, realistic_services
 from kubeproxy.config import ProxierConfig
 from kubeproxy.objects import IPFamily
+from kubeproxy.parse import parse_ip
 from kubeproxy.proxier import Proxier
-from kubeproxy.sources.apivalidation import endpoint_slice_errors, service_errors
+from kubeproxy.sources.apivalidation import (
+    _ip_problem,
+    _plain_ipv4,
+    _special,
+    endpoint_slice_errors,
+    service_errors,
+)
 from kubeproxy.sources.manifests import ManifestSource
 from kubeproxy.testing.fakeapi import builders
 
@@ -171,3 +181,27 @@ class _Null:
 
     def cleanup(self) -> None:
         pass
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.one_of(
+        st.integers(0, 2**32 - 1).map(lambda n: str(ipaddress.IPv4Address(n))),
+        st.sampled_from(["0.0.0.0", "127.0.0.1", "169.254.9.9", "224.0.0.251", "224.0.1.1"]),
+        st.sampled_from(["169.253.1.1", "010.0.0.1", "1.2.3", "::ffff:10.0.0.1", " 1.2.3.4"]),
+    )
+)
+def test_the_plain_ipv4_shortcut_refuses_what_the_full_checks_refuse(text: str) -> None:
+    # The shortcut passes an address only when the full checks find no problem with it.
+    if _plain_ipv4(text):
+        assert _ip_problem(text, strict=False) is None
+        assert _special(parse_ip(text)) is None
+    # And what the slice's validation says is what the full checks say.
+    full = _ip_problem(text, strict=False)
+    if full is None:
+        address = parse_ip(text)
+        full = "must be a valid IPv4 address" if address.version != 4 else _special(address)
+    errors = endpoint_slice_errors(eps("web-1", "web", text))
+    assert bool(errors) == (full is not None), (errors, full)
+    if full is not None:
+        assert any(full in e for e in errors), errors

@@ -4,6 +4,7 @@ live allocations summed by site and by what holds them."""
 from __future__ import annotations
 
 import tracemalloc
+from pathlib import Path
 
 import pytest
 
@@ -72,3 +73,23 @@ def test_the_raw_traces_have_the_shape_summarised() -> None:
     assert len(kept) == 10
     ours = [s for s in summary["sites"] if "test_bench_memory.py" in s["site"]]
     assert ours and ours[0]["blocks"] >= 10 and ours[0]["mb"] * 1024 * 1024 >= 10_000
+
+
+def test_compared_checkouts_are_read_and_run_from_their_root(tmp_path: Path) -> None:
+    from bench.memory_compare import binary_argv, checkout, traced_argv
+
+    main = checkout(f"main={tmp_path}")
+    assert (main.label, main.root, main.python) == ("main", tmp_path, tmp_path / ".venv/bin/python")
+    borrowed = checkout(f"c1={tmp_path}:/opt/venv/bin/python")
+    assert borrowed.python == Path("/opt/venv/bin/python")
+    assert borrowed.env()["PYTHONPATH"] == str(tmp_path)
+    for bad in ("main", "=x", "main="):
+        with pytest.raises(ValueError, match="LABEL=ROOT"):
+            checkout(bad)
+    flags = ["--manifests", "/m", "--once"]
+    argv = binary_argv(main, flags)
+    assert argv[:4] == ["/usr/bin/time", "-v", str(main.python), "-c"]
+    assert "kubeproxy.cmd.nftables" in argv[4] and argv[5:] == flags
+    traced = traced_argv(borrowed, tmp_path / "out.json", flags)
+    assert traced[:4] == ["/opt/venv/bin/python", "-m", "bench.memory", "child"]
+    assert traced[traced.index("--") + 1 :] == flags

@@ -225,7 +225,7 @@ def test_firewall_additions_then_deletions_end_at_the_new_ranges(
 
 def _plan(cluster_ip: str, hairpin: tuple[str, ...], members: tuple[Key, ...]) -> PortPlan:
     affinity = AffinityPlan((), (), members) if members else None
-    return PortPlan((), (), cluster_ip, hairpin, frozenset(), affinity)
+    return PortPlan((), (), cluster_ip, hairpin, (), affinity)
 
 
 def test_shared_elements_are_written_once_and_go_with_the_last_port() -> None:

@@ -1125,7 +1125,7 @@ def test_incremental_state_matches_recomputation(ops: list[tuple[Any, ...]]) -> 
         for name, port in last.services.items()
     }
     assert last.categorized == expected
-    assert proxier._services.ports_by_service == {
+    assert {s: set(n) for s, n in proxier._services.ports_by_service.items()} == {
         s: {n for n in last.services if n.service == s} for s in {n.service for n in last.services}
     }
     assert {NamespacedName("demo", n) for n in services} >= {n.service for n in last.services}

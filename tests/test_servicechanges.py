@@ -410,7 +410,9 @@ def test_tracker_and_map_follow_the_objects(sequence: list[tuple[str, int, int]]
         grouped: dict[NamespacedName, set[ServicePortName]] = {}
         for name in expected:
             grouped.setdefault(name.service, set()).add(name)
-        assert dict(ports.ports_by_service) == grouped
+        assert {s: set(n) for s, n in ports.ports_by_service.items()} == grouped
+        # Each Service's names once each.
+        assert all(len(set(n)) == len(n) for n in ports.ports_by_service.values())
         assert tracker.pending_count == 0
 
     for op, index, variant in sequence:

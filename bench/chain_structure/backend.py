@@ -135,7 +135,7 @@ def _affinity_of(port: ServicePort, eps: CategorizedEndpoints) -> _Affinity | No
         for ip in (port.cluster_ip, *port.external_ips, *port.load_balancer_vips)
     )
     node_port = (proto, str(port.node_port)) if port.node_port else None
-    endpoints = frozenset((str(ep.ip), str(ep.port)) for ep in (*eps.cluster, *eps.local))
+    endpoints = frozenset((ep.address, str(ep.port)) for ep in (*eps.cluster, *eps.local))
     return _Affinity(frontends, node_port, endpoints)
 
 

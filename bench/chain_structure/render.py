@@ -234,7 +234,7 @@ def render_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints
     groups = {id(group): group for group in (eps.cluster, eps.local, eps.all_reachable)}
     for group in groups.values():
         for ep in group:
-            if ep.ip.version != version:
+            if ep.version != version:
                 _check_family(ctx, "endpoint", ep.ip)
             if not 1 <= ep.port <= 65535:
                 _check_port("endpoint port", ep.port)

@@ -45,7 +45,7 @@ class ClusterIPBackend:
         lines.append("chain services {")
         for port in snapshot.services.values():  # every address and port already validated
             endpoints = snapshot.categorized[port.name].cluster
-            targets = ", ".join(f"{i} : {ep.ip} . {ep.port}" for i, ep in enumerate(endpoints))
+            targets = ", ".join(f"{i} : {ep.address} . {ep.port}" for i, ep in enumerate(endpoints))
             match = f"{self.ip} daddr {port.cluster_ip} {port.protocol.lower} dport {port.port}"
             pick = f"numgen random mod {len(endpoints)} map {{ {targets} }}"
             lines += [f"{match} dnat {self.ip} addr . port to {pick}"] if endpoints else []

@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import socket
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Final
 
@@ -185,6 +186,33 @@ def _special(address: IPAddress) -> str | None:
     if link_local_multicast:
         return "may not be in the link-local multicast range (224.0.0.0/24, ff02::/10)"
     return None
+
+
+# The first octets of the IPv4 ranges _special refuses: 0.0.0.0, 127.0.0.0/8,
+# 169.254.0.0/16 and 224.0.0.0/24.
+_SPECIAL_FIRST_OCTETS: Final = frozenset({0, 127, 169, 224})
+
+
+def _plain_ipv4(text: object) -> bool:
+    """Whether ``text`` is a strict dotted quad outside every range :func:`_special`
+    refuses: an IPv4 endpoint address with no problem, known without an address object.
+
+    The usual endpoint address; at 100k Services x 10 endpoints, parsing each twice into
+    an ``IPv4Address`` and testing it against four networks was a quarter of the
+    manifests' start-up (cProfile, 30k: 7.5 s of 32 s profiled). Anything else
+    (another form, or a first octet of a special range) is left to the full checks."""
+    if type(text) is not str or len(text) > 15:
+        return False
+    try:
+        # inet_pton takes strict dotted-quad only: what parse_ip takes as it is.
+        first = _inet_pton(_AF_INET, text)[0]
+    except (OSError, ValueError):
+        return False
+    return first not in _SPECIAL_FIRST_OCTETS
+
+
+_inet_pton = socket.inet_pton
+_AF_INET = socket.AF_INET
 
 
 def _cidr_problem(text: object) -> str | None:
@@ -478,6 +506,8 @@ def _endpoint(index: int, raw: object, address_type: object) -> Iterator[str]:
     for number, text in enumerate(addresses):
         if address_type not in ("IPv4", "IPv6"):
             continue  # FQDN slices are no business of a proxy's; unknown types fall through
+        if address_type == "IPv4" and _plain_ipv4(text):
+            continue
         problem = _ip_problem(text, strict=False)
         if problem is None:
             address = parse_ip(text)

@@ -472,7 +472,8 @@ class ManifestSource:
                 namespace = raw
             else:
                 raise _BrokenFile(f"{place}: {kind} {name}: metadata.namespace is not a string")
-        key = (kind, _intern(namespace), name)
+        # The kind too: two kinds over every object, not a string kept per object.
+        key = (_intern(kind), _intern(namespace), name)
         return _Entry(key, obj, position, hash(text))
 
     # Definitions and delivery

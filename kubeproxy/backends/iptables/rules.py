@@ -213,7 +213,7 @@ class _Port:
         chain = endpoint_chain(self.name, self.proto, ep.key)
         self.seps[ep.key] = chain
         c = self.sep_comment
-        rules = [f"{c}-s {ep.ip} -j {MARK_MASQ}"]
+        rules = [f"{c}-s {ep.address} -j {MARK_MASQ}"]
         recent = f"-m recent --name {chain} --set " if self.port.session_affinity else ""
         rules.append(f"{c}{recent}{self.match} -j DNAT --to-destination {ep.key}")
         self.chains.append(ChainRules(chain, tuple(rules)))
@@ -273,7 +273,7 @@ def _validate(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
     groups = {id(group): group for group in (eps.cluster, eps.local, eps.all_reachable)}
     for group in groups.values():
         for ep in group:
-            if ep.ip.version != version:
+            if ep.version != version:
                 _check_family(family, "endpoint", ep.ip)
             if not 1 <= ep.port <= 65535:
                 _check_port("endpoint port", ep.port)

@@ -139,9 +139,10 @@ class PortPlan:
 def _real_servers(endpoints: Iterable[Endpoint], family: IPFamily) -> tuple[RealServer, ...]:
     seen: dict[RSKey, RealServer] = {}
     for ep in endpoints:
-        if ep.ip.version != family.version or not 0 < ep.port < 65536:
+        if ep.version != family.version or not 0 < ep.port < 65536:
             continue
-        seen.setdefault((ep.ip, ep.port), RealServer(ep.ip, ep.port, 1))
+        ip = ep.ip
+        seen.setdefault((ip, ep.port), RealServer(ip, ep.port, 1))
     return tuple(seen.values())
 
 
@@ -241,8 +242,9 @@ def render_port(port: ServicePort, eps: CategorizedEndpoints, ctx: RenderContext
 
     # Hairpin: a local endpoint reaching its own Service is masqueraded.
     for ep in dict.fromkeys((*eps.cluster, *eps.local)):
-        if ep.is_local and ep.ip.version == family.version and 0 < ep.port < 65536:
-            members.add((SetName.LOOP_BACK, member_ip_port_ip(ep.ip, proto, ep.port, ep.ip)))
+        if ep.is_local and ep.version == family.version and 0 < ep.port < 65536:
+            ip = ep.ip
+            members.add((SetName.LOOP_BACK, member_ip_port_ip(ip, proto, ep.port, ip)))
 
     return PortPlan(tuple(servers), frozenset(addresses), frozenset(members), tuple(no_access))
 

@@ -491,7 +491,7 @@ class NftablesBackend:
         claims.reset()
         plans: dict[ServicePortName, PortPlan] = {}
         for name in snapshot.services:
-            model.by_service.setdefault(name.service, set()).add(name)
+            model.by_service.add(name)
             plan = self._plan(snapshot, name)
             if plan is not None:
                 plans[name] = plan
@@ -659,13 +659,9 @@ class NftablesBackend:
             if plan is not None:
                 states[name] = PortState.of(plan)
             if name in snapshot.services:
-                by_service.setdefault(name.service, set()).add(name)
+                by_service.add(name)
             else:
-                members = by_service.get(name.service)
-                if members is not None:
-                    members.discard(name)
-                    if not members:
-                        del by_service[name.service]
+                by_service.discard(name)
         diff_firewall(ops, names, old_fw, new_fw, adding=False)
         self._unrenderable.forget_missing(snapshot)
         ops.commit()

@@ -13,6 +13,7 @@ the ports that changed, plus the contested ones.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 
 from kubeproxy.objects import ServicePortName
 
@@ -26,7 +27,7 @@ class Claims:
 
     def __init__(self, logger: logging.Logger) -> None:
         self._log = logger
-        self.wants: dict[ServicePortName, frozenset[Key]] = {}
+        self.wants: dict[ServicePortName, Collection[Key]] = {}
         """The keys each port (rendered and not deleted) claims."""
         self.claimant: dict[Key, ServicePortName] = {}
         """One claimant of each key (the holder, once conflicts are resolved)."""
@@ -46,8 +47,9 @@ class Claims:
         """Whether :meth:`resolve` has anything to decide."""
         return bool(self._contested or self.skipped)
 
-    def claim(self, name: ServicePortName, keys: frozenset[Key]) -> None:
-        """Record that ``name`` wants ``keys`` (after :meth:`release` of its old ones)."""
+    def claim(self, name: ServicePortName, keys: Collection[Key]) -> None:
+        """Record that ``name`` wants ``keys``, each once (after :meth:`release` of its
+        old ones); the collection is kept as given."""
         self.wants[name] = keys
         claimant = self.claimant
         for key in keys:

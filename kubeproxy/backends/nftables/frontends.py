@@ -28,7 +28,6 @@ import enum
 import functools
 import hashlib
 import ipaddress
-import sys
 from dataclasses import dataclass
 from typing import Final
 
@@ -293,7 +292,8 @@ class PortPlan:
     sources it accepts (CIDRs or addresses). ``cluster_ip`` (in ``cluster-ips``) and
     ``hairpin`` (endpoint addresses, each an ``address . address`` element of
     ``hairpin-endpoints``) may be shared with other ports: the backend counts them.
-    ``claims`` are the keys no other port may use; ``affinity`` the port's ClientIP
+    ``claims`` are the keys no other port may use (each once; a tuple, as most ports
+    claim one key: a frozenset of one was 216 bytes a port); ``affinity`` the port's ClientIP
     affinity maps and chains.
     """
 
@@ -301,7 +301,7 @@ class PortPlan:
     firewall: tuple[tuple[Key, tuple[str, ...]], ...]
     cluster_ip: str
     hairpin: tuple[str, ...]
-    claims: frozenset[Key]
+    claims: tuple[Key, ...]
     affinity: AffinityPlan | None = None
 
 
@@ -336,8 +336,8 @@ def _check(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) -> 
     # distinct list once.
     for group in {id(g): g for g in (eps.cluster, eps.local, eps.all_reachable)}.values():
         for ep in group:
-            if ep.ip.version != version:
-                raise InvalidPort(f"endpoint {ep.ip} is not {ctx.tokens.family}")
+            if ep.version != version:
+                raise InvalidPort(f"endpoint {ep.address} is not {ctx.tokens.family}")
             if not 1 <= ep.port <= 65535:
                 raise InvalidPort(f"endpoint port {ep.port} is out of range")
     for cidr in port.load_balancer_source_ranges:
@@ -381,7 +381,7 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
 
     frontends: list[Frontend] = []
     cluster_key: Key = (cip, proto, port_text)
-    claims: set[Key] = {cluster_key}
+    claims: list[Key] = [cluster_key]
     name = frontend_comment(port.name)
     internal_list = _LOCAL_LIST if port.internal_policy_local else _CLUSTER_LIST
     if internal:
@@ -402,12 +402,12 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
     external_keys: list[tuple[Kind, Key]] = []
     for ext in (*port.external_ips, *port.load_balancer_vips):
         key: Key = (str(ext), proto, port_text)
-        if key != cluster_key and key not in claims:
-            claims.add(key)
+        if key not in claims:
+            claims.append(key)
             external_keys.append((KIND_IP, key))
     if port.node_port:
         node_key: Key = (proto, _port_text(port.node_port))
-        claims.add(node_key)
+        claims.append(node_key)
         external_keys.append((KIND_NODEPORT, node_key))
 
     if external_keys:
@@ -452,17 +452,16 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
     # Every endpoint, as upstream: a hairpin connection comes from the endpoint itself,
     # and whether an endpoint runs here is only as good as the node name it names (with
     # a --hostname-override it may name none). Measured: at 30k Services x 10 endpoints,
-    # none of them local, this costs 0.4 s of a 5 s cold sync. Addresses are interned:
-    # one string per endpoint, however many ports share it.
-    hairpin = tuple(
-        dict.fromkeys(sys.intern(endpoint_value(ep.key)[0]) for ep in eps.all_reachable)
-    )
+    # none of them local, this costs 0.4 s of a 5 s cold sync. The endpoint's own address
+    # text: one string per endpoint, however many ports share it (the parser's, shared
+    # with every port's copy of the endpoint), no second copy split from the key.
+    hairpin = tuple(dict.fromkeys(ep.address for ep in eps.all_reachable))
     return PortPlan(
         tuple(frontends),
         tuple(firewall),
         cip,
         hairpin,
-        frozenset(claims),
+        tuple(claims),
         affinity.plan() if affinity is not None else None,
     )
 

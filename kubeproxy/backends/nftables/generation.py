@@ -67,7 +67,8 @@ from kubeproxy.backends.nftables.table import (
     RenderContext,
 )
 from kubeproxy.backends.nftables.transaction import Transaction
-from kubeproxy.objects import NamespacedName, ServicePortName
+from kubeproxy.objects import ServicePortName
+from kubeproxy.portindex import PortsByService
 
 __all__ = [
     "KINDS",
@@ -190,7 +191,7 @@ class Generation:
         # The shared affinity maps (outside generations, declared by every full sync).
         self.shards = shards
         self.ports: dict[ServicePortName, PortState] = {}
-        self.by_service: dict[NamespacedName, set[ServicePortName]] = {}
+        self.by_service = PortsByService()
         self.held: dict[Key, HeldFrontend] = {}
         self.shared = SharedCounts()
         self.classes: list[ClassSpec] = []  # rule dispatch: the class rules, in order

@@ -1,0 +1,191 @@
+"""Whole-process memory of several checkouts side by side, on one cluster (issue 32).
+
+    python -m bench.memory_compare --services 100000 --rounds 2 \\
+        main=/work/main branch=/work/wt/NAME
+    python -m bench.memory_compare --services 30000 --traced before=/tmp/a after=/tmp/b
+
+As root. Writes the cluster once as JSON ``kind: List`` manifests (:mod:`bench.wholeproc`),
+then, round after round, for each checkout in turn and each in a fresh namespace, runs
+
+* ``/usr/bin/time -v`` over that checkout's ``kube-proxy-nftables --manifests DIR --once``
+  (``python -c 'from kubeproxy.cmd.nftables import main; main()'``, what the installed
+  script runs): wall time, CPU time and peak resident size;
+* with ``--traced``, :mod:`bench.memory`'s traced child (pass 1 there: ``tracemalloc``'s
+  peak of Python's allocations), which does not vary with the load the way the resident
+  size and the times do, so one change's effect shows even when it is a few MB.
+
+A checkout is ``LABEL=ROOT[:PYTHON]``: the directory whose ``kubeproxy`` and ``bench``
+are run (put first on ``PYTHONPATH``), and the interpreter (``ROOT/.venv/bin/python``
+when not given; a clone of a commit without a ``.venv`` can borrow another checkout's,
+as the dependencies are the same). Alternating the checkouts within each round puts
+the same load on each, on a shared machine. Writes
+``bench/results/<date>-memory-compare-<host>.json`` and prints one line per run. Not
+part of ``make bench`` nor of ``make test``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from bench.memory import RESULTS_DIR, time_v
+from bench.netns import in_netns, namespace
+from bench.report import write_document
+
+__all__ = ["Checkout", "binary_argv", "checkout", "main", "traced_argv"]
+
+KIND: Final = "memory-compare"
+_MB = 1024 * 1024
+_BINARY = "import sys; from kubeproxy.cmd.nftables import main; sys.exit(main())"
+
+
+@dataclass(frozen=True, slots=True)
+class Checkout:
+    """One subject: a label, the directory run, and the interpreter running it."""
+
+    label: str
+    root: Path
+    python: Path
+
+    def env(self) -> dict[str, str]:
+        """The environment its processes run with: its root first on ``PYTHONPATH``."""
+        return {**os.environ, "PYTHONPATH": str(self.root)}
+
+
+def checkout(text: str) -> Checkout:
+    """A :class:`Checkout` from ``LABEL=ROOT[:PYTHON]``; raises ``ValueError``."""
+    label, equals, rest = text.partition("=")
+    if not equals or not label or not rest:
+        raise ValueError(f"{text!r} is not LABEL=ROOT[:PYTHON]")
+    root, _, python = rest.partition(":")
+    base = Path(root).resolve()
+    return Checkout(label, base, Path(python) if python else base / ".venv" / "bin" / "python")
+
+
+def binary_argv(subject: Checkout, flags: Sequence[str]) -> list[str]:
+    """``/usr/bin/time -v`` over the checkout's ``kube-proxy-nftables FLAGS``."""
+    return ["/usr/bin/time", "-v", str(subject.python), "-c", _BINARY, *flags]
+
+
+def traced_argv(subject: Checkout, out: Path, flags: Sequence[str]) -> list[str]:
+    """The checkout's :mod:`bench.memory` traced child (no snapshot of the allocations)."""
+    return [
+        str(subject.python),
+        "-m",
+        "bench.memory",
+        "child",
+        "--out",
+        str(out),
+        "--snapshot-at",
+        "0",
+        "--",
+        *flags,
+    ]
+
+
+def _run(subject: Checkout, argv: list[str]) -> subprocess.CompletedProcess[str]:
+    with namespace("cmp") as netns:
+        done = subprocess.run(
+            in_netns(netns, argv),
+            capture_output=True,
+            text=True,
+            check=False,
+            env=subject.env(),
+            cwd=subject.root,
+        )
+    if done.returncode != 0:
+        raise RuntimeError(f"{subject.label}: {' '.join(argv[:4])}...: {done.stderr[-2000:]}")
+    return done
+
+
+def measure(
+    subjects: Sequence[Checkout], services: int, endpoints: int, rounds: int, traced: bool
+) -> list[dict[str, Any]]:
+    """Every run, in the order run (see the module)."""
+    from bench.synthetic import build_services
+    from bench.wholeproc import proxy_flags, write_manifests
+
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="kpxb-memcmp-") as work:
+        manifests = write_manifests(Path(work) / "manifests", build_services(services, endpoints))
+        flags = proxy_flags(manifests)
+        for index in range(rounds):
+            for subject in subjects:
+                wall, rss, cpu = time_v(_run(subject, binary_argv(subject, flags)).stderr)
+                run: dict[str, Any] = {
+                    "label": subject.label,
+                    "root": str(subject.root),
+                    "commit": _commit(subject.root),
+                    "round": index,
+                    "wall_s": wall,
+                    "cpu_s": cpu,
+                    "max_rss_kb": rss,
+                }
+                if traced:
+                    out = Path(work) / f"{subject.label}-{index}.json"
+                    _run(subject, traced_argv(subject, out, flags))
+                    run["traced_peak_mb"] = json.loads(out.read_text())["traced_peak_mb"]
+                runs.append(run)
+                print(_line(services, run), file=sys.stderr, flush=True)
+    return runs
+
+
+def _commit(root: Path) -> str | None:
+    done = subprocess.run(
+        ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return done.stdout.strip() or None
+
+
+def _line(services: int, run: dict[str, Any]) -> str:
+    traced = f"  traced peak {run['traced_peak_mb']:6.1f} MB" if "traced_peak_mb" in run else ""
+    return (
+        f"{services} round {run['round']} {run['label']} ({run['commit']}): "
+        f"wall {run['wall_s']:6.1f} s  CPU {run['cpu_s']:6.1f} s  "
+        f"peak RSS {run['max_rss_kb'] / 1024:6.0f} MB{traced}"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line (see the module)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m bench.memory_compare", description=__doc__)
+    parser.add_argument("checkouts", nargs="+", type=checkout, metavar="LABEL=ROOT[:PYTHON]")
+    parser.add_argument("--services", type=int, default=100_000)
+    parser.add_argument("--endpoints", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--traced", action="store_true")
+    parser.add_argument("--results", type=Path, default=RESULTS_DIR)
+    options = parser.parse_args(args)
+    load = os.getloadavg()[0]
+    runs = measure(
+        options.checkouts, options.services, options.endpoints, options.rounds, options.traced
+    )
+    fields = {
+        "services": options.services,
+        "endpoints": options.endpoints,
+        "load_before": load,
+        "load_after": os.getloadavg()[0],
+        "runs": runs,
+    }
+    command = "python -m bench.memory_compare " + " ".join(args)
+    path, _document = write_document(options.results, KIND, command, fields)
+    for run in runs:
+        print(_line(options.services, run))
+    print(f"written: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

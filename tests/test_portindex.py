@@ -1,0 +1,51 @@
+"""The per-Service port index (a tuple per Service) against a dict of sets."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kubeproxy.objects import NamespacedName, Protocol, ServicePortName
+from kubeproxy.portindex import PortsByService
+
+NAMES = [
+    ServicePortName(NamespacedName("ns", service), port, protocol)
+    for service in ("a", "b", "c")
+    for port in ("", "http", "dns")
+    for protocol in (Protocol.TCP, Protocol.UDP)
+]
+
+steps = st.lists(st.tuples(st.booleans(), st.sampled_from(NAMES)), max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps)
+def test_index_follows_adds_and_discards(sequence: list[tuple[bool, ServicePortName]]) -> None:
+    index = PortsByService()
+    model: dict[NamespacedName, list[ServicePortName]] = {}
+    for add, name in sequence:
+        members = model.setdefault(name.service, [])
+        if add:
+            index.add(name)
+            if name not in members:
+                members.append(name)
+        else:
+            index.discard(name)
+            if name in members:
+                members.remove(name)
+        if not members:
+            del model[name.service]
+        # The same names, each once, in the order they came; no empty Service.
+        assert index == {service: tuple(names) for service, names in model.items()}
+
+
+def test_one_port_is_one_tuple_of_one() -> None:
+    index = PortsByService()
+    name = NAMES[0]
+    index.add(name)
+    index.add(name)
+    assert index[name.service] == (name,)
+    index.discard(NAMES[1])
+    assert index[name.service] == (name,)
+    index.discard(name)
+    assert name.service not in index
