@@ -140,29 +140,39 @@ def compare(want: TableView, have: TableView) -> list[Difference]:
         if expected:
             return [Difference(table, "not there, or nothing dispatches from it")]
         return []
-    out: list[Difference] = []
-    newer = [g for g in have.generations if g > have.generation]
-    if newer:
-        out.append(
-            Difference(
-                table,
-                f"stale generation: new connections use generation {have.generation}, the"
-                f" table holds generation {max(newer)} too (a switch that did not finish)",
-            )
-        )
+    out = _stale_generation(have)
     held = _frontends(have)
     for fkey, fe in expected.items():
-        subject = fe.name or "?"
         found = held.get(fkey)
         if found is None:
-            out.append(Difference(subject, f"{fe.address}: missing ({fe.what})"))
+            out.append(_missing(fe))
             continue
-        out.extend(Difference(subject, d) for d in _frontend_differences(fe, found))
-    for fkey, fe in held.items():
-        if fkey not in expected:
-            what = f"{fe.address}: extra, the objects have no such frontend"
-            out.append(Difference(fe.name or "?", what))
+        out.extend(Difference(fe.name or "?", d) for d in _frontend_differences(fe, found))
+    out.extend(_extra(fe) for fkey, fe in held.items() if fkey not in expected)
     return sorted(out)
+
+
+def _stale_generation(have: TableView) -> list[Difference]:
+    """The difference a newer generation beside the live one is (a switch that did not
+    finish), as a list to extend."""
+    newer = [g for g in have.generations if have.generation is not None and g > have.generation]
+    if not newer:
+        return []
+    what = (
+        f"stale generation: new connections use generation {have.generation}, the"
+        f" table holds generation {max(newer)} too (a switch that did not finish)"
+    )
+    return [Difference(f"table {have.family} kube-proxy", what)]
+
+
+def _missing(want: FrontendView) -> Difference:
+    """A frontend the objects ask for that the kernel lacks."""
+    return Difference(want.name or "?", f"{want.address}: missing ({want.what})")
+
+
+def _extra(have: FrontendView) -> Difference:
+    """A frontend the kernel holds that the objects do not ask for."""
+    return Difference(have.name or "?", f"{have.address}: extra, the objects have no such frontend")
 
 
 def notes(have: TableView) -> list[str]:
@@ -485,16 +495,7 @@ def compare_written(
             if want.view.has(container)
         )
         return [Difference(table, "not there, or nothing dispatches from it")] if wanted else []
-    out: list[Difference] = []
-    newer = [g for g in have.view.generations if g > have.view.generation]
-    if newer:
-        out.append(
-            Difference(
-                table,
-                f"stale generation: new connections use generation {have.view.generation},"
-                f" the table holds generation {max(newer)} too (a switch that did not finish)",
-            )
-        )
+    out = _stale_generation(have.view)
     want_suffix = f".g{want.view.generation}" if want.view.generation is not None else None
     have_suffix = f".g{have.view.generation}"
 
@@ -546,13 +547,11 @@ def compare_written(
         (wanted, wanted_name), (held, held_name) = _named(want, frontend), _named(have, frontend)
         if not held:
             if wanted:
-                fe = want.view.explain(kind, key, wanted_name)
-                out.append(Difference(fe.name or "?", f"{fe.address}: missing ({fe.what})"))
+                out.append(_missing(want.view.explain(kind, key, wanted_name)))
             continue
         found = have.view.explain(kind, key, held_name)
         if not wanted:
-            what = f"{found.address}: extra, the objects have no such frontend"
-            out.append(Difference(found.name or "?", what))
+            out.append(_extra(found))
             continue
         fe = want.view.explain(kind, key, wanted_name)
         out.extend(Difference(fe.name or "?", d) for d in _frontend_differences(fe, found))
