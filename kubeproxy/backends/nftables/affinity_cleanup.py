@@ -1,7 +1,8 @@
 """Session affinity entries that point at endpoints gone (:class:`AffinityCleaner`).
 
-An affinity entry (``pin . client : endpoint`` in a shared map, or ``client : endpoint``
-in a map of the port's own, see the package README) keeps a client's endpoint for the
+An affinity entry (``pin . client : endpoint`` in a shared map, ``frontend . client :
+endpoint`` in a shared map keyed by the frontend, or ``client : endpoint`` in a map of
+the port's own, see the package README) keeps a client's endpoint for the
 affinity timeout. When the list loses an endpoint, the entries pointing at it must go,
 or the clients they name keep being sent to an address that no longer serves them. The
 kernel cannot do it (nothing links a map's values to the endpoint lists, and nft 1.0.6
@@ -21,10 +22,10 @@ from kubeproxy.backends.nftables.elements import ElementBatch
 from kubeproxy.backends.nftables.exec import NftExecutor
 from kubeproxy.backends.nftables.frontends import AffinityMap, AffinityPin, AffinityPlan
 from kubeproxy.backends.nftables.objects import Family, NftError
-from kubeproxy.backends.nftables.table import TABLE, Key
+from kubeproxy.backends.nftables.table import AFFINITY_FRONTEND_PREFIX, TABLE, Key
 from kubeproxy.objects import IPFamily
 
-__all__ = ["AFFINITY_TYPES", "SHARD_TYPES", "AffinityCleaner", "Every"]
+__all__ = ["AFFINITY_TYPES", "FRONTEND_SHARD_TYPES", "SHARD_TYPES", "AffinityCleaner", "Every"]
 
 log = logging.getLogger("kubeproxy.backends.nftables.backend")
 
@@ -39,6 +40,14 @@ SHARD_TYPES = {
     IPFamily.IPV6: (("integer", "integer", "integer"), ("ipv6_addr",)),
 }
 """The data types of the shared affinity maps (:data:`~.layout.AFFINITY_SHARD_TYPES`)."""
+_Types = tuple[tuple[str, ...], tuple[str, ...]]
+FRONTEND_SHARD_TYPES: _Types = (
+    ("ipv4_addr", "inet_proto", "inet_service", "ipv4_addr"),
+    ("ipv4_addr", "inet_service"),
+)
+"""The data types of the shared maps keyed by the frontend
+(:data:`~.layout.AFFINITY_FRONTEND_TYPE`, IPv4 only): their pins are the key's first
+three parts."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +96,14 @@ class AffinityCleaner:
         self.losses = {}
         self.pin_losses = {}
 
+    def _shared_test(
+        self, name: str, pins: dict[Key, frozenset[Key]], strict: bool
+    ) -> tuple[_Types, Callable[[Key, Key], bool]]:
+        """The data types of shared map ``name`` and which of its entries go."""
+        if name.startswith(AFFINITY_FRONTEND_PREFIX):
+            return FRONTEND_SHARD_TYPES, _shared(pins, strict, 3)
+        return self._shard_types, _shared(pins, strict, 2)
+
     def clean(self, live: Callable[[str], bool], every: Every | None = None) -> int:
         """Best effort: delete the entries that point at endpoints no longer allowed,
         in the maps noted since the last cleaning, or (after a full sync) in ``every``
@@ -106,7 +123,7 @@ class AffinityCleaner:
         types: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
         for name, kinds, test in (
             *((n, self._types, _per_port(a)) for n, a in losses.items()),
-            *((n, self._shard_types, _shared(p, every is not None)) for n, p in pin_losses.items()),
+            *((n, *self._shared_test(n, p, every is not None)) for n, p in pin_losses.items()),
         ):
             if not live(name):
                 continue
@@ -141,12 +158,14 @@ def _per_port(allowed: frozenset[Key]) -> Callable[[Key, Key], bool]:
     return lambda _key, value: value not in allowed
 
 
-def _shared(pins: dict[Key, frozenset[Key]], strict: bool) -> Callable[[Key, Key], bool]:
-    """Whether an entry of a shared map goes: its pin's endpoint is not allowed, or
-    (``strict``, after a full sync) no port has its pin."""
+def _shared(
+    pins: dict[Key, frozenset[Key]], strict: bool, width: int
+) -> Callable[[Key, Key], bool]:
+    """Whether an entry of a shared map goes: its pin (the key's first ``width`` parts)'s
+    endpoint is not allowed, or (``strict``, after a full sync) no port has its pin."""
 
     def gone(key: Key, value: Key) -> bool:
-        allowed = pins.get(key[:2])
+        allowed = pins.get(key[:width])
         if allowed is None:
             return strict
         return value not in allowed

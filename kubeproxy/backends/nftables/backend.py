@@ -71,6 +71,7 @@ from kubeproxy.backends.nftables.generation import (
 from kubeproxy.backends.nftables.layout import (
     AFFINITY_FULL_COMMENT,
     AFFINITY_MAPS,
+    AFFINITY_PINNED,
     AFFINITY_SHARED,
     DISPATCH_TREE,
     Dispatch,
@@ -200,8 +201,13 @@ class NftablesBackend:
         self._family = family
         self._nft_family = _FAMILIES[family]
         self._tokens: FamilyTokens = tokens_for(family)
-        self._shared_affinity = affinity == AFFINITY_SHARED
-        self._shards = affinity_shards(self._tokens, affinity_size) if self._shared_affinity else ()
+        self._shared_affinity = affinity in (AFFINITY_SHARED, AFFINITY_PINNED)
+        self._frontend_affinity = affinity == AFFINITY_SHARED
+        self._shards = (
+            affinity_shards(self._tokens, affinity_size, frontends=self._frontend_affinity)
+            if self._shared_affinity
+            else ()
+        )
         self._config = config
         self._executor = executor
         self._clock = clock
@@ -436,6 +442,7 @@ class NftablesBackend:
                     logger=log,
                 ),
                 shared_affinity=self._shared_affinity,
+                frontend_affinity=self._frontend_affinity,
             )
         node_ports = snapshot.node_port_addresses
         if node_ports != self._node_ports:

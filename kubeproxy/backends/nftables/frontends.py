@@ -38,6 +38,7 @@ from kubeproxy.backends.nftables.table import (
     InvalidPort,
     Key,
     RenderContext,
+    affinity_frontend_shard,
     affinity_map_name,
     affinity_pin,
     chain_name,
@@ -151,6 +152,15 @@ is given: without one the kernel draws one per rule, and the lookup and the reco
 hash differently."""
 _CLUSTER_LIST = "service"
 _LOCAL_LIST = "local"
+_FRONTEND_LOOKUP = "ip daddr . meta l4proto . th dport . ip saddr"
+# After DNAT the frontend is the connection's original destination. nft types ``ct
+# original proto-dst`` only after a protocol match, and lists a one-protocol match before
+# ``th dport`` as the dependency of ``tcp dport``, dropping it: the listing would not load
+# again. A set of protocols stays as written (as in ``affinity-find``).
+_FRONTEND_RECORD = (
+    "meta l4proto { tcp, udp, sctp } update @{shard} { ct original ip daddr . meta l4proto . "
+    "ct original proto-dst . ip saddr timeout {seconds}s : ip daddr . th dport } accept"
+)
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -252,12 +262,14 @@ class AffinityMap:
 class AffinityPin:
     """The entries of one endpoint list of a Service port in a shared affinity map
     (:func:`~.table.affinity_pin`): in map ``shard``, keyed by the two numbers ``pin``
-    (as nft lists them) and the client. ``allowed`` are the values an entry may hold
+    (as nft lists them) and the client; or, in a map keyed by the frontend
+    (:func:`~.table.affinity_frontend_shard`), by the frontend ``pin`` (address, protocol,
+    port) and the client. ``allowed`` are the values an entry may hold
     while the list is what it is; the backend deletes the others after an endpoint went
     away."""
 
     shard: str
-    pin: tuple[str, str]
+    pin: Key
     allowed: frozenset[Key]
 
 
@@ -376,11 +388,11 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
     local = _keys(eps.local) if port.uses_local_endpoints else ()
     internal = local if port.internal_policy_local else cluster
     no_endpoint = DROP if eps.has_any else REJECT
-    affinity = _Affinity(ctx, port, cluster, local) if sticky else None
+    cluster_key: Key = (cip, proto, port_text)
+    affinity = _Affinity(ctx, port, cluster, local, cluster_key) if sticky else None
     record = affinity.record() if affinity is not None else None
 
     frontends: list[Frontend] = []
-    cluster_key: Key = (cip, proto, port_text)
     claims: list[Key] = [cluster_key]
     name = frontend_comment(port.name)
     internal_list = _LOCAL_LIST if port.internal_policy_local else _CLUSTER_LIST
@@ -494,6 +506,7 @@ class _Affinity:
         port: ServicePort,
         cluster: tuple[str, ...],
         local: tuple[str, ...],
+        cluster_key: Key,
     ) -> None:
         self.ctx = ctx
         self.identity = port_identity(port.name)
@@ -509,8 +522,26 @@ class _Affinity:
         self.seconds = port.session_affinity_seconds
         self.lists = {_CLUSTER_LIST: cluster, _LOCAL_LIST: local}
         self.ipv6 = ctx.tokens.family is IPFamily.IPV6
+        # A port that answers on its cluster IP only needs no pin: that frontend names
+        # the port, and the packet carries it (its original destination after DNAT), so
+        # its entries go in a map keyed by the frontend, read and written by chains
+        # shared by every such port of its map (and timeout), and the port has no chain
+        # of its own. Each port's two chains (their creation, their rules' map bindings)
+        # were most of the cost of affinity in a cold sync (see the package README).
+        # Ports with more addresses keep their pins: the entry must be the same whichever
+        # address a client came through, and nft 1.0.6 cannot turn a frontend into
+        # another key with a map (a map's result is no lookup's key).
+        self.frontend: Key | None = None
+        if (
+            ctx.shared_affinity
+            and ctx.frontend_affinity
+            and not self.ipv6
+            and not (port.external_ips or port.load_balancer_vips or port.node_port)
+        ):
+            self.frontend = cluster_key
+        self.internal_list = _LOCAL_LIST if port.internal_policy_local else _CLUSTER_LIST
         self.maps: dict[str, AffinityMap] = {}
-        self.pins: dict[tuple[str, str], AffinityPin] = {}
+        self.pins: dict[Key, AffinityPin] = {}
         self.targets: dict[str, list[tuple[str, str, int]]] = {}
         self.chains: dict[str, ChainSpec] = {}
         # The lists some frontend picks from, known before any frontend is built (the
@@ -581,8 +612,28 @@ class _Affinity:
         self.chains.setdefault(spec.name, spec)
         return spec.name
 
+    def _frontend_shard(self, which: str) -> tuple[str, str]:
+        """The frontend-keyed map of this port and the name its shared chains carry; the
+        port's entries (keyed by its frontend) noted with the endpoints of list ``which``
+        (its only one) as their allowed values."""
+        assert self.frontend is not None
+        shard, number = affinity_frontend_shard(self.identity)
+        if self.frontend not in self.pins:
+            allowed = frozenset(endpoint_value(key) for key in self.lists[which])
+            self.pins[self.frontend] = AffinityPin(shard, self.frontend, allowed)
+        return shard, f"frontends-{number}"
+
+    def _shared_chain(self, prefix: str, owner: str, rules: list[str]) -> str:
+        spec = ChainSpec(chain_name(prefix, owner, rules), tuple(rules))
+        self.chains.setdefault(spec.name, spec)
+        return spec.name
+
     def lookup(self, which: str) -> str:
         """The chain that DNATs a client with a recorded endpoint of list ``which``."""
+        if self.frontend is not None:
+            shard, owner = self._frontend_shard(which)
+            rule = f"{self.l4} dnat to {_FRONTEND_LOOKUP} map @{shard}"
+            return self._shared_chain("affinity-lookup", owner, [rule])
         if self.ipv6:
             rules = [
                 f"{self.l4} dnat to {key} map @{name} : {port}"
@@ -607,6 +658,10 @@ class _Affinity:
         as its end would: ``affinity-record`` is the last rule of the filter chains,
         whose policy accepts (no rule of another table is skipped)."""
         seconds = self.seconds
+        if self.frontend is not None:
+            shard, owner = self._frontend_shard(self.internal_list)
+            rule = _FRONTEND_RECORD.replace("{shard}", shard).replace("{seconds}", str(seconds))
+            return self._shared_chain("affinity-record", owner, [rule])
         both = len(self.used) == 2
         shared = self.ctx.shared_affinity
         order = (_LOCAL_LIST, _CLUSTER_LIST) if shared else (_CLUSTER_LIST, _LOCAL_LIST)

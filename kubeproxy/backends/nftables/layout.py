@@ -60,6 +60,7 @@ from kubeproxy.backends.nftables.frontends import (
 )
 from kubeproxy.backends.nftables.table import (
     AFFINITY_FIND,
+    AFFINITY_FRONTEND_PREFIX,
     AFFINITY_FULL,
     AFFINITY_SHARD_PREFIX,
     AFFINITY_SHARDS,
@@ -73,9 +74,11 @@ from kubeproxy.backends.nftables.table import (
 )
 
 __all__ = [
+    "AFFINITY_FRONTEND_TYPE",
     "AFFINITY_FULL_COMMENT",
     "AFFINITY_MAPS",
     "AFFINITY_PER_PORT",
+    "AFFINITY_PINNED",
     "AFFINITY_PROTOCOLS",
     "AFFINITY_SHARD_TYPES",
     "AFFINITY_SHARED",
@@ -716,10 +719,15 @@ def public_containers(tokens: FamilyTokens) -> tuple[ContainerSpec, ...]:
 
 
 AFFINITY_SHARED = "shared"
-"""ClientIP affinity in the shared maps (:func:`affinity_shards`), the default."""
+"""ClientIP affinity in the shared maps (:func:`affinity_shards`), the default: a port that
+answers on its cluster IP only keys its entries by that frontend (no chain of its own), the
+others by their pins."""
+AFFINITY_PINNED = "pinned"
+"""The shared maps with every port's entries keyed by its pins, each port with a lookup and
+a record chain of its own (before the frontend-keyed maps; benchmarks)."""
 AFFINITY_PER_PORT = "per-port"
 """ClientIP affinity in maps of each Service port's own (before issue 32; benchmarks)."""
-AFFINITY_MAPS = (AFFINITY_SHARED, AFFINITY_PER_PORT)
+AFFINITY_MAPS = (AFFINITY_SHARED, AFFINITY_PINNED, AFFINITY_PER_PORT)
 
 AFFINITY_SHARD_TYPES = {
     "ip": "numgen random mod 1 . numgen random mod 1 . ip saddr : ip daddr . th dport",
@@ -728,19 +736,30 @@ AFFINITY_SHARD_TYPES = {
 """The ``typeof`` of the shared affinity maps: two 32-bit pin numbers (written as ``numgen
 random mod 1 offset N``, see :mod:`.frontends`) and the client (IPv6: a 32-bit hash of
 it, typed as any 32-bit number) : the endpoint."""
+AFFINITY_FRONTEND_TYPE = "ip daddr . meta l4proto . th dport . ip saddr : ip daddr . th dport"
+"""The ``typeof`` of the shared affinity maps keyed by the frontend (IPv4 only): the
+cluster IP, protocol and port, and the client : the endpoint. The key is 16 bytes, one
+register: nft 1.0.6 writes a dynamic map's value into the register after the first 16
+bytes of the key (see the IPv6 key of :data:`AFFINITY_SHARD_TYPES`), so a longer key
+would be overwritten; an IPv6 frontend does not fit, and IPv6 keeps the pins."""
 
 
-def affinity_shards(tokens: FamilyTokens, size: int | None = None) -> tuple[ContainerSpec, ...]:
+def affinity_shards(
+    tokens: FamilyTokens, size: int | None = None, *, frontends: bool = True
+) -> tuple[ContainerSpec, ...]:
     """The shared affinity maps of a family (:data:`~.table.AFFINITY_SHARDS`), outside
-    generations: their entries outlive them.
+    generations: their entries outlive them. ``frontends`` (IPv4): the maps keyed by the
+    frontend too (:data:`~.table.AFFINITY_FRONTEND_PREFIX`).
 
     Without ``size`` each is bounded at 65535 entries by the kernel, allocating nothing
     up front (see :func:`affinity_container`): 16.7M clients per family in all, a Service
     port sharing its map with 1 in 256 of the others. ``size`` (tests) declares it."""
-    kind = AFFINITY_SHARD_TYPES[tokens.table_family]
+    kinds = [(AFFINITY_SHARD_PREFIX, AFFINITY_SHARD_TYPES[tokens.table_family])]
+    if frontends and tokens.table_family == "ip":
+        kinds.append((AFFINITY_FRONTEND_PREFIX, AFFINITY_FRONTEND_TYPE))
     return tuple(
         ContainerSpec(
-            f"{AFFINITY_SHARD_PREFIX}{n}",
+            f"{prefix}{n}",
             True,
             kind,
             flags=("dynamic", "timeout"),
@@ -748,6 +767,7 @@ def affinity_shards(tokens: FamilyTokens, size: int | None = None) -> tuple[Cont
             size=size,
             typeof=True,
         )
+        for prefix, kind in kinds
         for n in range(AFFINITY_SHARDS)
     )
 
