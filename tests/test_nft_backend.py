@@ -23,6 +23,7 @@ from kubeproxy.backends.nftables.fake import FakeNft, parse_commands
 from kubeproxy.backends.nftables.inspect import served_frontends, slots_of
 from kubeproxy.backends.nftables.layout import (
     AFFINITY_PER_PORT,
+    AFFINITY_PINNED,
     AFFINITY_SHARED,
     CLASS_NAME,
     generation_of,
@@ -39,6 +40,7 @@ from kubeproxy.backends.nftables.objects import (
 )
 from kubeproxy.backends.nftables.table import (
     AFFINITY_SHARDS,
+    affinity_frontend_shard,
     affinity_map_name,
     affinity_pin,
     port_identity,
@@ -1186,7 +1188,9 @@ def _pin(identity: str, which: str, port: int = 0) -> tuple[str, str, str]:
 
 def test_shared_affinity_entries_of_removed_endpoints_and_ports_are_deleted() -> None:
     world = World()
-    name = web(world, "10.180.0.1", "10.180.0.2", session_affinity_seconds=60)
+    # A NodePort: the port's entries are keyed by its pins.
+    sticky = {"session_affinity_seconds": 60, "node_port": 30080}
+    name = web(world, "10.180.0.1", "10.180.0.2", **sticky)
     fake = FakeNft()
     b = backend(fake)
     b.sync(world.snapshot(), full())
@@ -1203,7 +1207,7 @@ def test_shared_affinity_entries_of_removed_endpoints_and_ports_are_deleted() ->
     def keys() -> list[tuple[str, ...]]:
         return sorted(e.key for e in fake.list_elements(Family.IP, "kube-proxy", shard))
 
-    web(world, "10.180.0.2", session_affinity_seconds=60)
+    web(world, "10.180.0.2", **sticky)
     b.sync(world.snapshot(), changed(name))
     assert keys() == [(high, low, "10.0.0.6"), ("7", "8", "10.0.0.7")]
     b.sync(world.snapshot(), full())
@@ -1260,13 +1264,32 @@ def test_the_affinity_choice_is_checked() -> None:
         backend(FakeNft(), affinity="both")
 
 
-def test_explain_shows_a_ports_own_entries_of_its_shared_map() -> None:
+def test_explain_shows_a_ports_own_entries_of_its_frontend_keyed_map() -> None:
     from kubeproxy.backends.nftables.explain import FakeSource, TableView, explain_service
 
     world = World()
     name = web(world, "10.180.0.1", session_affinity_seconds=60)
     fake = FakeNft()
     backend(fake).sync(world.snapshot(), full())
+    shard, _number = affinity_frontend_shard(port_identity(name))
+    fake.run_text(
+        f"add element ip kube-proxy {shard} {{ "
+        "172.30.0.10 . tcp . 80 . 10.0.0.5 : 10.180.0.1 . 8080, "
+        "172.30.0.11 . tcp . 80 . 10.0.0.7 : 10.180.0.1 . 8080 }"
+    )
+    view = explain_service(TableView(FakeSource(fake), Family.IP), name.service)
+    (frontend,) = view.frontends
+    assert frontend.affinity_maps == (shard,)
+    assert [(a.client, a.endpoint) for a in frontend.affinity] == [("10.0.0.5", "10.180.0.1:8080")]
+
+
+def test_explain_shows_a_ports_own_entries_of_its_shared_map() -> None:
+    from kubeproxy.backends.nftables.explain import FakeSource, TableView, explain_service
+
+    world = World()
+    name = web(world, "10.180.0.1", session_affinity_seconds=60)
+    fake = FakeNft()
+    backend(fake, affinity=AFFINITY_PINNED).sync(world.snapshot(), full())
     shard, high, low = _pin(port_identity(name), "service")
     fake.run_text(
         f"add element ip kube-proxy {shard} {{ "
