@@ -33,6 +33,7 @@ from typing import Final
 
 from kubeproxy.backends.nftables.table import (
     AFFINITY6_MAP_TYPE,
+    AFFINITY_MAP_PREFIX,
     MAX_AFFINITY_SECONDS,
     ChainSpec,
     InvalidPort,
@@ -158,9 +159,34 @@ _FRONTEND_LOOKUP = "ip daddr . meta l4proto . th dport . ip saddr"
 # ``th dport`` as the dependency of ``tcp dport``, dropping it: the listing would not load
 # again. A set of protocols stays as written (as in ``affinity-find``).
 _FRONTEND_RECORD = (
-    "meta l4proto { tcp, udp, sctp } update @{shard} { ct original ip daddr . meta l4proto . "
-    "ct original proto-dst . ip saddr timeout {seconds}s : ip daddr . th dport } accept"
+    "meta l4proto {{ tcp, udp, sctp }} update @{shard} {{ ct original ip daddr . meta l4proto"
+    " . ct original proto-dst . ip saddr timeout {seconds}s : ip daddr . th dport }} accept"
 )
+
+
+# Every port of a map (and protocol, or timeout) shares these chains: built once (a chain
+# name is a SHA-256 of its rules, 8 us, twice a port; 0.5 s at 30k ports). Bounded by the
+# maps, the protocols and the timeouts in use.
+@functools.lru_cache(maxsize=4096)
+def _frontend_lookup_chain(shard: str, l4: str) -> ChainSpec:
+    """The chain that DNATs a client of a frontend-keyed map ``shard``'s frontends of the
+    protocol ``l4`` matches to its recorded endpoint."""
+    rules = (f"{l4} dnat to {_FRONTEND_LOOKUP} map @{shard}",)
+    return ChainSpec(chain_name("affinity-lookup", _chain_owner(shard), rules), rules)
+
+
+@functools.lru_cache(maxsize=4096)
+def _frontend_record_chain(shard: str, seconds: int) -> ChainSpec:
+    """The chain that records a new connection to a frontend of map ``shard`` for
+    ``seconds`` (see :meth:`_Affinity.record`)."""
+    rules = (_FRONTEND_RECORD.format(shard=shard, seconds=seconds),)
+    return ChainSpec(chain_name("affinity-record", _chain_owner(shard), rules), rules)
+
+
+def _chain_owner(shard: str) -> str:
+    """What a shared chain's name ends with: ``frontends-<n>`` (no port's name: the chain
+    belongs to every port of its map)."""
+    return shard.removeprefix(AFFINITY_MAP_PREFIX)
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -612,28 +638,24 @@ class _Affinity:
         self.chains.setdefault(spec.name, spec)
         return spec.name
 
-    def _frontend_shard(self, which: str) -> tuple[str, str]:
-        """The frontend-keyed map of this port and the name its shared chains carry; the
-        port's entries (keyed by its frontend) noted with the endpoints of list ``which``
-        (its only one) as their allowed values."""
+    def _frontend_pin(self) -> str:
+        """The frontend-keyed map of this port, its entries (keyed by its frontend) noted
+        with the endpoints of its one list as their allowed values."""
         assert self.frontend is not None
-        shard, number = affinity_frontend_shard(self.identity)
+        shard, _number = affinity_frontend_shard(self.identity)
         if self.frontend not in self.pins:
-            allowed = frozenset(endpoint_value(key) for key in self.lists[which])
+            allowed = frozenset(endpoint_value(key) for key in self.lists[self.internal_list])
             self.pins[self.frontend] = AffinityPin(shard, self.frontend, allowed)
-        return shard, f"frontends-{number}"
+        return shard
 
-    def _shared_chain(self, prefix: str, owner: str, rules: list[str]) -> str:
-        spec = ChainSpec(chain_name(prefix, owner, rules), tuple(rules))
+    def _shared_chain(self, spec: ChainSpec) -> str:
         self.chains.setdefault(spec.name, spec)
         return spec.name
 
     def lookup(self, which: str) -> str:
         """The chain that DNATs a client with a recorded endpoint of list ``which``."""
         if self.frontend is not None:
-            shard, owner = self._frontend_shard(which)
-            rule = f"{self.l4} dnat to {_FRONTEND_LOOKUP} map @{shard}"
-            return self._shared_chain("affinity-lookup", owner, [rule])
+            return self._shared_chain(_frontend_lookup_chain(self._frontend_pin(), self.l4))
         if self.ipv6:
             rules = [
                 f"{self.l4} dnat to {key} map @{name} : {port}"
@@ -659,9 +681,7 @@ class _Affinity:
         whose policy accepts (no rule of another table is skipped)."""
         seconds = self.seconds
         if self.frontend is not None:
-            shard, owner = self._frontend_shard(self.internal_list)
-            rule = _FRONTEND_RECORD.replace("{shard}", shard).replace("{seconds}", str(seconds))
-            return self._shared_chain("affinity-record", owner, [rule])
+            return self._shared_chain(_frontend_record_chain(self._frontend_pin(), seconds))
         both = len(self.used) == 2
         shared = self.ctx.shared_affinity
         order = (_LOCAL_LIST, _CLUSTER_LIST) if shared else (_CLUSTER_LIST, _LOCAL_LIST)
