@@ -72,8 +72,9 @@ class AffinityCleaner:
         self._executor = executor
         # Maps whose entries may point at endpoints gone: name -> allowed values.
         self.losses: dict[str, frozenset[Key]] = {}
-        # The same for the shared maps: shard -> pin -> allowed values.
-        self.pin_losses: dict[str, dict[Key, frozenset[Key]]] = {}
+        # The same for the shared maps: shard -> pin -> the pin (its allowed values are
+        # worked out only for the pins of entries a map holds).
+        self.pin_losses: dict[str, dict[Key, AffinityPin]] = {}
 
     def follow(self, old: AffinityPlan | None, new: AffinityPlan | None) -> None:
         """A port's affinity went from ``old`` to ``new``: note its maps (and pins) whose
@@ -85,11 +86,13 @@ class AffinityCleaner:
             before = allowed.get(spec.name)
             if before is None or not before <= spec.allowed:
                 self.losses[spec.name] = spec.allowed
-        pinned = {p.pin: p.allowed for p in (old.pins if old is not None else ())}
+        pinned = {p.pin: p for p in (old.pins if old is not None else ())}
         for pin in new.pins:
-            before = pinned.get(pin.pin)
-            if before is None or not before <= pin.allowed:
-                self.pin_losses.setdefault(pin.shard, {})[pin.pin] = pin.allowed
+            held = pinned.get(pin.pin)
+            if held is None or (
+                held.endpoints != pin.endpoints and not held.allowed <= pin.allowed
+            ):
+                self.pin_losses.setdefault(pin.shard, {})[pin.pin] = pin
 
     def forget(self) -> None:
         """Drop what was noted (a new generation: a full sync cleans every map)."""
@@ -97,7 +100,7 @@ class AffinityCleaner:
         self.pin_losses = {}
 
     def _shared_test(
-        self, name: str, pins: dict[Key, frozenset[Key]], strict: bool
+        self, name: str, pins: dict[Key, AffinityPin], strict: bool
     ) -> tuple[_Types, Callable[[Key, Key], bool]]:
         """The data types of shared map ``name`` and which of its entries go."""
         if name.startswith(AFFINITY_FRONTEND_PREFIX):
@@ -117,7 +120,7 @@ class AffinityCleaner:
             pin_losses = {shard: {} for shard in every.shards}
             for pin in every.pins:
                 if pin.shard in pin_losses:
-                    pin_losses[pin.shard][pin.pin] = pin.allowed
+                    pin_losses[pin.shard][pin.pin] = pin
         failures = 0
         deletes: list[tuple[str, Key]] = []
         types: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
@@ -158,16 +161,19 @@ def _per_port(allowed: frozenset[Key]) -> Callable[[Key, Key], bool]:
     return lambda _key, value: value not in allowed
 
 
-def _shared(
-    pins: dict[Key, frozenset[Key]], strict: bool, width: int
-) -> Callable[[Key, Key], bool]:
+def _shared(pins: dict[Key, AffinityPin], strict: bool, width: int) -> Callable[[Key, Key], bool]:
     """Whether an entry of a shared map goes: its pin (the key's first ``width`` parts)'s
     endpoint is not allowed, or (``strict``, after a full sync) no port has its pin."""
+    allowed: dict[Key, frozenset[Key]] = {}
 
     def gone(key: Key, value: Key) -> bool:
-        allowed = pins.get(key[:width])
-        if allowed is None:
-            return strict
-        return value not in allowed
+        head = key[:width]
+        values = allowed.get(head)
+        if values is None:
+            pin = pins.get(head)
+            if pin is None:
+                return strict
+            values = allowed[head] = pin.allowed
+        return value not in values
 
     return gone
