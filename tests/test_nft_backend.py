@@ -1344,15 +1344,16 @@ def test_a_cluster_ip_only_port_keys_its_entries_by_its_frontend_with_no_chain_o
     backend(fake).sync(world.snapshot(), full())
     dump = fake.dump()
     maps = lines(dump, r"^add map ip kube-proxy affinity-frontends-")
-    assert len(maps) == AFFINITY_SHARDS
-    assert (
-        f"{{ typeof {_FRONTEND_LOOKUP} : ip daddr . th dport ; flags dynamic,timeout ;" in maps[0]
-    )
-    assert "size" not in maps[0]
     shard, number = affinity_frontend_shard(port_identity(_cluster_ip_port(first).name))
     udp_shard, udp_number = affinity_frontend_shard(
         port_identity(_cluster_ip_port(200, proto=Protocol.UDP).name)
     )
+    # Only the maps some port uses are declared.
+    assert sorted(m.split()[4] for m in maps) == sorted({shard, udp_shard})
+    assert (
+        f"{{ typeof {_FRONTEND_LOOKUP} : ip daddr . th dport ; flags dynamic,timeout ;" in maps[0]
+    )
+    assert "size" not in maps[0]
     chains = _affinity_chains(fake)
     # One lookup chain per map and protocol, one record chain per map and timeout; no
     # chain names a port.
@@ -1395,6 +1396,8 @@ def test_shared_chains_of_frontend_keyed_maps_go_with_their_last_port() -> None:
     b.sync(world.snapshot(), full())
     before = set(_affinity_chains(fake))
     assert len(before) == 2
+    shard, _number = affinity_frontend_shard(port_identity(_cluster_ip_port(first).name))
+    assert shard in fake.list_sets(Family.IP, "kube-proxy")
     world.remove(_cluster_ip_port(first).name)
     b.sync(world.snapshot(), changed(_cluster_ip_port(first).name))
     clock.now += 2.0
@@ -1406,6 +1409,8 @@ def test_shared_chains_of_frontend_keyed_maps_go_with_their_last_port() -> None:
     b.sync(world.snapshot(), changed())
     b.collect_stale()
     assert _affinity_chains(fake) == {}
+    # The map went with its chains (and its entries: no port uses them).
+    assert shard not in fake.list_sets(Family.IP, "kube-proxy")
 
 
 def test_frontend_keyed_entries_of_removed_endpoints_and_ports_are_deleted() -> None:
@@ -1448,4 +1453,4 @@ def test_a_port_with_more_addresses_and_the_pinned_structure_keep_chains_of_thei
         # Each port of its own: a lookup and a record chain named after it.
         assert len([n for n in chains if "/" in n]) == 2 * own
         frontends = lines(fake.dump(), r"^add map ip kube-proxy affinity-frontends-")
-        assert len(frontends) == (AFFINITY_SHARDS if affinity == AFFINITY_SHARED else 0)
+        assert len(frontends) == (1 if affinity == AFFINITY_SHARED else 0)

@@ -76,6 +76,7 @@ from kubeproxy.backends.nftables.layout import (
     DISPATCH_TREE,
     Dispatch,
     affinity_container,
+    affinity_frontend_map,
     affinity_shards,
     generation_of,
     precreated_classes,
@@ -92,6 +93,7 @@ from kubeproxy.backends.nftables.stale import (
 )
 from kubeproxy.backends.nftables.support import check_support
 from kubeproxy.backends.nftables.table import (
+    AFFINITY_FRONTEND_PREFIX,
     AFFINITY_FULL,
     TABLE,
     TABLE_COMMENT,
@@ -203,11 +205,8 @@ class NftablesBackend:
         self._tokens: FamilyTokens = tokens_for(family)
         self._shared_affinity = affinity in (AFFINITY_SHARED, AFFINITY_PINNED)
         self._frontend_affinity = affinity == AFFINITY_SHARED
-        self._shards = (
-            affinity_shards(self._tokens, affinity_size, frontends=self._frontend_affinity)
-            if self._shared_affinity
-            else ()
-        )
+        self._affinity_size = affinity_size
+        self._shards = affinity_shards(self._tokens, affinity_size) if self._shared_affinity else ()
         self._config = config
         self._executor = executor
         self._clock = clock
@@ -490,7 +489,9 @@ class NftablesBackend:
         self._stale.listed(chains, sets)
         # The shared affinity maps the kernel held (a new one holds nothing to clean);
         # every full sync declares them all.
-        self._held_shards = tuple(c.name for c in self._shards if c.name in sets)
+        self._held_shards = tuple(c.name for c in self._shards if c.name in sets) + tuple(
+            s for s in sets if s.startswith(AFFINITY_FRONTEND_PREFIX)
+        )
         for spec in self._shards:
             self._stale.take(set_object(spec.name))
         self._inputs = inputs
@@ -691,6 +692,9 @@ class NftablesBackend:
         for spec in plan.maps:
             if stale.take(set_object(spec.name)):
                 add_container(tx, affinity_container(spec.name, spec.type))
+        for name in plan.shared_maps:
+            if stale.take(set_object(name)):
+                add_container(tx, affinity_frontend_map(name, self._affinity_size))
         for chain in plan.chains:
             if stale.take(chain_object(chain.name)):
                 tx.add_chain(chain.name)

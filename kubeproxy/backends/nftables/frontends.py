@@ -332,6 +332,9 @@ class AffinityPlan:
     chains: tuple[ChainSpec, ...]
     local_members: tuple[Key, ...] = ()
     pins: tuple[AffinityPin, ...] = ()
+    shared_maps: tuple[str, ...] = ()
+    """The maps keyed by the frontend the port's entries are in (declared while some
+    port uses them, see :func:`~.layout.affinity_frontend_map`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -723,9 +726,11 @@ class _Affinity:
         members: tuple[Key, ...] = ()
         if len(self.used) == 2:
             members = tuple(endpoint_value(key) for key in self.lists[_LOCAL_LIST])
+        shared = tuple(p.shard for p in self.pins.values()) if self.frontend is not None else ()
         return AffinityPlan(
             tuple(self.maps.values()),
             tuple(self.chains.values()),
             members,
             tuple(self.pins.values()),
+            shared,
         )

@@ -60,7 +60,6 @@ from kubeproxy.backends.nftables.frontends import (
 )
 from kubeproxy.backends.nftables.table import (
     AFFINITY_FIND,
-    AFFINITY_FRONTEND_PREFIX,
     AFFINITY_FULL,
     AFFINITY_SHARD_PREFIX,
     AFFINITY_SHARDS,
@@ -90,6 +89,7 @@ __all__ = [
     "Dispatch",
     "GenNames",
     "Pick",
+    "affinity_frontend_map",
     "affinity_shards",
     "class_bits",
     "class_chain",
@@ -744,31 +744,37 @@ bytes of the key (see the IPv6 key of :data:`AFFINITY_SHARD_TYPES`), so a longer
 would be overwritten; an IPv6 frontend does not fit, and IPv6 keeps the pins."""
 
 
-def affinity_shards(
-    tokens: FamilyTokens, size: int | None = None, *, frontends: bool = True
-) -> tuple[ContainerSpec, ...]:
+def affinity_shards(tokens: FamilyTokens, size: int | None = None) -> tuple[ContainerSpec, ...]:
     """The shared affinity maps of a family (:data:`~.table.AFFINITY_SHARDS`), outside
-    generations: their entries outlive them. ``frontends`` (IPv4): the maps keyed by the
-    frontend too (:data:`~.table.AFFINITY_FRONTEND_PREFIX`).
+    generations: their entries outlive them.
 
     Without ``size`` each is bounded at 65535 entries by the kernel, allocating nothing
     up front (see :func:`affinity_container`): 16.7M clients per family in all, a Service
     port sharing its map with 1 in 256 of the others. ``size`` (tests) declares it."""
-    kinds = [(AFFINITY_SHARD_PREFIX, AFFINITY_SHARD_TYPES[tokens.table_family])]
-    if frontends and tokens.table_family == "ip":
-        kinds.append((AFFINITY_FRONTEND_PREFIX, AFFINITY_FRONTEND_TYPE))
+    kind = AFFINITY_SHARD_TYPES[tokens.table_family]
     return tuple(
-        ContainerSpec(
-            f"{prefix}{n}",
-            True,
-            kind,
-            flags=("dynamic", "timeout"),
-            timeout=AFFINITY_TIMEOUT,
-            size=size,
-            typeof=True,
-        )
-        for prefix, kind in kinds
-        for n in range(AFFINITY_SHARDS)
+        _dynamic_map(f"{AFFINITY_SHARD_PREFIX}{n}", kind, size) for n in range(AFFINITY_SHARDS)
+    )
+
+
+def affinity_frontend_map(name: str, size: int | None = None) -> ContainerSpec:
+    """A shared affinity map keyed by the frontend (``affinity-frontends-<n>``, IPv4),
+    outside generations. Declared when a port first uses it and deleted (with its
+    entries) once no port does, as the content-named objects: 256 empty maps in every
+    table made every full sync and every listing of the table longer (the fake's
+    listing of a test's table, 1.6x). Bounded as :func:`affinity_shards`."""
+    return _dynamic_map(name, AFFINITY_FRONTEND_TYPE, size)
+
+
+def _dynamic_map(name: str, kind: str, size: int | None) -> ContainerSpec:
+    return ContainerSpec(
+        name,
+        True,
+        kind,
+        flags=("dynamic", "timeout"),
+        timeout=AFFINITY_TIMEOUT,
+        size=size,
+        typeof=True,
     )
 
 
