@@ -11,6 +11,7 @@ them in bounded transactions); these functions only say which.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -205,8 +206,15 @@ def diff_frontend(
             if old_chain is not None:
                 sink.delete(container, key)
             if new_chain is not None:
-                sink.add(container, key, (f"{verdict} {new_chain}",))
+                sink.add(container, key, _verdict(verdict, new_chain))
     return HeldFrontend(new, main, short) if new is not None else None
+
+
+@functools.lru_cache(maxsize=4096)
+def _verdict(verb: str, chain: str) -> tuple[str]:
+    """An affinity verdict element's value: one tuple for every frontend of the chains
+    ports share (the frontend-keyed maps'), not one per element."""
+    return (f"{verb} {chain}",)
 
 
 def diff_slots(

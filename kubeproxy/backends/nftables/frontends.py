@@ -164,23 +164,67 @@ _FRONTEND_RECORD = (
 )
 
 
+@dataclass(frozen=True, slots=True)
+class _ByFrontend:
+    """The ClientIP affinity of a port keyed by its frontend: the chains its verdict
+    elements go to, and its plan."""
+
+    lookup: str
+    record: str
+    plan: AffinityPlan
+
+
+def _frontend_affinity(
+    ctx: RenderContext,
+    port: ServicePort,
+    frontend: Key,
+    endpoints: tuple[str, ...],
+) -> _ByFrontend | None:
+    """A port that answers on its cluster IP only needs no pin: that frontend names the
+    port, and the packet carries it (its original destination after DNAT), so its
+    entries go in a map keyed by the frontend, read and written by chains every such port
+    of the map (and protocol, or timeout) shares, and the port has no chain of its own.
+    Each port's two chains (their creation, their rules' map bindings, every later
+    commit walking them) were most of what affinity cost a cold sync (see the package
+    README). None for the ports that keep their pins: IPv6 (a frontend and a client do
+    not fit the 16 bytes of key nft 1.0.6 leaves before the value), and ports with more
+    addresses, whose entry must be the same whichever address a client came through
+    (nft 1.0.6 cannot turn a frontend into another key with a map)."""
+    if (
+        not (ctx.shared_affinity and ctx.frontend_affinity)
+        or ctx.tokens.family is IPFamily.IPV6
+        or port.external_ips
+        or port.load_balancer_vips
+        or port.node_port
+    ):
+        return None
+    shard, _number = affinity_frontend_shard(port_identity(port.name))
+    lookup, record, chains, shared = _frontend_chains(
+        shard, port.protocol.lower, port.session_affinity_seconds
+    )
+    pin = AffinityPin(shard, frontend, endpoints)
+    return _ByFrontend(lookup, record, AffinityPlan((), chains, (), (pin,), shared))
+
+
 # Every port of a map (and protocol, or timeout) shares these chains: built once (a chain
-# name is a SHA-256 of its rules, 8 us, twice a port; 0.5 s at 30k ports). Bounded by the
-# maps, the protocols and the timeouts in use.
+# name is a SHA-256 of its rules, 8 us, twice a port: 0.5 s at 30k ports; and their tuples
+# are one object each, not one per port: fewer objects for every pass of the collector).
+# Bounded by the maps, the protocols and the timeouts in use.
 @functools.lru_cache(maxsize=4096)
-def _frontend_lookup_chain(shard: str, l4: str) -> ChainSpec:
-    """The chain that DNATs a client of a frontend-keyed map ``shard``'s frontends of the
-    protocol ``l4`` matches to its recorded endpoint."""
-    rules = (f"{l4} dnat to {_FRONTEND_LOOKUP} map @{shard}",)
-    return ChainSpec(chain_name("affinity-lookup", _chain_owner(shard), rules), rules)
-
-
-@functools.lru_cache(maxsize=4096)
-def _frontend_record_chain(shard: str, seconds: int) -> ChainSpec:
-    """The chain that records a new connection to a frontend of map ``shard`` for
-    ``seconds`` (see :meth:`_Affinity.record`)."""
-    rules = (_FRONTEND_RECORD.format(shard=shard, seconds=seconds),)
-    return ChainSpec(chain_name("affinity-record", _chain_owner(shard), rules), rules)
+def _frontend_chains(
+    shard: str, proto: str, seconds: int
+) -> tuple[str, str, tuple[ChainSpec, ...], tuple[str, ...]]:
+    """The lookup chain of frontend-keyed map ``shard`` for protocol ``proto``, its record
+    chain for ``seconds`` (see :meth:`_Affinity.record`), both, and the map (as a
+    plan holds them)."""
+    owner = _chain_owner(shard)
+    lookup = (f"meta l4proto {proto} dnat to {_FRONTEND_LOOKUP} map @{shard}",)
+    record = (_FRONTEND_RECORD.format(shard=shard, seconds=seconds),)
+    specs = (
+        ChainSpec(chain_name("affinity-lookup", owner, lookup), lookup),
+        ChainSpec(chain_name("affinity-record", owner, record), record),
+    )
+    return specs[0].name, specs[1].name, specs, (shard,)
 
 
 def _chain_owner(shard: str) -> str:
@@ -430,8 +474,15 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
     internal = local if port.internal_policy_local else cluster
     no_endpoint = DROP if eps.has_any else REJECT
     cluster_key: Key = (cip, proto, port_text)
-    affinity = _Affinity(ctx, port, cluster, local, cluster_key) if sticky else None
-    record = affinity.record() if affinity is not None else None
+    affinity = None
+    record = by_frontend = None
+    if sticky:
+        by_frontend = _frontend_affinity(ctx, port, cluster_key, internal)
+        if by_frontend is None:
+            affinity = _Affinity(ctx, port, cluster, local)
+            record = affinity.record()
+        else:
+            record = by_frontend.record
 
     frontends: list[Frontend] = []
     claims: list[Key] = [cluster_key]
@@ -444,7 +495,13 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
                 cluster_key,
                 _class(KIND_IP, SHAPE_INTERNAL, len(internal), 0, sticky),
                 internal,
-                lookup=affinity.lookup(internal_list) if affinity else None,
+                lookup=(
+                    affinity.lookup(internal_list)
+                    if affinity
+                    else by_frontend.lookup
+                    if by_frontend
+                    else None
+                ),
                 record=record,
                 name=name,
             )
@@ -515,7 +572,7 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
         cip,
         hairpin,
         tuple(claims),
-        affinity.plan() if affinity is not None else None,
+        affinity.plan() if affinity is not None else by_frontend.plan if by_frontend else None,
     )
 
 
@@ -547,7 +604,6 @@ class _Affinity:
         port: ServicePort,
         cluster: tuple[str, ...],
         local: tuple[str, ...],
-        cluster_key: Key,
     ) -> None:
         self.ctx = ctx
         self.identity = port_identity(port.name)
@@ -563,24 +619,6 @@ class _Affinity:
         self.seconds = port.session_affinity_seconds
         self.lists = {_CLUSTER_LIST: cluster, _LOCAL_LIST: local}
         self.ipv6 = ctx.tokens.family is IPFamily.IPV6
-        # A port that answers on its cluster IP only needs no pin: that frontend names
-        # the port, and the packet carries it (its original destination after DNAT), so
-        # its entries go in a map keyed by the frontend, read and written by chains
-        # shared by every such port of its map (and timeout), and the port has no chain
-        # of its own. Each port's two chains (their creation, their rules' map bindings)
-        # were most of the cost of affinity in a cold sync (see the package README).
-        # Ports with more addresses keep their pins: the entry must be the same whichever
-        # address a client came through, and nft 1.0.6 cannot turn a frontend into
-        # another key with a map (a map's result is no lookup's key).
-        self.frontend: Key | None = None
-        if (
-            ctx.shared_affinity
-            and ctx.frontend_affinity
-            and not self.ipv6
-            and not (port.external_ips or port.load_balancer_vips or port.node_port)
-        ):
-            self.frontend = cluster_key
-        self.internal_list = _LOCAL_LIST if port.internal_policy_local else _CLUSTER_LIST
         self.maps: dict[str, AffinityMap] = {}
         self.pins: dict[Key, AffinityPin] = {}
         self.targets: dict[str, list[tuple[str, str, int]]] = {}
@@ -648,25 +686,8 @@ class _Affinity:
         self.chains.setdefault(spec.name, spec)
         return spec.name
 
-    def _frontend_pin(self) -> str:
-        """The frontend-keyed map of this port, its entries (keyed by its frontend) noted
-        with the endpoints of its one list as their allowed values."""
-        assert self.frontend is not None
-        shard, _number = affinity_frontend_shard(self.identity)
-        if self.frontend not in self.pins:
-            self.pins[self.frontend] = AffinityPin(
-                shard, self.frontend, self.lists[self.internal_list]
-            )
-        return shard
-
-    def _shared_chain(self, spec: ChainSpec) -> str:
-        self.chains.setdefault(spec.name, spec)
-        return spec.name
-
     def lookup(self, which: str) -> str:
         """The chain that DNATs a client with a recorded endpoint of list ``which``."""
-        if self.frontend is not None:
-            return self._shared_chain(_frontend_lookup_chain(self._frontend_pin(), self.l4))
         if self.ipv6:
             rules = [
                 f"{self.l4} dnat to {key} map @{name} : {port}"
@@ -691,8 +712,6 @@ class _Affinity:
         as its end would: ``affinity-record`` is the last rule of the filter chains,
         whose policy accepts (no rule of another table is skipped)."""
         seconds = self.seconds
-        if self.frontend is not None:
-            return self._shared_chain(_frontend_record_chain(self._frontend_pin(), seconds))
         both = len(self.used) == 2
         shared = self.ctx.shared_affinity
         order = (_LOCAL_LIST, _CLUSTER_LIST) if shared else (_CLUSTER_LIST, _LOCAL_LIST)
@@ -726,11 +745,9 @@ class _Affinity:
         members: tuple[Key, ...] = ()
         if len(self.used) == 2:
             members = tuple(endpoint_value(key) for key in self.lists[_LOCAL_LIST])
-        shared = tuple(p.shard for p in self.pins.values()) if self.frontend is not None else ()
         return AffinityPlan(
             tuple(self.maps.values()),
             tuple(self.chains.values()),
             members,
             tuple(self.pins.values()),
-            shared,
         )
