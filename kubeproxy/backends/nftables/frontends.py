@@ -475,14 +475,14 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
     no_endpoint = DROP if eps.has_any else REJECT
     cluster_key: Key = (cip, proto, port_text)
     affinity = None
-    record = by_frontend = None
+    record = internal_lookup = by_frontend = None
     if sticky:
         by_frontend = _frontend_affinity(ctx, port, cluster_key, internal)
         if by_frontend is None:
             affinity = _Affinity(ctx, port, cluster, local)
             record = affinity.record()
         else:
-            record = by_frontend.record
+            record, internal_lookup = by_frontend.record, by_frontend.lookup
 
     frontends: list[Frontend] = []
     claims: list[Key] = [cluster_key]
@@ -495,13 +495,7 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
                 cluster_key,
                 _class(KIND_IP, SHAPE_INTERNAL, len(internal), 0, sticky),
                 internal,
-                lookup=(
-                    affinity.lookup(internal_list)
-                    if affinity
-                    else by_frontend.lookup
-                    if by_frontend
-                    else None
-                ),
+                lookup=affinity.lookup(internal_list) if affinity else internal_lookup,
                 record=record,
                 name=name,
             )
@@ -674,7 +668,7 @@ class _Affinity:
             shard, high, low = affinity_pin(self.identity, which, port)
             pin = (str(high), str(low))
             if pin not in self.pins:
-                self.pins[pin] = AffinityPin(shard, pin, self.lists[which], port)
+                self.pins[pin] = AffinityPin(shard, pin, lists, port)
             client = AFFINITY6_CLIENT if self.ipv6 else "ip saddr"
             key = f"{_CONSTANT} offset {high} . {_CONSTANT} offset {low} . {client}"
             out.append((shard, key, port))
