@@ -391,7 +391,9 @@ def service_key(obj: KubeObject) -> NamespacedName:
 # Services
 
 
-def parse_service(obj: KubeObject, family: IPFamily) -> dict[ServicePortName, ServicePort]:
+def parse_service(
+    obj: KubeObject, family: IPFamily, *, key: NamespacedName | None = None
+) -> dict[ServicePortName, ServicePort]:
     """The ports of a Service as the proxier of ``family`` sees them.
 
     Returns ``{}`` for Services the proxy skips on purpose: ExternalName, headless
@@ -400,9 +402,11 @@ def parse_service(obj: KubeObject, family: IPFamily) -> dict[ServicePortName, Se
     without a cluster IP of this family. Raises :class:`InvalidObject` when the Service
     is malformed (only the cluster IPs are checked when none is of this family).
     Addresses of the other family in ``externalIPs``, load-balancer ingress and
-    ``loadBalancerSourceRanges`` are filtered out, not errors.
+    ``loadBalancerSourceRanges`` are filtered out, not errors. ``key`` is
+    :func:`service_key` of ``obj`` when the caller has it already (not checked twice).
     """
-    key = service_key(obj)
+    if key is None:
+        key = service_key(obj)
     context = _Context("Service", str(key))
     metadata = obj["metadata"]
     labels = context.mapping(metadata.get("labels"), "metadata.labels")
@@ -478,12 +482,19 @@ def _cluster_ip(
     if not candidates:
         candidates = (primary,)
         field = "spec.clusterIP"
-    found: IPAddress | None = None
+    # Each text is validated as parse_ip does, but only the one kept becomes an address
+    # object: the proxier of the other family (every Service is parsed by both on a
+    # dual-stack node) makes none.
+    want_ipv6 = family is IPFamily.IPV6
+    found: str | None = None
     for text in candidates:
-        address = context.ip(text, field)
-        if found is None and address.version == family.version:
+        try:
+            address = _address_text(text)
+        except ValueError:
+            raise context.fail(field, 0, f"invalid IP address {_show(text)}") from None
+        if found is None and (":" in address) is want_ipv6:
             found = address
-    return found
+    return None if found is None else ipaddress.ip_address(found)
 
 
 def _service_ports(

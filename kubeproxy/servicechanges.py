@@ -108,7 +108,7 @@ class ServiceChangeTracker:
             self.total_changes += 1
         try:
             key = service_key(subject)
-            ports = _NO_PORTS if current is None else parse_service(current, self.family)
+            ports = _NO_PORTS if current is None else parse_service(current, self.family, key=key)
         except InvalidObject as err:
             self._skip(err)
             return bool(self._pending)

@@ -69,6 +69,7 @@ list for an object the API server would store.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 import socket
@@ -478,8 +479,8 @@ def _endpoint_slice(obj: Mapping[str, Any]) -> Iterator[str]:
     elif len(endpoints) > _MAX_ENDPOINTS:
         yield f"endpoints: Too many: {len(endpoints)}: must have at most {_MAX_ENDPOINTS} items"
     else:
-        for index, raw in enumerate(endpoints):
-            yield from _endpoint(index, raw, address_type)
+        for index in _unclear_endpoints(endpoints, address_type):
+            yield from _endpoint(index, endpoints[index], address_type)
     ports = _items(obj.get("ports"))
     if ports is None:
         yield "ports: must be a list"
@@ -487,6 +488,50 @@ def _endpoint_slice(obj: Mapping[str, Any]) -> Iterator[str]:
         yield f"ports: Too many: {len(ports)}: must have at most {_MAX_SLICE_PORTS} items"
     else:
         yield from _slice_ports(ports)
+
+
+def _unclear_endpoints(endpoints: Sequence[Any], address_type: object) -> Iterator[int]:
+    """The indexes of the endpoints :func:`_endpoint` must check; the others, in the
+    usual shape, have no problem it could find: IPv4 addresses that are plain dotted
+    quads outside the special ranges (:func:`_plain_ipv4`), a valid node name or none,
+    no hints.
+
+    One loop per slice instead of a generator, a call and a formatted field name per
+    endpoint: at 30k Services x 10 endpoints, :func:`_endpoint` for each was 3.2 s of
+    the 37 s profiled (cProfile of the whole ``--once``), this loop is 0.4 s.
+    """
+    if address_type != "IPv4":
+        yield from range(len(endpoints))
+        return
+    plain_ipv4, node_name_ok = _plain_ipv4, _node_name_ok
+    for index, raw in enumerate(endpoints):
+        if type(raw) is not dict:
+            yield index
+            continue
+        addresses = raw.get("addresses")
+        if (
+            type(addresses) is not list
+            or not addresses
+            or len(addresses) > _MAX_ADDRESSES
+            or raw.get("hints") is not None
+        ):
+            yield index
+            continue
+        node = raw.get("nodeName")
+        if node is not None and (type(node) is not str or not node_name_ok(node)):
+            yield index
+            continue
+        for text in addresses:
+            if not plain_ipv4(text):
+                yield index
+                break
+
+
+@functools.lru_cache(maxsize=8192)
+def _node_name_ok(name: str) -> bool:
+    # A cluster has a few thousand nodes and each names many endpoints: each name's
+    # regular expression is matched once, not once per endpoint.
+    return _is_subdomain(name)
 
 
 def _endpoint(index: int, raw: object, address_type: object) -> Iterator[str]:
