@@ -163,6 +163,16 @@ def _alone(
     return {ServicePortName(service, port_name, protocol): endpoints}
 
 
+def _merged_alone(
+    service: NamespacedName, held: _Slices | None
+) -> dict[ServicePortName, tuple[Endpoint, ...]] | None:
+    """The merge of a Service's applied slices when it is its only slice's own endpoint
+    tuple (:func:`_alone`); None otherwise."""
+    if isinstance(held, ParsedEndpointSlice) and len(held.ports) == 1:
+        return _alone(service, held)
+    return None
+
+
 def _parse_trigger_time(value: object) -> float | None:
     if not isinstance(value, str):
         return None
@@ -234,7 +244,9 @@ class EndpointsChangeTracker:
         self._pending: dict[NamespacedName, dict[str, ParsedEndpointSlice | None]] = {}
         self._pending_slices = 0
         self._trigger_times: dict[NamespacedName, list[float]] = {}
-        # The merged form of `_applied`, so a change needs to merge only the new state.
+        # The merged form of `_applied`, so a change needs to merge only the new state;
+        # not for a Service whose merge is its only slice's own tuple (_merged_alone),
+        # the usual one: that is found again from the slice (15 MB at 100k Services).
         self._merged: dict[NamespacedName, _MergedPorts] = {}
 
     @property
@@ -362,12 +374,14 @@ class EndpointsChangeTracker:
         # Folding pending into applied happens under the lock: update() compares new
         # content with the applied one, and must not see a half-folded state.
         applied_now: dict[NamespacedName, list[ParsedEndpointSlice]] = {}
+        held_before: dict[NamespacedName, _Slices | None] = {}
         with self._lock:
             pending, self._pending = self._pending, {}
             self._pending_slices = 0
             trigger_times, self._trigger_times = self._trigger_times, {}
             for service, slices in pending.items():
-                applied = _slices_by_name(self._applied.get(service))
+                held = held_before[service] = self._applied.get(service)
+                applied = _slices_by_name(held)
                 for name, parsed in slices.items():
                     if parsed is None:
                         applied.pop(name, None)
@@ -381,10 +395,13 @@ class EndpointsChangeTracker:
         changes: dict[NamespacedName, _ServiceChange] = {}
         for service in pending:
             merged = self._merged.pop(service, None)
-            previous = dict(merged) if merged else _NO_ENDPOINTS
+            if merged is not None:
+                previous: Mapping[ServicePortName, tuple[Endpoint, ...]] = dict(merged)
+            else:
+                previous = _merged_alone(service, held_before[service]) or _NO_ENDPOINTS
             slices_now = applied_now.get(service)
             current = merge_endpoint_slices(service, slices_now) if slices_now else {}
-            if current:
+            if current and _merged_alone(service, self._applied.get(service)) is None:
                 self._merged[service] = tuple(current.items())
             changes[service] = _ServiceChange(previous, current)
         return changes, trigger_times
