@@ -24,6 +24,7 @@ from kubeproxy.sources.apivalidation import (
     _ip_problem,
     _plain_ipv4,
     _special,
+    _strict_ipv4,
     _unclear_endpoints,
     endpoint_slice_errors,
     service_errors,
@@ -245,3 +246,27 @@ def test_the_endpoints_left_unchecked_have_nothing_to_report(
         if index not in unclear:
             assert problems == [], (raw, problems)
     assert unclear <= set(range(len(endpoints)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.one_of(
+        st.integers(0, 2**32 - 1).map(lambda n: str(ipaddress.IPv4Address(n))),
+        st.sampled_from(
+            ["010.0.0.1", "1.2.3", "::ffff:10.0.0.1", " 1.2.3.4", "1.2.3.4 ", "fd00::1"]
+        ),
+        st.text(alphabet="0123456789.:", max_size=16),
+    )
+)
+def test_the_strict_ipv4_shortcut_takes_only_what_the_full_checks_take(text: str) -> None:
+    # What the shortcut passes parses both ways (sloppy and strict) as the same IPv4
+    # address, so _ip_problem's own checks would have found nothing.
+    if _strict_ipv4(text):
+        assert _ip_problem(text) is None
+        strict = ipaddress.ip_address(text)
+        assert isinstance(strict, ipaddress.IPv4Address) and parse_ip(text) == strict
+        assert str(strict) == text
+    errors = service_errors(svc("web", clusterIP=text, clusterIPs=[text]))
+    assert (not any("clusterIPs[0]" in e for e in errors)) == (
+        _strict_ipv4(text) or (":" in text and _ip_problem(text) is None)
+    ), errors

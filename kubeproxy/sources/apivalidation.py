@@ -117,6 +117,12 @@ def _is_subdomain(value: object) -> bool:
 def _is_qualified_name(value: object) -> bool:
     if not isinstance(value, str):
         return False
+    return _is_qualified_text(value)
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_qualified_text(value: str) -> bool:
+    # Label keys: a few ("app", "kubernetes.io/service-name") over every object.
     prefix, slash, name = value.rpartition("/")
     if slash and not (prefix and _is_subdomain(prefix)):
         return False
@@ -155,6 +161,8 @@ def _mapping(value: object) -> Mapping[str, Any] | None:
 
 def _ip_problem(text: object, *, strict: bool = True) -> str | None:
     """Why ``text`` is no valid IP (upstream's ``IsValidIPForLegacyField``); None if it is."""
+    if _strict_ipv4(text):
+        return None
     if not isinstance(text, str):
         return "must be a valid IP address"
     try:
@@ -210,6 +218,19 @@ def _plain_ipv4(text: object) -> bool:
     except (OSError, ValueError):
         return False
     return first not in _SPECIAL_FIRST_OCTETS
+
+
+def _strict_ipv4(text: object) -> bool:
+    """Whether ``text`` is a strict dotted quad (no leading zeros): valid in every form
+    :func:`_ip_problem` knows, found without the two address objects it makes otherwise
+    (a Service's cluster IP, validated at every start-up)."""
+    if type(text) is not str or len(text) > 15:
+        return False
+    try:
+        _inet_pton(_AF_INET, text)
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 _inet_pton = socket.inet_pton
@@ -327,7 +348,8 @@ def _cluster_ips(spec: Mapping[str, Any], kind: str) -> Iterator[str]:
         if problem is not None:
             yield f"spec.clusterIPs[{index}]: {_show(text)}: {problem}"
         else:
-            versions.append(parse_ip(text).version)
+            # Valid and no IPv4-mapped IPv6 address: the family is in the text.
+            versions.append(6 if ":" in text else 4)
     if len(versions) == 2 and versions[0] == versions[1]:
         yield "spec.clusterIPs: may specify no more than one IP for each IP family"
 
