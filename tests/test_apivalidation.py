@@ -210,7 +210,7 @@ def test_the_plain_ipv4_shortcut_refuses_what_the_full_checks_refuse(text: str) 
         assert any(full in e for e in errors), errors
 
 
-_ENDPOINT_PARTS = st.fixed_dictionaries(
+_ENDPOINT_PARTS: st.SearchStrategy[dict[str, Any]] = st.fixed_dictionaries(
     {},
     optional={
         "addresses": st.one_of(
