@@ -400,9 +400,13 @@ class EndpointsChangeTracker:
             else:
                 previous = _merged_alone(service, held_before[service]) or _NO_ENDPOINTS
             slices_now = applied_now.get(service)
-            current = merge_endpoint_slices(service, slices_now) if slices_now else {}
-            if current and _merged_alone(service, self._applied.get(service)) is None:
-                self._merged[service] = tuple(current.items())
+            alone = _merged_alone(service, self._applied.get(service)) if slices_now else None
+            if alone is not None:
+                current = alone
+            else:
+                current = merge_endpoint_slices(service, slices_now) if slices_now else {}
+                if current:
+                    self._merged[service] = tuple(current.items())
             changes[service] = _ServiceChange(previous, current)
         return changes, trigger_times
 
