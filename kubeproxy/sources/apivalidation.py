@@ -153,7 +153,8 @@ def _items(value: object) -> Sequence[Any] | None:
 def _mapping(value: object) -> Mapping[str, Any] | None:
     if value is None:
         return {}
-    return value if isinstance(value, Mapping) else None
+    # type() first: isinstance against the Mapping ABC costs 0.2 us, per field.
+    return value if type(value) is dict or isinstance(value, Mapping) else None
 
 
 # --- addresses ------------------------------------------------------------------------

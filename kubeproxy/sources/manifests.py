@@ -485,13 +485,17 @@ class ManifestSource:
 
     def _entry(self, path: Path, document: Any, position: int, text: str) -> _Entry | None:
         place = _Place(path, position)  # formatted only when a message needs it
-        if not isinstance(document, Mapping):
+        if type(document) is not dict and not isinstance(document, Mapping):
             raise _BrokenFile(f"{place}: not an object but {type(document).__name__}")
         kind = document.get("kind")
         if not isinstance(kind, str) or not kind:
             raise _BrokenFile(f"{place}: no kind")
         metadata = document.get("metadata")
-        name = metadata.get("name") if isinstance(metadata, Mapping) else None
+        name = (
+            metadata.get("name")
+            if type(metadata) is dict or isinstance(metadata, Mapping)
+            else None
+        )
         if not isinstance(name, str) or not name:
             raise _BrokenFile(f"{place}: {kind} without metadata.name")
         if kind not in _API_VERSIONS:
