@@ -372,15 +372,19 @@ class EndpointsChangeTracker:
         self,
     ) -> tuple[dict[NamespacedName, _ServiceChange], dict[NamespacedName, list[float]]]:
         # Folding pending into applied happens under the lock: update() compares new
-        # content with the applied one, and must not see a half-folded state.
-        applied_now: dict[NamespacedName, list[ParsedEndpointSlice]] = {}
-        held_before: dict[NamespacedName, _Slices | None] = {}
+        # content with the applied one, and must not see a half-folded state. Each
+        # Service's slices before and after are noted in one list, so that the merge
+        # below looks nothing up again by Service (a NamespacedName's hash is a Python
+        # call).
+        folded: list[
+            tuple[NamespacedName, _Slices | None, _Slices | None, list[ParsedEndpointSlice]]
+        ] = []
         with self._lock:
             pending, self._pending = self._pending, {}
             self._pending_slices = 0
             trigger_times, self._trigger_times = self._trigger_times, {}
             for service, slices in pending.items():
-                held = held_before[service] = self._applied.get(service)
+                held = self._applied.get(service)
                 applied = _slices_by_name(held)
                 for name, parsed in slices.items():
                     if parsed is None:
@@ -389,24 +393,27 @@ class EndpointsChangeTracker:
                         applied[name] = parsed
                 if not applied:
                     self._applied.pop(service, None)
+                    folded.append((service, held, None, []))
                     continue
-                applied_now[service] = [applied[n] for n in sorted(applied)]
-                self._applied[service] = applied_now[service][0] if len(applied) == 1 else applied
+                ordered = [applied[n] for n in sorted(applied)]
+                now = ordered[0] if len(applied) == 1 else applied
+                self._applied[service] = now
+                folded.append((service, held, now, ordered))
         changes: dict[NamespacedName, _ServiceChange] = {}
-        for service in pending:
-            merged = self._merged.pop(service, None)
+        merged_by_service = self._merged
+        for service, before, after, slices_now in folded:
+            merged = merged_by_service.pop(service, None) if merged_by_service else None
             if merged is not None:
                 previous: Mapping[ServicePortName, tuple[Endpoint, ...]] = dict(merged)
             else:
-                previous = _merged_alone(service, held_before[service]) or _NO_ENDPOINTS
-            slices_now = applied_now.get(service)
-            alone = _merged_alone(service, self._applied.get(service)) if slices_now else None
+                previous = _merged_alone(service, before) or _NO_ENDPOINTS
+            alone = _merged_alone(service, after)
             if alone is not None:
                 current = alone
             else:
                 current = merge_endpoint_slices(service, slices_now) if slices_now else {}
                 if current:
-                    self._merged[service] = tuple(current.items())
+                    merged_by_service[service] = tuple(current.items())
             changes[service] = _ServiceChange(previous, current)
         return changes, trigger_times
 
