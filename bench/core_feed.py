@@ -25,17 +25,18 @@ run and writes ``<results>/<date>-core-feed-<host>.json``. Not part of ``make be
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
+
+if TYPE_CHECKING:
+    from bench.memory_compare import Checkout
 
 KIND: Final = "core-feed"
 NODE: Final = "kpxb-node"
@@ -114,17 +115,9 @@ def feed(directory: Path, node_name: str = NODE) -> dict[str, Any]:
     return {"load_cpu_s": loaded - start, "apply_cpu_s": applied - loaded, "ports": ports}
 
 
-def _child(subject: Any, manifests: Path) -> dict[str, Any]:
-    done = subprocess.run(
-        [str(subject.python), str(Path(__file__).resolve()), "child", str(manifests)],
-        capture_output=True,
-        text=True,
-        check=False,
-        env=subject.env(),
-        cwd=subject.root,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"{subject.label}: {done.stderr[-2000:]}")
+def _child(subject: Checkout, manifests: Path) -> dict[str, Any]:
+    script = str(Path(__file__).resolve())
+    done = subject.run([str(subject.python), script, "child", str(manifests)])
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
 
@@ -135,17 +128,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[:1] == ["child"]:
         print(json.dumps(feed(Path(args[1]))))
         return 0
-    from bench.memory_compare import checkout
-    from bench.report import write_document
+    from bench.memory_compare import checkouts_parser, write_runs
     from bench.synthetic import build_services
     from bench.wholeproc import write_manifests
 
-    parser = argparse.ArgumentParser(prog="python -m bench.core_feed")
-    parser.add_argument("checkouts", nargs="+", type=checkout, metavar="LABEL=ROOT[:PYTHON]")
-    parser.add_argument("--services", type=int, default=30_000)
-    parser.add_argument("--endpoints", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--results", type=Path, default=Path(__file__).parent / "results")
+    parser = checkouts_parser("python -m bench.core_feed", None, 30_000)
+    parser.set_defaults(rounds=3)
     options = parser.parse_args(args)
     load = os.getloadavg()[0]
     runs: list[dict[str, Any]] = []
@@ -162,15 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{run['apply_cpu_s']:.2f} s ({run['ports']} ports)",
                     flush=True,
                 )
-    fields = {
-        "services": options.services,
-        "endpoints": options.endpoints,
-        "load_before": load,
-        "load_after": os.getloadavg()[0],
-        "runs": runs,
-    }
-    command = "python -m bench.core_feed " + " ".join(args)
-    path, _document = write_document(options.results, KIND, command, fields)
+    path = write_runs(options, KIND, "python -m bench.core_feed " + " ".join(args), load, runs)
     print(f"written: {path}")
     return 0
 
