@@ -22,6 +22,9 @@ by side, and times the same changes against each:
 ``data-maps``
     ``data`` with one slot map per count instead of per bucket, so no map is read by
     more than one rule (the bucket map of 512-1023 is read by 512 rules in ``data``).
+``data-leafmaps``
+    ``data`` with one slot map per count-hi chain (its 32 counts): each map read by 32
+    rules, 192 maps in all.
 ``data-tree``
     a tree over the count itself: count N has number ``numbers[N - 1]`` (12 bits, at
     most 5 set, small counts first) and one chain with its bit tests and one pick rule;
@@ -52,7 +55,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from bench.netns import in_netns, ip, namespace
 from bench.synthetic import endpoint_ips, realistic_services, service_ip
@@ -76,7 +79,7 @@ _KEY_TYPE = {
     "nodeports": "inet_proto . inet_service",
 }
 _SHAPE_BITS = {("ips", "internal"): 0, ("ips", "external"): 1, ("nodeports", "external"): 0}
-STRUCTURES = ("shipped", "data", "data-maps", "data-tree")
+STRUCTURES = ("shipped", "data", "data-maps", "data-leafmaps", "data-tree")
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,10 +161,27 @@ def depth_of(number: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Change:
-    """One change: nft text for chains and rules (empty when none), then elements."""
+    """One change: nft text for chains and rules (empty when none), then one element
+    transaction (``deletes`` applied before ``elements``)."""
 
     chains: str
     elements: dict[str, list[str]]
+    deletes: dict[str, list[str]] = field(default_factory=dict)
+
+
+def element_diff(
+    old: dict[str, list[str]], new: dict[str, list[str]]
+) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """The additions and deletions that turn ``old`` elements into ``new`` ones."""
+    adds: dict[str, list[str]] = {}
+    deletes: dict[str, list[str]] = {}
+    for container in old.keys() | new.keys():
+        before, after = set(old.get(container, ())), set(new.get(container, ()))
+        if after - before:
+            adds[container] = sorted(after - before)
+        if before - after:
+            deletes[container] = sorted(e.partition(" : ")[0] for e in before - after)
+    return adds, deletes
 
 
 @dataclass
@@ -319,8 +339,9 @@ class Shipped:
                 t.add(f"class-bit-{f.kind}-{j}", f.key)
         _slot_elements(t, self.slot_map, f)
 
-    def new_frontend(self, f: Frontend) -> Change:
-        """What serves ``f``: a class of its own (chains) if never seen, its elements."""
+    def change(self, old: Frontend | None, f: Frontend) -> Change:
+        """What serves ``f`` (``old``: the same frontend before, if it was served): a
+        class of its own (chains) if never seen, and its element changes."""
         lines: list[str] = []
         cls = (f.kind, f.shape, f.count)
         if cls not in self.numbers:
@@ -338,9 +359,11 @@ class Shipped:
             lines.append(f"flush chain ip {TABLE} dispatch-{f.kind}-{parent}\n")
             for rule in self._tree_rules(f.kind, parent, present):
                 lines.append(f"add rule ip {TABLE} dispatch-{f.kind}-{parent} {rule}\n")
-        t = Table("")
-        self.frontend_elements(t, f)
-        return Change("".join(lines), t.elements)
+        before, after = Table(""), Table("")
+        if old is not None:
+            self.frontend_elements(before, old)
+        self.frontend_elements(after, f)
+        return Change("".join(lines), *element_diff(before.elements, after.elements))
 
 
 @dataclass
@@ -348,26 +371,26 @@ class DataCounts:
     """The sketch's structure: shapes as classes, every count 1..1024 as data."""
 
     fronts: list[Frontend]
-    per_count_maps: bool = False
+    maps: str = "bucket"
+    """Which counts share a slot map: ``bucket`` (bit length, as shipped), ``count``
+    (a map per count), ``leaf`` (the 32 counts of one count-hi chain)."""
     name: str = "data"
 
     def slot_map(self, f: Frontend, proto: str) -> str:
-        if self.per_count_maps:
+        if self.maps == "count":
             return f"endpoints-{f.kind}-{proto}-c{f.count}"
+        if self.maps == "leaf":
+            return f"endpoints-{f.kind}-{proto}-h{(f.count - 1) >> 5}"
         return f"endpoints-{f.kind}-{proto}-b{bucket(f.count)}"
 
     def _maps(self, t: Table) -> None:
         for kind in KINDS:
-            if self.per_count_maps:
-                for n in range(1, MAX_COUNT + 1):
-                    for p in PROTOCOLS:
-                        t.slot_map(self.slot_map(Frontend(kind, "", "", n, ()), p), kind, p)
-            else:
-                for b in range(1, bucket(MAX_COUNT) + 1):
-                    for p in PROTOCOLS:
-                        t.slot_map(
-                            self.slot_map(Frontend(kind, "", "", 1 << (b - 1), ()), p), kind, p
-                        )
+            for p in PROTOCOLS:
+                names = {
+                    self.slot_map(Frontend(kind, "", "", n, ()), p) for n in range(1, MAX_COUNT + 1)
+                }
+                for name in sorted(names):
+                    t.slot_map(name, kind, p)
 
     def _shapes(self, t: Table) -> None:
         """Shape tree (at most one bit) and shape chains, each to its protocol's family."""
@@ -395,10 +418,22 @@ class DataCounts:
         t.max_depth = 2 + 1 + 1
 
     def table(self) -> Table:
+        """The whole table: fixed chains, slot maps, shapes, pick families, elements."""
         t = Table(self.name)
         _common(t)
         self._maps(t)
         self._shapes(t)
+        self._picks(t)
+        for f in self.fronts:
+            t.add(f"dispatch-{f.kind}", f.key)
+            if _SHAPE_BITS[(f.kind, f.shape)]:
+                t.add(f"shape-bit-{f.kind}-0", f.key)
+            self._count_elements(t, f)
+            _slot_elements(t, self.slot_map, f)
+        return t
+
+    def _picks(self, t: Table) -> None:
+        """Per (kind, protocol): 32 chains of 32 count rules behind the count-hi tree."""
         for kind in KINDS:
             for j in range(5):
                 t.set(f"count-hi-{kind}-{j}", kind)
@@ -424,26 +459,27 @@ class DataCounts:
                     t.chain(f"pick-{kind}-{p}-{h}", rules)
         # shape chain -> pick-0 (+1) -> at most 5 count-hi bits
         t.max_depth = max(t.max_depth, 2 + 1 + 1 + 5)
-        for f in self.fronts:
-            self.frontend_elements(t, f)
-        return t
 
-    def frontend_elements(self, t: Table, f: Frontend) -> None:
-        t.add(f"dispatch-{f.kind}", f.key)
-        if _SHAPE_BITS[(f.kind, f.shape)]:
-            t.add(f"shape-bit-{f.kind}-0", f.key)
+    def _count_elements(self, t: Table, f: Frontend) -> None:
         hi, lo = (f.count - 1) >> 5, (f.count - 1) & 31
         for j in range(5):
             if hi >> j & 1:
                 t.add(f"count-hi-{f.kind}-{j}", f.key)
         t.add(f"count-lo-{f.kind}-{lo}", f.key)
-        _slot_elements(t, self.slot_map, f)
 
-    def new_frontend(self, f: Frontend) -> Change:
-        """What serves ``f``: elements only, whatever its count."""
-        t = Table("")
-        self.frontend_elements(t, f)
-        return Change("", t.elements)
+    def change(self, old: Frontend | None, f: Frontend) -> Change:
+        """What serves ``f`` (``old``: the same frontend before, if it was served):
+        element changes only, whatever its count."""
+        before, after = Table(""), Table("")
+        for t, front in ((before, old), (after, f)):
+            if front is None:
+                continue
+            t.add(f"dispatch-{front.kind}", front.key)
+            if _SHAPE_BITS[(front.kind, front.shape)]:
+                t.add(f"shape-bit-{front.kind}-0", front.key)
+            self._count_elements(t, front)
+            _slot_elements(t, self.slot_map, front)
+        return Change("", *element_diff(before.elements, after.elements))
 
 
 @dataclass
@@ -457,11 +493,8 @@ class DataTree(DataCounts):
     def __post_init__(self) -> None:
         self.number = small_numbers(self.width, 5)[:MAX_COUNT]
 
-    def table(self) -> Table:
-        t = Table(self.name)
-        _common(t)
-        self._maps(t)
-        self._shapes(t)
+    def _picks(self, t: Table) -> None:
+        """Per (kind, protocol): a chain per count number, its bit tests and one rule."""
         by_number = {n: count for count, n in enumerate(self.number, start=1)}
         present = tree_chains(set(by_number))
         for kind in KINDS:
@@ -483,19 +516,12 @@ class DataTree(DataCounts):
                         )
                     t.chain(f"pick-{kind}-{p}-{n}", rules)
         t.max_depth = max(t.max_depth, 2 + 1 + 1 + max(n.bit_count() for n in self.number))
-        for f in self.fronts:
-            self.frontend_elements(t, f)
-        return t
 
-    def frontend_elements(self, t: Table, f: Frontend) -> None:
-        t.add(f"dispatch-{f.kind}", f.key)
-        if _SHAPE_BITS[(f.kind, f.shape)]:
-            t.add(f"shape-bit-{f.kind}-0", f.key)
+    def _count_elements(self, t: Table, f: Frontend) -> None:
         number = self.number[f.count - 1]
         for j in range(self.width):
             if number >> j & 1:
                 t.add(f"count-bit-{f.kind}-{j}", f.key)
-        _slot_elements(t, self.slot_map, f)
 
 
 Structure = Shipped | DataCounts
@@ -508,7 +534,9 @@ def make(name: str, fronts: list[Frontend]) -> Structure:
     if name == "data":
         return DataCounts(fronts)
     if name == "data-maps":
-        return DataCounts(fronts, per_count_maps=True, name="data-maps")
+        return DataCounts(fronts, maps="count", name="data-maps")
+    if name == "data-leafmaps":
+        return DataCounts(fronts, maps="leaf", name="data-leafmaps")
     if name == "data-tree":
         return DataTree(fronts)
     raise ValueError(f"unknown structure {name!r}")
@@ -587,7 +615,8 @@ def timed_change(nft: LibNftables, change: Change) -> tuple[float, float]:
     """Milliseconds of ``change``: its chains through nft, then its elements; and of
     the chains alone."""
     chains = timed(nft, change.chains) if change.chains else 0.0
-    return chains + timed_elements(nft, element_batch(change.elements)), chains
+    batch = element_batch(change.elements, change.deletes)
+    return chains + timed_elements(nft, batch), chains
 
 
 def summary(samples: Sequence[float]) -> dict[str, float]:
@@ -649,6 +678,23 @@ def absent_counts(fronts: list[Frontend]) -> list[int]:
     """Counts up to 1000 no frontend has (a Service of one is a never-seen count)."""
     seen = {f.count for f in fronts}
     return [n for n in range(1, 1001) if n not in seen]
+
+
+def growth_steps(fronts: list[Frontend], taken: set[int]) -> list[tuple[Frontend, Frontend]]:
+    """Endpoint changes that bring a never-seen count: a ClusterIP frontend of N - 1
+    endpoints gains one, N a count no frontend has (and none in ``taken``); one per N."""
+    by_count: dict[int, Frontend] = {}
+    for f in fronts:
+        if f.kind == "ips" and f.shape == "internal":
+            by_count.setdefault(f.count, f)
+    steps: list[tuple[Frontend, Frontend]] = []
+    for n in absent_counts(fronts):
+        old = by_count.get(n - 1)
+        if n in taken or old is None:
+            continue
+        extra = f"10.122.{len(steps) >> 8 & 255}.{len(steps) & 255} . {TARGET_PORT}"
+        steps.append((old, replace(old, count=n, endpoints=(*old.endpoints, extra))))
+    return steps
 
 
 def run(
@@ -714,6 +760,8 @@ def run(
             samples[name].setdefault(op, []).append(ms)
 
         changing = [f for f in fronts if f.count >= 2]
+        grow = growth_steps(fronts, set(absent[:rounds]))
+        result["growth_steps"] = len(grow)
         for r in range(rounds):
             f = rng.choice(changing)
             slot = rng.randrange(f.count)
@@ -766,10 +814,14 @@ def run(
                         ),
                     ),
                 )
-                total, chains = timed_change(nft, st.new_frontend(new))
+                total, chains = timed_change(nft, st.change(None, new))
                 note(name, "newcount", total)
                 note(name, "newcount_chains", chains)
-                note(name, "smallservice", timed_change(nft, st.new_frontend(small))[0])
+                if r < len(grow):
+                    total, chains = timed_change(nft, st.change(*grow[r]))
+                    note(name, "growcount", total)
+                    note(name, "growcount_chains", chains)
+                note(name, "smallservice", timed_change(nft, st.change(None, small))[0])
                 big = st.slot_map(Frontend("ips", "", "", 1000, ()), "tcp")
                 note(name, "fill1000", timed_elements(nft, element_batch({big: fill})))
                 nft.write_elements(element_batch(deletes={big: fill_keys}))

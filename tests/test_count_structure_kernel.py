@@ -4,11 +4,11 @@ Issue 32 item 4's study writes, beside the shipped class structure, structures w
 every endpoint count 1..1024 is precreated and a Service's count is data (elements
 only). Their figures are in ``bench/README.md``; this checks, cheaply and on every kernel
 the matrix boots, that the kernel accepts them (their chain depth included) and that a
-connection reaches an endpoint through the deepest count and through a count written as
-elements after the table. Each frontend's slots alternate between the two endpoints, so
-seeing both says ``numgen random mod N`` ran with the frontend's own N over filled slots
-(a smaller N than the count would never reach its last slots; a larger one would miss a
-slot and leave the connection undirected).
+connection reaches an endpoint through the deepest count, through a count written as
+elements after the table, and through the count an endpoint more brings. Slots
+alternate between the two endpoints, so seeing both says ``numgen random mod N`` ran
+with the frontend's own N over filled slots (a smaller N would never reach the last
+slots; a larger one would miss a slot and leave the connection undirected).
 """
 
 from __future__ import annotations
@@ -67,7 +67,23 @@ def test_every_count_is_data(namespaces: NodeAndPod, structure: str) -> None:
 
         # A count no frontend had: elements only, no chain or rule.
         never_seen = frontend("172.30.0.11", 45)
-        change = built.new_frontend(never_seen)
+        change = built.change(None, never_seen)
         assert change.chains == ""
         nft.write_elements(element_batch(change.elements))
         assert answers(namespaces, "172.30.0.11") == {f"{EP1}:8080", f"{EP2}:8080"}
+
+        # An endpoint more, the count crossing a count-hi chain (32 -> 33): elements
+        # only, and only the new count's rule reaches the new slot (1 in 33 picks it).
+        before = Frontend("ips", "172.30.0.14 . tcp . 80", "internal", 32, (f"{EP1} . 8080",) * 32)
+        after = Frontend("ips", before.key, "internal", 33, (*before.endpoints, f"{EP2} . 8080"))
+        nft.write_elements(element_batch(built.change(None, before).elements))
+        assert answers(namespaces, "172.30.0.14") == {f"{EP1}:8080"}
+        change = built.change(before, after)
+        assert change.chains == ""
+        nft.write_elements(element_batch(change.elements, change.deletes))
+        answered: set[str | None] = set()
+        for _ in range(300):
+            answered.add(answered_by(namespaces.node_fd, "172.30.0.14"))
+            if f"{EP2}:8080" in answered:
+                break
+        assert answered == {f"{EP1}:8080", f"{EP2}:8080"}
