@@ -880,9 +880,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--connect-seconds", type=float, default=2.0)
     parser.add_argument("--json", help="write the result here too")
     args = parser.parse_args(argv)
+    load_before = os.getloadavg()[0]
     result = run(
         args.services, args.rounds, args.structure or list(STRUCTURES), args.connect_seconds
     )
+    result["machine"] = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "kernel": os.uname().release,
+        "cpus": os.cpu_count(),
+        "load_before": load_before,
+        "load_after": os.getloadavg()[0],
+        "argv": sys.argv[1:] if argv is None else list(argv),
+    }
     text = json.dumps(result, indent=1)
     print(report(result))
     if args.json:
