@@ -680,6 +680,21 @@ def absent_counts(fronts: list[Frontend]) -> list[int]:
     return [n for n in range(1, 1001) if n not in seen]
 
 
+def full_writes(services: int, structures: Sequence[str], repeats: int) -> dict[str, list[float]]:
+    """Seconds of each structure's full write (skeleton and elements, the text rendered
+    before), ``repeats`` times into fresh namespaces, the order alternating each time."""
+    fronts = frontends(services)
+    seconds: dict[str, list[float]] = {name: [] for name in structures}
+    for r in range(repeats):
+        for name in structures if r % 2 == 0 else list(reversed(structures)):
+            table = make(name, fronts).table()
+            with namespace("i32w") as ns, LibNftables(ns) as nft:
+                seconds[name].append(write_table(nft, table)["total_s"])
+            del table
+            print(name, f"{seconds[name][-1]:.2f} s", flush=True)
+    return seconds
+
+
 def growth_steps(fronts: list[Frontend], taken: set[int]) -> list[tuple[Frontend, Frontend]]:
     """Endpoint changes that bring a never-seen count: a ClusterIP frontend of N - 1
     endpoints gains one, N a count no frontend has (and none in ``taken``); one per N."""
@@ -818,9 +833,15 @@ def run(
                 note(name, "newcount", total)
                 note(name, "newcount_chains", chains)
                 if r < len(grow):
-                    total, chains = timed_change(nft, st.change(*grow[r]))
+                    step = st.change(*grow[r])
+                    total, chains = timed_change(nft, step)
                     note(name, "growcount", total)
                     note(name, "growcount_chains", chains)
+                    moved = sum(map(len, step.elements.values())) + sum(
+                        map(len, step.deletes.values())
+                    )
+                    # Not milliseconds: how many elements the step changed.
+                    note(name, "growcount_elements", float(moved))
                 note(name, "smallservice", timed_change(nft, st.change(None, small))[0])
                 big = st.slot_map(Frontend("ips", "", "", 1000, ()), "tcp")
                 note(name, "fill1000", timed_elements(nft, element_batch({big: fill})))
@@ -879,11 +900,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--structure", action="append", choices=STRUCTURES, default=[])
     parser.add_argument("--connect-seconds", type=float, default=2.0)
     parser.add_argument("--json", help="write the result here too")
+    parser.add_argument(
+        "--writes", type=int, default=0, help="only time full writes, this many each"
+    )
     args = parser.parse_args(argv)
     load_before = os.getloadavg()[0]
-    result = run(
-        args.services, args.rounds, args.structure or list(STRUCTURES), args.connect_seconds
-    )
+    structures = args.structure or list(STRUCTURES)
+    if args.writes:
+        result: dict[str, object] = {
+            "services": args.services,
+            "full_write_s": full_writes(args.services, structures, args.writes),
+        }
+    else:
+        result = run(args.services, args.rounds, structures, args.connect_seconds)
     result["machine"] = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "kernel": os.uname().release,
@@ -893,7 +922,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "argv": sys.argv[1:] if argv is None else list(argv),
     }
     text = json.dumps(result, indent=1)
-    print(report(result))
+    print(report(result) if not args.writes else text)
     if args.json:
         with tempfile.NamedTemporaryFile(
             "w", dir=os.path.dirname(args.json) or ".", delete=False
