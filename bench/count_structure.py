@@ -864,6 +864,13 @@ def run(
             result["connect_us"] = {
                 n: {w: summary(v) for w, v in c.items()} for n, c in conns.items()
             }
+            # Each round's probe less its direct connects, one after the other: the
+            # structure's walk with less of the machine's drift than either median.
+            result["connect_extra_us"] = {
+                n: summary([p - d for p, d in zip(c["probe"], c["direct"], strict=True)])
+                for n, c in conns.items()
+            }
+            result["connect_raw_us"] = conns
     return result
 
 
@@ -889,6 +896,11 @@ def report(result: dict[str, object]) -> str:
             )
         for where, s in conns.get(name, {}).items():
             lines.append(f"  connect {where}: median {s['median']:.1f} us (n={s['n']:.0f})")
+        extra = result.get("connect_extra_us", {})
+        assert isinstance(extra, dict)
+        if name in extra:
+            e = extra[name]
+            lines.append(f"  connect probe - direct, paired: median {e['median']:.1f} us")
     return "\n".join(lines)
 
 
