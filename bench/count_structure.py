@@ -925,14 +925,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
     else:
         result = run(args.services, args.rounds, structures, args.connect_seconds)
-    result["machine"] = {
+    machine: dict[str, object] = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "kernel": os.uname().release,
         "cpus": os.cpu_count(),
         "load_before": load_before,
         "load_after": os.getloadavg()[0],
-        "argv": sys.argv[1:] if argv is None else list(argv),
     }
+    result["machine"] = machine
+    result["command"] = "python -m bench.count_structure " + " ".join(
+        sys.argv[1:] if argv is None else argv
+    )
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    machine["commit"] = commit or "unknown"
     text = json.dumps(result, indent=1)
     print(report(result) if not args.writes else text)
     if args.json:
