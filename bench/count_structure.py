@@ -645,24 +645,29 @@ import socket, struct, sys, time
 addr, seconds = sys.argv[1], float(sys.argv[2])
 linger = struct.pack("ii", 1, 0)
 n = 0; end = time.perf_counter() + seconds; start = time.perf_counter()
+cpu0 = time.process_time()
 while time.perf_counter() < end:
     c = socket.socket(); c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
     c.connect((addr, 80 if addr.startswith("10.95.") else 8080)); c.close(); n += 1
-print(1e6 * (time.perf_counter() - start) / n)
+cpu = time.process_time() - cpu0
+print(1e6 * (time.perf_counter() - start) / n, 1e6 * cpu / n)
 """
 
 PROBE_IP = "10.95.255.1"
 
 
-def connect_us(netns: str, addr: str, seconds: float) -> float:
-    """Microseconds per TCP connect (and reset) from ``netns`` to ``addr``."""
+def connect_us(netns: str, addr: str, seconds: float) -> tuple[float, float]:
+    """Microseconds per TCP connect (and reset) from ``netns`` to ``addr``: wall clock,
+    and the client's CPU time (user and system: the output hook's NAT chains run in the
+    connecting process, and CPU time moves less with other work than the clock does)."""
     out = subprocess.run(
         in_netns(netns, [sys.executable, "-c", _CLIENT, addr, str(seconds)]),
         capture_output=True,
         text=True,
         check=True,
     )
-    return float(out.stdout.strip())
+    wall, cpu = out.stdout.split()
+    return float(wall), float(cpu)
 
 
 def probe_frontend(server_ip: str) -> Frontend:
@@ -853,14 +858,16 @@ def run(
         }
         if connect_seconds > 0:
             conns: dict[str, dict[str, list[float]]] = {
-                n: {"probe": [], "direct": []} for n in built
+                n: {"probe": [], "direct": [], "probe_cpu": [], "direct_cpu": []} for n in built
             }
             for r in range(10):
                 order = list(built.items()) if r % 2 == 0 else list(reversed(built.items()))
                 for name, (_, _, ns) in order:
                     k = structures.index(name)
-                    conns[name]["probe"].append(connect_us(ns, PROBE_IP, connect_seconds))
-                    conns[name]["direct"].append(connect_us(ns, f"10.20{k}.0.2", connect_seconds))
+                    for where, addr in (("probe", PROBE_IP), ("direct", f"10.20{k}.0.2")):
+                        wall, cpu = connect_us(ns, addr, connect_seconds)
+                        conns[name][where].append(wall)
+                        conns[name][f"{where}_cpu"].append(cpu)
             result["connect_us"] = {
                 n: {w: summary(v) for w, v in c.items()} for n, c in conns.items()
             }
@@ -868,6 +875,10 @@ def run(
             # structure's walk with less of the machine's drift than either median.
             result["connect_extra_us"] = {
                 n: summary([p - d for p, d in zip(c["probe"], c["direct"], strict=True)])
+                for n, c in conns.items()
+            }
+            result["connect_extra_cpu_us"] = {
+                n: summary([p - d for p, d in zip(c["probe_cpu"], c["direct_cpu"], strict=True)])
                 for n, c in conns.items()
             }
             result["connect_raw_us"] = conns
@@ -901,6 +912,11 @@ def report(result: dict[str, object]) -> str:
         if name in extra:
             e = extra[name]
             lines.append(f"  connect probe - direct, paired: median {e['median']:.1f} us")
+        extra_cpu = result.get("connect_extra_cpu_us", {})
+        assert isinstance(extra_cpu, dict)
+        if name in extra_cpu:
+            e = extra_cpu[name]
+            lines.append(f"  connect CPU probe - direct, paired: median {e['median']:.1f} us")
     return "\n".join(lines)
 
 
