@@ -4,8 +4,10 @@ The shipped nftables structure picks an endpoint with ``numgen random mod N``, N
 constant in a rule, so a Service whose count no frontend had needs new chains (a class
 and a pick chain, a tree chain) and the kernel validates the table for them. This module
 writes tables of the realistic mix's shape (:func:`bench.synthetic.realistic_services`)
-with ``nft`` text through libnftables, into fresh namespaces, in several structures side
-by side, and times the same changes against each:
+into fresh namespaces, in several structures side by side (the skeleton as ``nft`` text
+through libnftables, the elements through the backend's netlink element writer, as the
+owned table writes them), and times the same changes against each, the structures'
+order alternating every round; then real TCP connects through the deepest count:
 
 ``shipped``
     the structure of ``kubeproxy/backends/nftables`` (README "Structure"), approximated:
@@ -35,9 +37,12 @@ Approximations (the study is about the pick, not every shape): every Service is 
 as Cluster (no shortcut families: the sketch adds two pick families per kind for them);
 no affinity; TCP only in the data (the udp and sctp maps and rules exist, empty).
 
-Run as root (the namespaces are created and always deleted)::
+Run as root (the namespaces are created and always deleted); ``bench/README.md``
+("Every count as data") has the figures and what they say::
 
-    python -m bench.count_structure --services 100000 --rounds 60
+    python -m bench.count_structure --services 100000 --rounds 60      # changes, connects
+    python -m bench.count_structure --services 100000 --writes 2       # full writes only
+    python -m bench.count_structure --structure shipped --structure data-leafmaps ...
 """
 
 from __future__ import annotations
