@@ -14,9 +14,11 @@ from hypothesis import strategies as st
 
 from kubeproxy.backends.nftables.diff import (
     add_shared,
+    add_shared_new,
     diff_firewall,
     diff_frontend,
     release_shared,
+    write_frontend,
 )
 from kubeproxy.backends.nftables.frontends import (
     AFFINITY_LOCAL_ENDPOINTS,
@@ -251,3 +253,64 @@ def test_a_full_sync_leaves_the_public_shared_sets_to_the_switch() -> None:
     add_shared(store, NAMES, counts, _plan("172.30.0.10", ("10.180.0.1",), ()), full=True)
     assert set(store.elements) == {NAMES.hairpin}
     assert counts.cluster_ips == {"172.30.0.10": 1}
+
+
+class Log:
+    """Every queued change in order, a list of additions as the additions one by one."""
+
+    def __init__(self) -> None:
+        self.changes: list[tuple[str, str, Key, tuple[str, ...], str | None]] = []
+
+    def add(
+        self, container: str, key: Key, value: tuple[str, ...] = (), comment: str | None = None
+    ) -> None:
+        self.changes.append(("add", container, key, value, comment))
+
+    def delete(self, container: str, key: Key) -> None:
+        self.changes.append(("delete", container, key, (), None))
+
+    def add_all(self, container: str, pairs: list[tuple[Key, tuple[str, ...]]]) -> None:
+        self.changes.extend(("add", container, key, value, None) for key, value in pairs)
+
+
+@pytest.mark.parametrize("tree", [True, False], ids=["tree", "rules"])
+@pytest.mark.parametrize("kind", list(Kind))
+@given(data=st.data())
+def test_a_new_frontend_is_written_as_the_diff_against_nothing_writes_it(
+    tree: bool, kind: Kind, data: st.DataObject
+) -> None:
+    plan = data.draw(frontends(kind))
+    if plan is None:
+        return
+    numbers = NUMBERS if tree else None
+    diffed, written = Log(), Log()
+    held = diff_frontend(diffed, NAMES, numbers, plan.key, None, plan)
+    assert write_frontend(written, NAMES, numbers, plan) == held
+    assert written.changes == diffed.changes
+
+
+def test_more_slots_than_the_slot_texts_are_written_in_order() -> None:
+    endpoints = tuple(f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}:80" for i in range(1500))
+    plan = Frontend(Kind.IP, IP_KEY, ClassSpec(Kind.IP, Shape.INTERNAL, 1500), endpoints)
+    diffed, written = Log(), Log()
+    diff_frontend(diffed, NAMES, NUMBERS | {plan.cls: 5}, IP_KEY, None, plan)  # type: ignore[dict-item]
+    write_frontend(written, NAMES, NUMBERS | {plan.cls: 5}, plan)  # type: ignore[dict-item]
+    assert written.changes == diffed.changes
+    assert written.changes[-1][2] == (*IP_KEY, "1499")
+
+
+def test_shared_elements_of_a_full_sync_are_counted_as_add_shared_counts_them() -> None:
+    member: Key = ("10.180.0.1", "8080")
+    plans = [
+        _plan("172.30.0.10", ("10.180.0.1",), (member,)),
+        _plan("172.30.0.10", ("10.180.0.1", "10.180.0.2"), (member,)),
+        _plan("172.30.0.11", ("10.180.0.3",), ()),
+    ]
+    one, bulk = SharedCounts(), SharedCounts()
+    by_one, by_bulk = Log(), Log()
+    for plan in plans:
+        add_shared(by_one, NAMES, one, plan, full=True)
+        add_shared_new(by_bulk, NAMES, bulk, plan)
+    assert bulk == one
+    assert by_bulk.changes == by_one.changes
+    assert len(by_bulk.changes) == 3

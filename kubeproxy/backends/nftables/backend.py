@@ -53,10 +53,12 @@ from kubeproxy.backends.nftables.claims import Claims
 from kubeproxy.backends.nftables.commits import SyncOps
 from kubeproxy.backends.nftables.diff import (
     add_shared,
+    add_shared_new,
     diff_firewall,
     diff_frontend,
     release_shared,
     restitch,
+    write_frontend,
 )
 from kubeproxy.backends.nftables.elements import ElementBatch
 from kubeproxy.backends.nftables.exec import LibNftables, NftExecutor, delete_table
@@ -532,15 +534,16 @@ class NftablesBackend:
                 model.add_class(tx, cls, self._ctx, live=False)
         model.update_tree(tx)
         ops.commit()
+        ports = model.ports
         for name, plan in plans.items():
             for fe in plan.frontends:
-                now_held = diff_frontend(ops, names, numbers, fe.key, None, fe)
-                if now_held is not None:
-                    held[fe.key] = now_held
-            diff_firewall(ops, names, {}, dict(plan.firewall), adding=True)
-            add_shared(ops, names, counts, plan, full=True)
-            self._follow_affinity(None, plan.affinity, 0.0)
-            model.ports[name] = PortState.of(plan)
+                held[fe.key] = write_frontend(ops, names, numbers, fe)
+            if plan.firewall:
+                diff_firewall(ops, names, {}, dict(plan.firewall), adding=True)
+            add_shared_new(ops, names, counts, plan)
+            if plan.affinity is not None:
+                self._follow_affinity(None, plan.affinity, 0.0)
+            ports[name] = PortState.of(plan)
             ops.cut()
         ops.commit(last=True)
         switch = self._new_transaction()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sized
 
-from kubeproxy.backends.nftables.elements import ElementBatch
+from kubeproxy.backends.nftables.elements import ElementBatch, GroupedAdds, GroupedDeletes
 from kubeproxy.backends.nftables.objects import Family
 from kubeproxy.backends.nftables.table import TABLE, Key
 from kubeproxy.backends.nftables.transaction import Transaction
@@ -101,6 +101,18 @@ class SyncOps:
                 self._text_comments.setdefault(container, {})[key] = comment
         self._count += 1
 
+    def add_all(self, container: str, pairs: list[tuple[Key, tuple[str, ...]]]) -> None:
+        """Queue the additions ``(key, value)`` to ``container``, without comments (as
+        :meth:`add` one by one: a frontend's slots, a port's hairpin elements on a full
+        sync, in one call each)."""
+        target = self._adds if container in self._types else self._text_adds
+        queued = target.get(container)
+        if queued is None:
+            target[container] = pairs
+        else:
+            queued.extend(pairs)
+        self._count += len(pairs)
+
     def cut(self) -> None:
         """Commit if the budget is spent (call between frontends only)."""
         if self._count >= self._budget:
@@ -139,8 +151,8 @@ class SyncOps:
             tx.family,
             tx.table,
             self._types,
-            [(c, k) for c, keys in deletes.items() for k in keys],
-            [(c, k, v) for c, items in adds.items() for k, v in items],
+            GroupedDeletes(deletes),
+            GroupedAdds(adds),
             comments or None,
         )
         if len(batch):
