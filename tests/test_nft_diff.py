@@ -291,10 +291,12 @@ def test_a_new_frontend_is_written_as_the_diff_against_nothing_writes_it(
 
 def test_more_slots_than_the_slot_texts_are_written_in_order() -> None:
     endpoints = tuple(f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}:80" for i in range(1500))
-    plan = Frontend(Kind.IP, IP_KEY, ClassSpec(Kind.IP, Shape.INTERNAL, 1500), endpoints)
+    cls = ClassSpec(Kind.IP, Shape.INTERNAL, 1500)
+    plan = Frontend(Kind.IP, IP_KEY, cls, endpoints)
+    numbers = {**NUMBERS, cls: 5}
     diffed, written = Log(), Log()
-    diff_frontend(diffed, NAMES, NUMBERS | {plan.cls: 5}, IP_KEY, None, plan)  # type: ignore[dict-item]
-    write_frontend(written, NAMES, NUMBERS | {plan.cls: 5}, plan)  # type: ignore[dict-item]
+    diff_frontend(diffed, NAMES, numbers, IP_KEY, None, plan)
+    write_frontend(written, NAMES, numbers, plan)
     assert written.changes == diffed.changes
     assert written.changes[-1][2] == (*IP_KEY, "1499")
 
