@@ -12,6 +12,7 @@ them in bounded transactions); these functions only say which.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Iterable, Mapping
 from typing import Protocol
 
@@ -252,13 +253,21 @@ def write_frontend(
     return HeldFrontend(fe, fe.endpoints, fe.shortcut)
 
 
+_SPLIT_PORT = operator.methodcaller("rpartition", ":")
+
+
 def _write_slots(sink: BulkSink, container: str, key: Key, endpoints: tuple[str, ...]) -> None:
     texts: Iterable[str] = _SLOT_TEXTS
     if len(endpoints) > len(_SLOT_TEXTS):
         texts = map(_slot_text, itertools.count())
+    if endpoints[0].startswith("["):  # IPv6: every endpoint of a frontend is
+        values: Iterable[Key] = map(endpoint_value, endpoints)
+    else:
+        # IPv4: endpoint_value without a call per endpoint (the split is C's).
+        values = [(host, port) for host, _colon, port in map(_SPLIT_PORT, endpoints)]
     sink.add_all(
         container,
-        [((*key, text), endpoint_value(ep)) for text, ep in zip(texts, endpoints, strict=False)],
+        [((*key, text), value) for text, value in zip(texts, values, strict=False)],
     )
 
 
