@@ -8,6 +8,8 @@ elements a fresh diff of the last plan writes, and never adds or deletes blindly
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -256,10 +258,12 @@ def test_a_full_sync_leaves_the_public_shared_sets_to_the_switch() -> None:
 
 
 class Log:
-    """Every queued change in order, a list of additions as the additions one by one."""
+    """Every queued change in order, a list of additions as the additions one by one
+    (encoded ones, for the containers of ``types``, read back as text)."""
 
-    def __init__(self) -> None:
+    def __init__(self, types: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] | None = None):
         self.changes: list[tuple[str, str, Key, tuple[str, ...], str | None]] = []
+        self.types = types or {}
 
     def add(
         self, container: str, key: Key, value: tuple[str, ...] = (), comment: str | None = None
@@ -269,8 +273,25 @@ class Log:
     def delete(self, container: str, key: Key) -> None:
         self.changes.append(("delete", container, key, (), None))
 
-    def add_all(self, container: str, pairs: list[tuple[Key, tuple[str, ...]]]) -> None:
+    def add_all(self, container: str, pairs: Sequence[tuple[Key, tuple[str, ...]]]) -> None:
         self.changes.extend(("add", container, key, value, None) for key, value in pairs)
+
+
+def _encoded_types() -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+    """The netlink types of every slots map and the hairpin set of generation 3."""
+    types: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+        NAMES.hairpin: (("ipv4_addr", "ipv4_addr"), ())
+    }
+    for kind, key in (
+        (Kind.IP, ("ipv4_addr", "inet_proto", "inet_service")),
+        (Kind.NODEPORT, ("inet_proto", "inet_service")),
+    ):
+        for shortcut in (False, True):
+            for proto in ("tcp", "udp"):
+                for count in range(1, 13):
+                    name = NAMES.slots(kind, shortcut, proto, count)
+                    types[name] = ((*key, "integer"), ("ipv4_addr", "inet_service"))
+    return types
 
 
 @pytest.mark.parametrize("tree", [True, False], ids=["tree", "rules"])
@@ -283,10 +304,12 @@ def test_a_new_frontend_is_written_as_the_diff_against_nothing_writes_it(
     if plan is None:
         return
     numbers = NUMBERS if tree else None
-    diffed, written = Log(), Log()
+    diffed, written, encoded = Log(), Log(), Log(_encoded_types())
     held = diff_frontend(diffed, NAMES, numbers, plan.key, None, plan)
     assert write_frontend(written, NAMES, numbers, plan) == held
+    assert write_frontend(encoded, NAMES, numbers, plan) == held
     assert written.changes == diffed.changes
+    assert encoded.changes == diffed.changes
 
 
 def test_more_slots_than_the_slot_texts_are_written_in_order() -> None:
@@ -308,11 +331,12 @@ def test_shared_elements_of_a_full_sync_are_counted_as_add_shared_counts_them() 
         _plan("172.30.0.10", ("10.180.0.1", "10.180.0.2"), (member,)),
         _plan("172.30.0.11", ("10.180.0.3",), ()),
     ]
-    one, bulk = SharedCounts(), SharedCounts()
-    by_one, by_bulk = Log(), Log()
+    one, bulk, packed = SharedCounts(), SharedCounts(), SharedCounts()
+    by_one, by_bulk, by_packed = Log(), Log(), Log(_encoded_types())
     for plan in plans:
         add_shared(by_one, NAMES, one, plan, full=True)
         add_shared_new(by_bulk, NAMES, bulk, plan)
-    assert bulk == one
-    assert by_bulk.changes == by_one.changes
+        add_shared_new(by_packed, NAMES, packed, plan)
+    assert bulk == one == packed
+    assert by_bulk.changes == by_one.changes == by_packed.changes
     assert len(by_bulk.changes) == 3

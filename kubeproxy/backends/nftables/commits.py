@@ -8,9 +8,14 @@ adds.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sized
+from collections.abc import Callable, Mapping, Sequence, Sized
 
-from kubeproxy.backends.nftables.elements import ElementBatch, GroupedAdds, GroupedDeletes
+from kubeproxy.backends.nftables.elements import (
+    ElementBatch,
+    EncodedPairs,
+    GroupedAdds,
+    GroupedDeletes,
+)
 from kubeproxy.backends.nftables.objects import Family
 from kubeproxy.backends.nftables.table import TABLE, Key
 from kubeproxy.backends.nftables.transaction import Transaction
@@ -60,9 +65,9 @@ class SyncOps:
         self._types = types
         self.tx = self.new_transaction()
         self._deletes: dict[str, list[Key]] = {}
-        self._adds: dict[str, list[tuple[Key, tuple[str, ...]]]] = {}
+        self._adds: dict[str, Sequence[tuple[Key, tuple[str, ...]]]] = {}
         self._text_deletes: dict[str, list[Key]] = {}
-        self._text_adds: dict[str, list[tuple[Key, tuple[str, ...]]]] = {}
+        self._text_adds: dict[str, Sequence[tuple[Key, tuple[str, ...]]]] = {}
         self._keep_comments = comments
         self._comments: dict[tuple[str, Key], str] = {}
         self._text_comments: dict[str, dict[Key, str]] = {}
@@ -71,6 +76,11 @@ class SyncOps:
         self.transactions = 0
         self.elements: dict[str, list[int]] = {}
         """``[added, deleted]`` by container, of what was committed."""
+
+    @property
+    def types(self) -> Mapping[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+        """The element types of the containers whose elements go over netlink."""
+        return self._types
 
     def new_transaction(self) -> Transaction:
         """An empty transaction of our table in this family."""
@@ -93,7 +103,13 @@ class SyncOps:
         ``container``."""
         netlink = container in self._types
         target = self._adds if netlink else self._text_adds
-        target.setdefault(container, []).append((key, value))
+        queued = target.get(container)
+        if queued is None:
+            target[container] = [(key, value)]
+        elif isinstance(queued, list):
+            queued.append((key, value))
+        else:
+            target[container] = [*queued, (key, value)]  # encoded ones read as text
         if comment is not None and self._keep_comments:
             if netlink:
                 self._comments[container, key] = comment
@@ -101,16 +117,27 @@ class SyncOps:
                 self._text_comments.setdefault(container, {})[key] = comment
         self._count += 1
 
-    def add_all(self, container: str, pairs: list[tuple[Key, tuple[str, ...]]]) -> None:
+    def add_all(self, container: str, pairs: Sequence[tuple[Key, tuple[str, ...]]]) -> None:
         """Queue the additions ``(key, value)`` to ``container``, without comments (as
         :meth:`add` one by one: a frontend's slots, a port's hairpin elements on a full
-        sync, in one call each)."""
+        sync, in one call each). ``pairs`` (a list, or :class:`EncodedPairs` the encoder
+        sends as they are) is the queue's from then on. Encoded and text additions to
+        one container (which no sync makes) are queued as text, so a bad element is
+        refused at the commit as ever."""
         target = self._adds if container in self._types else self._text_adds
         queued = target.get(container)
         if queued is None:
-            target[container] = pairs
-        else:
+            target[container] = pairs if isinstance(pairs, (list, EncodedPairs)) else list(pairs)
+        elif (
+            isinstance(queued, EncodedPairs)
+            and isinstance(pairs, EncodedPairs)
+            and queued.types == pairs.types
+        ):
+            queued.elements.extend(pairs.elements)
+        elif isinstance(queued, list):
             queued.extend(pairs)
+        else:
+            target[container] = [*queued, *pairs]
         self._count += len(pairs)
 
     def cut(self) -> None:

@@ -38,8 +38,10 @@ from kubeproxy.backends.nftables.objects import Family, NftError, validate_name
 
 __all__ = [
     "COMMENT_MAX",
+    "ContainerTypes",
     "ElementBatch",
     "ElementWriter",
+    "EncodedPairs",
     "GroupedAdds",
     "GroupedDeletes",
     "comment_userdata",
@@ -48,6 +50,8 @@ __all__ = [
     "element_encoder",
     "element_frames",
     "encode_part",
+    "pair_elements",
+    "slot_elements",
     "supports",
     "with_comment",
 ]
@@ -325,7 +329,7 @@ class _Codec:
     them, :func:`element_encoder`'s ``dumped``).
     """
 
-    __slots__ = ("element", "many", "size")
+    __slots__ = ("element", "heads", "key_parts", "many", "size", "value_parts")
 
     def __init__(
         self,
@@ -346,8 +350,13 @@ class _Codec:
         # With a value (additions to a map), and without (set elements, deletions).
         head = nlmsg.ATTR.pack(self.size, list_elem) + key_head
         head_key = nlmsg.ATTR.pack(4 + key_nest, list_elem) + key_head
-        key = _packer([_part_encoder(t) for t in key_types])
-        value = _packer([_part_encoder(t) for t in value_types]) if value_types else None
+        self.key_parts = [_part_encoder(t) for t in key_types]
+        self.value_parts = [_part_encoder(t) for t in value_types]
+        self.heads = (head, head_key, middle)
+        """What comes before the key (with a value, and without), and between key and
+        value (see :func:`slot_elements`)."""
+        key = _packer(self.key_parts)
+        value = _packer(self.value_parts) if value_types else None
         self.element: Callable[[Key, Key], bytes] = _element_encoder(
             head, head_key, middle, key, value
         )
@@ -360,6 +369,16 @@ class _Codec:
         """The elements of a list of pairs, as :attr:`element` encodes each (its second
         argument: every value is empty, as in deletions and set elements; the first
         element that :attr:`element` refuses raises its :class:`ValueError`)."""
+
+    def key_prefix(self, parts: Key) -> bytes:
+        """The first ``len(parts)`` parts of a key, packed (raises :class:`ValueError`
+        for a part that is not of its type)."""
+        try:
+            return b"".join(
+                encode(part) for encode, part in zip(self.key_parts, parts, strict=False)
+            )
+        except OSError as err:
+            raise ValueError(str(err)) from None
 
     def valid(self, key: Key, value: Key) -> bool:
         """Whether :meth:`element` takes this key and value."""
@@ -388,6 +407,105 @@ def element_encoder(
     for ``NLA_F_NESTED``, which the kernel does not set on what it sends (``kubeproxy
     verify`` compares the big containers as sets of these, without decoding them)."""
     return _codec(key_types, value_types, 0 if dumped else nlmsg.NLA_F_NESTED).element
+
+
+ContainerTypes = tuple[tuple[str, ...], tuple[str, ...]]
+"""A container's key types and value types (empty for a set)."""
+
+
+class EncodedPairs(Sequence[tuple[Key, Key]]):
+    """Additions to one container already encoded (each its ``NFTA_LIST_ELEM``
+    attribute, as :func:`element_encoder` encodes it), read as the ``(key, value)``
+    text pairs they stand for (decoded when read: by the fake, a dry run, or an error
+    that names one). The encoder sends the bytes as they are. Made by
+    :func:`slot_elements` and :func:`pair_elements`."""
+
+    __slots__ = ("elements", "types")
+
+    def __init__(self, elements: list[bytes], types: ContainerTypes) -> None:
+        self.elements = elements
+        self.types = types
+
+    def __len__(self) -> int:
+        return len(self.elements)
+
+    @overload
+    def __getitem__(self, index: int) -> tuple[Key, Key]: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[tuple[Key, Key]]: ...
+    def __getitem__(self, index: int | slice) -> tuple[Key, Key] | Sequence[tuple[Key, Key]]:
+        if isinstance(index, slice):
+            return EncodedPairs(self.elements[index], self.types)
+        wrapped = nlmsg.attr(_NFTA_SET_ELEM_LIST_ELEMENTS, self.elements[index])
+        return next(_elements(wrapped, 0, len(wrapped), self.types))
+
+    def extend(self, pairs: Sequence[tuple[Key, Key]]) -> None:
+        """Add more pairs: encoded ones as they are, text ones encoded now (raises
+        :class:`ValueError` for a part that is not of its type)."""
+        if isinstance(pairs, EncodedPairs):
+            self.elements.extend(pairs.elements)
+        else:
+            self.elements.extend(_codec(*self.types).many(pairs, False))
+
+
+_SLOT_NUMBERS = [struct.pack("=I", number) for number in range(1024)]
+_SPLIT_PORT = operator.methodcaller("rpartition", ":")
+
+
+def slot_elements(types: ContainerTypes, key: Key, endpoints: Sequence[str]) -> EncodedPairs:
+    """The elements ``key . i : address . port`` of a slots map for ``endpoints`` (each
+    ``address:port``, an IPv6 address in brackets), slot ``i`` holding ``endpoints[i]``:
+    what :func:`element_encoder` makes of each, the head and the key's parts packed
+    once for them all (raises :class:`ValueError` for a part that is not of its type).
+
+    Why: every endpoint of every frontend of a full sync is one of these; packed this
+    way, 10k frontends x 10 endpoints took 1.9 us an element against 3.3 us as text
+    tuples queued and then packed (``timeit``, best of 5, the shared machine under load;
+    the same bytes out, ``tests/test_nft_sync_bytes.py``)."""
+    key_types, value_types = types
+    if len(key_types) != len(key) + 1 or key_types[-1] != "integer" or len(value_types) != 2:
+        raise ValueError(f"{types} are not a slots map's types")
+    codec = _codec(*types)
+    head, _head_key, middle = codec.heads
+    prefix = head + codec.key_prefix(key)
+    address, port = codec.value_parts
+    numbers: Sequence[bytes] = _SLOT_NUMBERS
+    if len(endpoints) > len(numbers):
+        numbers = [struct.pack("=I", number) for number in range(len(endpoints))]
+    try:
+        if endpoints and endpoints[0].startswith("["):
+            elements = [
+                prefix + number + middle + address(host[1:-1]) + port(text)
+                for number, (host, _colon, text) in zip(
+                    numbers, map(_SPLIT_PORT, endpoints), strict=False
+                )
+            ]
+        else:
+            elements = [
+                prefix + number + middle + address(host) + port(text)
+                for number, (host, _colon, text) in zip(
+                    numbers, map(_SPLIT_PORT, endpoints), strict=False
+                )
+            ]
+    except OSError as err:  # inet_pton: not an address
+        raise ValueError(str(err)) from None
+    return EncodedPairs(elements, types)
+
+
+def pair_elements(types: ContainerTypes, hosts: Sequence[str]) -> EncodedPairs:
+    """The elements ``host . host`` of a set of two addresses (the hairpin set), each
+    address packed once (raises :class:`ValueError` for text that is not an address of
+    the set's type). Why: with :func:`slot_elements`, the other per-endpoint element of
+    a full sync; packed here, an address is packed once, not twice."""
+    key_types, value_types = types
+    if len(key_types) != 2 or key_types[0] != key_types[1] or value_types:
+        raise ValueError(f"{types} are not a set of address pairs")
+    codec = _codec(*types)
+    head_key, address = codec.heads[1], codec.key_parts[0]
+    try:
+        return EncodedPairs([head_key + packed + packed for packed in map(address, hosts)], types)
+    except OSError as err:
+        raise ValueError(str(err)) from None
 
 
 class GroupedDeletes(Sequence[tuple[str, Key]]):
@@ -681,15 +799,19 @@ def _encode(
     per_message = max(1, nlmsg.MESSAGE_BYTES // size)
     frames: list[Frame] = []
     first = nlmsg.HEADER.size + nlmsg.NFGEN.size + len(head) + nlmsg.ATTR.size
+    encoded = isinstance(pairs, EncodedPairs) and pairs.types == types
     for start in range(0, len(pairs), per_message):
         chunk = pairs[start : start + per_message]
-        try:
-            elements = codec.many(chunk, deleting)
-        except ValueError as err:
-            bad = next(k for k, v in chunk if not codec.valid(k, v))
-            raise NftError(
-                f"element {' . '.join(bad)} of {container}: {err}", _errno.EINVAL
-            ) from None
+        if encoded and isinstance(chunk, EncodedPairs):
+            elements = chunk.elements  # packed when queued (slot_elements, pair_elements)
+        else:
+            try:
+                elements = codec.many(chunk, deleting)
+            except ValueError as err:
+                bad = next(k for k, v in chunk if not codec.valid(k, v))
+                raise NftError(
+                    f"element {' . '.join(bad)} of {container}: {err}", _errno.EINVAL
+                ) from None
         offsets: Sequence[int]
         if comments:
             elements = _commented(elements, chunk, container, comments)
