@@ -646,9 +646,14 @@ class NftablesBackend:
             for fe in plan.frontends if plan is not None else ():
                 new[fe.key] = fe
         for key in sorted(old.keys() | new.keys()):
-            now_held = diff_frontend(ops, names, numbers, key, old.get(key), new.get(key))
-            if now_held is not None:
-                held[key] = now_held
+            was, planned = old.get(key), new.get(key)
+            if was is None and planned is not None:
+                # A frontend the kernel lacks (a new Service's): its slots packed at once.
+                held[key] = write_frontend(ops, names, numbers, planned)
+            else:
+                now_held = diff_frontend(ops, names, numbers, key, was, planned)
+                if now_held is not None:
+                    held[key] = now_held
             ops.cut()
         for name, plan in plans.items():
             state = old_states.get(name)

@@ -368,7 +368,9 @@ def _port_text(port: int) -> str:
 
 
 def _keys(endpoints: tuple[Endpoint, ...]) -> tuple[str, ...]:
-    return tuple(sorted(ep.key for ep in endpoints))
+    keys = [ep.key for ep in endpoints]  # a list comprehension: no generator per port
+    keys.sort()
+    return tuple(keys)
 
 
 def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) -> PortPlan:
@@ -467,7 +469,7 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
     # none of them local, this costs 0.4 s of a 5 s cold sync. The endpoint's own address
     # text: one string per endpoint, however many ports share it (the parser's, shared
     # with every port's copy of the endpoint), no second copy split from the key.
-    hairpin = tuple(dict.fromkeys(ep.address for ep in eps.all_reachable))
+    hairpin = tuple(dict.fromkeys([ep.address for ep in eps.all_reachable]))
     return PortPlan(
         tuple(frontends),
         tuple(firewall),
