@@ -32,7 +32,12 @@ from bench.synthetic import build_services, realistic_services
 from kubeproxy.backends.nftables import NftablesBackend
 from kubeproxy.backends.nftables.batchencoder import encode_transaction
 from kubeproxy.backends.nftables.declarations import Declaration
-from kubeproxy.backends.nftables.elements import ElementBatch, element_frames
+from kubeproxy.backends.nftables.elements import (
+    ElementBatch,
+    EncodedPairs,
+    GroupedAdds,
+    element_frames,
+)
 from kubeproxy.backends.nftables.fake import FakeNft
 from kubeproxy.backends.nftables.objects import Family, NftError
 from kubeproxy.backends.nftables.table import TABLE
@@ -50,6 +55,8 @@ class RecordingNft(FakeNft):
         self.messages: list[tuple[int, int, bytes]] = []
         self._declared: dict[Family, dict[str, Declaration]] = {}
         self._as_elements = False
+        self.packed = 0
+        """Element lists that came packed (``EncodedPairs``)."""
 
     def _declaration(self, family: Family) -> Callable[[str], Declaration]:
         known = self._declared.setdefault(family, {})
@@ -79,6 +86,9 @@ class RecordingNft(FakeNft):
         """Record ``batch`` as the element writer encodes it, then apply it."""
         if len(batch):
             self.messages.extend((f.kind, f.flags, f.body) for f in element_frames(batch))
+            if isinstance(batch.adds, GroupedAdds):
+                groups = batch.adds.groups.values()
+                self.packed += sum(isinstance(pairs, EncodedPairs) for pairs in groups)
         self._as_elements = True
         try:
             super().write_elements(batch)
@@ -96,30 +106,32 @@ class RecordingNft(FakeNft):
         return f"{digest.hexdigest()} {count} messages"
 
 
-def _backend(fake: FakeNft, family: IPFamily) -> NftablesBackend:
+def _backend(fake: FakeNft, family: IPFamily, packed: bool = True) -> NftablesBackend:
     return NftablesBackend(
         family,
         bench_config(),
         executor=fake,
         support_check=False,
         elements_per_transaction=700,
+        packed_elements=packed,  # as over netlink (the fake alone would take text)
     )
 
 
-def _steps(mix: str) -> dict[str, str]:
-    """Each step of one small cluster's life and the digest of what it sent."""
-    fake = RecordingNft()
+def _steps(mix: str, packed: bool = True, fake: RecordingNft | None = None) -> dict[str, str]:
+    """Each step of one small cluster's life and the digest of what it sent (elements
+    packed as queued, or not)."""
+    fake = fake or RecordingNft()
     if mix == "uniform":
         services = build_services(60, 10, affinity_seconds=0)
-        proxy = BenchProxy(services, _backend(fake, IPFamily.IPV4))
+        proxy = BenchProxy(services, _backend(fake, IPFamily.IPV4, packed))
     elif mix == "affinity":
         services = build_services(40, 3, affinity_seconds=10800)
-        proxy = BenchProxy(services, _backend(fake, IPFamily.IPV4))
+        proxy = BenchProxy(services, _backend(fake, IPFamily.IPV4, packed))
     else:
         proxy = BenchProxy(
             realistic_services(150),
-            _backend(fake, IPFamily.IPV4),
-            backend6=_backend(fake, IPFamily.IPV6),
+            _backend(fake, IPFamily.IPV4, packed),
+            backend6=_backend(fake, IPFamily.IPV6, packed),
             realistic=True,
         )
     out: dict[str, str] = {}
@@ -143,10 +155,13 @@ def _steps(mix: str) -> dict[str, str]:
 MIXES = ("uniform", "affinity", "realistic")
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "text"])
 @pytest.mark.parametrize("mix", MIXES)
-def test_sync_sends_the_recorded_bytes(mix: str) -> None:
+def test_sync_sends_the_recorded_bytes(mix: str, packed: bool) -> None:
     golden = json.loads(GOLDEN.read_text())
-    assert _steps(mix) == golden[mix]
+    fake = RecordingNft()
+    assert _steps(mix, packed, fake) == golden[mix]
+    assert (fake.packed > 0) == packed
 
 
 def test_recorder_sees_a_change_of_bytes() -> None:

@@ -167,6 +167,12 @@ class NftablesBackend:
     (:func:`~kubeproxy.backends.nftables.layout.precreated_classes`), so a Service
     reaching such a count is element changes only; measured against the default in the
     package README ("A never-seen endpoint count": every commit pays for the chains).
+    ``packed_elements``: a full sync's slots and hairpin pairs (and a new frontend's
+    slots) are packed into netlink bytes as they are queued (:func:`.elements.slot_elements`);
+    None, the default, does so when the executor sends elements over netlink
+    (:class:`~.owner.OwnedNftables`, :class:`~.exec.LibNftables` with its netlink
+    elements), not for executors that read elements as text (the fake, the written-table
+    model of ``kubeproxy verify``), which would decode each one.
     """
 
     def __init__(
@@ -185,6 +191,7 @@ class NftablesBackend:
         affinity: str = AFFINITY_SHARED,
         affinity_size: int | None = None,
         precreate_counts: int = 0,
+        packed_elements: bool | None = None,
     ) -> None:
         if elements_per_transaction < 1:
             raise ValueError("elements_per_transaction must be at least 1")
@@ -199,6 +206,11 @@ class NftablesBackend:
         if precreate_counts < 0 or (precreate_counts and self._dispatch != DISPATCH_TREE):
             raise ValueError("precreate_counts needs the tree dispatch and a count >= 0")
         self._precreated = precreated_classes(precreate_counts)
+        if packed_elements is None:
+            packed_elements = isinstance(executor, OwnedNftables) or (
+                isinstance(executor, LibNftables) and executor.netlink_elements
+            )
+        self._packed = packed_elements
         self._family = family
         self._nft_family = _FAMILIES[family]
         self._tokens: FamilyTokens = tokens_for(family)
@@ -412,6 +424,7 @@ class NftablesBackend:
             budget=self.elements_per_transaction,
             text_last=text_last,
             comments=self.element_names,
+            packed=self._packed,
         )
 
     def _map_live(self, name: str) -> bool:

@@ -36,7 +36,8 @@ class SyncOps:
     (deletions first: a rewritten slot is a delete and an add), then the remaining text
     deletions. So a frontend's firewall elements are in before the batch that dispatches
     it, and out only after the batch that stops dispatching it; affinity verdicts
-    likewise. :meth:`cut` commits once ``budget`` changes are queued; callers call it only
+    likewise. ``packed``: additions may come packed (see :attr:`types`). :meth:`cut`
+    commits once ``budget`` changes are queued; callers call it only
     between frontends, so one frontend's netlink changes are always in one transaction.
     :attr:`operations` and :attr:`transactions` count what was committed;
     :attr:`elements` the element additions and deletions committed per container (tallied
@@ -53,6 +54,7 @@ class SyncOps:
         budget: int,
         text_last: bool = False,
         comments: bool = True,
+        packed: bool = True,
     ) -> None:
         self._family = family
         self._run_tx = run
@@ -63,6 +65,9 @@ class SyncOps:
         # took 6 s of a 30k-Service cold sync of the realistic mix).
         self._text_last = text_last
         self._types = types
+        # Additions packed as queued only where they go to the kernel as bytes: the fake
+        # and the written-table model read elements as text, and would decode each one.
+        self._packed_types = types if packed else {}
         self.tx = self.new_transaction()
         self._deletes: dict[str, list[Key]] = {}
         self._adds: dict[str, Sequence[tuple[Key, tuple[str, ...]]]] = {}
@@ -79,8 +84,10 @@ class SyncOps:
 
     @property
     def types(self) -> Mapping[str, tuple[tuple[str, ...], tuple[str, ...]]]:
-        """The element types of the containers whose elements go over netlink."""
-        return self._types
+        """The element types of the containers whose additions may be queued packed
+        (:class:`~.elements.EncodedPairs`): those whose elements go over netlink, none
+        when the executor reads them as text (``packed`` False)."""
+        return self._packed_types
 
     def new_transaction(self) -> Transaction:
         """An empty transaction of our table in this family."""
