@@ -40,7 +40,15 @@ from bench.memory import RESULTS_DIR, time_v
 from bench.netns import in_netns, namespace
 from bench.report import write_document
 
-__all__ = ["Checkout", "binary_argv", "checkout", "main", "traced_argv"]
+__all__ = [
+    "Checkout",
+    "binary_argv",
+    "checkout",
+    "checkouts_parser",
+    "main",
+    "traced_argv",
+    "write_runs",
+]
 
 KIND: Final = "memory-compare"
 _MB = 1024 * 1024
@@ -58,6 +66,16 @@ class Checkout:
     def env(self) -> dict[str, str]:
         """The environment its processes run with: its root first on ``PYTHONPATH``."""
         return {**os.environ, "PYTHONPATH": str(self.root)}
+
+    def run(self, argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
+        """``argv`` run with :meth:`env`, from the root, its output captured; raises
+        ``RuntimeError`` with the end of its stderr when it fails."""
+        done = subprocess.run(
+            argv, capture_output=True, text=True, check=False, env=self.env(), cwd=self.root
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{self.label}: {' '.join(argv[:4])}...: {done.stderr[-2000:]}")
+        return done
 
 
 def checkout(text: str) -> Checkout:
@@ -93,17 +111,7 @@ def traced_argv(subject: Checkout, out: Path, flags: Sequence[str]) -> list[str]
 
 def _run(subject: Checkout, argv: list[str]) -> subprocess.CompletedProcess[str]:
     with namespace("cmp") as netns:
-        done = subprocess.run(
-            in_netns(netns, argv),
-            capture_output=True,
-            text=True,
-            check=False,
-            env=subject.env(),
-            cwd=subject.root,
-        )
-    if done.returncode != 0:
-        raise RuntimeError(f"{subject.label}: {' '.join(argv[:4])}...: {done.stderr[-2000:]}")
-    return done
+        return subject.run(in_netns(netns, argv))
 
 
 def measure(
@@ -157,21 +165,23 @@ def _line(services: int, run: dict[str, Any]) -> str:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """The command line (see the module)."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m bench.memory_compare", description=__doc__)
+def checkouts_parser(prog: str, description: str | None, services: int) -> argparse.ArgumentParser:
+    """The command line of a side-by-side benchmark: checkouts (:func:`checkout`),
+    ``--services`` (``services`` by default), ``--endpoints``, ``--rounds``, ``--results``."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("checkouts", nargs="+", type=checkout, metavar="LABEL=ROOT[:PYTHON]")
-    parser.add_argument("--services", type=int, default=100_000)
+    parser.add_argument("--services", type=int, default=services)
     parser.add_argument("--endpoints", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--traced", action="store_true")
     parser.add_argument("--results", type=Path, default=RESULTS_DIR)
-    options = parser.parse_args(args)
-    load = os.getloadavg()[0]
-    runs = measure(
-        options.checkouts, options.services, options.endpoints, options.rounds, options.traced
-    )
+    return parser
+
+
+def write_runs(
+    options: argparse.Namespace, kind: str, command: str, load: float, runs: list[dict[str, Any]]
+) -> Path:
+    """The results document of a side-by-side benchmark's ``runs`` (see
+    :func:`checkouts_parser` for ``options``; ``load`` the load average before)."""
     fields = {
         "services": options.services,
         "endpoints": options.endpoints,
@@ -179,8 +189,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         "load_after": os.getloadavg()[0],
         "runs": runs,
     }
-    command = "python -m bench.memory_compare " + " ".join(args)
-    path, _document = write_document(options.results, KIND, command, fields)
+    path, _document = write_document(options.results, kind, command, fields)
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line (see the module)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    parser = checkouts_parser("python -m bench.memory_compare", __doc__, 100_000)
+    parser.add_argument("--traced", action="store_true")
+    options = parser.parse_args(args)
+    load = os.getloadavg()[0]
+    runs = measure(
+        options.checkouts, options.services, options.endpoints, options.rounds, options.traced
+    )
+    path = write_runs(options, KIND, "python -m bench.memory_compare " + " ".join(args), load, runs)
     for run in runs:
         print(_line(options.services, run))
     print(f"written: {path}")

@@ -163,6 +163,16 @@ def _alone(
     return {ServicePortName(service, port_name, protocol): endpoints}
 
 
+def _merged_alone(
+    service: NamespacedName, held: _Slices | None
+) -> dict[ServicePortName, tuple[Endpoint, ...]] | None:
+    """The merge of a Service's applied slices when it is its only slice's own endpoint
+    tuple (:func:`_alone`); None otherwise."""
+    if isinstance(held, ParsedEndpointSlice) and len(held.ports) == 1:
+        return _alone(service, held)
+    return None
+
+
 def _parse_trigger_time(value: object) -> float | None:
     if not isinstance(value, str):
         return None
@@ -234,7 +244,9 @@ class EndpointsChangeTracker:
         self._pending: dict[NamespacedName, dict[str, ParsedEndpointSlice | None]] = {}
         self._pending_slices = 0
         self._trigger_times: dict[NamespacedName, list[float]] = {}
-        # The merged form of `_applied`, so a change needs to merge only the new state.
+        # The merged form of `_applied`, so a change needs to merge only the new state;
+        # not for a Service whose merge is its only slice's own tuple (_merged_alone),
+        # the usual one: that is found again from the slice (15 MB at 100k Services).
         self._merged: dict[NamespacedName, _MergedPorts] = {}
 
     @property
@@ -360,14 +372,20 @@ class EndpointsChangeTracker:
         self,
     ) -> tuple[dict[NamespacedName, _ServiceChange], dict[NamespacedName, list[float]]]:
         # Folding pending into applied happens under the lock: update() compares new
-        # content with the applied one, and must not see a half-folded state.
-        applied_now: dict[NamespacedName, list[ParsedEndpointSlice]] = {}
+        # content with the applied one, and must not see a half-folded state. Each
+        # Service's slices before and after are noted in one list, so that the merge
+        # below looks nothing up again by Service (a NamespacedName's hash is a Python
+        # call).
+        folded: list[
+            tuple[NamespacedName, _Slices | None, _Slices | None, list[ParsedEndpointSlice]]
+        ] = []
         with self._lock:
             pending, self._pending = self._pending, {}
             self._pending_slices = 0
             trigger_times, self._trigger_times = self._trigger_times, {}
             for service, slices in pending.items():
-                applied = _slices_by_name(self._applied.get(service))
+                held = self._applied.get(service)
+                applied = _slices_by_name(held)
                 for name, parsed in slices.items():
                     if parsed is None:
                         applied.pop(name, None)
@@ -375,17 +393,27 @@ class EndpointsChangeTracker:
                         applied[name] = parsed
                 if not applied:
                     self._applied.pop(service, None)
+                    folded.append((service, held, None, []))
                     continue
-                applied_now[service] = [applied[n] for n in sorted(applied)]
-                self._applied[service] = applied_now[service][0] if len(applied) == 1 else applied
+                ordered = [applied[n] for n in sorted(applied)]
+                now = ordered[0] if len(applied) == 1 else applied
+                self._applied[service] = now
+                folded.append((service, held, now, ordered))
         changes: dict[NamespacedName, _ServiceChange] = {}
-        for service in pending:
-            merged = self._merged.pop(service, None)
-            previous = dict(merged) if merged else _NO_ENDPOINTS
-            slices_now = applied_now.get(service)
-            current = merge_endpoint_slices(service, slices_now) if slices_now else {}
-            if current:
-                self._merged[service] = tuple(current.items())
+        merged_by_service = self._merged
+        for service, before, after, slices_now in folded:
+            merged = merged_by_service.pop(service, None) if merged_by_service else None
+            if merged is not None:
+                previous: Mapping[ServicePortName, tuple[Endpoint, ...]] = dict(merged)
+            else:
+                previous = _merged_alone(service, before) or _NO_ENDPOINTS
+            alone = _merged_alone(service, after)
+            if alone is not None:
+                current = alone
+            else:
+                current = merge_endpoint_slices(service, slices_now) if slices_now else {}
+                if current:
+                    merged_by_service[service] = tuple(current.items())
             changes[service] = _ServiceChange(previous, current)
         return changes, trigger_times
 

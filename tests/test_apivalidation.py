@@ -20,9 +20,12 @@ from kubeproxy.objects import IPFamily
 from kubeproxy.parse import parse_ip
 from kubeproxy.proxier import Proxier
 from kubeproxy.sources.apivalidation import (
+    _endpoint,
     _ip_problem,
     _plain_ipv4,
     _special,
+    _strict_ipv4,
+    _unclear_endpoints,
     endpoint_slice_errors,
     service_errors,
 )
@@ -205,3 +208,65 @@ def test_the_plain_ipv4_shortcut_refuses_what_the_full_checks_refuse(text: str) 
     assert bool(errors) == (full is not None), (errors, full)
     if full is not None:
         assert any(full in e for e in errors), errors
+
+
+_ENDPOINT_PARTS: st.SearchStrategy[dict[str, Any]] = st.fixed_dictionaries(
+    {},
+    optional={
+        "addresses": st.one_of(
+            st.none(),
+            st.just("10.0.0.1"),
+            st.lists(
+                st.sampled_from(["10.0.0.1", "10.1.2.3", "127.0.0.1", "0.0.0.0", "fd00::1", 7]),
+                max_size=3,
+            ),
+            st.just(["10.0.0.1"] * 101),
+        ),
+        "nodeName": st.sampled_from([None, "node-1", "Node_1", "", 5, "a." * 130]),
+        "hints": st.sampled_from(
+            [None, {}, {"forZones": []}, {"forZones": [{"name": "a"}, {"name": "a"}]}, []]
+        ),
+    },
+)
+
+
+@settings(max_examples=300)
+@given(
+    endpoints=st.lists(st.one_of(_ENDPOINT_PARTS, st.just("text"), st.none()), max_size=5),
+    address_type=st.sampled_from(["IPv4", "IPv6", "FQDN", None]),
+)
+def test_the_endpoints_left_unchecked_have_nothing_to_report(
+    endpoints: list[Any], address_type: Any
+) -> None:
+    # The shortcut over a slice's endpoints leaves out only endpoints in which the full
+    # check per endpoint finds nothing, and hands on every other one.
+    unclear = set(_unclear_endpoints(endpoints, address_type))
+    for index, raw in enumerate(endpoints):
+        problems = list(_endpoint(index, raw, address_type))
+        if index not in unclear:
+            assert problems == [], (raw, problems)
+    assert unclear <= set(range(len(endpoints)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.one_of(
+        st.integers(0, 2**32 - 1).map(lambda n: str(ipaddress.IPv4Address(n))),
+        st.sampled_from(
+            ["010.0.0.1", "1.2.3", "::ffff:10.0.0.1", " 1.2.3.4", "1.2.3.4 ", "fd00::1"]
+        ),
+        st.text(alphabet="0123456789.:", max_size=16),
+    )
+)
+def test_the_strict_ipv4_shortcut_takes_only_what_the_full_checks_take(text: str) -> None:
+    # What the shortcut passes parses both ways (sloppy and strict) as the same IPv4
+    # address, so _ip_problem's own checks would have found nothing.
+    if _strict_ipv4(text):
+        assert _ip_problem(text) is None
+        strict = ipaddress.ip_address(text)
+        assert isinstance(strict, ipaddress.IPv4Address) and parse_ip(text) == strict
+        assert str(strict) == text
+    errors = service_errors(svc("web", clusterIP=text, clusterIPs=[text]))
+    assert (not any("clusterIPs[0]" in e for e in errors)) == (
+        _strict_ipv4(text) or (":" in text and _ip_problem(text) is None)
+    ), errors

@@ -76,6 +76,14 @@ def test_every_way_of_building_an_endpoint_gives_the_same_value(
     assert moved == dataclasses.replace(built, port=other_port)
     assert moved.key == endpoint_key(text, other_port)
     assert moved.address is built.address  # shared, not copied
+    # The hints, one slot for both: replace() changes the one it is given only.
+    rezoned = dataclasses.replace(built, zone_hints=nodes)  # type: ignore[call-arg]
+    assert rezoned.zone_hints == nodes and rezoned.node_hints == nodes
+    renoded = dataclasses.replace(built, node_hints=zones)  # type: ignore[call-arg]
+    assert renoded.zone_hints == zones and renoded.node_hints == zones
+    assert built.hints == (zones, nodes)
+    if not zones and not nodes:
+        assert built.hints is fast.hints  # endpoints without hints share one pair
 
 
 def test_defaults_are_ready_and_serving_only() -> None:

@@ -8,15 +8,19 @@ elements a fresh diff of the last plan writes, and never adds or deletes blindly
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kubeproxy.backends.nftables.diff import (
     add_shared,
+    add_shared_new,
     diff_firewall,
     diff_frontend,
     release_shared,
+    write_frontend,
 )
 from kubeproxy.backends.nftables.frontends import (
     AFFINITY_LOCAL_ENDPOINTS,
@@ -251,3 +255,88 @@ def test_a_full_sync_leaves_the_public_shared_sets_to_the_switch() -> None:
     add_shared(store, NAMES, counts, _plan("172.30.0.10", ("10.180.0.1",), ()), full=True)
     assert set(store.elements) == {NAMES.hairpin}
     assert counts.cluster_ips == {"172.30.0.10": 1}
+
+
+class Log:
+    """Every queued change in order, a list of additions as the additions one by one
+    (encoded ones, for the containers of ``types``, read back as text)."""
+
+    def __init__(self, types: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] | None = None):
+        self.changes: list[tuple[str, str, Key, tuple[str, ...], str | None]] = []
+        self.types = types or {}
+
+    def add(
+        self, container: str, key: Key, value: tuple[str, ...] = (), comment: str | None = None
+    ) -> None:
+        self.changes.append(("add", container, key, value, comment))
+
+    def delete(self, container: str, key: Key) -> None:
+        self.changes.append(("delete", container, key, (), None))
+
+    def add_all(self, container: str, pairs: Sequence[tuple[Key, tuple[str, ...]]]) -> None:
+        self.changes.extend(("add", container, key, value, None) for key, value in pairs)
+
+
+def _encoded_types() -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+    """The netlink types of every slots map and the hairpin set of generation 3."""
+    types: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+        NAMES.hairpin: (("ipv4_addr", "ipv4_addr"), ())
+    }
+    for kind, key in (
+        (Kind.IP, ("ipv4_addr", "inet_proto", "inet_service")),
+        (Kind.NODEPORT, ("inet_proto", "inet_service")),
+    ):
+        for shortcut in (False, True):
+            for proto in ("tcp", "udp"):
+                for count in range(1, 13):
+                    name = NAMES.slots(kind, shortcut, proto, count)
+                    types[name] = ((*key, "integer"), ("ipv4_addr", "inet_service"))
+    return types
+
+
+@pytest.mark.parametrize("tree", [True, False], ids=["tree", "rules"])
+@pytest.mark.parametrize("kind", list(Kind))
+@given(data=st.data())
+def test_a_new_frontend_is_written_as_the_diff_against_nothing_writes_it(
+    tree: bool, kind: Kind, data: st.DataObject
+) -> None:
+    plan = data.draw(frontends(kind))
+    if plan is None:
+        return
+    numbers = NUMBERS if tree else None
+    diffed, written, encoded = Log(), Log(), Log(_encoded_types())
+    held = diff_frontend(diffed, NAMES, numbers, plan.key, None, plan)
+    assert write_frontend(written, NAMES, numbers, plan) == held
+    assert write_frontend(encoded, NAMES, numbers, plan) == held
+    assert written.changes == diffed.changes
+    assert encoded.changes == diffed.changes
+
+
+def test_more_slots_than_the_slot_texts_are_written_in_order() -> None:
+    endpoints = tuple(f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}:80" for i in range(1500))
+    cls = ClassSpec(Kind.IP, Shape.INTERNAL, 1500)
+    plan = Frontend(Kind.IP, IP_KEY, cls, endpoints)
+    numbers = {**NUMBERS, cls: 5}
+    diffed, written = Log(), Log()
+    diff_frontend(diffed, NAMES, numbers, IP_KEY, None, plan)
+    write_frontend(written, NAMES, numbers, plan)
+    assert written.changes == diffed.changes
+    assert written.changes[-1][2] == (*IP_KEY, "1499")
+
+
+def test_shared_elements_of_a_full_sync_are_counted_as_add_shared_counts_them() -> None:
+    member: Key = ("10.180.0.1", "8080")
+    plans = [
+        _plan("172.30.0.10", ("10.180.0.1",), (member,)),
+        _plan("172.30.0.10", ("10.180.0.1", "10.180.0.2"), (member,)),
+        _plan("172.30.0.11", ("10.180.0.3",), ()),
+    ]
+    one, bulk, packed = SharedCounts(), SharedCounts(), SharedCounts()
+    by_one, by_bulk, by_packed = Log(), Log(), Log(_encoded_types())
+    for plan in plans:
+        add_shared(by_one, NAMES, one, plan, full=True)
+        add_shared_new(by_bulk, NAMES, bulk, plan)
+        add_shared_new(by_packed, NAMES, packed, plan)
+    assert bulk == one == packed
+    assert by_bulk.changes == by_one.changes == by_packed.changes
+    assert len(by_bulk.changes) == 3

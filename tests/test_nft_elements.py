@@ -22,10 +22,15 @@ from kubeproxy.backends.nftables.batchsocket import BatchSocket, answers, batch_
 from kubeproxy.backends.nftables.elements import (
     ElementBatch,
     ElementWriter,
+    GroupedAdds,
+    GroupedDeletes,
     _Message,
     comment_userdata,
     element_encoder,
+    element_frames,
     encode_part,
+    pair_elements,
+    slot_elements,
     with_comment,
 )
 from kubeproxy.backends.nftables.exec import LibNftables
@@ -438,3 +443,93 @@ def test_a_dump_reads_what_nft_lists(namespaces: tuple[str, str]) -> None:
         )
         assert len(slots) == 300 and (("10.96.0.7", "udp", "53", "0"), ("10.1.0.1", "53")) in slots
         assert missing.value.errno == errno.ENOENT
+
+
+# Elements packed when queued (a full sync's slots and hairpin pairs) ---------------------
+
+HAIRPIN4 = (("ipv4_addr", "ipv4_addr"), ())
+
+
+@pytest.mark.parametrize(
+    ("types", "key", "endpoints"),
+    [
+        (
+            SLOTS4,
+            ("172.30.0.1", "tcp", "80"),
+            [f"10.0.{i // 250}.{i % 250 + 1}:8080" for i in range(1100)],
+        ),
+        (SLOTS6, ("fd01::1", "udp", "53"), ["[fd00::1]:53", "[fd00::a:2]:5353"]),
+        (
+            (("inet_proto", "inet_service", "integer"), ("ipv4_addr", "inet_service")),
+            ("tcp", "30080"),
+            ["10.0.0.1:80"],
+        ),
+    ],
+)
+def test_packed_slots_are_the_encoders_bytes_and_read_back_as_their_text(
+    types: tuple[tuple[str, ...], tuple[str, ...]], key: tuple[str, ...], endpoints: list[str]
+) -> None:
+    encode = element_encoder(*types)
+    text = []
+    for index, endpoint in enumerate(endpoints):
+        host, _, port = endpoint.rpartition(":")
+        text.append(((*key, str(index)), (host.strip("[]"), port)))
+    packed = slot_elements(types, key, endpoints)
+    assert packed.elements == [encode(k, v) for k, v in text]
+    assert list(packed) == text
+    assert list(packed[1:3]) == text[1:3]
+    assert len(packed) == len(text)
+
+
+def test_packed_pairs_are_the_encoders_bytes() -> None:
+    hosts = ["10.0.0.1", "10.0.0.2"]
+    packed = pair_elements(HAIRPIN4, hosts)
+    assert packed.elements == [element_encoder(*HAIRPIN4)((h, h), ()) for h in hosts]
+    assert list(packed) == [((h, h), ()) for h in hosts]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: slot_elements(SLOTS4, ("172.30.0.1", "tcp", "80"), ["10.0.0.256:80"]),
+        lambda: slot_elements(SLOTS4, ("172.30.0.1", "tcp", "80"), ["10.0.0.1:99999"]),
+        lambda: slot_elements(SLOTS4, ("fd00::1", "tcp", "80"), ["10.0.0.1:80"]),
+        lambda: slot_elements(HAIRPIN4, ("10.0.0.1",), ["10.0.0.1:80"]),
+        lambda: pair_elements(HAIRPIN4, ["fd00::1"]),
+        lambda: pair_elements(SLOTS4, ["10.0.0.1"]),
+    ],
+)
+def test_packing_refuses_what_the_encoder_refuses(make: object) -> None:
+    with pytest.raises(ValueError):
+        make()  # type: ignore[operator]
+
+
+def test_grouped_and_encoded_batches_send_the_messages_of_a_flat_batch() -> None:
+    types = {
+        "slots": SLOTS4,
+        "hairpin": HAIRPIN4,
+        "frontends": (("ipv4_addr", "inet_proto", "inet_service"), ()),
+    }
+    key: tuple[str, ...] = ("172.30.0.1", "tcp", "80")
+    endpoints = [f"10.0.{i // 250}.{i % 250 + 1}:8080" for i in range(3000)]
+    slots = slot_elements(SLOTS4, key, endpoints)
+    hairpin = pair_elements(HAIRPIN4, [e.rpartition(":")[0] for e in endpoints])
+    deletes = {"frontends": [("172.30.0.9", "tcp", "80")]}
+    groups = {"slots": slots, "frontends": [(key, ())], "hairpin": hairpin}
+    comments: dict[tuple[str, tuple[str, ...]], str] = {("frontends", key): "ns/web:http"}
+    grouped = ElementBatch(
+        Family.IP, "t", types, GroupedDeletes(deletes), GroupedAdds(groups), comments
+    )
+    flat = ElementBatch(Family.IP, "t", types, list(grouped.deletes), list(grouped.adds), comments)
+    assert len(grouped) == len(flat) == 1 + 1 + 2 * len(endpoints)
+    assert grouped.adds[1] == flat.adds[1]
+    framed = element_frames(grouped)
+    assert len(framed) > 3  # the slots and the pairs are cut into several messages
+    assert [(f.kind, f.flags, f.body) for f in framed] == [
+        (f.kind, f.flags, f.body) for f in element_frames(flat)
+    ]
+    assert grouped.commands() == flat.commands()
+    # A refusal names the element whose attribute holds the offset, encoded or not.
+    message = framed[1].refusable
+    assert isinstance(message, _Message)
+    assert message.element_at(message.offsets[2] + 1) == (*key, "2")

@@ -69,6 +69,7 @@ list for an object the API server would store.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 import socket
@@ -116,6 +117,12 @@ def _is_subdomain(value: object) -> bool:
 def _is_qualified_name(value: object) -> bool:
     if not isinstance(value, str):
         return False
+    return _is_qualified_text(value)
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_qualified_text(value: str) -> bool:
+    # Label keys: a few ("app", "kubernetes.io/service-name") over every object.
     prefix, slash, name = value.rpartition("/")
     if slash and not (prefix and _is_subdomain(prefix)):
         return False
@@ -146,7 +153,8 @@ def _items(value: object) -> Sequence[Any] | None:
 def _mapping(value: object) -> Mapping[str, Any] | None:
     if value is None:
         return {}
-    return value if isinstance(value, Mapping) else None
+    # type() first: isinstance against the Mapping ABC costs 0.2 us, per field.
+    return value if type(value) is dict or isinstance(value, Mapping) else None
 
 
 # --- addresses ------------------------------------------------------------------------
@@ -154,6 +162,8 @@ def _mapping(value: object) -> Mapping[str, Any] | None:
 
 def _ip_problem(text: object, *, strict: bool = True) -> str | None:
     """Why ``text`` is no valid IP (upstream's ``IsValidIPForLegacyField``); None if it is."""
+    if _strict_ipv4(text):
+        return None
     if not isinstance(text, str):
         return "must be a valid IP address"
     try:
@@ -209,6 +219,19 @@ def _plain_ipv4(text: object) -> bool:
     except (OSError, ValueError):
         return False
     return first not in _SPECIAL_FIRST_OCTETS
+
+
+def _strict_ipv4(text: object) -> bool:
+    """Whether ``text`` is a strict dotted quad (no leading zeros): valid in every form
+    :func:`_ip_problem` knows, found without the two address objects it makes otherwise
+    (a Service's cluster IP, validated at every start-up)."""
+    if type(text) is not str or len(text) > 15:
+        return False
+    try:
+        _inet_pton(_AF_INET, text)
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 _inet_pton = socket.inet_pton
@@ -326,7 +349,8 @@ def _cluster_ips(spec: Mapping[str, Any], kind: str) -> Iterator[str]:
         if problem is not None:
             yield f"spec.clusterIPs[{index}]: {_show(text)}: {problem}"
         else:
-            versions.append(parse_ip(text).version)
+            # Valid and no IPv4-mapped IPv6 address: the family is in the text.
+            versions.append(6 if ":" in text else 4)
     if len(versions) == 2 and versions[0] == versions[1]:
         yield "spec.clusterIPs: may specify no more than one IP for each IP family"
 
@@ -478,8 +502,8 @@ def _endpoint_slice(obj: Mapping[str, Any]) -> Iterator[str]:
     elif len(endpoints) > _MAX_ENDPOINTS:
         yield f"endpoints: Too many: {len(endpoints)}: must have at most {_MAX_ENDPOINTS} items"
     else:
-        for index, raw in enumerate(endpoints):
-            yield from _endpoint(index, raw, address_type)
+        for index in _unclear_endpoints(endpoints, address_type):
+            yield from _endpoint(index, endpoints[index], address_type)
     ports = _items(obj.get("ports"))
     if ports is None:
         yield "ports: must be a list"
@@ -487,6 +511,50 @@ def _endpoint_slice(obj: Mapping[str, Any]) -> Iterator[str]:
         yield f"ports: Too many: {len(ports)}: must have at most {_MAX_SLICE_PORTS} items"
     else:
         yield from _slice_ports(ports)
+
+
+def _unclear_endpoints(endpoints: Sequence[Any], address_type: object) -> Iterator[int]:
+    """The indexes of the endpoints :func:`_endpoint` must check; the others, in the
+    usual shape, have no problem it could find: IPv4 addresses that are plain dotted
+    quads outside the special ranges (:func:`_plain_ipv4`), a valid node name or none,
+    no hints.
+
+    One loop per slice instead of a generator, a call and a formatted field name per
+    endpoint: at 30k Services x 10 endpoints, :func:`_endpoint` for each was 3.2 s of
+    the 37 s profiled (cProfile of the whole ``--once``), this loop is 0.4 s.
+    """
+    if address_type != "IPv4":
+        yield from range(len(endpoints))
+        return
+    plain_ipv4, node_name_ok = _plain_ipv4, _node_name_ok
+    for index, raw in enumerate(endpoints):
+        if type(raw) is not dict:
+            yield index
+            continue
+        addresses = raw.get("addresses")
+        if (
+            type(addresses) is not list
+            or not addresses
+            or len(addresses) > _MAX_ADDRESSES
+            or raw.get("hints") is not None
+        ):
+            yield index
+            continue
+        node = raw.get("nodeName")
+        if node is not None and (type(node) is not str or not node_name_ok(node)):
+            yield index
+            continue
+        for text in addresses:
+            if not plain_ipv4(text):
+                yield index
+                break
+
+
+@functools.lru_cache(maxsize=8192)
+def _node_name_ok(name: str) -> bool:
+    # A cluster has a few thousand nodes and each names many endpoints: each name's
+    # regular expression is matched once, not once per endpoint.
+    return _is_subdomain(name)
 
 
 def _endpoint(index: int, raw: object, address_type: object) -> Iterator[str]:

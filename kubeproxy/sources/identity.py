@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
-from typing import Any, Final, TypeAlias
+from typing import Any, Final, TypeAlias, TypeGuard
 
 from kubeproxy.handlers import KubeObject
 
@@ -48,14 +48,19 @@ def _text(value: object) -> object:
     return _intern(value) if type(value) is str else value
 
 
+def _is_mapping(value: object) -> TypeGuard[Mapping[str, Any]]:
+    # type() first: isinstance against the Mapping ABC costs 0.2 us.
+    return type(value) is dict or isinstance(value, Mapping)
+
+
 def slice_owner(obj: KubeObject) -> SliceOwner | None:
     """What to keep of ``obj`` besides its key to build its :func:`identity`: an
     EndpointSlice's Service and address type; None for other kinds."""
     if obj.get("kind") != ENDPOINT_SLICE:
         return None
     metadata = obj.get("metadata")
-    labels = metadata.get("labels") if isinstance(metadata, Mapping) else None
-    owner = labels.get(LABEL_SERVICE_NAME) if isinstance(labels, Mapping) else None
+    labels = metadata.get("labels") if _is_mapping(metadata) else None
+    owner = labels.get(LABEL_SERVICE_NAME) if _is_mapping(labels) else None
     return _text(owner), _text(obj.get("addressType"))
 
 

@@ -53,10 +53,12 @@ from kubeproxy.backends.nftables.claims import Claims
 from kubeproxy.backends.nftables.commits import SyncOps
 from kubeproxy.backends.nftables.diff import (
     add_shared,
+    add_shared_new,
     diff_firewall,
     diff_frontend,
     release_shared,
     restitch,
+    write_frontend,
 )
 from kubeproxy.backends.nftables.elements import ElementBatch
 from kubeproxy.backends.nftables.exec import LibNftables, NftExecutor, delete_table
@@ -168,6 +170,12 @@ class NftablesBackend:
     (:func:`~kubeproxy.backends.nftables.layout.precreated_classes`), so a Service
     reaching such a count is element changes only; measured against the default in the
     package README ("A never-seen endpoint count": every commit pays for the chains).
+    ``packed_elements``: a full sync's slots and hairpin pairs (and a new frontend's
+    slots) are packed into netlink bytes as they are queued (:func:`.elements.slot_elements`);
+    None, the default, does so when the executor sends elements over netlink
+    (:class:`~.owner.OwnedNftables`, :class:`~.exec.LibNftables` with its netlink
+    elements), not for executors that read elements as text (the fake, the written-table
+    model of ``kubeproxy verify``), which would decode each one.
     """
 
     def __init__(
@@ -186,6 +194,7 @@ class NftablesBackend:
         affinity: str = AFFINITY_SHARED,
         affinity_size: int | None = None,
         precreate_counts: int = 0,
+        packed_elements: bool | None = None,
     ) -> None:
         if elements_per_transaction < 1:
             raise ValueError("elements_per_transaction must be at least 1")
@@ -200,6 +209,11 @@ class NftablesBackend:
         if precreate_counts < 0 or (precreate_counts and self._dispatch != DISPATCH_TREE):
             raise ValueError("precreate_counts needs the tree dispatch and a count >= 0")
         self._precreated = precreated_classes(precreate_counts)
+        if packed_elements is None:
+            packed_elements = isinstance(executor, OwnedNftables) or (
+                isinstance(executor, LibNftables) and executor.netlink_elements
+            )
+        self._packed = packed_elements
         self._family = family
         self._nft_family = _FAMILIES[family]
         self._tokens: FamilyTokens = tokens_for(family)
@@ -415,6 +429,7 @@ class NftablesBackend:
             budget=self.elements_per_transaction,
             text_last=text_last,
             comments=self.element_names,
+            packed=self._packed,
         )
 
     def _map_live(self, name: str) -> bool:
@@ -540,15 +555,16 @@ class NftablesBackend:
                 model.add_class(tx, cls, self._ctx, live=False)
         model.update_tree(tx)
         ops.commit()
+        ports = model.ports
         for name, plan in plans.items():
             for fe in plan.frontends:
-                now_held = diff_frontend(ops, names, numbers, fe.key, None, fe)
-                if now_held is not None:
-                    held[fe.key] = now_held
-            diff_firewall(ops, names, {}, dict(plan.firewall), adding=True)
-            add_shared(ops, names, counts, plan, full=True)
-            self._follow_affinity(None, plan.affinity, 0.0)
-            model.ports[name] = PortState.of(plan)
+                held[fe.key] = write_frontend(ops, names, numbers, fe)
+            if plan.firewall:
+                diff_firewall(ops, names, {}, dict(plan.firewall), adding=True)
+            add_shared_new(ops, names, counts, plan)
+            if plan.affinity is not None:
+                self._follow_affinity(None, plan.affinity, 0.0)
+            ports[name] = PortState.of(plan)
             ops.cut()
         ops.commit(last=True)
         switch = self._new_transaction()
@@ -651,9 +667,14 @@ class NftablesBackend:
             for fe in plan.frontends if plan is not None else ():
                 new[fe.key] = fe
         for key in sorted(old.keys() | new.keys()):
-            now_held = diff_frontend(ops, names, numbers, key, old.get(key), new.get(key))
-            if now_held is not None:
-                held[key] = now_held
+            was, planned = old.get(key), new.get(key)
+            if was is None and planned is not None:
+                # A frontend the kernel lacks (a new Service's): its slots packed at once.
+                held[key] = write_frontend(ops, names, numbers, planned)
+            else:
+                now_held = diff_frontend(ops, names, numbers, key, was, planned)
+                if now_held is not None:
+                    held[key] = now_held
             ops.cut()
         for name, plan in plans.items():
             state = old_states.get(name)

@@ -8,9 +8,14 @@ adds.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sized
+from collections.abc import Callable, Mapping, Sequence, Sized
 
-from kubeproxy.backends.nftables.elements import ElementBatch
+from kubeproxy.backends.nftables.elements import (
+    ElementBatch,
+    EncodedPairs,
+    GroupedAdds,
+    GroupedDeletes,
+)
 from kubeproxy.backends.nftables.objects import Family
 from kubeproxy.backends.nftables.table import TABLE, Key
 from kubeproxy.backends.nftables.transaction import Transaction
@@ -31,7 +36,8 @@ class SyncOps:
     (deletions first: a rewritten slot is a delete and an add), then the remaining text
     deletions. So a frontend's firewall elements are in before the batch that dispatches
     it, and out only after the batch that stops dispatching it; affinity verdicts
-    likewise. :meth:`cut` commits once ``budget`` changes are queued; callers call it only
+    likewise. ``packed``: additions may come packed (see :attr:`types`). :meth:`cut`
+    commits once ``budget`` changes are queued; callers call it only
     between frontends, so one frontend's netlink changes are always in one transaction.
     :attr:`operations` and :attr:`transactions` count what was committed;
     :attr:`elements` the element additions and deletions committed per container (tallied
@@ -48,6 +54,7 @@ class SyncOps:
         budget: int,
         text_last: bool = False,
         comments: bool = True,
+        packed: bool = True,
     ) -> None:
         self._family = family
         self._run_tx = run
@@ -58,11 +65,14 @@ class SyncOps:
         # took 6 s of a 30k-Service cold sync of the realistic mix).
         self._text_last = text_last
         self._types = types
+        # Additions packed as queued only where they go to the kernel as bytes: the fake
+        # and the written-table model read elements as text, and would decode each one.
+        self._packed_types = types if packed else {}
         self.tx = self.new_transaction()
         self._deletes: dict[str, list[Key]] = {}
-        self._adds: dict[str, list[tuple[Key, tuple[str, ...]]]] = {}
+        self._adds: dict[str, Sequence[tuple[Key, tuple[str, ...]]]] = {}
         self._text_deletes: dict[str, list[Key]] = {}
-        self._text_adds: dict[str, list[tuple[Key, tuple[str, ...]]]] = {}
+        self._text_adds: dict[str, Sequence[tuple[Key, tuple[str, ...]]]] = {}
         self._keep_comments = comments
         self._comments: dict[tuple[str, Key], str] = {}
         self._text_comments: dict[str, dict[Key, str]] = {}
@@ -71,6 +81,13 @@ class SyncOps:
         self.transactions = 0
         self.elements: dict[str, list[int]] = {}
         """``[added, deleted]`` by container, of what was committed."""
+
+    @property
+    def types(self) -> Mapping[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+        """The element types of the containers whose additions may be queued packed
+        (:class:`~.elements.EncodedPairs`): those whose elements go over netlink, none
+        when the executor reads them as text (``packed`` False)."""
+        return self._packed_types
 
     def new_transaction(self) -> Transaction:
         """An empty transaction of our table in this family."""
@@ -93,13 +110,42 @@ class SyncOps:
         ``container``."""
         netlink = container in self._types
         target = self._adds if netlink else self._text_adds
-        target.setdefault(container, []).append((key, value))
+        queued = target.get(container)
+        if queued is None:
+            target[container] = [(key, value)]
+        elif isinstance(queued, list):
+            queued.append((key, value))
+        else:
+            target[container] = [*queued, (key, value)]  # encoded ones read as text
         if comment is not None and self._keep_comments:
             if netlink:
                 self._comments[container, key] = comment
             else:
                 self._text_comments.setdefault(container, {})[key] = comment
         self._count += 1
+
+    def add_all(self, container: str, pairs: Sequence[tuple[Key, tuple[str, ...]]]) -> None:
+        """Queue the additions ``(key, value)`` to ``container``, without comments (as
+        :meth:`add` one by one: a frontend's slots, a port's hairpin elements on a full
+        sync, in one call each). ``pairs`` (a list, or :class:`EncodedPairs` the encoder
+        sends as they are) is the queue's from then on. Encoded and text additions to
+        one container (which no sync makes) are queued as text, so a bad element is
+        refused at the commit as ever."""
+        target = self._adds if container in self._types else self._text_adds
+        queued = target.get(container)
+        if queued is None:
+            target[container] = pairs if isinstance(pairs, (list, EncodedPairs)) else list(pairs)
+        elif (
+            isinstance(queued, EncodedPairs)
+            and isinstance(pairs, EncodedPairs)
+            and queued.types == pairs.types
+        ):
+            queued.elements.extend(pairs.elements)
+        elif isinstance(queued, list):
+            queued.extend(pairs)
+        else:
+            target[container] = [*queued, *pairs]
+        self._count += len(pairs)
 
     def cut(self) -> None:
         """Commit if the budget is spent (call between frontends only)."""
@@ -139,8 +185,8 @@ class SyncOps:
             tx.family,
             tx.table,
             self._types,
-            [(c, k) for c, keys in deletes.items() for k in keys],
-            [(c, k, v) for c, items in adds.items() for k, v in items],
+            GroupedDeletes(deletes),
+            GroupedAdds(adds),
             comments or None,
         )
         if len(batch):

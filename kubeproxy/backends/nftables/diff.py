@@ -12,9 +12,12 @@ them in bounded transactions); these functions only say which.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+import itertools
+import operator
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
+from kubeproxy.backends.nftables.elements import ContainerTypes, pair_elements, slot_elements
 from kubeproxy.backends.nftables.frontends import (
     AFFINITY_LOCAL_ENDPOINTS,
     KIND_IP,
@@ -35,14 +38,17 @@ from kubeproxy.backends.nftables.layout import GenNames, class_bits
 from kubeproxy.backends.nftables.table import Key, Names
 
 __all__ = [
+    "BulkSink",
     "ElementSink",
     "add_shared",
+    "add_shared_new",
     "diff_class",
     "diff_firewall",
     "diff_frontend",
     "diff_slots",
     "release_shared",
     "restitch",
+    "write_frontend",
 ]
 
 _VALUE_NONE: tuple[str, ...] = ()
@@ -64,6 +70,20 @@ class ElementSink(Protocol):
 
     def delete(self, container: str, key: Key) -> None:
         """Queue the deletion of ``key`` from ``container``."""
+
+
+class BulkSink(ElementSink, Protocol):
+    """A sink that also takes a list of additions at once (a full sync's), and says which
+    containers' elements it sends encoded (:attr:`types`)."""
+
+    @property
+    def types(self) -> Mapping[str, ContainerTypes]:
+        """The types of the containers whose additions may come encoded
+        (:class:`~.elements.EncodedPairs`)."""
+
+    def add_all(self, container: str, pairs: Sequence[tuple[Key, tuple[str, ...]]]) -> None:
+        """Queue the additions ``(key, value)`` to ``container``, without comments (the
+        sequence is the sink's from then on)."""
 
 
 def _slot_text(index: int) -> str:
@@ -217,6 +237,62 @@ def _verdict(verb: str, chain: str) -> tuple[str]:
     return (f"{verb} {chain}",)
 
 
+def write_frontend(
+    sink: BulkSink, names: GenNames, numbers: Mapping[ClassSpec, int] | None, fe: Frontend
+) -> HeldFrontend:
+    """Queue the elements of a frontend the kernel does not hold (every frontend of a
+    full sync): what :func:`diff_frontend` queues for it against nothing, in the same
+    order, with each list of slots queued in one call.
+
+    Why a path of its own: a full sync has nothing to diff against, and at 30k Services
+    x 10 endpoints :func:`diff_frontend` against nothing, its slot by slot
+    :func:`diff_slots` and the sink's call per element were a fifth of the backend's
+    part of a full sync (cProfile); the comparison in ``tests/test_nft_diff.py`` and the
+    bytes of ``tests/test_nft_sync_bytes.py`` keep the two paths the same."""
+    key, kind, cls, name = fe.key, fe.kind, fe.cls, fe.name
+    if cls is not None:
+        diff_class(sink, names, numbers, kind, key, None, cls, name)
+    proto = key[1] if kind == KIND_IP else key[0]
+    if fe.endpoints:
+        _write_slots(sink, names.slots(kind, False, proto, len(fe.endpoints)), key, fe.endpoints)
+    if fe.shortcut:
+        _write_slots(sink, names.slots(kind, True, proto, len(fe.shortcut)), key, fe.shortcut)
+    if fe.no_endpoint is not None:
+        sink.add(names.no_endpoint(kind, fe.no_endpoint), key, comment=name)
+    if fe.lookup is not None:
+        sink.add(names.affinity_lookup(kind, False), key, _verdict("jump", fe.lookup))
+    if fe.shortcut_lookup is not None:
+        sink.add(names.affinity_lookup(kind, True), key, _verdict("jump", fe.shortcut_lookup))
+    if fe.record is not None:
+        sink.add(names.affinity_record(kind), key, _verdict("goto", fe.record))
+    return HeldFrontend(fe, fe.endpoints, fe.shortcut)
+
+
+_SPLIT_PORT = operator.methodcaller("rpartition", ":")
+
+
+def _write_slots(sink: BulkSink, container: str, key: Key, endpoints: tuple[str, ...]) -> None:
+    types = sink.types.get(container)
+    if types is not None:
+        try:
+            sink.add_all(container, slot_elements(types, key, endpoints))
+            return
+        except ValueError:
+            pass  # as text: refused at the commit, naming the element, as ever
+    texts: Iterable[str] = _SLOT_TEXTS
+    if len(endpoints) > len(_SLOT_TEXTS):
+        texts = map(_slot_text, itertools.count())
+    if endpoints[0].startswith("["):  # IPv6: every endpoint of a frontend is
+        values: Iterable[Key] = map(endpoint_value, endpoints)
+    else:
+        # IPv4: endpoint_value without a call per endpoint (the split is C's).
+        values = [(host, port) for host, _colon, port in map(_SPLIT_PORT, endpoints)]
+    sink.add_all(
+        container,
+        [((*key, text), value) for text, value in zip(texts, values, strict=False)],
+    )
+
+
 def diff_slots(
     sink: ElementSink,
     names: GenNames,
@@ -307,6 +383,33 @@ def add_shared(
     for member in plan.affinity.local_members if plan.affinity is not None else ():
         if count_in(counts.local_members, member) and not full:
             sink.add(AFFINITY_LOCAL_ENDPOINTS, member)
+
+
+def add_shared_new(sink: BulkSink, names: GenNames, counts: SharedCounts, plan: PortPlan) -> None:
+    """:func:`add_shared` on a full sync (``full``), the new hairpin elements of the port
+    queued in one call, and counted without a call per endpoint (:func:`count_in`
+    inlined: at 30k Services x 10 endpoints, 330k calls, 0.3 s of a 7.5 s profile)."""
+    hairpin = counts.hairpin
+    fresh: list[str] = []
+    for host in plan.hairpin:
+        held = hairpin.get(host, 0)
+        hairpin[host] = held + 1
+        if not held:
+            fresh.append(host)
+    if fresh:
+        container = names.hairpin
+        types = sink.types.get(container)
+        if types is not None:
+            try:
+                sink.add_all(container, pair_elements(types, fresh))
+                fresh = []
+            except ValueError:
+                pass  # as text: refused at the commit, naming the element, as ever
+        if fresh:
+            sink.add_all(container, [((host, host), _VALUE_NONE) for host in fresh])
+    count_in(counts.cluster_ips, plan.cluster_ip)
+    for member in plan.affinity.local_members if plan.affinity is not None else ():
+        count_in(counts.local_members, member)
 
 
 def release_shared(

@@ -432,6 +432,18 @@ def _check(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) -> 
     # The three lists usually share endpoints (often the very same tuple): check each
     # distinct list once.
     for group in {id(g): g for g in (eps.cluster, eps.local, eps.all_reachable)}.values():
+        if not group:
+            continue
+        # Checked a list at a time, the loop below finding the culprit: an endpoint's
+        # version (a property) and port were two thirds of this check, 0.7 s of a
+        # profiled 30k Services x 10 full sync.
+        ports = [ep.port for ep in group]
+        if version == 4:
+            family_ok = ":" not in " ".join([ep.address for ep in group])
+        else:
+            family_ok = all(":" in ep.address for ep in group)
+        if family_ok and min(ports) >= 1 and max(ports) <= 65535:
+            continue
         for ep in group:
             if ep.version != version:
                 raise InvalidPort(f"endpoint {ep.address} is not {ctx.tokens.family}")
@@ -453,7 +465,9 @@ def _port_text(port: int) -> str:
 
 
 def _keys(endpoints: tuple[Endpoint, ...]) -> tuple[str, ...]:
-    return tuple(sorted(ep.key for ep in endpoints))
+    keys = [ep.key for ep in endpoints]  # a list comprehension: no generator per port
+    keys.sort()
+    return tuple(keys)
 
 
 def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) -> PortPlan:
@@ -559,7 +573,7 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
     # none of them local, this costs 0.4 s of a 5 s cold sync. The endpoint's own address
     # text: one string per endpoint, however many ports share it (the parser's, shared
     # with every port's copy of the endpoint), no second copy split from the key.
-    hairpin = tuple(dict.fromkeys(ep.address for ep in eps.all_reachable))
+    hairpin = tuple(dict.fromkeys([ep.address for ep in eps.all_reachable]))
     return PortPlan(
         tuple(frontends),
         tuple(firewall),

@@ -1,0 +1,89 @@
+"""The data-count structures of ``bench/count_structure.py`` serve real connections.
+
+Issue 32 item 4's study writes, beside the shipped class structure, structures where
+every endpoint count 1..1024 is precreated and a Service's count is data (elements
+only). Their figures are in ``bench/README.md``; this checks, cheaply and on every kernel
+the matrix boots, that the kernel accepts them (their chain depth included) and that a
+connection reaches an endpoint through the deepest count, through a count written as
+elements after the table, and through the count an endpoint more brings. Slots
+alternate between the two endpoints, so seeing both says ``numgen random mod N`` ran
+with the frontend's own N over filled slots (a smaller N would never reach the last
+slots; a larger one would miss a slot and leave the connection undirected).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterator
+
+import pytest
+
+from bench.count_structure import MAX_COUNT, Frontend, element_batch, make, write_table
+from kubeproxy.backends.nftables.exec import LibNftables
+from kubeproxy.objects import Protocol
+from kubeproxy.testing.traffic import ListenerServer, make_listener
+from tests.kernelkit import NodeAndPod, answered_by, node_and_pod
+
+pytestmark = pytest.mark.kernel
+
+NODE_IP = "192.168.71.2"
+EP1, EP2 = "10.244.0.31", "10.244.0.32"
+
+
+def frontend(address: str, count: int) -> Frontend:
+    """A ClusterIP frontend of ``count`` endpoints, its slots alternating EP1 and EP2."""
+    slots = tuple(f"{(EP1, EP2)[slot % 2]} . 8080" for slot in range(count))
+    return Frontend("ips", f"{address} . tcp . 80", "internal", count, slots)
+
+
+@pytest.fixture
+def namespaces() -> Iterator[NodeAndPod]:
+    with node_and_pod("kpxq", NODE_IP, (EP1, EP2)) as pair:
+        listeners = ListenerServer("kpxq-listeners")
+        for address in (EP1, EP2):
+            listeners.add(
+                make_listener(pair.pod_fd, ipaddress.ip_address(address), 8080, Protocol.TCP)
+            )
+        listeners.start()
+        try:
+            yield pair
+        finally:
+            listeners.close()
+
+
+def answers(pair: NodeAndPod, address: str, attempts: int = 24) -> set[str | None]:
+    return {answered_by(pair.node_fd, address) for _ in range(attempts)}
+
+
+@pytest.mark.parametrize("structure", ["data", "data-tree"])
+def test_every_count_is_data(namespaces: NodeAndPod, structure: str) -> None:
+    deepest = frontend("172.30.0.10", MAX_COUNT)
+    seen = [deepest, frontend("172.30.0.12", 1), frontend("172.30.0.13", 2)]
+    built = make(structure, seen)
+    with LibNftables(namespaces.node) as nft:
+        write_table(nft, built.table())
+        assert answers(namespaces, "172.30.0.10") == {f"{EP1}:8080", f"{EP2}:8080"}
+        assert answers(namespaces, "172.30.0.12") == {f"{EP1}:8080"}
+
+        # A count no frontend had: elements only, no chain or rule.
+        never_seen = frontend("172.30.0.11", 45)
+        change = built.change(None, never_seen)
+        assert change.chains == ""
+        nft.write_elements(element_batch(change.elements))
+        assert answers(namespaces, "172.30.0.11") == {f"{EP1}:8080", f"{EP2}:8080"}
+
+        # An endpoint more, the count crossing a count-hi chain (32 -> 33): elements
+        # only, and only the new count's rule reaches the new slot (1 in 33 picks it).
+        before = Frontend("ips", "172.30.0.14 . tcp . 80", "internal", 32, (f"{EP1} . 8080",) * 32)
+        after = Frontend("ips", before.key, "internal", 33, (*before.endpoints, f"{EP2} . 8080"))
+        nft.write_elements(element_batch(built.change(None, before).elements))
+        assert answers(namespaces, "172.30.0.14") == {f"{EP1}:8080"}
+        change = built.change(before, after)
+        assert change.chains == ""
+        nft.write_elements(element_batch(change.elements, change.deletes))
+        answered: set[str | None] = set()
+        for _ in range(300):
+            answered.add(answered_by(namespaces.node_fd, "172.30.0.14"))
+            if f"{EP2}:8080" in answered:
+                break
+        assert answered == {f"{EP1}:8080", f"{EP2}:8080"}

@@ -1,0 +1,71 @@
+"""plan_port's refusals of what must not reach nft: an endpoint of the other family or
+with a port out of range, found among valid ones in any of the categorised lists (the
+check looks at a list at a time, and names the first culprit)."""
+
+from __future__ import annotations
+
+import ipaddress
+
+import pytest
+
+from kubeproxy.backends.nftables.frontends import plan_port
+from kubeproxy.backends.nftables.table import InvalidPort, RenderContext, tokens_for
+from kubeproxy.config import LocalDetectMode, LocalDetector
+from kubeproxy.objects import (
+    CategorizedEndpoints,
+    Endpoint,
+    IPFamily,
+    NamespacedName,
+    Protocol,
+    ServicePort,
+    ServicePortName,
+)
+
+ip = ipaddress.ip_address
+NAME = ServicePortName(NamespacedName("ns", "web"), "http", Protocol.TCP)
+
+
+def _ctx(family: IPFamily) -> RenderContext:
+    cidr = "10.0.0.0/8" if family is IPFamily.IPV4 else "fd00::/64"
+    detector = LocalDetector(LocalDetectMode.CLUSTER_CIDR, (ipaddress.ip_network(cidr),))
+    return RenderContext.build(tokens_for(family), detector, masquerade_all=False)
+
+
+def _port(family: IPFamily) -> ServicePort:
+    cluster_ip = ip("172.30.0.1" if family is IPFamily.IPV4 else "fd01::1")
+    return ServicePort(name=NAME, cluster_ip=cluster_ip, port=80, protocol=Protocol.TCP)
+
+
+def _good(family: IPFamily, count: int) -> tuple[Endpoint, ...]:
+    prefix = "10.1.0." if family is IPFamily.IPV4 else "fd00::"
+    return tuple(Endpoint(ip(f"{prefix}{i + 1}"), 8080) for i in range(count))
+
+
+@pytest.mark.parametrize("family", [IPFamily.IPV4, IPFamily.IPV6])
+@pytest.mark.parametrize("where", ["cluster", "local", "reachable"])
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [("other family", "is not"), ("port 0", "endpoint port 0"), ("port 70000", "70000")],
+)
+def test_a_bad_endpoint_among_good_ones_is_refused(
+    family: IPFamily, where: str, bad: str, message: str
+) -> None:
+    good = _good(family, 5)
+    if bad == "other family":
+        culprit = Endpoint(ip("fd00::9" if family is IPFamily.IPV4 else "10.1.0.9"), 8080)
+    else:
+        culprit = good[0].with_port(int(bad.split()[1]))
+    listed = (*good[:2], culprit, *good[2:])
+    cluster = listed if where == "cluster" else good
+    local = listed if where == "local" else ()
+    reachable = listed if where == "reachable" else good
+    eps = CategorizedEndpoints(cluster, local, reachable, True)
+    with pytest.raises(InvalidPort, match=message):
+        plan_port(_ctx(family), _port(family), eps)
+
+
+@pytest.mark.parametrize("family", [IPFamily.IPV4, IPFamily.IPV6])
+def test_good_endpoints_pass(family: IPFamily) -> None:
+    good = _good(family, 5)
+    plan = plan_port(_ctx(family), _port(family), CategorizedEndpoints(good, (), good, True))
+    assert plan.frontends[0].endpoints == tuple(sorted(ep.key for ep in good))
