@@ -12,8 +12,9 @@ table``) are reduced to what a packet meets (:class:`TableState`):
 * every frontend's endpoints, per slot map, slots ignored (a multiset);
 * the elements of every other set and map (no-endpoint verdicts, firewall and its
   allowed sources, cluster and NodePort IPs, hairpin, affinity verdict maps...), the
-  content-named affinity maps by name, the shared ``affinity-clients-<n>`` maps not at
-  all (their entries are clients, not state; both tables declare all of them);
+  content-named affinity maps and the ``affinity-frontends-<n>`` maps some port uses by
+  name, the shared ``affinity-clients-<n>`` maps not at all (their entries are clients,
+  not state; both tables declare all of them);
 * the rules of every chain a packet can reach (the fixed chains, the classes in use, what
   they jump or go to, what verdict maps send to), handles and counters left out;
 
@@ -38,6 +39,8 @@ _TREE = re.compile(r"dispatch-(?:ips|nodeports)-[0-9]+\.g")
 _SLOTS = re.compile(r"(?:shortcut-)?(?:nodeport-)?endpoints-[a-z]+-b[0-9]+\.g")
 _CONTENT_MAP = re.compile(r"affinity-[A-Z0-9]+$")
 _CLIENT_MAP = re.compile(r"affinity-clients-[0-9]+$")
+# Declared while some port uses them: their names are state, their entries clients.
+_FRONTEND_MAP = re.compile(r"affinity-frontends-[0-9]+$")
 _ROOTS = {"ips": "dispatch-ips", "nodeports": "dispatch-nodeports"}
 _TRANSPORT = ("tcp", "udp", "sctp", "th")
 
@@ -149,7 +152,7 @@ def table_state(listing: Mapping[str, Any]) -> TableState:
             continue  # a leftover: reported above
         if _CLIENT_MAP.fullmatch(name):
             continue  # clients' pins, recorded by packets
-        if _CONTENT_MAP.fullmatch(name):
+        if _CONTENT_MAP.fullmatch(name) or _FRONTEND_MAP.fullmatch(name):
             state.content_maps.add(name)
         elif name.startswith("class-bit-") or _ROOTS["ips"] + f".g{live}" == name:
             continue  # the dispatch: in classes

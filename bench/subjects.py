@@ -19,7 +19,7 @@ from bench.netns import in_netns
 from kubeproxy.backend import Backend
 from kubeproxy.backends.nftables import NftablesBackend, create_backend
 from kubeproxy.backends.nftables.exec import LibNftables
-from kubeproxy.backends.nftables.layout import AFFINITY_PER_PORT, DISPATCH_RULES
+from kubeproxy.backends.nftables.layout import AFFINITY_PER_PORT, AFFINITY_PINNED, DISPATCH_RULES
 from kubeproxy.backends.nftables.localhost import LocalhostNodePortsBackend
 from kubeproxy.config import ProxierConfig
 from kubeproxy.objects import IPFamily
@@ -29,6 +29,7 @@ __all__ = [
     "IPTABLES_NFT",
     "NFTABLES",
     "NFTABLES_AFFINITY_MAPS",
+    "NFTABLES_AFFINITY_PINNED",
     "NFTABLES_CHAINS",
     "NFTABLES_RULES",
     "SUBJECTS",
@@ -93,6 +94,15 @@ NFTABLES_AFFINITY_MAPS = Subject(
 )
 """The map structure with ClientIP affinity in maps of each port's own (before issue 32),
 over the same executor as the shipped one (the owned table where the kernel has it)."""
+NFTABLES_AFFINITY_PINNED = Subject(
+    "kubeproxy-nftables-affinity-pinned",
+    "bench.subjects:pinned_affinity_backend",
+    "ours: nftables (maps), shared affinity maps, a lookup and a record chain per port (before)",
+    "nft-maps",
+)
+"""The map structure with every ClientIP port's entries keyed by its pins in the shared
+maps, with a lookup and a record chain of its own (issue 32, before the maps keyed by the
+frontend)."""
 IPTABLES_NFT = Subject(
     "kubeproxy-iptables-nft",
     # The node's variant, detected as upstream's iptables-wrapper does: nft in a fresh
@@ -117,6 +127,7 @@ SUBJECTS = (
     NFTABLES,
     NFTABLES_RULES,
     NFTABLES_AFFINITY_MAPS,
+    NFTABLES_AFFINITY_PINNED,
     NFTABLES_CHAINS,
     IPTABLES_NFT,
     IPTABLES_LEGACY,
@@ -195,3 +206,12 @@ def per_port_affinity_backend(
     """The shipped backend with ClientIP affinity in maps of each Service port's own (the
     structure before issue 32; the ``nftables-affinity-maps`` subject)."""
     return create_backend(family, config, netns=netns, affinity=AFFINITY_PER_PORT)
+
+
+def pinned_affinity_backend(
+    family: IPFamily, config: ProxierConfig, *, netns: str | None = None
+) -> NftablesBackend | LocalhostNodePortsBackend:
+    """The shipped backend with every ClientIP port's entries keyed by its pins, each port
+    with chains of its own (the structure before the maps keyed by the frontend; the
+    ``nftables-affinity-pinned`` subject)."""
+    return create_backend(family, config, netns=netns, affinity=AFFINITY_PINNED)

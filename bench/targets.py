@@ -19,6 +19,7 @@ from typing import Any
 
 __all__ = [
     "AFF_MAPS",
+    "AFF_PINNED",
     "CHAINS",
     "IPT_LEGACY",
     "IPT_NFT",
@@ -49,16 +50,28 @@ OURS = "kubeproxy-nftables"  # the map structure: the nftables backend as shippe
 RULES = "kubeproxy-nftables-rules"  # the map structure's class dispatch before issue 19
 PRECREATED = "kubeproxy-nftables-precreated"  # classes of counts 1-1024 precreated (issue 32)
 AFF_MAPS = "kubeproxy-nftables-affinity-maps"  # affinity maps per Service port, before issue 32
+AFF_PINNED = "kubeproxy-nftables-affinity-pinned"  # shared maps, chains per port (before)
 CHAINS = "kubeproxy-nftables-chains"  # the per-Service-chain structure it replaced
 IPT_NFT = "kubeproxy-iptables-nft"
 IPT_LEGACY = "kubeproxy-iptables-legacy"
 UPSTREAM = "upstream-nft"
 NO_RULES = "no-rules"  # the data-plane baseline: the topology without any rules
-SUBJECT_ORDER = (OURS, PRECREATED, RULES, AFF_MAPS, CHAINS, IPT_NFT, IPT_LEGACY, UPSTREAM)
+SUBJECT_ORDER = (
+    OURS,
+    PRECREATED,
+    RULES,
+    AFF_PINNED,
+    AFF_MAPS,
+    CHAINS,
+    IPT_NFT,
+    IPT_LEGACY,
+    UPSTREAM,
+)
 SUBJECT_TITLES = {
     OURS: "nftables (maps)",
     PRECREATED: "nftables (maps, classes of counts 1-1024 precreated)",
     RULES: "nftables (maps, class rules, before)",
+    AFF_PINNED: "nftables (maps, affinity chains per port, before)",
     AFF_MAPS: "nftables (maps, an affinity map per port, before)",
     CHAINS: "nftables (chains, before)",
     IPT_NFT: "iptables-nft",
@@ -566,8 +579,13 @@ def _affinity_target(records: Sequence[Record]) -> TargetCheck:
                 f"{size_label(n)} {aff['seconds']:.2f} vs {plain_r['seconds']:.2f} s "
                 f"({ratios[-1]:.2f}x)"
             )
-        for subject, label in ((AFF_MAPS, "a map per port"), (CHAINS, "chains")):
-            c_plain = full_sync(records, n, subject) or (plain_r if subject == AFF_MAPS else None)
+        for subject, label in (
+            (AFF_PINNED, "chains per port"),
+            (AFF_MAPS, "a map per port"),
+            (CHAINS, "chains"),
+        ):
+            shipped = subject in (AFF_PINNED, AFF_MAPS)
+            c_plain = full_sync(records, n, subject) or (plain_r if shipped else None)
             c_aff = full_sync(records, n, subject, affinity=True)
             if c_plain and c_aff and c_plain["ok"] and c_plain["seconds"] > 0:
                 ratio = c_aff["seconds"] / c_plain["seconds"]

@@ -65,6 +65,7 @@ from bench.subjects import (
     IPTABLES_NFT,
     NFTABLES,
     NFTABLES_AFFINITY_MAPS,
+    NFTABLES_AFFINITY_PINNED,
     NFTABLES_CHAINS,
     NFTABLES_PRECREATED,
     NFTABLES_RULES,
@@ -86,6 +87,7 @@ from bench.wholeproc import (
     binary_argv,
     chain_binary_argv,
     per_port_affinity_argv,
+    pinned_affinity_argv,
     write_manifests,
 )
 
@@ -386,6 +388,11 @@ AFFINITY_CASES = [
     pytest.param(NFTABLES, 100 * K, id="nftables-100k"),
     # The affinity maps per Service port (before issue 32): quadratic in the kernel, so
     # to 30k only (10k took 10.5 s where the shared maps take a fraction of that).
+    # The shared maps with every port's entries keyed by its pins, and a lookup and a
+    # record chain per port (before the maps keyed by the frontend).
+    pytest.param(NFTABLES_AFFINITY_PINNED, 10 * K, id="nftables-affinity-pinned-10k"),
+    pytest.param(NFTABLES_AFFINITY_PINNED, 30 * K, id="nftables-affinity-pinned-30k"),
+    pytest.param(NFTABLES_AFFINITY_PINNED, 100 * K, id="nftables-affinity-pinned-100k"),
     pytest.param(NFTABLES_AFFINITY_MAPS, 1 * K, id="nftables-affinity-maps-1k"),
     pytest.param(NFTABLES_AFFINITY_MAPS, 10 * K, id="nftables-affinity-maps-10k"),
     pytest.param(NFTABLES_AFFINITY_MAPS, 30 * K, id="nftables-affinity-maps-30k"),
@@ -576,8 +583,9 @@ AFFINITY_WHOLE_PROCESS_CASES = [
 @pytest.mark.parametrize("services", AFFINITY_WHOLE_PROCESS_CASES)
 def test_whole_process_affinity(results: Results, services: int, tmp_path: Path) -> None:
     """``kube-proxy-nftables --manifests DIR --once``, every Service with ClientIP
-    affinity, against the same cluster without it, and the affinity maps per Service port
-    (before issue 32) through the same start-up (:mod:`bench.wholeproc`), rounds
+    affinity, against the same cluster without it, the affinity chains per Service port
+    (before the maps keyed by the frontend) and the affinity maps per Service port (before
+    issue 32) through the same start-up (:mod:`bench.wholeproc`), rounds
     interleaved."""
     plain = write_manifests(tmp_path / "plain", build_services(services, ENDPOINTS))
     sticky = write_manifests(
@@ -587,6 +595,12 @@ def test_whole_process_affinity(results: Results, services: int, tmp_path: Path)
     ours = (
         (NFTABLES, binary_argv(plain), False, "kube-proxy-nftables --manifests DIR --once"),
         (NFTABLES, binary_argv(sticky), True, "the same, ClientIP affinity on every Service"),
+        (
+            NFTABLES_AFFINITY_PINNED,
+            pinned_affinity_argv(sticky),
+            True,
+            "the same, affinity chains per Service port swapped in (before)",
+        ),
         (
             NFTABLES_AFFINITY_MAPS,
             per_port_affinity_argv(sticky),

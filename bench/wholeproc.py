@@ -43,6 +43,7 @@ __all__ = [
     "main",
     "node_manifest",
     "per_port_affinity_argv",
+    "pinned_affinity_argv",
     "proxy_flags",
     "settings_flags",
     "write_manifests",
@@ -125,13 +126,21 @@ def per_port_affinity_argv(manifests: Path) -> list[str]:
     return python_module("bench.wholeproc", "--per-port-affinity", *proxy_flags(manifests))
 
 
+def pinned_affinity_argv(manifests: Path) -> list[str]:
+    """The binary's start-up with every affinity port's chains of its own (before the maps
+    keyed by the frontend)."""
+    return python_module("bench.wholeproc", "--pinned-affinity", *proxy_flags(manifests))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``--chains ARGS``: run ``kube-proxy-nftables`` with the per-Service-chain backend;
-    ``--per-port-affinity ARGS``: with the affinity maps per Service port."""
+    ``--per-port-affinity ARGS``: with the affinity maps per Service port;
+    ``--pinned-affinity ARGS``: with every affinity port's chains of its own."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] not in ("--chains", "--per-port-affinity"):
+    if not args or args[0] not in ("--chains", "--per-port-affinity", "--pinned-affinity"):
         print(
-            "usage: python -m bench.wholeproc --chains|--per-port-affinity KUBE-PROXY-FLAGS...",
+            "usage: python -m bench.wholeproc --chains|--per-port-affinity|--pinned-affinity "
+            "KUBE-PROXY-FLAGS...",
             file=sys.stderr,
         )
         return 2
@@ -145,6 +154,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from bench.subjects import per_port_affinity_backend
 
             return per_port_affinity_backend
+        if args[0] == "--pinned-affinity":
+            from bench.subjects import pinned_affinity_backend
+
+            return pinned_affinity_backend
         from bench.chain_structure import create_chain_backend
 
         return create_chain_backend

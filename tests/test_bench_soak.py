@@ -104,6 +104,24 @@ def test_clients_pinned_in_the_shared_affinity_maps_are_not_state() -> None:
     assert any(d.startswith("elements: 1 differ") for d in compare(other, fresh))
 
 
+def test_clients_in_the_frontend_keyed_maps_are_not_state_but_the_maps_are() -> None:
+    # A map keyed by the frontend exists while some port uses it: its name is state, the
+    # clients packets recorded in it are not.
+    key = {"concat": ["172.30.0.10", "tcp", 80, "10.99.0.9"]}
+    held = [[{"elem": {"val": key, "expires": 10799}}, {"concat": ["10.128.6.241", 8080]}]]
+    live = table_state(
+        listing(4, bit=False, endpoints=["10.0.0.1"], extra=[_set("affinity-frontends-7", held)])
+    )
+    fresh = table_state(
+        listing(1, bit=False, endpoints=["10.0.0.1"], extra=[_set("affinity-frontends-7", [])])
+    )
+    assert compare(live, fresh) == []
+    other = table_state(
+        listing(1, bit=False, endpoints=["10.0.0.1"], extra=[_set("affinity-frontends-8", [])])
+    )
+    assert compare(live, other) != []
+
+
 def service(name: str, **spec: Any) -> dict[str, Any]:
     body = {
         "type": "ClusterIP",

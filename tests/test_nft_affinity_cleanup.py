@@ -10,6 +10,8 @@ from kubeproxy.objects import IPFamily
 
 MAP_TYPE = "ipv4_addr : ipv4_addr . inet_service"
 A, B, C = ("10.180.0.1", "80"), ("10.180.0.2", "80"), ("10.180.0.3", "80")
+# The same endpoints as a list holds them (the keys a pin's allowed values come from).
+KA, KB = "10.180.0.1:80", "10.180.0.2:80"
 
 
 class Maps:
@@ -104,11 +106,11 @@ def test_shared_maps_lose_only_the_entries_of_the_pins_that_lost_endpoints() -> 
         }
     )
     clean = cleaner(maps)
-    other = AffinityPin(shard, P2, frozenset({B}))
-    before = pins(AffinityPin(shard, P1, frozenset({A, B})), other)
+    other = AffinityPin(shard, P2, (KB,))
+    before = pins(AffinityPin(shard, P1, (KA, KB)), other)
     clean.follow(before, before)
     assert clean.clean(lambda name: True) == 0 and maps.reads == []
-    clean.follow(before, pins(AffinityPin(shard, P1, frozenset({A})), other))
+    clean.follow(before, pins(AffinityPin(shard, P1, (KA,)), other))
     assert clean.clean(lambda name: True) == 0
     assert maps.reads == [shard]
     assert set(maps.entries[shard]) == {
@@ -124,15 +126,15 @@ def test_a_full_sync_cleans_the_shared_maps_it_found_with_entries_of_ports_gone(
         {held: {(*P1, "192.0.2.1"): A, (*P1, "192.0.2.2"): C, ("31", "32", "192.0.2.9"): C}}
     )
     clean = cleaner(maps)
-    every = Every(
-        (), (AffinityPin(held, P1, frozenset({A})), AffinityPin(new, P2, frozenset())), (held,)
-    )
+    every = Every((), (AffinityPin(held, P1, (KA,)), AffinityPin(new, P2, ())), (held,))
     maps.fail_write = True
     assert clean.clean(lambda name: True, every) == 1
     # Only the maps the kernel held before the sync are read; the refused batch is
     # tried again after the next sync, pins and all.
     assert maps.reads == [held]
-    assert clean.pin_losses == {held: {P1: frozenset({A})}}
+    assert {s: {p: v.allowed for p, v in pins.items()} for s, pins in clean.pin_losses.items()} == {
+        held: {P1: frozenset({A})}
+    }
     maps.fail_write = False
     assert clean.clean(lambda name: True, every) == 0
     assert maps.entries[held] == {(*P1, "192.0.2.1"): A}
@@ -170,3 +172,10 @@ def test_the_metric_reads_each_familys_count_and_skips_a_failed_read() -> None:
     assert (sample("IPv4"), sample("IPv6")) == (3.0, None)
     six.fails = False
     assert sample("IPv6") == 5.0
+
+
+def test_a_pins_allowed_values_come_from_its_lists_endpoints() -> None:
+    # IPv4: address and port; IPv6: the addresses of the pin's endpoint port.
+    assert AffinityPin("m", P1, (KA, KB)).allowed == frozenset({A, B})
+    six = AffinityPin("m", P1, ("[fd00::1]:8080", "[fd00::2]:9090", "[fd00::3]:8080"), 8080)
+    assert six.allowed == frozenset({("fd00::1",), ("fd00::3",)})

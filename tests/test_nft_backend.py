@@ -23,6 +23,7 @@ from kubeproxy.backends.nftables.fake import FakeNft, parse_commands
 from kubeproxy.backends.nftables.inspect import served_frontends, slots_of
 from kubeproxy.backends.nftables.layout import (
     AFFINITY_PER_PORT,
+    AFFINITY_PINNED,
     AFFINITY_SHARED,
     CLASS_NAME,
     generation_of,
@@ -39,6 +40,7 @@ from kubeproxy.backends.nftables.objects import (
 )
 from kubeproxy.backends.nftables.table import (
     AFFINITY_SHARDS,
+    affinity_frontend_shard,
     affinity_map_name,
     affinity_pin,
     port_identity,
@@ -1186,7 +1188,9 @@ def _pin(identity: str, which: str, port: int = 0) -> tuple[str, str, str]:
 
 def test_shared_affinity_entries_of_removed_endpoints_and_ports_are_deleted() -> None:
     world = World()
-    name = web(world, "10.180.0.1", "10.180.0.2", session_affinity_seconds=60)
+    # A NodePort: the port's entries are keyed by its pins.
+    sticky = {"session_affinity_seconds": 60, "node_port": 30080}
+    name = web(world, "10.180.0.1", "10.180.0.2", **sticky)
     fake = FakeNft()
     b = backend(fake)
     b.sync(world.snapshot(), full())
@@ -1203,7 +1207,7 @@ def test_shared_affinity_entries_of_removed_endpoints_and_ports_are_deleted() ->
     def keys() -> list[tuple[str, ...]]:
         return sorted(e.key for e in fake.list_elements(Family.IP, "kube-proxy", shard))
 
-    web(world, "10.180.0.2", session_affinity_seconds=60)
+    web(world, "10.180.0.2", **sticky)
     b.sync(world.snapshot(), changed(name))
     assert keys() == [(high, low, "10.0.0.6"), ("7", "8", "10.0.0.7")]
     b.sync(world.snapshot(), full())
@@ -1260,13 +1264,32 @@ def test_the_affinity_choice_is_checked() -> None:
         backend(FakeNft(), affinity="both")
 
 
-def test_explain_shows_a_ports_own_entries_of_its_shared_map() -> None:
+def test_explain_shows_a_ports_own_entries_of_its_frontend_keyed_map() -> None:
     from kubeproxy.backends.nftables.explain import FakeSource, TableView, explain_service
 
     world = World()
     name = web(world, "10.180.0.1", session_affinity_seconds=60)
     fake = FakeNft()
     backend(fake).sync(world.snapshot(), full())
+    shard, _number = affinity_frontend_shard(port_identity(name))
+    fake.run_text(
+        f"add element ip kube-proxy {shard} {{ "
+        "172.30.0.10 . tcp . 80 . 10.0.0.5 : 10.180.0.1 . 8080, "
+        "172.30.0.11 . tcp . 80 . 10.0.0.7 : 10.180.0.1 . 8080 }"
+    )
+    view = explain_service(TableView(FakeSource(fake), Family.IP), name.service)
+    (frontend,) = view.frontends
+    assert frontend.affinity_maps == (shard,)
+    assert [(a.client, a.endpoint) for a in frontend.affinity] == [("10.0.0.5", "10.180.0.1:8080")]
+
+
+def test_explain_shows_a_ports_own_entries_of_its_shared_map() -> None:
+    from kubeproxy.backends.nftables.explain import FakeSource, TableView, explain_service
+
+    world = World()
+    name = web(world, "10.180.0.1", session_affinity_seconds=60)
+    fake = FakeNft()
+    backend(fake, affinity=AFFINITY_PINNED).sync(world.snapshot(), full())
     shard, high, low = _pin(port_identity(name), "service")
     fake.run_text(
         f"add element ip kube-proxy {shard} {{ "
@@ -1276,3 +1299,158 @@ def test_explain_shows_a_ports_own_entries_of_its_shared_map() -> None:
     (frontend,) = view.frontends
     assert frontend.affinity_maps == (shard,)
     assert [(a.client, a.endpoint) for a in frontend.affinity] == [("10.0.0.5", "10.180.0.1:8080")]
+
+
+# Session affinity keyed by the frontend (issue 32 item 3) -----------------------------------
+
+_FRONTEND_LOOKUP = "ip daddr . meta l4proto . th dport . ip saddr"
+
+
+def _cluster_ip_port(n: int, seconds: int = 60, proto: Protocol = Protocol.TCP) -> ServicePort:
+    return ServicePort(
+        spn(f"s{n}", proto=proto),
+        ip(f"172.30.1.{n}"),
+        80,
+        proto,
+        session_affinity_seconds=seconds,
+    )
+
+
+def _affinity_chains(fake: FakeNft) -> dict[str, list[str]]:
+    return {
+        n: r
+        for n, r in _chains(fake).items()
+        if re.match(r"affinity-(lookup|record)-[A-Z2-7]{8}-", n)
+    }
+
+
+def _two_ports_of_one_shard() -> tuple[int, int]:
+    seen: dict[int, int] = {}
+    for n in range(1, 250):
+        _shard, number = affinity_frontend_shard(port_identity(_cluster_ip_port(n).name))
+        if number in seen:
+            return seen[number], n
+        seen[number] = n
+    raise AssertionError("no two ports share a map")  # 256 maps: a pair comes by ~20
+
+
+def test_a_cluster_ip_only_port_keys_its_entries_by_its_frontend_with_no_chain_of_its_own() -> None:
+    world = World()
+    first, second = _two_ports_of_one_shard()
+    for n in (first, second):
+        world.add(_cluster_ip_port(n), ep(f"10.180.1.{n}"))
+    world.add(_cluster_ip_port(200, proto=Protocol.UDP), ep("10.180.2.1"))
+    fake = FakeNft()
+    backend(fake).sync(world.snapshot(), full())
+    dump = fake.dump()
+    maps = lines(dump, r"^add map ip kube-proxy affinity-frontends-")
+    shard, number = affinity_frontend_shard(port_identity(_cluster_ip_port(first).name))
+    udp_shard, udp_number = affinity_frontend_shard(
+        port_identity(_cluster_ip_port(200, proto=Protocol.UDP).name)
+    )
+    # Only the maps some port uses are declared.
+    assert sorted(m.split()[4] for m in maps) == sorted({shard, udp_shard})
+    assert (
+        f"{{ typeof {_FRONTEND_LOOKUP} : ip daddr . th dport ; flags dynamic,timeout ;" in maps[0]
+    )
+    assert "size" not in maps[0]
+    chains = _affinity_chains(fake)
+    # One lookup chain per map and protocol, one record chain per map and timeout; no
+    # chain names a port.
+    assert not [n for n in chains if "/" in n]
+    record_rule = (
+        "meta l4proto { tcp, udp, sctp } update @{m} { ct original ip daddr . meta l4proto . "
+        "ct original proto-dst . ip saddr timeout 60s : ip daddr . th dport } accept"
+    )
+    expected = {
+        ("lookup", number): [f"meta l4proto tcp dnat to {_FRONTEND_LOOKUP} map @{shard}"],
+        ("record", number): [record_rule.replace("{m}", shard)],
+        ("lookup", udp_number): [f"meta l4proto udp dnat to {_FRONTEND_LOOKUP} map @{udp_shard}"],
+        ("record", udp_number): [record_rule.replace("{m}", udp_shard)],
+    }
+    found = {}
+    for name, rules in chains.items():
+        which, tail = name.split("-")[1], name.split("-")[-1]
+        found[which, int(tail)] = rules
+    assert found == expected
+    # Both ports of one map go to its chains.
+    lookup = next(
+        n for n in chains if n.startswith("affinity-lookup-") and n.endswith(f"-{number}")
+    )
+    record = next(
+        n for n in chains if n.startswith("affinity-record-") and n.endswith(f"-{number}")
+    )
+    for n in (first, second):
+        frontend = f"172.30.1.{n} . tcp . 80"
+        assert f"affinity-lookup-ips.g1 {{ {frontend} : jump {lookup} }}" in dump
+        assert f"affinity-record-ips.g1 {{ {frontend} : goto {record} }}" in dump
+
+
+def test_shared_chains_of_frontend_keyed_maps_go_with_their_last_port() -> None:
+    world = World()
+    first, second = _two_ports_of_one_shard()
+    for n in (first, second):
+        world.add(_cluster_ip_port(n), ep(f"10.180.1.{n}"))
+    fake, clock = FakeNft(), Clock()
+    b = backend(fake, clock)
+    b.sync(world.snapshot(), full())
+    before = set(_affinity_chains(fake))
+    assert len(before) == 2
+    shard, _number = affinity_frontend_shard(port_identity(_cluster_ip_port(first).name))
+    assert shard in fake.list_sets(Family.IP, "kube-proxy")
+    world.remove(_cluster_ip_port(first).name)
+    b.sync(world.snapshot(), changed(_cluster_ip_port(first).name))
+    clock.now += 2.0
+    b.collect_stale()
+    assert set(_affinity_chains(fake)) == before  # the second port still reads them
+    world.remove(_cluster_ip_port(second).name)
+    b.sync(world.snapshot(), changed(_cluster_ip_port(second).name))
+    clock.now += 2.0
+    b.sync(world.snapshot(), changed())
+    b.collect_stale()
+    assert _affinity_chains(fake) == {}
+    # The map went with its chains (and its entries: no port uses them).
+    assert shard not in fake.list_sets(Family.IP, "kube-proxy")
+
+
+def test_frontend_keyed_entries_of_removed_endpoints_and_ports_are_deleted() -> None:
+    world = World()
+    name = web(world, "10.180.0.1", "10.180.0.2", session_affinity_seconds=60)
+    fake = FakeNft()
+    b = backend(fake)
+    b.sync(world.snapshot(), full())
+    shard, _number = affinity_frontend_shard(port_identity(name))
+    # Another frontend's entry (no port has it) in the same map, pointing at the endpoint
+    # that goes: left alone by the incremental sync, gone at the full sync.
+    fake.run_text(
+        f"add element ip kube-proxy {shard} {{ "
+        "172.30.0.10 . tcp . 80 . 10.0.0.5 : 10.180.0.1 . 8080, "
+        "172.30.0.10 . tcp . 80 . 10.0.0.6 : 10.180.0.2 . 8080, "
+        "172.30.0.99 . tcp . 80 . 10.0.0.7 : 10.180.0.1 . 8080 }"
+    )
+
+    def keys() -> list[tuple[str, ...]]:
+        return sorted(e.key for e in fake.list_elements(Family.IP, "kube-proxy", shard))
+
+    web(world, "10.180.0.2", session_affinity_seconds=60)
+    b.sync(world.snapshot(), changed(name))
+    assert keys() == [
+        ("172.30.0.10", "tcp", "80", "10.0.0.6"),
+        ("172.30.0.99", "tcp", "80", "10.0.0.7"),
+    ]
+    b.sync(world.snapshot(), full())
+    assert keys() == [("172.30.0.10", "tcp", "80", "10.0.0.6")]
+
+
+def test_a_port_with_more_addresses_and_the_pinned_structure_keep_chains_of_their_own() -> None:
+    world = World()
+    web(world, "10.180.0.1", session_affinity_seconds=60, node_port=30080)
+    world.add(_cluster_ip_port(1), ep("10.180.1.1"))
+    for affinity, own in ((AFFINITY_SHARED, 1), (AFFINITY_PINNED, 2)):
+        fake = FakeNft()
+        backend(fake, affinity=affinity).sync(world.snapshot(), full())
+        chains = _affinity_chains(fake)
+        # Each port of its own: a lookup and a record chain named after it.
+        assert len([n for n in chains if "/" in n]) == 2 * own
+        frontends = lines(fake.dump(), r"^add map ip kube-proxy affinity-frontends-")
+        assert len(frontends) == (1 if affinity == AFFINITY_SHARED else 0)

@@ -1,7 +1,8 @@
 """Session affinity entries that point at endpoints gone (:class:`AffinityCleaner`).
 
-An affinity entry (``pin . client : endpoint`` in a shared map, or ``client : endpoint``
-in a map of the port's own, see the package README) keeps a client's endpoint for the
+An affinity entry (``pin . client : endpoint`` in a shared map, ``frontend . client :
+endpoint`` in a shared map keyed by the frontend, or ``client : endpoint`` in a map of
+the port's own, see the package README) keeps a client's endpoint for the
 affinity timeout. When the list loses an endpoint, the entries pointing at it must go,
 or the clients they name keep being sent to an address that no longer serves them. The
 kernel cannot do it (nothing links a map's values to the endpoint lists, and nft 1.0.6
@@ -21,10 +22,10 @@ from kubeproxy.backends.nftables.elements import ElementBatch
 from kubeproxy.backends.nftables.exec import NftExecutor
 from kubeproxy.backends.nftables.frontends import AffinityMap, AffinityPin, AffinityPlan
 from kubeproxy.backends.nftables.objects import Family, NftError
-from kubeproxy.backends.nftables.table import TABLE, Key
+from kubeproxy.backends.nftables.table import AFFINITY_FRONTEND_PREFIX, TABLE, Key
 from kubeproxy.objects import IPFamily
 
-__all__ = ["AFFINITY_TYPES", "SHARD_TYPES", "AffinityCleaner", "Every"]
+__all__ = ["AFFINITY_TYPES", "FRONTEND_SHARD_TYPES", "SHARD_TYPES", "AffinityCleaner", "Every"]
 
 log = logging.getLogger("kubeproxy.backends.nftables.backend")
 
@@ -39,6 +40,14 @@ SHARD_TYPES = {
     IPFamily.IPV6: (("integer", "integer", "integer"), ("ipv6_addr",)),
 }
 """The data types of the shared affinity maps (:data:`~.layout.AFFINITY_SHARD_TYPES`)."""
+_Types = tuple[tuple[str, ...], tuple[str, ...]]
+FRONTEND_SHARD_TYPES: _Types = (
+    ("ipv4_addr", "inet_proto", "inet_service", "ipv4_addr"),
+    ("ipv4_addr", "inet_service"),
+)
+"""The data types of the shared maps keyed by the frontend
+(:data:`~.layout.AFFINITY_FRONTEND_TYPE`, IPv4 only): their pins are the key's first
+three parts."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,8 +72,9 @@ class AffinityCleaner:
         self._executor = executor
         # Maps whose entries may point at endpoints gone: name -> allowed values.
         self.losses: dict[str, frozenset[Key]] = {}
-        # The same for the shared maps: shard -> pin -> allowed values.
-        self.pin_losses: dict[str, dict[Key, frozenset[Key]]] = {}
+        # The same for the shared maps: shard -> pin -> the pin (its allowed values are
+        # worked out only for the pins of entries a map holds).
+        self.pin_losses: dict[str, dict[Key, AffinityPin]] = {}
 
     def follow(self, old: AffinityPlan | None, new: AffinityPlan | None) -> None:
         """A port's affinity went from ``old`` to ``new``: note its maps (and pins) whose
@@ -76,16 +86,26 @@ class AffinityCleaner:
             before = allowed.get(spec.name)
             if before is None or not before <= spec.allowed:
                 self.losses[spec.name] = spec.allowed
-        pinned = {p.pin: p.allowed for p in (old.pins if old is not None else ())}
+        pinned = {p.pin: p for p in (old.pins if old is not None else ())}
         for pin in new.pins:
-            before = pinned.get(pin.pin)
-            if before is None or not before <= pin.allowed:
-                self.pin_losses.setdefault(pin.shard, {})[pin.pin] = pin.allowed
+            held = pinned.get(pin.pin)
+            if held is None or (
+                held.endpoints != pin.endpoints and not held.allowed <= pin.allowed
+            ):
+                self.pin_losses.setdefault(pin.shard, {})[pin.pin] = pin
 
     def forget(self) -> None:
         """Drop what was noted (a new generation: a full sync cleans every map)."""
         self.losses = {}
         self.pin_losses = {}
+
+    def _shared_test(
+        self, name: str, pins: dict[Key, AffinityPin], strict: bool
+    ) -> tuple[_Types, Callable[[Key, Key], bool]]:
+        """The data types of shared map ``name`` and which of its entries go."""
+        if name.startswith(AFFINITY_FRONTEND_PREFIX):
+            return FRONTEND_SHARD_TYPES, _shared(pins, strict, 3)
+        return self._shard_types, _shared(pins, strict, 2)
 
     def clean(self, live: Callable[[str], bool], every: Every | None = None) -> int:
         """Best effort: delete the entries that point at endpoints no longer allowed,
@@ -100,13 +120,13 @@ class AffinityCleaner:
             pin_losses = {shard: {} for shard in every.shards}
             for pin in every.pins:
                 if pin.shard in pin_losses:
-                    pin_losses[pin.shard][pin.pin] = pin.allowed
+                    pin_losses[pin.shard][pin.pin] = pin
         failures = 0
         deletes: list[tuple[str, Key]] = []
         types: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
         for name, kinds, test in (
             *((n, self._types, _per_port(a)) for n, a in losses.items()),
-            *((n, self._shard_types, _shared(p, every is not None)) for n, p in pin_losses.items()),
+            *((n, *self._shared_test(n, p, every is not None)) for n, p in pin_losses.items()),
         ):
             if not live(name):
                 continue
@@ -141,14 +161,19 @@ def _per_port(allowed: frozenset[Key]) -> Callable[[Key, Key], bool]:
     return lambda _key, value: value not in allowed
 
 
-def _shared(pins: dict[Key, frozenset[Key]], strict: bool) -> Callable[[Key, Key], bool]:
-    """Whether an entry of a shared map goes: its pin's endpoint is not allowed, or
-    (``strict``, after a full sync) no port has its pin."""
+def _shared(pins: dict[Key, AffinityPin], strict: bool, width: int) -> Callable[[Key, Key], bool]:
+    """Whether an entry of a shared map goes: its pin (the key's first ``width`` parts)'s
+    endpoint is not allowed, or (``strict``, after a full sync) no port has its pin."""
+    allowed: dict[Key, frozenset[Key]] = {}
 
     def gone(key: Key, value: Key) -> bool:
-        allowed = pins.get(key[:2])
-        if allowed is None:
-            return strict
-        return value not in allowed
+        head = key[:width]
+        values = allowed.get(head)
+        if values is None:
+            pin = pins.get(head)
+            if pin is None:
+                return strict
+            values = allowed[head] = pin.allowed
+        return value not in values
 
     return gone

@@ -73,10 +73,12 @@ from kubeproxy.backends.nftables.generation import (
 from kubeproxy.backends.nftables.layout import (
     AFFINITY_FULL_COMMENT,
     AFFINITY_MAPS,
+    AFFINITY_PINNED,
     AFFINITY_SHARED,
     DISPATCH_TREE,
     Dispatch,
     affinity_container,
+    affinity_frontend_map,
     affinity_shards,
     generation_of,
     precreated_classes,
@@ -93,6 +95,7 @@ from kubeproxy.backends.nftables.stale import (
 )
 from kubeproxy.backends.nftables.support import check_support
 from kubeproxy.backends.nftables.table import (
+    AFFINITY_FRONTEND_PREFIX,
     AFFINITY_FULL,
     TABLE,
     TABLE_COMMENT,
@@ -214,7 +217,9 @@ class NftablesBackend:
         self._family = family
         self._nft_family = _FAMILIES[family]
         self._tokens: FamilyTokens = tokens_for(family)
-        self._shared_affinity = affinity == AFFINITY_SHARED
+        self._shared_affinity = affinity in (AFFINITY_SHARED, AFFINITY_PINNED)
+        self._frontend_affinity = affinity == AFFINITY_SHARED
+        self._affinity_size = affinity_size
         self._shards = affinity_shards(self._tokens, affinity_size) if self._shared_affinity else ()
         self._config = config
         self._executor = executor
@@ -451,6 +456,7 @@ class NftablesBackend:
                     logger=log,
                 ),
                 shared_affinity=self._shared_affinity,
+                frontend_affinity=self._frontend_affinity,
             )
         node_ports = snapshot.node_port_addresses
         if node_ports != self._node_ports:
@@ -498,7 +504,9 @@ class NftablesBackend:
         self._stale.listed(chains, sets)
         # The shared affinity maps the kernel held (a new one holds nothing to clean);
         # every full sync declares them all.
-        self._held_shards = tuple(c.name for c in self._shards if c.name in sets)
+        self._held_shards = tuple(c.name for c in self._shards if c.name in sets) + tuple(
+            s for s in sets if s.startswith(AFFINITY_FRONTEND_PREFIX)
+        )
         for spec in self._shards:
             self._stale.take(set_object(spec.name))
         self._inputs = inputs
@@ -705,6 +713,9 @@ class NftablesBackend:
         for spec in plan.maps:
             if stale.take(set_object(spec.name)):
                 add_container(tx, affinity_container(spec.name, spec.type))
+        for name in plan.shared_maps:
+            if stale.take(set_object(name)):
+                add_container(tx, affinity_frontend_map(name, self._affinity_size))
         for chain in plan.chains:
             if stale.take(chain_object(chain.name)):
                 tx.add_chain(chain.name)

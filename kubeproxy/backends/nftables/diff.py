@@ -11,6 +11,7 @@ them in bounded transactions); these functions only say which.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 from collections.abc import Iterable, Mapping, Sequence
@@ -225,8 +226,15 @@ def diff_frontend(
             if old_chain is not None:
                 sink.delete(container, key)
             if new_chain is not None:
-                sink.add(container, key, (f"{verdict} {new_chain}",))
+                sink.add(container, key, _verdict(verdict, new_chain))
     return HeldFrontend(new, main, short) if new is not None else None
+
+
+@functools.lru_cache(maxsize=4096)
+def _verdict(verb: str, chain: str) -> tuple[str]:
+    """An affinity verdict element's value: one tuple for every frontend of the chains
+    ports share (the frontend-keyed maps'), not one per element."""
+    return (f"{verb} {chain}",)
 
 
 def write_frontend(
@@ -252,11 +260,11 @@ def write_frontend(
     if fe.no_endpoint is not None:
         sink.add(names.no_endpoint(kind, fe.no_endpoint), key, comment=name)
     if fe.lookup is not None:
-        sink.add(names.affinity_lookup(kind, False), key, (f"jump {fe.lookup}",))
+        sink.add(names.affinity_lookup(kind, False), key, _verdict("jump", fe.lookup))
     if fe.shortcut_lookup is not None:
-        sink.add(names.affinity_lookup(kind, True), key, (f"jump {fe.shortcut_lookup}",))
+        sink.add(names.affinity_lookup(kind, True), key, _verdict("jump", fe.shortcut_lookup))
     if fe.record is not None:
-        sink.add(names.affinity_record(kind), key, (f"goto {fe.record}",))
+        sink.add(names.affinity_record(kind), key, _verdict("goto", fe.record))
     return HeldFrontend(fe, fe.endpoints, fe.shortcut)
 
 

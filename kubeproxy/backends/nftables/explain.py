@@ -39,7 +39,7 @@ from kubeproxy.backends.nftables.frontends import (
 from kubeproxy.backends.nftables.layout import SLOT_PROTOCOLS, GenNames, generation_of
 from kubeproxy.backends.nftables.objects import Family
 from kubeproxy.backends.nftables.reader import Item, RuleRefs
-from kubeproxy.backends.nftables.table import TABLE, Names
+from kubeproxy.backends.nftables.table import AFFINITY_FRONTEND_PREFIX, TABLE, Names
 from kubeproxy.objects import IPAddress, NamespacedName
 
 __all__ = [
@@ -471,7 +471,8 @@ class TableView:
             if self.get(names.no_endpoint(kind, verdict), key) is not None:
                 no_endpoint = str(verdict)
         maps: list[str] = []
-        # A shared map's entries of this port: its lookup rules' pin numbers.
+        # A shared map's entries of this port: its lookup rules' pin numbers, or (maps keyed
+        # by the frontend) the frontend itself.
         pins: dict[str, set[Key]] = {}
         timeout = None
         entries: list[Affinity] = []
@@ -491,9 +492,14 @@ class TableView:
                         timeout = rule.timeout_s
             for affinity_map in maps:
                 mine = pins.get(affinity_map)
+                by_frontend = affinity_map.startswith(AFFINITY_FRONTEND_PREFIX)
                 for item in self.dump(affinity_map).values():
                     client = item.key[0]
-                    if mine is not None:
+                    if by_frontend:
+                        if item.key[:3] != key:
+                            continue  # another frontend's entry
+                        client = item.key[3]
+                    elif mine is not None:
                         if item.key[:2] not in mine:
                             continue  # another port's entry
                         client = item.key[2]  # IPv6: a hash of the client's address

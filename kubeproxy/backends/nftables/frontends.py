@@ -33,11 +33,13 @@ from typing import Final
 
 from kubeproxy.backends.nftables.table import (
     AFFINITY6_MAP_TYPE,
+    AFFINITY_MAP_PREFIX,
     MAX_AFFINITY_SECONDS,
     ChainSpec,
     InvalidPort,
     Key,
     RenderContext,
+    affinity_frontend_shard,
     affinity_map_name,
     affinity_pin,
     chain_name,
@@ -151,6 +153,84 @@ is given: without one the kernel draws one per rule, and the lookup and the reco
 hash differently."""
 _CLUSTER_LIST = "service"
 _LOCAL_LIST = "local"
+_FRONTEND_LOOKUP = "ip daddr . meta l4proto . th dport . ip saddr"
+# After DNAT the frontend is the connection's original destination. nft types ``ct
+# original proto-dst`` only after a protocol match, and lists a one-protocol match before
+# ``th dport`` as the dependency of ``tcp dport``, dropping it: the listing would not load
+# again. A set of protocols stays as written (as in ``affinity-find``).
+_FRONTEND_RECORD = (
+    "meta l4proto {{ tcp, udp, sctp }} update @{shard} {{ ct original ip daddr . meta l4proto"
+    " . ct original proto-dst . ip saddr timeout {seconds}s : ip daddr . th dport }} accept"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _ByFrontend:
+    """The ClientIP affinity of a port keyed by its frontend: the chains its verdict
+    elements go to, and its plan."""
+
+    lookup: str
+    record: str
+    plan: AffinityPlan
+
+
+def _frontend_affinity(
+    ctx: RenderContext,
+    port: ServicePort,
+    frontend: Key,
+    endpoints: tuple[str, ...],
+) -> _ByFrontend | None:
+    """A port that answers on its cluster IP only needs no pin: that frontend names the
+    port, and the packet carries it (its original destination after DNAT), so its
+    entries go in a map keyed by the frontend, read and written by chains every such port
+    of the map (and protocol, or timeout) shares, and the port has no chain of its own.
+    Each port's two chains (their creation, their rules' map bindings, every later
+    commit walking them) were most of what affinity cost a cold sync (see the package
+    README). None for the ports that keep their pins: IPv6 (a frontend and a client do
+    not fit the 16 bytes of key nft 1.0.6 leaves before the value), and ports with more
+    addresses, whose entry must be the same whichever address a client came through
+    (nft 1.0.6 cannot turn a frontend into another key with a map)."""
+    if (
+        not (ctx.shared_affinity and ctx.frontend_affinity)
+        or ctx.tokens.family is IPFamily.IPV6
+        or port.external_ips
+        or port.load_balancer_vips
+        or port.node_port
+    ):
+        return None
+    shard, _number = affinity_frontend_shard(port_identity(port.name))
+    lookup, record, chains, shared = _frontend_chains(
+        shard, port.protocol.lower, port.session_affinity_seconds
+    )
+    pin = AffinityPin(shard, frontend, endpoints)
+    return _ByFrontend(lookup, record, AffinityPlan((), chains, (), (pin,), shared))
+
+
+# Every port of a map (and protocol, or timeout) shares these chains: built once (a chain
+# name is a SHA-256 of its rules, 8 us, twice a port: 0.5 s at 30k ports; and their tuples
+# are one object each, not one per port: fewer objects for every pass of the collector).
+# Bounded by the maps, the protocols and the timeouts in use.
+@functools.lru_cache(maxsize=4096)
+def _frontend_chains(
+    shard: str, proto: str, seconds: int
+) -> tuple[str, str, tuple[ChainSpec, ...], tuple[str, ...]]:
+    """The lookup chain of frontend-keyed map ``shard`` for protocol ``proto``, its record
+    chain for ``seconds`` (see :meth:`_Affinity.record`), both, and the map (as a
+    plan holds them)."""
+    owner = _chain_owner(shard)
+    lookup = (f"meta l4proto {proto} dnat to {_FRONTEND_LOOKUP} map @{shard}",)
+    record = (_FRONTEND_RECORD.format(shard=shard, seconds=seconds),)
+    specs = (
+        ChainSpec(chain_name("affinity-lookup", owner, lookup), lookup),
+        ChainSpec(chain_name("affinity-record", owner, record), record),
+    )
+    return specs[0].name, specs[1].name, specs, (shard,)
+
+
+def _chain_owner(shard: str) -> str:
+    """What a shared chain's name ends with: ``frontends-<n>`` (no port's name: the chain
+    belongs to every port of its map)."""
+    return shard.removeprefix(AFFINITY_MAP_PREFIX)
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -252,13 +332,27 @@ class AffinityMap:
 class AffinityPin:
     """The entries of one endpoint list of a Service port in a shared affinity map
     (:func:`~.table.affinity_pin`): in map ``shard``, keyed by the two numbers ``pin``
-    (as nft lists them) and the client. ``allowed`` are the values an entry may hold
-    while the list is what it is; the backend deletes the others after an endpoint went
-    away."""
+    (as nft lists them) and the client; or, in a map keyed by the frontend
+    (:func:`~.table.affinity_frontend_shard`), by the frontend ``pin`` (address, protocol,
+    port) and the client. ``endpoints`` are the list's endpoint keys (the plan's own
+    tuple) and ``port`` the endpoint port of an IPv6 pin (whose entries hold the address
+    alone; 0 where they hold address and port): what :attr:`allowed` is made of, only
+    when the cleaner needs it (a frozenset of values a port was 2.4 KB and 5 us, for
+    every port at every full sync)."""
 
     shard: str
-    pin: tuple[str, str]
-    allowed: frozenset[Key]
+    pin: Key
+    endpoints: tuple[str, ...]
+    port: int = 0
+
+    @property
+    def allowed(self) -> frozenset[Key]:
+        """The values an entry may hold while the list is what it is; the backend deletes
+        the others after an endpoint went away."""
+        values = (endpoint_value(key) for key in self.endpoints)
+        if self.port:
+            return frozenset((host,) for host, port in values if int(port) == self.port)
+        return frozenset(values)
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,6 +376,9 @@ class AffinityPlan:
     chains: tuple[ChainSpec, ...]
     local_members: tuple[Key, ...] = ()
     pins: tuple[AffinityPin, ...] = ()
+    shared_maps: tuple[str, ...] = ()
+    """The maps keyed by the frontend the port's entries are in (declared while some
+    port uses them, see :func:`~.layout.affinity_frontend_map`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -390,11 +487,18 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
     local = _keys(eps.local) if port.uses_local_endpoints else ()
     internal = local if port.internal_policy_local else cluster
     no_endpoint = DROP if eps.has_any else REJECT
-    affinity = _Affinity(ctx, port, cluster, local) if sticky else None
-    record = affinity.record() if affinity is not None else None
+    cluster_key: Key = (cip, proto, port_text)
+    affinity = None
+    record = internal_lookup = by_frontend = None
+    if sticky:
+        by_frontend = _frontend_affinity(ctx, port, cluster_key, internal)
+        if by_frontend is None:
+            affinity = _Affinity(ctx, port, cluster, local)
+            record = affinity.record()
+        else:
+            record, internal_lookup = by_frontend.record, by_frontend.lookup
 
     frontends: list[Frontend] = []
-    cluster_key: Key = (cip, proto, port_text)
     claims: list[Key] = [cluster_key]
     name = frontend_comment(port.name)
     internal_list = _LOCAL_LIST if port.internal_policy_local else _CLUSTER_LIST
@@ -405,7 +509,7 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
                 cluster_key,
                 _class(KIND_IP, SHAPE_INTERNAL, len(internal), 0, sticky),
                 internal,
-                lookup=affinity.lookup(internal_list) if affinity else None,
+                lookup=affinity.lookup(internal_list) if affinity else internal_lookup,
                 record=record,
                 name=name,
             )
@@ -476,7 +580,7 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
         cip,
         hairpin,
         tuple(claims),
-        affinity.plan() if affinity is not None else None,
+        affinity.plan() if affinity is not None else by_frontend.plan if by_frontend else None,
     )
 
 
@@ -524,7 +628,7 @@ class _Affinity:
         self.lists = {_CLUSTER_LIST: cluster, _LOCAL_LIST: local}
         self.ipv6 = ctx.tokens.family is IPFamily.IPV6
         self.maps: dict[str, AffinityMap] = {}
-        self.pins: dict[tuple[str, str], AffinityPin] = {}
+        self.pins: dict[Key, AffinityPin] = {}
         self.targets: dict[str, list[tuple[str, str, int]]] = {}
         self.chains: dict[str, ChainSpec] = {}
         # The lists some frontend picks from, known before any frontend is built (the
@@ -571,19 +675,14 @@ class _Affinity:
         ip = "ip6" if self.ipv6 else "ip"
         if not self.ctx.shared_affinity:
             return [(name, f"{ip} saddr", port) for name, port in self._maps_of(which)]
-        endpoints = [endpoint_value(key) for key in self.lists[which]]
-        ports = sorted({int(p) for _host, p in endpoints}) if self.ipv6 else [0]
+        lists = self.lists[which]
+        ports = sorted({int(endpoint_value(k)[1]) for k in lists}) if self.ipv6 else [0]
         out = []
         for port in ports:
             shard, high, low = affinity_pin(self.identity, which, port)
             pin = (str(high), str(low))
             if pin not in self.pins:
-                allowed = frozenset(
-                    (h,) if self.ipv6 else (h, p)
-                    for h, p in endpoints
-                    if not self.ipv6 or int(p) == port
-                )
-                self.pins[pin] = AffinityPin(shard, pin, allowed)
+                self.pins[pin] = AffinityPin(shard, pin, lists, port)
             client = AFFINITY6_CLIENT if self.ipv6 else "ip saddr"
             key = f"{_CONSTANT} offset {high} . {_CONSTANT} offset {low} . {client}"
             out.append((shard, key, port))

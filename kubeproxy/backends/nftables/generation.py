@@ -156,6 +156,7 @@ def content_objects(plan: AffinityPlan | None) -> Iterator[TableObject]:
     if plan is None:
         return
     yield from (set_object(m.name) for m in plan.maps)
+    yield from (set_object(name) for name in plan.shared_maps)
     yield from (chain_object(c.name) for c in plan.chains)
 
 

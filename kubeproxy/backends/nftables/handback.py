@@ -10,9 +10,9 @@ hold a ``/``, ``affinity-`` *sets*), so ours stay (:func:`is_ours`):
 * our generation: every chain, set and map named ``<name>.g<N>`` (slot maps hold one
   element per endpoint: about 150k elements at 10k Services of 10 endpoints);
 * the affinity objects and the fixed ones around them: the shared maps
-  ``affinity-clients-<n>`` (an earlier version's per-port ``affinity-<16 characters>``),
-  chains ``affinity-lookup-...``, ``affinity-record``, ``affinity-find``,
-  ``affinity-full`` and the like, the set ``affinity-local-endpoints``;
+  ``affinity-clients-<n>``, ``affinity-frontends-<n>`` (an earlier version's per-port
+  ``affinity-<16 characters>``), chains ``affinity-lookup-...``, ``affinity-record``,
+  ``affinity-find``, ``affinity-full`` and the like, the set ``affinity-local-endpoints``;
 * with ``KubeProxyNFTablesLocalhostNodePorts``, the ``localhost-nodeports`` base chain
   and its sets (``localhost.KEPT_OBJECTS``): they would go on rejecting loopback
   NodePorts of our last sync.

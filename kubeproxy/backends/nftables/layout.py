@@ -73,9 +73,11 @@ from kubeproxy.backends.nftables.table import (
 )
 
 __all__ = [
+    "AFFINITY_FRONTEND_TYPE",
     "AFFINITY_FULL_COMMENT",
     "AFFINITY_MAPS",
     "AFFINITY_PER_PORT",
+    "AFFINITY_PINNED",
     "AFFINITY_PROTOCOLS",
     "AFFINITY_SHARD_TYPES",
     "AFFINITY_SHARED",
@@ -87,6 +89,7 @@ __all__ = [
     "Dispatch",
     "GenNames",
     "Pick",
+    "affinity_frontend_map",
     "affinity_shards",
     "class_bits",
     "class_chain",
@@ -716,10 +719,15 @@ def public_containers(tokens: FamilyTokens) -> tuple[ContainerSpec, ...]:
 
 
 AFFINITY_SHARED = "shared"
-"""ClientIP affinity in the shared maps (:func:`affinity_shards`), the default."""
+"""ClientIP affinity in the shared maps (:func:`affinity_shards`), the default: a port that
+answers on its cluster IP only keys its entries by that frontend (no chain of its own), the
+others by their pins."""
+AFFINITY_PINNED = "pinned"
+"""The shared maps with every port's entries keyed by its pins, each port with a lookup and
+a record chain of its own (before the frontend-keyed maps; benchmarks)."""
 AFFINITY_PER_PORT = "per-port"
 """ClientIP affinity in maps of each Service port's own (before issue 32; benchmarks)."""
-AFFINITY_MAPS = (AFFINITY_SHARED, AFFINITY_PER_PORT)
+AFFINITY_MAPS = (AFFINITY_SHARED, AFFINITY_PINNED, AFFINITY_PER_PORT)
 
 AFFINITY_SHARD_TYPES = {
     "ip": "numgen random mod 1 . numgen random mod 1 . ip saddr : ip daddr . th dport",
@@ -728,6 +736,12 @@ AFFINITY_SHARD_TYPES = {
 """The ``typeof`` of the shared affinity maps: two 32-bit pin numbers (written as ``numgen
 random mod 1 offset N``, see :mod:`.frontends`) and the client (IPv6: a 32-bit hash of
 it, typed as any 32-bit number) : the endpoint."""
+AFFINITY_FRONTEND_TYPE = "ip daddr . meta l4proto . th dport . ip saddr : ip daddr . th dport"
+"""The ``typeof`` of the shared affinity maps keyed by the frontend (IPv4 only): the
+cluster IP, protocol and port, and the client : the endpoint. The key is 16 bytes, one
+register: nft 1.0.6 writes a dynamic map's value into the register after the first 16
+bytes of the key (see the IPv6 key of :data:`AFFINITY_SHARD_TYPES`), so a longer key
+would be overwritten; an IPv6 frontend does not fit, and IPv6 keeps the pins."""
 
 
 def affinity_shards(tokens: FamilyTokens, size: int | None = None) -> tuple[ContainerSpec, ...]:
@@ -739,16 +753,28 @@ def affinity_shards(tokens: FamilyTokens, size: int | None = None) -> tuple[Cont
     port sharing its map with 1 in 256 of the others. ``size`` (tests) declares it."""
     kind = AFFINITY_SHARD_TYPES[tokens.table_family]
     return tuple(
-        ContainerSpec(
-            f"{AFFINITY_SHARD_PREFIX}{n}",
-            True,
-            kind,
-            flags=("dynamic", "timeout"),
-            timeout=AFFINITY_TIMEOUT,
-            size=size,
-            typeof=True,
-        )
-        for n in range(AFFINITY_SHARDS)
+        _dynamic_map(f"{AFFINITY_SHARD_PREFIX}{n}", kind, size) for n in range(AFFINITY_SHARDS)
+    )
+
+
+def affinity_frontend_map(name: str, size: int | None = None) -> ContainerSpec:
+    """A shared affinity map keyed by the frontend (``affinity-frontends-<n>``, IPv4),
+    outside generations. Declared when a port first uses it and deleted (with its
+    entries) once no port does, as the content-named objects: 256 empty maps in every
+    table made every full sync and every listing of the table longer (the fake's
+    listing of a test's table, 1.6x). Bounded as :func:`affinity_shards`."""
+    return _dynamic_map(name, AFFINITY_FRONTEND_TYPE, size)
+
+
+def _dynamic_map(name: str, kind: str, size: int | None) -> ContainerSpec:
+    return ContainerSpec(
+        name,
+        True,
+        kind,
+        flags=("dynamic", "timeout"),
+        timeout=AFFINITY_TIMEOUT,
+        size=size,
+        typeof=True,
     )
 
 

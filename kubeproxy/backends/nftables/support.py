@@ -247,6 +247,45 @@ PROBES: Final[tuple[FeatureProbe, ...]] = (
         evidence=_OLDEST_TESTED,
     ),
     FeatureProbe(
+        "frontlookup",
+        "DNAT to address . port from a map keyed by destination, protocol and client",
+        "5.10",
+        "1.0.6",
+        "ClientIP session affinity of a port answering on its cluster IP only: the"
+        " recorded endpoint of a client",
+        ("nat", "prerouting"),
+        (
+            "meta l4proto tcp dnat to ip daddr . meta l4proto . th dport . ip saddr"
+            " map @frontlookup-map",
+        ),
+        (
+            "map frontlookup-map { typeof ip daddr . meta l4proto . th dport . ip saddr"
+            " : ip daddr . th dport ; flags dynamic,timeout ; timeout 10800s ; }",
+        ),
+        frozenset({Family.IP}),
+        evidence="tested on Debian 12's 6.1 and 6.12 and on 6.18",
+    ),
+    FeatureProbe(
+        "frontupdate",
+        "map updates keyed by the original destination, protocol and client",
+        "5.10",
+        "1.0.6",
+        "ClientIP session affinity of a port answering on its cluster IP only: recording"
+        " a new connection's endpoint",
+        ("filter", "forward"),
+        (
+            "meta l4proto { tcp, udp, sctp } update @frontupdate-map { ct original ip daddr"
+            " . meta l4proto . ct original proto-dst . ip saddr timeout 10s"
+            " : ip daddr . th dport }",
+        ),
+        (
+            "map frontupdate-map { typeof ip daddr . meta l4proto . th dport . ip saddr"
+            " : ip daddr . th dport ; flags dynamic,timeout ; timeout 10800s ; }",
+        ),
+        frozenset({Family.IP}),
+        evidence="tested on Debian 12's 6.1 and 6.12 and on 6.18",
+    ),
+    FeatureProbe(
         "update6",
         "map updates with a timeout from the packet path",
         "5.10",

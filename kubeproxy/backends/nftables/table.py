@@ -42,6 +42,7 @@ from kubeproxy.objects import IPAddress, IPFamily, ServicePortName
 __all__ = [
     "AFFINITY6_MAP_TYPE",
     "AFFINITY_FIND",
+    "AFFINITY_FRONTEND_PREFIX",
     "AFFINITY_FULL",
     "AFFINITY_MAP_PREFIX",
     "AFFINITY_SHARDS",
@@ -60,6 +61,7 @@ __all__ = [
     "Key",
     "Names",
     "RenderContext",
+    "affinity_frontend_shard",
     "affinity_map_name",
     "affinity_pin",
     "base_chains",
@@ -98,6 +100,10 @@ names: one map named by every port's two chains is quadratic in the ports, a map
 quadratic in the maps; 256 keeps both walks short at 100k ports. Measured with ``nft -f``,
 30k ports, a lookup and a record chain each: 1 map 8.9 s, 16 maps 9.6 s, 64 6.2 s, 256
 5.3 s, against 2.5-3.2 s for the same chains naming no map (2026-11-29, shared machine)."""
+AFFINITY_FRONTEND_PREFIX = "affinity-frontends-"
+"""Prefix of the shared affinity maps keyed by the frontend itself
+(:func:`affinity_frontend_shard`): ``affinity-frontends-0`` to ``affinity-frontends-255``,
+IPv4 only."""
 AFFINITY_FIND = "affinity-find"
 """The chain that sends a new connection to its port's record chain (``goto``, by the
 ``affinity-record-*`` verdict maps): with the shared maps one that comes back to
@@ -288,6 +294,10 @@ class RenderContext:
     shared_affinity: bool = True
     """ClientIP affinity in the shared maps (:func:`affinity_pin`), or (False, the
     benchmarks' structure before issue 32) in maps of each port's own."""
+    frontend_affinity: bool = True
+    """With the shared maps: an IPv4 port that answers on its cluster IP only keys its
+    entries by that frontend (:func:`affinity_frontend_shard`), or (False, the benchmarks'
+    structure before) by its pins like every other port."""
 
     @classmethod
     def build(
@@ -409,6 +419,18 @@ def affinity_map_name(identity: str, prefix: str, port: int) -> str:
     return f"{AFFINITY_MAP_PREFIX}{base64.b32encode(digest)[:16].decode()}"
 
 
+def _shard_number(identity: str) -> int:
+    return int.from_bytes(hashlib.sha256(identity.encode()).digest()[:4], "big") % AFFINITY_SHARDS
+
+
+def affinity_frontend_shard(identity: str) -> tuple[str, int]:
+    """The shared map keyed by the frontend (``affinity-frontends-<n>``) that holds the
+    ClientIP entries of a port answering on its cluster IP only, and ``n``: by ``identity``
+    alone, the number :func:`affinity_pin` gives the port."""
+    number = _shard_number(identity)
+    return f"{AFFINITY_FRONTEND_PREFIX}{number}", number
+
+
 def affinity_pin(identity: str, which: str, port: int) -> tuple[str, int, int]:
     """Where a port's ClientIP entries live in the shared maps: the map (``affinity-
     clients-<n>``, by ``identity`` alone, so every entry of a port is in one map) and the
@@ -419,7 +441,6 @@ def affinity_pin(identity: str, which: str, port: int) -> tuple[str, int, int]:
     share numbers with a chance of about 1 in 10^9 (their clients would then share
     entries). A number is never 0, which nft would not list as ``offset 0``."""
     digest = hashlib.sha256(f"{identity}\0{which}\0{port}".encode()).digest()
-    shard = int.from_bytes(hashlib.sha256(identity.encode()).digest()[:4], "big")
     high = int.from_bytes(digest[:4], "big") or 1
     low = int.from_bytes(digest[4:8], "big") or 1
-    return f"{AFFINITY_SHARD_PREFIX}{shard % AFFINITY_SHARDS}", high, low
+    return f"{AFFINITY_SHARD_PREFIX}{_shard_number(identity)}", high, low
