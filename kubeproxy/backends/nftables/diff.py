@@ -14,10 +14,15 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol
 
-from kubeproxy.backends.nftables.elements import ContainerTypes, pair_elements, slot_elements
+from kubeproxy.backends.nftables.elements import (
+    ContainerTypes,
+    EncodedPairs,
+    pair_elements,
+    slot_elements,
+)
 from kubeproxy.backends.nftables.frontends import (
     AFFINITY_LOCAL_ENDPOINTS,
     KIND_IP,
@@ -271,14 +276,25 @@ def write_frontend(
 _SPLIT_PORT = operator.methodcaller("rpartition", ":")
 
 
-def _write_slots(sink: BulkSink, container: str, key: Key, endpoints: tuple[str, ...]) -> None:
+def _added_packed(
+    sink: BulkSink, container: str, pack: Callable[[ContainerTypes], EncodedPairs]
+) -> bool:
+    """Queue ``pack``'s elements to ``container`` if the sink takes them packed there;
+    False if it does not, or if ``pack`` refuses a part (then the caller queues them as
+    text, refused at the commit naming the element, as ever)."""
     types = sink.types.get(container)
-    if types is not None:
-        try:
-            sink.add_all(container, slot_elements(types, key, endpoints))
-            return
-        except ValueError:
-            pass  # as text: refused at the commit, naming the element, as ever
+    if types is None:
+        return False
+    try:
+        sink.add_all(container, pack(types))
+    except ValueError:
+        return False
+    return True
+
+
+def _write_slots(sink: BulkSink, container: str, key: Key, endpoints: tuple[str, ...]) -> None:
+    if _added_packed(sink, container, lambda types: slot_elements(types, key, endpoints)):
+        return
     texts: Iterable[str] = _SLOT_TEXTS
     if len(endpoints) > len(_SLOT_TEXTS):
         texts = map(_slot_text, itertools.count())
@@ -398,14 +414,7 @@ def add_shared_new(sink: BulkSink, names: GenNames, counts: SharedCounts, plan: 
             fresh.append(host)
     if fresh:
         container = names.hairpin
-        types = sink.types.get(container)
-        if types is not None:
-            try:
-                sink.add_all(container, pair_elements(types, fresh))
-                fresh = []
-            except ValueError:
-                pass  # as text: refused at the commit, naming the element, as ever
-        if fresh:
+        if not _added_packed(sink, container, lambda types: pair_elements(types, fresh)):
             sink.add_all(container, [((host, host), _VALUE_NONE) for host in fresh])
     count_in(counts.cluster_ips, plan.cluster_ip)
     for member in plan.affinity.local_members if plan.affinity is not None else ():

@@ -472,21 +472,16 @@ def slot_elements(types: ContainerTypes, key: Key, endpoints: Sequence[str]) -> 
     numbers: Sequence[bytes] = _SLOT_NUMBERS
     if len(endpoints) > len(numbers):
         numbers = [struct.pack("=I", number) for number in range(len(endpoints))]
+    # An IPv6 address without its brackets (every endpoint of a frontend is of one
+    # family); ``host[:]`` of an IPv4 one is the string itself, no copy.
+    bare = slice(1, -1) if endpoints and endpoints[0].startswith("[") else slice(None)
     try:
-        if endpoints and endpoints[0].startswith("["):
-            elements = [
-                prefix + number + middle + address(host[1:-1]) + port(text)
-                for number, (host, _colon, text) in zip(
-                    numbers, map(_SPLIT_PORT, endpoints), strict=False
-                )
-            ]
-        else:
-            elements = [
-                prefix + number + middle + address(host) + port(text)
-                for number, (host, _colon, text) in zip(
-                    numbers, map(_SPLIT_PORT, endpoints), strict=False
-                )
-            ]
+        elements = [
+            prefix + number + middle + address(host[bare]) + port(text)
+            for number, (host, _colon, text) in zip(
+                numbers, map(_SPLIT_PORT, endpoints), strict=False
+            )
+        ]
     except OSError as err:  # inet_pton: not an address
         raise ValueError(str(err)) from None
     return EncodedPairs(elements, types)
