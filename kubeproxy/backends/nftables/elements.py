@@ -30,7 +30,7 @@ import socket
 import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import overload
+from typing import Any, TypeVar, overload
 
 import kubeproxy.nlmsg as nlmsg
 from kubeproxy.backends.nftables.batchsocket import BatchSocket, Frame
@@ -503,64 +503,55 @@ def pair_elements(types: ContainerTypes, hosts: Sequence[str]) -> EncodedPairs:
         raise ValueError(str(err)) from None
 
 
-class GroupedDeletes(Sequence[tuple[str, Key]]):
-    """Deletions ``(container, key)`` held as lists by container (in the order the
-    containers first appear): what :class:`~.commits.SyncOps` queues, handed to the
-    encoder without being flattened and grouped again. Read as a sequence, it is the
-    flat list (each container's keys in turn)."""
+_Item = TypeVar("_Item")
+
+
+class _Grouped(Sequence[_Item]):
+    """Changes held as lists by container (in the order the containers first appear):
+    what :class:`~.commits.SyncOps` queues, handed to the encoder without being
+    flattened and grouped again. Read as a sequence, it is the flat list (each
+    container's changes in turn, built on the first index)."""
 
     __slots__ = ("_flat", "groups")
 
-    def __init__(self, groups: Mapping[str, Sequence[Key]]) -> None:
+    def __init__(self, groups: Mapping[str, Sequence[Any]]) -> None:
         self.groups = groups
-        self._flat: list[tuple[str, Key]] | None = None
+        self._flat: list[_Item] | None = None
 
     def __len__(self) -> int:
         return sum(map(len, self.groups.values()))
+
+    @overload
+    def __getitem__(self, index: int) -> _Item: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[_Item]: ...
+    def __getitem__(self, index: int | slice) -> _Item | Sequence[_Item]:
+        if self._flat is None:
+            self._flat = list(self)
+        return self._flat[index]
+
+
+class GroupedDeletes(_Grouped[tuple[str, Key]]):
+    """Deletions ``(container, key)``, held as lists of keys by container."""
+
+    __slots__ = ()
 
     def __iter__(self) -> Iterator[tuple[str, Key]]:
         for container, keys in self.groups.items():
             for key in keys:
                 yield container, key
 
-    @overload
-    def __getitem__(self, index: int) -> tuple[str, Key]: ...
-    @overload
-    def __getitem__(self, index: slice) -> Sequence[tuple[str, Key]]: ...
-    def __getitem__(self, index: int | slice) -> tuple[str, Key] | Sequence[tuple[str, Key]]:
-        if self._flat is None:
-            self._flat = list(self)
-        return self._flat[index]
 
+class GroupedAdds(_Grouped[tuple[str, Key, Key]]):
+    """Additions ``(container, key, value)``, held as ``(key, value)`` lists by
+    container."""
 
-class GroupedAdds(Sequence[tuple[str, Key, Key]]):
-    """Additions ``(container, key, value)`` held as ``(key, value)`` lists by container
-    (see :class:`GroupedDeletes`)."""
-
-    __slots__ = ("_flat", "groups")
-
-    def __init__(self, groups: Mapping[str, Sequence[tuple[Key, Key]]]) -> None:
-        self.groups = groups
-        self._flat: list[tuple[str, Key, Key]] | None = None
-
-    def __len__(self) -> int:
-        return sum(map(len, self.groups.values()))
+    __slots__ = ()
 
     def __iter__(self) -> Iterator[tuple[str, Key, Key]]:
         for container, pairs in self.groups.items():
             for key, value in pairs:
                 yield container, key, value
-
-    @overload
-    def __getitem__(self, index: int) -> tuple[str, Key, Key]: ...
-    @overload
-    def __getitem__(self, index: slice) -> Sequence[tuple[str, Key, Key]]: ...
-    def __getitem__(
-        self, index: int | slice
-    ) -> tuple[str, Key, Key] | Sequence[tuple[str, Key, Key]]:
-        if self._flat is None:
-            self._flat = list(self)
-        return self._flat[index]
 
 
 @dataclass(frozen=True, slots=True)
