@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kubeproxy.backends.nftables.elements import ElementBatch
+from kubeproxy.backends.nftables.elements import ContainerTypes, ElementBatch
 from kubeproxy.backends.nftables.exec import NftExecutor
 from kubeproxy.backends.nftables.frontends import AffinityMap, AffinityPin, AffinityPlan
 from kubeproxy.backends.nftables.objects import Family, NftError
@@ -40,8 +40,7 @@ SHARD_TYPES = {
     IPFamily.IPV6: (("integer", "integer", "integer"), ("ipv6_addr",)),
 }
 """The data types of the shared affinity maps (:data:`~.layout.AFFINITY_SHARD_TYPES`)."""
-_Types = tuple[tuple[str, ...], tuple[str, ...]]
-FRONTEND_SHARD_TYPES: _Types = (
+FRONTEND_SHARD_TYPES: ContainerTypes = (
     ("ipv4_addr", "inet_proto", "inet_service", "ipv4_addr"),
     ("ipv4_addr", "inet_service"),
 )
@@ -101,7 +100,7 @@ class AffinityCleaner:
 
     def _shared_test(
         self, name: str, pins: dict[Key, AffinityPin], strict: bool
-    ) -> tuple[_Types, Callable[[Key, Key], bool]]:
+    ) -> tuple[ContainerTypes, Callable[[Key, Key], bool]]:
         """The data types of shared map ``name`` and which of its entries go."""
         if name.startswith(AFFINITY_FRONTEND_PREFIX):
             return FRONTEND_SHARD_TYPES, _shared(pins, strict, 3)
@@ -123,7 +122,7 @@ class AffinityCleaner:
                     pin_losses[pin.shard][pin.pin] = pin
         failures = 0
         deletes: list[tuple[str, Key]] = []
-        types: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+        types: dict[str, ContainerTypes] = {}
         for name, kinds, test in (
             *((n, self._types, _per_port(a)) for n, a in losses.items()),
             *((n, *self._shared_test(n, p, every is not None)) for n, p in pin_losses.items()),
