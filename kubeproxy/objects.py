@@ -250,7 +250,8 @@ class Endpoint:
         ):
             if given is not None:
                 bits = bits | bit if given else bits & ~bit
-        _fill(self, text, port, endpoint_key(text, port), bits, zone_hints, node_hints)
+        hints = (zone_hints, node_hints) if zone_hints or node_hints else _NO_HINTS
+        _fill(self, text, port, endpoint_key(text, port), bits, hints)
 
     @property
     def zone_hints(self) -> frozenset[str]:
@@ -303,7 +304,7 @@ class Endpoint:
         endpoint: Endpoint = _new(Endpoint)
         address = self.address
         key = endpoint_key(address, port)
-        _fill_hinted(endpoint, address, port, key, self.flags, self.hints)
+        _fill(endpoint, address, port, key, self.flags, self.hints)
         return endpoint
 
     def __str__(self) -> str:
@@ -318,8 +319,7 @@ class Endpoint:
         )
 
 
-_Filler: TypeAlias = Callable[[Endpoint, str, int, str, int, frozenset[str], frozenset[str]], None]
-_HintedFiller: TypeAlias = Callable[
+_Filler: TypeAlias = Callable[
     [Endpoint, str, int, str, int, tuple[frozenset[str], frozenset[str]]], None
 ]
 _Maker: TypeAlias = Callable[
@@ -327,7 +327,7 @@ _Maker: TypeAlias = Callable[
 ]
 
 
-def _endpoint_builders() -> tuple[_Filler, _HintedFiller, _Maker]:
+def _endpoint_builders() -> tuple[_Filler, _Maker]:
     # A frozen dataclass sets every field through object.__setattr__; at hundreds of
     # thousands of endpoints per start-up that was most of the parsing time. Writing the
     # slots through their descriptors gives the same object in a quarter of the time.
@@ -338,21 +338,6 @@ def _endpoint_builders() -> tuple[_Filler, _HintedFiller, _Maker]:
     no_hints = _NO_HINTS
 
     def fill(
-        endpoint: Endpoint,
-        address: str,
-        port: int,
-        key: str,
-        flags: int,
-        zone_hints: frozenset[str],
-        node_hints: frozenset[str],
-    ) -> None:
-        set_address(endpoint, address)
-        set_port(endpoint, port)
-        set_flags(endpoint, flags)
-        set_hints(endpoint, (zone_hints, node_hints) if zone_hints or node_hints else no_hints)
-        set_key(endpoint, key)
-
-    def fill_hinted(
         endpoint: Endpoint,
         address: str,
         port: int,
@@ -395,11 +380,11 @@ def _endpoint_builders() -> tuple[_Filler, _HintedFiller, _Maker]:
         set_key(endpoint, key)
         return endpoint
 
-    return fill, fill_hinted, make
+    return fill, make
 
 
 _NO_HINTS: Final[tuple[frozenset[str], frozenset[str]]] = (frozenset(), frozenset())
-_fill, _fill_hinted, _make = _endpoint_builders()
+_fill, _make = _endpoint_builders()
 _new = object.__new__
 make_endpoint: _Maker = _make
 """Build an :class:`Endpoint` fast, from already validated parts and its precomputed key.
