@@ -83,6 +83,11 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     return lines + ["| " + " | ".join(row) + " |" for row in rows]
 
 
+def _each(seconds: Sequence[float]) -> str:
+    """Each replay's seconds, as the tables list them."""
+    return ", ".join(f"{value:.2f}" for value in seconds)
+
+
 def _cpu_row(record: Mapping[str, Any]) -> list[str]:
     ours, floor = record["ours"], record["floor"]
     kernel = _kernel_cpu(ours)
@@ -96,7 +101,7 @@ def _cpu_row(record: Mapping[str, Any]) -> list[str]:
         f"{ours['exchange_system_s'] + ours['read_system_s']:.2f})",
         f"{ours['kernel_threads_s']:.2f}",
         f"{floor['cpu_s']:.2f} ({floor['user_s']:.2f} + {floor['system_s']:.2f}; "
-        f"{', '.join(f'{c:.2f}' for c in floor['cpus_s'])})",
+        f"{_each(floor['cpus_s'])})",
         f"{statistics.median(floor['kernel_threads_s']):.2f}",
         f"{_ratio(record):.1f}x",
         f"{_deferred_ratio(record):.1f}x",
@@ -113,7 +118,7 @@ def _wall_row(record: Mapping[str, Any]) -> list[str]:
         f"{ours['total_s']:.2f} ({ours['feed_s']:.2f} + {ours['sync_s']:.2f})",
         f"{kernel:.2f}",
         f"{ours['gc_s']:.2f} ({ours['gc_passes']})",
-        f"{floor['wall_s']:.2f} ({', '.join(f'{w:.2f}' for w in floor['walls_s'])})",
+        f"{floor['wall_s']:.2f} ({_each(floor['walls_s'])})",
         f"{_wall_ratio(record):.1f}x",
         f"{ours['batches']} / {ours['messages']}",
         f"{ours['bytes'] / 1e6:.1f} ({ours['largest_batch_bytes'] / 1e6:.1f})",
