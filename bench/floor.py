@@ -44,7 +44,8 @@ after each commit) is not in the sender's time; :func:`kernel_threads_s` counts 
 machine's kernel threads over each span (others' work included, so an upper bound): in
 that run about 1.0 s in each replay against the sender's 1.6-1.8 s, where the same
 threads ran about 0.01 s a second with nothing replayed. The report shows it beside
-the CPU times, and the ratio with it added to both sides.
+the CPU times, and the ratio with it added to both sides. (A kernel thread that ends
+during a span counts for nothing in it: over ours' minute at 100k, kworkers come and go.)
 
 Then, in another child and namespace, the same full sync under cProfile, its time grouped
 by module and the modules by what they do (:mod:`bench.profile_modules`): the core's
@@ -91,10 +92,13 @@ __all__ = [
     "Batch",
     "CpuClock",
     "CpuTime",
+    "KernelThreads",
     "Recorder",
     "RecordingSocket",
     "Replay",
     "TimedBackend",
+    "kernel_threads",
+    "kernel_threads_s",
     "main",
     "replay",
 ]
@@ -259,24 +263,39 @@ class Replay:
         return self.wall_s - self.cpu.total_s - self.runqueue_s
 
 
-def kernel_threads_s() -> float:
+KernelThreads = dict[tuple[str, str], int]
+"""The machine's kernel threads' CPU time so far, in ns, by (pid, start time)."""
+
+
+def kernel_threads() -> KernelThreads:
     """The CPU time of the machine's kernel threads so far (kthreadd's children: kworkers,
-    RCU, ksoftirqd), from ``/proc/PID/schedstat``: the work the kernel defers to other tasks
-    (an rhashtable's resize, objects released after a grace period) runs there. Other
-    work on the machine runs there too, so a difference over a span bounds from above
-    what the span deferred."""
-    total = 0
+    RCU, ksoftirqd), from ``/proc/PID/schedstat``, each by its pid and start time (a pid
+    is reused). The work the kernel defers to other tasks (an rhashtable's resize,
+    objects released after a grace period) runs there."""
+    threads: KernelThreads = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            stat = (entry / "stat").read_text()
-            if entry.name != "2" and stat.rsplit(")", 1)[1].split()[1] != "2":
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if entry.name != "2" and fields[1] != "2":
                 continue
-            total += int((entry / "schedstat").read_text().split()[0])
+            ran = int((entry / "schedstat").read_text().split()[0])
         except (OSError, IndexError, ValueError):
             continue  # gone meanwhile, or no schedstat
-    return total / 1e9
+        threads[entry.name, fields[19]] = ran
+    return threads
+
+
+def kernel_threads_s(before: KernelThreads, now: KernelThreads | None = None) -> float:
+    """Seconds the kernel threads ran from ``before`` to ``now`` (:func:`kernel_threads`,
+    by default read now): those alive now, each from where it was then (from 0 if it
+    started since). A thread that ended meanwhile counts for nothing; other work on the
+    machine counts too, so over a short span this bounds from above what the span
+    deferred."""
+    if now is None:
+        now = kernel_threads()
+    return sum(ran - before.get(thread, 0) for thread, ran in now.items()) / 1e9
 
 
 def _runqueue_s() -> float:
@@ -298,7 +317,7 @@ def replay(batches: Sequence[Batch], netns: str | None) -> Replay:
             if batch.channel not in channels:
                 channels[batch.channel] = BatchSocket(netns)
         exchange_s = 0.0
-        kthreads, waited = kernel_threads_s(), _runqueue_s()
+        kthreads, waited = kernel_threads(), _runqueue_s()
         cpu, start = CpuClock(resource.RUSAGE_THREAD), time.perf_counter()
         for batch, messages in zip(batches, sent, strict=True):
             began = time.perf_counter()
@@ -306,7 +325,7 @@ def replay(batches: Sequence[Batch], netns: str | None) -> Replay:
             exchange_s += time.perf_counter() - began
         wall, used = time.perf_counter() - start, cpu.elapsed()
         waited = _runqueue_s() - waited
-        return Replay(wall, exchange_s, used, waited, kernel_threads_s() - kthreads)
+        return Replay(wall, exchange_s, used, waited, kernel_threads_s(kthreads))
     finally:
         for channel in channels.values():
             channel.close()
@@ -424,9 +443,9 @@ def child(
     profiler = cProfile.Profile() if profile else None
     if profiler is not None:
         profiler.enable()
-    cpu, kthreads = CpuClock(), kernel_threads_s()
+    cpu, kthreads = CpuClock(), kernel_threads()
     cold = proxy.cold()
-    used, kthreads = cpu.elapsed(), kernel_threads_s() - kthreads
+    used, kthreads_s = cpu.elapsed(), kernel_threads_s(kthreads)
     if profiler is not None:
         profiler.disable()
     tuner.release()
@@ -439,7 +458,7 @@ def child(
         "sync_s": cold["sync_s"],
         **used.fields(),
         **sum((backend.cpu for backend in timed), CpuTime()).fields("backend_"),
-        "kernel_threads_s": kthreads,
+        "kernel_threads_s": kthreads_s,
         "gc_s": gc_clock.seconds,
         "gc_passes": gc_clock.passes,
         "peak_rss_kb": cold.get("peak_kb"),

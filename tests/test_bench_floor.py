@@ -8,7 +8,15 @@ from typing import Any
 
 import pytest
 
-from bench.floor import CpuTime, Recorder, RecordingSocket, TimedBackend, replay
+from bench.floor import (
+    CpuTime,
+    Recorder,
+    RecordingSocket,
+    TimedBackend,
+    kernel_threads,
+    kernel_threads_s,
+    replay,
+)
 from bench.floor_report import render, targets
 from bench.profile_modules import KERNEL_WAIT, by_category, by_module, category, module_name
 from kubeproxy.backend import SyncChanges
@@ -182,3 +190,13 @@ def test_cpu_times_add_and_a_timed_backend_counts_its_syncs() -> None:
     timed.sync(None, SyncChanges(full=True))  # type: ignore[arg-type]
     timed.sync(None, SyncChanges(full=True))  # type: ignore[arg-type]
     assert inner.syncs == 2 and timed.cpu.total_s > 0
+
+
+def test_kernel_threads_count_from_where_they_were_and_an_ended_one_for_nothing() -> None:
+    before = {("7", "100"): 5_000_000_000, ("8", "100"): 1_000_000_000, ("9", "50"): 10}
+    # 7 ran 0.5 s more, 8 ended, 9's pid was reused by a thread started since (0.25 s).
+    now = {("7", "100"): 5_500_000_000, ("9", "900"): 250_000_000}
+    assert kernel_threads_s(before, now) == pytest.approx(0.75)
+    threads = kernel_threads()  # this machine's: kthreadd (pid 2) at least, when /proc shows it
+    assert all(ran >= 0 for ran in threads.values())
+    assert kernel_threads_s(threads) >= 0
