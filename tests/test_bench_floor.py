@@ -160,8 +160,8 @@ def test_the_target_is_judged_at_100k_only_and_the_table_says_so() -> None:
     }
     text = render(document, "x.json")
     assert "| 100k | uniform | 30.00 (1.00 + 29.00) |" in text
-    # CPU: ours 15 = core 7.5 + backend 2.5 + kernel 5, the floor 5; with the kernel
-    # threads (1 and the median 1), 16 over 6.
+    # CPU: ours 15 = core 7.5 + backend 2.5 + kernel 5, the floor 5; with the deferred
+    # work (the floor's median kernel threads, 1) on both sides, 16 over 6.
     assert "| 100k | uniform | 15.00 (14.50 + 0.50) | 7.50 | 2.50 | 5.00 (0.00 + 5.00) |" in text
     assert "| 3.0x | 2.7x | 1.0x |" in text
     assert "CPU 15.0 s against 5.0 s: 3.0x (wall 30.0 s against 10.0 s: 3.0x)" in text
