@@ -291,9 +291,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.affinity_canonical")
     parser.add_argument("--services", type=int, default=30000)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument(
+        "--subject", action="append", choices=SUBJECTS, help="run only these (default: all)"
+    )
     args = parser.parse_args()
     for _ in range(args.rounds):
-        for subject in SUBJECTS:
+        for subject in args.subject or SUBJECTS:
             print(json.dumps(measure(subject, args.services)), flush=True)
 
 
