@@ -14,19 +14,15 @@ its packet put back as it was.
 
 from __future__ import annotations
 
-import ipaddress
 import re
-import socket
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from bench.affinity_canonical import one_port_table
-from kubeproxy.objects import Protocol
-from kubeproxy.testing.netns import entered
-from kubeproxy.testing.traffic import ListenerServer, make_listener
-from tests.kernelkit import NodeAndPod, node_and_pod, run_in
+from tests import kernelkit
+from tests.kernelkit import NodeAndPod, node_and_pod_serving, run_in
 
 pytestmark = pytest.mark.kernel
 
@@ -39,35 +35,15 @@ CLIENT = "10.244.0.1"  # the node's address towards the pods: its connections' s
 
 @pytest.fixture
 def namespaces() -> Iterator[NodeAndPod]:
-    with node_and_pod("kpxk", NODE_IP, (EP1, EP2)) as pair:
-        listeners = ListenerServer("kpxk-listeners")
-        for address in (EP1, EP2):
-            listeners.add(
-                make_listener(pair.pod_fd, ipaddress.ip_address(address), 8080, Protocol.TCP)
-            )
-        listeners.start()
-        try:
-            yield pair
-        finally:
-            listeners.close()
+    with node_and_pod_serving("kpxk", NODE_IP, (EP1, EP2)) as pair:
+        yield pair
 
 
 def answered_by(netns_fd: int, address: str, port: int = 80) -> str | None:
-    """The endpoint that answered a TCP connection from the node, from :data:`CLIENT`
+    """The endpoint that answered a connection from the node, from :data:`CLIENT`
     whichever address it goes to (to its own NodePort the node would pick the node IP:
     another client)."""
-    with entered(netns_fd):
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    with sock:
-        sock.settimeout(1.0)
-        try:
-            sock.bind((CLIENT, 0))
-            sock.connect((address, port))
-            reply = sock.recv(256)
-        except OSError:
-            return None
-    parts = reply.split()
-    return parts[1].decode() if len(parts) == 3 else None
+    return kernelkit.answered_by(netns_fd, address, port, source=CLIENT)
 
 
 def entries(netns: str) -> list[tuple[str, str, float]]:
