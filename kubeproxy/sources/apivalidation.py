@@ -549,7 +549,7 @@ def _unclear_endpoints(endpoints: Sequence[Any], address_type: object) -> Iterat
     if address_type != "IPv4":
         yield from range(len(endpoints))
         return
-    plain_ipv4, node_name_ok = _plain_ipv4, _node_name_ok
+    node_name_ok, pton, special_octets = _node_name_ok, _inet_pton, _SPECIAL_FIRST_OCTETS
     for index, raw in enumerate(endpoints):
         if type(raw) is not dict:
             yield index
@@ -568,7 +568,16 @@ def _unclear_endpoints(endpoints: Sequence[Any], address_type: object) -> Iterat
             yield index
             continue
         for text in addresses:
-            if not plain_ipv4(text):
+            # plain_ipv4(text), inline: the call was a third of this loop's time.
+            try:
+                plain = (
+                    type(text) is str
+                    and len(text) <= 15
+                    and pton(_AF_INET, text)[0] not in special_octets
+                )
+            except (OSError, ValueError):
+                plain = False
+            if not plain:
                 yield index
                 break
 
