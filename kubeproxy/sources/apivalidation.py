@@ -146,7 +146,7 @@ def _is_int(value: object) -> bool:
 
 
 def _port_ok(value: object) -> bool:
-    return _is_int(value) and 1 <= value <= 65535  # type: ignore[operator]
+    return (type(value) is int or _is_int(value)) and 1 <= value <= 65535  # type: ignore[operator]
 
 
 def _items(value: object) -> Sequence[Any] | None:
@@ -375,39 +375,47 @@ def _ports(spec: Mapping[str, Any], kind: str, headless: bool, errors: list[str]
     seen_ports: set[tuple[str, object]] = set()
     seen_node_ports: set[tuple[str, object]] = set()
     for index, raw in enumerate(ports):
-        where = f"spec.ports[{index}]"
         port = _mapping(raw)
         if port is None:
-            errors.append(f"{where}: must be an object")
+            errors.append(f"spec.ports[{index}]: must be an object")
             continue
         name = port.get("name") or ""
         if not name and len(ports) > 1:
-            errors.append(f"{where}.name: Required value (several ports)")
+            errors.append(f"spec.ports[{index}].name: Required value (several ports)")
         elif name:
             if not _is_label(name):
-                errors.append(f"{where}.name: {_show(name)}: must be a valid DNS-1123 label")
+                errors.append(
+                    f"spec.ports[{index}].name: {_show(name)}: must be a valid DNS-1123 label"
+                )
             elif name in names:
-                errors.append(f"{where}.name: {_show(name)}: Duplicate value")
+                errors.append(f"spec.ports[{index}].name: {_show(name)}: Duplicate value")
             names.add(str(name))
         number = port.get("port")
         if not _port_ok(number):
-            errors.append(f"{where}.port: {_show(number)}: must be between 1 and 65535, inclusive")
+            errors.append(
+                f"spec.ports[{index}].port: {_show(number)}: must be between 1 and 65535, inclusive"
+            )
         protocol = port.get("protocol") or "TCP"
         if protocol not in _PROTOCOLS:
             errors.append(
-                f"{where}.protocol: {_show(protocol)}: must be one of {', '.join(_PROTOCOLS)}"
+                f"spec.ports[{index}].protocol: {_show(protocol)}: must be one of"
+                f" {', '.join(_PROTOCOLS)}"
             )
         if (protocol, number) in seen_ports:
-            errors.append(f"{where}: {protocol}/{_show(number)}: Duplicate value")
+            errors.append(f"spec.ports[{index}]: {protocol}/{_show(number)}: Duplicate value")
         seen_ports.add((protocol, number))
         node_port = port.get("nodePort") or 0
         if node_port:
             if kind == "ClusterIP":
-                errors.append(f"{where}.nodePort: may not be used when `type` is 'ClusterIP'")
+                errors.append(
+                    f"spec.ports[{index}].nodePort: may not be used when `type` is 'ClusterIP'"
+                )
             elif not _port_ok(node_port):
-                errors.append(f"{where}.nodePort: {_show(node_port)}: must be between 1 and 65535")
+                errors.append(
+                    f"spec.ports[{index}].nodePort: {_show(node_port)}: must be between 1 and 65535"
+                )
             elif (protocol, node_port) in seen_node_ports:
-                errors.append(f"{where}.nodePort: {node_port}: Duplicate value")
+                errors.append(f"spec.ports[{index}].nodePort: {node_port}: Duplicate value")
             seen_node_ports.add((protocol, node_port))
 
 
@@ -476,6 +484,8 @@ def _traffic_policies(
 
 
 def _load_balancer_status(status: object, errors: list[str]) -> None:
+    if not status:
+        return  # none, or empty: nothing to check (a Service's usual status)
     load_balancer = _mapping((_mapping(status) or {}).get("loadBalancer"))
     ingress = _items((load_balancer or {}).get("ingress"))
     if load_balancer is None or ingress is None:
@@ -645,19 +655,19 @@ def _endpoint(index: int, raw: object, address_type: object, errors: list[str]) 
 def _slice_ports(ports: Sequence[Any], errors: list[str]) -> None:
     names: set[object] = set()
     for index, raw in enumerate(ports):
-        where = f"ports[{index}]"
         port = _mapping(raw)
         if port is None:
-            errors.append(f"{where}: must be an object")
+            errors.append(f"ports[{index}]: must be an object")
             continue
         name = port.get("name") or ""
         if name and not _is_label(name):
-            errors.append(f"{where}.name: {_show(name)}: must be a valid DNS-1123 label")
+            errors.append(f"ports[{index}].name: {_show(name)}: must be a valid DNS-1123 label")
         elif name in names:
-            errors.append(f"{where}.name: {_show(name)}: Duplicate value")
+            errors.append(f"ports[{index}].name: {_show(name)}: Duplicate value")
         names.add(name)
         protocol = port.get("protocol") or "TCP"
         if protocol not in _PROTOCOLS:
             errors.append(
-                f"{where}.protocol: {_show(protocol)}: must be one of {', '.join(_PROTOCOLS)}"
+                f"ports[{index}].protocol: {_show(protocol)}: must be one of"
+                f" {', '.join(_PROTOCOLS)}"
             )
