@@ -159,9 +159,9 @@ class _SyncedLater:
 def feed_proxiers(directory: Path, node_name: str = NODE) -> dict[str, Any]:
     """``--through proxiers`` (see the module): the CPU seconds of the source delivering
     into the dual-stack proxier, of their first syncs, and how many ports have endpoints."""
+    from kubeproxy.config import ProxierConfig
     from kubeproxy.objects import IPFamily
     from kubeproxy.proxier import DualStackProxier, Proxier
-    from kubeproxy.proxyconfig import ProxierConfig
     from kubeproxy.sources.manifests import ManifestSource
 
     config = ProxierConfig(node_name=node_name)
@@ -199,8 +199,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["child"]:
         through = args[2] if len(args) > 2 else "trackers"
-        run = feed_proxiers if through == "proxiers" else feed
-        print(json.dumps(run(Path(args[1]))))
+        measure = feed_proxiers if through == "proxiers" else feed
+        print(json.dumps(measure(Path(args[1]))))
         return 0
     from bench.memory_compare import checkouts_parser, write_runs
     from bench.synthetic import build_services
