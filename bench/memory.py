@@ -60,14 +60,17 @@ _MB = 1024 * 1024
 
 _NFT = "kubeproxy.backends.nftables."
 HOLDERS: Final[dict[str, tuple[str, ...]]] = {
-    "manifest text, JSON decoding": (
+    "manifest text, JSON decoding (file buffer)": (
         "kubeproxy.sources.manifests",
         "kubeproxy.sources.jsonitems",
         "stdlib:json/",
     ),
     "source identities": ("kubeproxy.sources.identity",),
     "API objects (parsed)": ("kubeproxy.parse", "kubeproxy.objects"),
-    "encoded batches": (
+    "Service tracker": ("kubeproxy.servicechanges", "kubeproxy.portindex"),
+    "EndpointSlice tracker": ("kubeproxy.endpointchanges",),
+    "proxier: snapshot, categorised endpoints": ("kubeproxy.proxier", "kubeproxy.topology"),
+    "encoded batches (netlink)": (
         _NFT + "batchencoder",
         _NFT + "ruleencoder",
         _NFT + "declarations",
@@ -76,8 +79,8 @@ HOLDERS: Final[dict[str, tuple[str, ...]]] = {
     ),
     "socket (answer buffers)": (_NFT + "batchsocket", _NFT + "owner"),
     "transactions": (_NFT + "transaction", _NFT + "objects", _NFT + "commits"),
-    "backend model": ("kubeproxy.backends.",),
-    "trackers, snapshot, categories (the core)": ("kubeproxy.",),
+    "backend model, generation": ("kubeproxy.backends.",),
+    "the rest of the core": ("kubeproxy.",),
 }
 """What a module's allocations hold, by module (or prefix: a name ending in a dot or a
 slash), the first label that matches; the rest is the interpreter, the standard library and

@@ -26,6 +26,8 @@ from kubeproxy.handlers import KubeObject, ProxyHandler
 from kubeproxy.objects import (
     CategorizedEndpoints,
     Endpoint,
+    EndpointRows,
+    Endpoints,
     IPFamily,
     NamespacedName,
     NodeInfo,
@@ -99,6 +101,8 @@ __all__ = [
     "DaemonSeams",
     "DualStackProxier",
     "Endpoint",
+    "EndpointRows",
+    "Endpoints",
     "EndpointsChangeTracker",
     "EndpointsMap",
     "IPFamily",

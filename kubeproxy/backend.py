@@ -21,6 +21,7 @@ from kubeproxy.config import LocalDetector, ProxierConfig
 from kubeproxy.objects import (
     CategorizedEndpoints,
     Endpoint,
+    Endpoints,
     IPAddress,
     IPFamily,
     IPNetwork,
@@ -79,7 +80,7 @@ class ProxySnapshot:
     family: IPFamily
     node: NodeInfo
     services: Mapping[ServicePortName, ServicePort]
-    endpoints: Mapping[ServicePortName, tuple[Endpoint, ...]]
+    endpoints: Mapping[ServicePortName, Endpoints]
     categorized: Mapping[ServicePortName, CategorizedEndpoints]
     service_cidrs: tuple[IPNetwork, ...] = ()
     node_port_addresses: NodePortAddresses = field(default_factory=NodePortAddresses)

@@ -52,6 +52,7 @@ from kubeproxy.httpserving import QueryRoute, Response, Route
 from kubeproxy.objects import (
     CategorizedEndpoints,
     Endpoint,
+    Endpoints,
     IPFamily,
     NamespacedName,
     ServicePort,
@@ -129,7 +130,7 @@ class _FamilyView:
 
     snapshot: ProxySnapshot
     services: dict[ServicePortName, ServicePort] = field(default_factory=dict)
-    endpoints: dict[ServicePortName, tuple[Endpoint, ...]] = field(default_factory=dict)
+    endpoints: dict[ServicePortName, Endpoints] = field(default_factory=dict)
     categorized: dict[ServicePortName, CategorizedEndpoints] = field(default_factory=dict)
     ports: dict[NamespacedName, frozenset[ServicePortName]] = field(default_factory=dict)
 
@@ -300,7 +301,7 @@ def _endpoint(endpoint: Endpoint) -> str:
 
 
 def _port_json(
-    port: ServicePort, endpoints: tuple[Endpoint, ...], categorized: CategorizedEndpoints | None
+    port: ServicePort, endpoints: Endpoints, categorized: CategorizedEndpoints | None
 ) -> dict[str, Any]:
     data: dict[str, Any] = {
         "port": str(port.name),

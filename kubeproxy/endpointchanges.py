@@ -31,11 +31,16 @@ from datetime import datetime
 
 from kubeproxy.handlers import KubeObject
 from kubeproxy.objects import (
+    IS_LOCAL,
+    READY,
     Endpoint,
+    EndpointRows,
+    Endpoints,
     IPFamily,
     NamespacedName,
     Protocol,
     ServicePortName,
+    endpoint_keys,
 )
 from kubeproxy.parse import (
     LABEL_SERVICE_NAME,
@@ -60,15 +65,15 @@ logger = logging.getLogger(__name__)
 ANNOTATION_LAST_CHANGE_TRIGGER_TIME = "endpoints.kubernetes.io/last-change-trigger-time"
 """When the change a slice reflects happened (RFC 3339), for the programming-latency metric."""
 
-_EndpointsByPort = dict[ServicePortName, tuple[Endpoint, ...]]
-_NO_ENDPOINTS: Mapping[ServicePortName, tuple[Endpoint, ...]] = {}
+_EndpointsByPort = dict[ServicePortName, Endpoints]
+_NO_ENDPOINTS: Mapping[ServicePortName, Endpoints] = {}
 
 _Slices = ParsedEndpointSlice | dict[str, ParsedEndpointSlice]
 """The applied slices of one Service: the slice itself when it is the only one (most
 Services have one: a dict of one per Service was 22 MB at 100k Services, issue 32), else
 a dict by slice name."""
 
-_MergedPorts = tuple[tuple[ServicePortName, tuple[Endpoint, ...]], ...]
+_MergedPorts = tuple[tuple[ServicePortName, Endpoints], ...]
 """The merged endpoints of one Service's ports, as (port, endpoints) pairs: a tuple of
 one pair is 104 bytes where a dict of one is 224 (12 MB at 100k Services)."""
 
@@ -108,14 +113,11 @@ class EndpointsUpdateResult:
     last_change_trigger_times: dict[NamespacedName, list[float]]
 
 
-def _endpoint_key(endpoint: Endpoint) -> str:
-    return endpoint.key
-
-
 def merge_endpoint_slices(
     service: NamespacedName, slices: Sequence[ParsedEndpointSlice]
-) -> dict[ServicePortName, tuple[Endpoint, ...]]:
-    """The endpoints of each port of ``service``, merged from its slices.
+) -> dict[ServicePortName, Endpoints]:
+    """The endpoints of each port of ``service``, merged from its slices, as
+    :class:`~kubeproxy.objects.EndpointRows`.
 
     Slices are visited in the order given (the tracker passes them sorted by name, so a
     duplicate ``IP:port`` resolves the same way every time); of duplicates the first
@@ -142,30 +144,28 @@ def merge_endpoint_slices(
                 # IP, shows up twice for a while; the live one is the one to use.
                 if seen is None or (seen.terminating and not endpoint.terminating):
                     merged[endpoint.key] = endpoint
-    return {
-        name: tuple(sorted(merged.values(), key=_endpoint_key)) for name, merged in by_port.items()
-    }
+    return {name: EndpointRows.of(merged.values()) for name, merged in by_port.items()}
 
 
 def _alone(
     service: NamespacedName, parsed: ParsedEndpointSlice
-) -> dict[ServicePortName, tuple[Endpoint, ...]] | None:
+) -> dict[ServicePortName, Endpoints] | None:
     """The merge of a Service's only slice with one port, when it is that slice's own
     endpoint tuple (parsed sorted by key, already at that port, no ``IP:port`` twice):
     no new tuple per Service (12 MB at 100k Services) and no merging. None otherwise."""
     endpoints = parsed.endpoints
     port_name, number, protocol = parsed.ports[0]
-    if not endpoints or endpoints[0].port != number:
+    if not endpoints or endpoints.port_at(0) != number:
         return None if endpoints else {}
-    for before, after in itertools.pairwise(endpoints):
-        if before.key == after.key:
+    for before, after in itertools.pairwise(endpoints.keys):
+        if before == after:
             return None
     return {ServicePortName(service, port_name, protocol): endpoints}
 
 
 def _merged_alone(
     service: NamespacedName, held: _Slices | None
-) -> dict[ServicePortName, tuple[Endpoint, ...]] | None:
+) -> dict[ServicePortName, Endpoints] | None:
     """The merge of a Service's applied slices when it is its only slice's own endpoint
     tuple (:func:`_alone`); None otherwise."""
     if isinstance(held, ParsedEndpointSlice) and len(held.ports) == 1:
@@ -187,7 +187,7 @@ def _parse_trigger_time(value: object) -> float | None:
 
 @dataclass(slots=True)
 class _ServiceChange:
-    previous: Mapping[ServicePortName, tuple[Endpoint, ...]]
+    previous: Mapping[ServicePortName, Endpoints]
     current: _EndpointsByPort
 
 
@@ -404,7 +404,7 @@ class EndpointsChangeTracker:
         for service, before, after, slices_now in folded:
             merged = merged_by_service.pop(service, None) if merged_by_service else None
             if merged is not None:
-                previous: Mapping[ServicePortName, tuple[Endpoint, ...]] = dict(merged)
+                previous: Mapping[ServicePortName, Endpoints] = dict(merged)
             else:
                 previous = _merged_alone(service, before) or _NO_ENDPOINTS
             alone = _merged_alone(service, after)
@@ -418,7 +418,15 @@ class EndpointsChangeTracker:
         return changes, trigger_times
 
 
-class EndpointsMap(dict[ServicePortName, tuple[Endpoint, ...]]):
+_LOCAL_READY = bytes(1 if bits & IS_LOCAL and bits & READY else 0 for bits in range(256))
+
+
+def _any_local_ready(flags: bytes) -> bool:
+    """Whether some endpoint's flags say local and ready (in C: a translation and a find)."""
+    return 1 in flags.translate(_LOCAL_READY)
+
+
+class EndpointsMap(dict[ServicePortName, Endpoints]):
     """The merged endpoints of every Service port of one family, as of the last
     :meth:`apply`. Ports without endpoints are absent.
 
@@ -451,12 +459,14 @@ class EndpointsMap(dict[ServicePortName, tuple[Endpoint, ...]]):
                     continue
                 conntrack_cleanup = True
                 still = current.get(name, ())
-                kept = {endpoint.key for endpoint in still}
+                kept = set(endpoint_keys(still))
                 stale.extend((name, e) for e in endpoints if e.key not in kept)
             if not conntrack_cleanup:
                 conntrack_cleanup = any(name.protocol is Protocol.UDP for name in current)
             local_ips: set[str] = set()
             for endpoints in current.values():
+                if type(endpoints) is EndpointRows and not _any_local_ready(endpoints.flags):
+                    continue  # no endpoint made to find none local (most Services)
                 local_ips.update(e.address for e in endpoints if e.is_local and e.ready)
             if local_ips:
                 self._local_ready[service] = len(local_ips)

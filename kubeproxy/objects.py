@@ -7,10 +7,11 @@ object (see :mod:`kubeproxy.parse`). Backends read these; nothing here talks to 
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
-from typing import Final, TypeAlias
+from typing import Final, TypeAlias, overload
 
 IPAddress: TypeAlias = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork: TypeAlias = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -23,6 +24,8 @@ __all__ = [
     "TERMINATING",
     "CategorizedEndpoints",
     "Endpoint",
+    "EndpointRows",
+    "Endpoints",
     "IPAddress",
     "IPFamily",
     "IPNetwork",
@@ -31,8 +34,11 @@ __all__ = [
     "Protocol",
     "ServicePort",
     "ServicePortName",
+    "endpoint_addresses",
     "endpoint_flags",
     "endpoint_key",
+    "endpoint_keys",
+    "endpoint_ports",
     "endpoint_string",
     "make_endpoint",
 ]
@@ -403,6 +409,223 @@ def endpoint_key(address: str, port: int) -> str:
     return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
 
 
+_Hints: TypeAlias = tuple[frozenset[str], frozenset[str]]
+
+
+class EndpointRows(Sequence[Endpoint]):
+    """Endpoints sorted by key, held as columns: a sequence of :class:`Endpoint` that
+    keeps no object per endpoint (issue 32).
+
+    At 100k Services x 10 endpoints an :class:`Endpoint` each was 69 MB and the tuples
+    holding them 11 MB more, for 15 bytes or so of each endpoint on the wire. Here one
+    slice's (or one port's) endpoints are a tuple of keys, a tuple of address texts
+    (the very strings an :class:`Endpoint` would hold, which the backends keep too),
+    their port (one int when all share it, as in a slice) and their :data:`READY`...
+    bits as one ``bytes``; the hints only when some endpoint has any. An
+    :class:`Endpoint` is made when one is read (indexing, iterating: about 0.3 us each),
+    so code that reads endpoints one by one works unchanged, while the core and the
+    backends read the columns (:attr:`keys`, :attr:`addresses`,
+    :func:`endpoint_keys`...) of a whole list at once.
+
+    Equal to another :class:`EndpointRows` with the same columns, and to a tuple of the
+    same :class:`Endpoint` objects (and hashed as that tuple). Build one with
+    :meth:`of` (from endpoints) or :meth:`columns` (from validated columns).
+    """
+
+    __slots__ = ("_port", "addresses", "flags", "hints", "keys")
+
+    keys: tuple[str, ...]
+    """The endpoints' keys (``IP:port``), sorted."""
+    addresses: tuple[str, ...]
+    """Their addresses' canonical texts, in the same order."""
+    flags: bytes
+    """Their :attr:`Endpoint.flags`, one byte each."""
+    hints: tuple[_Hints, ...] | None
+    """Their (zone hints, node hints) pairs; None when none has any."""
+    _port: int | tuple[int, ...]
+
+    def __init__(self) -> None:
+        raise TypeError("use EndpointRows.of or EndpointRows.columns")
+
+    @classmethod
+    def columns(
+        cls,
+        keys: tuple[str, ...],
+        addresses: tuple[str, ...],
+        ports: int | tuple[int, ...],
+        flags: bytes,
+        hints: tuple[_Hints, ...] | None = None,
+    ) -> EndpointRows:
+        """Rows from columns already in key order: ``keys[i]`` is
+        ``endpoint_key(addresses[i], port)``; ``ports`` one port for all, or one each;
+        ``hints`` None or one pair each. Not checked: the parser and :meth:`of` call it."""
+        rows: EndpointRows = _new(cls)
+        if type(ports) is tuple:
+            first = ports[0] if ports else 0
+            if all(p == first for p in ports):
+                ports = first
+        if hints is not None and all(h is _NO_HINTS or not (h[0] or h[1]) for h in hints):
+            hints = None
+        _set_keys(rows, keys)
+        _set_addresses(rows, addresses)
+        _set_port(rows, ports)
+        _set_flags(rows, _shared_flags(flags))
+        _set_hints(rows, hints)
+        return rows
+
+    @classmethod
+    def of(cls, endpoints: Iterable[Endpoint]) -> EndpointRows:
+        """The rows of ``endpoints`` (any order: sorted by key here, stably); the rows
+        themselves when ``endpoints`` is one."""
+        if type(endpoints) is EndpointRows:
+            return endpoints
+        ordered = sorted(endpoints, key=_endpoint_sort_key)
+        hints = tuple(e.hints for e in ordered)
+        return cls.columns(
+            tuple(e.key for e in ordered),
+            tuple(e.address for e in ordered),
+            tuple(e.port for e in ordered),
+            bytes(e.flags for e in ordered),
+            hints,
+        )
+
+    @property
+    def ports(self) -> tuple[int, ...]:
+        """Each endpoint's port."""
+        port = self._port
+        return port if type(port) is tuple else (port,) * len(self.keys)  # type: ignore[return-value]
+
+    def port_at(self, index: int) -> int:
+        """The port of the endpoint at ``index``."""
+        port = self._port
+        return port[index] if type(port) is tuple else port  # type: ignore[return-value]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def _endpoint(self, index: int) -> Endpoint:
+        endpoint: Endpoint = _new(Endpoint)
+        hints = self.hints
+        _fill(
+            endpoint,
+            self.addresses[index],
+            self.port_at(index),
+            self.keys[index],
+            self.flags[index],
+            _NO_HINTS if hints is None else hints[index],
+        )
+        return endpoint
+
+    @overload
+    def __getitem__(self, index: int) -> Endpoint: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> EndpointRows: ...
+
+    def __getitem__(self, index: int | slice) -> Endpoint | EndpointRows:
+        if isinstance(index, slice):
+            return self.take(range(len(self.keys))[index])
+        return self._endpoint(range(len(self.keys))[index])
+
+    def __iter__(self) -> Iterator[Endpoint]:
+        new, fill = _new, _fill
+        port = self._port
+        ports = port if type(port) is tuple else itertools.repeat(port)
+        hints = self.hints
+        every = itertools.repeat(_NO_HINTS) if hints is None else hints
+        for address, key, bits, port_of, hint in zip(
+            self.addresses, self.keys, self.flags, ports, every, strict=False
+        ):
+            endpoint: Endpoint = new(Endpoint)
+            fill(endpoint, address, port_of, key, bits, hint)  # type: ignore[arg-type]
+            yield endpoint
+
+    def take(self, indices: Iterable[int]) -> EndpointRows:
+        """The rows at ``indices`` (ascending, so still sorted by key)."""
+        chosen = list(indices)
+        keys, addresses, flags, hints = self.keys, self.addresses, self.flags, self.hints
+        port = self._port
+        return EndpointRows.columns(
+            tuple([keys[i] for i in chosen]),
+            tuple([addresses[i] for i in chosen]),
+            tuple([port[i] for i in chosen]) if type(port) is tuple else port,
+            bytes([flags[i] for i in chosen]),
+            None if hints is None else tuple([hints[i] for i in chosen]),
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is EndpointRows:
+            return (
+                self.keys == other.keys
+                and self.flags == other.flags
+                and self.addresses == other.addresses
+                and self._port == other._port
+                and self.hints == other.hints
+            )
+        if isinstance(other, tuple):
+            return tuple(self) == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"EndpointRows({list(self)!r})"
+
+
+def _endpoint_sort_key(endpoint: Endpoint) -> str:
+    return endpoint.key
+
+
+def _row_setters() -> tuple[Callable[[EndpointRows, object], None], ...]:
+    # As for Endpoint: a slot's descriptor sets it without a call of __setattr__.
+    names = ("keys", "addresses", "_port", "flags", "hints")
+    return tuple(getattr(EndpointRows, name).__set__ for name in names)
+
+
+_set_keys, _set_addresses, _set_port, _set_flags, _set_hints = _row_setters()
+
+
+_FLAG_RUNS: dict[tuple[int, int], bytes] = {}
+
+
+def _shared_flags(flags: bytes) -> bytes:
+    # Most lists have every endpoint ready and serving: one bytes object per length
+    # and value instead of one per list (at 100k lists of 10, 4 MB).
+    if not flags or flags.count(flags[0]) != len(flags) or len(flags) > 64:
+        return flags
+    found = _FLAG_RUNS.get((flags[0], len(flags)))
+    if found is None:
+        found = _FLAG_RUNS[(flags[0], len(flags))] = bytes(flags)
+    return found
+
+
+Endpoints: TypeAlias = Sequence[Endpoint]
+"""A list of endpoints as the core hands them out: an :class:`EndpointRows` (what the
+core makes) or a tuple of :class:`Endpoint` (what a caller may give)."""
+
+
+def endpoint_keys(endpoints: Endpoints) -> tuple[str, ...]:
+    """The endpoints' keys, in their order (the rows' own tuple when they are rows)."""
+    if type(endpoints) is EndpointRows:
+        return endpoints.keys
+    return tuple([e.key for e in endpoints])
+
+
+def endpoint_addresses(endpoints: Endpoints) -> tuple[str, ...]:
+    """The endpoints' address texts, in their order (the rows' own tuple when rows)."""
+    if type(endpoints) is EndpointRows:
+        return endpoints.addresses
+    return tuple([e.address for e in endpoints])
+
+
+def endpoint_ports(endpoints: Endpoints) -> tuple[int, ...]:
+    """The endpoints' ports, in their order."""
+    if type(endpoints) is EndpointRows:
+        return endpoints.ports
+    return tuple([e.port for e in endpoints])
+
+
 @dataclass(frozen=True, slots=True)
 class CategorizedEndpoints:
     """The endpoints of one Service port after traffic policy and topology.
@@ -411,12 +634,14 @@ class CategorizedEndpoints:
     serving-terminating fallback); ``local`` serves traffic under a Local policy;
     ``all_reachable`` is every endpoint some path may reach; ``has_any`` says whether the
     Service has any usable endpoint anywhere (no: REJECT; yes but none local under a Local
-    policy: DROP).
+    policy: DROP). The core gives each list as :class:`EndpointRows` (read them one by
+    one, or whole through :func:`endpoint_keys` and the like); a tuple of
+    :class:`Endpoint` is accepted too.
     """
 
-    cluster: tuple[Endpoint, ...] = ()
-    local: tuple[Endpoint, ...] = ()
-    all_reachable: tuple[Endpoint, ...] = ()
+    cluster: Endpoints = ()
+    local: Endpoints = ()
+    all_reachable: Endpoints = ()
     has_any: bool = False
 
 

@@ -44,6 +44,7 @@ from kubeproxy.nodeports import resolve_node_port_addresses
 from kubeproxy.objects import (
     CategorizedEndpoints,
     Endpoint,
+    Endpoints,
     IPAddress,
     IPFamily,
     IPNetwork,
@@ -345,7 +346,7 @@ class Proxier:
         return self._snapshot_views[0]
 
     @property
-    def endpoints(self) -> MappingProxyType[ServicePortName, tuple[Endpoint, ...]]:
+    def endpoints(self) -> MappingProxyType[ServicePortName, Endpoints]:
         """Read-only view of the endpoints per Service port as of the last sync."""
         return self._snapshot_views[1]
 

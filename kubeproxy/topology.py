@@ -14,13 +14,24 @@ import logging
 from collections.abc import Sequence
 from enum import Enum
 
-from kubeproxy.objects import CategorizedEndpoints, Endpoint, ServicePort
+from kubeproxy.objects import (
+    IS_LOCAL,
+    READY,
+    SERVING,
+    TERMINATING,
+    CategorizedEndpoints,
+    Endpoint,
+    EndpointRows,
+    Endpoints,
+    ServicePort,
+)
 
 __all__ = ["TopologyMode", "categorize_endpoints", "topology_mode"]
 
 logger = logging.getLogger(__name__)
 
 _NOTHING = CategorizedEndpoints()
+_NO_ROWS = EndpointRows.of(())
 
 
 class TopologyMode(Enum):
@@ -63,65 +74,78 @@ def topology_mode(endpoints: Sequence[Endpoint], node_name: str, zone: str) -> T
     return TopologyMode.NONE
 
 
-def _key(endpoint: Endpoint) -> str:
-    return endpoint.key
+_READY_MARKS = bytes(1 if bits & READY else 0 for bits in range(256))
+_FALLBACK_MARKS = bytes(
+    1 if bits & SERVING and bits & TERMINATING else 0 for bits in range(256)
+)  # serving and terminating: the fallback of a list without ready endpoints
+_USABLE_MARKS = bytes(
+    1 if bits & READY or (bits & SERVING and bits & TERMINATING) else 0 for bits in range(256)
+)
+_LOCAL_READY_MARKS = bytes(1 if bits & IS_LOCAL and bits & READY else 0 for bits in range(256))
+_LOCAL_FALLBACK_MARKS = bytes(
+    1 if bits & IS_LOCAL and not bits & READY and bits & SERVING and bits & TERMINATING else 0
+    for bits in range(256)
+)
+
+
+def _marked(rows: EndpointRows, table: bytes) -> EndpointRows:
+    """The rows whose flags ``table`` maps to 1 (the rows themselves when all are)."""
+    marks = rows.flags.translate(table)
+    if 0 not in marks:
+        return rows
+    return rows.take([i for i, mark in enumerate(marks) if mark])
 
 
 def categorize_endpoints(
-    endpoints: Sequence[Endpoint], service: ServicePort, node_name: str, zone: str
+    endpoints: Endpoints, service: ServicePort, node_name: str, zone: str
 ) -> CategorizedEndpoints:
     """Split a port's endpoints by traffic policy and topology.
 
     ``endpoints`` are the port's merged endpoints, sorted by key (as
     :class:`~kubeproxy.endpointchanges.EndpointsMap` holds them); ``cluster`` and
-    ``local`` keep that order, and ``all_reachable`` is sorted by key.
+    ``local`` keep that order, and ``all_reachable`` is sorted by key. The lists are
+    :class:`~kubeproxy.objects.EndpointRows`, chosen by their flags a whole list at a
+    time (a byte translation per list, no object per endpoint).
     """
     if not endpoints:
         return _NOTHING
+    rows = EndpointRows.of(endpoints)
+    flags = rows.flags
     uses_cluster = service.uses_cluster_endpoints
     mode = TopologyMode.NONE
-    cluster: tuple[Endpoint, ...] = ()
-    has_any = False
+    cluster = _NO_ROWS
     if uses_cluster:
-        mode = topology_mode(endpoints, node_name, zone)
+        if rows.hints is not None:  # without hints the mode is NONE
+            mode = topology_mode(rows, node_name, zone)
         if mode is TopologyMode.NONE:
-            cluster = tuple(e for e in endpoints if e.ready)
-            if len(cluster) == len(endpoints) and isinstance(endpoints, tuple):
-                cluster = endpoints  # share the common all-ready tuple
+            cluster = _marked(rows, _READY_MARKS)
         elif mode is TopologyMode.PREFER_SAME_NODE:
-            cluster = tuple(e for e in endpoints if e.ready and node_name in e.node_hints)
+            cluster = rows.take(
+                [i for i, e in enumerate(rows) if e.ready and node_name in e.node_hints]
+            )
         else:
-            cluster = tuple(e for e in endpoints if e.ready and zone in e.zone_hints)
+            cluster = rows.take([i for i, e in enumerate(rows) if e.ready and zone in e.zone_hints])
         if not cluster:
             # Best effort to keep connections alive during a rollout: topology does
             # not apply here.
-            cluster = tuple(e for e in endpoints if e.serving and e.terminating)
-        has_any = bool(cluster)
+            cluster = _marked(rows, _FALLBACK_MARKS)
+    has_any = bool(cluster)
 
     if not service.uses_local_endpoints:
-        return CategorizedEndpoints(cluster, (), cluster, has_any)
+        return CategorizedEndpoints(cluster, _NO_ROWS, cluster, has_any)
 
-    local_ready: list[Endpoint] = []
-    local_terminating: list[Endpoint] = []
-    for endpoint in endpoints:
-        if endpoint.ready:
-            has_any = True
-            if endpoint.is_local:
-                local_ready.append(endpoint)
-        elif endpoint.serving and endpoint.terminating:
-            has_any = True
-            if endpoint.is_local:
-                local_terminating.append(endpoint)
-    local_fallback = not local_ready and bool(local_terminating)
-    local = tuple(local_terminating if local_fallback else local_ready)
+    has_any = has_any or 1 in flags.translate(_USABLE_MARKS)
+    local = _marked(rows, _LOCAL_READY_MARKS)
+    local_fallback = not local and 1 in flags.translate(_LOCAL_FALLBACK_MARKS)
+    if local_fallback:
+        local = _marked(rows, _LOCAL_FALLBACK_MARKS)
 
     if not uses_cluster:
-        return CategorizedEndpoints((), local, local, has_any)
+        return CategorizedEndpoints(_NO_ROWS, local, local, has_any)
     if mode is TopologyMode.NONE and not local_fallback:
         # Cluster holds every ready endpoint, local only ready ones: a superset.
         return CategorizedEndpoints(cluster, local, cluster, has_any)
     union = {e.key: e for e in cluster}
     for endpoint in local:
         union.setdefault(endpoint.key, endpoint)
-    reachable = tuple(sorted(union.values(), key=_key))
-    return CategorizedEndpoints(cluster, local, reachable, has_any)
+    return CategorizedEndpoints(cluster, local, EndpointRows.of(union.values()), has_any)

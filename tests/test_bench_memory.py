@@ -27,15 +27,17 @@ def test_time_v_reads_the_wall_time_and_the_peak() -> None:
 
 
 def test_holders_by_module() -> None:
-    assert holder("/usr/lib/python3.11/json/decoder.py") == "manifest text, JSON decoding"
-    assert holder("/w/kubeproxy/sources/jsonitems.py") == "manifest text, JSON decoding"
+    text = "manifest text, JSON decoding (file buffer)"
+    assert holder("/usr/lib/python3.11/json/decoder.py") == text
+    assert holder("/w/kubeproxy/sources/jsonitems.py") == text
     assert holder("/w/kubeproxy/parse.py") == "API objects (parsed)"
-    assert holder("/w/kubeproxy/backends/nftables/elements.py") == "encoded batches"
+    assert holder("/w/kubeproxy/backends/nftables/elements.py") == "encoded batches (netlink)"
     assert holder("/w/kubeproxy/backends/nftables/batchsocket.py") == "socket (answer buffers)"
-    assert holder("/w/kubeproxy/backends/nftables/frontends.py") == "backend model"
-    assert holder("/w/kubeproxy/endpointchanges.py") == (
-        "trackers, snapshot, categories (the core)"
-    )
+    assert holder("/w/kubeproxy/backends/nftables/frontends.py") == "backend model, generation"
+    assert holder("/w/kubeproxy/endpointchanges.py") == "EndpointSlice tracker"
+    assert holder("/w/kubeproxy/servicechanges.py") == "Service tracker"
+    assert holder("/w/kubeproxy/topology.py") == "proxier: snapshot, categorised endpoints"
+    assert holder("/w/kubeproxy/runner.py") == "the rest of the core"
     assert holder("/usr/lib/python3.11/enum.py") == "interpreter, modules, stdlib"
 
 
@@ -48,7 +50,7 @@ def test_live_allocations_are_summed_by_site_and_holder() -> None:
     assert summary["traced_mb"] == 5 and summary["blocks"] == 4
     assert summary["holders_mb"] == {
         "API objects (parsed)": 2,
-        "backend model": 2,
+        "backend model, generation": 2,
         "interpreter, modules, stdlib": 1,
     }
     assert summary["sites"] == [
@@ -57,7 +59,7 @@ def test_live_allocations_are_summed_by_site_and_holder() -> None:
             "site": "kubeproxy.backends.nftables.diff:5",
             "mb": 2,
             "blocks": 1,
-            "holder": "backend model",
+            "holder": "backend model, generation",
         },
     ]
 

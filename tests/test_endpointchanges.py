@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -67,7 +67,7 @@ def endpoint_slice(
     }
 
 
-def keys(endpoints: tuple[Endpoint, ...]) -> list[str]:
+def keys(endpoints: Sequence[Endpoint]) -> list[str]:
     return [e.key for e in endpoints]
 
 

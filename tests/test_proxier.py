@@ -149,7 +149,7 @@ class Recorded:
     changes: SyncChanges
     node: NodeInfo
     services: dict[ServicePortName, ServicePort]
-    endpoints: dict[ServicePortName, tuple[Endpoint, ...]]
+    endpoints: dict[ServicePortName, Sequence[Endpoint]]
     categorized: dict[ServicePortName, CategorizedEndpoints]
     service_cidrs: tuple[IPNetwork, ...]
     node_port_addresses: NodePortAddresses

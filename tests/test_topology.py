@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import pytest
@@ -273,7 +274,7 @@ CASES = [
 ]
 
 
-def octets(endpoints: tuple[Endpoint, ...]) -> list[int]:
+def octets(endpoints: Sequence[Endpoint]) -> list[int]:
     return [int(str(x.ip).rsplit(".", 1)[1]) for x in endpoints]
 
 
