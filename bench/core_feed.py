@@ -16,6 +16,13 @@ daemon holds it until its first full sync:
   :class:`~kubeproxy.endpointchanges.EndpointsMap` applying them, and every port's
   endpoints categorised (:func:`~kubeproxy.topology.categorize_endpoints`).
 
+``--through proxiers`` feeds the source into what the daemon feeds instead: a
+:class:`~kubeproxy.proxier.DualStackProxier` over the two families'
+:class:`~kubeproxy.proxier.Proxier` (Services to both, each slice to its address type's),
+each over a backend that only takes the snapshot (:class:`NullBackend`); *load* is the
+source delivering into them, *apply* their first sync (the maps applied, every port
+categorised, the snapshot built), so the proxiers' own glue is counted too.
+
 A checkout is ``LABEL=ROOT[:PYTHON]`` as for :mod:`bench.memory_compare`; each run is
 this file run as a script with ``ROOT`` first on ``PYTHONPATH``, so it measures that
 checkout's ``kubeproxy`` (this file needs only the core's public names, which older
@@ -39,6 +46,8 @@ if TYPE_CHECKING:
     from bench.memory_compare import Checkout
 
 KIND: Final = "core-feed"
+THROUGH: Final = ("trackers", "proxiers")
+"""What the source feeds: the trackers alone (the default) or the dual-stack proxier."""
 NODE: Final = "kpxb-node"
 
 
@@ -115,9 +124,72 @@ def feed(directory: Path, node_name: str = NODE) -> dict[str, Any]:
     return {"load_cpu_s": loaded - start, "apply_cpu_s": applied - loaded, "ports": ports}
 
 
-def _child(subject: Checkout, manifests: Path) -> dict[str, Any]:
+class NullBackend:
+    """A backend that takes each snapshot and writes nothing (the core's part alone)."""
+
+    def __init__(self, family: Any) -> None:
+        self.family = family
+        self.syncs = 0
+        self.ports = 0
+
+    def sync(self, snapshot: Any, changes: Any) -> None:
+        """Count the sync and the ports with categorised endpoints."""
+        endpoints = snapshot.endpoints
+        self.ports = sum(1 for name in snapshot.services if endpoints.get(name))
+        self.syncs += 1
+
+    def cleanup(self) -> None:
+        """Nothing was written."""
+
+
+class _SyncedLater:
+    """A handler passing everything on but the end of the slices' list (the proxiers
+    sync at once on it), which the caller delivers itself, timed apart."""
+
+    def __init__(self, handler: Any) -> None:
+        self._handler = handler
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._handler, name)
+
+    def on_endpoint_slices_synced(self) -> None:
+        """Held back (see the class)."""
+
+
+def feed_proxiers(directory: Path, node_name: str = NODE) -> dict[str, Any]:
+    """``--through proxiers`` (see the module): the CPU seconds of the source delivering
+    into the dual-stack proxier, of their first syncs, and how many ports have endpoints."""
+    from kubeproxy.config import ProxierConfig
+    from kubeproxy.objects import IPFamily
+    from kubeproxy.proxier import DualStackProxier, Proxier
+    from kubeproxy.sources.manifests import ManifestSource
+
+    config = ProxierConfig(node_name=node_name)
+    backends = [NullBackend(family) for family in IPFamily]
+    proxiers = [Proxier(backend.family, config, backend) for backend in backends]
+    handler = DualStackProxier(*proxiers)
+    source = ManifestSource(directory, _SyncedLater(handler), node_name=node_name)
+    gc.disable()
+    try:
+        start = time.process_time()
+        source.load()
+        loaded = time.process_time()
+        handler.on_endpoint_slices_synced()  # both families complete now: each syncs
+        applied = time.process_time()
+    finally:
+        gc.enable()
+    if any(backend.syncs != 1 for backend in backends):
+        raise RuntimeError(f"expected one sync per family, got {[b.syncs for b in backends]}")
+    return {
+        "load_cpu_s": loaded - start,
+        "apply_cpu_s": applied - loaded,
+        "ports": sum(backend.ports for backend in backends),
+    }
+
+
+def _child(subject: Checkout, manifests: Path, through: str) -> dict[str, Any]:
     script = str(Path(__file__).resolve())
-    done = subject.run([str(subject.python), script, "child", str(manifests)])
+    done = subject.run([str(subject.python), script, "child", str(manifests), through])
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
 
@@ -126,7 +198,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The command line (see the module); ``child DIR`` is one run."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["child"]:
-        print(json.dumps(feed(Path(args[1]))))
+        through = args[2] if len(args) > 2 else "trackers"
+        measure = feed_proxiers if through == "proxiers" else feed
+        print(json.dumps(measure(Path(args[1]))))
         return 0
     from bench.memory_compare import checkouts_parser, write_runs
     from bench.synthetic import build_services
@@ -134,6 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = checkouts_parser("python -m bench.core_feed", None, 30_000)
     parser.set_defaults(rounds=3)
+    parser.add_argument("--through", choices=THROUGH, default=THROUGH[0])
     options = parser.parse_args(args)
     load = os.getloadavg()[0]
     runs: list[dict[str, Any]] = []
@@ -142,7 +217,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         manifests = write_manifests(Path(work) / "manifests", services)
         for index in range(options.rounds):
             for subject in options.checkouts:
-                run = {"label": subject.label, "round": index, **_child(subject, manifests)}
+                run = {
+                    "label": subject.label,
+                    "round": index,
+                    "through": options.through,
+                    **_child(subject, manifests, options.through),
+                }
                 runs.append(run)
                 print(
                     f"{options.services} round {index} {subject.label}: load CPU "

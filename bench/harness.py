@@ -167,8 +167,9 @@ def proxy_process(
 
     ``extras`` adds Services ``(index, endpoint count)`` on top of the ``services`` ones;
     ``wide_every`` K gives every K-th Service 250 endpoints (the mix); ``mix`` is
-    ``uniform`` or ``realistic`` (:func:`bench.synthetic.realistic_services`, ``endpoints``
-    unused); ``class_ladder`` gives Service i i+1 endpoints;
+    ``uniform``, ``realistic`` (:func:`bench.synthetic.realistic_services`, ``endpoints``
+    unused) or ``exposed`` (:func:`bench.synthetic.exposed_services`); ``class_ladder``
+    gives Service i i+1 endpoints;
     ``min_sync_period`` is the proxier's (only its own sync loop, the churn, heeds it;
     None: paced by each sync's cost, nftables mode's default).
     ``backend``

@@ -14,6 +14,13 @@ then, round after round, for each checkout in turn and each in a fresh namespace
   peak of Python's allocations), which does not vary with the load the way the resident
   size and the times do, so one change's effect shows even when it is a few MB.
 
+``--source api`` feeds each run from the API instead: the repository's fake API server
+(:mod:`bench.apiserverproc`, a process of its own in the run's namespace, started before
+the proxy and loaded with the same manifests) and ``--master http://127.0.0.1:PORT``;
+only the proxy's process is timed and measured. ``--source both`` runs every checkout
+from the manifests and from the API in turn, so one run shows the API source against
+the manifests side by side (issue 32: the API within 1.2x of the manifests).
+
 A checkout is ``LABEL=ROOT[:PYTHON]``: the directory whose ``kubeproxy`` and ``bench``
 are run (put first on ``PYTHONPATH``), and the interpreter (``ROOT/.venv/bin/python``
 when not given; a clone of a commit without a ``.venv`` can borrow another checkout's,
@@ -31,8 +38,9 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Final
 
@@ -51,6 +59,10 @@ __all__ = [
 ]
 
 KIND: Final = "memory-compare"
+SOURCES: Final = ("manifests", "api")
+"""Where a run's proxy reads the cluster from (``--source``; ``both`` is both in turn)."""
+# Loading 100k Services' objects into the fake API server takes a minute or two.
+_API_READY_TIMEOUT_S: Final = 900.0
 _MB = 1024 * 1024
 _BINARY = "import sys; from kubeproxy.cmd.nftables import main; sys.exit(main())"
 
@@ -109,40 +121,60 @@ def traced_argv(subject: Checkout, out: Path, flags: Sequence[str]) -> list[str]
     ]
 
 
-def _run(subject: Checkout, argv: list[str]) -> subprocess.CompletedProcess[str]:
+def _run(
+    subject: Checkout, manifests: Path, source: str, argv: Callable[[list[str]], list[str]]
+) -> subprocess.CompletedProcess[str]:
+    """``argv(flags)`` of ``subject`` in a fresh namespace, the flags reading ``manifests``
+    from ``source`` (``api``: through the fake API server, started there first)."""
+    from bench.wholeproc import proxy_flags, settings_flags
+
     with namespace("cmp") as netns:
-        return subject.run(in_netns(netns, argv))
+        if source == "manifests":
+            return subject.run(in_netns(netns, argv(proxy_flags(manifests))))
+        from bench.daemonbench import api_server
+
+        with api_server(netns, manifests, _API_READY_TIMEOUT_S) as api:
+            master = f"http://127.0.0.1:{api.ready['port']}"
+            flags = ["--master", master, "--once", *settings_flags()]
+            return subject.run(in_netns(netns, argv(flags)))
 
 
 def measure(
-    subjects: Sequence[Checkout], services: int, endpoints: int, rounds: int, traced: bool
+    subjects: Sequence[Checkout],
+    services: int,
+    endpoints: int,
+    rounds: int,
+    traced: bool,
+    sources: Sequence[str] = ("manifests",),
 ) -> list[dict[str, Any]]:
     """Every run, in the order run (see the module)."""
     from bench.synthetic import build_services
-    from bench.wholeproc import proxy_flags, write_manifests
+    from bench.wholeproc import write_manifests
 
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kpxb-memcmp-") as work:
         manifests = write_manifests(Path(work) / "manifests", build_services(services, endpoints))
-        flags = proxy_flags(manifests)
         for index in range(rounds):
             for subject in subjects:
-                wall, rss, cpu = time_v(_run(subject, binary_argv(subject, flags)).stderr)
-                run: dict[str, Any] = {
-                    "label": subject.label,
-                    "root": str(subject.root),
-                    "commit": _commit(subject.root),
-                    "round": index,
-                    "wall_s": wall,
-                    "cpu_s": cpu,
-                    "max_rss_kb": rss,
-                }
-                if traced:
-                    out = Path(work) / f"{subject.label}-{index}.json"
-                    _run(subject, traced_argv(subject, out, flags))
-                    run["traced_peak_mb"] = json.loads(out.read_text())["traced_peak_mb"]
-                runs.append(run)
-                print(_line(services, run), file=sys.stderr, flush=True)
+                for source in sources:
+                    done = _run(subject, manifests, source, partial(binary_argv, subject))
+                    wall, rss, cpu = time_v(done.stderr)
+                    run: dict[str, Any] = {
+                        "label": subject.label,
+                        "root": str(subject.root),
+                        "commit": _commit(subject.root),
+                        "round": index,
+                        "source": source,
+                        "wall_s": wall,
+                        "cpu_s": cpu,
+                        "max_rss_kb": rss,
+                    }
+                    if traced:
+                        out = Path(work) / f"{subject.label}-{source}-{index}.json"
+                        _run(subject, manifests, source, partial(traced_argv, subject, out))
+                        run["traced_peak_mb"] = json.loads(out.read_text())["traced_peak_mb"]
+                    runs.append(run)
+                    print(_line(services, run), file=sys.stderr, flush=True)
     return runs
 
 
@@ -158,8 +190,9 @@ def _commit(root: Path) -> str | None:
 
 def _line(services: int, run: dict[str, Any]) -> str:
     traced = f"  traced peak {run['traced_peak_mb']:6.1f} MB" if "traced_peak_mb" in run else ""
+    source = f" from {run['source']}" if "source" in run else ""
     return (
-        f"{services} round {run['round']} {run['label']} ({run['commit']}): "
+        f"{services} round {run['round']} {run['label']} ({run['commit']}){source}: "
         f"wall {run['wall_s']:6.1f} s  CPU {run['cpu_s']:6.1f} s  "
         f"peak RSS {run['max_rss_kb'] / 1024:6.0f} MB{traced}"
     )
@@ -198,10 +231,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     parser = checkouts_parser("python -m bench.memory_compare", __doc__, 100_000)
     parser.add_argument("--traced", action="store_true")
+    parser.add_argument("--source", choices=[*SOURCES, "both"], default="manifests")
     options = parser.parse_args(args)
     load = os.getloadavg()[0]
+    sources = SOURCES if options.source == "both" else (options.source,)
     runs = measure(
-        options.checkouts, options.services, options.endpoints, options.rounds, options.traced
+        options.checkouts,
+        options.services,
+        options.endpoints,
+        options.rounds,
+        options.traced,
+        sources,
     )
     path = write_runs(options, KIND, "python -m bench.memory_compare " + " ".join(args), load, runs)
     for run in runs:

@@ -9,7 +9,9 @@ It builds the Services and EndpointSlices as Kubernetes JSON dicts, creates the 
 :class:`kubeproxy.proxier.Proxier`, prints ``{"event": "ready", ...}`` and then answers
 one JSON line per command line. ``--mix realistic`` builds the realistic mix instead
 (:func:`bench.synthetic.realistic_services`: both families, so a backend per family
-behind a :class:`~kubeproxy.proxier.DualStackProxier`); ``--class-ladder N`` builds N
+behind a :class:`~kubeproxy.proxier.DualStackProxier`), ``--mix exposed`` every Service
+reachable beyond its cluster IP (:func:`bench.synthetic.exposed_services`, N x E, both
+families, ``--affinity-seconds`` on every one); ``--class-ladder N`` builds N
 ClusterIP Services with 1 to N endpoints (N endpoint-count classes).
 
 * ``{"op": "cold"}``: feed every object to the proxier, mark the sources synced, sync
@@ -74,6 +76,7 @@ from bench.synthetic import (
     EndpointSwaps,
     SyntheticService,
     build_services,
+    exposed_services,
     mixed_services,
     realistic_service,
     realistic_services,
@@ -422,7 +425,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--wide-endpoints", type=int, default=250)
     parser.add_argument(
-        "--mix", choices=("uniform", "realistic"), default="uniform", help="the cluster's shape"
+        "--mix",
+        choices=("uniform", "realistic", "exposed"),
+        default="uniform",
+        help="the cluster's shape",
     )
     parser.add_argument("--class-ladder", action="store_true", help="Service i has i+1 endpoints")
     parser.add_argument("--node-ip", default=str(NODE_IP))
@@ -440,12 +446,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     factory = load_backend_factory(args.backend)
     backend = factory(IPFamily.IPV4, config, netns=args.netns)
     realistic = args.mix == "realistic"
-    backend6 = factory(IPFamily.IPV6, config, netns=args.netns) if realistic else None
+    two_families = args.mix in ("realistic", "exposed")
+    backend6 = factory(IPFamily.IPV6, config, netns=args.netns) if two_families else None
     # Everything from here to the ready line is the synthetic input (and an idle Proxier).
     before_input_kb = _rss_now_kb()
 
     if realistic:
         services = realistic_services(args.services)
+    elif args.mix == "exposed":
+        services = exposed_services(
+            args.services, args.endpoints, affinity_seconds=args.affinity_seconds
+        )
     elif args.class_ladder:
         services = [synthetic_service(index, index + 1) for index in range(args.services)]
     elif args.wide_every:

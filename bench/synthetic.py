@@ -45,6 +45,7 @@ __all__ = [
     "all_slice_dicts",
     "build_services",
     "endpoint_ips",
+    "exposed_services",
     "mixed_services",
     "realistic_service",
     "realistic_services",
@@ -455,6 +456,48 @@ def mixed_services(
         )
         for index in range(count)
     ]
+
+
+def exposed_services(
+    count: int, endpoints_per_service: int, *, affinity_seconds: int = 0
+) -> list[SyntheticService]:
+    """``count`` Services of ``endpoints_per_service`` endpoints, every one reachable
+    beyond its cluster IP, one in ten IPv6: the shapes whose ClientIP affinity the maps
+    keyed by the cluster-IP frontend do not cover (issue 32 item 3).
+
+    By index: ``% 4 == 0`` a NodePort Service, ``1`` a LoadBalancer with a NodePort,
+    ``2`` a ClusterIP with an external IP (IPv6: a NodePort Service), ``3`` a
+    LoadBalancer without NodePorts; ``% 10 == 9`` IPv6. NodePorts are handed out until
+    the 30000-32699 range runs out (2700: at 10k and beyond, later Services of the first
+    two shapes are LoadBalancers without one), so at scale most ports are reached through
+    a load-balancer or external IP besides their cluster IP. Every policy Cluster.
+    """
+    node_ports = iter(_NODE_PORTS)
+    services = []
+    for index in range(count):
+        shape = index % 4
+        family = "IPv6" if index % 10 == 9 else "IPv4"
+        external_ip = shape == 2 and family == "IPv4"
+        service_type = "NodePort" if shape in (0, 2) else "LoadBalancer"
+        if external_ip:
+            service_type = "ClusterIP"
+        node_port = 0
+        if shape != 3 and not external_ip:
+            node_port = next(node_ports, 0)
+            if not node_port:
+                service_type = "LoadBalancer"
+        services.append(
+            SyntheticService(
+                index,
+                endpoints_per_service,
+                affinity_seconds=affinity_seconds,
+                service_type=service_type,
+                node_port=node_port,
+                external_ip=external_ip,
+                family=family,
+            )
+        )
+    return services
 
 
 def all_slice_dicts(services: Sequence[SyntheticService]) -> Iterator[dict[str, Any]]:

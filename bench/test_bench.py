@@ -78,6 +78,7 @@ from bench.synthetic import (
     TARGET_PORT,
     SyntheticService,
     build_services,
+    exposed_services,
     realistic_services,
     synthetic_service,
 )
@@ -417,6 +418,52 @@ def test_cold_affinity(results: Results, subject: Subject, services: int) -> Non
     )
 
 
+# Every Service reachable beyond its cluster IP (NodePorts, load-balancer and external IPs,
+# one in ten IPv6): the ports whose ClientIP affinity keeps a lookup and a record chain of
+# its own (issue 32 item 3). The same cluster without affinity beside, and every port
+# pinned (the structure before the maps keyed by the frontend).
+AFFINITY_EXPOSED_CASES = [
+    pytest.param(
+        subject, n, sticky, marks=[quick] if n == 1 * K else [], id=f"{name}-{_size_id(n)}"
+    )
+    for n in (1 * K, 10 * K, 30 * K, 100 * K)
+    for subject, name, sticky in (
+        (NFTABLES, "nftables-without", False),
+        (NFTABLES, "nftables", True),
+        (NFTABLES_AFFINITY_PINNED, "nftables-affinity-pinned", True),
+    )
+]
+
+
+@pytest.mark.timeout(SYNC_TIMEOUT_S + 600)
+@pytest.mark.parametrize(("subject", "services", "sticky"), AFFINITY_EXPOSED_CASES)
+def test_cold_affinity_exposed(
+    results: Results, subject: Subject, services: int, sticky: bool
+) -> None:
+    """Cold sync of :func:`~bench.synthetic.exposed_services`, every Service with ClientIP
+    affinity (10800 s) or none (records of kind ``cold_affinity_exposed``)."""
+    _needs(subject)
+    frontends = expected_frontends(exposed_services(services, ENDPOINTS))
+    seconds = AFFINITY_SECONDS if sticky else 0
+    with (
+        namespace("affx") as netns,
+        proxy_process(
+            netns,
+            services,
+            ENDPOINTS,
+            backend=subject.backend,
+            mix="exposed",
+            affinity_seconds=seconds,
+        ) as proxy,
+    ):
+        record = _synced(
+            results, "cold_affinity_exposed", subject, services, proxy, affinity=sticky
+        )
+        if not record["timed_out"]:
+            assert record["ok"]
+            assert installed_services(subject, netns) == frontends
+
+
 # Data plane ------------------------------------------------------------------------------
 
 # iptables-legacy's data path is x_tables (the same linear rule walk as iptables-nft's,
@@ -576,7 +623,11 @@ def test_whole_process(results: Results, services: int, tmp_path: Path) -> None:
 AFFINITY_WHOLE_PROCESS_CASES = [
     pytest.param(1 * K, marks=quick, id="1k"),
     pytest.param(10 * K, id="10k"),
+    pytest.param(30 * K, id="30k"),
+    pytest.param(100 * K, id="100k"),
 ]
+AFFINITY_PER_PORT_WHOLE_PROCESS_MAX = 10 * K
+"""The per-port maps run to 10k only: quadratic in the kernel (162 s in process at 30k)."""
 
 
 @pytest.mark.timeout(3 * WHOLE_PROCESS_ROUNDS * SYNC_TIMEOUT_S + 600)
@@ -607,7 +658,7 @@ def test_whole_process_affinity(results: Results, services: int, tmp_path: Path)
             True,
             "the same, affinity maps per Service port swapped in",
         ),
-    )
+    )[: None if services <= AFFINITY_PER_PORT_WHOLE_PROCESS_MAX else 3]
     runs: dict[int, list[ApplyResult]] = {i: [] for i in range(len(ours))}
     for _ in range(WHOLE_PROCESS_ROUNDS):
         for i, (subject, argv, _affinity, _how) in enumerate(ours):

@@ -169,6 +169,7 @@ def _address_text(text: str) -> str:
 
 _inet_pton = socket.inet_pton
 _AF_INET = socket.AF_INET
+_AF_INET6 = socket.AF_INET6
 
 
 def parse_host(text: str) -> tuple[IPAddress, str]:
@@ -278,11 +279,18 @@ class _Context:
     the cost of parsing a large slice.
     """
 
-    __slots__ = ("kind", "name")
+    __slots__ = ("_where", "kind")
 
-    def __init__(self, kind: str, name: str) -> None:
+    def __init__(self, kind: str, where: object) -> None:
         self.kind = kind
-        self.name = name
+        # Its text is made when a message needs it: a Service's key is formatted for
+        # none of the Services that parse (two calls per Service, one per family).
+        self._where = where
+
+    @property
+    def name(self) -> str:
+        """``namespace/name`` of the object, for messages."""
+        return str(self._where)
 
     def error(self, reason: str) -> InvalidObject:
         return InvalidObject(self.kind, self.name, reason)
@@ -368,6 +376,16 @@ def _metadata(obj: Any, kind: str) -> tuple[Mapping[str, Any], _Context]:
     namespace = metadata.get("namespace")
     name = metadata.get("name")
     if (
+        type(namespace) is str
+        and type(name) is str
+        and 0 < len(namespace) <= 63
+        and name
+        and _is_namespace(namespace)
+        and name.isprintable()
+    ):
+        # The usual object: valid namespace, a printable name (the callers check it).
+        return metadata, _Context(kind, _Where(namespace, name))
+    if (
         isinstance(namespace, str)
         and isinstance(name, str)
         and namespace
@@ -385,6 +403,25 @@ def _metadata(obj: Any, kind: str) -> tuple[Mapping[str, Any], _Context]:
     if not _is_dns_label(namespace):
         raise context.error(f"metadata.namespace {_show(namespace)} is not a valid DNS-1123 label")
     return metadata, context
+
+
+class _Where:
+    """``namespace/name``, formatted when printed (:class:`_Context`)."""
+
+    __slots__ = ("name", "namespace")
+
+    def __init__(self, namespace: str, name: str) -> None:
+        self.namespace = namespace
+        self.name = name
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_namespace(text: str) -> bool:
+    # A cluster's few namespaces over every object: each matched once, not per object.
+    return text.isprintable() and _is_dns_label(text)
 
 
 def service_key(obj: KubeObject) -> NamespacedName:
@@ -417,7 +454,7 @@ def parse_service(
     """
     if key is None:
         key = service_key(obj)
-    context = _Context("Service", str(key))
+    context = _Context("Service", key)
     metadata = obj["metadata"]
     labels = context.mapping(metadata.get("labels"), "metadata.labels")
     if LABEL_SERVICE_PROXY_NAME in labels or LABEL_HEADLESS in labels:
@@ -504,7 +541,12 @@ def _cluster_ip(
             raise context.fail(field, 0, f"invalid IP address {_show(text)}") from None
         if found is None and (":" in address) is want_ipv6:
             found = address
-    return None if found is None else ipaddress.ip_address(found)
+    if found is None:
+        return None
+    # From the canonical text's bytes: ip_address(text) parses it again in Python.
+    if want_ipv6:
+        return ipaddress.IPv6Address(_inet_pton(_AF_INET6, found))
+    return ipaddress.IPv4Address(int.from_bytes(_inet_pton(_AF_INET, found), "big"))
 
 
 def _service_ports(

@@ -794,7 +794,9 @@ class DualStackProxier:
         return self.ipv4.initialized and self.ipv6.initialized
 
     def _for_slice(self, slice_: KubeObject) -> Proxier | None:
-        address_type = slice_.get("addressType") if isinstance(slice_, Mapping) else None
+        # type() first: isinstance against the Mapping ABC costs 0.2 us, per slice.
+        is_mapping = type(slice_) is dict or isinstance(slice_, Mapping)
+        address_type = slice_.get("addressType") if is_mapping else None
         if address_type == IPFamily.IPV4.value:
             return self.ipv4
         if address_type == IPFamily.IPV6.value:

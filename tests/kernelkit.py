@@ -56,6 +56,7 @@ from kubeproxy.testing.netns import (
     write_sysctl,
 )
 from kubeproxy.testing.runner import default_timeout
+from kubeproxy.testing.traffic import ListenerServer, make_listener
 
 T = TypeVar("T")
 
@@ -524,6 +525,25 @@ def node_and_pod(
         assert not left, f"namespaces left behind: {left}"
 
 
+@contextlib.contextmanager
+def node_and_pod_serving(
+    prefix: str, node_ip: str, endpoint_ips: tuple[str, str]
+) -> Iterator[NodeAndPod]:
+    """:func:`node_and_pod` with a TCP listener on port 8080 of both endpoint IPs (each
+    answers with its address, see :func:`answered_by`)."""
+    with node_and_pod(prefix, node_ip, endpoint_ips) as pair:
+        listeners = ListenerServer(f"{prefix}-listeners")
+        for address in endpoint_ips:
+            listeners.add(
+                make_listener(pair.pod_fd, ipaddress.ip_address(address), 8080, Protocol.TCP)
+            )
+        listeners.start()
+        try:
+            yield pair
+        finally:
+            listeners.close()
+
+
 @dataclass(frozen=True)
 class LoneNamespace:
     """A namespace's name and a descriptor open on it (to enter it)."""
@@ -550,14 +570,18 @@ def lone_namespace(prefix: str) -> Iterator[LoneNamespace]:
         assert not left, f"namespaces left behind: {left}"
 
 
-def answered_by(netns_fd: int, address: str, port: int = 80) -> str | None:
-    """Open a TCP connection from the namespace ``netns_fd``; the endpoint that answered
-    (None: nobody)."""
+def answered_by(
+    netns_fd: int, address: str, port: int = 80, *, source: str | None = None
+) -> str | None:
+    """Open a TCP connection from the namespace ``netns_fd`` (from address ``source``,
+    or the one routing picks); the endpoint that answered (None: nobody)."""
     with entered(netns_fd):
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     with sock:
         sock.settimeout(1.0)
         try:
+            if source is not None:
+                sock.bind((source, 0))
             sock.connect((address, port))
             reply = sock.recv(256)
         except OSError:

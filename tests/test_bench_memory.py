@@ -95,3 +95,20 @@ def test_compared_checkouts_are_read_and_run_from_their_root(tmp_path: Path) -> 
     traced = traced_argv(borrowed, tmp_path / "out.json", flags)
     assert traced[:4] == ["/opt/venv/bin/python", "-m", "bench.memory", "child"]
     assert traced[traced.index("--") + 1 :] == flags
+
+
+def test_both_sources_run_side_by_side_in_one_command(tmp_path: Path) -> None:
+    """``--source both``: each checkout's ``--once`` from the manifests, then from the fake
+    API server holding the same cluster, each measured (as root, in fresh namespaces)."""
+    import json
+    import sys
+
+    from bench.memory_compare import main
+
+    repo = Path(__file__).resolve().parent.parent
+    argv = [f"now={repo}:{sys.executable}", "--services", "3", "--endpoints", "2"]
+    assert main([*argv, "--source", "both", "--results", str(tmp_path)]) == 0
+    (written,) = tmp_path.glob("*-memory-compare-*.json")
+    runs = json.loads(written.read_text())["runs"]
+    assert [(r["label"], r["source"]) for r in runs] == [("now", "manifests"), ("now", "api")]
+    assert all(r["cpu_s"] > 0 and r["max_rss_kb"] > 0 for r in runs)

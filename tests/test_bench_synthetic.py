@@ -17,6 +17,8 @@ from bench.proxyproc import BenchProxy, bench_config
 from bench.synthetic import NODE_IP, NODE_NAME, build_services, endpoint_ips, synthetic_service
 from kubeproxy.backends.nftables import NftablesBackend
 from kubeproxy.backends.nftables.fake import FakeNft
+from kubeproxy.backends.nftables.inspect import served_frontends
+from kubeproxy.backends.nftables.objects import Family
 from kubeproxy.objects import IPFamily, NodeInfo
 from kubeproxy.proxier import Proxier
 from kubeproxy.sources.manifests import ManifestSource
@@ -135,3 +137,32 @@ def test_chain_binary_swaps_only_the_backend(monkeypatch: pytest.MonkeyPatch) ->
         k: v for k, v in MODES.items() if k != "nftables"
     }
     assert wholeproc.main(["--maps"]) == 2
+
+
+def test_exposed_services_are_reached_beyond_their_cluster_ip() -> None:
+    """Every Service of the exposed mix has a NodePort, a load-balancer IP or an external
+    IP, one in ten is IPv6, NodePorts are distinct and run out at 2700, and both
+    families' Proxiers over the fake program every one of them, sticky."""
+    services = synthetic.exposed_services(3000, 2, affinity_seconds=10800)
+    dicts = [s.service_dict() for s in services]
+    assert all(
+        d["spec"].get("externalIPs") or d.get("status") or s.node_port
+        for s, d in zip(services, dicts, strict=True)
+    )
+    assert sum(s.family == "IPv6" for s in services) == 300
+    node_ports = [s.node_port for s in services if s.node_port]
+    assert len(node_ports) == len(set(node_ports)) == 1500
+    assert all(s.affinity_seconds == 10800 for s in services)
+
+    config = bench_config()
+    fakes = {f: FakeNft() for f in IPFamily}
+    backends = {f: NftablesBackend(f, config, executor=fakes[f]) for f in IPFamily}
+    first = services[:400]
+    proxy = BenchProxy(first, backends[IPFamily.IPV4], backend6=backends[IPFamily.IPV6])
+    assert proxy.cold()["ok"]
+    tables = {IPFamily.IPV4: Family.IP, IPFamily.IPV6: Family.IP6}
+    served = {f: served_frontends(fakes[f], tables[f]) for f in IPFamily}
+    assert sum(len(k) == 3 for k in served[IPFamily.IPV4]) == sum(s.frontends4() for s in first)
+    assert sum(len(k) == 3 for k in served[IPFamily.IPV6]) == 40 + sum(
+        s.service_type == "LoadBalancer" for s in first if s.family == "IPv6"
+    )

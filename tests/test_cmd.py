@@ -31,7 +31,7 @@ from kubeproxy.cmd.options import parse_options
 from kubeproxy.config import ProxierConfig
 from kubeproxy.daemon import DaemonSeams, LoggingEventSink
 from kubeproxy.daemon.gate import HandlerGate
-from kubeproxy.daemon.gctuning import GcTuner
+from kubeproxy.daemon.gctuning import ONE_SHOT_GC_OPS, GcTuner
 from kubeproxy.daemon.nodeips import (
     LOOPBACK_MESSAGE,
     FamilyNotSupported,
@@ -522,6 +522,44 @@ def test_gc_tuner_with_the_real_collector() -> None:
     finally:
         gc.unfreeze()
         gc.set_threshold(*thresholds)
+
+
+def test_one_shot_gc_ops_freeze_what_was_built_before_the_collector_comes_back() -> None:
+    import gc
+
+    assert gc.isenabled()
+    try:
+        tuner = GcTuner([IPFamily.IPV4], ONE_SHOT_GC_OPS)
+        tuner.hold()
+        assert not gc.isenabled()
+        built = [{"index": index} for index in range(1000)]  # tracked, young objects
+        tuner.release()
+        assert gc.isenabled()
+        assert gc.get_freeze_count() >= len(built)
+    finally:
+        gc.unfreeze()
+        gc.enable()
+
+
+def test_a_once_run_of_the_binary_gets_the_one_shot_gc_ops(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    given: list[DaemonSeams] = []
+
+    def run_daemon(*_args: object, seams: DaemonSeams, **_kwargs: object) -> int:
+        given.append(seams)
+        return 0
+
+    monkeypatch.setattr("kubeproxy.cmd.binary.missing_capabilities", lambda _caps: [])
+    monkeypatch.setattr("kubeproxy.cmd.binary.run_daemon", run_daemon)
+    monkeypatch.setattr("kubeproxy.cmd.binary.configure_logging", lambda _config: None)
+    flags = ["--manifests", str(tmp_path), "--hostname-override", "n"]
+    assert binary_run(nft_binary.BINARY, [*flags, "--once"]) == 0
+    assert binary_run(nft_binary.BINARY, flags) == 0
+    own = DaemonSeams(gc_ops=UNTOUCHED)
+    assert binary_run(nft_binary.BINARY, [*flags, "--once"], seams=own) == 0
+    # A daemon that goes on keeps the usual collector; a test's own ops stay its own.
+    assert [seams.gc_ops for seams in given] == [ONE_SHOT_GC_OPS, None, UNTOUCHED]
 
 
 # --- privileged set-up, events, backend metrics -------------------------------------------

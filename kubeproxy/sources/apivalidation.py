@@ -108,6 +108,12 @@ def _is_label(value: object) -> bool:
     return isinstance(value, str) and len(value) <= 63 and _DNS_LABEL.fullmatch(value) is not None
 
 
+@functools.lru_cache(maxsize=4096)
+def _is_namespace(text: str) -> bool:
+    # A cluster's few namespaces over every object: each matched once, not per object.
+    return _is_label(text)
+
+
 def _is_subdomain(value: object) -> bool:
     return (
         isinstance(value, str) and len(value) <= 253 and _DNS_SUBDOMAIN.fullmatch(value) is not None
@@ -140,7 +146,7 @@ def _is_int(value: object) -> bool:
 
 
 def _port_ok(value: object) -> bool:
-    return _is_int(value) and 1 <= value <= 65535  # type: ignore[operator]
+    return (type(value) is int or _is_int(value)) and 1 <= value <= 65535  # type: ignore[operator]
 
 
 def _items(value: object) -> Sequence[Any] | None:
@@ -266,221 +272,242 @@ def _cidr_problem(text: object) -> str | None:
 
 def service_errors(obj: Mapping[str, Any]) -> list[str]:
     """Why the API server would refuse Service ``obj`` (see the module); [] if it would not."""
-    return list(_service(obj))
+    errors: list[str] = []
+    _service(obj, errors)
+    return errors
 
 
-def _metadata(obj: Mapping[str, Any], name_ok: Any, name_kind: str) -> Iterator[str]:
+def _metadata(obj: Mapping[str, Any], name_ok: Any, name_kind: str, errors: list[str]) -> None:
     metadata = _mapping(obj.get("metadata"))
     if metadata is None:
-        yield "metadata: must be an object"
+        errors.append("metadata: must be an object")
         return
     name = metadata.get("name")
     if not name_ok(name):
-        yield f"metadata.name: {_show(name)}: must be a valid {name_kind}"
+        errors.append(f"metadata.name: {_show(name)}: must be a valid {name_kind}")
     namespace = metadata.get("namespace")
-    if not _is_label(namespace):
-        yield f"metadata.namespace: {_show(namespace)}: must be a valid DNS-1123 label"
+    if not (type(namespace) is str and len(namespace) <= 63 and _is_namespace(namespace)):
+        errors.append(f"metadata.namespace: {_show(namespace)}: must be a valid DNS-1123 label")
     labels = _mapping(metadata.get("labels"))
     if labels is None:
-        yield "metadata.labels: must be an object"
+        errors.append("metadata.labels: must be an object")
         return
     for key, value in labels.items():
         if not _is_qualified_name(key):
-            yield f"metadata.labels: {_show(key)}: must be a qualified name"
+            errors.append(f"metadata.labels: {_show(key)}: must be a qualified name")
         elif not _is_label_value(value):
-            yield f"metadata.labels[{key}]: {_show(value)}: must be a valid label value"
+            errors.append(f"metadata.labels[{key}]: {_show(value)}: must be a valid label value")
 
 
-def _service(obj: Mapping[str, Any]) -> Iterator[str]:
-    yield from _metadata(obj, _is_label, "DNS-1123 label")
+def _service(obj: Mapping[str, Any], errors: list[str]) -> None:
+    _metadata(obj, _is_label, "DNS-1123 label", errors)
     spec = _mapping(obj.get("spec"))
     if spec is None:
-        yield "spec: must be an object"
+        errors.append("spec: must be an object")
         return
     kind = spec.get("type") or "ClusterIP"
     if kind not in _SERVICE_TYPES:
-        yield f"spec.type: {_show(kind)}: must be one of {', '.join(_SERVICE_TYPES)}"
+        errors.append(f"spec.type: {_show(kind)}: must be one of {', '.join(_SERVICE_TYPES)}")
         return
-    cluster_ips = list(_cluster_ips(spec, kind))
-    yield from cluster_ips
+    _cluster_ips(spec, kind, errors)
     headless = spec.get("clusterIP") == "None"
-    yield from _ports(spec, kind, headless)
+    _ports(spec, kind, headless, errors)
     external_ips = _items(spec.get("externalIPs"))
     if external_ips is None:
-        yield "spec.externalIPs: must be a list"
+        errors.append("spec.externalIPs: must be a list")
         external_ips = []
     for index, text in enumerate(external_ips):
         problem = _ip_problem(text)
         if problem is None:
             problem = _special(parse_ip(text))
         if problem is not None:
-            yield f"spec.externalIPs[{index}]: {_show(text)}: {problem}"
-    yield from _affinity(spec)
-    yield from _source_ranges(spec, kind)
-    yield from _traffic_policies(spec, kind, bool(external_ips))
-    yield from _load_balancer_status(obj.get("status"))
+            errors.append(f"spec.externalIPs[{index}]: {_show(text)}: {problem}")
+    _affinity(spec, errors)
+    _source_ranges(spec, kind, errors)
+    _traffic_policies(spec, kind, bool(external_ips), errors)
+    _load_balancer_status(obj.get("status"), errors)
 
 
-def _cluster_ips(spec: Mapping[str, Any], kind: str) -> Iterator[str]:
+def _cluster_ips(spec: Mapping[str, Any], kind: str, errors: list[str]) -> None:
     primary = spec.get("clusterIP")
     listed = _items(spec.get("clusterIPs"))
     if listed is None:
-        yield "spec.clusterIPs: must be a list"
+        errors.append("spec.clusterIPs: must be a list")
         return
     if kind == "ExternalName":
         if listed or primary not in (None, ""):
-            yield "spec.clusterIPs: may not be set for ExternalName services"
+            errors.append("spec.clusterIPs: may not be set for ExternalName services")
         return
     if listed and primary not in (None, "") and listed[0] != primary:
-        yield f"spec.clusterIPs[0]: {_show(listed[0])}: must be equal to clusterIP"
+        errors.append(f"spec.clusterIPs[0]: {_show(listed[0])}: must be equal to clusterIP")
     ips = listed or ([primary] if primary not in (None, "") else [])
     if len(ips) > 2:
-        yield "spec.clusterIPs: may have at most 2 values (one per IP family)"
+        errors.append("spec.clusterIPs: may have at most 2 values (one per IP family)")
         return
     if "None" in ips:
         if len(ips) > 1:
-            yield "spec.clusterIPs: 'None' must be the only value"
+            errors.append("spec.clusterIPs: 'None' must be the only value")
         elif kind in ("NodePort", "LoadBalancer"):
-            yield f"spec.clusterIPs[0]: 'None': may not be set to 'None' for {kind} services"
+            errors.append(
+                f"spec.clusterIPs[0]: 'None': may not be set to 'None' for {kind} services"
+            )
         return
     versions = []
     for index, text in enumerate(ips):
         problem = _ip_problem(text)
         if problem is not None:
-            yield f"spec.clusterIPs[{index}]: {_show(text)}: {problem}"
+            errors.append(f"spec.clusterIPs[{index}]: {_show(text)}: {problem}")
         else:
             # Valid and no IPv4-mapped IPv6 address: the family is in the text.
             versions.append(6 if ":" in text else 4)
     if len(versions) == 2 and versions[0] == versions[1]:
-        yield "spec.clusterIPs: may specify no more than one IP for each IP family"
+        errors.append("spec.clusterIPs: may specify no more than one IP for each IP family")
 
 
-def _ports(spec: Mapping[str, Any], kind: str, headless: bool) -> Iterator[str]:
+def _ports(spec: Mapping[str, Any], kind: str, headless: bool, errors: list[str]) -> None:
     ports = _items(spec.get("ports"))
     if ports is None:
-        yield "spec.ports: must be a list"
+        errors.append("spec.ports: must be a list")
         return
     if not ports and not headless and kind != "ExternalName":
-        yield "spec.ports: Required value"
+        errors.append("spec.ports: Required value")
     names: set[str] = set()
     seen_ports: set[tuple[str, object]] = set()
     seen_node_ports: set[tuple[str, object]] = set()
     for index, raw in enumerate(ports):
-        where = f"spec.ports[{index}]"
         port = _mapping(raw)
         if port is None:
-            yield f"{where}: must be an object"
+            errors.append(f"spec.ports[{index}]: must be an object")
             continue
         name = port.get("name") or ""
         if not name and len(ports) > 1:
-            yield f"{where}.name: Required value (several ports)"
+            errors.append(f"spec.ports[{index}].name: Required value (several ports)")
         elif name:
             if not _is_label(name):
-                yield f"{where}.name: {_show(name)}: must be a valid DNS-1123 label"
+                errors.append(
+                    f"spec.ports[{index}].name: {_show(name)}: must be a valid DNS-1123 label"
+                )
             elif name in names:
-                yield f"{where}.name: {_show(name)}: Duplicate value"
+                errors.append(f"spec.ports[{index}].name: {_show(name)}: Duplicate value")
             names.add(str(name))
         number = port.get("port")
         if not _port_ok(number):
-            yield f"{where}.port: {_show(number)}: must be between 1 and 65535, inclusive"
+            errors.append(
+                f"spec.ports[{index}].port: {_show(number)}: must be between 1 and 65535, inclusive"
+            )
         protocol = port.get("protocol") or "TCP"
         if protocol not in _PROTOCOLS:
-            yield f"{where}.protocol: {_show(protocol)}: must be one of {', '.join(_PROTOCOLS)}"
+            errors.append(
+                f"spec.ports[{index}].protocol: {_show(protocol)}: must be one of"
+                f" {', '.join(_PROTOCOLS)}"
+            )
         if (protocol, number) in seen_ports:
-            yield f"{where}: {protocol}/{_show(number)}: Duplicate value"
+            errors.append(f"spec.ports[{index}]: {protocol}/{_show(number)}: Duplicate value")
         seen_ports.add((protocol, number))
         node_port = port.get("nodePort") or 0
         if node_port:
             if kind == "ClusterIP":
-                yield f"{where}.nodePort: may not be used when `type` is 'ClusterIP'"
+                errors.append(
+                    f"spec.ports[{index}].nodePort: may not be used when `type` is 'ClusterIP'"
+                )
             elif not _port_ok(node_port):
-                yield f"{where}.nodePort: {_show(node_port)}: must be between 1 and 65535"
+                errors.append(
+                    f"spec.ports[{index}].nodePort: {_show(node_port)}: must be between 1 and 65535"
+                )
             elif (protocol, node_port) in seen_node_ports:
-                yield f"{where}.nodePort: {node_port}: Duplicate value"
+                errors.append(f"spec.ports[{index}].nodePort: {node_port}: Duplicate value")
             seen_node_ports.add((protocol, node_port))
 
 
-def _affinity(spec: Mapping[str, Any]) -> Iterator[str]:
+def _affinity(spec: Mapping[str, Any], errors: list[str]) -> None:
     affinity = spec.get("sessionAffinity") or "None"
     config = spec.get("sessionAffinityConfig")
     if affinity not in ("None", "ClientIP"):
-        yield f"spec.sessionAffinity: {_show(affinity)}: must be None or ClientIP"
+        errors.append(f"spec.sessionAffinity: {_show(affinity)}: must be None or ClientIP")
     elif affinity == "None":
         if config is not None:
-            yield "spec.sessionAffinityConfig: must not be set when session affinity is None"
+            errors.append(
+                "spec.sessionAffinityConfig: must not be set when session affinity is None"
+            )
     else:
         # Left out, the config and its timeout are defaulted (10800 s) before validation.
         client_ip = _mapping((_mapping(config) or {}).get("clientIP"))
         timeout = (client_ip or {}).get("timeoutSeconds")
         if timeout is not None and not (_is_int(timeout) and 0 < timeout <= _MAX_AFFINITY_SECONDS):
-            yield (
+            errors.append(
                 "spec.sessionAffinityConfig.clientIP.timeoutSeconds:"
                 f" {_show(timeout)}: must be greater than 0 and less than"
                 f" {_MAX_AFFINITY_SECONDS}"
             )
 
 
-def _source_ranges(spec: Mapping[str, Any], kind: str) -> Iterator[str]:
+def _source_ranges(spec: Mapping[str, Any], kind: str, errors: list[str]) -> None:
     ranges = _items(spec.get("loadBalancerSourceRanges"))
     if ranges is None:
-        yield "spec.loadBalancerSourceRanges: must be a list"
+        errors.append("spec.loadBalancerSourceRanges: must be a list")
         return
     if ranges and kind != "LoadBalancer":
-        yield "spec.loadBalancerSourceRanges: may only be used when `type` is 'LoadBalancer'"
+        errors.append(
+            "spec.loadBalancerSourceRanges: may only be used when `type` is 'LoadBalancer'"
+        )
     for index, text in enumerate(ranges):
         value = text.strip() if isinstance(text, str) else text
         problem = _cidr_problem(value)
         if problem is not None:
-            yield f"spec.loadBalancerSourceRanges[{index}]: {_show(text)}: {problem}"
+            errors.append(f"spec.loadBalancerSourceRanges[{index}]: {_show(text)}: {problem}")
 
 
-def _traffic_policies(spec: Mapping[str, Any], kind: str, external_ips: bool) -> Iterator[str]:
+def _traffic_policies(
+    spec: Mapping[str, Any], kind: str, external_ips: bool, errors: list[str]
+) -> None:
     reachable = kind in ("NodePort", "LoadBalancer") or (kind == "ClusterIP" and external_ips)
     external = spec.get("externalTrafficPolicy") or ""
     if not reachable and external:
-        yield (
+        errors.append(
             f"spec.externalTrafficPolicy: {_show(external)}: may only be set for"
             " externally-accessible services"
         )
     elif external and external not in _POLICIES:
-        yield f"spec.externalTrafficPolicy: {_show(external)}: must be Cluster or Local"
+        errors.append(f"spec.externalTrafficPolicy: {_show(external)}: must be Cluster or Local")
     health = spec.get("healthCheckNodePort") or 0
     needs_health = kind == "LoadBalancer" and external == "Local"
     if health and not needs_health:
-        yield (
+        errors.append(
             f"spec.healthCheckNodePort: {_show(health)}: may only be set when `type` is"
             " 'LoadBalancer' and `externalTrafficPolicy` is 'Local'"
         )
     elif health and not _port_ok(health):
-        yield f"spec.healthCheckNodePort: {_show(health)}: must be between 1 and 65535"
+        errors.append(f"spec.healthCheckNodePort: {_show(health)}: must be between 1 and 65535")
     internal = spec.get("internalTrafficPolicy") or "Cluster"
     if internal not in _POLICIES:
-        yield f"spec.internalTrafficPolicy: {_show(internal)}: must be Cluster or Local"
+        errors.append(f"spec.internalTrafficPolicy: {_show(internal)}: must be Cluster or Local")
 
 
-def _load_balancer_status(status: object) -> Iterator[str]:
+def _load_balancer_status(status: object, errors: list[str]) -> None:
+    if not status:
+        return  # none, or empty: nothing to check (a Service's usual status)
     load_balancer = _mapping((_mapping(status) or {}).get("loadBalancer"))
     ingress = _items((load_balancer or {}).get("ingress"))
     if load_balancer is None or ingress is None:
-        yield "status.loadBalancer: must be an object with an ingress list"
+        errors.append("status.loadBalancer: must be an object with an ingress list")
         return
     for index, raw in enumerate(ingress):
         where = f"status.loadBalancer.ingress[{index}]"
         entry = _mapping(raw)
         if entry is None:
-            yield f"{where}: must be an object"
+            errors.append(f"{where}: must be an object")
             continue
         address = entry.get("ip") or ""
         if address:
             problem = _ip_problem(address)
             if problem is not None:
-                yield f"{where}.ip: {_show(address)}: {problem}"
+                errors.append(f"{where}.ip: {_show(address)}: {problem}")
         mode = entry.get("ipMode")
         if mode is not None:
             if not address:
-                yield f"{where}.ipMode: may not be specified when `ip` is not"
+                errors.append(f"{where}.ipMode: may not be specified when `ip` is not")
             elif mode not in _IP_MODES:
-                yield f"{where}.ipMode: {_show(mode)}: must be VIP or Proxy"
+                errors.append(f"{where}.ipMode: {_show(mode)}: must be VIP or Proxy")
 
 
 # --- EndpointSlices -----------------------------------------------------------------------
@@ -488,29 +515,35 @@ def _load_balancer_status(status: object) -> Iterator[str]:
 
 def endpoint_slice_errors(obj: Mapping[str, Any]) -> list[str]:
     """Why the API server would refuse EndpointSlice ``obj``; [] if it would not."""
-    return list(_endpoint_slice(obj))
+    errors: list[str] = []
+    _endpoint_slice(obj, errors)
+    return errors
 
 
-def _endpoint_slice(obj: Mapping[str, Any]) -> Iterator[str]:
-    yield from _metadata(obj, _is_subdomain, "DNS-1123 subdomain")
+def _endpoint_slice(obj: Mapping[str, Any], errors: list[str]) -> None:
+    _metadata(obj, _is_subdomain, "DNS-1123 subdomain", errors)
     address_type = obj.get("addressType")
     if address_type not in _ADDRESS_TYPES:
-        yield f"addressType: {_show(address_type)}: must be one of {', '.join(_ADDRESS_TYPES)}"
+        errors.append(
+            f"addressType: {_show(address_type)}: must be one of {', '.join(_ADDRESS_TYPES)}"
+        )
     endpoints = _items(obj.get("endpoints"))
     if endpoints is None:
-        yield "endpoints: must be a list"
+        errors.append("endpoints: must be a list")
     elif len(endpoints) > _MAX_ENDPOINTS:
-        yield f"endpoints: Too many: {len(endpoints)}: must have at most {_MAX_ENDPOINTS} items"
+        errors.append(
+            f"endpoints: Too many: {len(endpoints)}: must have at most {_MAX_ENDPOINTS} items"
+        )
     else:
         for index in _unclear_endpoints(endpoints, address_type):
-            yield from _endpoint(index, endpoints[index], address_type)
+            _endpoint(index, endpoints[index], address_type, errors)
     ports = _items(obj.get("ports"))
     if ports is None:
-        yield "ports: must be a list"
+        errors.append("ports: must be a list")
     elif len(ports) > _MAX_SLICE_PORTS:
-        yield f"ports: Too many: {len(ports)}: must have at most {_MAX_SLICE_PORTS} items"
+        errors.append(f"ports: Too many: {len(ports)}: must have at most {_MAX_SLICE_PORTS} items")
     else:
-        yield from _slice_ports(ports)
+        _slice_ports(ports, errors)
 
 
 def _unclear_endpoints(endpoints: Sequence[Any], address_type: object) -> Iterator[int]:
@@ -526,7 +559,7 @@ def _unclear_endpoints(endpoints: Sequence[Any], address_type: object) -> Iterat
     if address_type != "IPv4":
         yield from range(len(endpoints))
         return
-    plain_ipv4, node_name_ok = _plain_ipv4, _node_name_ok
+    node_name_ok, pton, special_octets = _node_name_ok, _inet_pton, _SPECIAL_FIRST_OCTETS
     for index, raw in enumerate(endpoints):
         if type(raw) is not dict:
             yield index
@@ -545,7 +578,16 @@ def _unclear_endpoints(endpoints: Sequence[Any], address_type: object) -> Iterat
             yield index
             continue
         for text in addresses:
-            if not plain_ipv4(text):
+            # plain_ipv4(text), inline: the call was a third of this loop's time.
+            try:
+                plain = (
+                    type(text) is str
+                    and len(text) <= 15
+                    and pton(_AF_INET, text)[0] not in special_octets
+                )
+            except (OSError, ValueError):
+                plain = False
+            if not plain:
                 yield index
                 break
 
@@ -557,20 +599,20 @@ def _node_name_ok(name: str) -> bool:
     return _is_subdomain(name)
 
 
-def _endpoint(index: int, raw: object, address_type: object) -> Iterator[str]:
+def _endpoint(index: int, raw: object, address_type: object, errors: list[str]) -> None:
     where = f"endpoints[{index}]"
     endpoint = _mapping(raw)
     if endpoint is None:
-        yield f"{where}: must be an object"
+        errors.append(f"{where}: must be an object")
         return
     addresses = _items(endpoint.get("addresses"))
     if addresses is None:
-        yield f"{where}.addresses: must be a list"
+        errors.append(f"{where}.addresses: must be a list")
         return
     if not addresses:
-        yield f"{where}.addresses: Required value: must contain at least 1 address"
+        errors.append(f"{where}.addresses: Required value: must contain at least 1 address")
     elif len(addresses) > _MAX_ADDRESSES:
-        yield f"{where}.addresses: Too many: must have at most {_MAX_ADDRESSES} items"
+        errors.append(f"{where}.addresses: Too many: must have at most {_MAX_ADDRESSES} items")
     for number, text in enumerate(addresses):
         if address_type not in ("IPv4", "IPv6"):
             continue  # FQDN slices are no business of a proxy's; unknown types fall through
@@ -584,42 +626,48 @@ def _endpoint(index: int, raw: object, address_type: object) -> Iterator[str]:
             else:
                 problem = _special(address)
         if problem is not None:
-            yield f"{where}.addresses[{number}]: {_show(text)}: {problem}"
+            errors.append(f"{where}.addresses[{number}]: {_show(text)}: {problem}")
     node = endpoint.get("nodeName")
     if node is not None and not _is_subdomain(node):
-        yield f"{where}.nodeName: {_show(node)}: must be a valid DNS-1123 subdomain"
+        errors.append(f"{where}.nodeName: {_show(node)}: must be a valid DNS-1123 subdomain")
     hints = _mapping(endpoint.get("hints"))
     zones = _items((hints or {}).get("forZones"))
     if hints is None or zones is None:
-        yield f"{where}.hints: must be an object with a forZones list"
+        errors.append(f"{where}.hints: must be an object with a forZones list")
         return
     if len(zones) > _MAX_ZONE_HINTS:
-        yield f"{where}.hints.forZones: Too many: must have at most {_MAX_ZONE_HINTS} items"
+        errors.append(
+            f"{where}.hints.forZones: Too many: must have at most {_MAX_ZONE_HINTS} items"
+        )
         return
     seen: set[object] = set()
     for number, zone in enumerate(zones):
         name = (_mapping(zone) or {}).get("name")
         if not _is_label_value(name):
-            yield f"{where}.hints.forZones[{number}].name: {_show(name)}: must be a label value"
+            errors.append(
+                f"{where}.hints.forZones[{number}].name: {_show(name)}: must be a label value"
+            )
         elif name in seen:
-            yield f"{where}.hints.forZones[{number}].name: {_show(name)}: Duplicate value"
+            errors.append(f"{where}.hints.forZones[{number}].name: {_show(name)}: Duplicate value")
         seen.add(name)
 
 
-def _slice_ports(ports: Sequence[Any]) -> Iterator[str]:
+def _slice_ports(ports: Sequence[Any], errors: list[str]) -> None:
     names: set[object] = set()
     for index, raw in enumerate(ports):
-        where = f"ports[{index}]"
         port = _mapping(raw)
         if port is None:
-            yield f"{where}: must be an object"
+            errors.append(f"ports[{index}]: must be an object")
             continue
         name = port.get("name") or ""
         if name and not _is_label(name):
-            yield f"{where}.name: {_show(name)}: must be a valid DNS-1123 label"
+            errors.append(f"ports[{index}].name: {_show(name)}: must be a valid DNS-1123 label")
         elif name in names:
-            yield f"{where}.name: {_show(name)}: Duplicate value"
+            errors.append(f"ports[{index}].name: {_show(name)}: Duplicate value")
         names.add(name)
         protocol = port.get("protocol") or "TCP"
         if protocol not in _PROTOCOLS:
-            yield f"{where}.protocol: {_show(protocol)}: must be one of {', '.join(_PROTOCOLS)}"
+            errors.append(
+                f"ports[{index}].protocol: {_show(protocol)}: must be one of"
+                f" {', '.join(_PROTOCOLS)}"
+            )

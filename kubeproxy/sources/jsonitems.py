@@ -21,19 +21,19 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = ["JsonObject", "json_objects"]
 
 _decoder = json.JSONDecoder()
 _SPACE = re.compile(r"[ \t\n\r]*")
+_SPACES = (" ", "\t", "\n", "\r")
 
 
-@dataclass(frozen=True, slots=True)
-class JsonObject:
+class JsonObject(NamedTuple):
     """One object of a manifest: the top-level document (``item`` None) or one item of
-    a List (``item`` its index), and the exact text it was decoded from."""
+    a List (``item`` its index), and the exact text it was decoded from. A tuple: a
+    frozen dataclass took 1.1 us to make against 0.7 (one per object of the cluster)."""
 
     value: Any
     item: int | None
@@ -130,10 +130,17 @@ def _array_items(text: str, position: list[int]) -> Iterator[tuple[int, int, Any
     if text.startswith("]", pos):
         position[0] = pos + 1
         return
+    decode = _decoder.raw_decode
     while True:
-        value, end = _decoder.raw_decode(text, pos)
+        value, end = decode(text, pos)
         yield pos, end, value
         del value
+        # Compact JSON (what kubectl and our writers give) has the comma and the next
+        # item right there: tested before the whitespace's regular expression, two
+        # calls per item (30k Services' files: 0.26 of 1.4 s of the walk, profiled).
+        if text.startswith(",", end) and not text.startswith(_SPACES, end + 1):
+            pos = end + 1
+            continue
         pos = _skip(text, end)
         if text.startswith(",", pos):
             pos = _skip(text, pos + 1)

@@ -484,12 +484,15 @@ class ManifestSource:
                 yield entry
 
     def _entry(self, path: Path, document: Any, position: int, text: str) -> _Entry | None:
-        place = _Place(path, position)  # formatted only when a message needs it
+        # The usual object (a dict with a kind we read, its apiVersion, a name and a
+        # namespace) is checked inline; a place for messages is made only for a message.
         if type(document) is not dict and not isinstance(document, Mapping):
-            raise _BrokenFile(f"{place}: not an object but {type(document).__name__}")
+            raise _BrokenFile(
+                f"{_place(path, position)}: not an object but {type(document).__name__}"
+            )
         kind = document.get("kind")
         if not isinstance(kind, str) or not kind:
-            raise _BrokenFile(f"{place}: no kind")
+            raise _BrokenFile(f"{_place(path, position)}: no kind")
         metadata = document.get("metadata")
         name = (
             metadata.get("name")
@@ -497,33 +500,38 @@ class ManifestSource:
             else None
         )
         if not isinstance(name, str) or not name:
-            raise _BrokenFile(f"{place}: {kind} without metadata.name")
-        if kind not in _API_VERSIONS:
-            logger.debug("manifests: %s: ignoring kind %s", place, kind)
+            raise _BrokenFile(f"{_place(path, position)}: {kind} without metadata.name")
+        versions = _API_VERSIONS.get(kind)
+        if versions is None:
+            logger.debug("manifests: %s: ignoring kind %s", _Place(path, position), kind)
             return None
         api_version = document.get("apiVersion")
-        if api_version not in _API_VERSIONS[kind]:
+        if api_version not in versions:
             logger.warning(
                 "manifests: %s: ignoring %s %s with apiVersion %r (want %s)",
-                place,
+                _place(path, position),
                 kind,
                 name,
                 api_version,
-                " or ".join(_API_VERSIONS[kind]),
+                " or ".join(versions),
             )
             return None
         namespace = ""
         obj: KubeObject = document
         if kind in _NAMESPACED:
             raw = metadata.get("namespace")  # type: ignore[union-attr]
-            if raw in (None, ""):
+            if type(raw) is str and raw:
+                namespace = raw
+            elif raw in (None, ""):
                 # As kubectl does: no namespace means "default".
                 namespace = "default"
                 obj = {**document, "metadata": {**metadata, "namespace": namespace}}  # type: ignore[dict-item]
             elif isinstance(raw, str):
                 namespace = raw
             else:
-                raise _BrokenFile(f"{place}: {kind} {name}: metadata.namespace is not a string")
+                raise _BrokenFile(
+                    f"{_place(path, position)}: {kind} {name}: metadata.namespace is not a string"
+                )
         # The kind too: two kinds over every object, not a string kept per object.
         key = (_intern(kind), _intern(namespace), name)
         return _Entry(key, obj, position, _fingerprint(text))
