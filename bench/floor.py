@@ -24,6 +24,29 @@ in a fresh namespace:
   empty namespace; three times, each into a fresh one, the median counts. Both
   namespaces are checked to dispatch the same frontends afterwards.
 
+Each is timed in wall time and in **CPU time** (user and system, ``getrusage``): ours
+over the whole process (``RUSAGE_SELF``: every thread it ran) and the backends' syncs
+apart (:class:`TimedBackend`; the rest is the core's), the floor over the replaying
+thread (``RUSAGE_THREAD``, so nothing else left running in the process counts for it),
+ours' exchanges over theirs (the kernel's part of ours). The CPU time is the figure to
+compare on a shared machine, where the wall time of the same batches moved fourfold
+within an hour: other work on the cores delays a task, it does not add to its CPU time.
+
+It holds the kernel's work on the batches because nfnetlink handles a batch
+synchronously in the ``sendmsg`` of the task that sends it (the messages parsed, the
+elements inserted, the transaction committed, the answers queued), so that work is
+charged to the sender's system time. Each replay checks it: the replaying thread's wall
+time less its CPU time and its time waiting for a CPU (``/proc/thread-self/schedstat``)
+is the time it slept, waiting on something else; at 100k uniform (2026-11-29, load 3)
+that was 0.00-0.02 s of 3.2-4.2 s: the floor's wall time is its CPU time plus the wait
+for a core. What the kernel defers to its own threads (kworkers of the system workqueue
+after each commit) is not in the sender's time; :func:`kernel_threads_s` counts the
+machine's kernel threads over each span (others' work included, so an upper bound): in
+that run about 1.0 s in each replay against the sender's 1.6-1.8 s, where the same
+threads ran about 0.01 s a second with nothing replayed. The report shows it beside
+the CPU times, and the ratio with it added to both sides. (A kernel thread that ends
+during a span counts for nothing in it: over ours' minute at 100k, kworkers come and go.)
+
 Then, in another child and namespace, the same full sync under cProfile, its time grouped
 by module and the modules by what they do (:mod:`bench.profile_modules`): the core's
 model, the backend's model, the diff, transactions, encoding, the kernel wait. cProfile
@@ -44,6 +67,7 @@ import json
 import logging
 import os
 import pstats
+import resource
 import shlex
 import statistics
 import subprocess
@@ -59,14 +83,22 @@ from bench.harness import python_module
 from bench.netns import in_netns, namespace, namespaces
 from bench.profile_modules import by_category, by_module
 from bench.report import write_document
+from kubeproxy.backend import Backend, ProxySnapshot, SyncChanges
 from kubeproxy.backends.nftables.batchsocket import BatchSocket, Refusable
 from kubeproxy.backends.nftables.objects import NftError
+from kubeproxy.objects import IPFamily
 
 __all__ = [
     "Batch",
+    "CpuClock",
+    "CpuTime",
+    "KernelThreads",
     "Recorder",
     "RecordingSocket",
     "Replay",
+    "TimedBackend",
+    "kernel_threads",
+    "kernel_threads_s",
     "main",
     "replay",
 ]
@@ -79,10 +111,48 @@ CHILD_TIMEOUT_S = 1800.0
 
 
 @dataclass(frozen=True, slots=True)
+class CpuTime:
+    """User and system seconds of CPU time."""
+
+    user_s: float = 0.0
+    system_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        """User plus system."""
+        return self.user_s + self.system_s
+
+    def __add__(self, other: CpuTime) -> CpuTime:
+        return CpuTime(self.user_s + other.user_s, self.system_s + other.system_s)
+
+    def fields(self, prefix: str = "") -> dict[str, float]:
+        """``{prefix}user_s``, ``{prefix}system_s``, ``{prefix}cpu_s``, for the results."""
+        return {
+            f"{prefix}user_s": self.user_s,
+            f"{prefix}system_s": self.system_s,
+            f"{prefix}cpu_s": self.total_s,
+        }
+
+
+class CpuClock:
+    """CPU time since it was made, of this process (``RUSAGE_SELF``) or of the calling
+    thread (``RUSAGE_THREAD``)."""
+
+    def __init__(self, who: int = resource.RUSAGE_SELF) -> None:
+        self._who = who
+        self._start = resource.getrusage(who)
+
+    def elapsed(self) -> CpuTime:
+        """The user and system time used since the clock was made."""
+        now = resource.getrusage(self._who)
+        return CpuTime(now.ru_utime - self._start.ru_utime, now.ru_stime - self._start.ru_stime)
+
+
+@dataclass(frozen=True, slots=True)
 class Batch:
     """One batch as it went to the kernel: its bytes, its begin message's sequence
     number, every message's sequence number, what it was, which socket sent it, and how
-    long its exchange took."""
+    long its exchange took (wall, and the sending thread's CPU)."""
 
     payload: bytes
     begin: int
@@ -90,6 +160,7 @@ class Batch:
     what: str
     channel: int
     seconds: float
+    cpu: CpuTime = CpuTime()
 
 
 @dataclass
@@ -102,10 +173,18 @@ class Recorder:
     read_s: float = 0.0
     sockets: int = 0
 
+    read_cpu: CpuTime = CpuTime()
+
     @property
     def exchange_s(self) -> float:
         """The time in the batches' exchanges."""
         return sum(b.seconds for b in self.batches)
+
+    @property
+    def exchange_cpu(self) -> CpuTime:
+        """The sending thread's CPU time in the batches' exchanges (the kernel's work on
+        them is its system time)."""
+        return sum((b.cpu for b in self.batches), CpuTime())
 
     def summary(self) -> dict[str, Any]:
         """Counts and sizes, for the results."""
@@ -115,8 +194,10 @@ class Recorder:
             "bytes": sum(len(b.payload) for b in self.batches),
             "largest_batch_bytes": max((len(b.payload) for b in self.batches), default=0),
             "exchange_s": self.exchange_s,
+            **self.exchange_cpu.fields("exchange_"),
             "reads": self.reads,
             "read_s": self.read_s,
+            **self.read_cpu.fields("read_"),
         }
 
 
@@ -134,22 +215,23 @@ class RecordingSocket(BatchSocket):
         self, payload: bytes, begin: int, sent: Mapping[int, Refusable], what: str
     ) -> None:
         """The base's exchange, timed; the batch is recorded once the kernel took it."""
-        start = time.perf_counter()
+        cpu, start = CpuClock(resource.RUSAGE_THREAD), time.perf_counter()
         super().exchange(payload, begin, sent, what)
         seconds = time.perf_counter() - start
-        batch = Batch(payload, begin, tuple(sent), what, self.number, seconds)
+        batch = Batch(payload, begin, tuple(sent), what, self.number, seconds, cpu.elapsed())
         self.recorder.batches.append(batch)
 
     def request(
         self, message: bytes, seq: int, what: str, *, dump: bool = False, bufsize: int = 1 << 16
     ) -> tuple[list[tuple[int, bytes]], bool]:
         """The base's request, timed."""
-        start = time.perf_counter()
+        cpu, start = CpuClock(resource.RUSAGE_THREAD), time.perf_counter()
         try:
             return super().request(message, seq, what, dump=dump, bufsize=bufsize)
         finally:
             self.recorder.reads += 1
             self.recorder.read_s += time.perf_counter() - start
+            self.recorder.read_cpu += cpu.elapsed()
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,10 +246,65 @@ class _Replayed:
 
 @dataclass(frozen=True, slots=True)
 class Replay:
-    """One replay: its wall time (first send to last answer) and its exchanges' sum."""
+    """One replay: its wall time (first send to last answer), its exchanges' sum, the
+    replaying thread's CPU time over the same span and its time waiting for a CPU (its
+    wall time less both is the time it slept: waiting on another task), and the kernel
+    threads' CPU time meanwhile (:func:`kernel_threads_s`)."""
 
     wall_s: float
     exchange_s: float
+    cpu: CpuTime
+    runqueue_s: float
+    kernel_threads_s: float
+
+    @property
+    def slept_s(self) -> float:
+        """Neither on a CPU nor waiting for one."""
+        return self.wall_s - self.cpu.total_s - self.runqueue_s
+
+
+KernelThreads = dict[tuple[str, str], int]
+"""The machine's kernel threads' CPU time so far, in ns, by (pid, start time)."""
+
+
+def kernel_threads() -> KernelThreads:
+    """The CPU time of the machine's kernel threads so far (kthreadd's children: kworkers,
+    RCU, ksoftirqd), from ``/proc/PID/schedstat``, each by its pid and start time (a pid
+    is reused). The work the kernel defers to other tasks (an rhashtable's resize,
+    objects released after a grace period) runs there."""
+    threads: KernelThreads = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if entry.name != "2" and fields[1] != "2":
+                continue
+            ran = int((entry / "schedstat").read_text().split()[0])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile, or no schedstat
+        threads[entry.name, fields[19]] = ran
+    return threads
+
+
+def kernel_threads_s(before: KernelThreads, now: KernelThreads | None = None) -> float:
+    """Seconds the kernel threads ran from ``before`` to ``now`` (:func:`kernel_threads`,
+    by default read now): those alive now, each from where it was then (from 0 if it
+    started since). A thread that ended meanwhile counts for nothing; other work on the
+    machine counts too, so over a short span this bounds from above what the span
+    deferred."""
+    if now is None:
+        now = kernel_threads()
+    return sum(ran - before.get(thread, 0) for thread, ran in now.items()) / 1e9
+
+
+def _runqueue_s() -> float:
+    """The calling thread's time waiting on a run queue so far (``schedstat``)."""
+    try:
+        fields = Path("/proc/thread-self/schedstat").read_text().split()
+    except OSError:
+        return 0.0
+    return int(fields[1]) / 1e9
 
 
 def replay(batches: Sequence[Batch], netns: str | None) -> Replay:
@@ -180,12 +317,15 @@ def replay(batches: Sequence[Batch], netns: str | None) -> Replay:
             if batch.channel not in channels:
                 channels[batch.channel] = BatchSocket(netns)
         exchange_s = 0.0
-        start = time.perf_counter()
+        kthreads, waited = kernel_threads(), _runqueue_s()
+        cpu, start = CpuClock(resource.RUSAGE_THREAD), time.perf_counter()
         for batch, messages in zip(batches, sent, strict=True):
             began = time.perf_counter()
             channels[batch.channel].exchange(batch.payload, batch.begin, messages, batch.what)
             exchange_s += time.perf_counter() - began
-        return Replay(time.perf_counter() - start, exchange_s)
+        wall, used = time.perf_counter() - start, cpu.elapsed()
+        waited = _runqueue_s() - waited
+        return Replay(wall, exchange_s, used, waited, kernel_threads_s(kthreads))
     finally:
         for channel in channels.values():
             channel.close()
@@ -207,18 +347,47 @@ class _GcClock:
             self.passes += 1
 
 
+class TimedBackend:
+    """A backend that is ``inner``, its syncs' CPU time (this thread's: the proxier calls
+    ``sync`` on the thread that asked for it) added up in ``cpu``: the backend's part of
+    ours, the rest being the core's."""
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+        self.cpu = CpuTime()
+
+    @property
+    def family(self) -> IPFamily:
+        """The inner backend's family."""
+        return self.inner.family
+
+    def sync(self, snapshot: ProxySnapshot, changes: SyncChanges) -> None:
+        """The inner backend's sync, its CPU time counted."""
+        clock = CpuClock(resource.RUSAGE_THREAD)
+        try:
+            self.inner.sync(snapshot, changes)
+        finally:
+            self.cpu += clock.elapsed()
+
+    def cleanup(self) -> None:
+        """The inner backend's cleanup."""
+        self.inner.cleanup()
+
+
 # The child ------------------------------------------------------------------------------
 
 
-def _bench_proxy(services: int, mix: str, netns: str, recorder: Recorder) -> Any:
+def _bench_proxy(
+    services: int, mix: str, netns: str, recorder: Recorder, timed: list[TimedBackend]
+) -> Any:
     """:class:`~bench.proxyproc.BenchProxy` over the backend :func:`create_backend`
-    builds (owned table), with recording sockets."""
+    builds (owned table), with recording sockets; each backend, timed, is appended to
+    ``timed``."""
     from bench.proxyproc import BenchProxy, bench_config
     from bench.synthetic import build_services, realistic_services
     from kubeproxy.backends.nftables import backend_over
     from kubeproxy.backends.nftables.objects import Family
     from kubeproxy.backends.nftables.owner import OwnedNftables, probe_table_flags
-    from kubeproxy.objects import IPFamily
 
     owner, persist = probe_table_flags(netns)
     if not (owner and persist):
@@ -229,7 +398,8 @@ def _bench_proxy(services: int, mix: str, netns: str, recorder: Recorder) -> Any
         executor = OwnedNftables(netns, channel=RecordingSocket(recorder, netns))
         built = backend_over(executor, family, config, netns=netns)
         executor.refuse_another_owner(Family.IP if family is IPFamily.IPV4 else Family.IP6)
-        return built
+        timed.append(TimedBackend(built))
+        return timed[-1]
 
     realistic = mix == "realistic"
     cluster = realistic_services(services) if realistic else build_services(services, 10)
@@ -262,10 +432,9 @@ def child(
     collector is off from the feed to the commit, as the daemon holds it
     (:class:`~kubeproxy.daemon.gctuning.GcTuner`)."""
     from kubeproxy.daemon.gctuning import GcTuner
-    from kubeproxy.objects import IPFamily
 
-    recorder = Recorder()
-    proxy = _bench_proxy(services, mix, netns, recorder)
+    recorder, timed = Recorder(), list[TimedBackend]()
+    proxy = _bench_proxy(services, mix, netns, recorder, timed)
     tuner = GcTuner([IPFamily.IPV4])
     gc_clock = _GcClock()
     gc.callbacks.append(gc_clock)
@@ -274,7 +443,9 @@ def child(
     profiler = cProfile.Profile() if profile else None
     if profiler is not None:
         profiler.enable()
+    cpu, kthreads = CpuClock(), kernel_threads()
     cold = proxy.cold()
+    used, kthreads_s = cpu.elapsed(), kernel_threads_s(kthreads)
     if profiler is not None:
         profiler.disable()
     tuner.release()
@@ -285,6 +456,9 @@ def child(
         "total_s": cold["total_s"],
         "feed_s": cold["feed_s"],
         "sync_s": cold["sync_s"],
+        **used.fields(),
+        **sum((backend.cpu for backend in timed), CpuTime()).fields("backend_"),
+        "kernel_threads_s": kthreads_s,
         "gc_s": gc_clock.seconds,
         "gc_passes": gc_clock.passes,
         "peak_rss_kb": cold.get("peak_kb"),
@@ -310,8 +484,19 @@ def child(
         "wall_s": statistics.median(r.wall_s for r in replays),
         "exchange_s": statistics.median(r.exchange_s for r in replays),
         "walls_s": [r.wall_s for r in replays],
+        **_median_cpu([r.cpu for r in replays]).fields(),
+        "cpus_s": [r.cpu.total_s for r in replays],
+        "runqueue_s": [r.runqueue_s for r in replays],
+        "slept_s": [r.slept_s for r in replays],
+        "kernel_threads_s": [r.kernel_threads_s for r in replays],
     }
     return result
+
+
+def _median_cpu(times: Sequence[CpuTime]) -> CpuTime:
+    """The replay of median CPU time (its user and system split kept)."""
+    ordered = sorted(times, key=lambda t: t.total_s)
+    return ordered[(len(ordered) - 1) // 2]
 
 
 # The parent -----------------------------------------------------------------------------
@@ -357,8 +542,10 @@ def measure(
 def _line(record: Mapping[str, Any]) -> str:
     ours, floor = record["ours"], record["floor"]
     return (
-        f"{record['services']} {record['mix']}: ours {ours['total_s']:.2f} s, floor "
-        f"{floor['wall_s']:.2f} s ({ours['total_s'] / floor['wall_s']:.1f}x)"
+        f"{record['services']} {record['mix']}: CPU ours {ours['cpu_s']:.2f} s, floor "
+        f"{floor['cpu_s']:.2f} s ({ours['cpu_s'] / floor['cpu_s']:.1f}x); wall ours "
+        f"{ours['total_s']:.2f} s, floor {floor['wall_s']:.2f} s "
+        f"({ours['total_s'] / floor['wall_s']:.1f}x)"
     )
 
 

@@ -6,11 +6,15 @@
 ``floor`` section. Both come from :func:`render`.
 
 Target (issue 32, item 1): the in-process full sync within 2x of the floor at 100k
-Services, judged on each mix measured at that size.
+Services, judged on each mix measured at that size, in CPU time (user + system: the
+kernel's work on a batch is the sender's system time; see :mod:`bench.floor`), the wall
+time's ratio shown beside it. On the shared machine the wall time of the same batches
+moved fourfold within an hour; the CPU time is what the code decides.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
@@ -31,7 +35,27 @@ def newest_document(results: Path) -> tuple[Path, dict[str, Any]]:
 
 
 def _ratio(record: Mapping[str, Any]) -> float:
+    """Ours over the floor, in CPU time (the target's measure)."""
+    return float(record["ours"]["cpu_s"]) / float(record["floor"]["cpu_s"])
+
+
+def _deferred_ratio(record: Mapping[str, Any]) -> float:
+    """Ours over the floor with the kernel's deferred work added to each: the floor's
+    kernel threads (the median replay's), on both sides, as the same batches leave the
+    same work to them. Measured over a replay's short span, other work's share in it is
+    small; over ours' span (a minute at 100k on the shared machine) it is most of it."""
+    ours, floor = record["ours"], record["floor"]
+    deferred = float(statistics.median(floor["kernel_threads_s"]))
+    return (float(ours["cpu_s"]) + deferred) / (float(floor["cpu_s"]) + deferred)
+
+
+def _wall_ratio(record: Mapping[str, Any]) -> float:
     return float(record["ours"]["total_s"]) / float(record["floor"]["wall_s"])
+
+
+def _kernel_cpu(ours: Mapping[str, Any]) -> float:
+    """Ours' CPU time in its exchanges and reads (the kernel's work and the socket calls)."""
+    return float(ours["exchange_cpu_s"]) + float(ours["read_cpu_s"])
 
 
 def targets(records: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, bool | None]]:
@@ -41,12 +65,14 @@ def targets(records: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, bool |
         if record["services"] != TARGET_SIZE:
             continue
         ratio = _ratio(record)
+        ours, floor = record["ours"], record["floor"]
         checks.append(
             (
                 f"{_size(TARGET_SIZE)} {record['mix']}: in-process full sync <= "
-                f"{TARGET_RATIO:g}x the floor",
-                f"{record['ours']['total_s']:.1f} s against {record['floor']['wall_s']:.1f} s:"
-                f" {ratio:.1f}x",
+                f"{TARGET_RATIO:g}x the floor (CPU)",
+                f"CPU {ours['cpu_s']:.1f} s against {floor['cpu_s']:.1f} s: {ratio:.1f}x "
+                f"(wall {ours['total_s']:.1f} s against {floor['wall_s']:.1f} s: "
+                f"{_wall_ratio(record):.1f}x)",
                 ratio <= TARGET_RATIO,
             )
         )
@@ -58,7 +84,33 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     return lines + ["| " + " | ".join(row) + " |" for row in rows]
 
 
-def _row(record: Mapping[str, Any]) -> list[str]:
+def _each(seconds: Sequence[float]) -> str:
+    """Each replay's seconds, as the tables list them."""
+    return ", ".join(f"{value:.2f}" for value in seconds)
+
+
+def _cpu_row(record: Mapping[str, Any]) -> list[str]:
+    ours, floor = record["ours"], record["floor"]
+    kernel = _kernel_cpu(ours)
+    return [
+        _size(record["services"]),
+        record["mix"],
+        f"{ours['cpu_s']:.2f} ({ours['user_s']:.2f} + {ours['system_s']:.2f})",
+        f"{ours['cpu_s'] - ours['backend_cpu_s']:.2f}",
+        f"{ours['backend_cpu_s'] - kernel:.2f}",
+        f"{kernel:.2f} ({ours['exchange_user_s'] + ours['read_user_s']:.2f} + "
+        f"{ours['exchange_system_s'] + ours['read_system_s']:.2f})",
+        f"{ours['kernel_threads_s']:.2f}",
+        f"{floor['cpu_s']:.2f} ({floor['user_s']:.2f} + {floor['system_s']:.2f}; "
+        f"{_each(floor['cpus_s'])})",
+        f"{statistics.median(floor['kernel_threads_s']):.2f}",
+        f"{_ratio(record):.1f}x",
+        f"{_deferred_ratio(record):.1f}x",
+        f"{kernel / floor['cpu_s']:.1f}x",
+    ]
+
+
+def _wall_row(record: Mapping[str, Any]) -> list[str]:
     ours, floor = record["ours"], record["floor"]
     kernel = ours["exchange_s"] + ours["read_s"]
     return [
@@ -67,9 +119,8 @@ def _row(record: Mapping[str, Any]) -> list[str]:
         f"{ours['total_s']:.2f} ({ours['feed_s']:.2f} + {ours['sync_s']:.2f})",
         f"{kernel:.2f}",
         f"{ours['gc_s']:.2f} ({ours['gc_passes']})",
-        f"{floor['wall_s']:.2f} ({', '.join(f'{w:.2f}' for w in floor['walls_s'])})",
-        f"{_ratio(record):.1f}x",
-        f"{(ours['total_s'] - kernel) / floor['wall_s']:.1f}x",
+        f"{floor['wall_s']:.2f} ({_each(floor['walls_s'])})",
+        f"{_wall_ratio(record):.1f}x",
         f"{ours['batches']} / {ours['messages']}",
         f"{ours['bytes'] / 1e6:.1f} ({ours['largest_batch_bytes'] / 1e6:.1f})",
     ]
@@ -104,11 +155,42 @@ def render(document: Mapping[str, Any], source: str) -> str:
         f"load {document['load_before']:.1f} before and {document['load_after']:.1f} after "
         "(a shared machine: other work ran on the cores).",
         "",
-        "Seconds. *ours*: the in-process full sync, dicts in memory to rules committed "
-        "(feed + sync); *kernel wait*: its batch exchanges and reads on the socket; *floor*: "
-        "the same batches replayed by the same writer into an empty namespace (median of "
-        "the replays in parentheses); *Python / floor*: ours less its kernel wait, over the "
-        "floor. "
+        "CPU seconds, user + system (`getrusage`; the kernel's work on a batch runs in the "
+        "sender's `sendmsg` and counts as its system time). *ours*: the in-process full "
+        "sync, dicts in memory to rules committed, the whole process, split into *core* "
+        "(the handlers, trackers, snapshot: all but the backends' syncs), *backend* (its "
+        "syncs less their socket calls: model, diff, encoding) and *in the kernel* (the "
+        "sending thread in its batch exchanges and reads); *floor*: the same batches "
+        "replayed by the same writer into an empty namespace, the replaying thread (the "
+        "median replay; each replay's total after the semicolon). *kthreads*: the "
+        "machine's kernel threads meanwhile (the work the kernel defers to kworkers after "
+        "a commit, and other work's: over ours' long span mostly other work's; the floor's: "
+        "the median replay's). *ours / floor* is the target's measure; *with deferred*: "
+        "the floor's kthreads added to both sides (the same batches leave the kernel the "
+        "same work; other work's share in it makes this ratio a lower bound); *kernel / "
+        "floor*: ours' time in the kernel over the floor's.",
+        "",
+    ]
+    cpu_header = [
+        "size",
+        "mix",
+        "ours (user + sys)",
+        "core",
+        "backend",
+        "in the kernel (user + sys)",
+        "kthreads",
+        "floor (user + sys; replays)",
+        "floor's kthreads",
+        "ours / floor",
+        "with deferred",
+        "kernel / floor",
+    ]
+    lines += _table(cpu_header, [_cpu_row(r) for r in records])
+    lines += [
+        "",
+        "Wall seconds, the same runs. *ours*: feed (the handlers) + sync; *kernel wait*: its "
+        "batch exchanges and reads on the socket; *floor*: the median replay (each replay "
+        "in parentheses). "
         + (
             "The garbage collector is held during ours, as the daemon holds it until its first"
             " full sync; *gc* is what it took anyway."
@@ -126,11 +208,10 @@ def render(document: Mapping[str, Any], source: str) -> str:
         "gc (passes)",
         "floor (replays)",
         "ours / floor",
-        "Python / floor",
         "batches / messages",
         "MB sent (largest batch)",
     ]
-    lines += _table(header, [_row(r) for r in records])
+    lines += _table(header, [_wall_row(r) for r in records])
     checks = targets(records)
     if checks:
         lines += [
