@@ -152,8 +152,11 @@ def _alone(
 ) -> dict[ServicePortName, Endpoints] | None:
     """The merge of a Service's only slice with one port, when it is that slice's own
     endpoint tuple (parsed sorted by key, already at that port, no ``IP:port`` twice):
-    no new tuple per Service (12 MB at 100k Services) and no merging. None otherwise."""
+    no new tuple per Service (12 MB at 100k Services) and no merging. None otherwise,
+    and for endpoints that are not rows (a tuple a library caller gave: merged as any)."""
     endpoints = parsed.endpoints
+    if type(endpoints) is not EndpointRows:
+        return None
     port_name, number, protocol = parsed.ports[0]
     if not endpoints or endpoints.port_at(0) != number:
         return None if endpoints else {}

@@ -520,11 +520,16 @@ class EndpointRows(Sequence[Endpoint]):
     def __getitem__(self, index: int) -> Endpoint: ...
 
     @overload
-    def __getitem__(self, index: slice) -> EndpointRows: ...
+    def __getitem__(self, index: slice) -> Endpoints: ...
 
-    def __getitem__(self, index: int | slice) -> Endpoint | EndpointRows:
+    def __getitem__(self, index: int | slice) -> Endpoint | Endpoints:
         if isinstance(index, slice):
-            return self.take(range(len(self.keys))[index])
+            chosen = range(len(self.keys))[index]
+            if chosen.step < 0 and len(chosen) > 1:
+                # Backwards, no longer sorted by key: a tuple, as rows are always sorted
+                # (what endpoint_keys' readers and the nftables plan count on).
+                return tuple([self._endpoint(i) for i in chosen])
+            return self.take(chosen)
         return self._endpoint(range(len(self.keys))[index])
 
     def __iter__(self) -> Iterator[Endpoint]:

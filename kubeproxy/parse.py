@@ -33,6 +33,7 @@ from kubeproxy.objects import (
     TERMINATING,
     Endpoint,
     EndpointRows,
+    Endpoints,
     IPAddress,
     IPFamily,
     IPNetwork,
@@ -659,7 +660,8 @@ class ParsedEndpointSlice:
     ``ports`` holds (port name, port number, protocol), sorted; ports without a number are
     left out. ``endpoints`` holds one endpoint per slice endpoint that has an address
     (only ``addresses[0]`` counts), sorted by key, as :class:`EndpointRows` (no object
-    per endpoint: 80 MB less at 100k Services x 10). Their ``port`` is the slice's
+    per endpoint: 80 MB less at 100k Services x 10; one built by hand may hold a tuple of
+    :class:`Endpoint`, which the merge takes too). Their ``port`` is the slice's
     first port (0 when it has none): the usual single-port slice then needs no copies
     when merged; the merge makes one copy per further port.
 
@@ -670,7 +672,7 @@ class ParsedEndpointSlice:
     name: str
     address_type: str
     ports: tuple[tuple[str, int, Protocol], ...]
-    endpoints: EndpointRows
+    endpoints: Endpoints
 
 
 def endpoint_slice_key(obj: KubeObject) -> tuple[NamespacedName, str]:

@@ -58,6 +58,11 @@ def test_rows_read_as_the_sorted_tuple_of_their_endpoints(
     if expected:
         assert rows[-1] == expected[-1]
     assert rows[1:3] == expected[1:3] and type(rows[1:3]) is EndpointRows
+    # Backwards, the same endpoints as the tuple's slice; and whatever is rows is sorted.
+    for backwards in (rows[::-1], rows[::-2], rows[-2::-1]):
+        keys = endpoint_keys(backwards)
+        assert type(backwards) is not EndpointRows or list(keys) == sorted(keys)
+    assert rows[::-1] == expected[::-1] and rows[::-2] == expected[::-2]
     assert hash(rows) == hash(expected)
     assert EndpointRows.of(rows) is rows and EndpointRows.of(expected) == rows
     assert endpoint_keys(rows) == endpoint_keys(expected) == tuple(e.key for e in expected)

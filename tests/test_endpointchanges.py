@@ -534,6 +534,18 @@ def test_merge_endpoint_slices_directly() -> None:
     assert merge_endpoint_slices(WEB, []) == {}
 
 
+def test_merge_takes_a_slice_built_with_a_tuple_of_endpoints() -> None:
+    # ParsedEndpointSlice.endpoints is typed Endpoints (CHANGELOG): a library caller may
+    # build one from a tuple; the merge of a lone one-port slice read the rows' columns.
+    endpoints = (Endpoint(ip("10.0.0.1"), 80), Endpoint(ip("10.0.0.2"), 80))
+    parsed = ParsedEndpointSlice(WEB, "web-1", "IPv4", (("http", 80, Protocol.TCP),), endpoints)
+    assert merge_endpoint_slices(WEB, [parsed]) == {HTTP: endpoints}
+    twice = ParsedEndpointSlice(
+        WEB, "web-2", "IPv4", (("http", 80, Protocol.TCP),), (*endpoints, endpoints[0])
+    )
+    assert merge_endpoint_slices(WEB, [twice]) == {HTTP: endpoints}
+
+
 # same_owner: the watch's common update skips validating both versions' keys.
 
 _OWNER_VALUES = {
