@@ -151,8 +151,8 @@ def _alone(
     service: NamespacedName, parsed: ParsedEndpointSlice
 ) -> dict[ServicePortName, Endpoints] | None:
     """The merge of a Service's only slice with one port, when it is that slice's own
-    endpoint tuple (parsed sorted by key, already at that port, no ``IP:port`` twice):
-    no new tuple per Service (12 MB at 100k Services) and no merging. None otherwise,
+    endpoint rows (parsed sorted by key, already at that port, no ``IP:port`` twice):
+    no new list per Service (12 MB at 100k Services) and no merging. None otherwise,
     and for endpoints that are not rows (a tuple a library caller gave: merged as any)."""
     endpoints = parsed.endpoints
     if type(endpoints) is not EndpointRows:
@@ -170,7 +170,7 @@ def _merged_alone(
     service: NamespacedName, held: _Slices | None
 ) -> dict[ServicePortName, Endpoints] | None:
     """The merge of a Service's applied slices when it is its only slice's own endpoint
-    tuple (:func:`_alone`); None otherwise."""
+    rows (:func:`_alone`); None otherwise."""
     if isinstance(held, ParsedEndpointSlice) and len(held.ports) == 1:
         return _alone(service, held)
     return None
@@ -248,7 +248,7 @@ class EndpointsChangeTracker:
         self._pending_slices = 0
         self._trigger_times: dict[NamespacedName, list[float]] = {}
         # The merged form of `_applied`, so a change needs to merge only the new state;
-        # not for a Service whose merge is its only slice's own tuple (_merged_alone),
+        # not for a Service whose merge is its only slice's own rows (_merged_alone),
         # the usual one: that is found again from the slice (15 MB at 100k Services).
         self._merged: dict[NamespacedName, _MergedPorts] = {}
 

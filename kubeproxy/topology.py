@@ -105,7 +105,9 @@ def categorize_endpoints(
     :class:`~kubeproxy.endpointchanges.EndpointsMap` holds them); ``cluster`` and
     ``local`` keep that order, and ``all_reachable`` is sorted by key. The lists are
     :class:`~kubeproxy.objects.EndpointRows`, chosen by their flags a whole list at a
-    time (a byte translation per list, no object per endpoint).
+    time (a byte translation per list, no object per endpoint) when no topology hint
+    applies; the PreferSameNode and PreferSameZone modes and the local union read the
+    endpoints one by one (hints are rare, and their lists short).
     """
     if not endpoints:
         return _NOTHING
