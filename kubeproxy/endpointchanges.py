@@ -31,8 +31,7 @@ from datetime import datetime
 
 from kubeproxy.handlers import KubeObject
 from kubeproxy.objects import (
-    IS_LOCAL,
-    READY,
+    LOCAL_READY_MARKS,
     Endpoint,
     EndpointRows,
     Endpoints,
@@ -421,14 +420,6 @@ class EndpointsChangeTracker:
         return changes, trigger_times
 
 
-_LOCAL_READY = bytes(1 if bits & IS_LOCAL and bits & READY else 0 for bits in range(256))
-
-
-def _any_local_ready(flags: bytes) -> bool:
-    """Whether some endpoint's flags say local and ready (in C: a translation and a find)."""
-    return 1 in flags.translate(_LOCAL_READY)
-
-
 class EndpointsMap(dict[ServicePortName, Endpoints]):
     """The merged endpoints of every Service port of one family, as of the last
     :meth:`apply`. Ports without endpoints are absent.
@@ -468,7 +459,9 @@ class EndpointsMap(dict[ServicePortName, Endpoints]):
                 conntrack_cleanup = any(name.protocol is Protocol.UDP for name in current)
             local_ips: set[str] = set()
             for endpoints in current.values():
-                if type(endpoints) is EndpointRows and not _any_local_ready(endpoints.flags):
+                if type(endpoints) is EndpointRows and 1 not in endpoints.flags.translate(
+                    LOCAL_READY_MARKS
+                ):
                     continue  # no endpoint made to find none local (most Services)
                 local_ips.update(e.address for e in endpoints if e.is_local and e.ready)
             if local_ips:

@@ -18,6 +18,7 @@ IPNetwork: TypeAlias = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 __all__ = [
     "IS_LOCAL",
+    "LOCAL_READY_MARKS",
     "READY",
     "REMOTE",
     "SERVING",
@@ -40,6 +41,7 @@ __all__ = [
     "endpoint_keys",
     "endpoint_ports",
     "endpoint_string",
+    "flag_marks",
     "make_endpoint",
 ]
 
@@ -193,6 +195,18 @@ def endpoint_flags(
         | (TERMINATING if terminating else 0)
         | (REMOTE if remote else 0)
     )
+
+
+def flag_marks(test: Callable[[int], object]) -> bytes:
+    """A translation table over :attr:`EndpointRows.flags`: byte ``b`` is 1 where
+    ``test(b)`` holds, else 0, so ``rows.flags.translate(table)`` marks a whole list's
+    endpoints in C (``1 in`` it: whether any holds)."""
+    return bytes(1 if test(bits) else 0 for bits in range(256))
+
+
+LOCAL_READY_MARKS: Final = flag_marks(lambda bits: bits & IS_LOCAL and bits & READY)
+"""The :func:`flag_marks` of endpoints both local and ready (the topology's local list,
+the map's count of local ready endpoints)."""
 
 
 @dataclass(frozen=True, slots=True, init=False, repr=False)

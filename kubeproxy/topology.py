@@ -16,6 +16,7 @@ from enum import Enum
 
 from kubeproxy.objects import (
     IS_LOCAL,
+    LOCAL_READY_MARKS,
     READY,
     SERVING,
     TERMINATING,
@@ -24,6 +25,7 @@ from kubeproxy.objects import (
     EndpointRows,
     Endpoints,
     ServicePort,
+    flag_marks,
 )
 
 __all__ = ["TopologyMode", "categorize_endpoints", "topology_mode"]
@@ -74,17 +76,13 @@ def topology_mode(endpoints: Sequence[Endpoint], node_name: str, zone: str) -> T
     return TopologyMode.NONE
 
 
-_READY_MARKS = bytes(1 if bits & READY else 0 for bits in range(256))
-_FALLBACK_MARKS = bytes(
-    1 if bits & SERVING and bits & TERMINATING else 0 for bits in range(256)
+_READY_MARKS = flag_marks(lambda bits: bits & READY)
+_FALLBACK_MARKS = flag_marks(
+    lambda bits: bits & SERVING and bits & TERMINATING
 )  # serving and terminating: the fallback of a list without ready endpoints
-_USABLE_MARKS = bytes(
-    1 if bits & READY or (bits & SERVING and bits & TERMINATING) else 0 for bits in range(256)
-)
-_LOCAL_READY_MARKS = bytes(1 if bits & IS_LOCAL and bits & READY else 0 for bits in range(256))
-_LOCAL_FALLBACK_MARKS = bytes(
-    1 if bits & IS_LOCAL and not bits & READY and bits & SERVING and bits & TERMINATING else 0
-    for bits in range(256)
+_USABLE_MARKS = flag_marks(lambda bits: bits & READY or (bits & SERVING and bits & TERMINATING))
+_LOCAL_FALLBACK_MARKS = flag_marks(
+    lambda bits: bits & IS_LOCAL and not bits & READY and bits & SERVING and bits & TERMINATING
 )
 
 
@@ -137,7 +135,7 @@ def categorize_endpoints(
         return CategorizedEndpoints(cluster, _NO_ROWS, cluster, has_any)
 
     has_any = has_any or 1 in flags.translate(_USABLE_MARKS)
-    local = _marked(rows, _LOCAL_READY_MARKS)
+    local = _marked(rows, LOCAL_READY_MARKS)
     local_fallback = not local and 1 in flags.translate(_LOCAL_FALLBACK_MARKS)
     if local_fallback:
         local = _marked(rows, _LOCAL_FALLBACK_MARKS)
