@@ -19,6 +19,7 @@ IPNetwork: TypeAlias = ipaddress.IPv4Network | ipaddress.IPv6Network
 __all__ = [
     "IS_LOCAL",
     "LOCAL_READY_MARKS",
+    "NO_HINTS",
     "READY",
     "REMOTE",
     "SERVING",
@@ -256,7 +257,7 @@ class Endpoint:
         hints: tuple[frozenset[str], frozenset[str]] | None = None,
     ) -> None:
         # hints as dataclasses.replace gives it; zone_hints or node_hints given override it.
-        given_zones, given_nodes = _NO_HINTS if hints is None else hints
+        given_zones, given_nodes = NO_HINTS if hints is None else hints
         zone_hints = given_zones if zone_hints is None else zone_hints
         node_hints = given_nodes if node_hints is None else node_hints
         text = str(ipaddress.ip_address(address))
@@ -270,7 +271,7 @@ class Endpoint:
         ):
             if given is not None:
                 bits = bits | bit if given else bits & ~bit
-        hints = (zone_hints, node_hints) if zone_hints or node_hints else _NO_HINTS
+        hints = (zone_hints, node_hints) if zone_hints or node_hints else NO_HINTS
         _fill(self, text, port, endpoint_key(text, port), bits, hints)
 
     @property
@@ -355,7 +356,7 @@ def _endpoint_builders() -> tuple[_Filler, _Maker]:
     set_address, set_port, set_key = setters["address"], setters["port"], setters["key"]
     set_flags, set_hints = setters["flags"], setters["hints"]
     new = object.__new__
-    no_hints = _NO_HINTS
+    no_hints = NO_HINTS
 
     def fill(
         endpoint: Endpoint,
@@ -403,7 +404,9 @@ def _endpoint_builders() -> tuple[_Filler, _Maker]:
     return fill, make
 
 
-_NO_HINTS: Final[tuple[frozenset[str], frozenset[str]]] = (frozenset(), frozenset())
+NO_HINTS: Final[tuple[frozenset[str], frozenset[str]]] = (frozenset(), frozenset())
+"""The (zone hints, node hints) pair of an endpoint without hints: one shared pair,
+which the parser and :class:`EndpointRows` hand out and test by identity first."""
 _fill, _make = _endpoint_builders()
 _new = object.__new__
 make_endpoint: _Maker = _make
@@ -478,7 +481,7 @@ class EndpointRows(Sequence[Endpoint]):
             first = ports[0] if ports else 0
             if all(p == first for p in ports):
                 ports = first
-        if hints is not None and all(h is _NO_HINTS or not (h[0] or h[1]) for h in hints):
+        if hints is not None and all(h is NO_HINTS or not (h[0] or h[1]) for h in hints):
             hints = None
         _set_keys(rows, keys)
         _set_addresses(rows, addresses)
@@ -526,7 +529,7 @@ class EndpointRows(Sequence[Endpoint]):
             self.port_at(index),
             self.keys[index],
             self.flags[index],
-            _NO_HINTS if hints is None else hints[index],
+            NO_HINTS if hints is None else hints[index],
         )
         return endpoint
 
@@ -551,7 +554,7 @@ class EndpointRows(Sequence[Endpoint]):
         port = self._port
         ports = port if type(port) is tuple else itertools.repeat(port)
         hints = self.hints
-        every = itertools.repeat(_NO_HINTS) if hints is None else hints
+        every = itertools.repeat(NO_HINTS) if hints is None else hints
         for address, key, bits, port_of, hint in zip(
             self.addresses, self.keys, self.flags, ports, every, strict=False
         ):

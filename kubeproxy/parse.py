@@ -27,6 +27,7 @@ from typing import Any, Final
 from kubeproxy.handlers import KubeObject
 from kubeproxy.objects import (
     IS_LOCAL,
+    NO_HINTS,
     READY,
     REMOTE,
     SERVING,
@@ -788,10 +789,10 @@ def parse_endpoint_slice(
             zone_hints = _hint_names(context, hints.get("forZones"), where + ".forZones")
             node_hints = _hint_names(context, hints.get("forNodes"), where + ".forNodes")
             if hints_of is None:
-                hints_of = [_NO_HINTS] * len(keys)
-            hints_of.append((zone_hints, node_hints) if zone_hints or node_hints else _NO_HINTS)
+                hints_of = [NO_HINTS] * len(keys)
+            hints_of.append((zone_hints, node_hints) if zone_hints or node_hints else NO_HINTS)
         elif hints_of is not None:
-            hints_of.append(_NO_HINTS)
+            hints_of.append(NO_HINTS)
         keys.append(f"[{address}]:{first_port}" if is_ipv6 else f"{address}:{first_port}")
         addresses_of.append(address)
         flags.append(bits)
@@ -804,7 +805,6 @@ def parse_endpoint_slice(
     )
 
 
-_NO_HINTS: Final[tuple[frozenset[str], frozenset[str]]] = (frozenset(), frozenset())
 _READY_SERVING: Final = READY | SERVING
 
 
@@ -816,7 +816,7 @@ def _sorted_rows(
     hints: list[tuple[frozenset[str], frozenset[str]]] | None,
 ) -> EndpointRows:
     """A slice's endpoint columns as rows sorted by key (stably, as the objects were)."""
-    if any(a > b for a, b in zip(keys, itertools.islice(keys, 1, None), strict=False)):
+    if any(a > b for a, b in itertools.pairwise(keys)):
         order = sorted(range(len(keys)), key=keys.__getitem__)
         keys = [keys[i] for i in order]
         addresses = [addresses[i] for i in order]
