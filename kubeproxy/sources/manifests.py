@@ -520,9 +520,7 @@ class ManifestSource:
         obj: KubeObject = document
         if kind in _NAMESPACED:
             raw = metadata.get("namespace")  # type: ignore[union-attr]
-            if type(raw) is str and raw:
-                namespace = raw
-            elif raw in (None, ""):
+            if raw in (None, ""):
                 # As kubectl does: no namespace means "default".
                 namespace = "default"
                 obj = {**document, "metadata": {**metadata, "namespace": namespace}}  # type: ignore[dict-item]
