@@ -1,7 +1,8 @@
 """Plain-data views of Services, endpoints and the node, as the proxy core hands them out.
 
 Everything here is a frozen, slotted dataclass built from an already validated Kubernetes
-object (see :mod:`kubeproxy.parse`). Backends read these; nothing here talks to the kernel.
+object (see :mod:`kubeproxy.parse`), except the two keys of every map, which are named
+tuples (see :class:`NamespacedName`). Backends read these; nothing here talks to the kernel.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
-from typing import Final, TypeAlias, overload
+from typing import Final, NamedTuple, TypeAlias, overload
 
 IPAddress: TypeAlias = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork: TypeAlias = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -53,6 +54,10 @@ class IPFamily(StrEnum):
     IPV4 = "IPv4"
     IPV6 = "IPv6"
 
+    # The string's own hash, in C: Enum's is a Python call hashing the member's name (and
+    # so differed from the equal string's, "IPV4" against "IPv4").
+    __hash__ = str.__hash__
+
     @property
     def version(self) -> int:
         """4 or 6, as :attr:`ipaddress.IPv4Address.version` says."""
@@ -76,6 +81,10 @@ class Protocol(StrEnum):
     UDP = "UDP"
     SCTP = "SCTP"
 
+    # The string's own hash, in C, not Enum's Python call: every ServicePortName key
+    # hashes its protocol (see NamespacedName).
+    __hash__ = str.__hash__
+
     # A property shadowing str.lower keeps rule-building code short (`proto.lower`); calling
     # `Protocol.TCP.lower()` is therefore an error, use `.lower` without parentheses.
     @property
@@ -84,9 +93,19 @@ class Protocol(StrEnum):
         return self.value.lower()
 
 
-@dataclass(frozen=True, slots=True, order=True)
-class NamespacedName:
-    """The identity of a namespaced object."""
+class NamespacedName(NamedTuple):
+    """The identity of a namespaced object.
+
+    A named tuple, not a dataclass, as :class:`ServicePortName`: these are the keys of
+    every map of the core and the backends, hashed about 20 times per Service at start-up
+    (the trackers, the Service map, the port index, the proxier). A dataclass hashes and
+    compares in Python; a tuple in C. Measured (``python -m bench.micro_keys``, shared
+    machine): a dict lookup by an equal key that is another object took 414 ns against
+    124 ns (833 against 130 ns for a ServicePortName), making one 497 against 239 ns, for
+    8 bytes more per key. Like the dataclass it replaces it is
+    immutable, ordered by its fields and hashed as the tuple of its fields; unlike it, it
+    also equals a plain tuple of the same fields (no code mixes the two as keys).
+    """
 
     namespace: str
     name: str
@@ -95,9 +114,10 @@ class NamespacedName:
         return f"{self.namespace}/{self.name}"
 
 
-@dataclass(frozen=True, slots=True, order=True)
-class ServicePortName:
+class ServicePortName(NamedTuple):
     """The key of every per-port map: a Service, one of its port names, and the protocol.
+
+    A named tuple for its hash, as :class:`NamespacedName`.
 
     Printed like upstream: ``ns/name:port`` or ``ns/name`` when the port is unnamed.
     """
