@@ -43,6 +43,7 @@ from kubeproxy.objects import (
     Protocol,
     ServicePort,
     ServicePortName,
+    slot_init,
 )
 
 __all__ = [
@@ -654,6 +655,7 @@ def endpoint_with_port(endpoint: Endpoint, port: int) -> Endpoint:
     return endpoint.with_port(port)
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class ParsedEndpointSlice:
     """The parts of an EndpointSlice the proxy uses, validated.
@@ -729,6 +731,9 @@ def parse_endpoint_slice(
         )
     ports.sort()
     first_port = ports[0][1] if ports else 0
+    # An endpoint's key is its address and this text: the port formatted once a slice,
+    # not once an endpoint (timeit, shared machine: 120 against 50 ns an endpoint).
+    port_suffix = f":{first_port}"
 
     # Columns, not an Endpoint per endpoint (kubeproxy.objects.EndpointRows).
     keys: list[str] = []
@@ -793,7 +798,7 @@ def parse_endpoint_slice(
             hints_of.append((zone_hints, node_hints) if zone_hints or node_hints else NO_HINTS)
         elif hints_of is not None:
             hints_of.append(NO_HINTS)
-        keys.append(f"[{address}]:{first_port}" if is_ipv6 else f"{address}:{first_port}")
+        keys.append(f"[{address}]{port_suffix}" if is_ipv6 else address + port_suffix)
         addresses_of.append(address)
         flags.append(bits)
     return ParsedEndpointSlice(

@@ -56,6 +56,7 @@ from kubeproxy.objects import (
     ServicePortName,
     endpoint_addresses,
     endpoint_ports,
+    slot_init,
 )
 
 __all__ = [
@@ -251,6 +252,7 @@ class ClassSpec:
     affinity: bool = False
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class Frontend:
     """One frontend of a Service port and everything the data holds for it.
@@ -384,6 +386,7 @@ class AffinityPlan:
     port uses them, see :func:`~.layout.affinity_frontend_map`)."""
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class PortPlan:
     """Everything one Service port puts into the table.
