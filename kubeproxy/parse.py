@@ -744,6 +744,7 @@ def parse_endpoint_slice(
     # Never equal to a nodeName when this proxy has no node name.
     local_node: object = node_name if node_name else _NEVER
     known_node = bool(node_name)
+    pton, inet = _inet_pton, _AF_INET
     for index, raw in enumerate(context.sequence(obj.get("endpoints"), "endpoints")):
         # The common shapes are checked inline: this loop runs for every endpoint of
         # the cluster at start-up.
@@ -753,8 +754,17 @@ def parse_endpoint_slice(
             addresses = context.sequence(addresses, "endpoints[{}].addresses", index)
         if not addresses:
             continue
+        address = addresses[0]
         try:
-            address = _address_text(addresses[0])
+            # _address_text's usual case inline (a strict dotted quad is its own text):
+            # a call less per endpoint of the cluster.
+            if type(address) is not str or len(address) > 15 or ":" in address:
+                address = _address_text(address)
+            else:
+                try:
+                    pton(inet, address)
+                except (OSError, ValueError):
+                    address = _address_text(address)
         except ValueError:
             raise context.fail(
                 "endpoints[{}].addresses[0]", index, f"invalid IP address {_show(addresses[0])}"
