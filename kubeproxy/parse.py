@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import ipaddress
-import itertools
 import logging
 import re
 import socket
@@ -831,7 +830,9 @@ def _sorted_rows(
     hints: list[tuple[frozenset[str], frozenset[str]]] | None,
 ) -> EndpointRows:
     """A slice's endpoint columns as rows sorted by key (stably, as the objects were)."""
-    if any(a > b for a, b in itertools.pairwise(keys)):
+    # Compared with its sorted copy, in C, not by a generator over the pairs: 0.24
+    # against 0.93 us for a sorted slice of 10 (timeit, the shared machine).
+    if keys != sorted(keys):
         order = sorted(range(len(keys)), key=keys.__getitem__)
         keys = [keys[i] for i in order]
         addresses = [addresses[i] for i in order]
