@@ -589,7 +589,9 @@ class Proxier:
         """Fold in pending changes and call the backend; return what it was given."""
         try:
             service_result = self._services.apply(self._service_changes)
-            endpoints_result = self._endpoints.apply(self._endpoint_changes)
+            endpoints_result = self._endpoints.apply(
+                self._endpoint_changes, self._services.ports_by_service
+            )
         except Exception:
             # Maps may be half-updated: derive everything afresh next time.
             with self._state_lock:
