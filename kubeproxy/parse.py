@@ -694,6 +694,26 @@ def endpoint_slice_key(obj: KubeObject) -> tuple[NamespacedName, str]:
     """The Service an EndpointSlice belongs to (its ``kubernetes.io/service-name``
     label) and the slice's name; raises :class:`InvalidObject` when either is missing
     or malformed."""
+    # The usual slice, checked as below without the context a message needs (as
+    # service_key does): 3.74 against 2.42 us (timeit, the shared machine).
+    metadata = obj.get("metadata") if type(obj) is dict else None
+    if type(metadata) is dict:
+        namespace, name, labels = (
+            metadata.get("namespace"),
+            metadata.get("name"),
+            metadata.get("labels"),
+        )
+        service = labels.get(LABEL_SERVICE_NAME) if type(labels) is dict else None
+        if (
+            type(namespace) is str
+            and type(name) is str
+            and 0 < len(namespace) <= 63
+            and _is_namespace(namespace)
+            and _is_dns_subdomain(name)
+            and type(service) is str
+            and _is_dns_label(service)
+        ):
+            return NamespacedName(_intern(namespace), _intern(service)), name
     metadata, context = _metadata(obj, "EndpointSlice")
     name = metadata["name"]
     if not _is_dns_subdomain(name):
@@ -722,7 +742,7 @@ def parse_endpoint_slice(
     if obj.get("addressType") != family.value:
         return None
     service, slice_name = endpoint_slice_key(obj)
-    context = _Context("EndpointSlice", f"{service.namespace}/{slice_name}")
+    context = _Context("EndpointSlice", _Where(service.namespace, slice_name))
 
     ports: list[tuple[str, int, Protocol]] = []
     skipped = 0
