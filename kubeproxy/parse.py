@@ -493,15 +493,25 @@ def parse_service(
     if not ports:
         return {}
 
-    external_ips = _family_ips(context, spec.get("externalIPs"), "spec.externalIPs", family)
-    lb_vips = _load_balancer_vips(context, obj.get("status"), family)
-    source_ranges = _source_ranges(context, spec.get("loadBalancerSourceRanges"), family)
+    # Most Services have none of these: an absent field (None, as its validation reads
+    # it) is no address without the calls that would find none.
+    raw_external = spec.get("externalIPs")
+    external_ips = (
+        ()
+        if raw_external is None
+        else _family_ips(context, raw_external, "spec.externalIPs", family)
+    )
+    status = obj.get("status")
+    lb_vips = () if status is None else _load_balancer_vips(context, status, family)
+    raw_ranges = spec.get("loadBalancerSourceRanges")
+    source_ranges = () if raw_ranges is None else _source_ranges(context, raw_ranges, family)
     affinity_seconds = _affinity_seconds(context, spec)
     internal_local = _policy_is_local(context, spec, "internalTrafficPolicy")
     # As upstream: eTP only matters for Services reachable from outside by their type.
     externally_accessible = service_type in ("NodePort", "LoadBalancer") or (
         service_type == "ClusterIP"
-        and bool(context.sequence(spec.get("externalIPs"), "spec.externalIPs"))
+        and raw_external is not None
+        and bool(context.sequence(raw_external, "spec.externalIPs"))
     )
     external_local = (
         _policy_is_local(context, spec, "externalTrafficPolicy") and externally_accessible
