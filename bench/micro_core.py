@@ -21,8 +21,10 @@ import sys
 import timeit
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, make_dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Final
 
+from bench.report import write_document
 from kubeproxy.objects import (
     CategorizedEndpoints,
     NamespacedName,
@@ -31,6 +33,9 @@ from kubeproxy.objects import (
     ServicePortName,
     slot_init,
 )
+
+KIND: Final = "micro-core"
+RESULTS_DIR: Final = Path(__file__).resolve().parent / "results"
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -127,12 +132,19 @@ def measure(count: int, repeat: int) -> dict[str, dict[str, dict[str, float]]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Print both structures' figures as JSON."""
+    """Print both structures' figures as JSON and write them as a results document
+    (``<date>-micro-core-<host>.json`` in ``--results``)."""
     parser = argparse.ArgumentParser(prog="python -m bench.micro_core")
     parser.add_argument("--count", type=int, default=100_000)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--results", type=Path, default=RESULTS_DIR)
     options = parser.parse_args(argv)
-    print(json.dumps(measure(options.count, options.repeat), indent=2))
+    results = measure(options.count, options.repeat)
+    print(json.dumps(results, indent=2))
+    command = f"python -m bench.micro_core --count {options.count} --repeat {options.repeat}"
+    fields = {"count": options.count, "repeat": options.repeat, "results": results}
+    path, _document = write_document(options.results, KIND, command, fields)
+    print(f"written: {path}")
     return 0
 
 
