@@ -416,9 +416,11 @@ def test_a_half_closed_connection_is_closed_after_its_timeout(netns: Netns) -> N
         p.sync([hung_target(port, hung)])
         with connect(netns, port) as client:
             client.sendall(b"request")
+            # Timed from before the half-close: the proxy cannot see it any earlier (timed
+            # from after the wait below, a slow poll on a busy machine ate the 0.1 s slack).
+            start = time.monotonic()
             client.shutdown(socket.SHUT_WR)  # the client is done; the backend never is
             assert wait_for(lambda: p.connections == 1 and len(hung.conns) == 1)
-            start = time.monotonic()
             assert wait_for(lambda: p.connections == 0, timeout=5.0)
             assert time.monotonic() - start >= 0.4
             assert client.recv(16) == b""  # the proxy ended the client's side too
@@ -433,7 +435,9 @@ def test_a_half_closed_connection_is_closed_after_its_timeout(netns: Netns) -> N
 def test_an_idle_connection_is_closed_after_its_timeout_a_busy_one_is_not(netns: Netns) -> None:
     backend = Backend(netns, echo=True)
     port = netns.free_port()
-    with proxy(netns, idle_timeout=0.6) as p:
+    # The busy connection's bytes 0.2 s apart leave 1.3 s for a busy machine to delay one
+    # (with 0.6 s, a stall of 0.4 s closed it); the idle one is gone before the 2 s end.
+    with proxy(netns, idle_timeout=1.5) as p:
         p.sync([target(port, backend)])
         idle, busy = connect(netns, port), connect(netns, port)
         with idle, busy:
