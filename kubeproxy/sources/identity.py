@@ -29,6 +29,7 @@ __all__ = [
     "SERVICE",
     "SliceOwner",
     "identity",
+    "owner_text",
     "slice_owner",
 ]
 
@@ -43,8 +44,9 @@ SliceOwner: TypeAlias = tuple[Any, Any]
 _intern = sys.intern
 
 
-def _text(value: object) -> object:
-    # Names repeat across objects (a Service's name is its slices' label); one copy each.
+def owner_text(value: object) -> object:
+    """``value`` interned if it is a string: names repeat across objects (a Service's
+    name is its slices' label), so what is kept of them is one copy each."""
     return _intern(value) if type(value) is str else value
 
 
@@ -53,15 +55,20 @@ def _is_mapping(value: object) -> TypeGuard[Mapping[str, Any]]:
     return type(value) is dict or isinstance(value, Mapping)
 
 
-def slice_owner(obj: KubeObject) -> SliceOwner | None:
+def slice_owner(obj: KubeObject, *, intern: bool = True) -> SliceOwner | None:
     """What to keep of ``obj`` besides its key to build its :func:`identity`: an
-    EndpointSlice's Service and address type; None for other kinds."""
+    EndpointSlice's Service and address type; None for other kinds. Interned
+    (:func:`owner_text`) unless ``intern`` is false (a caller that keeps them some other
+    way)."""
     if obj.get("kind") != ENDPOINT_SLICE:
         return None
     metadata = obj.get("metadata")
     labels = metadata.get("labels") if _is_mapping(metadata) else None
     owner = labels.get(LABEL_SERVICE_NAME) if _is_mapping(labels) else None
-    return _text(owner), _text(obj.get("addressType"))
+    address_type = obj.get("addressType")
+    if not intern:
+        return owner, address_type
+    return owner_text(owner), owner_text(address_type)
 
 
 def identity(

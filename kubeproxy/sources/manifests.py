@@ -61,6 +61,7 @@ from kubeproxy.handlers import KubeObject, ProxyHandler
 from kubeproxy.objects import IPNetwork
 from kubeproxy.sources.apivalidation import endpoint_slice_errors, service_errors
 from kubeproxy.sources.identity import SliceOwner, identity, slice_owner
+from kubeproxy.sources.identity import owner_text as _text
 from kubeproxy.sources.jsonitems import json_objects
 
 __all__ = ["ManifestSource"]
@@ -126,14 +127,14 @@ class _Entry(NamedTuple):
 
 
 class _Def:
-    """What is kept of one definition of an object: where it is (file, and
-    :func:`_position` in it) and a fingerprint of its text to tell a changed version
-    from an unchanged one; for a slice, its owner (:mod:`kubeproxy.sources.identity`).
+    """One definition of an object: where it is (file, and :func:`_position` in it) and
+    a fingerprint of its text to tell a changed version from an unchanged one; for a
+    slice, its owner (:mod:`kubeproxy.sources.identity`).
 
-    Kept for every object (200k at 100k Services), so the position and the fingerprint
-    are one int and a slice's owner two slots: 100 bytes an object, where a tuple of
-    four fields, two ints and a slice's owner tuple were 136 a Service and 192 a slice
-    (13 MB at 100k Services, issue 32).
+    What the source keeps of a winning definition is usually not this object but one
+    int (:meth:`ManifestSource._hold`); this is what a definition is read as, and what
+    is kept of the rare ones the int cannot say (a second definition of an object, a
+    slice whose owner is not in its name).
     """
 
     __slots__ = ("_address_type", "_owner_service", "_where", "path")
@@ -181,6 +182,47 @@ class _Def:
 
 _FINGERPRINT_BITS = 64
 _FINGERPRINT_MASK = (1 << _FINGERPRINT_BITS) - 1
+
+# A winning definition as one int (ManifestSource._hold), from the low bits up: the
+# fingerprint, the owner (_OWNERS' index), the file (an index into the source's paths),
+# the position. Every object has one (200k at 100k Services): the int is 40 bytes where
+# a _Def and its int were 100, and a slice's owner is not kept apart (issue 32).
+_OWNER_BITS = 2
+_FILE_BITS = 20
+_OWNER_SHIFT = _FINGERPRINT_BITS
+_FILE_SHIFT = _OWNER_SHIFT + _OWNER_BITS
+_POSITION_SHIFT = _FILE_SHIFT + _FILE_BITS
+_OWNER_MASK = (1 << _OWNER_BITS) - 1
+_FILE_MASK = (1 << _FILE_BITS) - 1
+# The owners an int can say: none (not a slice), or a slice of the Service its name
+# starts with (the EndpointSlice controller names a slice "<service>-<random>") and
+# one of the usual address types.
+_NO_OWNER = 0
+_OWNER_ADDRESS_TYPES = (None, "IPv4", "IPv6")
+
+
+def _owner_code(name: str, owner: SliceOwner | None) -> int | None:
+    """How an int says ``owner`` of a slice named ``name`` (:data:`_NO_OWNER` for
+    None), or None when it cannot."""
+    if owner is None:
+        return _NO_OWNER
+    service, address_type = owner
+    if address_type == "IPv4":
+        code = 1
+    elif address_type == "IPv6":
+        code = 2
+    else:
+        return None
+    if type(service) is not str or name.rpartition("-")[0] != service:
+        return None
+    return code
+
+
+def _code_owner(name: str, code: int) -> SliceOwner | None:
+    """The owner :func:`_owner_code` said as ``code``, of the slice named ``name``."""
+    if code == _NO_OWNER:
+        return None
+    return (name.rpartition("-")[0], _OWNER_ADDRESS_TYPES[code])
 
 
 def _fingerprint(text: str) -> int:
@@ -253,8 +295,12 @@ class ManifestSource:
         self.node_name = node_name
         self.poll_interval = poll_interval
         self._files: dict[Path, _FileState] = {}
-        # The winning definition of every object, delivered unless it is another node's.
-        self._defs: dict[ObjectKey, _Def] = {}
+        # The winning definition of every object, delivered unless it is another node's:
+        # as one int when it can be (see _hold), else as a _Def.
+        self._defs: dict[ObjectKey, int | _Def] = {}
+        # The files definitions name, by number (the ints of _defs say the number).
+        self._paths: list[Path] = []
+        self._path_numbers: dict[Path, int] = {}
         # The other definitions of objects defined more than once (rare).
         self._shadowed: dict[ObjectKey, list[_Def]] = {}
         self._reported_duplicates: set[tuple[ObjectKey, Path, int]] = set()
@@ -276,16 +322,17 @@ class ManifestSource:
         identity of each object (:func:`~kubeproxy.sources.identity.identity`), the
         whole object for ServiceCIDRs."""
         found: dict[ObjectKey, KubeObject] = {}
-        for key, definition in self._defs.items():
+        for key in self._defs:
             kind, namespace, name = key
             if kind == NODE and name != self.node_name:
                 continue
             cidr = self._service_cidr_objects.get(key)
-            found[key] = (
-                cidr
-                if cidr is not None
-                else identity(kind, _API_VERSIONS[kind][0], namespace, name, definition.owner)
-            )
+            if cidr is not None:
+                found[key] = cidr
+                continue
+            definition = self._held(key)
+            assert definition is not None
+            found[key] = identity(kind, _API_VERSIONS[kind][0], namespace, name, definition.owner)
         return found
 
     @property
@@ -540,20 +587,21 @@ class ManifestSource:
         """Note ``entry``, defined in ``path``, and deliver it if it wins and changed
         (True then). ``seen`` holds the keys the file defined so far, with positions."""
         key = entry.key
-        definition = _Def(path, entry.position, entry.fingerprint, slice_owner(entry.obj))
         first = seen.get(key)
         if first is not None:
             self._report_duplicate(key, path, entry.position, _place(path, first))
             return False
         seen[key] = entry.position
-        current = self._defs.get(key)
+        current = self._held(key)
         if self._refuse(entry, path, current):
             return False
+        owner = slice_owner(entry.obj, intern=False) if key[0] == ENDPOINT_SLICE else None
         if current is None:
-            self._defs[key] = definition
+            self._hold(key, path, entry.position, entry.fingerprint, owner)
             return self._deliver(key, None, entry.obj)
+        definition = _Def(path, entry.position, entry.fingerprint, owner)
         if current.path == path:
-            self._defs[key] = definition
+            self._hold_def(key, definition)
             if current.fingerprint == entry.fingerprint:
                 return False
             return self._deliver(key, current, entry.obj)
@@ -563,10 +611,61 @@ class ManifestSource:
         # This file comes first in path order: its definition wins from now on.
         self._unshadow(key, path)
         self._shadow(key, current, definition)
-        self._defs[key] = definition
+        self._hold_def(key, definition)
         if current.fingerprint == entry.fingerprint:
             return False
         return self._deliver(key, current, entry.obj)
+
+    def _hold(
+        self,
+        key: ObjectKey,
+        path: Path,
+        position: int,
+        fingerprint: int,
+        owner: SliceOwner | None,
+    ) -> None:
+        """Keep a definition as the winning one of ``key``: as one int (the
+        fingerprint, the owner, the file's number and the position, see
+        :data:`_OWNER_BITS`) when its owner is none or in its name, else as a
+        :class:`_Def`. Called for every object a load reads: no :class:`_Def` made."""
+        code = _owner_code(key[2], owner)
+        number = self._path_numbers.get(path)
+        if number is None:
+            number = len(self._paths)
+            if number > _FILE_MASK:
+                code = None
+            else:
+                self._paths.append(path)
+                self._path_numbers[path] = number
+        if code is None:
+            if owner is not None:
+                owner = (_text(owner[0]), _text(owner[1]))
+            self._defs[key] = _Def(path, position, fingerprint, owner)
+            return
+        self._defs[key] = (
+            (position << _POSITION_SHIFT)
+            | (number << _FILE_SHIFT)
+            | (code << _OWNER_SHIFT)
+            | fingerprint
+        )
+
+    def _hold_def(self, key: ObjectKey, definition: _Def) -> None:
+        """:meth:`_hold` of a :class:`_Def`."""
+        self._hold(
+            key, definition.path, definition.position, definition.fingerprint, definition.owner
+        )
+
+    def _held(self, key: ObjectKey) -> _Def | None:
+        """The winning definition of ``key`` (see :meth:`_hold`), None if none."""
+        held = self._defs.get(key)
+        if type(held) is not int:
+            return held  # type: ignore[return-value]
+        return _Def(
+            self._paths[(held >> _FILE_SHIFT) & _FILE_MASK],
+            held >> _POSITION_SHIFT,
+            held & _FINGERPRINT_MASK,
+            _code_owner(key[2], (held >> _OWNER_SHIFT) & _OWNER_MASK),
+        )
 
     def _refuse(self, entry: _Entry, path: Path, current: _Def | None) -> bool:
         """Whether the API server would refuse ``entry`` (a Service or an EndpointSlice):
@@ -631,7 +730,7 @@ class ManifestSource:
         over, or the object is deleted. True if the handler was told."""
         self._unshadow(key, path)
         self._refused.pop(key, None)
-        current = self._defs.get(key)
+        current = self._held(key)
         if current is None or current.path != path:
             return False
         self._reported_duplicates = {d for d in self._reported_duplicates if d[0] != key}
@@ -648,13 +747,13 @@ class ManifestSource:
                 if entry.key == key:
                     if self._refuse(entry, successor.path, None):
                         break  # no valid successor: the object goes
-                    self._defs[key] = successor.with_fingerprint(entry.fingerprint)
+                    self._hold_def(key, successor.with_fingerprint(entry.fingerprint))
                     if current.fingerprint == entry.fingerprint:
                         return False
                     return self._deliver(key, current, entry.obj)
         except _BrokenFile as err:
             logger.error("manifests: %s; %s stays as it was", err, _describe(key))
-            self._defs[key] = successor.with_fingerprint(current.fingerprint)
+            self._hold_def(key, successor.with_fingerprint(current.fingerprint))
             return False
         # Changed since it was read: its file's own rescan will tell.
         del self._defs[key]
@@ -700,6 +799,11 @@ class ManifestSource:
             update(before, new)
         return True
 
+    def _place_of(self, key: ObjectKey) -> str:
+        definition = self._held(key)
+        assert definition is not None
+        return definition.place
+
     def _deliver_service_cidrs(self) -> bool:
         if not self._cidrs_changed:
             return False
@@ -708,7 +812,7 @@ class ManifestSource:
             # Never seen a ServiceCIDR: leave the proxy on its configured fallback.
             return False
         cidrs = _service_cidrs(
-            {key: (obj, self._defs[key].place) for key, obj in self._service_cidr_objects.items()}
+            {key: (obj, self._place_of(key)) for key, obj in self._service_cidr_objects.items()}
         )
         if cidrs == self._service_cidrs:
             return False
