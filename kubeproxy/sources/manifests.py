@@ -53,7 +53,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple, TypeAlias
+from typing import Any, Generic, NamedTuple, TypeAlias, TypeVar
 
 import yaml
 
@@ -225,6 +225,69 @@ def _code_owner(name: str, code: int) -> SliceOwner | None:
     return (name.rpartition("-")[0], _OWNER_ADDRESS_TYPES[code])
 
 
+_V = TypeVar("_V")
+
+
+class _KeyMap(Generic[_V]):
+    """A map by :data:`ObjectKey`, held as a dict per kind and namespace keyed by name:
+    no key tuple is kept per object (64 bytes each, 12 MB for the 200k objects of 100k
+    Services, issue 32), and a dict keyed by strings takes less per entry than one keyed
+    by tuples. Iterated kind and namespace after kind and namespace, in the order each
+    was first set, and within one in the order its names were set."""
+
+    __slots__ = ("_groups",)
+
+    def __init__(self) -> None:
+        self._groups: dict[tuple[str, str], dict[str, _V]] = {}
+
+    def get(self, key: ObjectKey) -> _V | None:
+        group = self._groups.get((key[0], key[1]))
+        return None if group is None else group.get(key[2])
+
+    def __setitem__(self, key: ObjectKey, value: _V) -> None:
+        kind, namespace, name = key
+        group = self._groups.get((kind, namespace))
+        if group is None:
+            self._groups[kind, namespace] = group = {}
+        group[name] = value
+
+    def __delitem__(self, key: ObjectKey) -> None:
+        kind, namespace, name = key
+        group = self._groups[kind, namespace]
+        del group[name]
+        if not group:
+            del self._groups[kind, namespace]
+
+    def __contains__(self, key: ObjectKey) -> bool:
+        group = self._groups.get((key[0], key[1]))
+        return group is not None and key[2] in group
+
+    def __iter__(self) -> Iterator[ObjectKey]:
+        for (kind, namespace), group in self._groups.items():
+            for name in group:
+                yield (kind, namespace, name)
+
+    def __len__(self) -> int:
+        return sum(map(len, self._groups.values()))
+
+    def values(self) -> Iterator[_V]:
+        """The values, in the order of the keys."""
+        for group in self._groups.values():
+            yield from group.values()
+
+    def names(self, kind: str) -> Iterator[str]:
+        """The names held of ``kind``, every namespace's."""
+        for (held_kind, _namespace), group in self._groups.items():
+            if held_kind == kind:
+                yield from group
+
+    def keys_only(self) -> _KeyMap[None]:
+        """The same keys, in the same order, without their values."""
+        found: _KeyMap[None] = _KeyMap()
+        found._groups = {group: dict.fromkeys(names) for group, names in self._groups.items()}
+        return found
+
+
 def _fingerprint(text: str) -> int:
     """A fingerprint of an object's text: its hash, as an unsigned 64-bit int."""
     return hash(text) & _FINGERPRINT_MASK
@@ -257,7 +320,7 @@ class _Place(NamedTuple):
 @dataclass(slots=True)
 class _FileState:
     stamp: Stamp
-    keys: list[ObjectKey] = field(default_factory=list)
+    keys: _KeyMap[None] = field(default_factory=_KeyMap)
     broken: bool = False
 
 
@@ -297,7 +360,7 @@ class ManifestSource:
         self._files: dict[Path, _FileState] = {}
         # The winning definition of every object, delivered unless it is another node's:
         # as one int when it can be (see _hold), else as a _Def.
-        self._defs: dict[ObjectKey, int | _Def] = {}
+        self._defs: _KeyMap[int | _Def] = _KeyMap()
         # The files definitions name, by number (the ints of _defs say the number).
         self._paths: list[Path] = []
         self._path_numbers: dict[Path, int] = {}
@@ -349,7 +412,7 @@ class ManifestSource:
     @property
     def node_names(self) -> list[str]:
         """The names of every Node the directory holds (this node's or not), sorted."""
-        return sorted(key[2] for key in self._defs if key[0] == NODE)
+        return sorted(self._defs.names(NODE))
 
     def load_node(self) -> None:
         """Read the files that may hold a Node or a ServiceCIDR (the others are only
@@ -370,7 +433,7 @@ class ManifestSource:
             try:
                 for entry in self._entries(path, text):
                     if entry.key[0] in _EARLY_KINDS:
-                        self._take(entry, path, {})
+                        self._take(entry, path, _KeyMap())
             except _BrokenFile:
                 continue  # reported when load() reads it
         self._deliver_service_cidrs()
@@ -461,8 +524,8 @@ class ManifestSource:
     def _read_file(self, path: Path, stamp: Stamp) -> bool:
         """Deliver what changed in ``path`` (read now); True if anything was delivered."""
         previous = self._files.get(path)
-        old_keys = previous.keys if previous is not None else []
-        seen: dict[ObjectKey, int] = {}
+        old_keys = previous.keys if previous is not None else _KeyMap()
+        seen: _KeyMap[int] = _KeyMap()
         changed = False
         try:
             for entry in self._entries(path, self._text(path)):
@@ -471,10 +534,13 @@ class ManifestSource:
             logger.error("manifests: %s; keeping the %d objects it had", err, len(old_keys))
             # Remember the stamp so an unchanged broken file is not reported again; what
             # it held and did not get to this time stays.
-            unseen = [key for key in old_keys if key not in seen]
-            self._files[path] = _FileState(stamp, [*seen, *unseen], broken=True)
+            kept = seen.keys_only()
+            for key in old_keys:
+                if key not in seen:
+                    kept[key] = None
+            self._files[path] = _FileState(stamp, kept, broken=True)
             return changed
-        self._files[path] = _FileState(stamp, list(seen))
+        self._files[path] = _FileState(stamp, seen.keys_only())
         for key in old_keys:
             if key not in seen:
                 changed |= self._drop(key, path)
@@ -583,7 +649,7 @@ class ManifestSource:
 
     # Definitions and delivery
 
-    def _take(self, entry: _Entry, path: Path, seen: dict[ObjectKey, int]) -> bool:
+    def _take(self, entry: _Entry, path: Path, seen: _KeyMap[int]) -> bool:
         """Note ``entry``, defined in ``path``, and deliver it if it wins and changed
         (True then). ``seen`` holds the keys the file defined so far, with positions."""
         key = entry.key
