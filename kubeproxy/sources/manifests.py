@@ -60,7 +60,14 @@ import yaml
 from kubeproxy.handlers import KubeObject, ProxyHandler
 from kubeproxy.objects import IPNetwork
 from kubeproxy.sources.apivalidation import endpoint_slice_errors, service_errors
-from kubeproxy.sources.identity import SliceOwner, identity, slice_owner
+from kubeproxy.sources.identity import (
+    OWNER_BITS,
+    SliceOwner,
+    code_owner,
+    identity,
+    owner_code,
+    slice_owner,
+)
 from kubeproxy.sources.identity import owner_text as _text
 from kubeproxy.sources.jsonitems import json_objects
 
@@ -184,47 +191,16 @@ _FINGERPRINT_BITS = 64
 _FINGERPRINT_MASK = (1 << _FINGERPRINT_BITS) - 1
 
 # A winning definition as one int (ManifestSource._hold), from the low bits up: the
-# fingerprint, the owner (_OWNERS' index), the file (an index into the source's paths),
+# fingerprint, the owner (identity.owner_code), the file (an index into the source's paths),
 # the position. Every object has one (200k at 100k Services): the int is 40 bytes where
 # a _Def and its int were 100, and a slice's owner is not kept apart (issue 32).
-_OWNER_BITS = 2
+_OWNER_BITS = OWNER_BITS
 _FILE_BITS = 20
 _OWNER_SHIFT = _FINGERPRINT_BITS
 _FILE_SHIFT = _OWNER_SHIFT + _OWNER_BITS
 _POSITION_SHIFT = _FILE_SHIFT + _FILE_BITS
 _OWNER_MASK = (1 << _OWNER_BITS) - 1
 _FILE_MASK = (1 << _FILE_BITS) - 1
-# The owners an int can say: none (not a slice), or a slice of the Service its name
-# starts with (the EndpointSlice controller names a slice "<service>-<random>") and
-# one of the usual address types.
-_NO_OWNER = 0
-_OWNER_ADDRESS_TYPES = (None, "IPv4", "IPv6")
-
-
-def _owner_code(name: str, owner: SliceOwner | None) -> int | None:
-    """How an int says ``owner`` of a slice named ``name`` (:data:`_NO_OWNER` for
-    None), or None when it cannot."""
-    if owner is None:
-        return _NO_OWNER
-    service, address_type = owner
-    if address_type == "IPv4":
-        code = 1
-    elif address_type == "IPv6":
-        code = 2
-    else:
-        return None
-    if type(service) is not str or name.rpartition("-")[0] != service:
-        return None
-    return code
-
-
-def _code_owner(name: str, code: int) -> SliceOwner | None:
-    """The owner :func:`_owner_code` said as ``code``, of the slice named ``name``."""
-    if code == _NO_OWNER:
-        return None
-    return (name.rpartition("-")[0], _OWNER_ADDRESS_TYPES[code])
-
-
 _V = TypeVar("_V")
 
 
@@ -694,7 +670,7 @@ class ManifestSource:
         fingerprint, the owner, the file's number and the position, see
         :data:`_OWNER_BITS`) when its owner is none or in its name, else as a
         :class:`_Def`. Called for every object a load reads: no :class:`_Def` made."""
-        code = _owner_code(key[2], owner)
+        code = owner_code(key[2], owner)
         number = self._path_numbers.get(path)
         if number is None:
             number = len(self._paths)
@@ -730,7 +706,7 @@ class ManifestSource:
             self._paths[(held >> _FILE_SHIFT) & _FILE_MASK],
             held >> _POSITION_SHIFT,
             held & _FINGERPRINT_MASK,
-            _code_owner(key[2], (held >> _OWNER_SHIFT) & _OWNER_MASK),
+            code_owner(key[2], (held >> _OWNER_SHIFT) & _OWNER_MASK),
         )
 
     def _refuse(self, entry: _Entry, path: Path, current: _Def | None) -> bool:
