@@ -557,6 +557,7 @@ class NftablesBackend:
         model.update_tree(tx)
         ops.commit()
         ports = model.ports
+        previous_hairpin: tuple[str, ...] = ()
         # Each plan let go once written (what is kept of it is its frontends and its
         # PortState): at 100k Services the plans held 10 MB to the end of the sync,
         # where the peak is; let go as they go, what the writing makes reuses their room.
@@ -566,7 +567,8 @@ class NftablesBackend:
                 held[fe.key] = write_frontend(ops, names, numbers, fe)
             if plan.firewall:
                 diff_firewall(ops, names, {}, dict(plan.firewall), adding=True)
-            add_shared_new(ops, names, counts, plan)
+            add_shared_new(ops, names, counts, plan, previous_hairpin)
+            previous_hairpin = plan.hairpin
             if plan.affinity is not None:
                 self._follow_affinity(None, plan.affinity, 0.0)
             ports[name] = PortState.of(plan)
@@ -619,6 +621,7 @@ class NftablesBackend:
         model = self._gen
         names, counts, numbers = model.names, model.shared, model.numbered
         by_service, held, states = model.by_service, model.held, model.ports
+        model.count_hairpin()  # before any state is popped
         ports: set[ServicePortName] = set()
         for service in changes.changed_services:
             ports.update(by_service.get(service, ()))

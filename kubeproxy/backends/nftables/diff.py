@@ -391,8 +391,10 @@ def add_shared(
     On a full sync (``full``) ``cluster-ips`` and the affinity's local endpoints are
     refilled by the switch (outside generations), not element by element.
     """
+    hairpin = counts.hairpin
+    assert hairpin is not None, "counted first: Generation.count_hairpin"
     for host in plan.hairpin:
-        if count_in(counts.hairpin, host):
+        if count_in(hairpin, host):
             sink.add(names.hairpin, (host, host))
     if count_in(counts.cluster_ips, plan.cluster_ip) and not full:
         sink.add(Names.CLUSTER_IPS, (plan.cluster_ip,))
@@ -401,17 +403,34 @@ def add_shared(
             sink.add(AFFINITY_LOCAL_ENDPOINTS, member)
 
 
-def add_shared_new(sink: BulkSink, names: GenNames, counts: SharedCounts, plan: PortPlan) -> None:
+def add_shared_new(
+    sink: BulkSink,
+    names: GenNames,
+    counts: SharedCounts,
+    plan: PortPlan,
+    previous: tuple[str, ...] = (),
+) -> None:
     """:func:`add_shared` on a full sync (``full``), the new hairpin elements of the port
     queued in one call, and counted without a call per endpoint (:func:`count_in`
-    inlined: at 30k Services x 10 endpoints, 330k calls, 0.3 s of a 7.5 s profile)."""
+    inlined: at 30k Services x 10 endpoints, 330k calls, 0.3 s of a 7.5 s profile).
+
+    Uncounted hairpin (``counts.hairpin`` None, a full sync's: see
+    :class:`~.generation.SharedCounts`): every address of the port is queued, but for a
+    port whose addresses are the very tuple of the port before (``previous``: the ports
+    of one Service over the same endpoints); an address two Services share is queued
+    once by each, which the kernel takes as one element (an ``add`` of an element it
+    holds, without ``NLM_F_EXCL``, changes nothing)."""
     hairpin = counts.hairpin
-    fresh: list[str] = []
-    for host in plan.hairpin:
-        held = hairpin.get(host, 0)
-        hairpin[host] = held + 1
-        if not held:
-            fresh.append(host)
+    fresh: Sequence[str]
+    if hairpin is None:
+        fresh = () if plan.hairpin is previous else plan.hairpin
+    else:
+        fresh = []
+        for host in plan.hairpin:
+            held = hairpin.get(host, 0)
+            hairpin[host] = held + 1
+            if not held:
+                fresh.append(host)
     if fresh:
         container = names.hairpin
         if not _added_packed(sink, container, lambda types: pair_elements(types, fresh)):
@@ -426,8 +445,10 @@ def release_shared(
 ) -> None:
     """Count a port's former shared elements out, queueing the deletion of those no port
     holds any more."""
+    hairpin = counts.hairpin
+    assert hairpin is not None, "counted first: Generation.count_hairpin"
     for host in old.hairpin:
-        if count_out(counts.hairpin, host):
+        if count_out(hairpin, host):
             sink.delete(names.hairpin, (host, host))
     if count_out(counts.cluster_ips, old.cluster_ip):
         sink.delete(Names.CLUSTER_IPS, (old.cluster_ip,))
