@@ -53,7 +53,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, NamedTuple, TypeAlias, TypeVar
+from typing import Any, NamedTuple, TypeAlias
 
 import yaml
 
@@ -70,6 +70,7 @@ from kubeproxy.sources.identity import (
 )
 from kubeproxy.sources.identity import owner_text as _text
 from kubeproxy.sources.jsonitems import json_objects
+from kubeproxy.sources.keymap import KeyMap
 
 __all__ = ["ManifestSource"]
 
@@ -201,67 +202,6 @@ _FILE_SHIFT = _OWNER_SHIFT + _OWNER_BITS
 _POSITION_SHIFT = _FILE_SHIFT + _FILE_BITS
 _OWNER_MASK = (1 << _OWNER_BITS) - 1
 _FILE_MASK = (1 << _FILE_BITS) - 1
-_V = TypeVar("_V")
-
-
-class _KeyMap(Generic[_V]):
-    """A map by :data:`ObjectKey`, held as a dict per kind and namespace keyed by name:
-    no key tuple is kept per object (64 bytes each, 12 MB for the 200k objects of 100k
-    Services, issue 32), and a dict keyed by strings takes less per entry than one keyed
-    by tuples. Iterated kind and namespace after kind and namespace, in the order each
-    was first set, and within one in the order its names were set."""
-
-    __slots__ = ("_groups",)
-
-    def __init__(self) -> None:
-        self._groups: dict[tuple[str, str], dict[str, _V]] = {}
-
-    def get(self, key: ObjectKey) -> _V | None:
-        group = self._groups.get((key[0], key[1]))
-        return None if group is None else group.get(key[2])
-
-    def __setitem__(self, key: ObjectKey, value: _V) -> None:
-        kind, namespace, name = key
-        group = self._groups.get((kind, namespace))
-        if group is None:
-            self._groups[kind, namespace] = group = {}
-        group[name] = value
-
-    def __delitem__(self, key: ObjectKey) -> None:
-        kind, namespace, name = key
-        group = self._groups[kind, namespace]
-        del group[name]
-        if not group:
-            del self._groups[kind, namespace]
-
-    def __contains__(self, key: ObjectKey) -> bool:
-        group = self._groups.get((key[0], key[1]))
-        return group is not None and key[2] in group
-
-    def __iter__(self) -> Iterator[ObjectKey]:
-        for (kind, namespace), group in self._groups.items():
-            for name in group:
-                yield (kind, namespace, name)
-
-    def __len__(self) -> int:
-        return sum(map(len, self._groups.values()))
-
-    def values(self) -> Iterator[_V]:
-        """The values, in the order of the keys."""
-        for group in self._groups.values():
-            yield from group.values()
-
-    def names(self, kind: str) -> Iterator[str]:
-        """The names held of ``kind``, every namespace's."""
-        for (held_kind, _namespace), group in self._groups.items():
-            if held_kind == kind:
-                yield from group
-
-    def keys_only(self) -> _KeyMap[None]:
-        """The same keys, in the same order, without their values."""
-        found: _KeyMap[None] = _KeyMap()
-        found._groups = {group: dict.fromkeys(names) for group, names in self._groups.items()}
-        return found
 
 
 def _fingerprint(text: str) -> int:
@@ -296,7 +236,7 @@ class _Place(NamedTuple):
 @dataclass(slots=True)
 class _FileState:
     stamp: Stamp
-    keys: _KeyMap[None] = field(default_factory=_KeyMap)
+    keys: KeyMap[ObjectKey, None] = field(default_factory=KeyMap)
     broken: bool = False
 
 
@@ -336,7 +276,7 @@ class ManifestSource:
         self._files: dict[Path, _FileState] = {}
         # The winning definition of every object, delivered unless it is another node's:
         # as one int when it can be (see _hold), else as a _Def.
-        self._defs: _KeyMap[int | _Def] = _KeyMap()
+        self._defs: KeyMap[ObjectKey, int | _Def] = KeyMap()
         # The files definitions name, by number (the ints of _defs say the number).
         self._paths: list[Path] = []
         self._path_numbers: dict[Path, int] = {}
@@ -388,7 +328,7 @@ class ManifestSource:
     @property
     def node_names(self) -> list[str]:
         """The names of every Node the directory holds (this node's or not), sorted."""
-        return sorted(self._defs.names(NODE))
+        return sorted(self._defs.names((NODE,)))
 
     def load_node(self) -> None:
         """Read the files that may hold a Node or a ServiceCIDR (the others are only
@@ -409,7 +349,7 @@ class ManifestSource:
             try:
                 for entry in self._entries(path, text):
                     if entry.key[0] in _EARLY_KINDS:
-                        self._take(entry, path, _KeyMap())
+                        self._take(entry, path, KeyMap())
             except _BrokenFile:
                 continue  # reported when load() reads it
         self._deliver_service_cidrs()
@@ -500,8 +440,8 @@ class ManifestSource:
     def _read_file(self, path: Path, stamp: Stamp) -> bool:
         """Deliver what changed in ``path`` (read now); True if anything was delivered."""
         previous = self._files.get(path)
-        old_keys = previous.keys if previous is not None else _KeyMap()
-        seen: _KeyMap[int] = _KeyMap()
+        old_keys = previous.keys if previous is not None else KeyMap()
+        seen: KeyMap[ObjectKey, int] = KeyMap()
         changed = False
         try:
             for entry in self._entries(path, self._text(path)):
@@ -625,7 +565,7 @@ class ManifestSource:
 
     # Definitions and delivery
 
-    def _take(self, entry: _Entry, path: Path, seen: _KeyMap[int]) -> bool:
+    def _take(self, entry: _Entry, path: Path, seen: KeyMap[ObjectKey, int]) -> bool:
         """Note ``entry``, defined in ``path``, and deliver it if it wins and changed
         (True then). ``seen`` holds the keys the file defined so far, with positions."""
         key = entry.key

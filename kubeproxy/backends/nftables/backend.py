@@ -621,7 +621,6 @@ class NftablesBackend:
         model = self._gen
         names, counts, numbers = model.names, model.shared, model.numbered
         by_service, held, states = model.by_service, model.held, model.ports
-        model.count_hairpin()  # before any state is popped
         ports: set[ServicePortName] = set()
         for service in changes.changed_services:
             ports.update(by_service.get(service, ()))
@@ -651,6 +650,8 @@ class NftablesBackend:
         # port to another in this sync is diffed once, against what the kernel holds.
         old: dict[Key, HeldFrontend] = {}
         old_states: dict[ServicePortName, PortState] = {}
+        if plans:
+            model.count_hairpin()  # before any state is popped: from them all
         for name in plans:
             state = states.pop(name, None)
             if state is not None:

@@ -43,6 +43,7 @@ from kubeproxy.sources.identity import (
     owner_text,
     slice_owner,
 )
+from kubeproxy.sources.keymap import KeyMap
 from kubeproxy.sources.kubernetes.apiclient import describe_error, get
 
 __all__ = ["Callbacks", "Key", "Reflector", "ReflectorHost", "Resource", "object_metadata"]
@@ -206,7 +207,7 @@ class Reflector:
         # Node, the ServiceCIDRs), else (resourceVersion, slice owner) per object, from
         # which identity() builds what a handler gets as ``old`` and on deletions.
         self.keep_objects = keep_objects
-        self.cache: dict[Key, Any] = {}
+        self.cache: KeyMap[Key, Any] = KeyMap()
         self.resource_version: str | None = None
         self.synced = threading.Event()
         self._failures = 0
@@ -359,7 +360,7 @@ class Reflector:
         and dropped one at a time: at 100k EndpointSlices, the whole list as decoded
         JSON would be about 1 GB."""
         first = not self.synced.is_set()
-        listed: set[Key] = set()
+        listed: KeyMap[Key, None] = KeyMap()
         count = 0
         resource_version = ""
         for page, version in self._pages(stop):
@@ -370,7 +371,7 @@ class Reflector:
                     if key is None:
                         logger.error("kubernetes: %s: skipping an object without a name", self.name)
                         continue
-                    listed.add(key)
+                    listed[key] = None
                     count += 1
                     self._store(key, obj)
             del page
@@ -565,7 +566,7 @@ class Reflector:
             return
         with self.source._deliver_lock:
             if type_ == "DELETED":
-                if self.cache.pop(key, None) is not None:
+                if self.cache.pop(key) is not None:
                     self._call(self.callbacks.delete, obj)
             else:
                 old = self.cache.get(key)
