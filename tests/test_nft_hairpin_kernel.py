@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ipaddress
 import re
-import socket
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -26,7 +25,6 @@ from kubeproxy.objects import (
     ServicePort,
     ServicePortName,
 )
-from kubeproxy.testing.runner import default_timeout
 from tests.kernelkit import (
     ECHO_SERVER_IP,
     Topology,
@@ -82,29 +80,20 @@ def _hairpin(netns: str) -> list[str]:
     return re.findall(r"([0-9.]+) \. \1", listing)
 
 
-def _echo(topology: Topology, vip: str, port: int) -> bytes:
-    def echo() -> bytes:
-        with socket.create_connection((vip, port), timeout=2 * default_timeout()) as sock:
-            sock.sendall(b"hello\n")
-            return sock.recv(64)
-
-    return topology.in_namespace(topology.client, echo)
-
-
 def test_a_shared_hairpin_address_stays_until_its_last_port_goes(topology: Topology) -> None:
     backend = NftablesBackend(IPFamily.IPV4, CONFIG, executor=LibNftables(topology.node))
     both = _with_twin(echo_snapshot(PREFIX, 2))
     backend.sync(both, SyncChanges(full=True))
     # Queued by each Service, held once; both Services answer.
     assert _hairpin(topology.node).count(ECHO_SERVER_IP) == 1
-    assert _echo(topology, TWIN_VIP, 81) == b"hello\n"
-    assert _echo(topology, "172.30.0.10", 80) == b"hello\n"
+    assert topology.echo(TWIN_VIP, 81) == b"hello\n"
+    assert topology.echo() == b"hello\n"
 
     echo_only = _without(both, TWIN)
     backend.sync(echo_only, SyncChanges(full=False, changed_services=frozenset({TWIN})))
     assert not backend.last_sync_full
     assert _hairpin(topology.node).count(ECHO_SERVER_IP) == 1
-    assert _echo(topology, "172.30.0.10", 80) == b"hello\n"
+    assert topology.echo() == b"hello\n"
 
     echo = echo_port_name(PREFIX).service
     backend.sync(

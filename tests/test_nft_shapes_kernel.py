@@ -15,7 +15,6 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
-import socket
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -61,12 +60,7 @@ def topology() -> Iterator[Topology]:
 
 
 def _echo(topology: Topology) -> bytes:
-    def echo() -> bytes:
-        with socket.create_connection(("172.30.0.10", 80), timeout=2 * default_timeout()) as sock:
-            sock.sendall(b"hello\n")
-            return sock.recv(64)
-
-    return topology.in_namespace(topology.client, echo)
+    return topology.echo()
 
 
 def _with_ports(
