@@ -66,7 +66,7 @@ from kubeproxy.backends.nftables.failures import FailureDump
 from kubeproxy.backends.nftables.frontends import AffinityPlan, Frontend, PortPlan, plan_port
 from kubeproxy.backends.nftables.generation import (
     Generation,
-    HeldFrontend,
+    Held,
     PortState,
     add_container,
 )
@@ -648,7 +648,7 @@ class NftablesBackend:
         model.update_tree(ops.tx)
         # Old frontends of every port in question first, so a key that moves from one
         # port to another in this sync is diffed once, against what the kernel holds.
-        old: dict[Key, HeldFrontend] = {}
+        old: dict[Key, Held] = {}
         old_states: dict[ServicePortName, PortState] = {}
         if plans:
             model.count_hairpin()  # before any state is popped: from them all

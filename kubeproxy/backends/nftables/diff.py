@@ -33,6 +33,7 @@ from kubeproxy.backends.nftables.frontends import (
     endpoint_value,
 )
 from kubeproxy.backends.nftables.generation import (
+    Held,
     HeldFrontend,
     PortState,
     SharedCounts,
@@ -164,14 +165,15 @@ def diff_frontend(
     names: GenNames,
     numbers: Mapping[ClassSpec, int] | None,
     key: Key,
-    old: HeldFrontend | None,
+    held: Held | None,
     new: Frontend | None,
-) -> HeldFrontend | None:
-    """Queue the element changes that turn frontend ``key`` as held (``old``) into its
+) -> Held | None:
+    """Queue the element changes that turn frontend ``key`` as held (``held``) into its
     new plan (``new``; None for either: absent); what the kernel then holds of it."""
+    old = HeldFrontend.read(held) if held is not None else None
     before = old.fe if old is not None else None
     if before is not None and before == new:
-        return old
+        return held
     kind = new.kind if new is not None else before.kind  # type: ignore[union-attr]
     old_cls = before.cls if before else None
     new_cls = new.cls if new else None
@@ -232,7 +234,7 @@ def diff_frontend(
                 sink.delete(container, key)
             if new_chain is not None:
                 sink.add(container, key, _verdict(verdict, new_chain))
-    return HeldFrontend(new, main, short) if new is not None else None
+    return HeldFrontend.of(new, main, short) if new is not None else None
 
 
 @functools.lru_cache(maxsize=4096)
@@ -244,7 +246,7 @@ def _verdict(verb: str, chain: str) -> tuple[str]:
 
 def write_frontend(
     sink: BulkSink, names: GenNames, numbers: Mapping[ClassSpec, int] | None, fe: Frontend
-) -> HeldFrontend:
+) -> Held:
     """Queue the elements of a frontend the kernel does not hold (every frontend of a
     full sync): what :func:`diff_frontend` queues for it against nothing, in the same
     order, with each list of slots queued in one call.
@@ -270,7 +272,7 @@ def write_frontend(
         sink.add(names.affinity_lookup(kind, True), key, _verdict("jump", fe.shortcut_lookup))
     if fe.record is not None:
         sink.add(names.affinity_record(kind), key, _verdict("goto", fe.record))
-    return HeldFrontend(fe, fe.endpoints, fe.shortcut)
+    return fe  # its slots are its endpoints (HeldFrontend.of)
 
 
 _SPLIT_PORT = operator.methodcaller("rpartition", ":")
