@@ -317,14 +317,19 @@ def replay(batches: Sequence[Batch], netns: str | None) -> Replay:
             if batch.channel not in channels:
                 channels[batch.channel] = BatchSocket(netns)
         exchange_s = 0.0
-        kthreads, waited = kernel_threads(), _runqueue_s()
-        cpu, start = CpuClock(resource.RUSAGE_THREAD), time.perf_counter()
+        kthreads = kernel_threads()
+        # The thread's clocks are read inside the wall span, so what they count (its time
+        # running, its time waiting for a CPU) fits in it even when the machine preempts
+        # the thread between two readings.
+        start = time.perf_counter()
+        waited, cpu = _runqueue_s(), CpuClock(resource.RUSAGE_THREAD)
         for batch, messages in zip(batches, sent, strict=True):
             began = time.perf_counter()
             channels[batch.channel].exchange(batch.payload, batch.begin, messages, batch.what)
             exchange_s += time.perf_counter() - began
-        wall, used = time.perf_counter() - start, cpu.elapsed()
+        used = cpu.elapsed()
         waited = _runqueue_s() - waited
+        wall = time.perf_counter() - start
         return Replay(wall, exchange_s, used, waited, kernel_threads_s(kthreads))
     finally:
         for channel in channels.values():

@@ -13,11 +13,20 @@ import tempfile
 from collections.abc import Generator
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 LEGITIMATE_SKIP = "kernel lacks"
 _STATE_DIR_ENV = "KUBEPROXY_STATE_DIR"  # kubeproxy.backends.nftables.failures
 _STATE_KEY = pytest.StashKey[str]()
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+# Hypothesis fails an example that takes over 200 ms (its default deadline) and a run
+# whose data generation is slow (the too_slow health check): timing, not behaviour, and on
+# a loaded 2-core machine a sync or a parse in an example can take that long. Every
+# property here is about results, so no example is timed; the tests that set their own
+# settings inherit this profile for what they leave unset.
+settings.register_profile("kubeproxy", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("kubeproxy")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -584,11 +584,12 @@ def answered_by(
     netns_fd: int, address: str, port: int = 80, *, source: str | None = None
 ) -> str | None:
     """Open a TCP connection from the namespace ``netns_fd`` (from address ``source``,
-    or the one routing picks); the endpoint that answered (None: nobody)."""
+    or the one routing picks); the endpoint that answered (None: nobody, within the flow
+    kit's attempt timeout: 1 s, longer under emulation)."""
     with entered(netns_fd):
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     with sock:
-        sock.settimeout(1.0)
+        sock.settimeout(default_timeout())
         try:
             if source is not None:
                 sock.bind((source, 0))

@@ -448,10 +448,11 @@ def _of(state: Mapping[ServicePortName, Any], service: NamespacedName) -> dict[A
     return {name: value for name, value in state.items() if name.service == service}
 
 
-@pytest.fixture(autouse=True, scope="module")
+@pytest.fixture(autouse=True)
 def _restore_kubeproxy_log_level() -> Iterator[None]:
-    # The property test silences the (expected) invalid-object warnings; later modules
-    # must get the logger back as it was.
+    # The property test silences the (expected) invalid-object warnings; every later
+    # test must get the logger back as it was (restored only at the module's end, the
+    # tests of this module that read log lines failed when they ran after it).
     logger = logging.getLogger("kubeproxy")
     level = logger.level
     yield

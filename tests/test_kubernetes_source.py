@@ -43,6 +43,10 @@ from kubeproxy.testing.fakeapi import (
 
 NODE = "node-a"
 SOURCE_LOGGER = "kubeproxy.sources.kubernetes"
+WAIT = 30.0
+"""Seconds a wait for the source (a sync, a watch, an event) may take before the test
+fails: each takes milliseconds, and a wait returns as soon as it is over; 5 s was one
+stall of a loaded machine from a failure."""
 
 
 def _key(obj: KubeObject) -> str:
@@ -153,7 +157,7 @@ class RecordingHandler:
         self.cidr_calls.append(list(cidrs))
         self._record("cidrs", ",".join(map(str, cidrs)))
 
-    def wait_for(self, predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+    def wait_for(self, predicate: Callable[[], bool], timeout: float = WAIT) -> bool:
         deadline = time.monotonic() + timeout
         with self._cond:
             while not predicate():
@@ -282,7 +286,7 @@ def test_initial_list_is_paginated_filtered_and_synced_once(
         )
     )
     source = running.start()
-    assert source.wait_for_sync(5)
+    assert source.wait_for_sync(WAIT)
     handler = running.handler
 
     assert sorted(handler.services) == [f"default/svc-{i}" for i in range(7)]
@@ -315,14 +319,14 @@ def test_not_synced_before_every_resource_listed(fake: FakeAPIServer, running: R
     assert not source.wait_for_sync(0.3)
     assert not source.synced
     fake.clear_failures()
-    assert source.wait_for_sync(5)
+    assert source.wait_for_sync(WAIT)
 
 
 def test_large_list_in_many_pages(fake: FakeAPIServer, running: Running) -> None:
     for i in range(1200):
         fake.apply(service(f"svc-{i:04d}", cluster_ip=f"10.96.{i // 250}.{i % 250 + 1}"))
     source = running.start(page_size=100)
-    assert source.wait_for_sync(10)
+    assert source.wait_for_sync(WAIT)
     assert len(running.handler.services) == 1200
     assert count(fake, "list", "services") == 12
     assert running.handler.errors == []
@@ -336,7 +340,7 @@ def test_watch_delivers_each_change_once_with_the_cached_old_object(
 ) -> None:
     populate(fake, services=2)
     source = running.start()
-    assert source.wait_for_sync(5)
+    assert source.wait_for_sync(WAIT)
     handler = running.handler
     mark = len(handler.calls)
     before = handler.services["default/svc-0"]
@@ -364,7 +368,7 @@ def test_watch_delivers_each_change_once_with_the_cached_old_object(
 def test_relabelled_out_of_the_selector_is_a_delete(fake: FakeAPIServer, running: Running) -> None:
     populate(fake, services=1)
     source = running.start()
-    assert source.wait_for_sync(5)
+    assert source.wait_for_sync(WAIT)
     mark = len(running.handler.calls)
     fake.apply(service("svc-0", labels={"service.kubernetes.io/service-proxy-name": "other"}))
     assert running.handler.wait_for(lambda: len(running.handler.since(mark)) >= 1)
@@ -374,7 +378,7 @@ def test_relabelled_out_of_the_selector_is_a_delete(fake: FakeAPIServer, running
 def test_bookmarks_advance_the_resource_version(fake: FakeAPIServer, running: Running) -> None:
     populate(fake, services=2)
     source = running.start()
-    assert source.wait_for_sync(5)
+    assert source.wait_for_sync(WAIT)
     listed_rv = int(source.resource_version("services") or 0)
     # Changes to other kinds move the global counter; only bookmarks tell the Service
     # watch about it.
@@ -387,7 +391,7 @@ def test_bookmarks_advance_the_resource_version(fake: FakeAPIServer, running: Ru
     lists = count(fake, "list", "services")
     fake.compact()
     fake.drop_watches("services")
-    assert fake.wait_for_watches("services", 1)
+    assert fake.wait_for_watches("services", 1, timeout=WAIT)
     time.sleep(0.3)
     assert count(fake, "list", "services") == lists
     assert running.handler.errors == []
@@ -399,11 +403,11 @@ def test_dropped_watches_resume_from_the_last_resource_version(
     caplog.set_level(logging.INFO, logger=SOURCE_LOGGER)
     populate(fake, services=3)
     source = running.start()
-    assert source.wait_for_sync(5)
+    assert source.wait_for_sync(WAIT)
     handler = running.handler
     lists = count(fake, "list", "services")
     for round_ in range(4):
-        assert fake.wait_for_watches("services", 1)
+        assert fake.wait_for_watches("services", 1, timeout=WAIT)
         assert fake.drop_watches("services") == 1
         fake.apply(service(f"svc-{round_}", cluster_ip=f"10.96.2.{round_ + 1}"))
         fake.apply(service(f"added-{round_}", cluster_ip=f"10.96.3.{round_ + 1}"))
@@ -430,7 +434,7 @@ def test_410_while_away_relists_and_delivers_only_the_difference(
     for name in ("a", "b", "c"):
         fake.apply(service(name, cluster_ip="10.96.0.1"))
     source = running.start()
-    assert source.wait_for_sync(5)
+    assert source.wait_for_sync(WAIT)
     handler = running.handler
     lists = count(fake, "list", "services")
     mark = len(handler.calls)
@@ -467,14 +471,14 @@ def test_expired_watch_event_relists_without_spurious_calls(
 ) -> None:
     populate(fake, services=4)
     source = running.start()
-    assert source.wait_for_sync(5)
+    assert source.wait_for_sync(WAIT)
     handler = running.handler
     mark = len(handler.calls)
     lists = count(fake, "list", "services")
-    assert fake.wait_for_watches("services", 1)
+    assert fake.wait_for_watches("services", 1, timeout=WAIT)
     assert fake.expire_watches("services") == 1
     assert handler.wait_for(lambda: count(fake, "list", "services") > lists)
-    assert fake.wait_for_watches("services", 1)
+    assert fake.wait_for_watches("services", 1, timeout=WAIT)
     fake.apply(service("after", cluster_ip="10.96.5.5"))
     assert handler.wait_for(lambda: "default/after" in handler.services)
     assert [c for c in handler.since(mark) if c[0].startswith("service")] == [
@@ -485,7 +489,7 @@ def test_expired_watch_event_relists_without_spurious_calls(
 def test_410_answer_to_a_watch_relists(fake: FakeAPIServer, running: Running) -> None:
     populate(fake, services=3)
     source = running.start()
-    assert source.wait_for_sync(5)
+    assert source.wait_for_sync(WAIT)
     lists = count(fake, "list", "services")
     mark = len(running.handler.calls)
     fake.fail_next("services", 410, verb="watch")
@@ -511,7 +515,7 @@ def test_expired_continue_token_restarts_the_list(fake: FakeAPIServer, running: 
 
     fake.on_request = compact_between_pages
     source = running.start()
-    assert source.wait_for_sync(5)
+    assert source.wait_for_sync(WAIT)
     handler = running.handler
     # First page, expired continue, then a full list again (4 pages of 3 for 8).
     assert len(seen) == 2 + 3
@@ -533,7 +537,7 @@ def test_forbidden_is_one_clear_line_per_attempt_and_retried(
     populate(fake, services=2)
     fake.fail_next("endpointslices", 403, count=2, verb="list")
     source = running.start()
-    assert source.wait_for_sync(5)
+    assert source.wait_for_sync(WAIT)
     lines = [r for r in source_records(caplog, logging.WARNING) if "endpointslices" in r.message]
     assert len(lines) == 2
     for record in lines:
@@ -554,11 +558,11 @@ def test_server_errors_on_watch_are_logged_and_retried(
     caplog.set_level(logging.INFO, logger=SOURCE_LOGGER)
     populate(fake, services=2)
     source = running.start()
-    assert source.wait_for_sync(5)
+    assert source.wait_for_sync(WAIT)
     lists = count(fake, "list", "services")
     fake.fail_next("services", 500, count=1, verb="watch")
     fake.fail_next("services", 503, count=1, verb="watch")
-    assert fake.wait_for_watches("services", 1)
+    assert fake.wait_for_watches("services", 1, timeout=WAIT)
     fake.drop_watches("services")
     fake.apply(service("svc-0", cluster_ip="10.96.7.7"))
     handler = running.handler
@@ -577,7 +581,7 @@ def test_slow_responses_are_waited_for(fake: FakeAPIServer, running: Running) ->
     populate(fake, services=4)
     fake.delay = 0.2
     source = running.start()
-    assert source.wait_for_sync(10)
+    assert source.wait_for_sync(WAIT)
     fake.apply(service("slow", cluster_ip="10.96.8.8"))
     assert running.handler.wait_for(lambda: "default/slow" in running.handler.services, 5)
     assert running.handler.errors == []
@@ -593,7 +597,7 @@ def test_responses_slower_than_the_timeout_are_retried(
     time.sleep(1.0)
     assert not source.synced
     fake.delay = 0.0
-    assert source.wait_for_sync(10)
+    assert source.wait_for_sync(WAIT)
     assert any(
         "did not answer in time" in r.getMessage() for r in source_records(caplog, logging.WARNING)
     )
@@ -605,7 +609,7 @@ def test_handler_failures_do_not_stop_the_watch(
 ) -> None:
     populate(fake, services=1)
     source = running.start()
-    assert source.wait_for_sync(5)
+    assert source.wait_for_sync(WAIT)
     running.handler.fail_on = "boom"
     fake.apply(service("boom", cluster_ip="10.96.4.4"))
     fake.apply(service("fine", cluster_ip="10.96.4.5"))
@@ -621,13 +625,13 @@ def test_kill_and_restart_the_server_mid_watch_loses_and_duplicates_nothing(
 ) -> None:
     populate(fake, services=6)
     source = running.start()
-    assert source.wait_for_sync(5)
+    assert source.wait_for_sync(WAIT)
     handler = running.handler
     expected_calls: list[tuple[str, ...]] = []
     for round_ in range(3):
         mark = len(handler.calls)
-        assert fake.wait_for_watches("services", 1)
-        assert fake.wait_for_watches("endpointslices", 1)
+        assert fake.wait_for_watches("services", 1, timeout=WAIT)
+        assert fake.wait_for_watches("endpointslices", 1, timeout=WAIT)
         fake.stop()
         changed = fake.apply(service(f"svc-{round_}", cluster_ip=f"10.96.6.{round_ + 1}"))
         added = fake.apply(service(f"new-{round_}", cluster_ip=f"10.96.7.{round_ + 1}"))
@@ -663,14 +667,14 @@ def test_an_absent_api_server_is_one_clear_line_per_attempt(
     caplog.set_level(logging.INFO)
     populate(fake, services=2)
     source = running.start()
-    assert source.wait_for_sync(5)
+    assert source.wait_for_sync(WAIT)
     mark = len(running.handler.calls)
     caplog.clear()
     fake.stop()
     time.sleep(0.4)
     assert running.handler.since(mark) == []
     fake.start()
-    assert fake.wait_for_watches("services", 1)
+    assert fake.wait_for_watches("services", 1, timeout=WAIT)
     failures = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert failures
     # Only our lines: the client's own transport retries stay silent.
@@ -691,7 +695,7 @@ def test_random_churn_with_faults_ends_in_the_servers_state(
     rng = random.Random(42)
     populate(fake, services=5)
     source = running.start(page_size=2)
-    assert source.wait_for_sync(5)
+    assert source.wait_for_sync(WAIT)
     handler = running.handler
     for step in range(60):
         name = f"svc-{rng.randrange(12)}"
@@ -774,7 +778,7 @@ def test_the_proxy_core_programs_exactly_the_servers_state(fake: FakeAPIServer) 
     )
     try:
         source.start(stop)
-        assert source.wait_for_sync(5)
+        assert source.wait_for_sync(WAIT)
 
         def programmed() -> dict[str, tuple[str, ...]]:
             want: dict[str, tuple[str, ...]] = {}
@@ -830,7 +834,7 @@ def test_node_updates_reach_the_handler_and_the_watcher(
     exits: list[int] = []
     watcher = NodeWatcher(NODE, exit=exits.append)
     source = running.start(node_watcher=watcher)
-    assert source.wait_for_sync(5)
+    assert source.wait_for_sync(WAIT)
     assert watcher.ready and watcher.node_ips == (ipaddress.ip_address("192.168.0.10"),)
     handler = running.handler
     assert handler.node_states[-1] is not None
@@ -862,7 +866,7 @@ def test_node_deleted_while_away_is_seen_on_relist(fake: FakeAPIServer, running:
     populate(fake, services=1)
     exits: list[int] = []
     source = running.start(node_watcher=NodeWatcher(NODE, exit=exits.append))
-    assert source.wait_for_sync(5)
+    assert source.wait_for_sync(WAIT)
     fake.stop()
     fake.delete("Node", "", NODE)
     fake.compact()
@@ -875,7 +879,7 @@ def test_missing_node_does_not_block_sync(fake: FakeAPIServer, running: Running)
     fake.apply(service("a"))
     watcher = NodeWatcher(NODE, exit=lambda code: None)
     source = running.start(node_watcher=watcher)
-    assert source.wait_for_sync(5)
+    assert source.wait_for_sync(WAIT)
     assert not watcher.wait_until_ready(0.1)
     fake.apply(node(NODE))
     assert watcher.wait_until_ready(5)
@@ -959,7 +963,7 @@ def test_service_cidrs_follow_changes_and_skip_bad_ones(
 ) -> None:
     populate(fake, services=1)
     source = running.start()
-    assert source.wait_for_sync(5)
+    assert source.wait_for_sync(WAIT)
     assert source.service_cidrs_served is True
     handler = running.handler
     assert len(handler.cidr_calls) == 1
@@ -991,7 +995,7 @@ def test_service_cidrs_not_served_are_never_asked_for() -> None:
         run = Running(fake)
         try:
             source = run.start()
-            assert source.wait_for_sync(5)
+            assert source.wait_for_sync(WAIT)
             assert source.service_cidrs_served is False
             time.sleep(0.2)
         finally:
@@ -1021,7 +1025,7 @@ def test_service_cidr_discovery_is_retried(
 
     fake.on_request = fail_discovery
     source = running.start()
-    assert source.wait_for_sync(10)
+    assert source.wait_for_sync(WAIT)
     assert source.service_cidrs_served is True
     assert running.handler.cidr_calls
     retries = [r for r in caplog.records if "cannot tell whether" in r.getMessage()]
@@ -1036,12 +1040,12 @@ def test_api_calls_are_exactly_what_the_cluster_role_needs(
 ) -> None:
     populate(fake, services=2)
     source = running.start()
-    assert source.wait_for_sync(5)
+    assert source.wait_for_sync(WAIT)
     recorder = EventRecorder(fake.api_client(), NODE)
     recorder.starting()
     assert recorder.close(5)
     fake.drop_watches()
-    assert fake.wait_for_watches("services", 1)
+    assert fake.wait_for_watches("services", 1, timeout=WAIT)
     expected = {
         ("", "services", "list"),
         ("", "services", "watch"),

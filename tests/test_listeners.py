@@ -271,11 +271,12 @@ def test_service_health_checks_share_one_handler_cap() -> None:
     health = ProxyHealth(60.0, node=NodeInfo(NODE))
     localhost = ipaddress.IPv4Address("127.0.0.1")
     server = ServiceHealthServer(IPFamily.IPV4, health, addresses=[localhost], max_handlers=2)
-    ports = []
-    for _ in range(2):
+    ports: list[int] = []
+    while len(ports) < 2:  # two distinct: bind(0) repeats a port 1 in 14,000 times
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
-            ports.append(int(probe.getsockname()[1]))
+            if (port := int(probe.getsockname()[1])) not in ports:
+                ports.append(port)
     try:
         server.sync_services(
             {NamespacedName("demo", "a"): ports[0], NamespacedName("demo", "b"): ports[1]}

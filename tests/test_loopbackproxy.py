@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from socket import AF_INET
 from typing import Any
 
@@ -38,16 +38,23 @@ NAME = ServicePortName(NamespacedName("default", "svc"), "http", Protocol.TCP)
 class Netns:
     name: str
     fd: int
+    handed_out: set[int] = field(default_factory=set)
 
     def open(self, family: int = AF_INET) -> socket.socket:
         with entered(self.fd):
             return socket.socket(family, socket.SOCK_STREAM)
 
     def free_port(self, family: int = AF_INET) -> int:
-        with self.open(family) as probe:
-            probe.bind(("::1" if family == socket.AF_INET6 else "127.0.0.1", 0))
-            port: int = probe.getsockname()[1]
-            return port
+        """A port nothing holds, never one this namespace handed out before: the kernel
+        draws ``bind(0)`` ports from about 14,000, so a test's two draws were equal once in
+        14,000 runs (three: 1 in 4,700)."""
+        while True:
+            with self.open(family) as probe:
+                probe.bind(("::1" if family == socket.AF_INET6 else "127.0.0.1", 0))
+                port: int = probe.getsockname()[1]
+            if port not in self.handed_out:
+                self.handed_out.add(port)
+                return port
 
 
 @pytest.fixture
@@ -416,9 +423,11 @@ def test_a_half_closed_connection_is_closed_after_its_timeout(netns: Netns) -> N
         p.sync([hung_target(port, hung)])
         with connect(netns, port) as client:
             client.sendall(b"request")
+            # Timed from before the half-close: the proxy cannot see it any earlier (timed
+            # from after the wait below, a slow poll on a busy machine ate the 0.1 s slack).
+            start = time.monotonic()
             client.shutdown(socket.SHUT_WR)  # the client is done; the backend never is
             assert wait_for(lambda: p.connections == 1 and len(hung.conns) == 1)
-            start = time.monotonic()
             assert wait_for(lambda: p.connections == 0, timeout=5.0)
             assert time.monotonic() - start >= 0.4
             assert client.recv(16) == b""  # the proxy ended the client's side too
@@ -433,7 +442,9 @@ def test_a_half_closed_connection_is_closed_after_its_timeout(netns: Netns) -> N
 def test_an_idle_connection_is_closed_after_its_timeout_a_busy_one_is_not(netns: Netns) -> None:
     backend = Backend(netns, echo=True)
     port = netns.free_port()
-    with proxy(netns, idle_timeout=0.6) as p:
+    # The busy connection's bytes 0.2 s apart leave 1.3 s for a busy machine to delay one
+    # (with 0.6 s, a stall of 0.4 s closed it); the idle one is gone before the 2 s end.
+    with proxy(netns, idle_timeout=1.5) as p:
         p.sync([target(port, backend)])
         idle, busy = connect(netns, port), connect(netns, port)
         with idle, busy:

@@ -393,7 +393,9 @@ def test_a_batch_refused_on_its_begin_is_answered_at_once(namespaces: tuple[str,
     outcome = json.loads(done.stdout)
     assert outcome["errno"] == errno.EPERM, outcome
     assert outcome["error"] == "element transaction refused: Operation not permitted"
-    assert outcome["seconds"] < 1.0
+    # Far below the 30 s the writer waited before (a second was too close: a loaded
+    # machine can stall one process that long).
+    assert outcome["seconds"] < 10.0
 
 
 @pytest.mark.kernel

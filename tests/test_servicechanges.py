@@ -404,10 +404,11 @@ def _by_service(ports: Mapping[ServicePortName, Any], key: NamespacedName) -> di
     return {name: port for name, port in ports.items() if name.service == key}
 
 
-@pytest.fixture(autouse=True, scope="module")
+@pytest.fixture(autouse=True)
 def _restore_tracker_log_level() -> Iterator[None]:
-    # The property test silences the (expected) invalid-object warnings; later modules
-    # must get the logger back as it was.
+    # The property test silences the (expected) invalid-object warnings; every later
+    # test must get the logger back as it was (restored only at the module's end, the
+    # tests of this module that read log lines failed when they ran after it).
     logger = logging.getLogger("kubeproxy.servicechanges")
     level = logger.level
     yield

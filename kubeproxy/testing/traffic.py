@@ -422,7 +422,13 @@ def balanced_attempts(listed: int) -> int:
 
 
 BALANCED_ROUNDS: Final = 3
-"""Rounds before a listed endpoint that never answered counts as missing."""
+"""Rounds before a listed endpoint that never answered counts as missing.
+
+With equal chances, a correct flow of ``n`` endpoints then fails with a chance below
+``n * e**-30``: 1.6e-27 at 2 endpoints, 1.8e-13 at 20 (the most a flow case here lists),
+9e-11 at 1000. A flow that misses an endpoint is reported after all three rounds; a flow
+that reaches everything stops at the first round that shows it.
+"""
 
 
 async def probe_flow(
