@@ -66,6 +66,7 @@ HOLDERS: Final[dict[str, tuple[str, ...]]] = {
         "stdlib:json/",
     ),
     "source identities": ("kubeproxy.sources.identity",),
+    "source keys": ("kubeproxy.sources.keymap",),
     "API objects (parsed)": ("kubeproxy.parse", "kubeproxy.objects"),
     "Service tracker": ("kubeproxy.servicechanges", "kubeproxy.portindex"),
     "EndpointSlice tracker": ("kubeproxy.endpointchanges",),

@@ -152,6 +152,16 @@ class Topology:
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
     ipv6: bool = False
 
+    def echo(self, vip: str = ECHO_VIP, port: int = 80) -> bytes:
+        """``hello`` sent from the client to ``vip:port``, and what came back."""
+
+        def send() -> bytes:
+            with socket.create_connection((vip, port), timeout=2 * default_timeout()) as sock:
+                sock.sendall(b"hello\n")
+                return sock.recv(64)
+
+        return self.in_namespace(self.client, send)
+
     def in_namespace(self, netns: str, fn: Callable[[], T]) -> T:
         """Run ``fn`` in a thread that has entered ``netns``; return its result."""
         result: list[T] = []

@@ -622,3 +622,82 @@ def test_a_refused_update_keeps_what_was_delivered(
     proxier.sync_now()
     assert "203.0.113.8" in served(fake) and "203.0.113.7" not in served(fake)
     assert source.refused == []
+
+
+class OldRecordingHandler(RecordingHandler):
+    """Records the ``old`` side of updates and the deleted objects as handed over."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.olds: list[KubeObject] = []
+
+    def on_endpoint_slice_update(self, old: KubeObject, new: KubeObject) -> None:
+        self.olds.append(old)
+        super().on_endpoint_slice_update(old, new)
+
+    def on_endpoint_slice_delete(self, slice_: KubeObject) -> None:
+        self.olds.append(slice_)
+        super().on_endpoint_slice_delete(slice_)
+
+
+def _slice_doc(name: str, owner: str | None, address_type: str, ip: str, port: int = 8080) -> str:
+    labels = f"\n  labels: {{kubernetes.io/service-name: {owner}}}" if owner else ""
+    return f"""apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: {name}
+  namespace: demo{labels}
+addressType: {address_type}
+endpoints:
+  - {{addresses: [{ip}]}}
+ports:
+  - {{name: http, port: {port}, protocol: TCP}}
+"""
+
+
+# A slice's owner as the source keeps it: in its name (the controller's
+# "<service>-<random>", kept as bits of one int) or not (kept as it is), for each
+# address type; what a handler gets as old and on deletion must be the same either way.
+OWNED_SLICES = [
+    ("web-abcde", "web", "IPv4", "10.244.0.11"),
+    ("web-v6-abcde", "web-v6", "IPv6", "fd00::11"),
+    ("named-by-hand", "web", "IPv4", "10.244.0.12"),
+    ("web-x", "other", "IPv4", "10.244.0.13"),
+    ("fqdn-abcde", "fqdn", "FQDN", "db.example.com"),
+    ("orphan-abcde", None, "IPv4", "10.244.0.14"),
+]
+
+
+def test_slice_owners_survive_as_old_and_on_deletion(tmp_path: Path) -> None:
+    handler = OldRecordingHandler()
+    write(
+        tmp_path / "eps.yaml",
+        "---\n".join(_slice_doc(*slice_) for slice_ in OWNED_SLICES),
+    )
+    src = make(tmp_path, handler)
+    src.load()
+
+    def owner_of(obj: KubeObject) -> tuple[str, Any, Any]:
+        labels = obj["metadata"].get("labels", {})
+        owner = labels.get("kubernetes.io/service-name")
+        return (obj["metadata"]["name"], owner, obj.get("addressType"))
+
+    wanted = sorted((name, owner, address_type) for name, owner, address_type, _ in OWNED_SLICES)
+    # The two whose owner is in their name are kept as ints, the others as they are.
+    assert sorted(type(held).__name__ for held in src._defs.values()) == ["_Def"] * 4 + ["int"] * 2
+    identities = src.objects()
+    assert sorted(owner_of(o) for o in identities.values()) == wanted
+
+    # Every slice changed: each old side says its owner.
+    write(
+        tmp_path / "eps.yaml",
+        "---\n".join(_slice_doc(*slice_, port=8081) for slice_ in OWNED_SLICES),
+    )
+    assert src.poll()
+    assert sorted(owner_of(o) for o in handler.olds) == wanted
+    handler.olds.clear()
+
+    (tmp_path / "eps.yaml").unlink()
+    assert src.poll()
+    assert sorted(owner_of(o) for o in handler.olds) == wanted
+    assert src.objects() == {}

@@ -15,7 +15,6 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
-import socket
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -39,8 +38,10 @@ from kubeproxy.objects import (
 )
 from kubeproxy.testing.runner import default_timeout
 from tests.kernelkit import (
+    ECHO_SERVER_IP,
     Topology,
     client_node_server,
+    echo_port_name,
     echo_snapshot,
     nft_listing_reloads,
     run_in,
@@ -61,12 +62,7 @@ def topology() -> Iterator[Topology]:
 
 
 def _echo(topology: Topology) -> bytes:
-    def echo() -> bytes:
-        with socket.create_connection(("172.30.0.10", 80), timeout=2 * default_timeout()) as sock:
-            sock.sendall(b"hello\n")
-            return sock.recv(64)
-
-    return topology.in_namespace(topology.client, echo)
+    return topology.echo()
 
 
 def _with_ports(
@@ -327,3 +323,72 @@ def test_only_nft_before_1_0_7_refuses_the_listing_of_the_old_affinity_records(
         assert "the listing does not load" in problem and "variable sized" in problem
     else:
         assert problem is None
+
+
+# A hairpin address two Services share: a full sync writes it without counting (each
+# Service queues it, the kernel holds one element), and incremental syncs count it from
+# the ports before the first change, so it stays while either Service holds it and goes
+# with the last (issue 32: the full sync keeps no count of 1M addresses).
+
+TWIN_VIP = "172.30.0.20"
+TWIN = NamespacedName("hairpin", "twin")
+
+
+def _with_twin(base: ProxySnapshot) -> ProxySnapshot:
+    """``base`` with a Service of two ports whose one endpoint is the echo server's: its
+    address is then held by three ports (the echo Service's and the twin's two)."""
+    eps = (Endpoint(ipaddress.ip_address(ECHO_SERVER_IP), 8080),)
+    return _with_ports(
+        base,
+        [
+            (
+                ServicePort(
+                    ServicePortName(TWIN, port_name, Protocol.TCP),
+                    ipaddress.ip_address(TWIN_VIP),
+                    port,
+                    Protocol.TCP,
+                ),
+                CategorizedEndpoints(eps, (), eps, True),
+            )
+            for port_name, port in (("a", 80), ("b", 81))
+        ],
+    )
+
+
+def _without(base: ProxySnapshot, service: NamespacedName) -> ProxySnapshot:
+    keep = [name for name in base.services if name.service != service]
+    return replace(
+        base,
+        services={n: base.services[n] for n in keep},
+        endpoints={n: base.endpoints[n] for n in keep if n in base.endpoints},
+        categorized={n: base.categorized[n] for n in keep if n in base.categorized},
+    )
+
+
+def _hairpin(netns: str) -> list[str]:
+    """The addresses of the hairpin set's ``address . address`` elements."""
+    listing = run_in(netns, "nft", "list", "set", "ip", "kube-proxy", "hairpin-endpoints.g1")
+    return re.findall(r"([0-9.]+) \. \1", listing)
+
+
+def test_a_shared_hairpin_address_stays_until_its_last_port_goes(topology: Topology) -> None:
+    backend = NftablesBackend(IPFamily.IPV4, CONFIG, executor=LibNftables(topology.node))
+    both = _with_twin(echo_snapshot(PREFIX, 2))
+    backend.sync(both, SyncChanges(full=True))
+    # Queued by each Service, held once; both Services answer.
+    assert _hairpin(topology.node).count(ECHO_SERVER_IP) == 1
+    assert topology.echo(TWIN_VIP, 81) == b"hello\n"
+    assert topology.echo() == b"hello\n"
+
+    echo_only = _without(both, TWIN)
+    backend.sync(echo_only, SyncChanges(full=False, changed_services=frozenset({TWIN})))
+    assert not backend.last_sync_full
+    assert _hairpin(topology.node).count(ECHO_SERVER_IP) == 1
+    assert topology.echo() == b"hello\n"
+
+    echo = echo_port_name(PREFIX).service
+    backend.sync(
+        _without(echo_only, echo), SyncChanges(full=False, changed_services=frozenset({echo}))
+    )
+    assert ECHO_SERVER_IP not in _hairpin(topology.node)
+    assert len(_hairpin(topology.node)) == 6  # the two bulk Services' three each

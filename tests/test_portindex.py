@@ -1,4 +1,5 @@
-"""The per-Service port index (a tuple per Service) against a dict of sets."""
+"""The per-Service port index (a lone name, or a tuple of several, per Service) against a
+dict of lists."""
 
 from __future__ import annotations
 
@@ -37,14 +38,25 @@ def test_index_follows_adds_and_discards(sequence: list[tuple[bool, ServicePortN
             del model[name.service]
         # The same names, each once, in the order they came; no empty Service.
         assert index == {service: tuple(names) for service, names in model.items()}
+        assert list(index) == list(model)
+        for service, names in model.items():
+            assert service in index
+            assert index.get(service) == index[service] == tuple(names)
+        assert all(index.get(n.service, ()) == () for n in NAMES if n.service not in model)
 
 
-def test_one_port_is_one_tuple_of_one() -> None:
+def test_one_port_is_held_as_itself_and_read_as_a_tuple_of_one() -> None:
     index = PortsByService()
     name = NAMES[0]
     index.add(name)
     index.add(name)
     assert index[name.service] == (name,)
+    # Held without a tuple: the memory the index is for (issue 32).
+    assert index._held[name.service] is name
+    index.add(NAMES[2])
+    assert index[name.service] == (name, NAMES[2])
+    index.discard(NAMES[2])
+    assert index._held[name.service] is name
     index.discard(NAMES[1])
     assert index[name.service] == (name,)
     index.discard(name)

@@ -26,9 +26,13 @@ from kubeproxy.handlers import KubeObject
 __all__ = [
     "ENDPOINT_SLICE",
     "LABEL_SERVICE_NAME",
+    "OWNER_BITS",
     "SERVICE",
     "SliceOwner",
+    "code_owner",
     "identity",
+    "owner_code",
+    "owner_text",
     "slice_owner",
 ]
 
@@ -43,8 +47,9 @@ SliceOwner: TypeAlias = tuple[Any, Any]
 _intern = sys.intern
 
 
-def _text(value: object) -> object:
-    # Names repeat across objects (a Service's name is its slices' label); one copy each.
+def owner_text(value: object) -> object:
+    """``value`` interned if it is a string: names repeat across objects (a Service's
+    name is its slices' label), so what is kept of them is one copy each."""
     return _intern(value) if type(value) is str else value
 
 
@@ -53,15 +58,20 @@ def _is_mapping(value: object) -> TypeGuard[Mapping[str, Any]]:
     return type(value) is dict or isinstance(value, Mapping)
 
 
-def slice_owner(obj: KubeObject) -> SliceOwner | None:
+def slice_owner(obj: KubeObject, *, intern: bool = True) -> SliceOwner | None:
     """What to keep of ``obj`` besides its key to build its :func:`identity`: an
-    EndpointSlice's Service and address type; None for other kinds."""
+    EndpointSlice's Service and address type; None for other kinds. Interned
+    (:func:`owner_text`) unless ``intern`` is false (a caller that keeps them some other
+    way)."""
     if obj.get("kind") != ENDPOINT_SLICE:
         return None
     metadata = obj.get("metadata")
     labels = metadata.get("labels") if _is_mapping(metadata) else None
     owner = labels.get(LABEL_SERVICE_NAME) if _is_mapping(labels) else None
-    return _text(owner), _text(obj.get("addressType"))
+    address_type = obj.get("addressType")
+    if not intern:
+        return owner, address_type
+    return owner_text(owner), owner_text(address_type)
 
 
 def identity(
@@ -90,3 +100,37 @@ def identity(
         if address_type is not None:
             obj["addressType"] = address_type
     return obj
+
+
+# An owner as a number (owner_code), for a source that keeps one int per object rather
+# than an owner tuple beside it: none (not a slice), or a slice of the Service its name
+# starts with (the EndpointSlice controller names a slice "<service>-<random>") and one
+# of the usual address types. Any other owner has no number and is kept as it is.
+OWNER_BITS: Final = 2
+"""How many bits :func:`owner_code` needs."""
+_NO_OWNER = 0
+_OWNER_ADDRESS_TYPES = (None, "IPv4", "IPv6")
+
+
+def owner_code(name: str, owner: SliceOwner | None) -> int | None:
+    """``owner`` (:func:`slice_owner`) of the object named ``name`` as a number of
+    :data:`OWNER_BITS` bits (0 for None), or None when it has none."""
+    if owner is None:
+        return _NO_OWNER
+    service, address_type = owner
+    if address_type == "IPv4":
+        code = 1
+    elif address_type == "IPv6":
+        code = 2
+    else:
+        return None
+    if type(service) is not str or name.rpartition("-")[0] != service:
+        return None
+    return code
+
+
+def code_owner(name: str, code: int) -> SliceOwner | None:
+    """The owner :func:`owner_code` gave ``code`` for the object named ``name``."""
+    if code == _NO_OWNER:
+        return None
+    return (name.rpartition("-")[0], _OWNER_ADDRESS_TYPES[code])

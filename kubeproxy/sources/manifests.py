@@ -60,8 +60,17 @@ import yaml
 from kubeproxy.handlers import KubeObject, ProxyHandler
 from kubeproxy.objects import IPNetwork
 from kubeproxy.sources.apivalidation import endpoint_slice_errors, service_errors
-from kubeproxy.sources.identity import SliceOwner, identity, slice_owner
+from kubeproxy.sources.identity import (
+    OWNER_BITS,
+    SliceOwner,
+    code_owner,
+    identity,
+    owner_code,
+    slice_owner,
+)
+from kubeproxy.sources.identity import owner_text as _text
 from kubeproxy.sources.jsonitems import json_objects
+from kubeproxy.sources.keymap import KeyMap
 
 __all__ = ["ManifestSource"]
 
@@ -126,14 +135,14 @@ class _Entry(NamedTuple):
 
 
 class _Def:
-    """What is kept of one definition of an object: where it is (file, and
-    :func:`_position` in it) and a fingerprint of its text to tell a changed version
-    from an unchanged one; for a slice, its owner (:mod:`kubeproxy.sources.identity`).
+    """One definition of an object: where it is (file, and :func:`_position` in it) and
+    a fingerprint of its text to tell a changed version from an unchanged one; for a
+    slice, its owner (:mod:`kubeproxy.sources.identity`).
 
-    Kept for every object (200k at 100k Services), so the position and the fingerprint
-    are one int and a slice's owner two slots: 100 bytes an object, where a tuple of
-    four fields, two ints and a slice's owner tuple were 136 a Service and 192 a slice
-    (13 MB at 100k Services, issue 32).
+    What the source keeps of a winning definition is usually not this object but one
+    int (:meth:`ManifestSource._hold`); this is what a definition is read as, and what
+    is kept of the rare ones the int cannot say (a second definition of an object, a
+    slice whose owner is not in its name).
     """
 
     __slots__ = ("_address_type", "_owner_service", "_where", "path")
@@ -182,6 +191,18 @@ class _Def:
 _FINGERPRINT_BITS = 64
 _FINGERPRINT_MASK = (1 << _FINGERPRINT_BITS) - 1
 
+# A winning definition as one int (ManifestSource._hold), from the low bits up: the
+# fingerprint, the owner (identity.owner_code), the file (an index into the source's paths),
+# the position. Every object has one (200k at 100k Services): the int is 40 bytes where
+# a _Def and its int were 100, and a slice's owner is not kept apart (issue 32).
+_OWNER_BITS = OWNER_BITS
+_FILE_BITS = 20
+_OWNER_SHIFT = _FINGERPRINT_BITS
+_FILE_SHIFT = _OWNER_SHIFT + _OWNER_BITS
+_POSITION_SHIFT = _FILE_SHIFT + _FILE_BITS
+_OWNER_MASK = (1 << _OWNER_BITS) - 1
+_FILE_MASK = (1 << _FILE_BITS) - 1
+
 
 def _fingerprint(text: str) -> int:
     """A fingerprint of an object's text: its hash, as an unsigned 64-bit int."""
@@ -215,7 +236,7 @@ class _Place(NamedTuple):
 @dataclass(slots=True)
 class _FileState:
     stamp: Stamp
-    keys: list[ObjectKey] = field(default_factory=list)
+    keys: KeyMap[ObjectKey, None] = field(default_factory=KeyMap)
     broken: bool = False
 
 
@@ -253,8 +274,12 @@ class ManifestSource:
         self.node_name = node_name
         self.poll_interval = poll_interval
         self._files: dict[Path, _FileState] = {}
-        # The winning definition of every object, delivered unless it is another node's.
-        self._defs: dict[ObjectKey, _Def] = {}
+        # The winning definition of every object, delivered unless it is another node's:
+        # as one int when it can be (see _hold), else as a _Def.
+        self._defs: KeyMap[ObjectKey, int | _Def] = KeyMap()
+        # The files definitions name, by number (the ints of _defs say the number).
+        self._paths: list[Path] = []
+        self._path_numbers: dict[Path, int] = {}
         # The other definitions of objects defined more than once (rare).
         self._shadowed: dict[ObjectKey, list[_Def]] = {}
         self._reported_duplicates: set[tuple[ObjectKey, Path, int]] = set()
@@ -276,16 +301,17 @@ class ManifestSource:
         identity of each object (:func:`~kubeproxy.sources.identity.identity`), the
         whole object for ServiceCIDRs."""
         found: dict[ObjectKey, KubeObject] = {}
-        for key, definition in self._defs.items():
+        for key in self._defs:
             kind, namespace, name = key
             if kind == NODE and name != self.node_name:
                 continue
             cidr = self._service_cidr_objects.get(key)
-            found[key] = (
-                cidr
-                if cidr is not None
-                else identity(kind, _API_VERSIONS[kind][0], namespace, name, definition.owner)
-            )
+            if cidr is not None:
+                found[key] = cidr
+                continue
+            definition = self._held(key)
+            assert definition is not None
+            found[key] = identity(kind, _API_VERSIONS[kind][0], namespace, name, definition.owner)
         return found
 
     @property
@@ -302,7 +328,7 @@ class ManifestSource:
     @property
     def node_names(self) -> list[str]:
         """The names of every Node the directory holds (this node's or not), sorted."""
-        return sorted(key[2] for key in self._defs if key[0] == NODE)
+        return sorted(self._defs.names((NODE,)))
 
     def load_node(self) -> None:
         """Read the files that may hold a Node or a ServiceCIDR (the others are only
@@ -323,7 +349,7 @@ class ManifestSource:
             try:
                 for entry in self._entries(path, text):
                     if entry.key[0] in _EARLY_KINDS:
-                        self._take(entry, path, {})
+                        self._take(entry, path, KeyMap())
             except _BrokenFile:
                 continue  # reported when load() reads it
         self._deliver_service_cidrs()
@@ -414,8 +440,8 @@ class ManifestSource:
     def _read_file(self, path: Path, stamp: Stamp) -> bool:
         """Deliver what changed in ``path`` (read now); True if anything was delivered."""
         previous = self._files.get(path)
-        old_keys = previous.keys if previous is not None else []
-        seen: dict[ObjectKey, int] = {}
+        old_keys = previous.keys if previous is not None else KeyMap()
+        seen: KeyMap[ObjectKey, int] = KeyMap()
         changed = False
         try:
             for entry in self._entries(path, self._text(path)):
@@ -424,10 +450,13 @@ class ManifestSource:
             logger.error("manifests: %s; keeping the %d objects it had", err, len(old_keys))
             # Remember the stamp so an unchanged broken file is not reported again; what
             # it held and did not get to this time stays.
-            unseen = [key for key in old_keys if key not in seen]
-            self._files[path] = _FileState(stamp, [*seen, *unseen], broken=True)
+            kept = seen.keys_only()
+            for key in old_keys:
+                if key not in seen:
+                    kept[key] = None
+            self._files[path] = _FileState(stamp, kept, broken=True)
             return changed
-        self._files[path] = _FileState(stamp, list(seen))
+        self._files[path] = _FileState(stamp, seen.keys_only())
         for key in old_keys:
             if key not in seen:
                 changed |= self._drop(key, path)
@@ -536,24 +565,25 @@ class ManifestSource:
 
     # Definitions and delivery
 
-    def _take(self, entry: _Entry, path: Path, seen: dict[ObjectKey, int]) -> bool:
+    def _take(self, entry: _Entry, path: Path, seen: KeyMap[ObjectKey, int]) -> bool:
         """Note ``entry``, defined in ``path``, and deliver it if it wins and changed
         (True then). ``seen`` holds the keys the file defined so far, with positions."""
         key = entry.key
-        definition = _Def(path, entry.position, entry.fingerprint, slice_owner(entry.obj))
         first = seen.get(key)
         if first is not None:
             self._report_duplicate(key, path, entry.position, _place(path, first))
             return False
         seen[key] = entry.position
-        current = self._defs.get(key)
+        current = self._held(key)
         if self._refuse(entry, path, current):
             return False
+        owner = slice_owner(entry.obj, intern=False) if key[0] == ENDPOINT_SLICE else None
         if current is None:
-            self._defs[key] = definition
+            self._hold(key, path, entry.position, entry.fingerprint, owner)
             return self._deliver(key, None, entry.obj)
+        definition = _Def(path, entry.position, entry.fingerprint, owner)
         if current.path == path:
-            self._defs[key] = definition
+            self._hold_def(key, definition)
             if current.fingerprint == entry.fingerprint:
                 return False
             return self._deliver(key, current, entry.obj)
@@ -563,10 +593,61 @@ class ManifestSource:
         # This file comes first in path order: its definition wins from now on.
         self._unshadow(key, path)
         self._shadow(key, current, definition)
-        self._defs[key] = definition
+        self._hold_def(key, definition)
         if current.fingerprint == entry.fingerprint:
             return False
         return self._deliver(key, current, entry.obj)
+
+    def _hold(
+        self,
+        key: ObjectKey,
+        path: Path,
+        position: int,
+        fingerprint: int,
+        owner: SliceOwner | None,
+    ) -> None:
+        """Keep a definition as the winning one of ``key``: as one int (the
+        fingerprint, the owner, the file's number and the position, see
+        :data:`_OWNER_BITS`) when its owner is none or in its name, else as a
+        :class:`_Def`. Called for every object a load reads: no :class:`_Def` made."""
+        code = owner_code(key[2], owner)
+        number = self._path_numbers.get(path)
+        if number is None:
+            number = len(self._paths)
+            if number > _FILE_MASK:
+                code = None
+            else:
+                self._paths.append(path)
+                self._path_numbers[path] = number
+        if code is None:
+            if owner is not None:
+                owner = (_text(owner[0]), _text(owner[1]))
+            self._defs[key] = _Def(path, position, fingerprint, owner)
+            return
+        self._defs[key] = (
+            (position << _POSITION_SHIFT)
+            | (number << _FILE_SHIFT)
+            | (code << _OWNER_SHIFT)
+            | fingerprint
+        )
+
+    def _hold_def(self, key: ObjectKey, definition: _Def) -> None:
+        """:meth:`_hold` of a :class:`_Def`."""
+        self._hold(
+            key, definition.path, definition.position, definition.fingerprint, definition.owner
+        )
+
+    def _held(self, key: ObjectKey) -> _Def | None:
+        """The winning definition of ``key`` (see :meth:`_hold`), None if none."""
+        held = self._defs.get(key)
+        if type(held) is not int:
+            return held  # type: ignore[return-value]
+        return _Def(
+            self._paths[(held >> _FILE_SHIFT) & _FILE_MASK],
+            held >> _POSITION_SHIFT,
+            held & _FINGERPRINT_MASK,
+            code_owner(key[2], (held >> _OWNER_SHIFT) & _OWNER_MASK),
+        )
 
     def _refuse(self, entry: _Entry, path: Path, current: _Def | None) -> bool:
         """Whether the API server would refuse ``entry`` (a Service or an EndpointSlice):
@@ -631,7 +712,7 @@ class ManifestSource:
         over, or the object is deleted. True if the handler was told."""
         self._unshadow(key, path)
         self._refused.pop(key, None)
-        current = self._defs.get(key)
+        current = self._held(key)
         if current is None or current.path != path:
             return False
         self._reported_duplicates = {d for d in self._reported_duplicates if d[0] != key}
@@ -648,13 +729,13 @@ class ManifestSource:
                 if entry.key == key:
                     if self._refuse(entry, successor.path, None):
                         break  # no valid successor: the object goes
-                    self._defs[key] = successor.with_fingerprint(entry.fingerprint)
+                    self._hold_def(key, successor.with_fingerprint(entry.fingerprint))
                     if current.fingerprint == entry.fingerprint:
                         return False
                     return self._deliver(key, current, entry.obj)
         except _BrokenFile as err:
             logger.error("manifests: %s; %s stays as it was", err, _describe(key))
-            self._defs[key] = successor.with_fingerprint(current.fingerprint)
+            self._hold_def(key, successor.with_fingerprint(current.fingerprint))
             return False
         # Changed since it was read: its file's own rescan will tell.
         del self._defs[key]
@@ -700,6 +781,11 @@ class ManifestSource:
             update(before, new)
         return True
 
+    def _place_of(self, key: ObjectKey) -> str:
+        definition = self._held(key)
+        assert definition is not None
+        return definition.place
+
     def _deliver_service_cidrs(self) -> bool:
         if not self._cidrs_changed:
             return False
@@ -708,7 +794,7 @@ class ManifestSource:
             # Never seen a ServiceCIDR: leave the proxy on its configured fallback.
             return False
         cidrs = _service_cidrs(
-            {key: (obj, self._defs[key].place) for key, obj in self._service_cidr_objects.items()}
+            {key: (obj, self._place_of(key)) for key, obj in self._service_cidr_objects.items()}
         )
         if cidrs == self._service_cidrs:
             return False

@@ -33,6 +33,7 @@ from kubeproxy.backends.nftables.frontends import (
     endpoint_value,
 )
 from kubeproxy.backends.nftables.generation import (
+    Held,
     HeldFrontend,
     PortState,
     SharedCounts,
@@ -164,14 +165,15 @@ def diff_frontend(
     names: GenNames,
     numbers: Mapping[ClassSpec, int] | None,
     key: Key,
-    old: HeldFrontend | None,
+    held: Held | None,
     new: Frontend | None,
-) -> HeldFrontend | None:
-    """Queue the element changes that turn frontend ``key`` as held (``old``) into its
+) -> Held | None:
+    """Queue the element changes that turn frontend ``key`` as held (``held``) into its
     new plan (``new``; None for either: absent); what the kernel then holds of it."""
+    old = HeldFrontend.read(held) if held is not None else None
     before = old.fe if old is not None else None
     if before is not None and before == new:
-        return old
+        return held
     kind = new.kind if new is not None else before.kind  # type: ignore[union-attr]
     old_cls = before.cls if before else None
     new_cls = new.cls if new else None
@@ -232,7 +234,7 @@ def diff_frontend(
                 sink.delete(container, key)
             if new_chain is not None:
                 sink.add(container, key, _verdict(verdict, new_chain))
-    return HeldFrontend(new, main, short) if new is not None else None
+    return HeldFrontend.of(new, main, short) if new is not None else None
 
 
 @functools.lru_cache(maxsize=4096)
@@ -244,7 +246,7 @@ def _verdict(verb: str, chain: str) -> tuple[str]:
 
 def write_frontend(
     sink: BulkSink, names: GenNames, numbers: Mapping[ClassSpec, int] | None, fe: Frontend
-) -> HeldFrontend:
+) -> Held:
     """Queue the elements of a frontend the kernel does not hold (every frontend of a
     full sync): what :func:`diff_frontend` queues for it against nothing, in the same
     order, with each list of slots queued in one call.
@@ -270,7 +272,7 @@ def write_frontend(
         sink.add(names.affinity_lookup(kind, True), key, _verdict("jump", fe.shortcut_lookup))
     if fe.record is not None:
         sink.add(names.affinity_record(kind), key, _verdict("goto", fe.record))
-    return HeldFrontend(fe, fe.endpoints, fe.shortcut)
+    return fe  # its slots are its endpoints (HeldFrontend.of)
 
 
 _SPLIT_PORT = operator.methodcaller("rpartition", ":")
@@ -391,8 +393,10 @@ def add_shared(
     On a full sync (``full``) ``cluster-ips`` and the affinity's local endpoints are
     refilled by the switch (outside generations), not element by element.
     """
+    hairpin = counts.hairpin
+    assert hairpin is not None, "counted first: Generation.count_hairpin"
     for host in plan.hairpin:
-        if count_in(counts.hairpin, host):
+        if count_in(hairpin, host):
             sink.add(names.hairpin, (host, host))
     if count_in(counts.cluster_ips, plan.cluster_ip) and not full:
         sink.add(Names.CLUSTER_IPS, (plan.cluster_ip,))
@@ -401,17 +405,34 @@ def add_shared(
             sink.add(AFFINITY_LOCAL_ENDPOINTS, member)
 
 
-def add_shared_new(sink: BulkSink, names: GenNames, counts: SharedCounts, plan: PortPlan) -> None:
+def add_shared_new(
+    sink: BulkSink,
+    names: GenNames,
+    counts: SharedCounts,
+    plan: PortPlan,
+    previous: tuple[str, ...] = (),
+) -> None:
     """:func:`add_shared` on a full sync (``full``), the new hairpin elements of the port
     queued in one call, and counted without a call per endpoint (:func:`count_in`
-    inlined: at 30k Services x 10 endpoints, 330k calls, 0.3 s of a 7.5 s profile)."""
+    inlined: at 30k Services x 10 endpoints, 330k calls, 0.3 s of a 7.5 s profile).
+
+    Uncounted hairpin (``counts.hairpin`` None, a full sync's: see
+    :class:`~.generation.SharedCounts`): every address of the port is queued, but for a
+    port whose addresses are the very tuple of the port before (``previous``: the ports
+    of one Service over the same endpoints); an address two Services share is queued
+    once by each, which the kernel takes as one element (an ``add`` of an element it
+    holds, without ``NLM_F_EXCL``, changes nothing)."""
     hairpin = counts.hairpin
-    fresh: list[str] = []
-    for host in plan.hairpin:
-        held = hairpin.get(host, 0)
-        hairpin[host] = held + 1
-        if not held:
-            fresh.append(host)
+    fresh: Sequence[str]
+    if hairpin is None:
+        fresh = () if plan.hairpin is previous else plan.hairpin
+    else:
+        fresh = []
+        for host in plan.hairpin:
+            held = hairpin.get(host, 0)
+            hairpin[host] = held + 1
+            if not held:
+                fresh.append(host)
     if fresh:
         container = names.hairpin
         if not _added_packed(sink, container, lambda types: pair_elements(types, fresh)):
@@ -426,8 +447,10 @@ def release_shared(
 ) -> None:
     """Count a port's former shared elements out, queueing the deletion of those no port
     holds any more."""
+    hairpin = counts.hairpin
+    assert hairpin is not None, "counted first: Generation.count_hairpin"
     for host in old.hairpin:
-        if count_out(counts.hairpin, host):
+        if count_out(hairpin, host):
             sink.delete(names.hairpin, (host, host))
     if count_out(counts.cluster_ips, old.cluster_ip):
         sink.delete(Names.CLUSTER_IPS, (old.cluster_ip,))

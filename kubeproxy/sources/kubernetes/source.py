@@ -189,10 +189,11 @@ class KubernetesSource:
         return self._service_cidrs_served
 
     def objects(self, resource: str) -> dict[Key, KubeObject]:
-        """A copy of the cache of ``services``, ``endpointslices``, ``nodes`` or
-        ``servicecidrs``: what the handler has been told exists."""
+        """What the handler has been told exists of ``services``, ``endpointslices``,
+        ``nodes`` or ``servicecidrs``: the Node and ServiceCIDRs whole, the others'
+        identities (what the handler gets as ``old``)."""
         with self._deliver_lock:
-            return dict(self._reflector(resource).cache)
+            return self._reflector(resource).objects()
 
     def resource_version(self, resource: str) -> str | None:
         """The resourceVersion a resource's watch resumes from."""
