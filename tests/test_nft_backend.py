@@ -1475,7 +1475,8 @@ def test_local_policy_ports_and_the_pinned_structure_keep_chains_of_their_own() 
         assert len({n.split("-", 3)[-1] for n in chains if "/" in n}) == own
         frontends = lines(fake.dump(), r"^add map ip kube-proxy affinity-frontends-")
         keyed = {
-            affinity_frontend_shard(port_identity(p.name))[0] for p in (_cluster_ip_port(1), exposed)
+            affinity_frontend_shard(port_identity(p.name))[0]
+            for p in (_cluster_ip_port(1), exposed)
         }
         assert len(frontends) == (len(keyed) if affinity == AFFINITY_SHARED else 0)
 

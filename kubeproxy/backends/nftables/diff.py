@@ -26,9 +26,9 @@ from kubeproxy.backends.nftables.elements import (
 from kubeproxy.backends.nftables.frontends import (
     AFFINITY_LOCAL_ENDPOINTS,
     KIND_IP,
+    KIND_NODEPORT,
     ClassSpec,
     Frontend,
-    KIND_NODEPORT,
     Kind,
     PortPlan,
     endpoint_value,

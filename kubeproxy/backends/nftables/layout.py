@@ -373,7 +373,9 @@ class GenNames:
             ):
                 specs.append(ContainerSpec(name, True, f"{key_type} : verdict"))
             if ip == "ip":
-                specs.append(ContainerSpec(self.affinity_canonical(kind), True, f"{key_type} : {addr}"))
+                specs.append(
+                    ContainerSpec(self.affinity_canonical(kind), True, f"{key_type} : {addr}")
+                )
         if ip == "ip":
             nodeport_key = _key_type(KIND_NODEPORT, tokens)
             specs.append(
@@ -593,7 +595,15 @@ def element_types(
     key_types, value_types = parts(key), parts(value)
     if key_types is None or value_types is None or (spec.is_map and not value_types):
         return None
+    # The batch encoder packs every part as a concatenation's (4 bytes); a value of one
+    # narrower part (``affinity-canonical-ports``: a port, 2 bytes) is sent unpadded,
+    # which the declarations' encoder does (the kernel refuses the padded one: EINVAL).
+    if len(value_types) == 1 and value_types[0] in _NARROW:
+        return None
     return key_types, value_types
+
+
+_NARROW = frozenset({"inet_service", "inet_proto"})
 
 
 def pick_chain(names: GenNames, pick: Pick, tokens: FamilyTokens) -> FixedChain:
@@ -657,7 +667,9 @@ def affinity_dispatch_chains(names: GenNames, tokens: FamilyTokens) -> dict[str,
     chains: dict[str, tuple[str, ...]] = {}
     canonical = tokens.table_family == "ip"
     if canonical:
-        ip_lookup = f"ip daddr . meta l4proto . th dport vmap @{names.affinity_lookup(KIND_IP, False)}"
+        ip_lookup = (
+            f"ip daddr . meta l4proto . th dport vmap @{names.affinity_lookup(KIND_IP, False)}"
+        )
         chains[names.affinity_canonical_lookup(KIND_IP)] = (
             ip_lookup,
             "ip daddr set ct original ip daddr",

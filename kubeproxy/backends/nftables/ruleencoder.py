@@ -15,14 +15,17 @@ this module compiles exactly that vocabulary, the way nft does:
   (the named protocols insert nft's ``meta l4proto`` match unless the rule already
   made it), ``meta l4proto``, ``meta mark`` (``& mask == value``), ``iifname`` (a
   trailing ``*`` compares the prefix only), ``ct state``, ``ct status`` (flag tests),
-  ``ct original`` addresses and ``proto-dst``, ``fib saddr``/``daddr type``,
+  ``ct original`` addresses and ``proto-dst``, ``ct reply`` source address and
+  ``proto-src``, ``fib saddr``/``daddr type``,
   ``numgen random mod N [offset M]``, ``jhash ip6 saddr mod N seed S`` (in a DNAT map
   lookup with a port, or a map update); concatenations of them; against a value, a named set
   (``@s``, ``!= @s``), a verdict map (``vmap @m``) or an anonymous set (``{ a, b }``);
 * statements ``jump``/``goto`` X, ``accept``/``drop``/``return``, ``reject``,
   ``counter``, ``masquerade [fully-random]``, ``meta mark set meta mark or|xor V``,
   ``dnat to K map @m [: port]`` (the map's declaration says what its value holds, and
-  its ``typeof`` which protocol match nft adds), ``update @m { K timeout Ns : V }``.
+  its ``typeof`` which protocol match nft adds), ``update @m { K timeout Ns : V }``,
+  ``ip daddr set V`` and ``tcp``/``udp``/``sctp dport set V`` (payload writes with the
+  checksum fix-ups nft asks for; ``V`` one selector or ``K map @m``, a map's value).
 
 Registers are allocated as nft allocates them (``netlink_linearize.c``: a single
 expression takes a 16-byte register, a concatenation its length in 4-byte registers,
@@ -706,7 +709,7 @@ class RuleEncoder:
             stream.take()
             name = _set_name(stream.take())
             declaration = self._declaration(name)
-            if not declaration.is_map or len(declaration.value) != 1:
+            if not declaration.is_map or not declaration.value or len(declaration.value) != 1:
                 raise _Unsupported(f"{name} holds no single value to write")
             self._load(selectors, state)
             state.exprs.append(_lookup(name, 0, dreg=register(0), set_id=None))
