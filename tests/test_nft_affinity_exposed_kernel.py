@@ -134,7 +134,9 @@ def test_every_address_shares_the_cluster_ips_entry(namespaces: NodeAndPod) -> N
 
     # The endpoint goes: its entries with it; the client is pinned anew, everywhere.
     remaining = EP2 if chosen == ENDPOINTS[0] else EP1
-    backend.sync(snapshot(remaining), SyncChanges(full=False, changed_services={NAME.service}))
+    backend.sync(
+        snapshot(remaining), SyncChanges(full=False, changed_services=frozenset({NAME.service}))
+    )
     assert entries(node) == []
     assert answered_by(fd, EXTERNAL_IP) == f"{remaining}:8080"
     assert [(k, e) for k, e, _left in entries(node)] == [(mine, f"{remaining}:8080")]
