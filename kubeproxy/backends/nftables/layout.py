@@ -840,9 +840,11 @@ def public_containers(tokens: FamilyTokens) -> tuple[ContainerSpec, ...]:
 
 
 AFFINITY_SHARED = "shared"
-"""ClientIP affinity in the shared maps (:func:`affinity_shards`), the default: a port that
-answers on its cluster IP only keys its entries by that frontend (no chain of its own), the
-others by their pins."""
+"""ClientIP affinity in the shared maps (:func:`affinity_shards`), the default: an IPv4 port
+whose every address picks from one endpoint list (both traffic policies Cluster) keys its
+entries by its cluster-IP frontend, whichever address a client came through (no chain of
+its own; its other addresses in the ``affinity-canonical-*`` maps); the others (IPv6, a
+Local traffic policy) by their pins."""
 AFFINITY_PINNED = "pinned"
 """The shared maps with every port's entries keyed by its pins, each port with a lookup and
 a record chain of its own (before the frontend-keyed maps; benchmarks)."""
