@@ -673,6 +673,48 @@ def test_whole_process_affinity(results: Results, services: int, tmp_path: Path)
         )
 
 
+@pytest.mark.timeout(3 * WHOLE_PROCESS_ROUNDS * SYNC_TIMEOUT_S + 600)
+@pytest.mark.parametrize("services", AFFINITY_WHOLE_PROCESS_CASES)
+def test_whole_process_affinity_exposed(results: Results, services: int, tmp_path: Path) -> None:
+    """:func:`test_whole_process_affinity` on :func:`~bench.synthetic.exposed_services`
+    (every Service reached beyond its cluster IP): without affinity, with it, and with
+    every port's chains of its own (records of kind ``whole_process_affinity_exposed``)."""
+    plain = write_manifests(tmp_path / "plain", exposed_services(services, ENDPOINTS))
+    sticky = write_manifests(
+        tmp_path / "sticky",
+        exposed_services(services, ENDPOINTS, affinity_seconds=AFFINITY_SECONDS),
+    )
+    ours = (
+        (NFTABLES, binary_argv(plain), False, "kube-proxy-nftables --manifests DIR --once"),
+        (NFTABLES, binary_argv(sticky), True, "the same, ClientIP affinity on every Service"),
+        (
+            NFTABLES_AFFINITY_PINNED,
+            pinned_affinity_argv(sticky),
+            True,
+            "the same, affinity chains per Service port swapped in (before)",
+        ),
+    )
+    frontends = expected_frontends(exposed_services(services, ENDPOINTS))
+    runs: dict[int, list[ApplyResult]] = {i: [] for i in range(len(ours))}
+    for _ in range(WHOLE_PROCESS_ROUNDS):
+        for i, (subject, argv, _affinity, _how) in enumerate(ours):
+            with namespace("wpx") as netns:
+                run = run_measured(netns, argv, timeout_s=SYNC_TIMEOUT_S, cwd=tmp_path)
+                runs[i].append(run)
+                assert run.ok, f"{subject.name}: {run.stderr}"
+                assert installed_services(subject, netns) == frontends
+    for i, (subject, _argv, affinity, how) in enumerate(ours):
+        _whole_process_record(
+            results,
+            subject,
+            services,
+            runs[i],
+            how,
+            "whole_process_affinity_exposed",
+            affinity=affinity,
+        )
+
+
 # Churn -------------------------------------------------------------------------------------
 
 CHURN_RATE = 50.0  # endpoint changes per second (issue 11)
