@@ -1282,46 +1282,33 @@ def test_the_affinity_choice_is_checked() -> None:
         backend(FakeNft(), affinity="both")
 
 
-def test_explain_shows_a_ports_own_entries_of_its_frontend_keyed_map() -> None:
+@pytest.mark.parametrize(
+    ("fields", "foreign"),
+    [
+        # On its cluster IP only; another frontend's entry beside it.
+        ({}, "172.30.0.11"),
+        # With a NodePort and a load-balancer IP: every address shows the cluster IP's
+        # entries (never one keyed by another address).
+        ({"node_port": 30080, "load_balancer_vips": (ip("5.6.7.8"),)}, "5.6.7.8"),
+    ],
+)
+def test_explain_shows_a_ports_own_entries_of_its_frontend_keyed_map(
+    fields: dict[str, object], foreign: str
+) -> None:
     from kubeproxy.backends.nftables.explain import FakeSource, TableView, explain_service
 
     world = World()
-    name = web(world, "10.180.0.1", session_affinity_seconds=60)
+    name = web(world, "10.180.0.1", session_affinity_seconds=60, **fields)
     fake = FakeNft()
     backend(fake).sync(world.snapshot(), full())
     shard, _number = affinity_frontend_shard(port_identity(name))
     fake.run_text(
         f"add element ip kube-proxy {shard} {{ "
         "172.30.0.10 . tcp . 80 . 10.0.0.5 : 10.180.0.1 . 8080, "
-        "172.30.0.11 . tcp . 80 . 10.0.0.7 : 10.180.0.1 . 8080 }"
+        f"{foreign} . tcp . 80 . 10.0.0.7 : 10.180.0.1 . 8080 }}"
     )
     view = explain_service(TableView(FakeSource(fake), Family.IP), name.service)
-    (frontend,) = view.frontends
-    assert frontend.affinity_maps == (shard,)
-    assert [(a.client, a.endpoint) for a in frontend.affinity] == [("10.0.0.5", "10.180.0.1:8080")]
-
-
-def test_explain_shows_the_cluster_ips_entries_for_every_address_of_the_port() -> None:
-    from kubeproxy.backends.nftables.explain import FakeSource, TableView, explain_service
-
-    world = World()
-    name = web(
-        world,
-        "10.180.0.1",
-        session_affinity_seconds=60,
-        node_port=30080,
-        load_balancer_vips=(ip("5.6.7.8"),),
-    )
-    fake = FakeNft()
-    backend(fake).sync(world.snapshot(), full())
-    shard, _number = affinity_frontend_shard(port_identity(name))
-    fake.run_text(
-        f"add element ip kube-proxy {shard} {{ "
-        "172.30.0.10 . tcp . 80 . 10.0.0.5 : 10.180.0.1 . 8080, "
-        "5.6.7.8 . tcp . 80 . 10.0.0.7 : 10.180.0.1 . 8080 }"
-    )
-    view = explain_service(TableView(FakeSource(fake), Family.IP), name.service)
-    assert len(view.frontends) == 3
+    assert len(view.frontends) == 1 + len(fields)
     for frontend in view.frontends:
         assert frontend.affinity_maps == (shard,), frontend.key
         assert frontend.affinity_timeout_s == 60, frontend.key
