@@ -40,6 +40,7 @@ import re
 import statistics
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -659,6 +660,23 @@ def test_whole_process_affinity(results: Results, services: int, tmp_path: Path)
             "the same, affinity maps per Service port swapped in",
         ),
     )[: None if services <= AFFINITY_PER_PORT_WHOLE_PROCESS_MAX else 3]
+    _affinity_rounds(results, services, ours, tmp_path, "whole_process_affinity", services)
+
+
+_Contender = tuple[Subject, list[str], bool, str]
+
+
+def _affinity_rounds(
+    results: Results,
+    services: int,
+    ours: Sequence[_Contender],
+    tmp_path: Path,
+    kind: str,
+    frontends: int,
+) -> None:
+    """Run each (subject, argv, affinity, how) of ``ours`` in a fresh namespace,
+    :data:`WHOLE_PROCESS_ROUNDS` rounds interleaved, each checked to dispatch
+    ``frontends``; then record each one's runs as ``kind``."""
     runs: dict[int, list[ApplyResult]] = {i: [] for i in range(len(ours))}
     for _ in range(WHOLE_PROCESS_ROUNDS):
         for i, (subject, argv, _affinity, _how) in enumerate(ours):
@@ -666,11 +684,34 @@ def test_whole_process_affinity(results: Results, services: int, tmp_path: Path)
                 run = run_measured(netns, argv, timeout_s=SYNC_TIMEOUT_S, cwd=tmp_path)
                 runs[i].append(run)
                 assert run.ok, f"{subject.name}: {run.stderr}"
-                assert installed_services(subject, netns) == services
+                assert installed_services(subject, netns) == frontends
     for i, (subject, _argv, affinity, how) in enumerate(ours):
-        _whole_process_record(
-            results, subject, services, runs[i], how, "whole_process_affinity", affinity=affinity
-        )
+        _whole_process_record(results, subject, services, runs[i], how, kind, affinity=affinity)
+
+
+@pytest.mark.timeout(3 * WHOLE_PROCESS_ROUNDS * SYNC_TIMEOUT_S + 600)
+@pytest.mark.parametrize("services", AFFINITY_WHOLE_PROCESS_CASES)
+def test_whole_process_affinity_exposed(results: Results, services: int, tmp_path: Path) -> None:
+    """:func:`test_whole_process_affinity` on :func:`~bench.synthetic.exposed_services`
+    (every Service reached beyond its cluster IP): without affinity, with it, and with
+    every port's chains of its own (records of kind ``whole_process_affinity_exposed``)."""
+    plain = write_manifests(tmp_path / "plain", exposed_services(services, ENDPOINTS))
+    sticky = write_manifests(
+        tmp_path / "sticky",
+        exposed_services(services, ENDPOINTS, affinity_seconds=AFFINITY_SECONDS),
+    )
+    ours = (
+        (NFTABLES, binary_argv(plain), False, "kube-proxy-nftables --manifests DIR --once"),
+        (NFTABLES, binary_argv(sticky), True, "the same, ClientIP affinity on every Service"),
+        (
+            NFTABLES_AFFINITY_PINNED,
+            pinned_affinity_argv(sticky),
+            True,
+            "the same, affinity chains per Service port swapped in (before)",
+        ),
+    )
+    frontends = expected_frontends(exposed_services(services, ENDPOINTS))
+    _affinity_rounds(results, services, ours, tmp_path, "whole_process_affinity_exposed", frontends)
 
 
 # Churn -------------------------------------------------------------------------------------

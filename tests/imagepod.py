@@ -110,24 +110,31 @@ class ApiFedHandler:
         self.fd = fd
         self.start = start
         self.started = False
-        self.changes_before: float | None = None
-        """The proxy's change count before the first object of this step was handed
-        over (the watch may deliver it before ``sync_now`` is called)."""
+        self.changes_before: dict[str, float] | None = None
+        """The proxy's change count per kind (``service``, ``endpoint``) before the
+        first object of this step was handed over (the watch may deliver it before
+        ``sync_now`` is called)."""
+        self.kinds_handed: set[str] = set()
+        """The kinds this step handed over: each one's count must move before the step
+        is synced (a step deleting a Service and its slice is two writes; waiting for
+        either count alone could test between them on a busy machine)."""
 
-    def _handing_over(self) -> None:
-        if self.started and self.changes_before is None:
-            self.changes_before = self._changes(self.metrics())
+    def _handing_over(self, kind: str) -> None:
+        if self.started:
+            if self.changes_before is None:
+                self.changes_before = self._changes(self.metrics())
+            self.kinds_handed.add(kind)
 
     def on_service_add(self, service: Mapping[str, Any]) -> None:
-        self._handing_over()
+        self._handing_over("service")
         self.fake.apply(service)
 
     def on_service_update(self, old: Mapping[str, Any], new: Mapping[str, Any]) -> None:
-        self._handing_over()
+        self._handing_over("service")
         self.fake.apply(new)
 
     def on_service_delete(self, service: Mapping[str, Any]) -> None:
-        self._handing_over()
+        self._handing_over("service")
         meta = service["metadata"]
         self.fake.delete("Service", meta.get("namespace", "default"), meta["name"])
 
@@ -135,15 +142,15 @@ class ApiFedHandler:
         pass
 
     def on_endpoint_slice_add(self, slice_: Mapping[str, Any]) -> None:
-        self._handing_over()
+        self._handing_over("endpoint")
         self.fake.apply(slice_)
 
     def on_endpoint_slice_update(self, old: Mapping[str, Any], new: Mapping[str, Any]) -> None:
-        self._handing_over()
+        self._handing_over("endpoint")
         self.fake.apply(new)
 
     def on_endpoint_slice_delete(self, slice_: Mapping[str, Any]) -> None:
-        self._handing_over()
+        self._handing_over("endpoint")
         meta = slice_["metadata"]
         self.fake.delete("EndpointSlice", meta.get("namespace", "default"), meta["name"])
 
@@ -155,30 +162,31 @@ class ApiFedHandler:
         status, body = get(self.fd, METRICS)
         return metric_samples(body.decode()) if status == 200 else {}
 
-    def _changes(self, samples: Mapping[tuple[str, str], float]) -> float:
-        return sum(
-            samples.get((f"kubeproxy_sync_proxy_rules_{kind}_changes_total", ""), 0.0)
+    def _changes(self, samples: Mapping[tuple[str, str], float]) -> dict[str, float]:
+        return {
+            kind: samples.get((f"kubeproxy_sync_proxy_rules_{kind}_changes_total", ""), 0.0)
             for kind in ("service", "endpoint")
-        )
+        }
 
     def sync_now(self) -> bool:
         """First call: start the proxy, wait for ``/healthz`` 200 (its first sync, after
-        the initial lists). Later: wait until the proxy counted a change since the step's
-        first object was handed over, has none pending, and each family's last successful
-        sync is no older than its last queued one (a sync that began before the change
-        ended leaves it pending)."""
+        the initial lists). Later: wait until the proxy counted a change of each kind the
+        step handed over since its first object was, has none pending, and each family's
+        last successful sync is no older than its last queued one (a sync that began
+        before the change ended leaves it pending)."""
         if not self.started:
             self.started = True
             self.start()
             return self._until(lambda: get(self.fd, _health("healthz"))[0] == 200)
-        before = self.changes_before
-        self.changes_before = None
+        before, kinds = self.changes_before, self.kinds_handed
+        self.changes_before, self.kinds_handed = None, set()
         if before is None:
             return True  # nothing handed over since the last sync
 
         def synced() -> bool:
             samples = self.metrics()
-            if self._changes(samples) <= before:
+            now = self._changes(samples)
+            if any(now[kind] <= before[kind] for kind in kinds):
                 return False
             pending = sum(
                 samples.get((f"kubeproxy_sync_proxy_rules_{kind}_changes_pending", ""), 1.0)

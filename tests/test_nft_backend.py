@@ -329,6 +329,19 @@ FIND_RULES = [
 ]
 
 
+# With the shared maps, first: an address other than a cluster IP that the canonical maps
+# hold turned into its cluster IP's, then its record element read (IPv4).
+CANONICAL_FIND_RULES = [
+    "add rule ip kube-proxy affinity-find meta l4proto { tcp, udp, sctp } ip daddr set "
+    "ct original ip daddr . meta l4proto . ct original proto-dst map @affinity-canonical-ips.g1 "
+    "goto affinity-canonical-record-ips.g1",
+    "add rule ip kube-proxy affinity-find ct original ip daddr @nodeport-ips "
+    "meta l4proto { tcp, udp, sctp } ct original ip daddr . meta l4proto . "
+    "ct original proto-dst != @dispatch-ips.g1 ip daddr set meta l4proto . ct original "
+    "proto-dst map @affinity-canonical-nodeports.g1 goto affinity-canonical-record-nodeports.g1",
+]
+
+
 def test_per_port_session_affinity_is_per_port_and_list() -> None:
     fake = _sticky_web(AFFINITY_PER_PORT)
     dump = fake.dump()
@@ -1121,12 +1134,14 @@ def _pin_key(identity: str, which: str, port: int = 0, client: str = "ip saddr")
 
 
 def test_shared_affinity_keys_one_maps_entries_by_the_ports_pin_and_the_client() -> None:
-    fake = _sticky_web(AFFINITY_SHARED)
+    fake = _sticky_web(AFFINITY_PINNED)
     dump = fake.dump()
     # A fixed number of maps whatever the number of ports, none of a port's own.
     shards = lines(dump, r"^add map ip kube-proxy affinity-clients-")
     assert len(shards) == AFFINITY_SHARDS
     assert _affinity_maps(fake) == []
+    # Every port pinned: nothing in the canonical maps.
+    assert not lines(dump, r"^add element ip kube-proxy affinity-canonical-")
     assert (
         "{ typeof numgen random mod 1 . numgen random mod 1 . ip saddr : ip daddr . th dport ;"
         " flags dynamic,timeout ;" in shards[0]
@@ -1151,7 +1166,10 @@ def test_shared_affinity_keys_one_maps_entries_by_the_ports_pin_and_the_client()
         "add rule ip kube-proxy affinity-record jump affinity-full",
     ]
     assert lines(dump, r"^add rule ip kube-proxy affinity-find ") == [
-        *FIND_RULES,
+        CANONICAL_FIND_RULES[0],
+        FIND_RULES[0],
+        CANONICAL_FIND_RULES[1],
+        FIND_RULES[1],
         "add rule ip kube-proxy affinity-find accept",
     ]
     # Every frontend of the port reads and writes the same entries.
@@ -1188,11 +1206,11 @@ def _pin(identity: str, which: str, port: int = 0) -> tuple[str, str, str]:
 
 def test_shared_affinity_entries_of_removed_endpoints_and_ports_are_deleted() -> None:
     world = World()
-    # A NodePort: the port's entries are keyed by its pins.
+    # Every port pinned: the port's entries are keyed by its pins.
     sticky = {"session_affinity_seconds": 60, "node_port": 30080}
     name = web(world, "10.180.0.1", "10.180.0.2", **sticky)
     fake = FakeNft()
-    b = backend(fake)
+    b = backend(fake, affinity=AFFINITY_PINNED)
     b.sync(world.snapshot(), full())
     shard, high, low = _pin(port_identity(name), "service")
     # Another port's entry (pins that no port has) in the same map, pointing at the
@@ -1264,23 +1282,39 @@ def test_the_affinity_choice_is_checked() -> None:
         backend(FakeNft(), affinity="both")
 
 
-def test_explain_shows_a_ports_own_entries_of_its_frontend_keyed_map() -> None:
+@pytest.mark.parametrize(
+    ("fields", "foreign"),
+    [
+        # On its cluster IP only; another frontend's entry beside it.
+        ({}, "172.30.0.11"),
+        # With a NodePort and a load-balancer IP: every address shows the cluster IP's
+        # entries (never one keyed by another address).
+        ({"node_port": 30080, "load_balancer_vips": (ip("5.6.7.8"),)}, "5.6.7.8"),
+    ],
+)
+def test_explain_shows_a_ports_own_entries_of_its_frontend_keyed_map(
+    fields: dict[str, object], foreign: str
+) -> None:
     from kubeproxy.backends.nftables.explain import FakeSource, TableView, explain_service
 
     world = World()
-    name = web(world, "10.180.0.1", session_affinity_seconds=60)
+    name = web(world, "10.180.0.1", session_affinity_seconds=60, **fields)
     fake = FakeNft()
     backend(fake).sync(world.snapshot(), full())
     shard, _number = affinity_frontend_shard(port_identity(name))
     fake.run_text(
         f"add element ip kube-proxy {shard} {{ "
         "172.30.0.10 . tcp . 80 . 10.0.0.5 : 10.180.0.1 . 8080, "
-        "172.30.0.11 . tcp . 80 . 10.0.0.7 : 10.180.0.1 . 8080 }"
+        f"{foreign} . tcp . 80 . 10.0.0.7 : 10.180.0.1 . 8080 }}"
     )
     view = explain_service(TableView(FakeSource(fake), Family.IP), name.service)
-    (frontend,) = view.frontends
-    assert frontend.affinity_maps == (shard,)
-    assert [(a.client, a.endpoint) for a in frontend.affinity] == [("10.0.0.5", "10.180.0.1:8080")]
+    assert len(view.frontends) == 1 + len(fields)
+    for frontend in view.frontends:
+        assert frontend.affinity_maps == (shard,), frontend.key
+        assert frontend.affinity_timeout_s == 60, frontend.key
+        assert [(a.client, a.endpoint) for a in frontend.affinity] == [
+            ("10.0.0.5", "10.180.0.1:8080")
+        ], frontend.key
 
 
 def test_explain_shows_a_ports_own_entries_of_its_shared_map() -> None:
@@ -1320,7 +1354,7 @@ def _affinity_chains(fake: FakeNft) -> dict[str, list[str]]:
     return {
         n: r
         for n, r in _chains(fake).items()
-        if re.match(r"affinity-(lookup|record)-[A-Z2-7]{8}-", n)
+        if re.match(r"affinity-(lookup|record)(-other|-nodeport)?-[A-Z2-7]{8}-", n)
     }
 
 
@@ -1442,15 +1476,86 @@ def test_frontend_keyed_entries_of_removed_endpoints_and_ports_are_deleted() -> 
     assert keys() == [("172.30.0.10", "tcp", "80", "10.0.0.6")]
 
 
-def test_a_port_with_more_addresses_and_the_pinned_structure_keep_chains_of_their_own() -> None:
+def test_local_policy_ports_and_the_pinned_structure_keep_chains_of_their_own() -> None:
     world = World()
-    web(world, "10.180.0.1", session_affinity_seconds=60, node_port=30080)
+    world.add(LOCAL_STICKY, ep("10.180.0.1", local=True), ep("10.180.0.2"))
     world.add(_cluster_ip_port(1), ep("10.180.1.1"))
-    for affinity, own in ((AFFINITY_SHARED, 1), (AFFINITY_PINNED, 2)):
+    exposed = replace(_cluster_ip_port(2), node_port=30082, external_ips=(ip("5.6.7.9"),))
+    world.add(exposed, ep("10.180.1.2"))
+    for affinity, own in ((AFFINITY_SHARED, 1), (AFFINITY_PINNED, 3)):
         fake = FakeNft()
         backend(fake, affinity=affinity).sync(world.snapshot(), full())
         chains = _affinity_chains(fake)
-        # Each port of its own: a lookup and a record chain named after it.
-        assert len([n for n in chains if "/" in n]) == 2 * own
+        # Each pinned port of its own: a lookup and a record chain named after it. With
+        # the shared maps only the Local-policy port (its addresses pick from two lists).
+        assert len({n.split("-", 3)[-1] for n in chains if "/" in n}) == own
         frontends = lines(fake.dump(), r"^add map ip kube-proxy affinity-frontends-")
-        assert len(frontends) == (1 if affinity == AFFINITY_SHARED else 0)
+        keyed = {
+            affinity_frontend_shard(port_identity(p.name))[0]
+            for p in (_cluster_ip_port(1), exposed)
+        }
+        assert len(frontends) == (len(keyed) if affinity == AFFINITY_SHARED else 0)
+
+
+def test_a_ports_other_addresses_share_its_cluster_ip_entry_through_the_canonical_maps() -> None:
+    world = World()
+    port = replace(
+        _cluster_ip_port(3),
+        node_port=30083,
+        external_ips=(ip("5.6.7.9"),),
+        load_balancer_vips=(ip("5.6.7.10"),),
+    )
+    world.add(port, ep("10.180.1.3"))
+    fake = FakeNft()
+    b = backend(fake)
+    b.sync(world.snapshot(), full())
+    dump = fake.dump()
+    cluster = "172.30.1.3 . tcp . 80"
+    shard, _number = affinity_frontend_shard(port_identity(port.name))
+    # The cluster IP alone has a lookup element: the others read it once turned into it.
+    assert lines(dump, r"^add element ip kube-proxy affinity-lookup-") == [
+        f"add element ip kube-proxy affinity-lookup-ips.g1 {{ {cluster} : jump "
+        + _chain_of(dump, "affinity-lookup-", f"map @{shard}")
+        + " }"
+    ]
+    assert sorted(lines(dump, r"^add element ip kube-proxy affinity-canonical-")) == [
+        "add element ip kube-proxy affinity-canonical-ips.g1 { 5.6.7.10 . tcp . 80 : 172.30.1.3 }",
+        "add element ip kube-proxy affinity-canonical-ips.g1 { 5.6.7.9 . tcp . 80 : 172.30.1.3 }",
+        "add element ip kube-proxy affinity-canonical-nodeports.g1 { tcp . 30083 : 172.30.1.3 }",
+        "add element ip kube-proxy affinity-canonical-ports.g1 { tcp . 30083 : 80 }",
+    ]
+    # Each address kind writes the cluster IP's entry through a record chain of its own,
+    # shared by every port of its map (no chain named after the port).
+    records = {
+        e.split(" : goto ")[0].split("{ ")[1]: e.split(" : goto ")[1].rstrip(" }")
+        for e in lines(dump, r"^add element ip kube-proxy affinity-record-")
+    }
+    chains = _affinity_chains(fake)
+    assert not [n for n in chains if "/" in n]
+    assert chains[records["5.6.7.9 . tcp . 80"]] == [
+        f"meta l4proto {{ tcp, udp, sctp }} update @{shard} {{ ip daddr . meta l4proto . "
+        "ct original proto-dst . ip saddr timeout 60s : ct reply ip saddr . ct reply proto-src }"
+        " ip daddr set ct reply ip saddr accept",
+        "ip daddr set ct reply ip saddr",
+    ]
+    assert records["5.6.7.10 . tcp . 80"] == records["5.6.7.9 . tcp . 80"]
+    assert chains[records["tcp . 30083"]][0].startswith(
+        f"update @{shard} {{ ip daddr . meta l4proto . tcp dport . ip saddr timeout 60s"
+    )
+    # A Local policy later: the port keeps its pins, and leaves the canonical maps.
+    world.add(replace(port, external_policy_local=True), ep("10.180.1.3", local=True))
+    b.sync(world.snapshot(), changed(port.name))
+    assert not fake.list_elements(Family.IP, "kube-proxy", "affinity-canonical-ips.g1")
+    assert not fake.list_elements(Family.IP, "kube-proxy", "affinity-canonical-ports.g1")
+    assert [n for n in _affinity_chains(fake) if "/" in n]
+
+
+def _chain_of(dump: str, prefix: str, holding: str) -> str:
+    """The chain whose name starts with ``prefix`` and one of whose rules holds ``holding``."""
+    found = {
+        line.split()[4]
+        for line in lines(dump, rf"^add rule ip kube-proxy {prefix}")
+        if holding in line
+    }
+    (name,) = found
+    return name

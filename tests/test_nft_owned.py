@@ -210,6 +210,109 @@ def test_an_anonymous_set_comes_with_the_rule() -> None:
     assert _names(encoded.expressions) == ["meta", "lookup", "immediate"]
 
 
+# The canonical maps of the frontend-keyed affinity (what layout.py declares them as).
+_CANONICAL = {
+    "ci": Declaration.of(Map("ci", "ipv4_addr . inet_proto . inet_service : ipv4_addr")),
+    "cp": Declaration.of(Map("cp", "inet_proto . inet_service : inet_service")),
+    "slots": SLOTS,
+}
+
+
+def _canonical_encoder() -> RuleEncoder:
+    def declared(name: str) -> Declaration:
+        if name not in _CANONICAL:
+            raise NftError(f"set {name} does not exist", errno.ENOENT)
+        return _CANONICAL[name]
+
+    ids = iter(range(1, 100))
+    return RuleEncoder(Family.IP, declared, lambda: next(ids))
+
+
+def _expressions(expressions: bytes) -> list[tuple[str, dict[int, bytes]]]:
+    """Each expression's name and its data attributes (by number)."""
+    out = []
+    for _kind, item in nlmsg.attribute_values(expressions):
+        name, data = "", {}
+        for part, value in nlmsg.attribute_values(item):
+            if part == 1:
+                name = value.rstrip(b"\0").decode()
+            elif part == 2:
+                data = dict(nlmsg.attribute_values(value))
+        out.append((name, data))
+    return out
+
+
+def _u32s(data: dict[int, bytes], *numbers: int) -> tuple[int, ...]:
+    return tuple(struct.unpack(">I", data[n])[0] for n in numbers)
+
+
+# What nft 1.0.6 writes for them (``nft --debug=netlink``): the payload write's source
+# register, base, offset, length, checksum type, checksum offset and flags.
+_WRITES = {
+    "ip daddr": (1, 1, 16, 4, 1, 10, 1),
+    "tcp dport": (1, 2, 2, 2, 1, 16, 0),
+    "udp dport": (1, 2, 2, 2, 1, 6, 0),
+    "sctp dport": (1, 2, 2, 2, 2, 8, 0),
+}
+
+
+@pytest.mark.parametrize("field", sorted(_WRITES))
+def test_a_field_written_from_a_map_lookup_is_encoded_as_nft_encodes_it(field: str) -> None:
+    key = "ct original ip daddr . meta l4proto . ct original proto-dst"
+    name = "ci"
+    if field != "ip daddr":
+        key, name = "meta l4proto . ct original proto-dst", "cp"
+    exprs = _expressions(_canonical_encoder().encode(f"{field} set {key} map @{name}").expressions)
+    kinds = [kind for kind, _data in exprs]
+    loads = ["ct", "meta", "ct"] if field == "ip daddr" else ["meta", "ct"]
+    # A transport field: nft's implicit protocol match first.
+    implied = [] if field == "ip daddr" else ["meta", "cmp"]
+    assert kinds == [*implied, *loads, "lookup", "payload"]
+    lookup, write = exprs[-2][1], exprs[-1][1]
+    assert lookup[1].rstrip(b"\0") == name.encode()
+    assert _u32s(lookup, 2, 3) == (1, 1)  # the key from register 1, the value into it
+    assert _u32s(write, 5, 2, 3, 4, 6, 7, 8) == _WRITES[field]
+    # The key's conntrack parts in the original direction (NFTA_CT_DIRECTION 0).
+    assert all(data[3] == b"\0" for kind, data in exprs if kind == "ct")
+
+
+def test_a_field_written_from_the_reply_direction_and_an_update_with_reply_values() -> None:
+    rule = (
+        "update @slots { ip daddr . meta l4proto . tcp dport . ip saddr timeout 60s : "
+        "ct reply ip saddr . ct reply proto-src } ip daddr set ct reply ip saddr "
+        "tcp dport set ct reply proto-src accept"
+    )
+    exprs = _expressions(_canonical_encoder().encode(rule).expressions)
+    assert [kind for kind, _data in exprs] == [
+        *("meta", "cmp", "payload", "meta", "payload", "payload"),  # the key, tcp matched
+        *("ct", "ct", "dynset"),  # the value from the reply direction
+        *("ct", "payload", "ct", "payload", "immediate"),  # the packet put back, accept
+    ]
+    reply = [data for kind, data in exprs if kind == "ct"]
+    # ct reply ip saddr (NFT_CT_SRC_IP 19), ct reply proto-src (NFT_CT_PROTO_SRC 11), in
+    # the value's registers 2 and 13 (as nft: the second 16-byte register on), then 1.
+    assert [(_u32s(d, 1, 2), d[3]) for d in reply] == [
+        ((2, 19), b"\1"),
+        ((13, 11), b"\1"),
+        ((1, 19), b"\1"),
+        ((1, 11), b"\1"),
+    ]
+    assert _u32s(exprs[-2][1], 5, 7) == (1, 16)  # tcp dport written, its checksum at 16
+
+
+@pytest.mark.parametrize(
+    ("rule", "words"),
+    [
+        ("ip daddr set ip daddr . th dport", "a concatenation written into a field"),
+        ("ip daddr set ip daddr . meta l4proto . th dport map @slots", "no single value"),
+        ("th dport set ct reply proto-src", "'set' is not a number"),
+    ],
+)
+def test_a_field_write_outside_the_vocabulary_is_refused(rule: str, words: str) -> None:
+    with pytest.raises(NftError, match=words):
+        _canonical_encoder().encode(rule)
+
+
 @pytest.mark.parametrize(
     ("rule", "family", "words"),
     [

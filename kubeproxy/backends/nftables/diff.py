@@ -26,6 +26,7 @@ from kubeproxy.backends.nftables.elements import (
 from kubeproxy.backends.nftables.frontends import (
     AFFINITY_LOCAL_ENDPOINTS,
     KIND_IP,
+    KIND_NODEPORT,
     ClassSpec,
     Frontend,
     Kind,
@@ -234,7 +235,30 @@ def diff_frontend(
                 sink.delete(container, key)
             if new_chain is not None:
                 sink.add(container, key, _verdict(verdict, new_chain))
+    old_canonical = before.canonical if before else None
+    new_canonical = new.canonical if new else None
+    if old_canonical != new_canonical:
+        if old_canonical is not None:
+            _delete_canonical(sink, names, kind, key)
+        if new_canonical is not None:
+            _add_canonical(sink, names, kind, key, new_canonical)
     return HeldFrontend.of(new, main, short) if new is not None else None
+
+
+def _add_canonical(
+    sink: ElementSink, names: GenNames, kind: Kind, key: Key, canonical: Key
+) -> None:
+    """A frontend's elements in the affinity-canonical maps: its cluster IP (and, for a
+    NodePort, its Service port; see :attr:`Frontend.canonical`)."""
+    sink.add(names.affinity_canonical(kind), key, canonical[:1])
+    if kind == KIND_NODEPORT:
+        sink.add(names.affinity_canonical_ports, key, canonical[1:])
+
+
+def _delete_canonical(sink: ElementSink, names: GenNames, kind: Kind, key: Key) -> None:
+    sink.delete(names.affinity_canonical(kind), key)
+    if kind == KIND_NODEPORT:
+        sink.delete(names.affinity_canonical_ports, key)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -272,6 +296,8 @@ def write_frontend(
         sink.add(names.affinity_lookup(kind, True), key, _verdict("jump", fe.shortcut_lookup))
     if fe.record is not None:
         sink.add(names.affinity_record(kind), key, _verdict("goto", fe.record))
+    if fe.canonical is not None:
+        _add_canonical(sink, names, kind, key, fe.canonical)
     return fe  # its slots are its endpoints (HeldFrontend.of)
 
 

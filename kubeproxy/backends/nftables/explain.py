@@ -477,8 +477,19 @@ class TableView:
         timeout = None
         entries: list[Affinity] = []
         if spec is not None and spec.affinity:
+            # An address the canonical maps turn into its port's cluster IP reads (and
+            # writes) that frontend's entries.
+            entry_kind, entry_key = kind, key
+            cluster = self.get(names.affinity_canonical(kind), key)
+            if cluster is not None and cluster.value:
+                port = key[2] if kind == KIND_IP else None
+                if kind == KIND_NODEPORT:
+                    service_port = self.get(names.affinity_canonical_ports, key)
+                    port = service_port.value[0] if service_port and service_port.value else None
+                if port is not None:
+                    entry_kind, entry_key = KIND_IP, (cluster.value[0], proto, port)
             for shortcut_pick in (False, True):
-                held = self.get(names.affinity_lookup(kind, shortcut_pick), key)
+                held = self.get(names.affinity_lookup(entry_kind, shortcut_pick), entry_key)
                 if held is not None and len(held.value) == 2 and held.value[1]:
                     for rule in self.rules(held.value[1]):
                         maps.extend(m for m in rule.lookups if m not in maps)
@@ -496,7 +507,7 @@ class TableView:
                 for item in self.dump(affinity_map).values():
                     client = item.key[0]
                     if by_frontend:
-                        if item.key[:3] != key:
+                        if item.key[:3] != entry_key:
                             continue  # another frontend's entry
                         client = item.key[3]
                     elif mine is not None:

@@ -172,12 +172,15 @@ _FRONTEND_RECORD = (
 
 @dataclass(frozen=True, slots=True)
 class _ByFrontend:
-    """The ClientIP affinity of a port keyed by its frontend: the chains its verdict
-    elements go to, and its plan."""
+    """The ClientIP affinity of a port keyed by its cluster-IP frontend: the chains its
+    verdict elements go to (the cluster IP's lookup and record; the record chains of its
+    other addresses and of its NodePort), and its plan."""
 
     lookup: str
     record: str
     plan: AffinityPlan
+    record_other: str | None = None
+    record_nodeport: str | None = None
 
 
 def _frontend_affinity(
@@ -186,30 +189,88 @@ def _frontend_affinity(
     frontend: Key,
     endpoints: tuple[str, ...],
 ) -> _ByFrontend | None:
-    """A port that answers on its cluster IP only needs no pin: that frontend names the
-    port, and the packet carries it (its original destination after DNAT), so its
-    entries go in a map keyed by the frontend, read and written by chains every such port
-    of the map (and protocol, or timeout) shares, and the port has no chain of its own.
-    Each port's two chains (their creation, their rules' map bindings, every later
-    commit walking them) were most of what affinity cost a cold sync (see the package
-    README). None for the ports that keep their pins: IPv6 (a frontend and a client do
-    not fit the 16 bytes of key nft 1.0.6 leaves before the value), and ports with more
-    addresses, whose entry must be the same whichever address a client came through
-    (nft 1.0.6 cannot turn a frontend into another key with a map)."""
+    """A port whose every address picks from one endpoint list keys its entries by its
+    cluster-IP frontend: that frontend names the port, and after DNAT the packet carries
+    it (its original destination), so its entries go in a map keyed by the frontend,
+    read and written by chains every such port of the map (and protocol, or timeout)
+    shares, and the port has no chain of its own. Each port's two chains (their
+    creation, their rules' map bindings, every later commit walking them) were most of
+    what affinity cost a cold sync (see the package README).
+
+    Its other addresses (external and load-balancer IPs, the NodePort) read and write
+    the same entry, as upstream's one set per endpoint serves every address of the port:
+    the generation's ``affinity-canonical-*`` maps turn their destination (and a
+    NodePort's port) into the cluster IP's before the lookup and the record, and the
+    packet is put back after (:func:`~.layout.affinity_dispatch_chains`,
+    ``affinity-find``); the port's elements in those maps are data, no chain.
+
+    None for the ports that keep their pins: IPv6 (a frontend and a client do not fit
+    the 16 bytes of key nft 1.0.6 leaves before the value), and ports whose addresses
+    pick from different lists (a Local traffic policy: upstream's ``local-`` chain reads
+    only the local endpoints' entries)."""
     if (
         not (ctx.shared_affinity and ctx.frontend_affinity)
         or ctx.tokens.family is IPFamily.IPV6
-        or port.external_ips
-        or port.load_balancer_vips
-        or port.node_port
+        or port.internal_policy_local
+        or port.external_policy_local
     ):
         return None
     shard, _number = affinity_frontend_shard(port_identity(port.name))
-    lookup, record, chains, shared = _frontend_chains(
-        shard, port.protocol.lower, port.session_affinity_seconds
-    )
+    proto, seconds = port.protocol.lower, port.session_affinity_seconds
+    lookup, record, chains, shared = _frontend_chains(shard, proto, seconds)
+    record_other = record_nodeport = None
+    if port.external_ips or port.load_balancer_vips:
+        other = _other_record_chain(shard, seconds)
+        record_other = other.name
+        chains = (*chains, other)
+    if port.node_port:
+        nodeport = _nodeport_record_chain(shard, proto, seconds)
+        record_nodeport = nodeport.name
+        chains = (*chains, nodeport)
     pin = AffinityPin(shard, frontend, endpoints)
-    return _ByFrontend(lookup, record, AffinityPlan((), chains, (), (pin,), shared))
+    return _ByFrontend(
+        lookup,
+        record,
+        AffinityPlan((), chains, (), (pin,), shared),
+        record_other,
+        record_nodeport,
+    )
+
+
+# What the record chains of the other addresses write: the key from the packet turned
+# into the cluster IP's (by affinity-find), the endpoint from the connection's reply
+# direction (the packet's own destination is the cluster IP's for now); the packet is
+# put back in the same rule, and again by a second rule when the kernel refused the
+# update (a full map), or it would leave for the cluster IP.
+_OTHER_RECORD = (
+    "meta l4proto {{ tcp, udp, sctp }} update @{shard} {{ ip daddr . meta l4proto . ct original"
+    " proto-dst . ip saddr timeout {seconds}s : ct reply ip saddr . ct reply proto-src }} "
+    "ip daddr set ct reply ip saddr accept",
+    "ip daddr set ct reply ip saddr",
+)
+# A NodePort's: the port was turned into the Service port too (a named protocol: nft
+# writes a port's checksum fix-up only for a named transport header; ``tcp dport`` in the
+# key, as nft lists a protocol match before ``th dport``).
+_NODEPORT_RECORD = (
+    "update @{shard} {{ ip daddr . meta l4proto . {proto} dport . ip saddr timeout {seconds}s :"
+    " ct reply ip saddr . ct reply proto-src }} ip daddr set ct reply ip saddr {proto} dport "
+    "set ct reply proto-src accept",
+    "ip daddr set ct reply ip saddr {proto} dport set ct reply proto-src",
+)
+
+
+@functools.lru_cache(maxsize=4096)
+def _other_record_chain(shard: str, seconds: int) -> ChainSpec:
+    """The record chain of map ``shard``'s ports' external and load-balancer IPs."""
+    rules = tuple(r.format(shard=shard, seconds=seconds) for r in _OTHER_RECORD)
+    return ChainSpec(chain_name("affinity-record-other", _chain_owner(shard), rules), rules)
+
+
+@functools.lru_cache(maxsize=4096)
+def _nodeport_record_chain(shard: str, proto: str, seconds: int) -> ChainSpec:
+    """The record chain of map ``shard``'s ports' NodePorts of protocol ``proto``."""
+    rules = tuple(r.format(shard=shard, proto=proto, seconds=seconds) for r in _NODEPORT_RECORD)
+    return ChainSpec(chain_name("affinity-record-nodeport", _chain_owner(shard), rules), rules)
 
 
 # Every port of a map (and protocol, or timeout) shares these chains: built once (a chain
@@ -279,6 +340,10 @@ class Frontend:
     shortcut_lookup: str | None = None
     record: str | None = None
     name: str | None = None
+    canonical: Key | None = None
+    """With ClientIP affinity keyed by the cluster-IP frontend, for another address of the
+    port: the cluster IP (and, for a NodePort, the Service port) its packets are turned
+    into to read and write that frontend's entry (the ``affinity-canonical-*`` maps)."""
 
 
 COMMENT_LIMIT = 128
@@ -580,6 +645,15 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
         for kind, key in external_keys:
             if served:
                 cls = _class(kind, shape, len(main), len(shortcut), sticky)
+                canonical: Key | None = None
+                fe_record = record
+                if by_frontend is not None:
+                    # The cluster IP's entry, read through the canonical maps (no lookup
+                    # element of its own) and written by the address kind's record chain.
+                    if kind == KIND_IP:
+                        canonical, fe_record = (cip,), by_frontend.record_other
+                    else:
+                        canonical, fe_record = (cip, port_text), by_frontend.record_nodeport
                 fe = Frontend(
                     kind,
                     key,
@@ -589,8 +663,9 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
                     None if main else no_endpoint,
                     lookup,
                     shortcut_lookup,
-                    record if served else None,
+                    fe_record,
                     name,
+                    canonical,
                 )
             else:
                 fe = Frontend(kind, key, None, no_endpoint=no_endpoint, name=name)

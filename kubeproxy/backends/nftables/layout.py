@@ -318,6 +318,26 @@ class GenNames:
         affinity to their port's record chain."""
         return f"affinity-record-{_PLURAL[kind]}{self.suffix}"
 
+    def affinity_canonical(self, kind: Kind) -> str:
+        """The map turning ``kind`` frontends other than a cluster IP into their port's
+        cluster IP, for the affinity entries keyed by that frontend (IPv4 only, see
+        :func:`affinity_dispatch_chains`)."""
+        return f"affinity-canonical-{_PLURAL[kind]}{self.suffix}"
+
+    @property
+    def affinity_canonical_ports(self) -> str:
+        """The map turning a NodePort (``protocol . nodePort``) into its Service port."""
+        return f"affinity-canonical-ports{self.suffix}"
+
+    def affinity_canonical_lookup(self, kind: Kind) -> str:
+        """The chain that looks up a ``kind`` frontend's entry as its cluster IP's."""
+        return f"affinity-canonical-lookup-{_PLURAL[kind]}{self.suffix}"
+
+    def affinity_canonical_record(self, kind: Kind) -> str:
+        """The chain that finds a ``kind`` frontend's record chain once its packet was
+        turned into its cluster IP's."""
+        return f"affinity-canonical-record-{_PLURAL[kind]}{self.suffix}"
+
     def containers(self, tokens: FamilyTokens, dispatch: Dispatch) -> tuple[ContainerSpec, ...]:
         """The generation's fixed containers (class and class-bit sets come on demand)."""
         ip = tokens.table_family
@@ -352,6 +372,15 @@ class GenNames:
                 self.affinity_record(kind),
             ):
                 specs.append(ContainerSpec(name, True, f"{key_type} : verdict"))
+            if ip == "ip":
+                specs.append(
+                    ContainerSpec(self.affinity_canonical(kind), True, f"{key_type} : {addr}")
+                )
+        if ip == "ip":
+            nodeport_key = _key_type(KIND_NODEPORT, tokens)
+            specs.append(
+                ContainerSpec(self.affinity_canonical_ports, True, f"{nodeport_key} : inet_service")
+            )
         return tuple(specs)
 
     def class_set(self, spec: ClassSpec, tokens: FamilyTokens) -> ContainerSpec:
@@ -566,7 +595,15 @@ def element_types(
     key_types, value_types = parts(key), parts(value)
     if key_types is None or value_types is None or (spec.is_map and not value_types):
         return None
+    # The batch encoder packs every part as a concatenation's (4 bytes); a value of one
+    # narrower part (``affinity-canonical-ports``: a port, 2 bytes) is sent unpadded,
+    # which the declarations' encoder does (the kernel refuses the padded one: EINVAL).
+    if len(value_types) == 1 and value_types[0] in _NARROW:
+        return None
     return key_types, value_types
+
+
+_NARROW = frozenset({"inet_service", "inet_proto"})
 
 
 def pick_chain(names: GenNames, pick: Pick, tokens: FamilyTokens) -> FixedChain:
@@ -617,13 +654,85 @@ def class_rule(names: GenNames, spec: ClassSpec, tokens: FamilyTokens) -> str:
 def affinity_dispatch_chains(names: GenNames, tokens: FamilyTokens) -> dict[str, tuple[str, ...]]:
     """The chains that read the affinity lookup verdict maps, one rule each: a verdict
     map read by many rules is slow to fill (each element is checked per binding), so the
-    pick chains jump here rather than read the maps themselves."""
-    return {
-        names.affinity_lookup(kind, shortcut): (
-            f"{_frontend(kind, tokens)} vmap @{names.affinity_lookup(kind, shortcut)}",
+    pick chains jump here rather than read the maps themselves.
+
+    In IPv4 tables, the main lookups then turn a frontend the ``affinity-canonical-*``
+    maps hold (an external or load-balancer IP, a NodePort, of a port whose affinity
+    entries are keyed by its cluster-IP frontend, see :mod:`.frontends`) into its
+    cluster IP (and Service port), and jump to a chain that reads the cluster IP's
+    lookup element and, when it found no entry, puts the packet back (from its
+    connection's original direction) before the pick draws an endpoint. Only the
+    frontends those maps hold are turned: any other misses the map and the rule stops.
+    The chains ordered so each is created before a rule jumps to it."""
+    chains: dict[str, tuple[str, ...]] = {}
+    canonical = tokens.table_family == "ip"
+    if canonical:
+        ip_lookup = (
+            f"ip daddr . meta l4proto . th dport vmap @{names.affinity_lookup(KIND_IP, False)}"
         )
-        for kind in (KIND_IP, KIND_NODEPORT)
-        for shortcut in (False, True)
+        chains[names.affinity_canonical_lookup(KIND_IP)] = (
+            ip_lookup,
+            "ip daddr set ct original ip daddr",
+        )
+        nodeport = "meta l4proto . th dport"
+        chains[names.affinity_canonical_lookup(KIND_NODEPORT)] = (
+            *(
+                f"{proto} dport set {nodeport} map @{names.affinity_canonical_ports}"
+                for proto in _PROTOCOLS
+            ),
+            ip_lookup,
+            *(
+                f"meta l4proto {proto} ip daddr set ct original ip daddr "
+                f"{proto} dport set ct original proto-dst"
+                for proto in _PROTOCOLS
+            ),
+        )
+    for kind in (KIND_IP, KIND_NODEPORT):
+        for shortcut in (False, True):
+            name = names.affinity_lookup(kind, shortcut)
+            rules = [f"{_frontend(kind, tokens)} vmap @{name}"]
+            if canonical and not shortcut:
+                guard = "" if kind == KIND_IP else f"{_L4} "
+                rules.append(
+                    f"{guard}ip daddr set {_frontend(kind, tokens)} map "
+                    f"@{names.affinity_canonical(kind)} "
+                    f"jump {names.affinity_canonical_lookup(kind)}"
+                )
+            chains[name] = tuple(rules)
+    if canonical:
+        chains.update(_canonical_record_chains(names))
+    return chains
+
+
+_PROTOCOLS = ("tcp", "udp", "sctp")
+
+
+def _canonical_record_chains(names: GenNames) -> dict[str, tuple[str, ...]]:
+    """The chains ``affinity-find`` goes to once it turned a new connection's packet to
+    an address other than its port's cluster IP into the cluster IP's (``affinity-find``
+    turned the address; a NodePort's Service port is turned here): each reads the
+    frontend's record element (a shared record chain writing the cluster IP's entry),
+    and puts the packet back when none is found (only when the canonical and record
+    elements of a frontend disagree), accepting as ``affinity-find`` would."""
+    original = "meta l4proto . ct original proto-dst"
+    frontend = f"ct original ip daddr . {original}"
+    return {
+        names.affinity_canonical_record(KIND_IP): (
+            f"{_L4} {frontend} vmap @{names.affinity_record(KIND_IP)}",
+            "ip daddr set ct reply ip saddr accept",
+        ),
+        names.affinity_canonical_record(KIND_NODEPORT): (
+            *(
+                f"{proto} dport set {original} map @{names.affinity_canonical_ports}"
+                for proto in _PROTOCOLS
+            ),
+            f"{_L4} {original} vmap @{names.affinity_record(KIND_NODEPORT)}",
+            *(
+                f"meta l4proto {proto} ip daddr set ct reply ip saddr "
+                f"{proto} dport set ct reply proto-src accept"
+                for proto in _PROTOCOLS
+            ),
+        ),
     }
 
 
@@ -657,10 +766,22 @@ def _affinity_record_chains(
     # one: only a destination no Service IP dispatches went through the NodePorts.
     not_ip = f"{frontend} != @{names.dispatch(KIND_IP)}"
     ips, nodeports = names.affinity_record(KIND_IP), names.affinity_record(KIND_NODEPORT)
-    find = [
-        f"{_L4} {frontend} vmap @{ips}",
-        f"{guard} {_L4} {not_ip} {original} vmap @{nodeports}",
-    ]
+    find = [f"{_L4} {frontend} vmap @{ips}", f"{guard} {_L4} {not_ip} {original} vmap @{nodeports}"]
+    if counted and ip == "ip":
+        # An address other than its port's cluster IP, whose entries are the cluster
+        # IP's: its packet turned into the cluster IP's before its record element is
+        # read (first: its element's record chain keys the entry by the packet).
+        find.insert(
+            0,
+            f"{_L4} ip daddr set {frontend} map @{names.affinity_canonical(KIND_IP)} "
+            f"goto {names.affinity_canonical_record(KIND_IP)}",
+        )
+        find.insert(
+            2,
+            f"{guard} {_L4} {not_ip} ip daddr set {original} map "
+            f"@{names.affinity_canonical(KIND_NODEPORT)} "
+            f"goto {names.affinity_canonical_record(KIND_NODEPORT)}",
+        )
     record = [f"jump {AFFINITY_FIND}"]
     if counted:
         find.append("accept")
@@ -719,9 +840,11 @@ def public_containers(tokens: FamilyTokens) -> tuple[ContainerSpec, ...]:
 
 
 AFFINITY_SHARED = "shared"
-"""ClientIP affinity in the shared maps (:func:`affinity_shards`), the default: a port that
-answers on its cluster IP only keys its entries by that frontend (no chain of its own), the
-others by their pins."""
+"""ClientIP affinity in the shared maps (:func:`affinity_shards`), the default: an IPv4 port
+whose every address picks from one endpoint list (both traffic policies Cluster) keys its
+entries by its cluster-IP frontend, whichever address a client came through (no chain of
+its own; its other addresses in the ``affinity-canonical-*`` maps); the others (IPv6, a
+Local traffic policy) by their pins."""
 AFFINITY_PINNED = "pinned"
 """The shared maps with every port's entries keyed by its pins, each port with a lookup and
 a record chain of its own (before the frontend-keyed maps; benchmarks)."""

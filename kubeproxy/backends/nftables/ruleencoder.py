@@ -15,14 +15,17 @@ this module compiles exactly that vocabulary, the way nft does:
   (the named protocols insert nft's ``meta l4proto`` match unless the rule already
   made it), ``meta l4proto``, ``meta mark`` (``& mask == value``), ``iifname`` (a
   trailing ``*`` compares the prefix only), ``ct state``, ``ct status`` (flag tests),
-  ``ct original`` addresses and ``proto-dst``, ``fib saddr``/``daddr type``,
+  ``ct original`` addresses and ``proto-dst``, ``ct reply`` source address and
+  ``proto-src``, ``fib saddr``/``daddr type``,
   ``numgen random mod N [offset M]``, ``jhash ip6 saddr mod N seed S`` (in a DNAT map
   lookup with a port, or a map update); concatenations of them; against a value, a named set
   (``@s``, ``!= @s``), a verdict map (``vmap @m``) or an anonymous set (``{ a, b }``);
 * statements ``jump``/``goto`` X, ``accept``/``drop``/``return``, ``reject``,
   ``counter``, ``masquerade [fully-random]``, ``meta mark set meta mark or|xor V``,
   ``dnat to K map @m [: port]`` (the map's declaration says what its value holds, and
-  its ``typeof`` which protocol match nft adds), ``update @m { K timeout Ns : V }``.
+  its ``typeof`` which protocol match nft adds), ``update @m { K timeout Ns : V }``,
+  ``ip daddr set V`` and ``tcp``/``udp``/``sctp dport set V`` (payload writes with the
+  checksum fix-ups nft asks for; ``V`` one selector or ``K map @m``, a map's value).
 
 Registers are allocated as nft allocates them (``netlink_linearize.c``: a single
 expression takes a 16-byte register, a concatenation its length in 4-byte registers,
@@ -52,8 +55,11 @@ __all__ = ["AnonymousSet", "EncodedRule", "RuleEncoder", "register"]
 _LIST_ELEM, _EXPR_NAME, _EXPR_DATA = 1, 1, 2
 _DATA_VALUE = 1
 _PAYLOAD_NETWORK, _PAYLOAD_TRANSPORT = 1, 2
+_CSUM_INET, _CSUM_SCTP = 1, 2
+_CSUM_L4_PSEUDOHDR = 1
+_CT_ORIGINAL, _CT_REPLY = 0, 1
 _META_MARK, _META_IIFNAME, _META_L4PROTO = 3, 6, 16
-_CT_STATE, _CT_STATUS, _CT_PROTO_DST = 0, 2, 12
+_CT_STATE, _CT_STATUS, _CT_PROTO_SRC, _CT_PROTO_DST = 0, 2, 11, 12
 _CT_SRC_IP, _CT_DST_IP, _CT_SRC_IP6, _CT_DST_IP6 = 19, 20, 21, 22
 _CMP_EQ, _CMP_NEQ = 0, 1
 _LOOKUP_INV = 1
@@ -145,11 +151,49 @@ def _meta(key: int, slot: int) -> bytes:
     return _expr("meta", nlmsg.attr(2, _u32(key)), nlmsg.attr(1, _u32(register(slot))))
 
 
-def _ct(key: int, slot: int, original: bool) -> bytes:
+def _ct(key: int, slot: int, direction: int | None) -> bytes:
     attributes = [nlmsg.attr(1, _u32(register(slot))), nlmsg.attr(2, _u32(key))]
-    if original:
-        attributes.append(nlmsg.attr(3, b"\0"))
+    if direction is not None:
+        attributes.append(nlmsg.attr(3, bytes((direction,))))
     return _expr("ct", *attributes)
+
+
+@dataclass(frozen=True, slots=True)
+class _Field:
+    """A packet field a statement writes (``ip daddr set``, ``tcp dport set``): where it
+    is and the checksum nft fixes up with it (``csum_type``, ``csum_off``, and whether
+    the transport checksum covers it through the pseudo-header), as ``nft
+    --debug=netlink`` shows nft 1.0.6 writing them."""
+
+    base: int
+    offset: int
+    length: int
+    csum_type: int
+    csum_offset: int
+    csum_flags: int = 0
+    protocol: str | None = None
+
+    def write(self, slot: int) -> bytes:
+        return _expr(
+            "payload",
+            nlmsg.attr(5, _u32(register(slot))),
+            nlmsg.attr(2, _u32(self.base)),
+            nlmsg.attr(3, _u32(self.offset)),
+            nlmsg.attr(4, _u32(self.length)),
+            nlmsg.attr(6, _u32(self.csum_type)),
+            nlmsg.attr(7, _u32(self.csum_offset)),
+            nlmsg.attr(8, _u32(self.csum_flags)),
+        )
+
+
+# The IPv4 header checksum is at byte 10; a transport checksum covers the addresses
+# through its pseudo-header. TCP's checksum is at byte 16, UDP's at 6, SCTP's CRC32c at 8.
+_WRITABLE: dict[tuple[str, ...], _Field] = {
+    ("ip", "daddr"): _Field(_PAYLOAD_NETWORK, 16, 4, _CSUM_INET, 10, _CSUM_L4_PSEUDOHDR),
+    ("tcp", "dport"): _Field(_PAYLOAD_TRANSPORT, 2, 2, _CSUM_INET, 16, protocol="tcp"),
+    ("udp", "dport"): _Field(_PAYLOAD_TRANSPORT, 2, 2, _CSUM_INET, 6, protocol="udp"),
+    ("sctp", "dport"): _Field(_PAYLOAD_TRANSPORT, 2, 2, _CSUM_SCTP, 8, protocol="sctp"),
+}
 
 
 def _verdict(text: str) -> bytes:
@@ -204,22 +248,32 @@ _SELECTORS: dict[tuple[str, ...], _Selector] = {
     ("meta", "mark"): _Selector(lambda slot: _meta(_META_MARK, slot), 4, "mark"),
     ("meta", "iifname"): _Selector(lambda slot: _meta(_META_IIFNAME, slot), 16, "ifname"),
     ("iifname",): _Selector(lambda slot: _meta(_META_IIFNAME, slot), 16, "ifname"),
-    ("ct", "state"): _Selector(lambda slot: _ct(_CT_STATE, slot, False), 4, "ctstate"),
-    ("ct", "status"): _Selector(lambda slot: _ct(_CT_STATUS, slot, False), 4, "ctstatus"),
+    ("ct", "state"): _Selector(lambda slot: _ct(_CT_STATE, slot, None), 4, "ctstate"),
+    ("ct", "status"): _Selector(lambda slot: _ct(_CT_STATUS, slot, None), 4, "ctstatus"),
     ("ct", "original", "ip", "saddr"): _Selector(
-        lambda slot: _ct(_CT_SRC_IP, slot, True), 4, "addr4"
+        lambda slot: _ct(_CT_SRC_IP, slot, _CT_ORIGINAL), 4, "addr4"
     ),
     ("ct", "original", "ip", "daddr"): _Selector(
-        lambda slot: _ct(_CT_DST_IP, slot, True), 4, "addr4"
+        lambda slot: _ct(_CT_DST_IP, slot, _CT_ORIGINAL), 4, "addr4"
     ),
     ("ct", "original", "ip6", "saddr"): _Selector(
-        lambda slot: _ct(_CT_SRC_IP6, slot, True), 16, "addr6"
+        lambda slot: _ct(_CT_SRC_IP6, slot, _CT_ORIGINAL), 16, "addr6"
     ),
     ("ct", "original", "ip6", "daddr"): _Selector(
-        lambda slot: _ct(_CT_DST_IP6, slot, True), 16, "addr6"
+        lambda slot: _ct(_CT_DST_IP6, slot, _CT_ORIGINAL), 16, "addr6"
     ),
     ("ct", "original", "proto-dst"): _Selector(
-        lambda slot: _ct(_CT_PROTO_DST, slot, True), 2, "port"
+        lambda slot: _ct(_CT_PROTO_DST, slot, _CT_ORIGINAL), 2, "port"
+    ),
+    # The reply direction's source: the endpoint a DNATed connection went to.
+    ("ct", "reply", "ip", "saddr"): _Selector(
+        lambda slot: _ct(_CT_SRC_IP, slot, _CT_REPLY), 4, "addr4"
+    ),
+    ("ct", "reply", "ip6", "saddr"): _Selector(
+        lambda slot: _ct(_CT_SRC_IP6, slot, _CT_REPLY), 16, "addr6"
+    ),
+    ("ct", "reply", "proto-src"): _Selector(
+        lambda slot: _ct(_CT_PROTO_SRC, slot, _CT_REPLY), 2, "port"
     ),
 }
 for _proto in _PROTOCOLS:
@@ -431,6 +485,8 @@ class RuleEncoder:
             self._update(stream, state)
         elif word == "meta" and stream.peek(2) == "set":
             self._set_mark(stream, state)
+        elif stream.peek(2) == "set" and (word, stream.peek(1)) in _WRITABLE:
+            self._set_field(stream, state)
         elif word in _SELECTOR_STARTS:
             self._match(stream, state)
         else:
@@ -638,6 +694,30 @@ class RuleEncoder:
         state.exprs.append(_meta(_META_MARK, 0))
         state.exprs.append(_bitwise(0, struct.pack("=I", mask), struct.pack("=I", xor)))
         state.exprs.append(_expr("meta", nlmsg.attr(2, _u32(_META_MARK)), nlmsg.attr(3, _u32(1))))
+
+    def _set_field(self, stream: _Tokens, state: _State) -> None:
+        """``ip daddr set V`` / ``tcp dport set V``: V one selector, or a concatenation
+        looked up in a map (``K map @m``: the map's value is written), loaded from the
+        first register, as nft does (a statement's registers are free after it). A
+        transport field needs its protocol matched first (nft's implicit match, put where
+        the statement begins)."""
+        target = _WRITABLE[(stream.take(), stream.take())]
+        stream.expect("set")
+        self._depend(target.protocol, state)
+        selectors = self._selectors(stream, state)
+        if stream.peek() == "map":
+            stream.take()
+            name = _set_name(stream.take())
+            declaration = self._declaration(name)
+            if not declaration.is_map or not declaration.value or len(declaration.value) != 1:
+                raise _Unsupported(f"{name} holds no single value to write")
+            self._load(selectors, state)
+            state.exprs.append(_lookup(name, 0, dreg=register(0), set_id=None))
+        elif len(selectors) == 1:
+            self._load(selectors, state)
+        else:
+            raise _Unsupported("a concatenation written into a field")
+        state.exprs.append(target.write(0))
 
     def _dnat(self, stream: _Tokens, state: _State) -> None:
         if stream.peek() in ("ip", "ip6"):

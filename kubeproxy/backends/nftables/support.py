@@ -286,6 +286,48 @@ PROBES: Final[tuple[FeatureProbe, ...]] = (
         evidence="tested on Debian 12's 6.1 and 6.12 and on 6.18",
     ),
     FeatureProbe(
+        "frontcanonical",
+        "address and port writes from a map lookup, before DNAT",
+        "5.10",
+        "1.0.6",
+        "ClientIP session affinity of a port's other addresses: a load-balancer or external"
+        " IP, or a NodePort, turned into the port's cluster IP (and Service port)",
+        ("nat", "prerouting"),
+        (
+            "tcp dport set meta l4proto . th dport map @frontcanonical-ports ip daddr set"
+            " meta l4proto . ct original proto-dst map @frontcanonical-ips",
+            "ip daddr set ct original ip daddr tcp dport set ct original proto-dst",
+        ),
+        (
+            "map frontcanonical-ports { typeof meta l4proto . th dport : th dport ; }",
+            "map frontcanonical-ips { typeof meta l4proto . th dport : ip daddr ; }",
+        ),
+        frozenset({Family.IP}),
+        evidence="tested on 6.18; the same statements on Debian 12's 6.1 and 6.12"
+        " (tests/test_affinity_canonical_kernel.py)",
+    ),
+    FeatureProbe(
+        "frontreply",
+        "map updates valued from the connection's reply direction, then an address write",
+        "5.10",
+        "1.0.6",
+        "ClientIP session affinity of a port's other addresses: recording a new"
+        " connection's endpoint under the cluster IP's entry",
+        ("filter", "forward"),
+        (
+            "meta l4proto { tcp, udp, sctp } update @frontreply-map { ip daddr . meta l4proto"
+            " . ct original proto-dst . ip saddr timeout 10s : ct reply ip saddr . ct reply"
+            " proto-src } ip daddr set ct reply ip saddr accept",
+        ),
+        (
+            "map frontreply-map { typeof ip daddr . meta l4proto . th dport . ip saddr"
+            " : ip daddr . th dport ; flags dynamic,timeout ; timeout 10800s ; }",
+        ),
+        frozenset({Family.IP}),
+        evidence="tested on 6.18; the same statements on Debian 12's 6.1 and 6.12"
+        " (tests/test_affinity_canonical_kernel.py)",
+    ),
+    FeatureProbe(
         "update6",
         "map updates with a timeout from the packet path",
         "5.10",

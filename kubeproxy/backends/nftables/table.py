@@ -295,9 +295,9 @@ class RenderContext:
     """ClientIP affinity in the shared maps (:func:`affinity_pin`), or (False, the
     benchmarks' structure before issue 32) in maps of each port's own."""
     frontend_affinity: bool = True
-    """With the shared maps: an IPv4 port that answers on its cluster IP only keys its
-    entries by that frontend (:func:`affinity_frontend_shard`), or (False, the benchmarks'
-    structure before) by its pins like every other port."""
+    """With the shared maps: an IPv4 port whose addresses all pick from one endpoint list
+    keys its entries by its cluster-IP frontend (:func:`affinity_frontend_shard`), or
+    (False, the benchmarks' structure before) by its pins like every other port."""
 
     @classmethod
     def build(

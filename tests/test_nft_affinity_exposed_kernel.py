@@ -1,0 +1,173 @@
+"""ClientIP affinity of a port reached beyond its cluster IP, through the nftables backend,
+with real connections.
+
+A port whose every address picks from one endpoint list (both traffic policies Cluster)
+keeps one entry per client in the map keyed by its cluster-IP frontend, whichever
+address the client came through: its load-balancer and external IPs and its NodePort are
+turned into the cluster IP (and Service port) by the generation's canonical maps before
+the lookup and the record, and put back after. This checks what upstream means by it:
+one entry per Service port and client across its addresses, the timeout counted from the
+last connection, an endpoint that goes taking its entries, and a connection whose entry
+a full map refuses served all the same (and counted).
+
+Namespaces are named ``kpxa-<random>-node`` / ``-pod`` and deleted whatever happens.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kubeproxy.backend import NodePortAddresses, ProxySnapshot, SyncChanges
+from kubeproxy.backends.nftables import NftablesBackend
+from kubeproxy.backends.nftables.exec import LibNftables
+from kubeproxy.backends.nftables.table import affinity_frontend_shard, port_identity
+from kubeproxy.config import ProxierConfig
+from kubeproxy.objects import (
+    CategorizedEndpoints,
+    Endpoint,
+    IPFamily,
+    NamespacedName,
+    NodeInfo,
+    Protocol,
+    ServicePort,
+    ServicePortName,
+)
+from tests import kernelkit
+from tests.kernelkit import NodeAndPod, node_and_pod_serving, run_in
+
+pytestmark = pytest.mark.kernel
+
+NODE_IP = "192.168.71.4"
+EP1, EP2 = "10.244.0.51", "10.244.0.52"
+CLUSTER_IP, LB_IP, EXTERNAL_IP = "172.30.0.10", "172.30.5.10", "172.30.6.10"
+NODE_PORT = 30080
+CLIENT = "10.244.0.1"  # the node's address towards the pods: its connections' source
+NAME = ServicePortName(NamespacedName("kpxa", "sticky"), "http", Protocol.TCP)
+SHARD, _NUMBER = affinity_frontend_shard(port_identity(NAME))
+CONFIG = ProxierConfig(node_name="kpxa-node")
+ENDPOINTS = (f"{EP1}:8080", f"{EP2}:8080")
+
+
+@pytest.fixture
+def namespaces() -> Iterator[NodeAndPod]:
+    with node_and_pod_serving("kpxa", NODE_IP, (EP1, EP2)) as pair:
+        yield pair
+
+
+def snapshot(*addresses: str) -> ProxySnapshot:
+    """The sticky port on its cluster IP, a load-balancer IP, an external IP and a
+    NodePort, with endpoints ``addresses`` (port 8080)."""
+    eps = tuple(Endpoint(ipaddress.ip_address(a), 8080) for a in addresses)
+    port = ServicePort(
+        NAME,
+        ipaddress.ip_address(CLUSTER_IP),
+        80,
+        Protocol.TCP,
+        node_port=NODE_PORT,
+        external_ips=(ipaddress.ip_address(EXTERNAL_IP),),
+        load_balancer_vips=(ipaddress.ip_address(LB_IP),),
+        session_affinity_seconds=60,
+    )
+    return ProxySnapshot(
+        IPFamily.IPV4,
+        NodeInfo("kpxa-node"),
+        {NAME: port},
+        {NAME: eps},
+        {NAME: CategorizedEndpoints(eps, (), eps, True)},
+        node_port_addresses=NodePortAddresses(match_all=True),
+    )
+
+
+def answered_by(netns_fd: int, address: str, port: int = 80) -> str | None:
+    """The endpoint that answered a connection from the node, from :data:`CLIENT`
+    whichever address it goes to."""
+    return kernelkit.answered_by(netns_fd, address, port, source=CLIENT)
+
+
+def entries(netns: str) -> list[tuple[str, str, float]]:
+    """(key, endpoint, seconds left) of every entry of the port's affinity map."""
+    listing = run_in(netns, "nft", "list", "map", "ip", "kube-proxy", SHARD)
+    pattern = r"([\d.]+ \. tcp \. 80 \. [\d.]+)(?: timeout \S+)? expires (\S+) : ([\d.]+ \. \d+)"
+    return [
+        (key, endpoint.replace(" . ", ":"), _seconds(expires))
+        for key, expires, endpoint in re.findall(pattern, listing)
+    ]
+
+
+def _seconds(text: str) -> float:
+    units = {"d": 86400, "h": 3600, "m": 60, "s": 1, "ms": 0.001}
+    return sum(int(n) * units[u] for n, u in re.findall(r"(\d+)(ms|h|m|s|d)", text))
+
+
+ADDRESSES = ((CLUSTER_IP, 80), (LB_IP, 80), (EXTERNAL_IP, 80), (NODE_IP, NODE_PORT))
+
+
+def test_every_address_shares_the_cluster_ips_entry(namespaces: NodeAndPod) -> None:
+    node, fd = namespaces.node, namespaces.node_fd
+    backend = NftablesBackend(IPFamily.IPV4, CONFIG, executor=LibNftables(netns=node))
+    backend.sync(snapshot(EP1, EP2), SyncChanges(full=True))
+    mine = f"{CLUSTER_IP} . tcp . 80 . {CLIENT}"
+    for first in ((LB_IP, 80), (NODE_IP, NODE_PORT), (EXTERNAL_IP, 80)):
+        run_in(node, "nft", "flush", "map", "ip", "kube-proxy", SHARD)
+        chosen = answered_by(fd, *first)
+        assert chosen in ENDPOINTS
+        # Written as the cluster IP's entry, whichever address came first.
+        assert [(k, e) for k, e, _left in entries(node)] == [(mine, chosen)]
+        for _ in range(3):
+            for address in ADDRESSES:
+                assert answered_by(fd, *address) == chosen, address
+        assert len(entries(node)) == 1
+
+    # Each new connection counts the timeout again, through any address.
+    before = entries(node)[0][2]
+    time.sleep(1.5)
+    assert answered_by(fd, NODE_IP, NODE_PORT) == chosen
+    assert entries(node)[0][2] > before - 1.0
+    time.sleep(1.5)
+    assert answered_by(fd, LB_IP) == chosen
+    assert entries(node)[0][2] > before - 1.0
+
+    # The endpoint goes: its entries with it; the client is pinned anew, everywhere.
+    remaining = EP2 if chosen == ENDPOINTS[0] else EP1
+    backend.sync(
+        snapshot(remaining), SyncChanges(full=False, changed_services=frozenset({NAME.service}))
+    )
+    assert entries(node) == []
+    assert answered_by(fd, EXTERNAL_IP) == f"{remaining}:8080"
+    assert [(k, e) for k, e, _left in entries(node)] == [(mine, f"{remaining}:8080")]
+    for address in ADDRESSES:
+        assert answered_by(fd, *address) == f"{remaining}:8080"
+
+
+def test_a_full_map_still_serves_every_address_and_counts_it(namespaces: NodeAndPod) -> None:
+    """A map of one entry, held by another client: the kernel refuses this client's
+    entries; each connection is served all the same (its packet put back as it was, or
+    it would leave for the cluster IP) and counted as not recorded."""
+    from prometheus_client import CollectorRegistry
+
+    from kubeproxy.backends.nftables.affinity_metrics import report_affinity
+
+    node, fd = namespaces.node, namespaces.node_fd
+    backend = NftablesBackend(
+        IPFamily.IPV4, CONFIG, executor=LibNftables(netns=node), affinity_size=1
+    )
+    backend.sync(snapshot(EP1, EP2), SyncChanges(full=True))
+    registry = CollectorRegistry()
+    report_affinity(registry, backend)
+    other = f"{CLUSTER_IP} . tcp . 80 . 10.9.9.9"
+    run_in(node, "nft", f"add element ip kube-proxy {SHARD} {{ {other} : {EP1} . 8080 }}")
+    served = 0
+    for _ in range(3):
+        for address in ADDRESSES[1:]:
+            assert answered_by(fd, *address) in ENDPOINTS, address
+            served += 1
+    assert [k for k, _e, _left in entries(node)] == [other]
+    unrecorded = registry.get_sample_value(
+        "kubeproxy_nftables_affinity_unrecorded_connections_total", {"ip_family": "IPv4"}
+    )
+    assert unrecorded == served
