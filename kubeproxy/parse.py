@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import ipaddress
-import itertools
 import logging
 import re
 import socket
@@ -43,6 +42,7 @@ from kubeproxy.objects import (
     Protocol,
     ServicePort,
     ServicePortName,
+    slot_init,
 )
 
 __all__ = [
@@ -426,9 +426,33 @@ def _is_namespace(text: str) -> bool:
     return text.isprintable() and _is_dns_label(text)
 
 
+def _usual_metadata(obj: Any) -> tuple[dict[str, Any], str, str] | None:
+    """The metadata, namespace and name of an object in the usual shape (a dict with a
+    valid namespace and a string name, unchecked), None otherwise: what :func:`_metadata`
+    accepts, without the context its messages need."""
+    metadata = obj.get("metadata") if type(obj) is dict else None
+    if type(metadata) is not dict:
+        return None
+    namespace, name = metadata.get("namespace"), metadata.get("name")
+    if (
+        type(namespace) is str
+        and type(name) is str
+        and 0 < len(namespace) <= 63
+        and _is_namespace(namespace)
+    ):
+        return metadata, namespace, name
+    return None
+
+
 def service_key(obj: KubeObject) -> NamespacedName:
     """The namespace and name of a Service; raises :class:`InvalidObject` if either is
     missing or is not a DNS-1123 label."""
+    # The usual Service, checked as below without the context a message needs (two
+    # objects made and dropped per call: 2.56-2.73 against 1.68-1.74 us, main and this,
+    # timeit in turn, the shared machine).
+    usual = _usual_metadata(obj)
+    if usual is not None and _is_dns_label(usual[2]):
+        return NamespacedName(_intern(usual[1]), _intern(usual[2]))
     metadata, context = _metadata(obj, "Service")
     name = metadata["name"]
     if not _is_dns_label(name):
@@ -480,15 +504,25 @@ def parse_service(
     if not ports:
         return {}
 
-    external_ips = _family_ips(context, spec.get("externalIPs"), "spec.externalIPs", family)
-    lb_vips = _load_balancer_vips(context, obj.get("status"), family)
-    source_ranges = _source_ranges(context, spec.get("loadBalancerSourceRanges"), family)
+    # Most Services have none of these: an absent field (None, as its validation reads
+    # it) is no address without the calls that would find none.
+    raw_external = spec.get("externalIPs")
+    external_ips = (
+        ()
+        if raw_external is None
+        else _family_ips(context, raw_external, "spec.externalIPs", family)
+    )
+    status = obj.get("status")
+    lb_vips = () if status is None else _load_balancer_vips(context, status, family)
+    raw_ranges = spec.get("loadBalancerSourceRanges")
+    source_ranges = () if raw_ranges is None else _source_ranges(context, raw_ranges, family)
     affinity_seconds = _affinity_seconds(context, spec)
     internal_local = _policy_is_local(context, spec, "internalTrafficPolicy")
     # As upstream: eTP only matters for Services reachable from outside by their type.
     externally_accessible = service_type in ("NodePort", "LoadBalancer") or (
         service_type == "ClusterIP"
-        and bool(context.sequence(spec.get("externalIPs"), "spec.externalIPs"))
+        and raw_external is not None
+        and bool(context.sequence(raw_external, "spec.externalIPs"))
     )
     external_local = (
         _policy_is_local(context, spec, "externalTrafficPolicy") and externally_accessible
@@ -654,6 +688,7 @@ def endpoint_with_port(endpoint: Endpoint, port: int) -> Endpoint:
     return endpoint.with_port(port)
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class ParsedEndpointSlice:
     """The parts of an EndpointSlice the proxy uses, validated.
@@ -680,6 +715,14 @@ def endpoint_slice_key(obj: KubeObject) -> tuple[NamespacedName, str]:
     """The Service an EndpointSlice belongs to (its ``kubernetes.io/service-name``
     label) and the slice's name; raises :class:`InvalidObject` when either is missing
     or malformed."""
+    # The usual slice, checked as below without the context a message needs (as
+    # service_key does): 2.93-3.49 against 2.75-2.79 us (as there).
+    usual = _usual_metadata(obj)
+    if usual is not None and _is_dns_subdomain(usual[2]):
+        labels = usual[0].get("labels")
+        service = labels.get(LABEL_SERVICE_NAME) if type(labels) is dict else None
+        if type(service) is str and _is_dns_label(service):
+            return NamespacedName(_intern(usual[1]), _intern(service)), usual[2]
     metadata, context = _metadata(obj, "EndpointSlice")
     name = metadata["name"]
     if not _is_dns_subdomain(name):
@@ -708,7 +751,7 @@ def parse_endpoint_slice(
     if obj.get("addressType") != family.value:
         return None
     service, slice_name = endpoint_slice_key(obj)
-    context = _Context("EndpointSlice", f"{service.namespace}/{slice_name}")
+    context = _Context("EndpointSlice", _Where(service.namespace, slice_name))
 
     ports: list[tuple[str, int, Protocol]] = []
     skipped = 0
@@ -729,6 +772,9 @@ def parse_endpoint_slice(
         )
     ports.sort()
     first_port = ports[0][1] if ports else 0
+    # An endpoint's key is its address and this text: the port formatted once a slice,
+    # not once an endpoint (timeit, shared machine: 120 against 50 ns an endpoint).
+    port_suffix = f":{first_port}"
 
     # Columns, not an Endpoint per endpoint (kubeproxy.objects.EndpointRows).
     keys: list[str] = []
@@ -739,6 +785,7 @@ def parse_endpoint_slice(
     # Never equal to a nodeName when this proxy has no node name.
     local_node: object = node_name if node_name else _NEVER
     known_node = bool(node_name)
+    pton, inet = _inet_pton, _AF_INET
     for index, raw in enumerate(context.sequence(obj.get("endpoints"), "endpoints")):
         # The common shapes are checked inline: this loop runs for every endpoint of
         # the cluster at start-up.
@@ -748,8 +795,17 @@ def parse_endpoint_slice(
             addresses = context.sequence(addresses, "endpoints[{}].addresses", index)
         if not addresses:
             continue
+        address = addresses[0]
         try:
-            address = _address_text(addresses[0])
+            # _address_text's usual case inline (a strict dotted quad is its own text):
+            # a call less per endpoint of the cluster.
+            if type(address) is not str or len(address) > 15 or ":" in address:
+                address = _address_text(address)
+            else:
+                try:
+                    pton(inet, address)
+                except (OSError, ValueError):
+                    address = _address_text(address)
         except ValueError:
             raise context.fail(
                 "endpoints[{}].addresses[0]", index, f"invalid IP address {_show(addresses[0])}"
@@ -793,7 +849,7 @@ def parse_endpoint_slice(
             hints_of.append((zone_hints, node_hints) if zone_hints or node_hints else NO_HINTS)
         elif hints_of is not None:
             hints_of.append(NO_HINTS)
-        keys.append(f"[{address}]:{first_port}" if is_ipv6 else f"{address}:{first_port}")
+        keys.append(f"[{address}]{port_suffix}" if is_ipv6 else address + port_suffix)
         addresses_of.append(address)
         flags.append(bits)
     return ParsedEndpointSlice(
@@ -816,7 +872,9 @@ def _sorted_rows(
     hints: list[tuple[frozenset[str], frozenset[str]]] | None,
 ) -> EndpointRows:
     """A slice's endpoint columns as rows sorted by key (stably, as the objects were)."""
-    if any(a > b for a, b in itertools.pairwise(keys)):
+    # Compared with its sorted copy, in C, not by a generator over the pairs: 0.24
+    # against 0.93 us for a sorted slice of 10 (timeit, the shared machine).
+    if keys != sorted(keys):
         order = sorted(range(len(keys)), key=keys.__getitem__)
         keys = [keys[i] for i in order]
         addresses = [addresses[i] for i in order]

@@ -14,7 +14,7 @@ the tuple costs no more than a set did.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import TypeVar, overload
+from typing import TypeVar, cast, overload
 
 from kubeproxy.objects import NamespacedName, ServicePortName
 
@@ -101,5 +101,8 @@ class PortsByService(Mapping[NamespacedName, tuple[ServicePortName, ...]]):
             return
         if name not in held:
             return
-        left = tuple(n for n in held if n != name)
+        # A ServicePortName is a named tuple: `type(held) is tuple` tells the two apart
+        # at run time, not to mypy.
+        names = cast(tuple[ServicePortName, ...], held)
+        left = tuple(n for n in names if n != name)
         self._held[service] = left[0] if len(left) == 1 else left

@@ -589,7 +589,9 @@ class Proxier:
         """Fold in pending changes and call the backend; return what it was given."""
         try:
             service_result = self._services.apply(self._service_changes)
-            endpoints_result = self._endpoints.apply(self._endpoint_changes)
+            endpoints_result = self._endpoints.apply(
+                self._endpoint_changes, self._services.ports_by_service
+            )
         except Exception:
             # Maps may be half-updated: derive everything afresh next time.
             with self._state_lock:
@@ -692,27 +694,31 @@ class Proxier:
 
     def _recategorize(self, services: Iterable[NamespacedName], node: NodeInfo) -> None:
         """Categorize the endpoints of every port of ``services`` afresh."""
-        ports_by_service = self._services.ports_by_service
+        # Locals for what the loop reads: it runs once per Service of the cluster at a
+        # full sync.
+        service_map = self._services
+        ports_by_service = service_map.ports_by_service
         categorized = self._categorized
+        categorized_ports = self._categorized_ports
         endpoints = self._endpoints
         node_name = self._config.node_name
         zone = node.zone
         for service in services:
             ports = tuple(ports_by_service.get(service, ()))
-            for name in self._categorized_ports.get(service, ()):
+            for name in categorized_ports.get(service, ()):
                 if name not in ports:
                     del categorized[name]
             for name in ports:
                 found = endpoints.get(name, _NO_ENDPOINTS)
                 categorized[name] = (
-                    categorize_endpoints(found, self._services[name], node_name, zone)
+                    categorize_endpoints(found, service_map[name], node_name, zone)
                     if found
                     else _NO_CATEGORIES
                 )
             if ports:
-                self._categorized_ports[service] = ports
+                categorized_ports[service] = ports
             else:
-                self._categorized_ports.pop(service, None)
+                categorized_ports.pop(service, None)
 
     def _detector_for(self, node: NodeInfo, *, warn: bool = True) -> LocalDetector:
         detector = self._config.local_detector

@@ -607,3 +607,30 @@ def test_an_update_of_endpoints_only_skips_the_leave_check(
     moved = endpoint_slice("s1", [ep("10.0.0.2")], service="dns")
     tracker.update(moved, False, previous=second)
     assert len(left) == 1
+
+
+def test_the_map_keys_ports_by_the_service_maps_own_names() -> None:
+    """Keyed by the Service map's object when it has the port (one key object a port,
+    not two), by the slice's own otherwise; equal either way."""
+    service = NamespacedName("ns", "web")
+    held = ServicePortName(NamespacedName("ns", "web"), "http", Protocol.TCP)
+    other = ServicePortName(service, "dns", Protocol.UDP)
+    tracker = EndpointsChangeTracker(V4, NODE)
+    tracker.update(
+        endpoint_slice(
+            "web-1",
+            [ep("10.0.0.1")],
+            [{"name": "http", "port": 80}, {"name": "dns", "port": 53, "protocol": "UDP"}],
+        ),
+        False,
+    )
+    endpoints = EndpointsMap()
+    endpoints.apply(tracker, {service: (other, held)})
+    by_key = {name: name for name in endpoints}
+    assert by_key[held] is held
+    assert by_key[other] is other
+    tracker.update(endpoint_slice("web-1", [ep("10.0.0.2")]), False)
+    endpoints.apply(tracker, {})
+    assert list(endpoints) == [held]
+    assert next(iter(endpoints)) is not held
+    assert keys(endpoints[held]) == ["10.0.0.2:80"]

@@ -7,7 +7,10 @@ from __future__ import annotations
 import ipaddress
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from kubeproxy.backends.nftables import frontends
 from kubeproxy.backends.nftables.frontends import plan_port
 from kubeproxy.backends.nftables.table import InvalidPort, RenderContext, tokens_for
 from kubeproxy.config import LocalDetectMode, LocalDetector
@@ -69,3 +72,9 @@ def test_good_endpoints_pass(family: IPFamily) -> None:
     good = _good(family, 5)
     plan = plan_port(_ctx(family), _port(family), CategorizedEndpoints(good, (), good, True))
     assert plan.frontends[0].endpoints == tuple(sorted(ep.key for ep in good))
+
+
+@given(st.integers(0, 2**32 - 1), st.integers(0, 2**128 - 1))
+def test_address_text_is_str_of_the_address(v4: int, v6: int) -> None:
+    for ip in (ipaddress.IPv4Address(v4), ipaddress.IPv6Address(v6)):
+        assert frontends._address_text(ip) == str(ip)

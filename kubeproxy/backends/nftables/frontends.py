@@ -28,6 +28,7 @@ import enum
 import functools
 import hashlib
 import ipaddress
+import socket
 from dataclasses import dataclass
 from typing import Final
 
@@ -49,6 +50,7 @@ from kubeproxy.objects import (
     CategorizedEndpoints,
     EndpointRows,
     Endpoints,
+    IPAddress,
     IPFamily,
     NamespacedName,
     Protocol,
@@ -56,6 +58,7 @@ from kubeproxy.objects import (
     ServicePortName,
     endpoint_addresses,
     endpoint_ports,
+    slot_init,
 )
 
 __all__ = [
@@ -312,6 +315,7 @@ class ClassSpec:
     affinity: bool = False
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class Frontend:
     """One frontend of a Service port and everything the data holds for it.
@@ -449,6 +453,7 @@ class AffinityPlan:
     port uses them, see :func:`~.layout.affinity_frontend_map`)."""
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class PortPlan:
     """Everything one Service port puts into the table.
@@ -545,6 +550,18 @@ def _port_text(port: int) -> str:
     return str(port)
 
 
+def _address_text(ip: IPAddress) -> str:
+    """``str(ip)``, an IPv4 address's in C: the dotted quad is what ``inet_ntoa`` writes
+    (``str`` of an IPv4Address formats it in Python: 1.56 against 0.65 us, ``timeit``,
+    the shared machine; once per port of a full sync)."""
+    if ip.version == 4:
+        return _inet_ntoa(int(ip).to_bytes(4, "big"))
+    return str(ip)
+
+
+_inet_ntoa = socket.inet_ntoa
+
+
 def _keys(endpoints: Endpoints) -> tuple[str, ...]:
     if type(endpoints) is EndpointRows:
         return endpoints.keys  # sorted already: the core's own tuple, shared (11 MB at 100k)
@@ -563,7 +580,7 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
     _check(ctx, port, eps)
     proto = port.protocol.lower
     port_text = _port_text(port.port)
-    cip = str(port.cluster_ip)
+    cip = _address_text(port.cluster_ip)
     sticky = port.session_affinity_seconds > 0
 
     cluster = _keys(eps.cluster) if port.uses_cluster_endpoints else ()
