@@ -1550,6 +1550,25 @@ def test_a_ports_other_addresses_share_its_cluster_ip_entry_through_the_canonica
     assert [n for n in _affinity_chains(fake) if "/" in n]
 
 
+def test_udp_ports_with_a_nodeport_keep_their_pins() -> None:
+    # A NodePort turned into its Service port is a `udp dport set`, which makes a UDP
+    # checksum of 0 into 0xffff (dropped by the receiver); an address write keeps it.
+    world = World()
+    nodeport = replace(_cluster_ip_port(5, proto=Protocol.UDP), node_port=30085)
+    balanced = replace(
+        _cluster_ip_port(6, proto=Protocol.UDP), load_balancer_vips=(ip("5.6.7.11"),)
+    )
+    world.add(nodeport, ep("10.180.1.5"))
+    world.add(balanced, ep("10.180.1.6"))
+    fake = FakeNft()
+    backend(fake).sync(world.snapshot(), full())
+    pinned = {n.split("-", 3)[-1] for n in _affinity_chains(fake) if "/" in n}
+    assert len(pinned) == 1 and "s5" in next(iter(pinned))
+    assert sorted(lines(fake.dump(), r"^add element ip kube-proxy affinity-canonical-")) == [
+        "add element ip kube-proxy affinity-canonical-ips.g1 { 5.6.7.11 . udp . 80 : 172.30.1.6 }"
+    ]
+
+
 def _chain_of(dump: str, prefix: str, holding: str) -> str:
     """The chain whose name starts with ``prefix`` and one of whose rules holds ``holding``."""
     found = {

@@ -205,14 +205,21 @@ def _frontend_affinity(
     ``affinity-find``); the port's elements in those maps are data, no chain.
 
     None for the ports that keep their pins: IPv6 (a frontend and a client do not fit
-    the 16 bytes of key nft 1.0.6 leaves before the value), and ports whose addresses
+    the 16 bytes of key nft 1.0.6 leaves before the value), ports whose addresses
     pick from different lists (a Local traffic policy: upstream's ``local-`` chain reads
-    only the local endpoints' entries)."""
+    only the local endpoints' entries), and UDP ports with a NodePort: turning a
+    NodePort into the Service port is a ``udp dport set``, and the kernel's payload
+    write updates a UDP checksum of 0 (a datagram sent without one: ``SO_NO_CHECK``,
+    VXLAN's default over IPv4) into 0xffff, a checksum the receiver drops, even when
+    the port is put back; an address write keeps the 0 (the pseudo-header update
+    exempts it), so their other addresses alone would be safe, but a port's entries
+    are keyed one way for all its addresses."""
     if (
         not (ctx.shared_affinity and ctx.frontend_affinity)
         or ctx.tokens.family is IPFamily.IPV6
         or port.internal_policy_local
         or port.external_policy_local
+        or (port.node_port and port.protocol is Protocol.UDP)
     ):
         return None
     shard, _number = affinity_frontend_shard(port_identity(port.name))
