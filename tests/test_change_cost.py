@@ -48,6 +48,11 @@ SMALL, LARGE = 1_000, 30_000
 # different number of slots, the collector runs at other moments. A loop over every
 # Service would be 30 times the work.
 RATIO, SLACK = 1.05, 200
+# tracemalloc's peak counts every thread: through the API, the watch threads (a bookmark
+# the fake server sends, a read buffer of the reflector's) may allocate inside the
+# measured window. 17 against 33 KB was seen once on a loaded machine, the same opcodes
+# and calls; a change whose memory grew with the cluster would be hundreds of KB at 30k.
+API_BACKGROUND_BYTES = 64 * 1024
 
 
 class NullNft(FakeNft):
@@ -236,4 +241,7 @@ def test_one_change_costs_the_same_at_1k_and_30k(tmp_path: Path, path: str) -> N
     measure = manifests_change_cost if path == "manifests" else api_change_cost
     small = measure(tmp_path, SMALL)
     large = measure(tmp_path, LARGE)
-    assert large.within(small, RATIO, SLACK), f"1k: {small}; 30k: {large}"
+    allowed = small
+    if path == "api":
+        allowed = dataclasses.replace(small, peak_bytes=small.peak_bytes + API_BACKGROUND_BYTES)
+    assert large.within(allowed, RATIO, SLACK), f"1k: {small}; 30k: {large}"
