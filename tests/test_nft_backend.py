@@ -1545,8 +1545,8 @@ def test_a_ports_other_addresses_share_its_cluster_ip_entry_through_the_canonica
     # A Local policy later: the port keeps its pins, and leaves the canonical maps.
     world.add(replace(port, external_policy_local=True), ep("10.180.1.3", local=True))
     b.sync(world.snapshot(), changed(port.name))
-    assert not fake.list_elements(Family.IP, "kube-proxy", "affinity-canonical-ips.g1")
-    assert not fake.list_elements(Family.IP, "kube-proxy", "affinity-canonical-ports.g1")
+    for canonical in ("ips", "nodeports", "ports"):
+        assert not fake.list_elements(Family.IP, "kube-proxy", f"affinity-canonical-{canonical}.g1")
     assert [n for n in _affinity_chains(fake) if "/" in n]
 
 
