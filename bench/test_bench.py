@@ -40,7 +40,7 @@ import re
 import statistics
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -639,10 +639,33 @@ def test_whole_process_affinity(results: Results, services: int, tmp_path: Path)
     (before the maps keyed by the frontend) and the affinity maps per Service port (before
     issue 32) through the same start-up (:mod:`bench.wholeproc`), rounds
     interleaved."""
-    plain = write_manifests(tmp_path / "plain", build_services(services, ENDPOINTS))
+    ours, sticky = _with_and_without_affinity(tmp_path, services, build_services)
+    if services <= AFFINITY_PER_PORT_WHOLE_PROCESS_MAX:
+        ours = (
+            *ours,
+            (
+                NFTABLES_AFFINITY_MAPS,
+                per_port_affinity_argv(sticky),
+                True,
+                "the same, affinity maps per Service port swapped in",
+            ),
+        )
+    _affinity_rounds(results, services, ours, tmp_path, "whole_process_affinity", services)
+
+
+_Contender = tuple[Subject, list[str], bool, str]
+
+
+def _with_and_without_affinity(
+    tmp_path: Path, services: int, build: Callable[..., list[SyntheticService]]
+) -> tuple[tuple[_Contender, ...], Path]:
+    """The cluster ``build`` makes written twice (without affinity, and with ClientIP
+    affinity on every Service), and the three contenders every whole-process affinity
+    bench runs: without, with, and with every port's chains of its own; and the sticky
+    manifests' directory (for more contenders)."""
+    plain = write_manifests(tmp_path / "plain", build(services, ENDPOINTS))
     sticky = write_manifests(
-        tmp_path / "sticky",
-        build_services(services, ENDPOINTS, affinity_seconds=AFFINITY_SECONDS),
+        tmp_path / "sticky", build(services, ENDPOINTS, affinity_seconds=AFFINITY_SECONDS)
     )
     ours = (
         (NFTABLES, binary_argv(plain), False, "kube-proxy-nftables --manifests DIR --once"),
@@ -653,17 +676,8 @@ def test_whole_process_affinity(results: Results, services: int, tmp_path: Path)
             True,
             "the same, affinity chains per Service port swapped in (before)",
         ),
-        (
-            NFTABLES_AFFINITY_MAPS,
-            per_port_affinity_argv(sticky),
-            True,
-            "the same, affinity maps per Service port swapped in",
-        ),
-    )[: None if services <= AFFINITY_PER_PORT_WHOLE_PROCESS_MAX else 3]
-    _affinity_rounds(results, services, ours, tmp_path, "whole_process_affinity", services)
-
-
-_Contender = tuple[Subject, list[str], bool, str]
+    )
+    return ours, sticky
 
 
 def _affinity_rounds(
@@ -695,21 +709,7 @@ def test_whole_process_affinity_exposed(results: Results, services: int, tmp_pat
     """:func:`test_whole_process_affinity` on :func:`~bench.synthetic.exposed_services`
     (every Service reached beyond its cluster IP): without affinity, with it, and with
     every port's chains of its own (records of kind ``whole_process_affinity_exposed``)."""
-    plain = write_manifests(tmp_path / "plain", exposed_services(services, ENDPOINTS))
-    sticky = write_manifests(
-        tmp_path / "sticky",
-        exposed_services(services, ENDPOINTS, affinity_seconds=AFFINITY_SECONDS),
-    )
-    ours = (
-        (NFTABLES, binary_argv(plain), False, "kube-proxy-nftables --manifests DIR --once"),
-        (NFTABLES, binary_argv(sticky), True, "the same, ClientIP affinity on every Service"),
-        (
-            NFTABLES_AFFINITY_PINNED,
-            pinned_affinity_argv(sticky),
-            True,
-            "the same, affinity chains per Service port swapped in (before)",
-        ),
-    )
+    ours, _sticky = _with_and_without_affinity(tmp_path, services, exposed_services)
     frontends = expected_frontends(exposed_services(services, ENDPOINTS))
     _affinity_rounds(results, services, ours, tmp_path, "whole_process_affinity_exposed", frontends)
 
