@@ -370,6 +370,10 @@ def _metadata(obj: Any, kind: str) -> tuple[Mapping[str, Any], _Context]:
     """The object's metadata, checked to hold a valid namespace and name."""
     # `type(x) is dict` first, here and below: isinstance against the Mapping ABC costs
     # 0.2 us, and these run a few times per object of the cluster (issue 32).
+    usual = _usual_metadata(obj)
+    if usual is not None and usual[2] and usual[2].isprintable():
+        # The usual object: valid namespace, a printable name (the callers check it).
+        return usual[0], _Context(kind, _Where(usual[1], usual[2]))
     if type(obj) is not dict and not isinstance(obj, Mapping):
         raise InvalidObject(kind, "<unknown>", f"expected an object, got {_show(obj)}")
     metadata = obj.get("metadata")
@@ -377,16 +381,6 @@ def _metadata(obj: Any, kind: str) -> tuple[Mapping[str, Any], _Context]:
         raise InvalidObject(kind, "<none>/<none>", "metadata is missing")
     namespace = metadata.get("namespace")
     name = metadata.get("name")
-    if (
-        type(namespace) is str
-        and type(name) is str
-        and 0 < len(namespace) <= 63
-        and name
-        and _is_namespace(namespace)
-        and name.isprintable()
-    ):
-        # The usual object: valid namespace, a printable name (the callers check it).
-        return metadata, _Context(kind, _Where(namespace, name))
     if (
         isinstance(namespace, str)
         and isinstance(name, str)
