@@ -31,6 +31,7 @@ __all__ = [
     "SliceOwner",
     "code_owner",
     "identity",
+    "interned_owner",
     "owner_code",
     "owner_text",
     "slice_owner",
@@ -68,10 +69,14 @@ def slice_owner(obj: KubeObject, *, intern: bool = True) -> SliceOwner | None:
     metadata = obj.get("metadata")
     labels = metadata.get("labels") if _is_mapping(metadata) else None
     owner = labels.get(LABEL_SERVICE_NAME) if _is_mapping(labels) else None
-    address_type = obj.get("addressType")
-    if not intern:
-        return owner, address_type
-    return owner_text(owner), owner_text(address_type)
+    found = (owner, obj.get("addressType"))
+    return interned_owner(found) if intern else found
+
+
+def interned_owner(owner: SliceOwner) -> SliceOwner:
+    """``owner`` with its texts interned (:func:`owner_text`): what a source keeps of an
+    owner it cannot keep as a number (:func:`owner_code`)."""
+    return owner_text(owner[0]), owner_text(owner[1])
 
 
 def identity(

@@ -65,10 +65,10 @@ from kubeproxy.sources.identity import (
     SliceOwner,
     code_owner,
     identity,
+    interned_owner,
     owner_code,
     slice_owner,
 )
-from kubeproxy.sources.identity import owner_text as _text
 from kubeproxy.sources.jsonitems import json_objects
 from kubeproxy.sources.keymap import KeyMap
 
@@ -620,9 +620,8 @@ class ManifestSource:
                 self._paths.append(path)
                 self._path_numbers[path] = number
         if code is None:
-            if owner is not None:
-                owner = (_text(owner[0]), _text(owner[1]))
-            self._defs[key] = _Def(path, position, fingerprint, owner)
+            kept = None if owner is None else interned_owner(owner)
+            self._defs[key] = _Def(path, position, fingerprint, kept)
             return
         self._defs[key] = (
             (position << _POSITION_SHIFT)

@@ -39,8 +39,8 @@ from kubeproxy.sources.identity import (
     SliceOwner,
     code_owner,
     identity,
+    interned_owner,
     owner_code,
-    owner_text,
     slice_owner,
 )
 from kubeproxy.sources.keymap import KeyMap
@@ -162,9 +162,7 @@ def _entry(name: str, version: str | None, owner: SliceOwner | None) -> Any:
         code = owner_code(name, owner)
         if code is not None:
             return (int(version) << OWNER_BITS) | code
-    if owner is not None:
-        owner = (owner_text(owner[0]), owner_text(owner[1]))
-    return (version, owner)
+    return (version, None if owner is None else interned_owner(owner))
 
 
 def _entry_parts(name: str, entry: Any) -> tuple[str | None, SliceOwner | None]:
@@ -394,13 +392,18 @@ class Reflector:
         resourceVersion is the one delivered)."""
         old = self.cache.get(key)
         version = _rv(obj)
-        self.cache[key] = (
-            obj if self.keep_objects else _entry(key[1], version, slice_owner(obj, intern=False))
-        )
+        self._keep(key, obj, version)
         if old is None:
             self._call(self.callbacks.add, obj)
         elif self._version(old) != version or version is None:
             self._call(self.callbacks.update, self._old(key, old), obj)
+
+    def _keep(self, key: Key, obj: KubeObject, version: str | None) -> None:
+        """Cache what is kept of delivered ``obj`` (resourceVersion ``version``): the object
+        itself, or its version and owner (:func:`_entry`)."""
+        self.cache[key] = (
+            obj if self.keep_objects else _entry(key[1], version, slice_owner(obj, intern=False))
+        )
 
     def objects(self) -> dict[Key, KubeObject]:
         """What the handler has been told exists: the objects kept whole, else each
@@ -570,11 +573,7 @@ class Reflector:
                     self._call(self.callbacks.delete, obj)
             else:
                 old = self.cache.get(key)
-                self.cache[key] = (
-                    obj
-                    if self.keep_objects
-                    else _entry(key[1], resource_version, slice_owner(obj, intern=False))
-                )
+                self._keep(key, obj, resource_version)
                 if old is None:
                     self._call(self.callbacks.add, obj)
                 else:
