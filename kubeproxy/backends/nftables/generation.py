@@ -258,7 +258,8 @@ class Generation:
         the full sync left them uncounted: call before a change pops any port's state."""
         counts = self.shared.hairpin
         if counts is None:
-            # Counter's update is a C loop: 1M addresses in about 0.1 s.
+            # Counter's update is a C loop: 1M addresses in 0.26-0.31 s of CPU (three
+            # runs in process at 100k Services, the shared machine), once per full sync.
             counts = Counter(
                 itertools.chain.from_iterable(state.hairpin for state in self.ports.values())
             )

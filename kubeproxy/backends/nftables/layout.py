@@ -844,7 +844,7 @@ AFFINITY_SHARED = "shared"
 whose every address picks from one endpoint list (both traffic policies Cluster) keys its
 entries by its cluster-IP frontend, whichever address a client came through (no chain of
 its own; its other addresses in the ``affinity-canonical-*`` maps); the others (IPv6, a
-Local traffic policy) by their pins."""
+Local traffic policy, UDP with a NodePort) by their pins."""
 AFFINITY_PINNED = "pinned"
 """The shared maps with every port's entries keyed by its pins, each port with a lookup and
 a record chain of its own (before the frontend-keyed maps; benchmarks)."""

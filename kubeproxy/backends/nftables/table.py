@@ -296,8 +296,9 @@ class RenderContext:
     benchmarks' structure before issue 32) in maps of each port's own."""
     frontend_affinity: bool = True
     """With the shared maps: an IPv4 port whose addresses all pick from one endpoint list
-    keys its entries by its cluster-IP frontend (:func:`affinity_frontend_shard`), or
-    (False, the benchmarks' structure before) by its pins like every other port."""
+    (but a UDP port with a NodePort, see :mod:`.frontends`) keys its entries by its
+    cluster-IP frontend (:func:`affinity_frontend_shard`), or (False, the benchmarks'
+    structure before) by its pins like every other port."""
 
     @classmethod
     def build(
