@@ -64,7 +64,9 @@ beta and on by default): no leading zeros (``010.0.0.1``), no IPv4-mapped IPv6
 addresses keep the older, sloppy parse, as upstream's discovery validation does.
 
 Each function returns the reasons, ``"<field>: <value>: <why>"``, in field order; an empty
-list for an object the API server would store.
+list for an object the API server would store. :func:`checked_endpoint_slice` returns
+the same reasons and the slice's parse, made on the same walk of its endpoints (the
+source hands it to the change tracker: :func:`kubeproxy.parse.hand_over`).
 """
 
 from __future__ import annotations

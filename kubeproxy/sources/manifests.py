@@ -12,7 +12,10 @@ fields the proxy reads: :mod:`kubeproxy.sources.apivalidation`), since with this
 nobody else does: one the API server would refuse is reported in one line (the file,
 the document, every reason) and not delivered; as for a refused update, the version
 delivered before stays, until a valid one or the object's removal. Their keys are listed
-in :attr:`ManifestSource.refused` while they stay refused.
+in :attr:`ManifestSource.refused` while they stay refused. An EndpointSlice is validated
+on the parse's own walk of its endpoints, and that parse is handed to the change tracker
+the slice is delivered to, which would otherwise walk it again
+(:func:`~kubeproxy.sources.apivalidation.checked_endpoint_slice`).
 
 Objects are keyed by kind, namespace and name. A file that cannot be read or parsed, or
 that holds a document without a kind or a name, is *broken*: it is reported once (file,
