@@ -793,10 +793,16 @@ def parse_checked_endpoint_slice(
 
     For :mod:`kubeproxy.sources.apivalidation`: the checks ride on the parse's own walk
     of the endpoints, which reads those fields anyway, instead of a walk of their own
-    (see :func:`hand_over`). Raises :class:`InvalidObject` as the parse does.
+    (see :func:`hand_over`). Raises :class:`InvalidObject` as the parse does. A slice
+    with a port the parse leaves out (no number) gives no parse (None) and no log line:
+    its tracker parses it and says so once, as before, whether or not it is valid.
     """
     unclear: list[int] = []
     parsed = _parse_slice(obj, family, node_name, (unclear, node_name_ok))
+    if parsed is not None:
+        raw_ports = obj.get("ports")
+        if len(parsed.ports) != (len(raw_ports) if raw_ports is not None else 0):
+            parsed = None
     return parsed, unclear
 
 
@@ -829,7 +835,7 @@ def _parse_slice(
             skipped += 1
             continue
         ports.append((name, context.integer(number, "ports[{}].port", 1, 65535, index), protocol))
-    if skipped:
+    if skipped and check is None:  # checked: see parse_checked_endpoint_slice
         logger.warning(
             "EndpointSlice %s: ignoring %d port(s) without a port number",
             context.name,

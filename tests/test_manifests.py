@@ -741,3 +741,19 @@ def test_the_tracker_gets_the_validations_parse_while_a_slice_is_delivered(
     delivered = handler.objects[-1][1]
     assert delivered is not None
     assert parse_endpoint_slice(delivered, V4, "node-a") is not first
+
+
+def test_a_slices_port_without_a_number_is_reported_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The validation's parse says nothing of it; the tracker's own parse says it, once.
+    web = builders.endpoint_slice("web-1", "web", "demo", addresses=["10.244.0.11"])
+    web["ports"].append({"name": "all", "protocol": "TCP"})
+    write_list(tmp_path, web)
+    handler = ParsingHandler()
+    with caplog.at_level(logging.WARNING):
+        ManifestSource(tmp_path, handler, node_name="node-a").load()
+    ((first, second),) = handler.parses
+    assert first is not None and first == second and first is not second  # parsed by each
+    said = [r.getMessage() for r in caplog.records if "without a port number" in r.getMessage()]
+    assert len(said) == 2, said  # the handler parses twice: one line a parse, none before
