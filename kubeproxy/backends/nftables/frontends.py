@@ -44,6 +44,7 @@ from kubeproxy.backends.nftables.table import (
     affinity_map_name,
     affinity_pin,
     chain_name,
+    check_port_name,
     port_identity,
 )
 from kubeproxy.objects import (
@@ -497,7 +498,7 @@ def _check_port(what: str, value: int, *, zero_ok: bool = False) -> None:
 
 def _check(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) -> None:
     """Raise :class:`InvalidPort` for anything that must not reach nft."""
-    port_identity(port.name)  # names must be safe: they appear in logs and comments
+    check_port_name(port.name)  # names must be safe: they appear in logs and comments
     _check_port("port", port.port)
     _check_port("nodePort", port.node_port, zero_ok=True)
     if port.session_affinity_seconds > MAX_AFFINITY_SECONDS:
