@@ -110,6 +110,7 @@ from kubeproxy.backends.nftables.transaction import Transaction
 from kubeproxy.config import ProxierConfig
 from kubeproxy.featuregates import KUBE_PROXY_NFTABLES_LOCALHOST_NODEPORTS
 from kubeproxy.objects import IPFamily, ServicePortName
+from kubeproxy.portindex import PortsByService
 
 __all__ = ["PLAN_CONTAINERS", "STALE_DELAY", "NftablesBackend", "restitch"]
 
@@ -517,8 +518,15 @@ class NftablesBackend:
         claims = self._claims
         claims.reset()
         plans: dict[ServicePortName, PortPlan] = {}
+        index = snapshot.ports_by_service
+        if type(index) is PortsByService:
+            # The core's index of the snapshot's ports (its contract: every port of
+            # ``services``), copied: an add per port was a pass over the cluster.
+            model.by_service = index.copy()
+        else:
+            for name in snapshot.services:
+                model.by_service.add(name)
         for name in snapshot.services:
-            model.by_service.add(name)
             plan = self._plan(snapshot, name)
             if plan is not None:
                 plans[name] = plan
