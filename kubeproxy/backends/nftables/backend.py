@@ -172,7 +172,7 @@ class NftablesBackend:
     reaching such a count is element changes only; measured against the default in the
     package README ("A never-seen endpoint count": every commit pays for the chains).
     ``packed_elements``: a full sync's slots and hairpin pairs (and a new frontend's
-    slots) are packed into netlink bytes as they are queued (:func:`.elements.slot_elements`);
+    slots) are packed into netlink bytes as they are queued (:func:`.elements.slot_packer`);
     None, the default, does so when the executor sends elements over netlink
     (:class:`~.owner.OwnedNftables`, :class:`~.exec.LibNftables` with its netlink
     elements), not for executors that read elements as text (the fake, the written-table
