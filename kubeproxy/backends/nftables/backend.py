@@ -52,13 +52,13 @@ from kubeproxy.backends.nftables.affinity_cleanup import AffinityCleaner, Every
 from kubeproxy.backends.nftables.claims import Claims
 from kubeproxy.backends.nftables.commits import SyncOps
 from kubeproxy.backends.nftables.diff import (
+    FrontendWriter,
     add_shared,
     add_shared_new,
     diff_firewall,
     diff_frontend,
     release_shared,
     restitch,
-    write_frontend,
 )
 from kubeproxy.backends.nftables.elements import ElementBatch
 from kubeproxy.backends.nftables.exec import LibNftables, NftExecutor, delete_table
@@ -110,6 +110,7 @@ from kubeproxy.backends.nftables.transaction import Transaction
 from kubeproxy.config import ProxierConfig
 from kubeproxy.featuregates import KUBE_PROXY_NFTABLES_LOCALHOST_NODEPORTS
 from kubeproxy.objects import IPFamily, ServicePortName
+from kubeproxy.portindex import PortsByService
 
 __all__ = ["PLAN_CONTAINERS", "STALE_DELAY", "NftablesBackend", "restitch"]
 
@@ -171,7 +172,7 @@ class NftablesBackend:
     reaching such a count is element changes only; measured against the default in the
     package README ("A never-seen endpoint count": every commit pays for the chains).
     ``packed_elements``: a full sync's slots and hairpin pairs (and a new frontend's
-    slots) are packed into netlink bytes as they are queued (:func:`.elements.slot_elements`);
+    slots) are packed into netlink bytes as they are queued (:func:`.elements.slot_packer`);
     None, the default, does so when the executor sends elements over netlink
     (:class:`~.owner.OwnedNftables`, :class:`~.exec.LibNftables` with its netlink
     elements), not for executors that read elements as text (the fake, the written-table
@@ -253,6 +254,10 @@ class NftablesBackend:
         self._node_ports: NodePortAddresses | None = None
         self._nodeport_keys: tuple[Key, ...] = ()
         self._held_shards: tuple[str, ...] = ()
+        # The affinity plans of the ports the last full sync wrote, gathered as it wrote
+        # them: read back from every port's state they were a pass over 100k states,
+        # 0.19 s of a whole-process cold start at 100k (py-spy, 2026-11-29).
+        self._written_affinity: list[AffinityPlan] = []
         self._gen = Generation(0, self._tokens, self._dispatch, self._shards)
 
     # Backend protocol -------------------------------------------------------------------
@@ -296,7 +301,7 @@ class NftablesBackend:
         self._last_elements = ops.elements
         every = None
         if full:
-            plans = [s.affinity for s in self._gen.ports.values() if s.affinity is not None]
+            plans, self._written_affinity = self._written_affinity, []
             every = Every(
                 [spec for plan in plans for spec in plan.maps],
                 [pin for plan in plans for pin in plan.pins],
@@ -513,8 +518,15 @@ class NftablesBackend:
         claims = self._claims
         claims.reset()
         plans: dict[ServicePortName, PortPlan] = {}
+        index = snapshot.ports_by_service
+        if type(index) is PortsByService:
+            # The core's index of the snapshot's ports (its contract: every port of
+            # ``services``), copied: an add per port was a pass over the cluster.
+            model.by_service = index.copy()
+        else:
+            for name in snapshot.services:
+                model.by_service.add(name)
         for name in snapshot.services:
-            model.by_service.add(name)
             plan = self._plan(snapshot, name)
             if plan is not None:
                 plans[name] = plan
@@ -558,19 +570,23 @@ class NftablesBackend:
         ops.commit()
         ports = model.ports
         previous_hairpin: tuple[str, ...] = ()
+        writer = FrontendWriter(ops, names, numbers)
+        written_affinity = self._written_affinity
+        written_affinity.clear()
         # Each plan let go once written (what is kept of it is its frontends and its
         # PortState): at 100k Services the plans held 10 MB to the end of the sync,
         # where the peak is; let go as they go, what the writing makes reuses their room.
         for name in list(plans):
             plan = plans.pop(name)
             for fe in plan.frontends:
-                held[fe.key] = write_frontend(ops, names, numbers, fe)
+                held[fe.key] = writer.write(fe)
             if plan.firewall:
                 diff_firewall(ops, names, {}, dict(plan.firewall), adding=True)
             add_shared_new(ops, names, counts, plan, previous_hairpin)
             previous_hairpin = plan.hairpin
             if plan.affinity is not None:
                 self._follow_affinity(None, plan.affinity, 0.0)
+                written_affinity.append(plan.affinity)
             ports[name] = PortState.of(plan)
             ops.cut()
         ops.commit(last=True)
@@ -675,11 +691,12 @@ class NftablesBackend:
         for plan in plans.values():
             for fe in plan.frontends if plan is not None else ():
                 new[fe.key] = fe
+        writer = FrontendWriter(ops, names, numbers)
         for key in sorted(old.keys() | new.keys()):
             was, planned = old.get(key), new.get(key)
             if was is None and planned is not None:
                 # A frontend the kernel lacks (a new Service's): its slots packed at once.
-                held[key] = write_frontend(ops, names, numbers, planned)
+                held[key] = writer.write(planned)
             else:
                 now_held = diff_frontend(ops, names, numbers, key, was, planned)
                 if now_held is not None:
