@@ -567,6 +567,36 @@ class OwnedNftables(NftExecutor):
                 return
             self._elements.send(batch)
 
+    def post_elements(
+        self, batch: ElementBatch, refused: Callable[[ElementBatch], None] | None = None
+    ) -> None:
+        """Element changes handed to our socket's writer thread (a full sync's: see
+        :meth:`.ElementWriter.post`); what is collected for a whole-table transaction,
+        and other tables' elements, are written as :meth:`write_elements` does. The
+        claim comes first, in this thread, so the writer thread only sends."""
+        if not len(batch):
+            return
+        if batch.table != self.table:
+            self.write_elements(batch)
+            return
+        family = Family(batch.family)
+        with self.channel.lock:
+            self._ensure(family)
+            handover = self._handover.get(family)
+            if handover is not None:
+                handover.frames.extend(element_frames(batch))
+                return
+        # Encoded outside the lock: the socket's other users need not wait for that.
+        self._elements.post(batch, refused)
+
+    def settle_elements(self) -> None:
+        """Wait until every posted batch is committed; raise the first failure."""
+        self._elements.settle()
+
+    def abandon_elements(self) -> None:
+        """Commit no more of the posted batches; forget their failure."""
+        self._elements.abandon()
+
     def read_elements(
         self,
         family: Family,
