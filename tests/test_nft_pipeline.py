@@ -163,9 +163,7 @@ def test_a_transaction_waits_for_the_batches_posted_before_it() -> None:
     def run(tx: Transaction) -> None:
         log.append("transaction")
 
-    ops = SyncOps(
-        Family.IP, TYPES, run=run, write_elements=posted.append, budget=2, settle=settle
-    )
+    ops = SyncOps(Family.IP, TYPES, run=run, write_elements=posted.append, budget=2, settle=settle)
     ops.add("ports", ("tcp", "80"))
     ops.add("ports", ("tcp", "81"))
     ops.cut()
@@ -269,9 +267,9 @@ def test_a_refused_posted_batch_fails_the_sync_and_takes_the_generation_back(
     plain = FakeNft()
     _backend(plain, pipelined=False).sync(echo_snapshot("kpxp", 60), SyncChanges(full=True))
     assert backend.last_sync_full
-    assert executor.list_chains(Family.IP, TABLE).keys() == plain.list_chains(
-        Family.IP, TABLE
-    ).keys()
+    assert (
+        executor.list_chains(Family.IP, TABLE).keys() == plain.list_chains(Family.IP, TABLE).keys()
+    )
 
 
 def posting_ok() -> FakeNft:

@@ -234,6 +234,11 @@ class BatchSocket:
         """Whether posted batches are not yet settled."""
         return self._pipeline.busy
 
+    @property
+    def posted(self) -> int:
+        """How many posted batches were sent (for tests and benches)."""
+        return self._pipeline.sent
+
     def _send_posted(self, encoded: Encoded) -> None:
         try:
             self.exchange(encoded.payload, encoded.begin, encoded.sent, encoded.what)
