@@ -139,7 +139,12 @@ def test_another_thread_waits_for_the_posted_items_without_taking_their_failure(
     pipeline.post(1)
     pipeline.post(2)
     waited: list[list[int]] = []
-    other = threading.Thread(target=lambda: (pipeline.idle(), waited.append(list(sent))))
+
+    def wait() -> None:
+        pipeline.idle()
+        waited.append(list(sent))
+
+    other = threading.Thread(target=wait)
     other.start()
     release.set()
     other.join(WAIT)
