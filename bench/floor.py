@@ -26,11 +26,13 @@ in a fresh namespace:
 
 Each is timed in wall time and in **CPU time** (user and system, ``getrusage``): ours
 over the whole process (``RUSAGE_SELF``: every thread it ran) and the backends' syncs
-apart (:class:`TimedBackend`; the rest is the core's), the floor over the replaying
-thread (``RUSAGE_THREAD``, so nothing else left running in the process counts for it),
-ours' exchanges over theirs (the kernel's part of ours). The CPU time is the figure to
-compare on a shared machine, where the wall time of the same batches moved fourfold
-within an hour: other work on the cores delays a task, it does not add to its CPU time.
+apart (:class:`TimedBackend`, with the exchanges the socket's writer thread made for a
+full sync's posted batches, :attr:`Recorder.posted_cpu`; the rest is the core's), the
+floor over the replaying thread (``RUSAGE_THREAD``, so nothing else left running in the
+process counts for it), ours' exchanges over theirs (the kernel's part of ours). The CPU
+time is the figure to compare on a shared machine, where the wall time of the same
+batches moved fourfold within an hour: other work on the cores delays a task, it does
+not add to its CPU time.
 
 It holds the kernel's work on the batches because nfnetlink handles a batch
 synchronously in the ``sendmsg`` of the task that sends it (the messages parsed, the
@@ -72,6 +74,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -174,6 +177,9 @@ class Recorder:
     sockets: int = 0
 
     read_cpu: CpuTime = CpuTime()
+    posted_cpu: CpuTime = CpuTime()
+    """The CPU time of the exchanges the socket's writer thread made (a full sync's
+    batches, pipelined): the backend's syncs' part, run on another thread."""
 
     @property
     def exchange_s(self) -> float:
@@ -220,6 +226,8 @@ class RecordingSocket(BatchSocket):
         seconds = time.perf_counter() - start
         batch = Batch(payload, begin, tuple(sent), what, self.number, seconds, cpu.elapsed())
         self.recorder.batches.append(batch)
+        if threading.current_thread() is not threading.main_thread():
+            self.recorder.posted_cpu += batch.cpu
 
     def request(
         self, message: bytes, seq: int, what: str, *, dump: bool = False, bufsize: int = 1 << 16
@@ -462,7 +470,8 @@ def child(
         "feed_s": cold["feed_s"],
         "sync_s": cold["sync_s"],
         **used.fields(),
-        **sum((backend.cpu for backend in timed), CpuTime()).fields("backend_"),
+        # The writer thread's exchanges are the backends' too (the sync posted them).
+        **sum((backend.cpu for backend in timed), recorder.posted_cpu).fields("backend_"),
         "kernel_threads_s": kthreads_s,
         "gc_s": gc_clock.seconds,
         "gc_passes": gc_clock.passes,
