@@ -9,13 +9,14 @@ sync :mod:`bench.proxyproc` times (:meth:`~bench.proxyproc.BenchProxy.cold`: N S
 10 endpoints, the dicts in memory to the rules committed) over the owned table's
 executor, with ``pipelined_elements`` on or off
 (:class:`~kubeproxy.backends.nftables.backend.NftablesBackend`). Reported per run: the
-wall time, the process's CPU time (user and system: every thread's; the pipeline moves
-the kernel's work to another thread, it does not remove it), the CPU time of the thread
-that syncs (the critical path: on a machine with a core to spare, the wall time is about
-that, where other work on the cores stretches the wall time and leaves it be), the peak
-resident size, and how many batches the writer thread sent. The collector is held as
-the daemon holds it. Prints one line per run and the medians; with ``--results DIR``
-writes the records there as JSON. Not part of ``make bench`` nor of ``make test``.
+wall time; the process's CPU time (user and system, every thread's: the pipeline moves
+the kernel's work to another thread, it does not remove it); the CPU time of the thread
+that syncs and how long it waited for the writer thread, whose sum is about the wall
+time on a machine with a core to spare (other work on the cores stretches the wall time,
+not these); the peak resident size; how many batches the writer thread sent. The
+collector is held as the daemon holds it. Prints one line per run and the medians; with
+``--results DIR`` writes the records there as JSON. Not part of ``make bench`` nor of
+``make test``.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ def child(services: int, writer: str, netns: str) -> dict[str, Any]:
         - thread_before.ru_stime,
         "peak_rss_kb": after.ru_maxrss,
         "posted": executor.channel.posted,
+        "posting_wait_s": executor.channel.posting_wait_s,
         "load": os.getloadavg()[0],
     }
 
@@ -105,6 +107,7 @@ def _line(record: dict[str, Any]) -> str:
         f"  CPU {cpu:6.2f} s (user {record['user_s']:.2f}, system {record['system_s']:.2f};"
         f" the sync's thread {record['sync_thread_s']:.2f})"
         f"  peak RSS {record['peak_rss_kb'] / 1024:5.0f} MiB  posted {record['posted']}"
+        f" (waited {record['posting_wait_s']:.2f} s)"
         f"  load {record['load']:.1f}"
     )
 

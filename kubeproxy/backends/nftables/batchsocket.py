@@ -239,6 +239,11 @@ class BatchSocket:
         """How many posted batches were sent (for tests and benches)."""
         return self._pipeline.sent
 
+    @property
+    def posting_wait_s(self) -> float:
+        """How long posting waited for the writer thread (benches)."""
+        return self._pipeline.waited_s
+
     def _send_posted(self, encoded: Encoded) -> None:
         try:
             self.exchange(encoded.payload, encoded.begin, encoded.sent, encoded.what)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -57,6 +58,10 @@ class Pipeline(Generic[T]):
         self._dropping = False
         self.sent = 0
         """How many items were sent (for tests and benches)."""
+        self.waited_s = 0.0
+        """How long the poster waited for the thread, in :meth:`post` and :meth:`settle`
+        (benches: with a core to spare, the poster's wall time is its CPU time and
+        this)."""
 
     @property
     def busy(self) -> bool:
@@ -73,7 +78,9 @@ class Pipeline(Generic[T]):
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
             self._thread.start()
+        start = time.perf_counter()
         self._queue.put(item)
+        self.waited_s += time.perf_counter() - start
 
     def idle(self) -> None:
         """Wait until every posted item was sent (or skipped after a failure); the
@@ -83,7 +90,9 @@ class Pipeline(Generic[T]):
 
     def settle(self) -> None:
         """End the run: wait for every posted item, then raise the first failure."""
+        start = time.perf_counter()
         self._end()
+        self.waited_s += time.perf_counter() - start
         failure, self._failure = self._failure, None
         if failure is not None:
             raise failure
