@@ -72,7 +72,6 @@ import pstats
 import resource
 import shlex
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -82,8 +81,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.floor_report import KIND, render
-from bench.harness import python_module
-from bench.netns import in_netns, namespace, namespaces
+from bench.harness import module_in_netns
+from bench.netns import namespace, namespaces
 from bench.profile_modules import by_category, by_module
 from bench.report import write_document
 from kubeproxy.backend import Backend, ProxySnapshot, SyncChanges
@@ -522,17 +521,7 @@ def _run_child(services: int, mix: str, *, profile: bool, gc_held: bool) -> dict
         argv = ["child", "--services", str(services), "--mix", mix, "--netns", ours]
         argv += [f"--floor={name}" for name in floors] + (["--profile"] if profile else [])
         argv += [] if gc_held else ["--gc-on"]
-        done = subprocess.run(
-            in_netns(ours, python_module("bench.floor", *argv)),
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=CHILD_TIMEOUT_S,
-        )
-    if done.returncode != 0:
-        raise RuntimeError(f"bench.floor child ({services}, {mix}): {done.stderr.strip()}")
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+        return module_in_netns(ours, "bench.floor", *argv, timeout_s=CHILD_TIMEOUT_S)
 
 
 def measure(

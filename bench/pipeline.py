@@ -27,14 +27,13 @@ import logging
 import os
 import resource
 import statistics
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.harness import python_module
-from bench.netns import in_netns, namespace
+from bench.harness import module_in_netns
+from bench.netns import namespace
 from kubeproxy.objects import IPFamily
 
 WRITERS = ("synchronous", "pipelined")
@@ -87,17 +86,7 @@ def run(services: int, writer: str) -> dict[str, Any]:
     """:func:`child` in a child process in a fresh namespace."""
     with namespace("pipe") as netns:
         argv = ["child", "--services", str(services), "--writer", writer, "--netns", netns]
-        done = subprocess.run(
-            in_netns(netns, python_module("bench.pipeline", *argv)),
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=CHILD_TIMEOUT_S,
-        )
-    if done.returncode != 0:
-        raise RuntimeError(f"bench.pipeline child ({services}, {writer}): {done.stderr.strip()}")
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+        return module_in_netns(netns, "bench.pipeline", *argv, timeout_s=CHILD_TIMEOUT_S)
 
 
 def _line(record: dict[str, Any]) -> str:

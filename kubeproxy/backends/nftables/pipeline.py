@@ -7,7 +7,7 @@ the GIL. So the kernel's work on transaction k can run on another core while our
 encodes transaction k+1. A cold start at 100k Services x 10 endpoints spent about 2 s
 of its 16 s in the element batches' exchanges (224 ``sendall``, a py-spy sample of
 d4d5b59), with no Python running meanwhile; the figures with the pipeline are in the
-package README ("The full sync's element batches, pipelined").
+package README ("A full sync's element batches, pipelined").
 
 What it keeps: the order things were handed over (one thread sends them, one at a time);
 bounded memory (:meth:`Pipeline.post` blocks while ``depth`` items wait: at most
