@@ -5,7 +5,9 @@
   transactions of a hundred elements;
 * a batch the kernel refuses in the middle of it (its table name changed on the way, so
   the kernel answers ``ENOENT``) fails the sync with the kernel's error, nothing after
-  it is sent, the half generation is taken back, and the next sync is whole.
+  it is sent, the half generation is taken back, and the next sync is whole;
+* nothing passes a posted batch: a read of a set on the same socket, right after
+  batches were posted and before they are settled, finds every element they add.
 
 Namespaces are named ``kpxq-...`` and deleted whatever happens.
 """
@@ -23,10 +25,12 @@ import pytest
 from kubeproxy.backend import SyncChanges, SyncError
 from kubeproxy.backends.nftables.backend import NftablesBackend
 from kubeproxy.backends.nftables.batchsocket import BatchSocket, Refusable
+from kubeproxy.backends.nftables.elements import ElementBatch
 from kubeproxy.backends.nftables.layout import generation_of
-from kubeproxy.backends.nftables.objects import Family
+from kubeproxy.backends.nftables.objects import Family, Set, Table
 from kubeproxy.backends.nftables.owner import OwnedNftables
 from kubeproxy.backends.nftables.table import TABLE
+from kubeproxy.backends.nftables.transaction import Transaction
 from kubeproxy.config import ProxierConfig
 from kubeproxy.objects import IPFamily
 from tests.kernelkit import echo_snapshot, lone_namespace
@@ -125,6 +129,31 @@ def test_a_refused_batch_mid_sync_fails_it_cleanly(tmp_path: Path) -> None:
         finally:
             channel.close()
             plain.close()
+
+
+ADDRESSES = {"addresses": (("ipv4_addr",), ())}
+
+
+def test_a_read_on_the_socket_waits_for_the_posted_batches() -> None:
+    with lone_namespace(PREFIX) as ns:
+        executor = OwnedNftables(ns.name, owner_flags=0)
+        try:
+            tx = Transaction(Family.IP, TABLE)
+            tx.add(Table())
+            tx.add(Set("addresses", "ipv4_addr"))
+            executor.run(tx)
+            addresses = [f"10.1.{i // 256}.{i % 256}" for i in range(800)]
+            for start in range(0, len(addresses), 100):
+                adds = [("addresses", (a,), ()) for a in addresses[start : start + 100]]
+                executor.post_elements(ElementBatch(Family.IP, TABLE, ADDRESSES, adds=adds))
+            assert executor.channel.posting  # not settled: the read must wait for them
+            types = ADDRESSES["addresses"]
+            read = executor.read_elements(Family.IP, TABLE, "addresses", types)
+            assert sorted(key for key, _value in read) == sorted((a,) for a in addresses)
+            executor.settle_elements()
+            assert executor.channel.posted == 8 and not executor.channel.posting
+        finally:
+            executor.close()
 
 
 def _numberless(listing: str) -> str:
