@@ -671,7 +671,9 @@ class ElementWriter:
 
     One batch is one nf_tables transaction: all of it commits, or none of it (the kernel
     aborts a batch with any refused message). Thread-safe. How the answers are read is
-    the socket's part (:mod:`.batchsocket`).
+    the socket's part (:mod:`.batchsocket`). :meth:`send` commits a batch before it
+    returns; :meth:`post` hands it to the socket's writer thread (a full sync's batches:
+    the kernel commits one while the next is encoded), :meth:`settle` waits for them.
     """
 
     def __init__(
@@ -702,6 +704,39 @@ class ElementWriter:
             return
         frames = element_frames(batch)
         self.channel.send(_FAMILY_NUMBERS[batch.family], frames, "element transaction")
+
+    def post(
+        self, batch: ElementBatch, refused: Callable[[ElementBatch], None] | None = None
+    ) -> None:
+        """Encode ``batch`` here and hand it to the socket's writer thread
+        (:meth:`.BatchSocket.post`), which commits it after the batches posted before;
+        ``refused`` is called with it if the kernel refuses it. A failure surfaces as the
+        :class:`NftError` :meth:`send` would raise, at the next post or at
+        :meth:`settle`. An element that cannot be encoded raises here, at once (and
+        ``refused`` is called with the batch as well)."""
+        if not len(batch):
+            return
+        try:
+            frames = element_frames(batch)
+        except NftError:
+            if refused is not None:
+                refused(batch)
+            raise
+        encoded = self.channel.encode(
+            _FAMILY_NUMBERS[batch.family],
+            frames,
+            "element transaction",
+            refused=None if refused is None else lambda _err: refused(batch),
+        )
+        self.channel.post(encoded)
+
+    def settle(self) -> None:
+        """Wait until every posted batch is committed; raise the first failure."""
+        self.channel.settle()
+
+    def abandon(self) -> None:
+        """Commit no more of the posted batches (see :meth:`.BatchSocket.abandon`)."""
+        self.channel.abandon()
 
     def read(
         self,
