@@ -6,6 +6,7 @@ refused object is in ``tests/test_manifests.py``.
 
 from __future__ import annotations
 
+import copy
 import ipaddress
 from pathlib import Path
 from typing import Any
@@ -17,15 +18,23 @@ from hypothesis import strategies as st
 from bench.synthetic import NODE_NAME, all_slice_dicts, realistic_services
 from kubeproxy.config import ProxierConfig
 from kubeproxy.objects import IPFamily
-from kubeproxy.parse import parse_ip
+from kubeproxy.parse import (
+    InvalidObject,
+    hand_over,
+    parse_checked_endpoint_slice,
+    parse_endpoint_slice,
+    parse_ip,
+)
 from kubeproxy.proxier import Proxier
 from kubeproxy.sources.apivalidation import (
     _endpoint,
     _ip_problem,
+    _node_name_ok,
     _plain_ipv4,
     _special,
     _strict_ipv4,
     _unclear_endpoints,
+    checked_endpoint_slice,
     endpoint_slice_errors,
     service_errors,
 )
@@ -271,3 +280,95 @@ def test_the_strict_ipv4_shortcut_takes_only_what_the_full_checks_take(text: str
     assert (not any("clusterIPs[0]" in e for e in errors)) == (
         _strict_ipv4(text) or (":" in text and _ip_problem(text) is None)
     ), errors
+
+
+# --- the validation on the parse's walk (checked_endpoint_slice) ----------------------
+
+
+# Endpoints the API server takes, mostly, in the shapes a cluster has.
+_VALID_ENDPOINT: st.SearchStrategy[dict[str, Any]] = st.fixed_dictionaries(
+    {
+        "addresses": st.sampled_from(
+            [["10.0.0.1"], ["10.1.2.3"], ["10.0.0.1", "10.1.2.3"], ["fd00::1"], ["224.0.1.1"]]
+        )
+    },
+    optional={
+        "nodeName": st.sampled_from([None, "node-1", "node-a", "a.b"]),
+        "conditions": st.sampled_from([{"ready": True}, {"ready": False, "terminating": True}]),
+        "hints": st.sampled_from([None, {"forZones": [{"name": "a"}]}]),
+    },
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    endpoints=st.lists(
+        st.one_of(_VALID_ENDPOINT, _ENDPOINT_PARTS, st.just("text"), st.none()), max_size=5
+    ),
+    address_type=st.sampled_from(["IPv4", "IPv6", "FQDN", None]),
+    ports=st.sampled_from(
+        [
+            [{"name": "http", "port": 8080}],
+            [],
+            [{"name": "a"}, {"name": "a"}],
+            [{"name": "all"}],
+            "x",
+            None,
+        ]
+    ),
+    node=st.sampled_from(["node-1", "", "node-a"]),
+)
+def test_the_validation_on_the_parse_says_what_the_validation_alone_says(
+    endpoints: list[Any], address_type: Any, ports: Any, node: str
+) -> None:
+    # One walk (the parse, listing the unusual endpoints) against two: the same reasons,
+    # and for a slice it passes, the very parse the tracker makes on its own.
+    obj = eps("web-1", "web", addressType=address_type, endpoints=endpoints, ports=ports)
+    errors, parsed = checked_endpoint_slice(obj, node)
+    assert errors == endpoint_slice_errors(obj)
+    if errors or address_type not in ("IPv4", "IPv6"):
+        assert parsed is None
+        return
+    try:
+        alone = parse_endpoint_slice(obj, IPFamily(address_type), node)
+    except InvalidObject:
+        assert parsed is None  # the tracker reports it, as before
+        return
+    if parsed is None and alone is not None:
+        # A port the parse leaves out: the tracker parses (and says so) on its own.
+        assert len(alone.ports) < len(ports)
+        return
+    assert parsed == alone
+
+
+def test_the_usual_endpoints_are_not_checked_again() -> None:
+    # What the parse lists as unusual: any endpoint the full checks must see, and only those
+    # in this slice (10.0.0.1 on a node with a valid name is the usual shape).
+    obj = eps("web-1", "web", "10.0.0.1", "127.0.0.1", "10.0.0.2")
+    obj["endpoints"].append({"addresses": ["10.0.0.3", "10.0.0.4"]})
+    obj["endpoints"].append({"addresses": ["10.0.0.5"], "nodeName": "Node_A"})
+    obj["endpoints"].append({"addresses": ["10.0.0.6"], "hints": {"forZones": []}})
+    checked = _node_name_ok
+    parsed, unclear = parse_checked_endpoint_slice(obj, V4, "node-a", checked)
+    assert parsed is not None
+    assert unclear == [1, 3, 4, 5]
+    six = eps("web-1", "web", addressType="IPv6", endpoints=[{"addresses": ["fd00::1"]}] * 2)
+    assert parse_checked_endpoint_slice(six, IPFamily.IPV6, "node-a", checked)[1] == [0, 1]
+
+
+def test_a_handed_over_parse_answers_only_for_its_object_family_and_node() -> None:
+    obj = eps("web-1", "web", "10.0.0.1")
+    errors, parsed = checked_endpoint_slice(obj, "node-a")
+    assert errors == [] and parsed is not None
+    try:
+        hand_over(obj, parsed, "node-a")
+        assert parse_endpoint_slice(obj, V4, "node-a") is parsed
+        # Another object (an equal copy), another node, another family: parsed anew.
+        other = parse_endpoint_slice(copy.deepcopy(obj), V4, "node-a")
+        assert other == parsed and other is not parsed
+        assert parse_endpoint_slice(obj, V4, "node-b") is not parsed
+        assert parse_endpoint_slice(obj, IPFamily.IPV6, "node-a") is None
+    finally:
+        hand_over(None, None, "")
+    again = parse_endpoint_slice(obj, V4, "node-a")
+    assert again == parsed and again is not parsed

@@ -21,6 +21,7 @@ from kubeproxy.backends.nftables.objects import Family
 from kubeproxy.config import ProxierConfig
 from kubeproxy.handlers import KubeObject
 from kubeproxy.objects import IPFamily, IPNetwork
+from kubeproxy.parse import ParsedEndpointSlice, parse_endpoint_slice
 from kubeproxy.proxier import Proxier
 from kubeproxy.sources.manifests import ManifestSource
 from kubeproxy.testing.fakeapi import builders
@@ -701,3 +702,58 @@ def test_slice_owners_survive_as_old_and_on_deletion(tmp_path: Path) -> None:
     assert src.poll()
     assert sorted(owner_of(o) for o in handler.olds) == wanted
     assert src.objects() == {}
+
+
+class ParsingHandler(RecordingHandler):
+    """Parses every slice delivered, as the change tracker does, twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.parses: list[tuple[ParsedEndpointSlice | None, ParsedEndpointSlice | None]] = []
+
+    def on_endpoint_slice_add(self, slice_: KubeObject) -> None:
+        super().on_endpoint_slice_add(slice_)
+        self.parses.append(
+            (parse_endpoint_slice(slice_, V4, "node-a"), parse_endpoint_slice(slice_, V4, "node-a"))
+        )
+
+    def on_endpoint_slice_update(self, old: KubeObject, new: KubeObject) -> None:
+        super().on_endpoint_slice_update(old, new)
+        self.parses.append(
+            (parse_endpoint_slice(new, V4, "node-a"), parse_endpoint_slice(new, V4, "node-a"))
+        )
+
+
+def test_the_tracker_gets_the_validations_parse_while_a_slice_is_delivered(
+    tmp_path: Path,
+) -> None:
+    # The slice is walked once: the parse its validation made is what the tracker's parse
+    # answers during the delivery (the same object each time), equal to a parse of its
+    # own; afterwards nothing is held.
+    web = builders.endpoint_slice("web-1", "web", "demo", addresses=["10.244.0.12", "10.244.0.11"])
+    write_list(tmp_path, web)
+    handler = ParsingHandler()
+    ManifestSource(tmp_path, handler, node_name="node-a").load()
+    ((first, second),) = handler.parses
+    assert first is not None and first is second
+    assert first == parse_endpoint_slice(copy.deepcopy(web), V4, "node-a")
+    assert [e.address for e in first.endpoints] == ["10.244.0.11", "10.244.0.12"]
+    delivered = handler.objects[-1][1]
+    assert delivered is not None
+    assert parse_endpoint_slice(delivered, V4, "node-a") is not first
+
+
+def test_a_slices_port_without_a_number_is_reported_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The validation's parse says nothing of it; the tracker's own parse says it, once.
+    web = builders.endpoint_slice("web-1", "web", "demo", addresses=["10.244.0.11"])
+    web["ports"].append({"name": "all", "protocol": "TCP"})
+    write_list(tmp_path, web)
+    handler = ParsingHandler()
+    with caplog.at_level(logging.WARNING):
+        ManifestSource(tmp_path, handler, node_name="node-a").load()
+    ((first, second),) = handler.parses
+    assert first is not None and first == second and first is not second  # parsed by each
+    said = [r.getMessage() for r in caplog.records if "without a port number" in r.getMessage()]
+    assert len(said) == 2, said  # the handler parses twice: one line a parse, none before

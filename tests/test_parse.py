@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kubeproxy.objects import (
+    READY,
     Endpoint,
     IPFamily,
     NamespacedName,
@@ -34,6 +35,7 @@ from kubeproxy.parse import (
     parse_service,
     service_key,
 )
+from kubeproxy.testing.fakeapi import builders
 
 V4 = IPFamily.IPV4
 V6 = IPFamily.IPV6
@@ -1044,3 +1046,33 @@ def test_garbage_anywhere_is_an_invalid_object_or_fine(data: st.DataObject, junk
         except InvalidObject as err:
             assert str(err).count("\n") == 0
         describe(mangled)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["10.0.0.1", "10.0.0.2", "10.0.0.10", "10.0.0.100", "9.0.0.1"]),
+            st.booleans(),
+            st.sampled_from([None, "a", "b"]),
+        ),
+        max_size=12,
+    )
+)
+def test_a_slices_endpoints_are_sorted_by_key_stably(
+    rows: list[tuple[str, bool, str | None]],
+) -> None:
+    # Each endpoint keeps its own conditions and hints through the sort, and endpoints
+    # with the same key (the same address twice) keep the slice's order.
+    obj = builders.endpoint_slice("web-1", "web", "ns", addresses=[a for a, _, _ in rows])
+    for (_, ready, zone), endpoint in zip(rows, obj["endpoints"], strict=True):
+        endpoint["conditions"] = {"ready": ready}
+        if zone is not None:
+            endpoint["hints"] = {"forZones": [{"name": zone}]}
+    parsed = parse_endpoint_slice(obj, V4, "node-a")
+    assert parsed is not None
+    expected = sorted(rows, key=lambda row: f"{row[0]}:8080")
+    got = [
+        (e.address, bool(e.flags & READY), next(iter(e.hints[0]), None)) for e in parsed.endpoints
+    ]
+    assert got == expected

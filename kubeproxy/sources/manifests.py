@@ -12,7 +12,10 @@ fields the proxy reads: :mod:`kubeproxy.sources.apivalidation`), since with this
 nobody else does: one the API server would refuse is reported in one line (the file,
 the document, every reason) and not delivered; as for a refused update, the version
 delivered before stays, until a valid one or the object's removal. Their keys are listed
-in :attr:`ManifestSource.refused` while they stay refused.
+in :attr:`ManifestSource.refused` while they stay refused. An EndpointSlice is validated
+on the parse's own walk of its endpoints, and that parse is handed to the change tracker
+the slice is delivered to, which would otherwise walk it again
+(:func:`~kubeproxy.sources.apivalidation.checked_endpoint_slice`).
 
 Objects are keyed by kind, namespace and name. A file that cannot be read or parsed, or
 that holds a document without a kind or a name, is *broken*: it is reported once (file,
@@ -59,7 +62,8 @@ import yaml
 
 from kubeproxy.handlers import KubeObject, ProxyHandler
 from kubeproxy.objects import IPNetwork
-from kubeproxy.sources.apivalidation import endpoint_slice_errors, service_errors
+from kubeproxy.parse import ParsedEndpointSlice, hand_over
+from kubeproxy.sources.apivalidation import checked_endpoint_slice, service_errors
 from kubeproxy.sources.identity import (
     OWNER_BITS,
     SliceOwner,
@@ -575,18 +579,19 @@ class ManifestSource:
             return False
         seen[key] = entry.position
         current = self._held(key)
-        if self._refuse(entry, path, current):
+        refused, parsed = self._refusal(entry, path, current)
+        if refused:
             return False
         owner = slice_owner(entry.obj, intern=False) if key[0] == ENDPOINT_SLICE else None
         if current is None:
             self._hold(key, path, entry.position, entry.fingerprint, owner)
-            return self._deliver(key, None, entry.obj)
+            return self._deliver(key, None, entry.obj, parsed)
         definition = _Def(path, entry.position, entry.fingerprint, owner)
         if current.path == path:
             self._hold_def(key, definition)
             if current.fingerprint == entry.fingerprint:
                 return False
-            return self._deliver(key, current, entry.obj)
+            return self._deliver(key, current, entry.obj, parsed)
         if current.path < path:
             self._shadow(key, definition, current)
             return False
@@ -596,7 +601,7 @@ class ManifestSource:
         self._hold_def(key, definition)
         if current.fingerprint == entry.fingerprint:
             return False
-        return self._deliver(key, current, entry.obj)
+        return self._deliver(key, current, entry.obj, parsed)
 
     def _hold(
         self,
@@ -652,17 +657,25 @@ class ManifestSource:
         """Whether the API server would refuse ``entry`` (a Service or an EndpointSlice):
         then it is reported (once per version) and taken for no definition at all, so
         what was delivered before stays."""
+        return self._refusal(entry, path, current)[0]
+
+    def _refusal(
+        self, entry: _Entry, path: Path, current: _Def | None
+    ) -> tuple[bool, ParsedEndpointSlice | None]:
+        """:meth:`_refuse`, and a slice's parse made by its validation, for
+        :meth:`_deliver` to hand over (None for other kinds, or when there is none)."""
         key = entry.key
         kind = key[0]
+        parsed = None
         if kind == SERVICE:
             reasons = service_errors(entry.obj)
         elif kind == ENDPOINT_SLICE:
-            reasons = endpoint_slice_errors(entry.obj)
+            reasons, parsed = checked_endpoint_slice(entry.obj, self.node_name or "")
         else:
-            return False
+            return False, None
         if not reasons:
             self._refused.pop(key, None)
-            return False
+            return False, parsed
         if self._refused.get(key) != entry.fingerprint:
             self._refused[key] = entry.fingerprint
             kept = (
@@ -677,7 +690,7 @@ class ManifestSource:
                 "; ".join(reasons),
                 kept,
             )
-        return True
+        return True, None
 
     def _shadow(self, key: ObjectKey, definition: _Def, winner: _Def) -> None:
         """Keep ``definition`` as a second one of ``key`` (reported once)."""
@@ -740,9 +753,17 @@ class ManifestSource:
         del self._defs[key]
         return self._deliver(key, current, None)
 
-    def _deliver(self, key: ObjectKey, old: _Def | None, new: KubeObject | None) -> bool:
+    def _deliver(
+        self,
+        key: ObjectKey,
+        old: _Def | None,
+        new: KubeObject | None,
+        parsed: ParsedEndpointSlice | None = None,
+    ) -> bool:
         """Tell the handler (``old`` None: an add, ``new`` None: a deletion); whether it
-        was told (other nodes' Nodes are only counted, ServiceCIDRs go together)."""
+        was told (other nodes' Nodes are only counted, ServiceCIDRs go together).
+        ``parsed``: ``new``'s parse, made by its validation, handed over to the change
+        tracker for the time of the call (:func:`~kubeproxy.parse.hand_over`)."""
         kind, namespace, name = key
         if kind == NODE:
             if name != self.node_name:
@@ -774,10 +795,17 @@ class ManifestSource:
         if new is None:
             assert before is not None
             delete(before)
-        elif before is None:
-            add(new)
-        else:
-            update(before, new)
+            return True
+        if parsed is not None:
+            hand_over(new, parsed, self.node_name or "")
+        try:
+            if before is None:
+                add(new)
+            else:
+                update(before, new)
+        finally:
+            if parsed is not None:
+                hand_over(None, None, "")
         return True
 
     def _place_of(self, key: ObjectKey) -> str:
