@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from kubeproxy.backends.nftables.table import (
+    AFFINITY6_FRONTEND_SEEDS,
     AFFINITY6_MAP_TYPE,
     AFFINITY_MAP_PREFIX,
     MAX_AFFINITY_SECONDS,
@@ -40,6 +41,7 @@ from kubeproxy.backends.nftables.table import (
     InvalidPort,
     Key,
     RenderContext,
+    affinity_frontend6_pin,
     affinity_frontend_shard,
     affinity_map_name,
     affinity_pin,
@@ -214,14 +216,17 @@ def _frontend_affinity(
     the port is put back; an address write keeps the 0 (the pseudo-header update
     exempts it), so their other addresses alone would be safe, but a port's entries
     are keyed one way for all its addresses."""
+    ipv6 = ctx.tokens.family is IPFamily.IPV6
     if (
         not (ctx.shared_affinity and ctx.frontend_affinity)
-        or ctx.tokens.family is IPFamily.IPV6
+        or (ipv6 and not ctx.frontend_affinity6)
         or port.internal_policy_local
         or port.external_policy_local
         or (port.node_port and port.protocol is Protocol.UDP)
     ):
         return None
+    if ipv6:
+        return _frontend_affinity6(port, frontend, endpoints)
     shard, _number = affinity_frontend_shard(port_identity(port.name))
     proto, seconds = port.protocol.lower, port.session_affinity_seconds
     lookup, record, chains, shared = _frontend_chains(shard, proto, seconds)
@@ -242,6 +247,115 @@ def _frontend_affinity(
         record_other,
         record_nodeport,
     )
+
+
+def _frontend_affinity6(
+    port: ServicePort, frontend: Key, endpoints: tuple[str, ...]
+) -> _ByFrontend | None:
+    """:func:`_frontend_affinity` of an IPv6 port: its entries in the shared map its pins
+    would use (``affinity-clients-<n>``), keyed by two 32-bit hashes of the cluster-IP
+    frontend and one of the client (:data:`AFFINITY6_FRONTEND_KEY`; a key is 16 bytes at
+    most in an nft 1.0.6 update, see the package README), the value the endpoint's
+    address; the endpoint port is the lookup chain's constant, so one chain per map,
+    protocol and endpoint port. A port whose endpoints answer on several ports keeps its
+    pins (a pin per endpoint port). The pin numbers are what the kernel's ``jhash``
+    writes (:func:`~.table.affinity_frontend6_pin`, 14 us a port), for the cleaning of
+    entries of endpoints gone."""
+    ports = {key.rpartition(":")[2] for key in endpoints}
+    if len(ports) > 1:
+        return None
+    target = int(next(iter(ports))) if ports else 0
+    shard, _high, _low = affinity_pin(port_identity(port.name), _CLUSTER_LIST, 0)
+    proto, seconds = port.protocol.lower, port.session_affinity_seconds
+    lookup, record, chains, _maps = _frontend6_chains(shard, proto, target, seconds)
+    if not target:
+        # No endpoint: no frontend reads the lookup chain (nothing is dispatched).
+        chains = chains[1:]
+    record_other = record_nodeport = None
+    if port.external_ips or port.load_balancer_vips:
+        other = _other_record_chain6(shard, seconds)
+        record_other = other.name
+        chains = (*chains, other)
+    if port.node_port:
+        nodeport = _nodeport_record_chain6(shard, proto, seconds)
+        record_nodeport = nodeport.name
+        chains = (*chains, nodeport)
+    pin = AffinityPin(shard, affinity_frontend6_pin(frontend), endpoints, target)
+    return _ByFrontend(
+        lookup,
+        record,
+        AffinityPlan((), chains, (), (pin,), ()),
+        record_other,
+        record_nodeport,
+    )
+
+
+def _frontend6_hashes(frontend: str) -> str:
+    return " . ".join(
+        f"jhash {frontend} mod 4294967295 seed {seed:#x}" for seed in AFFINITY6_FRONTEND_SEEDS
+    )
+
+
+AFFINITY6_FRONTEND_KEY = f"{_frontend6_hashes('ip6 daddr . meta l4proto . th dport')} . {{client}}"
+"""The key of an IPv6 port's entries keyed by its cluster-IP frontend: two hashes of the
+frontend (:data:`~.table.AFFINITY6_FRONTEND_SEEDS`) and one of the client
+(:data:`AFFINITY6_CLIENT`), 12 bytes; after DNAT the frontend is the connection's
+original destination (``ct original ip6 daddr . meta l4proto . ct original proto-dst``:
+the same registers, so the same numbers), for another address the packet turned into the
+cluster IP's."""
+_FRONTEND6_RECORD_KEY = (
+    f"{_frontend6_hashes('ct original ip6 daddr . meta l4proto . ct original proto-dst')}"
+    f" . {AFFINITY6_CLIENT}"
+)
+_FRONTEND6_OTHER_KEY = (
+    f"{_frontend6_hashes('ip6 daddr . meta l4proto . ct original proto-dst')} . {AFFINITY6_CLIENT}"
+)
+_FRONTEND6_NODEPORT_KEY = (
+    f"{_frontend6_hashes('ip6 daddr . meta l4proto . {proto} dport')} . {AFFINITY6_CLIENT}"
+)
+
+
+@functools.lru_cache(maxsize=4096)
+def _frontend6_chains(
+    shard: str, proto: str, target: int, seconds: int
+) -> tuple[str, str, tuple[ChainSpec, ...], tuple[str, ...]]:
+    """:func:`_frontend_chains` of IPv6: the lookup chain of map ``shard`` for protocol
+    ``proto`` and endpoint port ``target``, and the record chain for ``seconds``."""
+    owner = _chain_owner(shard)
+    key = AFFINITY6_FRONTEND_KEY.format(client=AFFINITY6_CLIENT)
+    lookup = (f"meta l4proto {proto} dnat to {key} map @{shard} : {target}",)
+    record = (
+        f"meta l4proto {{ tcp, udp, sctp }} update @{shard} {{ {_FRONTEND6_RECORD_KEY} "
+        f"timeout {seconds}s : ip6 daddr }} accept",
+    )
+    specs = (
+        ChainSpec(chain_name("affinity-lookup", owner, lookup), lookup),
+        ChainSpec(chain_name("affinity-record", owner, record), record),
+    )
+    return specs[0].name, specs[1].name, specs, ()
+
+
+@functools.lru_cache(maxsize=4096)
+def _other_record_chain6(shard: str, seconds: int) -> ChainSpec:
+    """The record chain of map ``shard``'s IPv6 ports' external and load-balancer IPs."""
+    rules = (
+        f"meta l4proto {{ tcp, udp, sctp }} update @{shard} {{ {_FRONTEND6_OTHER_KEY} "
+        f"timeout {seconds}s : ct reply ip6 saddr }} ip6 daddr set ct reply ip6 saddr accept",
+        "ip6 daddr set ct reply ip6 saddr",
+    )
+    return ChainSpec(chain_name("affinity-record-other", _chain_owner(shard), rules), rules)
+
+
+@functools.lru_cache(maxsize=4096)
+def _nodeport_record_chain6(shard: str, proto: str, seconds: int) -> ChainSpec:
+    """The record chain of map ``shard``'s IPv6 ports' NodePorts of protocol ``proto``."""
+    key = _FRONTEND6_NODEPORT_KEY.format(proto=proto)
+    rules = (
+        f"update @{shard} {{ {key} timeout {seconds}s : ct reply ip6 saddr }} "
+        f"ip6 daddr set ct reply ip6 saddr {proto} dport set ct reply proto-src accept",
+        f"ip6 daddr set ct reply ip6 saddr {proto} dport set ct reply proto-src",
+    )
+    return ChainSpec(chain_name("affinity-record-nodeport", _chain_owner(shard), rules), rules)
 
 
 # What the record chains of the other addresses write: the key from the packet turned

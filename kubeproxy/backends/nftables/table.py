@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import ipaddress
 import logging
 import re
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -61,12 +63,14 @@ __all__ = [
     "Key",
     "Names",
     "RenderContext",
+    "affinity_frontend6_pin",
     "affinity_frontend_shard",
     "affinity_map_name",
     "affinity_pin",
     "base_chains",
     "chain_name",
     "context_or_default",
+    "jhash",
     "port_identity",
     "tokens_for",
 ]
@@ -299,6 +303,10 @@ class RenderContext:
     (but a UDP port with a NodePort, see :mod:`.frontends`) keys its entries by its
     cluster-IP frontend (:func:`affinity_frontend_shard`), or (False, the benchmarks'
     structure before) by its pins like every other port."""
+    frontend_affinity6: bool = True
+    """With :attr:`frontend_affinity`: IPv6 ports too (their key two hashes of the
+    cluster-IP frontend and one of the client, see :func:`affinity_frontend6_pin`), or
+    (False, the benchmarks' structure before) IPv6 ports by their pins."""
 
     @classmethod
     def build(
@@ -445,3 +453,90 @@ def affinity_pin(identity: str, which: str, port: int) -> tuple[str, int, int]:
     high = int.from_bytes(digest[:4], "big") or 1
     low = int.from_bytes(digest[4:8], "big") or 1
     return f"{AFFINITY_SHARD_PREFIX}{_shard_number(identity)}", high, low
+
+
+AFFINITY6_FRONTEND_SEEDS = (0x6B707831, 0x6B707832)
+"""The seeds of the two 32-bit hashes of an IPv6 cluster-IP frontend that start the key
+of its port's entries (:func:`affinity_frontend6_pin`)."""
+_MASK = 0xFFFFFFFF
+
+
+def _rol32(value: int, shift: int) -> int:
+    return ((value << shift) | (value >> (32 - shift))) & _MASK
+
+
+def _mix(a: int, b: int, c: int) -> tuple[int, int, int]:
+    a = ((a - c) & _MASK) ^ _rol32(c, 4)
+    c = (c + b) & _MASK
+    b = ((b - a) & _MASK) ^ _rol32(a, 6)
+    a = (a + c) & _MASK
+    c = ((c - b) & _MASK) ^ _rol32(b, 8)
+    b = (b + a) & _MASK
+    a = ((a - c) & _MASK) ^ _rol32(c, 16)
+    c = (c + b) & _MASK
+    b = ((b - a) & _MASK) ^ _rol32(a, 19)
+    a = (a + c) & _MASK
+    c = ((c - b) & _MASK) ^ _rol32(b, 4)
+    b = (b + a) & _MASK
+    return a, b, c
+
+
+def _final(a: int, b: int, c: int) -> int:
+    c = ((c ^ b) - _rol32(b, 14)) & _MASK
+    a = ((a ^ c) - _rol32(c, 11)) & _MASK
+    b = ((b ^ a) - _rol32(a, 25)) & _MASK
+    c = ((c ^ b) - _rol32(b, 16)) & _MASK
+    a = ((a ^ c) - _rol32(c, 4)) & _MASK
+    b = ((b ^ a) - _rol32(a, 14)) & _MASK
+    return ((c ^ b) - _rol32(b, 24)) & _MASK
+
+
+def jhash(data: bytes, seed: int) -> int:
+    """The kernel's ``jhash()`` (``include/linux/jhash.h``) of ``data``: its 12-byte
+    blocks read as words in this machine's byte order (``__get_unaligned_cpu32``), the
+    tail byte by byte, little end first.
+
+    By hand: no library computes it, and the backend must know the numbers an nft
+    ``jhash`` writes into a key to find a port's entries (those of endpoints gone).
+    ``tests/test_nft_affinity_exposed_kernel.py`` checks it against the numbers of
+    entries real connections wrote."""
+    a = b = c = (0xDEADBEEF + len(data) + seed) & _MASK
+    rest = data
+    while len(rest) > 12:
+        a = (a + int.from_bytes(rest[0:4], sys.byteorder)) & _MASK
+        b = (b + int.from_bytes(rest[4:8], sys.byteorder)) & _MASK
+        c = (c + int.from_bytes(rest[8:12], sys.byteorder)) & _MASK
+        a, b, c = _mix(a, b, c)
+        rest = rest[12:]
+    if not rest:
+        return c
+    tail = rest.ljust(12, b"\0")
+    a = (a + int.from_bytes(tail[0:4], "little")) & _MASK
+    b = (b + int.from_bytes(tail[4:8], "little")) & _MASK
+    c = (c + int.from_bytes(tail[8:12], "little")) & _MASK
+    return _final(a, b, c)
+
+
+_PROTOCOL_NUMBERS = {"tcp": 6, "udp": 17, "sctp": 132}
+
+
+def affinity_frontend6_pin(frontend: Key) -> tuple[str, str]:
+    """The two numbers (as nft lists them) that start the key of the ClientIP entries of
+    an IPv6 port keyed by its cluster-IP frontend (``address, protocol, port``): what
+    ``jhash ip6 daddr . meta l4proto . th dport mod 4294967295 seed S`` writes for each
+    of :data:`AFFINITY6_FRONTEND_SEEDS`. The hash reads the concatenation's registers:
+    the address's 16 bytes, the protocol's byte and the port's two (network order), each
+    padded with zeros to 4 bytes; ``mod 4294967295`` scales it (``reciprocal_scale``).
+    64 bits: at 100k ports two share numbers with a chance of about 1 in 10^9."""
+    address, protocol, port = frontend
+    data = (
+        ipaddress.IPv6Address(address).packed
+        + bytes((_PROTOCOL_NUMBERS[protocol], 0, 0, 0))
+        + int(port).to_bytes(2, "big")
+        + bytes(2)
+    )
+    first, second = AFFINITY6_FRONTEND_SEEDS
+    return (
+        str((jhash(data, first) * _MASK) >> 32),
+        str((jhash(data, second) * _MASK) >> 32),
+    )
