@@ -19,12 +19,17 @@ import ipaddress
 import re
 import time
 from collections.abc import Iterator
+from unittest import mock
 
 import pytest
 
 from kubeproxy.backend import NodePortAddresses, ProxySnapshot, SyncChanges
 from kubeproxy.backends.nftables import NftablesBackend
 from kubeproxy.backends.nftables.exec import LibNftables
+from kubeproxy.backends.nftables.explain import TableView, explain_service
+from kubeproxy.backends.nftables.frontends import KIND_IP
+from kubeproxy.backends.nftables.objects import Family
+from kubeproxy.backends.nftables.reader import TableReader
 from kubeproxy.backends.nftables.table import (
     affinity_frontend6_pin,
     affinity_frontend_shard,
@@ -190,6 +195,7 @@ NODE_IP6, CLIENT6 = "fd00:71::4", "fd00:244::1"
 EP6 = ("fd00:244::51", "fd00:244::52")
 CLUSTER_IP6, LB_IP6 = "fd00:96::10", "fd00:96::5:10"
 NAME6 = ServicePortName(NamespacedName("kpxa", "sticky6"), "http", Protocol.TCP)
+ANY = mock.ANY
 NAME6_UDP = ServicePortName(NamespacedName("kpxa", "sticky6"), "dns", Protocol.UDP)
 
 
@@ -258,6 +264,20 @@ def test_ipv6_addresses_share_one_entry_keyed_by_the_cluster_ip(namespaces6: Nod
                     assert got == picked, (name, address)
             assert len(entries6(node, shard)) == 1
         chosen[name] = picked
+
+    # Every address explains its port's one entry (found by the frontend's numbers, not
+    # another port's of the same map), and the listing loads again.
+    for name in chosen:
+        shard = affinity_pin(port_identity(name), "service", 0)[0]
+        run_in(node, "nft", f"add element ip6 kube-proxy {shard} {{ 7 . 8 . 9 : {EP6[0]} }}")
+    with TableReader(node) as reader:
+        view = TableView(reader, Family.IP6)
+        for fe in explain_service(view, NAME6.service).frontends:
+            port = fe.key[-1] if fe.kind == KIND_IP else fe.key[1]
+            mine = chosen[NAME6 if port in ("80", str(NODE_PORT)) else NAME6_UDP]
+            host = mine[1:].partition("]")[0]  # an IPv6 entry holds the address alone
+            assert [(a.client, a.endpoint) for a in fe.affinity] == [(ANY, host)], fe.key
+    assert kernelkit.nft_listing_reloads(node) is None
 
     # The TCP port's endpoint goes: its entries with it; the client is pinned anew.
     gone = chosen[NAME6][1:].partition("]")[0]
