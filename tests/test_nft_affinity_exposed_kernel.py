@@ -248,13 +248,13 @@ def test_ipv6_addresses_share_one_entry_keyed_by_the_cluster_ip(namespaces6: Nod
         (NAME6_UDP, Protocol.UDP, 53, ((CLUSTER_IP6, 53), (LB_IP6, 53))),
     )
     chosen: dict[ServicePortName, str] = {}
-    for name, protocol, port, addresses in cases:
+    for name, protocol, service_port, addresses in cases:
         shard = affinity_pin(port_identity(name), "service", 0)[0]
-        pin = affinity_frontend6_pin((CLUSTER_IP6, protocol.lower, str(port)))
+        pin = affinity_frontend6_pin((CLUSTER_IP6, protocol.lower, str(service_port)))
         for first in addresses[1:]:
             run_in(node, "nft", "flush", "map", "ip6", "kube-proxy", shard)
             picked = kernelkit.answered_by(fd, *first, source=CLIENT6, protocol=protocol)
-            assert picked in endpoints, (name, first)
+            assert picked is not None and picked in endpoints, (name, first)
             host = picked[1:].partition("]")[0]
             # Written as the cluster IP's entry, whichever address came first.
             assert entries6(node, shard) == [(pin, host)], (name, first)
@@ -263,6 +263,7 @@ def test_ipv6_addresses_share_one_entry_keyed_by_the_cluster_ip(namespaces6: Nod
                     got = kernelkit.answered_by(fd, *address, source=CLIENT6, protocol=protocol)
                     assert got == picked, (name, address)
             assert len(entries6(node, shard)) == 1
+        assert picked is not None
         chosen[name] = picked
 
     # Every address explains its port's one entry (found by the frontend's numbers, not
@@ -273,8 +274,8 @@ def test_ipv6_addresses_share_one_entry_keyed_by_the_cluster_ip(namespaces6: Nod
     with TableReader(node) as reader:
         view = TableView(reader, Family.IP6)
         for fe in explain_service(view, NAME6.service).frontends:
-            port = fe.key[-1] if fe.kind == KIND_IP else fe.key[1]
-            mine = chosen[NAME6 if port in ("80", str(NODE_PORT)) else NAME6_UDP]
+            number = fe.key[-1] if fe.kind == KIND_IP else fe.key[1]
+            mine = chosen[NAME6 if number in ("80", str(NODE_PORT)) else NAME6_UDP]
             host = mine[1:].partition("]")[0]  # an IPv6 entry holds the address alone
             assert [(a.client, a.endpoint) for a in fe.affinity] == [(ANY, host)], fe.key
     assert kernelkit.nft_listing_reloads(node) is None
