@@ -206,8 +206,10 @@ def _frontend_affinity(
     packet is put back after (:func:`~.layout.affinity_dispatch_chains`,
     ``affinity-find``); the port's elements in those maps are data, no chain.
 
-    None for the ports that keep their pins: IPv6 (a frontend and a client do not fit
-    the 16 bytes of key nft 1.0.6 leaves before the value), ports whose addresses
+    IPv6: a frontend and a client do not fit the 16 bytes of key nft 1.0.6 leaves
+    before the value, so the key is hashes of both (:func:`_frontend_affinity6`).
+
+    None for the ports that keep their pins: ports whose addresses
     pick from different lists (a Local traffic policy: upstream's ``local-`` chain reads
     only the local endpoints' entries), and UDP ports with a NodePort: turning a
     NodePort into the Service port is a ``udp dport set``, and the kernel's payload
@@ -529,7 +531,9 @@ class AffinityPin:
     (:func:`~.table.affinity_frontend_shard`), by the frontend ``pin`` (address, protocol,
     port) and the client. ``endpoints`` are the list's endpoint keys (the plan's own
     tuple) and ``port`` the endpoint port of an IPv6 pin (whose entries hold the address
-    alone; 0 where they hold address and port): what :attr:`allowed` is made of, only
+    alone; 0 where they hold address and port; an IPv6 port keyed by its cluster-IP
+    frontend has the two hashes of it as its ``pin``, see
+    :func:`~.table.affinity_frontend6_pin`): what :attr:`allowed` is made of, only
     when the cleaner needs it (a frozenset of values a port was 2.4 KB and 5 us, for
     every port at every full sync)."""
 

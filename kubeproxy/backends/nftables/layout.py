@@ -321,7 +321,7 @@ class GenNames:
 
     def affinity_canonical(self, kind: Kind) -> str:
         """The map turning ``kind`` frontends other than a cluster IP into their port's
-        cluster IP, for the affinity entries keyed by that frontend (IPv4 only, see
+        cluster IP, for the affinity entries keyed by that frontend (see
         :func:`affinity_dispatch_chains`)."""
         return f"affinity-canonical-{_PLURAL[kind]}{self.suffix}"
 
@@ -863,7 +863,9 @@ AFFINITY_FRONTEND_TYPE = "ip daddr . meta l4proto . th dport . ip saddr : ip dad
 cluster IP, protocol and port, and the client : the endpoint. The key is 16 bytes, one
 register: nft 1.0.6 writes a dynamic map's value into the register after the first 16
 bytes of the key (see the IPv6 key of :data:`AFFINITY_SHARD_TYPES`), so a longer key
-would be overwritten; an IPv6 frontend does not fit, and IPv6 keeps the pins."""
+would be overwritten; an IPv6 frontend does not fit, and an IPv6 port's entries are
+keyed by hashes of it in the ``affinity-clients-*`` maps
+(:func:`~.table.affinity_frontend6_pin`)."""
 
 
 def affinity_shards(tokens: FamilyTokens, size: int | None = None) -> tuple[ContainerSpec, ...]:

@@ -107,7 +107,8 @@ quadratic in the maps; 256 keeps both walks short at 100k ports. Measured with `
 AFFINITY_FRONTEND_PREFIX = "affinity-frontends-"
 """Prefix of the shared affinity maps keyed by the frontend itself
 (:func:`affinity_frontend_shard`): ``affinity-frontends-0`` to ``affinity-frontends-255``,
-IPv4 only."""
+IPv4 only (an IPv6 port keyed by its frontend keeps its entries in ``affinity-clients-<n>``,
+:func:`affinity_frontend6_pin`)."""
 AFFINITY_FIND = "affinity-find"
 """The chain that sends a new connection to its port's record chain (``goto``, by the
 ``affinity-record-*`` verdict maps): with the shared maps one that comes back to
