@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kubeproxy.backend import Backend, NodePortAddresses, SyncChanges, SyncError
+from kubeproxy.backend import Backend, NodePortAddresses, ProxySnapshot, SyncChanges, SyncError
 from kubeproxy.backends.nftables import NftablesBackend
 from kubeproxy.backends.nftables.backend import restitch
 from kubeproxy.backends.nftables.fake import FakeNft, parse_commands
@@ -1271,9 +1271,9 @@ def test_shared_ipv6_affinity_keys_a_hash_of_the_client_with_a_pin_per_endpoint_
     )
 
 
-def _sticky_v6(fake: FakeNft, *endpoints: str, affinity: str = AFFINITY_SHARED) -> NftablesBackend:
+def _sticky_v6_snapshot(*endpoints: str) -> ProxySnapshot:
     """An IPv6 port with ClientIP affinity on its cluster IP, a load-balancer IP and a
-    NodePort, endpoints ``endpoints`` (port 8080), synced in full into ``fake``."""
+    NodePort, endpoints ``endpoints`` (port 8080)."""
     world = v6_world()
     world.add(
         ServicePort(
@@ -1287,8 +1287,13 @@ def _sticky_v6(fake: FakeNft, *endpoints: str, affinity: str = AFFINITY_SHARED) 
         ),
         *(Endpoint(ip(a), 8080) for a in endpoints),
     )
+    return world.snapshot()
+
+
+def _sticky_v6(fake: FakeNft, *endpoints: str, affinity: str = AFFINITY_SHARED) -> NftablesBackend:
+    """:func:`_sticky_v6_snapshot` synced in full into ``fake``."""
     b = backend(fake, family=IPFamily.IPV6, affinity=affinity)
-    b.sync(world.snapshot(), full())
+    b.sync(_sticky_v6_snapshot(*endpoints), full())
     return b
 
 
@@ -1349,22 +1354,9 @@ def test_shared_ipv6_affinity_entries_of_removed_endpoints_are_deleted() -> None
     def keys() -> list[tuple[str, ...]]:
         return sorted(e.key for e in fake.list_elements(Family.IP6, "kube-proxy", shard))
 
-    world = v6_world()
-    world.add(
-        ServicePort(
-            spn("v6"),
-            ip("fd00:96::10"),
-            80,
-            Protocol.TCP,
-            node_port=30080,
-            load_balancer_vips=(ip("fd00:5::10"),),
-            session_affinity_seconds=60,
-        ),
-        Endpoint(ip("fd00:180::2"), 8080),
-    )
-    b.sync(world.snapshot(), changed(spn("v6")))
+    b.sync(_sticky_v6_snapshot("fd00:180::2"), changed(spn("v6")))
     assert keys() == [(high, low, "6"), ("7", "8", "9")]
-    b.sync(world.snapshot(), full())
+    b.sync(_sticky_v6_snapshot("fd00:180::2"), full())
     assert keys() == [(high, low, "6")]
 
 

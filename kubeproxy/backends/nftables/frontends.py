@@ -24,11 +24,13 @@ this module only says *which* class and lists each frontend gets.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import hashlib
 import ipaddress
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
@@ -232,22 +234,36 @@ def _frontend_affinity(
     shard, _number = affinity_frontend_shard(port_identity(port.name))
     proto, seconds = port.protocol.lower, port.session_affinity_seconds
     lookup, record, chains, shared = _frontend_chains(shard, proto, seconds)
+    pin = AffinityPin(shard, frontend, endpoints)
+    return _with_other_addresses(
+        port, lookup, record, chains, AffinityPlan((), (), (), (pin,), shared), _RECORDS4
+    )
+
+
+def _with_other_addresses(
+    port: ServicePort,
+    lookup: str,
+    record: str,
+    chains: tuple[ChainSpec, ...],
+    plan: AffinityPlan,
+    records: tuple[Callable[[str, int], ChainSpec], Callable[[str, str, int], ChainSpec]],
+) -> _ByFrontend:
+    """A port's :class:`_ByFrontend`: ``chains`` and, for its external and load-balancer
+    IPs and its NodePort, the record chains ``records`` build (of its map and timeout,
+    and protocol), in ``plan`` (whose chains are replaced)."""
+    shard = plan.pins[0].shard
+    seconds = port.session_affinity_seconds
     record_other = record_nodeport = None
     if port.external_ips or port.load_balancer_vips:
-        other = _other_record_chain(shard, seconds)
+        other = records[0](shard, seconds)
         record_other = other.name
         chains = (*chains, other)
     if port.node_port:
-        nodeport = _nodeport_record_chain(shard, proto, seconds)
+        nodeport = records[1](shard, port.protocol.lower, seconds)
         record_nodeport = nodeport.name
         chains = (*chains, nodeport)
-    pin = AffinityPin(shard, frontend, endpoints)
     return _ByFrontend(
-        lookup,
-        record,
-        AffinityPlan((), chains, (), (pin,), shared),
-        record_other,
-        record_nodeport,
+        lookup, record, dataclasses.replace(plan, chains=chains), record_other, record_nodeport
     )
 
 
@@ -273,22 +289,9 @@ def _frontend_affinity6(
     if not target:
         # No endpoint: no frontend reads the lookup chain (nothing is dispatched).
         chains = chains[1:]
-    record_other = record_nodeport = None
-    if port.external_ips or port.load_balancer_vips:
-        other = _other_record_chain6(shard, seconds)
-        record_other = other.name
-        chains = (*chains, other)
-    if port.node_port:
-        nodeport = _nodeport_record_chain6(shard, proto, seconds)
-        record_nodeport = nodeport.name
-        chains = (*chains, nodeport)
     pin = AffinityPin(shard, affinity_frontend6_pin(frontend), endpoints, target)
-    return _ByFrontend(
-        lookup,
-        record,
-        AffinityPlan((), chains, (), (pin,), ()),
-        record_other,
-        record_nodeport,
+    return _with_other_addresses(
+        port, lookup, record, chains, AffinityPlan((), (), (), (pin,), ()), _RECORDS6
     )
 
 
@@ -360,6 +363,9 @@ def _nodeport_record_chain6(shard: str, proto: str, seconds: int) -> ChainSpec:
     return ChainSpec(chain_name("affinity-record-nodeport", _chain_owner(shard), rules), rules)
 
 
+_RECORDS6 = (_other_record_chain6, _nodeport_record_chain6)
+
+
 # What the record chains of the other addresses write: the key from the packet turned
 # into the cluster IP's (by affinity-find), the endpoint from the connection's reply
 # direction (the packet's own destination is the cluster IP's for now); the packet is
@@ -394,6 +400,9 @@ def _nodeport_record_chain(shard: str, proto: str, seconds: int) -> ChainSpec:
     """The record chain of map ``shard``'s ports' NodePorts of protocol ``proto``."""
     rules = tuple(r.format(shard=shard, proto=proto, seconds=seconds) for r in _NODEPORT_RECORD)
     return ChainSpec(chain_name("affinity-record-nodeport", _chain_owner(shard), rules), rules)
+
+
+_RECORDS4 = (_other_record_chain, _nodeport_record_chain)
 
 
 # Every port of a map (and protocol, or timeout) shares these chains: built once (a chain

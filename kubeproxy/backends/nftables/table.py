@@ -482,14 +482,15 @@ def _mix(a: int, b: int, c: int) -> tuple[int, int, int]:
     return a, b, c
 
 
+# __jhash_final: each step (target, source, rotation) on the words a, b, c.
+_FINAL = ((2, 1, 14), (0, 2, 11), (1, 0, 25), (2, 1, 16), (0, 2, 4), (1, 0, 14), (2, 1, 24))
+
+
 def _final(a: int, b: int, c: int) -> int:
-    c = ((c ^ b) - _rol32(b, 14)) & _MASK
-    a = ((a ^ c) - _rol32(c, 11)) & _MASK
-    b = ((b ^ a) - _rol32(a, 25)) & _MASK
-    c = ((c ^ b) - _rol32(b, 16)) & _MASK
-    a = ((a ^ c) - _rol32(c, 4)) & _MASK
-    b = ((b ^ a) - _rol32(a, 14)) & _MASK
-    return ((c ^ b) - _rol32(b, 24)) & _MASK
+    words = [a, b, c]
+    for target, source, shift in _FINAL:
+        words[target] = ((words[target] ^ words[source]) - _rol32(words[source], shift)) & _MASK
+    return words[2]
 
 
 def jhash(data: bytes, seed: int) -> int:
