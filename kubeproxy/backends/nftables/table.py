@@ -37,6 +37,7 @@ import re
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from kubeproxy.config import LocalDetectMode, LocalDetector
 from kubeproxy.objects import IPAddress, IPFamily, ServicePortName
@@ -466,28 +467,22 @@ def _rol32(value: int, shift: int) -> int:
     return ((value << shift) | (value >> (32 - shift))) & _MASK
 
 
-def _mix(a: int, b: int, c: int) -> tuple[int, int, int]:
-    a = ((a - c) & _MASK) ^ _rol32(c, 4)
-    c = (c + b) & _MASK
-    b = ((b - a) & _MASK) ^ _rol32(a, 6)
-    a = (a + c) & _MASK
-    c = ((c - b) & _MASK) ^ _rol32(b, 8)
-    b = (b + a) & _MASK
-    a = ((a - c) & _MASK) ^ _rol32(c, 16)
-    c = (c + b) & _MASK
-    b = ((b - a) & _MASK) ^ _rol32(a, 19)
-    a = (a + c) & _MASK
-    c = ((c - b) & _MASK) ^ _rol32(b, 4)
-    b = (b + a) & _MASK
-    return a, b, c
+# __jhash_mix: each step (target, source, then added, rotation) on the words a, b, c:
+# target = (target - source) ^ rol(source), then source += added.
+_MIX = ((0, 2, 1, 4), (1, 0, 2, 6), (2, 1, 0, 8), (0, 2, 1, 16), (1, 0, 2, 19), (2, 1, 0, 4))
+
+
+def _mix(words: list[int]) -> None:
+    for target, source, added, shift in _MIX:
+        words[target] = ((words[target] - words[source]) & _MASK) ^ _rol32(words[source], shift)
+        words[source] = (words[source] + words[added]) & _MASK
 
 
 # __jhash_final: each step (target, source, rotation) on the words a, b, c.
 _FINAL = ((2, 1, 14), (0, 2, 11), (1, 0, 25), (2, 1, 16), (0, 2, 4), (1, 0, 14), (2, 1, 24))
 
 
-def _final(a: int, b: int, c: int) -> int:
-    words = [a, b, c]
+def _final(words: list[int]) -> int:
     for target, source, shift in _FINAL:
         words[target] = ((words[target] ^ words[source]) - _rol32(words[source], shift)) & _MASK
     return words[2]
@@ -502,21 +497,21 @@ def jhash(data: bytes, seed: int) -> int:
     ``jhash`` writes into a key to find a port's entries (those of endpoints gone).
     ``tests/test_nft_affinity_exposed_kernel.py`` checks it against the numbers of
     entries real connections wrote."""
-    a = b = c = (0xDEADBEEF + len(data) + seed) & _MASK
+    words = [(0xDEADBEEF + len(data) + seed) & _MASK] * 3
     rest = data
     while len(rest) > 12:
-        a = (a + int.from_bytes(rest[0:4], sys.byteorder)) & _MASK
-        b = (b + int.from_bytes(rest[4:8], sys.byteorder)) & _MASK
-        c = (c + int.from_bytes(rest[8:12], sys.byteorder)) & _MASK
-        a, b, c = _mix(a, b, c)
+        _add(words, rest, sys.byteorder)
+        _mix(words)
         rest = rest[12:]
     if not rest:
-        return c
-    tail = rest.ljust(12, b"\0")
-    a = (a + int.from_bytes(tail[0:4], "little")) & _MASK
-    b = (b + int.from_bytes(tail[4:8], "little")) & _MASK
-    c = (c + int.from_bytes(tail[8:12], "little")) & _MASK
-    return _final(a, b, c)
+        return words[2]
+    _add(words, rest.ljust(12, b"\0"), "little")
+    return _final(words)
+
+
+def _add(words: list[int], block: bytes, order: Literal["little", "big"]) -> None:
+    for i in range(3):
+        words[i] = (words[i] + int.from_bytes(block[4 * i : 4 * i + 4], order)) & _MASK
 
 
 _PROTOCOL_NUMBERS = {"tcp": 6, "udp": 17, "sctp": 132}
