@@ -341,8 +341,8 @@ PROBES: Final[tuple[FeatureProbe, ...]] = (
         ),
         ("map frontcanonical6-ips { typeof ip6 daddr . meta l4proto . th dport : ip6 daddr ; }",),
         frozenset({Family.IP6}),
-        evidence="kernel history (conntrack IPv6 address keys: 4.17); tested on 6.18 only"
-        " (tests/test_nft_affinity_exposed_kernel.py)",
+        evidence="kernel history (conntrack IPv6 address keys: 4.17); tested on 6.18 and"
+        " Debian 12's 6.1 (tests/test_nft_affinity_exposed_kernel.py)",
     ),
     FeatureProbe(
         "frontkey6",
@@ -364,8 +364,8 @@ PROBES: Final[tuple[FeatureProbe, ...]] = (
             " random mod 1 : ip6 daddr ; flags dynamic,timeout ; timeout 10800s ; }",
         ),
         frozenset({Family.IP6}),
-        evidence="kernel history (conntrack IPv6 address keys: 4.17); tested on 6.18 only"
-        " (tests/test_nft_affinity_exposed_kernel.py)",
+        evidence="kernel history (conntrack IPv6 address keys: 4.17); tested on 6.18 and"
+        " Debian 12's 6.1 (tests/test_nft_affinity_exposed_kernel.py)",
     ),
     FeatureProbe(
         "update6",
