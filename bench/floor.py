@@ -26,11 +26,13 @@ in a fresh namespace:
 
 Each is timed in wall time and in **CPU time** (user and system, ``getrusage``): ours
 over the whole process (``RUSAGE_SELF``: every thread it ran) and the backends' syncs
-apart (:class:`TimedBackend`; the rest is the core's), the floor over the replaying
-thread (``RUSAGE_THREAD``, so nothing else left running in the process counts for it),
-ours' exchanges over theirs (the kernel's part of ours). The CPU time is the figure to
-compare on a shared machine, where the wall time of the same batches moved fourfold
-within an hour: other work on the cores delays a task, it does not add to its CPU time.
+apart (:class:`TimedBackend`, with the exchanges the socket's writer thread made for a
+full sync's posted batches, :attr:`Recorder.posted_cpu`; the rest is the core's), the
+floor over the replaying thread (``RUSAGE_THREAD``, so nothing else left running in the
+process counts for it), ours' exchanges over theirs (the kernel's part of ours). The CPU
+time is the figure to compare on a shared machine, where the wall time of the same
+batches moved fourfold within an hour: other work on the cores delays a task, it does
+not add to its CPU time.
 
 It holds the kernel's work on the batches because nfnetlink handles a batch
 synchronously in the ``sendmsg`` of the task that sends it (the messages parsed, the
@@ -70,8 +72,8 @@ import pstats
 import resource
 import shlex
 import statistics
-import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -79,8 +81,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.floor_report import KIND, render
-from bench.harness import python_module
-from bench.netns import in_netns, namespace, namespaces
+from bench.harness import module_in_netns
+from bench.netns import namespace, namespaces
 from bench.profile_modules import by_category, by_module
 from bench.report import write_document
 from kubeproxy.backend import Backend, ProxySnapshot, SyncChanges
@@ -174,6 +176,9 @@ class Recorder:
     sockets: int = 0
 
     read_cpu: CpuTime = CpuTime()
+    posted_cpu: CpuTime = CpuTime()
+    """The CPU time of the exchanges the socket's writer thread made (a full sync's
+    batches, pipelined): the backend's syncs' part, run on another thread."""
 
     @property
     def exchange_s(self) -> float:
@@ -220,6 +225,8 @@ class RecordingSocket(BatchSocket):
         seconds = time.perf_counter() - start
         batch = Batch(payload, begin, tuple(sent), what, self.number, seconds, cpu.elapsed())
         self.recorder.batches.append(batch)
+        if threading.current_thread() is not threading.main_thread():
+            self.recorder.posted_cpu += batch.cpu
 
     def request(
         self, message: bytes, seq: int, what: str, *, dump: bool = False, bufsize: int = 1 << 16
@@ -462,7 +469,8 @@ def child(
         "feed_s": cold["feed_s"],
         "sync_s": cold["sync_s"],
         **used.fields(),
-        **sum((backend.cpu for backend in timed), CpuTime()).fields("backend_"),
+        # The writer thread's exchanges are the backends' too (the sync posted them).
+        **sum((backend.cpu for backend in timed), recorder.posted_cpu).fields("backend_"),
         "kernel_threads_s": kthreads_s,
         "gc_s": gc_clock.seconds,
         "gc_passes": gc_clock.passes,
@@ -513,17 +521,7 @@ def _run_child(services: int, mix: str, *, profile: bool, gc_held: bool) -> dict
         argv = ["child", "--services", str(services), "--mix", mix, "--netns", ours]
         argv += [f"--floor={name}" for name in floors] + (["--profile"] if profile else [])
         argv += [] if gc_held else ["--gc-on"]
-        done = subprocess.run(
-            in_netns(ours, python_module("bench.floor", *argv)),
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=CHILD_TIMEOUT_S,
-        )
-    if done.returncode != 0:
-        raise RuntimeError(f"bench.floor child ({services}, {mix}): {done.stderr.strip()}")
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+        return module_in_netns(ours, "bench.floor", *argv, timeout_s=CHILD_TIMEOUT_S)
 
 
 def measure(

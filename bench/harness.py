@@ -35,6 +35,7 @@ __all__ = [
     "ProxyTimeout",
     "apply_nft_file",
     "child_process",
+    "module_in_netns",
     "percentile",
     "proxy_process",
     "python_module",
@@ -70,6 +71,22 @@ def python_module(module: str, *args: str) -> list[str]:
         f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"
     )
     return [sys.executable, "-c", bootstrap, *args]
+
+
+def module_in_netns(netns: str, module: str, *args: str, timeout_s: float) -> dict[str, Any]:
+    """Run ``python -m module args`` in ``netns`` and return the JSON object its last
+    line of output holds; raise :class:`RuntimeError` with its error output if it fails."""
+    done = subprocess.run(
+        in_netns(netns, python_module(module, *args)),
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=timeout_s,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{module} {' '.join(args)}: {done.stderr.strip()}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
 
 
 class ProxyProcessError(RuntimeError):

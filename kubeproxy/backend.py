@@ -192,7 +192,8 @@ class SkippedPorts:
                 self._log.error("skipping service port %s: %s", name, reason)
             self.reasons[name] = reason
             return None
-        self.reasons.pop(name, None)
+        if self.reasons:  # most syncs skip no port: no lookup a port
+            self.reasons.pop(name, None)
         return rendered
 
     def forget_missing(self, snapshot: ProxySnapshot) -> None:

@@ -385,8 +385,19 @@ class EndpointsChangeTracker:
             pending, self._pending = self._pending, {}
             self._pending_slices = 0
             trigger_times, self._trigger_times = self._trigger_times, {}
+            applied_by_service = self._applied
             for service, slices in pending.items():
-                held = self._applied.get(service)
+                held = applied_by_service.get(service)
+                if held is None and len(slices) == 1:
+                    # A Service's first slice (every Service of a start-up): it alone is
+                    # applied, with no dict, sort or list made for it, as below would.
+                    for only in slices.values():
+                        if only is None:
+                            folded.append((service, None, None, []))
+                        else:
+                            applied_by_service[service] = only
+                            folded.append((service, None, only, [only]))
+                    continue
                 applied = _slices_by_name(held)
                 for name, parsed in slices.items():
                     if parsed is None:
@@ -457,6 +468,7 @@ class EndpointsMap(dict[ServicePortName, Endpoints]):
         updated: list[NamespacedName] = []
         stale: list[tuple[ServicePortName, Endpoint]] = []
         conntrack_cleanup = False
+        local_ready = self._local_ready
         for service, change in changes.items():
             previous, current = change.previous, change.current
             if previous == current:
@@ -478,18 +490,24 @@ class EndpointsMap(dict[ServicePortName, Endpoints]):
                 kept = set(endpoint_keys(still))
                 stale.extend((name, e) for e in endpoints if e.key not in kept)
             if not conntrack_cleanup:
-                conntrack_cleanup = any(name.protocol is Protocol.UDP for name in current)
-            local_ips: set[str] = set()
+                # A loop, not any() over a generator: one generator a Service made.
+                for name in current:
+                    if name.protocol is Protocol.UDP:
+                        conntrack_cleanup = True
+                        break
+            local_ips: set[str] | None = None  # made for the few Services with some
             for endpoints in current.values():
                 if type(endpoints) is EndpointRows and 1 not in endpoints.flags.translate(
                     LOCAL_READY_MARKS
                 ):
                     continue  # no endpoint made to find none local (most Services)
+                if local_ips is None:
+                    local_ips = set()
                 local_ips.update(e.address for e in endpoints if e.is_local and e.ready)
             if local_ips:
                 self._local_ready[service] = len(local_ips)
-            else:
-                self._local_ready.pop(service, None)
+            elif local_ready:
+                local_ready.pop(service, None)
         stale.sort(key=lambda pair: (pair[0], pair[1].key))
         return EndpointsUpdateResult(
             updated_services=frozenset(updated),

@@ -235,6 +235,7 @@ def test_the_nftables_package_holds_the_shipped_structure_only() -> None:
         "monitor",
         "objects",
         "owner",
+        "pipeline",
         "reader",
         "rulecounters",
         "ruleencoder",

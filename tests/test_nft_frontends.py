@@ -4,6 +4,7 @@ check looks at a list at a time, and names the first culprit)."""
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 
 import pytest
@@ -78,3 +79,34 @@ def test_good_endpoints_pass(family: IPFamily) -> None:
 def test_address_text_is_str_of_the_address(v4: int, v6: int) -> None:
     for ip in (ipaddress.IPv4Address(v4), ipaddress.IPv6Address(v6)):
         assert frontends._address_text(ip) == str(ip)
+
+
+@pytest.mark.parametrize("family", [IPFamily.IPV4, IPFamily.IPV6])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"port": 0}, "port 0 is out of range"),
+        ({"port": 70000}, "port 70000 is out of range"),
+        ({"node_port": 70000}, "nodePort 70000 is out of range"),
+        ({"cluster_ip": "other"}, "cluster IP .* is not"),
+        ({"external_ips": "other"}, "service IP .* is not"),
+        ({"load_balancer_vips": "other"}, "service IP .* is not"),
+        ({"load_balancer_source_ranges": "other"}, "source range .* is not"),
+    ],
+)
+def test_a_port_the_kernel_must_not_see_is_refused(
+    family: IPFamily, change: dict[str, object], message: str
+) -> None:
+    other = ip("fd02::5" if family is IPFamily.IPV4 else "172.31.0.5")
+    fields = dict(change)
+    if change.get("cluster_ip") == "other":
+        fields["cluster_ip"] = other
+    for key in ("external_ips", "load_balancer_vips"):
+        if change.get(key) == "other":
+            fields[key] = (other,)
+    if change.get("load_balancer_source_ranges") == "other":
+        fields["load_balancer_source_ranges"] = (ipaddress.ip_network(other),)
+    port = dataclasses.replace(_port(family), **fields)  # type: ignore[arg-type]
+    eps = CategorizedEndpoints(_good(family, 2), (), _good(family, 2), True)
+    with pytest.raises(InvalidPort, match=message):
+        plan_port(_ctx(family), port, eps)

@@ -8,6 +8,8 @@ import logging
 import re
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kubeproxy.backends.nftables.objects import validate_name
 from kubeproxy.backends.nftables.table import (
@@ -16,6 +18,7 @@ from kubeproxy.backends.nftables.table import (
     RenderContext,
     base_chains,
     chain_name,
+    check_port_name,
     context_or_default,
     port_identity,
     tokens_for,
@@ -40,6 +43,26 @@ def test_identity_is_readable() -> None:
 def test_identity_refuses_names_nft_cannot_take(name: ServicePortName) -> None:
     with pytest.raises(InvalidName):
         port_identity(name)
+
+
+# Name parts near the edge of what a part may be: the allowed characters, separators at
+# either end, characters nft refuses, a slash (which the one-pattern check must not let
+# move a part's end), and empty parts.
+_PARTS = st.text(alphabet='aZ09._-/ "\n{', max_size=6)
+
+
+@given(ns=_PARTS, name=_PARTS, port=_PARTS)
+def test_the_port_name_check_refuses_what_the_identity_refuses(
+    ns: str, name: str, port: str
+) -> None:
+    candidate = spn(ns=ns, name=name, port=port)
+    try:
+        port_identity(candidate)
+    except InvalidName:
+        with pytest.raises(InvalidName):
+            check_port_name(candidate)
+    else:
+        check_port_name(candidate)
 
 
 def test_name_layout_and_hash() -> None:

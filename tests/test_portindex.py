@@ -61,3 +61,26 @@ def test_one_port_is_held_as_itself_and_read_as_a_tuple_of_one() -> None:
     assert index[name.service] == (name,)
     index.discard(name)
     assert name.service not in index
+
+
+@settings(max_examples=100, deadline=None)
+@given(steps, steps)
+def test_a_copy_holds_the_same_names_and_changes_apart(
+    before: list[tuple[bool, ServicePortName]], after: list[tuple[bool, ServicePortName]]
+) -> None:
+    index = PortsByService()
+    for add, name in before:
+        if add:
+            index.add(name)
+        else:
+            index.discard(name)
+    copy = index.copy()
+    assert copy == index and list(copy) == list(index)
+    kept = dict(index.items())
+    for add, name in after:
+        if add:
+            copy.add(name)
+        else:
+            copy.discard(name)
+    # The original is untouched by the copy's changes.
+    assert dict(index.items()) == kept

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
@@ -50,15 +51,15 @@ from kubeproxy.backend import (
 )
 from kubeproxy.backends.nftables.affinity_cleanup import AffinityCleaner, Every
 from kubeproxy.backends.nftables.claims import Claims
-from kubeproxy.backends.nftables.commits import SyncOps
+from kubeproxy.backends.nftables.commits import PostsElements, SyncOps
 from kubeproxy.backends.nftables.diff import (
+    FrontendWriter,
     add_shared,
     add_shared_new,
     diff_firewall,
     diff_frontend,
     release_shared,
     restitch,
-    write_frontend,
 )
 from kubeproxy.backends.nftables.elements import ElementBatch
 from kubeproxy.backends.nftables.exec import LibNftables, NftExecutor, delete_table
@@ -111,6 +112,7 @@ from kubeproxy.backends.nftables.transaction import Transaction
 from kubeproxy.config import ProxierConfig
 from kubeproxy.featuregates import KUBE_PROXY_NFTABLES_LOCALHOST_NODEPORTS
 from kubeproxy.objects import IPFamily, ServicePortName
+from kubeproxy.portindex import PortsByService
 
 __all__ = ["PLAN_CONTAINERS", "STALE_DELAY", "NftablesBackend", "restitch"]
 
@@ -172,11 +174,17 @@ class NftablesBackend:
     reaching such a count is element changes only; measured against the default in the
     package README ("A never-seen endpoint count": every commit pays for the chains).
     ``packed_elements``: a full sync's slots and hairpin pairs (and a new frontend's
-    slots) are packed into netlink bytes as they are queued (:func:`.elements.slot_elements`);
+    slots) are packed into netlink bytes as they are queued (:func:`.elements.slot_packer`);
     None, the default, does so when the executor sends elements over netlink
     (:class:`~.owner.OwnedNftables`, :class:`~.exec.LibNftables` with its netlink
     elements), not for executors that read elements as text (the fake, the written-table
     model of ``kubeproxy verify``), which would decode each one.
+    ``pipelined_elements``: a full sync hands its element batches to the executor's
+    writer thread (:class:`~.commits.PostsElements`: the owned table's), which commits
+    batch k while this thread encodes batch k+1; None, the default, does so when the
+    executor can and the process may run on more than one CPU. Off, each batch is
+    committed before the sync goes on (the structure before issue 32's pipeline, kept
+    for the benches). Partial syncs commit theirs at once either way.
     """
 
     def __init__(
@@ -196,6 +204,7 @@ class NftablesBackend:
         affinity_size: int | None = None,
         precreate_counts: int = 0,
         packed_elements: bool | None = None,
+        pipelined_elements: bool | None = None,
     ) -> None:
         if elements_per_transaction < 1:
             raise ValueError("elements_per_transaction must be at least 1")
@@ -215,6 +224,14 @@ class NftablesBackend:
                 isinstance(executor, LibNftables) and executor.netlink_elements
             )
         self._packed = packed_elements
+        posts = isinstance(executor, PostsElements)
+        if pipelined_elements is None:
+            pipelined_elements = posts and len(os.sched_getaffinity(0)) > 1
+        elif pipelined_elements and not posts:
+            raise ValueError("pipelined_elements needs an executor that posts element batches")
+        self._poster: PostsElements | None = (
+            executor if pipelined_elements and isinstance(executor, PostsElements) else None
+        )
         self._family = family
         self._nft_family = _FAMILIES[family]
         self._tokens: FamilyTokens = tokens_for(family)
@@ -255,6 +272,10 @@ class NftablesBackend:
         self._node_ports: NodePortAddresses | None = None
         self._nodeport_keys: tuple[Key, ...] = ()
         self._held_shards: tuple[str, ...] = ()
+        # The affinity plans of the ports the last full sync wrote, gathered as it wrote
+        # them: read back from every port's state they were a pass over 100k states,
+        # 0.19 s of a whole-process cold start at 100k (py-spy, 2026-11-29).
+        self._written_affinity: list[AffinityPlan] = []
         self._gen = Generation(0, self._tokens, self._dispatch, self._shards)
 
     # Backend protocol -------------------------------------------------------------------
@@ -298,7 +319,7 @@ class NftablesBackend:
         self._last_elements = ops.elements
         every = None
         if full:
-            plans = [s.affinity for s in self._gen.ports.values() if s.affinity is not None]
+            plans, self._written_affinity = self._written_affinity, []
             every = Every(
                 [spec for plan in plans for spec in plan.maps],
                 [pin for plan in plans for pin in plan.pins],
@@ -417,21 +438,27 @@ class NftablesBackend:
             self.failures.keep(batch)
             raise
 
+    def _post_elements(self, batch: ElementBatch) -> None:
+        assert self._poster is not None
+        self._poster.post_elements(batch, self.failures.keep)
+
     def _run_deletions(self, tx: Transaction) -> None:
         if tx.error is not None:
             raise tx.error
         self._executor.run_deletions(tx)
 
-    def _ops(self, *, text_last: bool = False) -> SyncOps:
+    def _ops(self, *, text_last: bool = False, posted: bool = False) -> SyncOps:
+        poster = self._poster if posted else None
         return SyncOps(
             self._nft_family,
             self._gen.element_types,
             run=self._run,
-            write_elements=self._write_elements,
+            write_elements=self._write_elements if poster is None else self._post_elements,
             budget=self.elements_per_transaction,
             text_last=text_last,
             comments=self.element_names,
             packed=self._packed,
+            settle=None if poster is None else poster.settle_elements,
         )
 
     def _map_live(self, name: str) -> bool:
@@ -516,8 +543,15 @@ class NftablesBackend:
         claims = self._claims
         claims.reset()
         plans: dict[ServicePortName, PortPlan] = {}
+        index = snapshot.ports_by_service
+        if type(index) is PortsByService:
+            # The core's index of the snapshot's ports (its contract: every port of
+            # ``services``), copied: an add per port was a pass over the cluster.
+            model.by_service = index.copy()
+        else:
+            for name in snapshot.services:
+                model.by_service.add(name)
         for name in snapshot.services:
-            model.by_service.add(name)
             plan = self._plan(snapshot, name)
             if plan is not None:
                 plans[name] = plan
@@ -533,6 +567,9 @@ class NftablesBackend:
         try:
             ops = self._write_generation(plans)
         except BaseException:
+            if self._poster is not None:
+                # Nothing more of the generation is sent before it is taken back.
+                self._poster.abandon_elements()
             self._discard_generation(gen)
             raise
         self._base_recreated = True
@@ -543,11 +580,16 @@ class NftablesBackend:
     def _write_generation(self, plans: dict[ServicePortName, PortPlan]) -> SyncOps:
         """Every chain and container the elements need, then the elements in bounded
         transactions, then the switch; nothing of the new generation is read before it.
-        Empties ``plans`` as it writes them."""
+        Empties ``plans`` as it writes them. The element batches go to the executor's
+        writer thread when pipelined (see the class): the kernel's work on them, about
+        2 s of a 16 s cold start at 100k Services, is then done there, not in this
+        thread (measured: this thread's CPU time 8.4-8.5 s against 10.0-10.2 s,
+        ``bench/pipeline.py``); the last commit waits for them all, so the switch comes
+        after every one."""
         model = self._gen
         names, counts, held, numbers = model.names, model.shared, model.held, model.numbered
         assert self._ctx is not None
-        ops = self._ops(text_last=True)
+        ops = self._ops(text_last=True, posted=True)
         tx = ops.tx
         tx.add(Table(comment=TABLE_COMMENT))
         fixed = self._fixed_chains()
@@ -561,19 +603,23 @@ class NftablesBackend:
         ops.commit()
         ports = model.ports
         previous_hairpin: tuple[str, ...] = ()
+        writer = FrontendWriter(ops, names, numbers)
+        written_affinity = self._written_affinity
+        written_affinity.clear()
         # Each plan let go once written (what is kept of it is its frontends and its
         # PortState): at 100k Services the plans held 10 MB to the end of the sync,
         # where the peak is; let go as they go, what the writing makes reuses their room.
         for name in list(plans):
             plan = plans.pop(name)
             for fe in plan.frontends:
-                held[fe.key] = write_frontend(ops, names, numbers, fe)
+                held[fe.key] = writer.write(fe)
             if plan.firewall:
                 diff_firewall(ops, names, {}, dict(plan.firewall), adding=True)
             add_shared_new(ops, names, counts, plan, previous_hairpin)
             previous_hairpin = plan.hairpin
             if plan.affinity is not None:
                 self._follow_affinity(None, plan.affinity, 0.0)
+                written_affinity.append(plan.affinity)
             ports[name] = PortState.of(plan)
             ops.cut()
         ops.commit(last=True)
@@ -678,11 +724,12 @@ class NftablesBackend:
         for plan in plans.values():
             for fe in plan.frontends if plan is not None else ():
                 new[fe.key] = fe
+        writer = FrontendWriter(ops, names, numbers)
         for key in sorted(old.keys() | new.keys()):
             was, planned = old.get(key), new.get(key)
             if was is None and planned is not None:
                 # A frontend the kernel lacks (a new Service's): its slots packed at once.
-                held[key] = write_frontend(ops, names, numbers, planned)
+                held[key] = writer.write(planned)
             else:
                 now_held = diff_frontend(ops, names, numbers, key, was, planned)
                 if now_held is not None:

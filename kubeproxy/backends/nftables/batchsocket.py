@@ -22,6 +22,13 @@ overflowed the receive buffer, and a refused batch-begin left the socket waiting
 * answers left over from anything earlier are drained before each send, and after a
   failure whose outcome is unknown (answers lost, a timeout, a socket error) the socket is
   replaced (:attr:`BatchSocket.replaced` counts it), so one bad batch never clogs the next.
+
+A full sync's element batches may be handed to a writer thread instead
+(:meth:`BatchSocket.post`, :mod:`.pipeline`): the kernel handles batch k in that
+thread's ``sendmsg`` while the sync encodes batch k+1. Every other write or read waits
+until the posted batches are sent (:meth:`BatchSocket.send`, :meth:`~BatchSocket.request`,
+:meth:`~BatchSocket.ask`), so nothing passes them, and the socket's input and output are
+one thread's at a time (``_io``: a read's drain would take a batch's answers).
 """
 
 from __future__ import annotations
@@ -33,15 +40,16 @@ import socket
 import struct
 import sys
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import kubeproxy.nlmsg as nlmsg
 from kubeproxy.backends.nftables.objects import NftError
+from kubeproxy.backends.nftables.pipeline import Pipeline
 from kubeproxy.netns import run_in_netns
 
-__all__ = ["BatchSocket", "Frame", "Refusable", "answers", "batch_refusal"]
+__all__ = ["BatchSocket", "Encoded", "Frame", "Refusable", "answers", "batch_refusal"]
 
 _SO_SNDBUFFORCE = 32
 _SO_RCVBUFFORCE = 33
@@ -69,18 +77,39 @@ class Frame:
     refusable: Refusable
 
 
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """One batch as sent: its bytes, its begin message's sequence number, its messages by
+    sequence number (what each says when refused), and what it is called in errors.
+    ``refused``: called, with the error, when the kernel refuses a posted batch or its
+    outcome is unknown (in the writer's thread, before the error reaches the poster)."""
+
+    payload: bytes
+    begin: int
+    sent: Mapping[int, Refusable]
+    what: str
+    refused: Callable[[NftError], None] | None = None
+
+
 class BatchSocket:
     """A ``NETLINK_NETFILTER`` socket in ``netns`` (the current namespace if None) that
     sends nf_tables batches and reads the kernel's answers (see the module).
 
     :attr:`lock` serialises its users (a re-entrant lock: the owner holds it around a
-    claim and the batch that follows).
+    claim and the batch that follows); the writer thread of posted batches does not take
+    it (a user holding it may wait for that thread: :meth:`send`). ``depth``: how many
+    posted batches may wait for the writer thread.
     """
 
-    def __init__(self, netns: str | None = None, *, timeout: float = 5.0) -> None:
+    def __init__(self, netns: str | None = None, *, timeout: float = 5.0, depth: int = 1) -> None:
         self.netns = netns
         self._timeout = timeout
         self.lock = threading.RLock()
+        self._io = threading.Lock()
+        self._seq_lock = threading.Lock()
+        self._pipeline: Pipeline[Encoded] = Pipeline(
+            self._send_posted, depth=depth, name="nft-batch-writer"
+        )
         self._seq = 1
         self._sndbuf = 0
         self._rcvbuf = 0
@@ -117,13 +146,24 @@ class BatchSocket:
         return port
 
     def close(self) -> None:
-        """Close the socket (what it owned is orphaned, or gone without ``persist``)."""
-        self.sock.close()
+        """Close the socket (what it owned is orphaned, or gone without ``persist``);
+        posted batches not yet sent are not sent."""
+        self._pipeline.abandon()
+        with self._io:
+            self.sock.close()
 
     def next_seq(self) -> int:
         """A sequence number for the next message."""
-        self._seq = self._seq + 1 if self._seq < 2**31 else 1
-        return self._seq
+        return self._reserve(1)
+
+    def _reserve(self, count: int) -> int:
+        """The first of ``count`` consecutive sequence numbers (any thread)."""
+        with self._seq_lock:
+            if self._seq + count >= 2**31:
+                self._seq = 1
+            first = self._seq + 1
+            self._seq += count
+            return first
 
     def replace(self) -> None:
         """A new socket for the next batch (nothing of the old one can be read there)."""
@@ -134,28 +174,83 @@ class BatchSocket:
 
     def send(self, family: int, frames: Sequence[Frame], what: str, *, commit: bool = True) -> None:
         """Send ``frames`` as one batch of ``family`` (an ``nfgen_family``) and read the
-        kernel's verdict (:meth:`exchange`). Without ``commit`` the batch has no end
-        message: the kernel checks it and aborts (a dry run)."""
+        kernel's verdict (:meth:`exchange`), after any posted batches. Without ``commit``
+        the batch has no end message: the kernel checks it and aborts (a dry run)."""
         if not frames:
             return
-        with self.lock:
-            begin = self.next_seq()
-            parts = []
-            sent: dict[int, Refusable] = {}
-            head = nlmsg.NFGEN.pack(family, 0, 0)
-            for index, frame in enumerate(frames):
-                seq = self.next_seq()
-                # Only the last message asks for an acknowledgement (see the module).
-                ack = nlmsg.NLM_F_ACK if index == len(frames) - 1 else 0
-                message_type = nlmsg.nfnl_type(nlmsg.NFNL_SUBSYS_NFTABLES, frame.kind)
-                flags = nlmsg.NLM_F_REQUEST | ack | frame.flags
-                parts.append(nlmsg.message(message_type, flags, seq, head + frame.body))
-                sent[seq] = frame.refusable
-            if commit:
-                payload = nlmsg.nfnl_batch(begin, parts, self.next_seq())
-            else:
-                payload = nlmsg.nfnl_control(nlmsg.NFNL_MSG_BATCH_BEGIN, begin) + b"".join(parts)
-            self.exchange(payload, begin, sent, what)
+        encoded = self.encode(family, frames, what, commit=commit)
+        self._pipeline.idle()
+        self.exchange(encoded.payload, encoded.begin, encoded.sent, what)
+
+    def encode(
+        self,
+        family: int,
+        frames: Sequence[Frame],
+        what: str,
+        *,
+        commit: bool = True,
+        refused: Callable[[NftError], None] | None = None,
+    ) -> Encoded:
+        """``frames`` as one batch of ``family``, numbered (any thread: the sequence
+        numbers are reserved at once)."""
+        first = self._reserve(len(frames) + 2)
+        begin = first
+        parts = []
+        sent: dict[int, Refusable] = {}
+        head = nlmsg.NFGEN.pack(family, 0, 0)
+        last = len(frames) - 1
+        for index, frame in enumerate(frames):
+            seq = first + 1 + index
+            # Only the last message asks for an acknowledgement (see the module).
+            ack = nlmsg.NLM_F_ACK if index == last else 0
+            message_type = nlmsg.nfnl_type(nlmsg.NFNL_SUBSYS_NFTABLES, frame.kind)
+            flags = nlmsg.NLM_F_REQUEST | ack | frame.flags
+            parts.append(nlmsg.message(message_type, flags, seq, head + frame.body))
+            sent[seq] = frame.refusable
+        if commit:
+            payload = nlmsg.nfnl_batch(begin, parts, first + 1 + len(frames))
+        else:
+            payload = nlmsg.nfnl_control(nlmsg.NFNL_MSG_BATCH_BEGIN, begin) + b"".join(parts)
+        return Encoded(payload, begin, sent, what, refused)
+
+    def post(self, encoded: Encoded) -> None:
+        """Hand a batch (:meth:`encode`) to the writer thread, which sends it after the
+        ones posted before; blocks while ``depth`` batches wait for it. Raises the first
+        failure of an earlier posted batch (:class:`NftError`), once; after a failure
+        nothing more is sent until :meth:`settle` or :meth:`abandon`."""
+        self._pipeline.post(encoded)
+
+    def settle(self) -> None:
+        """Wait until every posted batch is acknowledged; raise the first failure."""
+        self._pipeline.settle()
+
+    def abandon(self) -> None:
+        """Send no more of the posted batches (the one in flight finishes); forget their
+        failure (the poster is failing with its own)."""
+        self._pipeline.abandon()
+
+    @property
+    def posting(self) -> bool:
+        """Whether posted batches are not yet settled."""
+        return self._pipeline.busy
+
+    @property
+    def posted(self) -> int:
+        """How many posted batches were sent (for tests and benches)."""
+        return self._pipeline.sent
+
+    @property
+    def posting_wait_s(self) -> float:
+        """How long posting waited for the writer thread (benches)."""
+        return self._pipeline.waited_s
+
+    def _send_posted(self, encoded: Encoded) -> None:
+        try:
+            self.exchange(encoded.payload, encoded.begin, encoded.sent, encoded.what)
+        except NftError as err:
+            if encoded.refused is not None:
+                encoded.refused(err)
+            raise
 
     def exchange(
         self, payload: bytes, begin: int, sent: Mapping[int, Refusable], what: str
@@ -163,7 +258,15 @@ class BatchSocket:
         """Send an encoded batch (``begin``: its begin message's sequence number;
         ``sent``: its messages by sequence number) and read the kernel's verdict; raise
         :class:`NftError` for a refusal (the first one), or for a failure whose outcome
-        is unknown (which also replaces the socket). ``what`` names the batch."""
+        is unknown (which also replaces the socket). ``what`` names the batch.
+
+        Any thread; one at a time (the writer thread of posted batches calls it too)."""
+        with self._io:
+            self._exchange(payload, begin, sent, what)
+
+    def _exchange(
+        self, payload: bytes, begin: int, sent: Mapping[int, Refusable], what: str
+    ) -> None:
         try:
             self.drain()
             self._ensure_buffers(len(payload), len(sent))
@@ -253,7 +356,15 @@ class BatchSocket:
         ``dump`` a dump) and return the type and payload of each answer, and whether the
         kernel said a commit interrupted the dump (``NLM_F_DUMP_INTR``: it may miss
         objects). A refusal raises :class:`NftError` with the kernel's errno (``ENOENT``
-        for a missing object); socket errors replace the socket and raise one too."""
+        for a missing object); socket errors replace the socket and raise one too.
+        Sent after any posted batches."""
+        self._pipeline.idle()
+        with self._io:
+            return self._request(message, seq, what, dump=dump, bufsize=bufsize)
+
+    def _request(
+        self, message: bytes, seq: int, what: str, *, dump: bool, bufsize: int
+    ) -> tuple[list[tuple[int, bytes]], bool]:
         try:
             self.drain()
             self.sock.sendall(message)
@@ -282,7 +393,13 @@ class BatchSocket:
         errors replace the socket and raise :class:`NftError`.
 
         Measured, the loop per answer is most of the reading (a million answers for the
-        endpoint slots of 100k Services): one ``recv`` and two byte comparisons each."""
+        endpoint slots of 100k Services): one ``recv`` and two byte comparisons each.
+        Sent after any posted batches."""
+        self._pipeline.idle()
+        with self._io:
+            return self._ask(message, seq, what, answers)
+
+    def _ask(self, message: bytes, seq: int, what: str, answers: int) -> tuple[list[bytes], int]:
         error = nlmsg.NLMSG_ERROR.to_bytes(2, sys.byteorder)
         ours = seq.to_bytes(4, sys.byteorder)
         try:

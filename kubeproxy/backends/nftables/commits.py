@@ -9,6 +9,7 @@ adds.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence, Sized
+from typing import Protocol, runtime_checkable
 
 from kubeproxy.backends.nftables.elements import (
     ElementBatch,
@@ -20,9 +21,32 @@ from kubeproxy.backends.nftables.objects import Family
 from kubeproxy.backends.nftables.table import TABLE, Key
 from kubeproxy.backends.nftables.transaction import Transaction
 
-__all__ = ["SyncOps"]
+__all__ = ["PostsElements", "SyncOps"]
 
 _VALUE_NONE: tuple[str, ...] = ()
+
+
+@runtime_checkable
+class PostsElements(Protocol):
+    """An executor that can hand element batches to a writer thread (the owned table's:
+    :meth:`~.owner.OwnedNftables.post_elements`), so a full sync encodes the next batch
+    while the kernel commits this one."""
+
+    def post_elements(
+        self, batch: ElementBatch, refused: Callable[[ElementBatch], None] | None = None
+    ) -> None:
+        """Hand ``batch`` over (committed after the batches posted before it);
+        ``refused`` is called with it if it is refused. Raises an earlier batch's
+        failure."""
+        ...
+
+    def settle_elements(self) -> None:
+        """Wait until every posted batch is committed; raise the first failure."""
+        ...
+
+    def abandon_elements(self) -> None:
+        """Commit no more of the posted batches; forget their failure."""
+        ...
 
 
 class SyncOps:
@@ -42,6 +66,14 @@ class SyncOps:
     :attr:`operations` and :attr:`transactions` count what was committed;
     :attr:`elements` the element additions and deletions committed per container (tallied
     per container at each commit, not per element: what ``/debug/plan`` shows).
+
+    ``settle``: ``write_elements`` only hands a batch over (:class:`PostsElements`: a
+    full sync's batches, committed by a writer thread in order), and ``settle`` waits
+    until every batch handed over is committed, raising the first failure. It is called
+    before each transaction ``run`` commits (nothing passes a batch: a transaction's
+    chains and deletions come after the batches queued before them, as without a
+    writer thread) and at the end of the last commit; counted as committed is what
+    was handed over.
     """
 
     def __init__(
@@ -55,10 +87,12 @@ class SyncOps:
         text_last: bool = False,
         comments: bool = True,
         packed: bool = True,
+        settle: Callable[[], None] | None = None,
     ) -> None:
         self._family = family
         self._run_tx = run
         self._write_elements = write_elements
+        self._settle = settle
         self._budget = budget
         # Full syncs: nothing reads the generation yet, so its text elements can wait for
         # one transaction at the end (each libnftables run lists the table first: 70 runs
@@ -199,6 +233,8 @@ class SyncOps:
                 for key in keys:
                     final.delete_element(container, key)
             self.run(final)
+        if last and self._settle is not None:
+            self._settle()
 
     def _tally(self, queued: Mapping[str, Sized], which: int) -> None:
         for container, items in queued.items():
@@ -207,6 +243,8 @@ class SyncOps:
     def run(self, tx: Transaction) -> None:
         """Commit ``tx`` if it holds anything, and count it."""
         if tx.num_operations:
+            if self._settle is not None:
+                self._settle()
             self._run_tx(tx)
             self.operations += tx.num_operations
             self.transactions += 1

@@ -14,14 +14,15 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 from kubeproxy.backends.nftables.elements import (
     ContainerTypes,
     EncodedPairs,
+    SlotPacker,
     pair_elements,
-    slot_elements,
+    slot_packer,
 )
 from kubeproxy.backends.nftables.frontends import (
     AFFINITY_LOCAL_ENDPOINTS,
@@ -47,6 +48,7 @@ from kubeproxy.backends.nftables.table import Key, Names
 __all__ = [
     "BulkSink",
     "ElementSink",
+    "FrontendWriter",
     "add_shared",
     "add_shared_new",
     "diff_class",
@@ -271,58 +273,125 @@ def _verdict(verb: str, chain: str) -> tuple[str]:
 def write_frontend(
     sink: BulkSink, names: GenNames, numbers: Mapping[ClassSpec, int] | None, fe: Frontend
 ) -> Held:
-    """Queue the elements of a frontend the kernel does not hold (every frontend of a
-    full sync): what :func:`diff_frontend` queues for it against nothing, in the same
-    order, with each list of slots queued in one call.
+    """Queue the elements of a frontend the kernel does not hold: what
+    :func:`diff_frontend` queues for it against nothing, in the same order, with each
+    list of slots queued in one call (:meth:`FrontendWriter.write`, for one frontend)."""
+    return FrontendWriter(sink, names, numbers).write(fe)
+
+
+_Packing = tuple[ContainerTypes, SlotPacker]
+
+
+class FrontendWriter:
+    """Queues the elements of frontends the kernel does not hold (every frontend of a
+    full sync) into one sink: what :func:`diff_frontend` queues for each against
+    nothing, in the same order, with each list of slots queued in one call, packed.
 
     Why a path of its own: a full sync has nothing to diff against, and at 30k Services
     x 10 endpoints :func:`diff_frontend` against nothing, its slot by slot
     :func:`diff_slots` and the sink's call per element were a fifth of the backend's
-    part of a full sync (cProfile); the comparison in ``tests/test_nft_diff.py`` and the
-    bytes of ``tests/test_nft_sync_bytes.py`` keep the two paths the same."""
-    key, kind, cls, name = fe.key, fe.kind, fe.cls, fe.name
-    if cls is not None:
-        diff_class(sink, names, numbers, kind, key, None, cls, name)
-    proto = key[1] if kind == KIND_IP else key[0]
-    if fe.endpoints:
-        _write_slots(sink, names.slots(kind, False, proto, len(fe.endpoints)), key, fe.endpoints)
-    if fe.shortcut:
-        _write_slots(sink, names.slots(kind, True, proto, len(fe.shortcut)), key, fe.shortcut)
-    if fe.no_endpoint is not None:
-        sink.add(names.no_endpoint(kind, fe.no_endpoint), key, comment=name)
-    if fe.lookup is not None:
-        sink.add(names.affinity_lookup(kind, False), key, _verdict("jump", fe.lookup))
-    if fe.shortcut_lookup is not None:
-        sink.add(names.affinity_lookup(kind, True), key, _verdict("jump", fe.shortcut_lookup))
-    if fe.record is not None:
-        sink.add(names.affinity_record(kind), key, _verdict("goto", fe.record))
-    if fe.canonical is not None:
-        _add_canonical(sink, names, kind, key, fe.canonical)
-    return fe  # its slots are its endpoints (HeldFrontend.of)
+    part of a full sync (cProfile). Why an object: what every frontend of a class, or of
+    a slots map, looks up (its class's containers, the slots map's name, its types and
+    packer) is looked up once per writer, not once per frontend (the class bits of a
+    frontend were a set difference of two sets a frontend). It lives for one sync's
+    writing: the class numbers and the sink's packed containers do not change
+    meanwhile. The comparison in ``tests/test_nft_diff.py`` and the bytes of
+    ``tests/test_nft_sync_bytes.py`` keep the two paths the same."""
+
+    __slots__ = ("_classes", "_names", "_numbers", "_sink", "_slots")
+
+    def __init__(
+        self, sink: BulkSink, names: GenNames, numbers: Mapping[ClassSpec, int] | None
+    ) -> None:
+        self._sink = sink
+        self._names = names
+        self._numbers = numbers
+        self._classes: dict[tuple[Kind, ClassSpec], tuple[str, tuple[str, ...]]] = {}
+        self._slots: dict[tuple[Kind, bool, str, int], tuple[str, _Packing | None]] = {}
+
+    def _class(self, kind: Kind, cls: ClassSpec) -> tuple[str, tuple[str, ...]]:
+        """The dispatch set a frontend of class ``cls`` joins, and its class set (one
+        rule per class) or the class-bit sets of its number (in :func:`diff_class`'s
+        order)."""
+        names, numbers = self._names, self._numbers
+        if numbers is None:
+            members: tuple[str, ...] = (names.cls(cls),)
+        else:
+            members = tuple(names.class_bit(kind, bit) for bit in set(class_bits(numbers[cls])))
+        found = self._classes[kind, cls] = (names.dispatch(kind), members)
+        return found
+
+    def _slots_of(
+        self, kind: Kind, shortcut: bool, proto: str, count: int
+    ) -> tuple[str, _Packing | None]:
+        """The slots map of a list of ``count`` endpoints, its types and its packer (None
+        when the sink takes its elements as text only)."""
+        container = self._names.slots(kind, shortcut, proto, count)
+        types = self._sink.types.get(container)
+        packing = None
+        if types is not None:
+            try:
+                packing = (types, slot_packer(types))
+            except ValueError:
+                packing = None
+        found = self._slots[kind, shortcut, proto, count] = (container, packing)
+        return found
+
+    def write(self, fe: Frontend) -> Held:
+        """Queue frontend ``fe``'s elements; what the kernel then holds of it."""
+        sink, names = self._sink, self._names
+        key, kind, cls, name = fe.key, fe.kind, fe.cls, fe.name
+        if cls is not None:
+            dispatch, members = self._classes.get((kind, cls)) or self._class(kind, cls)
+            sink.add(dispatch, key, comment=name)
+            for member in members:
+                sink.add(member, key)
+        proto = key[1] if kind == KIND_IP else key[0]
+        endpoints = fe.endpoints
+        if endpoints:
+            found = self._slots.get((kind, False, proto, len(endpoints)))
+            container, packing = found or self._slots_of(kind, False, proto, len(endpoints))
+            _write_slots(sink, container, packing, key, endpoints)
+        shortcut = fe.shortcut
+        if shortcut:
+            found = self._slots.get((kind, True, proto, len(shortcut)))
+            container, packing = found or self._slots_of(kind, True, proto, len(shortcut))
+            _write_slots(sink, container, packing, key, shortcut)
+        if fe.no_endpoint is not None:
+            sink.add(names.no_endpoint(kind, fe.no_endpoint), key, comment=name)
+        if fe.lookup is not None:
+            sink.add(names.affinity_lookup(kind, False), key, _verdict("jump", fe.lookup))
+        if fe.shortcut_lookup is not None:
+            sink.add(names.affinity_lookup(kind, True), key, _verdict("jump", fe.shortcut_lookup))
+        if fe.record is not None:
+            sink.add(names.affinity_record(kind), key, _verdict("goto", fe.record))
+        if fe.canonical is not None:
+            _add_canonical(sink, names, kind, key, fe.canonical)
+        return fe  # its slots are its endpoints (HeldFrontend.of)
 
 
 _SPLIT_PORT = operator.methodcaller("rpartition", ":")
 
 
-def _added_packed(
-    sink: BulkSink, container: str, pack: Callable[[ContainerTypes], EncodedPairs]
-) -> bool:
-    """Queue ``pack``'s elements to ``container`` if the sink takes them packed there;
-    False if it does not, or if ``pack`` refuses a part (then the caller queues them as
-    text, refused at the commit naming the element, as ever)."""
-    types = sink.types.get(container)
-    if types is None:
-        return False
-    try:
-        sink.add_all(container, pack(types))
-    except ValueError:
-        return False
-    return True
-
-
-def _write_slots(sink: BulkSink, container: str, key: Key, endpoints: tuple[str, ...]) -> None:
-    if _added_packed(sink, container, lambda types: slot_elements(types, key, endpoints)):
-        return
+def _write_slots(
+    sink: BulkSink,
+    container: str,
+    packing: _Packing | None,
+    key: Key,
+    endpoints: tuple[str, ...],
+) -> None:
+    """Queue a frontend's slots: packed (``packing``: the map's types and packer), or
+    as text when the sink takes text only or the packer refuses a part (then refused
+    at the commit naming the element, as ever)."""
+    if packing is not None:
+        types, packer = packing
+        try:
+            elements = packer(key, endpoints)
+        except ValueError:
+            pass
+        else:
+            sink.add_all(container, EncodedPairs(elements, types))
+            return
     texts: Iterable[str] = _SLOT_TEXTS
     if len(endpoints) > len(_SLOT_TEXTS):
         texts = map(_slot_text, itertools.count())
@@ -461,7 +530,13 @@ def add_shared_new(
                 fresh.append(host)
     if fresh:
         container = names.hairpin
-        if not _added_packed(sink, container, lambda types: pair_elements(types, fresh)):
+        types = sink.types.get(container)
+        if types is not None:
+            try:
+                sink.add_all(container, pair_elements(types, fresh))
+            except ValueError:
+                types = None  # queued as text: refused at the commit, naming the element
+        if types is None:
             sink.add_all(container, [((host, host), _VALUE_NONE) for host in fresh])
     count_in(counts.cluster_ips, plan.cluster_ip)
     for member in plan.affinity.local_members if plan.affinity is not None else ():

@@ -141,7 +141,7 @@ class PortState:
     @classmethod
     def of(cls, plan: PortPlan) -> PortState:
         """The state ``plan`` leaves once written."""
-        keys = tuple(fe.key for fe in plan.frontends)
+        keys = tuple([fe.key for fe in plan.frontends])  # no generator a port
         if keys == plan.claims:
             # The same keys as the claims tuple the claims keep, in the same order (a
             # port's cluster IP, then its NodePort): that tuple, not a second one (6 MB

@@ -558,14 +558,46 @@ class OwnedNftables(NftExecutor):
         if batch.table != self.table:
             self._lib.write_elements(batch)
             return
-        family = Family(batch.family)
         with self.channel.lock:
-            self._ensure(family)
-            handover = self._handover.get(family)
-            if handover is not None:
-                handover.frames.extend(element_frames(batch))
+            if not self._collected(batch):
+                self._elements.send(batch)
+
+    def post_elements(
+        self, batch: ElementBatch, refused: Callable[[ElementBatch], None] | None = None
+    ) -> None:
+        """Element changes handed to our socket's writer thread (a full sync's: see
+        :meth:`.ElementWriter.post`); what is collected for a whole-table transaction,
+        and other tables' elements, are written as :meth:`write_elements` does. The
+        claim comes first, in this thread, so the writer thread only sends."""
+        if not len(batch):
+            return
+        if batch.table != self.table:
+            self.write_elements(batch)
+            return
+        with self.channel.lock:
+            if self._collected(batch):
                 return
-            self._elements.send(batch)
+        # Encoded outside the lock: the socket's other users need not wait for that.
+        self._elements.post(batch, refused)
+
+    def _collected(self, batch: ElementBatch) -> bool:
+        """Claim the batch's table if need be; True when a whole-table transaction
+        collects the writes (the batch's frames were added to it). Under the lock."""
+        family = Family(batch.family)
+        self._ensure(family)
+        handover = self._handover.get(family)
+        if handover is None:
+            return False
+        handover.frames.extend(element_frames(batch))
+        return True
+
+    def settle_elements(self) -> None:
+        """Wait until every posted batch is committed; raise the first failure."""
+        self._elements.settle()
+
+    def abandon_elements(self) -> None:
+        """Commit no more of the posted batches; forget their failure."""
+        self._elements.abandon()
 
     def read_elements(
         self,
