@@ -19,7 +19,12 @@ from bench.netns import in_netns
 from kubeproxy.backend import Backend
 from kubeproxy.backends.nftables import NftablesBackend, create_backend
 from kubeproxy.backends.nftables.exec import LibNftables
-from kubeproxy.backends.nftables.layout import AFFINITY_PER_PORT, AFFINITY_PINNED, DISPATCH_RULES
+from kubeproxy.backends.nftables.layout import (
+    AFFINITY_PER_PORT,
+    AFFINITY_PINNED,
+    AFFINITY_SHARED_IPV4,
+    DISPATCH_RULES,
+)
 from kubeproxy.backends.nftables.localhost import LocalhostNodePortsBackend
 from kubeproxy.config import ProxierConfig
 from kubeproxy.objects import IPFamily
@@ -30,6 +35,7 @@ __all__ = [
     "NFTABLES",
     "NFTABLES_AFFINITY_MAPS",
     "NFTABLES_AFFINITY_PINNED",
+    "NFTABLES_AFFINITY_PINNED6",
     "NFTABLES_CHAINS",
     "NFTABLES_RULES",
     "SUBJECTS",
@@ -103,6 +109,15 @@ NFTABLES_AFFINITY_PINNED = Subject(
 """The map structure with every ClientIP port's entries keyed by its pins in the shared
 maps, with a lookup and a record chain of its own (issue 32, before the maps keyed by the
 frontend)."""
+NFTABLES_AFFINITY_PINNED6 = Subject(
+    "kubeproxy-nftables-affinity-pinned6",
+    "bench.subjects:pinned6_affinity_backend",
+    "ours: nftables (maps), shared affinity maps, IPv6 ports with their own chains (before)",
+    "nft-maps",
+)
+"""The map structure with IPv4 ports' entries keyed by their cluster-IP frontend and IPv6
+ports' by their pins, each IPv6 port with a lookup and a record chain of its own (before
+the IPv6 keys hashed from the frontend)."""
 IPTABLES_NFT = Subject(
     "kubeproxy-iptables-nft",
     # The node's variant, detected as upstream's iptables-wrapper does: nft in a fresh
@@ -128,6 +143,7 @@ SUBJECTS = (
     NFTABLES_RULES,
     NFTABLES_AFFINITY_MAPS,
     NFTABLES_AFFINITY_PINNED,
+    NFTABLES_AFFINITY_PINNED6,
     NFTABLES_CHAINS,
     IPTABLES_NFT,
     IPTABLES_LEGACY,
@@ -215,3 +231,12 @@ def pinned_affinity_backend(
     with chains of its own (the structure before the maps keyed by the frontend; the
     ``nftables-affinity-pinned`` subject)."""
     return create_backend(family, config, netns=netns, affinity=AFFINITY_PINNED)
+
+
+def pinned6_affinity_backend(
+    family: IPFamily, config: ProxierConfig, *, netns: str | None = None
+) -> NftablesBackend | LocalhostNodePortsBackend:
+    """The shipped backend with IPv6 ClientIP ports keyed by their pins, each with chains
+    of its own (the structure before the IPv6 keys hashed from the frontend; the
+    ``nftables-affinity-pinned6`` subject)."""
+    return create_backend(family, config, netns=netns, affinity=AFFINITY_SHARED_IPV4)

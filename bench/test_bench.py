@@ -67,6 +67,7 @@ from bench.subjects import (
     NFTABLES,
     NFTABLES_AFFINITY_MAPS,
     NFTABLES_AFFINITY_PINNED,
+    NFTABLES_AFFINITY_PINNED6,
     NFTABLES_CHAINS,
     NFTABLES_PRECREATED,
     NFTABLES_RULES,
@@ -89,6 +90,7 @@ from bench.wholeproc import (
     binary_argv,
     chain_binary_argv,
     per_port_affinity_argv,
+    pinned6_affinity_argv,
     pinned_affinity_argv,
     write_manifests,
 )
@@ -432,6 +434,7 @@ AFFINITY_EXPOSED_CASES = [
         (NFTABLES, "nftables-without", False),
         (NFTABLES, "nftables", True),
         (NFTABLES_AFFINITY_PINNED, "nftables-affinity-pinned", True),
+        (NFTABLES_AFFINITY_PINNED6, "nftables-affinity-pinned6", True),
     )
 ]
 
@@ -707,9 +710,19 @@ def _affinity_rounds(
 @pytest.mark.parametrize("services", AFFINITY_WHOLE_PROCESS_CASES)
 def test_whole_process_affinity_exposed(results: Results, services: int, tmp_path: Path) -> None:
     """:func:`test_whole_process_affinity` on :func:`~bench.synthetic.exposed_services`
-    (every Service reached beyond its cluster IP): without affinity, with it, and with
-    every port's chains of its own (records of kind ``whole_process_affinity_exposed``)."""
-    ours, _sticky = _with_and_without_affinity(tmp_path, services, exposed_services)
+    (every Service reached beyond its cluster IP): without affinity, with it, with every
+    port's chains of its own, and with the IPv6 ports' only (records of kind
+    ``whole_process_affinity_exposed``)."""
+    ours, sticky = _with_and_without_affinity(tmp_path, services, exposed_services)
+    ours = (
+        *ours,
+        (
+            NFTABLES_AFFINITY_PINNED6,
+            pinned6_affinity_argv(sticky),
+            True,
+            "the same, IPv6 ports' affinity chains of their own swapped in (before)",
+        ),
+    )
     frontends = expected_frontends(exposed_services(services, ENDPOINTS))
     _affinity_rounds(results, services, ours, tmp_path, "whole_process_affinity_exposed", frontends)
 

@@ -132,14 +132,27 @@ def pinned_affinity_argv(manifests: Path) -> list[str]:
     return python_module("bench.wholeproc", "--pinned-affinity", *proxy_flags(manifests))
 
 
+def pinned6_affinity_argv(manifests: Path) -> list[str]:
+    """The binary's start-up with IPv6 affinity ports keyed by their pins (before the IPv6
+    keys hashed from the frontend)."""
+    return python_module("bench.wholeproc", "--pinned6-affinity", *proxy_flags(manifests))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``--chains ARGS``: run ``kube-proxy-nftables`` with the per-Service-chain backend;
     ``--per-port-affinity ARGS``: with the affinity maps per Service port;
-    ``--pinned-affinity ARGS``: with every affinity port's chains of its own."""
+    ``--pinned-affinity ARGS``: with every affinity port's chains of its own;
+    ``--pinned6-affinity ARGS``: with every IPv6 affinity port's chains of its own."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] not in ("--chains", "--per-port-affinity", "--pinned-affinity"):
+    if not args or args[0] not in (
+        "--chains",
+        "--per-port-affinity",
+        "--pinned-affinity",
+        "--pinned6-affinity",
+    ):
         print(
-            "usage: python -m bench.wholeproc --chains|--per-port-affinity|--pinned-affinity "
+            "usage: python -m bench.wholeproc --chains|--per-port-affinity|--pinned-affinity"
+            "|--pinned6-affinity "
             "KUBE-PROXY-FLAGS...",
             file=sys.stderr,
         )
@@ -158,6 +171,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from bench.subjects import pinned_affinity_backend
 
             return pinned_affinity_backend
+        if args[0] == "--pinned6-affinity":
+            from bench.subjects import pinned6_affinity_backend
+
+            return pinned6_affinity_backend
         from bench.chain_structure import create_chain_backend
 
         return create_chain_backend

@@ -486,11 +486,11 @@ def node_and_pod(
     node_ip: str,
     endpoint_ips: tuple[str, str],
     *,
-    ipv6: tuple[str, str] | None = None,
+    ipv6: tuple[str, ...] | None = None,
 ) -> Iterator[NodeAndPod]:
     """A node namespace (``node_ip`` on lo, 10.244.0.1 towards the pods) and a pod
     namespace holding both endpoint IPs; a route sends Service IPs (172.30.0.0/16)
-    towards the pods. With ``ipv6`` (node IP, pod IP) both are dual-stack too: the node
+    towards the pods. With ``ipv6`` (node IP, pod IPs) both are dual-stack too: the node
     IP on lo, fd00:244::1 towards the pod (in fd00:244::/64), Service IPs fd00:96::/64
     routed to it, and no duplicate-address detection to wait for. Both are deleted
     afterwards, and none may be left behind."""
@@ -505,7 +505,8 @@ def node_and_pod(
             f"addr add fd00:244::1/64 dev {node_if} nodad\n"
             f"route add fd00:96::/64 dev {node_if}\n"
         )
-        pod_v6 = f"addr add {ipv6[1]}/64 dev {pod_if} nodad\nroute add default via fd00:244::1\n"
+        pod_v6 = "".join(f"addr add {a}/64 dev {pod_if} nodad\n" for a in ipv6[1:])
+        pod_v6 += "route add default via fd00:244::1\n"
     runner = SubprocessRunner()
     fds: list[int] = []
     try:
@@ -537,16 +538,23 @@ def node_and_pod(
 
 @contextlib.contextmanager
 def node_and_pod_serving(
-    prefix: str, node_ip: str, endpoint_ips: tuple[str, str]
+    prefix: str,
+    node_ip: str,
+    endpoint_ips: tuple[str, str],
+    *,
+    ipv6: tuple[str, ...] | None = None,
+    protocols: tuple[Protocol, ...] = (Protocol.TCP,),
 ) -> Iterator[NodeAndPod]:
-    """:func:`node_and_pod` with a TCP listener on port 8080 of both endpoint IPs (each
-    answers with its address, see :func:`answered_by`)."""
-    with node_and_pod(prefix, node_ip, endpoint_ips) as pair:
+    """:func:`node_and_pod` with a listener of each of ``protocols`` (TCP) on port 8080 of
+    every endpoint IP, the IPv6 pod IPs too (each answers with its address, see
+    :func:`answered_by`)."""
+    with node_and_pod(prefix, node_ip, endpoint_ips, ipv6=ipv6) as pair:
         listeners = ListenerServer(f"{prefix}-listeners")
-        for address in endpoint_ips:
-            listeners.add(
-                make_listener(pair.pod_fd, ipaddress.ip_address(address), 8080, Protocol.TCP)
-            )
+        for address in (*endpoint_ips, *(ipv6[1:] if ipv6 else ())):
+            for protocol in protocols:
+                listeners.add(
+                    make_listener(pair.pod_fd, ipaddress.ip_address(address), 8080, protocol)
+                )
         listeners.start()
         try:
             yield pair
@@ -581,19 +589,29 @@ def lone_namespace(prefix: str) -> Iterator[LoneNamespace]:
 
 
 def answered_by(
-    netns_fd: int, address: str, port: int = 80, *, source: str | None = None
+    netns_fd: int,
+    address: str,
+    port: int = 80,
+    *,
+    source: str | None = None,
+    protocol: Protocol = Protocol.TCP,
 ) -> str | None:
-    """Open a TCP connection from the namespace ``netns_fd`` (from address ``source``,
-    or the one routing picks); the endpoint that answered (None: nobody, within the flow
-    kit's attempt timeout: 1 s, longer under emulation)."""
+    """Open a TCP connection (or send a UDP datagram) from the namespace ``netns_fd``
+    (from address ``source``, or the one routing picks), to an IPv4 or IPv6 address; the
+    endpoint that answered (None: nobody, within the flow kit's attempt timeout: 1 s,
+    longer under emulation)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    kind = socket.SOCK_DGRAM if protocol is Protocol.UDP else socket.SOCK_STREAM
     with entered(netns_fd):
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock = socket.socket(family, kind)
     with sock:
         sock.settimeout(default_timeout())
         try:
             if source is not None:
                 sock.bind((source, 0))
             sock.connect((address, port))
+            if protocol is Protocol.UDP:
+                sock.send(b"which")
             reply = sock.recv(256)
         except OSError:
             return None

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kubeproxy.backend import Backend, NodePortAddresses, SyncChanges, SyncError
+from kubeproxy.backend import Backend, NodePortAddresses, ProxySnapshot, SyncChanges, SyncError
 from kubeproxy.backends.nftables import NftablesBackend
 from kubeproxy.backends.nftables.backend import restitch
 from kubeproxy.backends.nftables.fake import FakeNft, parse_commands
@@ -25,6 +25,7 @@ from kubeproxy.backends.nftables.layout import (
     AFFINITY_PER_PORT,
     AFFINITY_PINNED,
     AFFINITY_SHARED,
+    AFFINITY_SHARED_IPV4,
     CLASS_NAME,
     generation_of,
 )
@@ -40,6 +41,7 @@ from kubeproxy.backends.nftables.objects import (
 )
 from kubeproxy.backends.nftables.table import (
     AFFINITY_SHARDS,
+    affinity_frontend6_pin,
     affinity_frontend_shard,
     affinity_map_name,
     affinity_pin,
@@ -1025,7 +1027,10 @@ def test_per_port_ipv6_affinity_has_a_map_per_endpoint_port() -> None:
     assert sorted(r.split(" ", 5)[5] for r in lookup) == sorted(
         f"meta l4proto tcp dnat to ip6 saddr map @{by_port[p]} : {p}" for p in (8080, 9090)
     )
-    record = [r.split(" ", 5)[5] for r in lines(dump, r"^add rule ip6 kube-proxy affinity-record-")]
+    record = [
+        r.split(" ", 5)[5]
+        for r in lines(dump, r"^add rule ip6 kube-proxy affinity-record-[A-Z2-7]{8}-")
+    ]
     assert sorted(r.split(" update ")[0] for r in record) == ["th dport 8080", "th dport 9090"]
     assert lines(dump, r"dedicated-") == []
     world.remove(name)
@@ -1249,7 +1254,10 @@ def test_shared_ipv6_affinity_keys_a_hash_of_the_client_with_a_pin_per_endpoint_
     assert sorted(r.split(" ", 5)[5] for r in lookup) == sorted(
         f"meta l4proto tcp dnat to {key} map @{shard} : {p}" for p, (shard, key) in keys.items()
     )
-    record = [r.split(" ", 5)[5] for r in lines(dump, r"^add rule ip6 kube-proxy affinity-record-")]
+    record = [
+        r.split(" ", 5)[5]
+        for r in lines(dump, r"^add rule ip6 kube-proxy affinity-record-[A-Z2-7]{8}-")
+    ]
     assert sorted(record) == sorted(
         [
             *(
@@ -1261,6 +1269,95 @@ def test_shared_ipv6_affinity_keys_a_hash_of_the_client_with_a_pin_per_endpoint_
     assert (
         "typeof numgen random mod 1 . numgen random mod 1 . numgen random mod 1 : ip6 daddr" in dump
     )
+
+
+def _sticky_v6_snapshot(*endpoints: str) -> ProxySnapshot:
+    """An IPv6 port with ClientIP affinity on its cluster IP, a load-balancer IP and a
+    NodePort, endpoints ``endpoints`` (port 8080)."""
+    world = v6_world()
+    world.add(
+        ServicePort(
+            spn("v6"),
+            ip("fd00:96::10"),
+            80,
+            Protocol.TCP,
+            node_port=30080,
+            load_balancer_vips=(ip("fd00:5::10"),),
+            session_affinity_seconds=60,
+        ),
+        *(Endpoint(ip(a), 8080) for a in endpoints),
+    )
+    return world.snapshot()
+
+
+def _sticky_v6(fake: FakeNft, *endpoints: str, affinity: str = AFFINITY_SHARED) -> NftablesBackend:
+    """:func:`_sticky_v6_snapshot` synced in full into ``fake``."""
+    b = backend(fake, family=IPFamily.IPV6, affinity=affinity)
+    b.sync(_sticky_v6_snapshot(*endpoints), full())
+    return b
+
+
+def test_shared_ipv6_affinity_of_one_endpoint_port_is_keyed_by_hashes_of_the_cluster_ip() -> None:
+    """An IPv6 port whose endpoints answer on one port has no chain of its own: its map's
+    shared chains key the entry by two hashes of the cluster-IP frontend and one of the
+    client; its other addresses are elements of the canonical maps; the structure
+    before (``shared-ipv4``) keeps its pins."""
+    fake = FakeNft()
+    _sticky_v6(fake, "fd00:180::1", "fd00:180::2")
+    dump = fake.dump()
+    identity = port_identity(spn("v6"))
+    shard = affinity_pin(identity, "service", 0)[0]
+    frontend = "ip6 daddr . meta l4proto . th dport"
+    seeds = ("0x6b707831", "0x6b707832")
+    client = "jhash ip6 saddr mod 4294967295 seed 0x0"
+    key = " . ".join(f"jhash {frontend} mod 4294967295 seed {s}" for s in seeds)
+    lookup = [
+        r.split(" ", 5)[5]
+        for r in lines(dump, r"^add rule ip6 kube-proxy affinity-lookup-[A-Z2-7]{8}-")
+    ]
+    assert lookup == [f"meta l4proto tcp dnat to {key} . {client} map @{shard} : 8080"]
+    record = [
+        r.split(" ", 5)[5]
+        for r in lines(dump, r"^add rule ip6 kube-proxy affinity-record-[A-Z2-7]{8}-")
+    ]
+    original = "ct original ip6 daddr . meta l4proto . ct original proto-dst"
+    hashed = " . ".join(f"jhash {original} mod 4294967295 seed {s}" for s in seeds)
+    assert f"meta l4proto {{ tcp, udp, sctp }} update @{shard} {{ {hashed} . {client} " in (
+        " ".join(record)
+    )
+    # The chains are the map's (named after it), no port's.
+    assert not lines(dump, r"^add chain ip6 kube-proxy affinity-.*ns/v6")
+    assert "affinity-canonical-ips.g1 { fd00:5::10 . tcp . 80 : fd00:96::10 }" in dump
+    assert "affinity-canonical-nodeports.g1 { tcp . 30080 : fd00:96::10 }" in dump
+    assert "affinity-canonical-ports.g1 { tcp . 30080 : 80 }" in dump
+
+    before = FakeNft()
+    _sticky_v6(before, "fd00:180::1", "fd00:180::2", affinity=AFFINITY_SHARED_IPV4)
+    assert lines(before.dump(), r"^add chain ip6 kube-proxy affinity-.*ns/v6")
+    assert not lines(before.dump(), r"^add element ip6 kube-proxy affinity-canonical-")
+
+
+def test_shared_ipv6_affinity_entries_of_removed_endpoints_are_deleted() -> None:
+    """The cleaner finds an IPv6 port's entries by the numbers the kernel's jhash writes
+    (:func:`affinity_frontend6_pin`): those pointing at an endpoint gone go, another
+    port's stay until the full sync finds no port with their numbers."""
+    fake = FakeNft()
+    b = _sticky_v6(fake, "fd00:180::1", "fd00:180::2")
+    shard = affinity_pin(port_identity(spn("v6")), "service", 0)[0]
+    high, low = affinity_frontend6_pin(("fd00:96::10", "tcp", "80"))
+    fake.run_text(
+        f"add element ip6 kube-proxy {shard} {{ "
+        f"{high} . {low} . 5 : fd00:180::1, {high} . {low} . 6 : fd00:180::2, "
+        "7 . 8 . 9 : fd00:180::1 }"
+    )
+
+    def keys() -> list[tuple[str, ...]]:
+        return sorted(e.key for e in fake.list_elements(Family.IP6, "kube-proxy", shard))
+
+    b.sync(_sticky_v6_snapshot("fd00:180::2"), changed(spn("v6")))
+    assert keys() == [(high, low, "6"), ("7", "8", "9")]
+    b.sync(_sticky_v6_snapshot("fd00:180::2"), full())
+    assert keys() == [(high, low, "6")]
 
 
 def test_a_table_with_maps_per_port_loses_them_to_the_shared_maps() -> None:

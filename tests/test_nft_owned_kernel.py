@@ -189,48 +189,59 @@ def test_every_flow_case_state_is_what_nft_writes(
             pytest.fail(f"{step}: nft lists it otherwise:\n" + "\n".join(diff))
 
 
-def _exposed_sticky_snapshot() -> ProxySnapshot:
+def _exposed_sticky_snapshot(family: IPFamily) -> ProxySnapshot:
     """A ClientIP port of each protocol with a NodePort and a load-balancer IP: what the
     affinity entries keyed by the cluster-IP frontend write for every protocol (the flow
-    cases have TCP ones only)."""
+    cases have TCP ones only); IPv6's keys are hashes of the frontend."""
     services, endpoints, categorized = {}, {}, {}
+    if family is IPFamily.IPV4:
+        endpoint, cluster, vip = "10.180.9.{}", "172.30.9.{}", "5.6.9.{}"
+    else:
+        endpoint, cluster, vip = "fd00:180:9::{}", "fd00:96:9::{}", "fd00:5:6:9::{}"
     for n, proto in enumerate((Protocol.TCP, Protocol.UDP, Protocol.SCTP)):
         name = ServicePortName(NamespacedName("kpxo", f"s{n}"), "p", proto)
-        eps = (Endpoint(ipaddress.ip_address(f"10.180.9.{n + 1}"), 8080),)
+        eps = (Endpoint(ipaddress.ip_address(endpoint.format(n + 1)), 8080),)
         services[name] = ServicePort(
             name,
-            ipaddress.ip_address(f"172.30.9.{n + 1}"),
+            ipaddress.ip_address(cluster.format(n + 1)),
             80,
             proto,
             node_port=30900 + n,
-            load_balancer_vips=(ipaddress.ip_address(f"5.6.9.{n + 1}"),),
+            load_balancer_vips=(ipaddress.ip_address(vip.format(n + 1)),),
             session_affinity_seconds=60 + n,
         )
         endpoints[name] = eps
         categorized[name] = CategorizedEndpoints(eps, (), eps, True)
-    return ProxySnapshot(IPFamily.IPV4, NodeInfo("kpxo-node"), services, endpoints, categorized)
+    return ProxySnapshot(family, NodeInfo("kpxo-node"), services, endpoints, categorized)
 
 
+@pytest.mark.parametrize("family", [IPFamily.IPV4, IPFamily.IPV6], ids=["ipv4", "ipv6"])
 def test_the_frontend_keyed_affinity_of_every_protocol_is_what_nft_writes(
-    twins: tuple[str, str], kernel_flags: tuple[bool, bool]
+    family: IPFamily, twins: tuple[str, str], kernel_flags: tuple[bool, bool]
 ) -> None:
-    """The canonical maps' rules (payload writes of ``ip daddr`` and each protocol's
-    ``dport``, map lookups as their values, ``ct reply`` keys) as the owned table's encoder
-    writes them hold the same bytecode as nft's, for TCP, UDP and SCTP."""
+    """The canonical maps' rules (payload writes of ``ip``/``ip6 daddr`` and each
+    protocol's ``dport``, map lookups as their values, ``ct reply`` keys; IPv6's hashes
+    of a concatenation) as the owned table's encoder writes them hold the same bytecode
+    as nft's, for TCP, UDP and SCTP."""
     owner, persist = kernel_flags
     flags = OWNER_FLAGS if persist else NFT_TABLE_F_OWNER if owner else 0
+    table = "ip" if family is IPFamily.IPV4 else "ip6"
     held = []
     for netns, writers in ((twins[0], _Writers(True, flags)), (twins[1], _Writers(False, 0))):
         try:
-            backend = writers(IPFamily.IPV4, ProxierConfig(node_name="kpxo-node"), netns=netns)
-            backend.sync(_exposed_sticky_snapshot(), SyncChanges(full=True))
-            held.append((dump(netns, "ip"), without_owner(run_in(netns, "nft", "list", "ruleset"))))
+            backend = writers(family, ProxierConfig(node_name="kpxo-node"), netns=netns)
+            backend.sync(_exposed_sticky_snapshot(family), SyncChanges(full=True))
+            held.append(
+                (dump(netns, table), without_owner(run_in(netns, "nft", "list", "ruleset")))
+            )
             backend.cleanup()
         finally:
             writers.close()
     (ours, our_listing), (nfts, nft_listing) = held
     assert "udp dport set ct reply proto-src" in nft_listing
     assert "sctp dport set meta l4proto . sctp dport map @affinity-canonical-ports" in nft_listing
+    if family is IPFamily.IPV6:
+        assert "jhash ct original ip6 daddr . meta l4proto . ct original proto-dst" in nft_listing
     if ours != nfts:
         diff = difflib.unified_diff(nfts, ours, "nft", "ours", lineterm="", n=2)
         pytest.fail("the kernel holds otherwise:\n" + "\n".join(diff))

@@ -76,6 +76,7 @@ from kubeproxy.backends.nftables.layout import (
     AFFINITY_MAPS,
     AFFINITY_PINNED,
     AFFINITY_SHARED,
+    AFFINITY_SHARED_IPV4,
     DISPATCH_TREE,
     Dispatch,
     affinity_container,
@@ -234,8 +235,9 @@ class NftablesBackend:
         self._family = family
         self._nft_family = _FAMILIES[family]
         self._tokens: FamilyTokens = tokens_for(family)
-        self._shared_affinity = affinity in (AFFINITY_SHARED, AFFINITY_PINNED)
-        self._frontend_affinity = affinity == AFFINITY_SHARED
+        self._shared_affinity = affinity in (AFFINITY_SHARED, AFFINITY_SHARED_IPV4, AFFINITY_PINNED)
+        self._frontend_affinity = affinity in (AFFINITY_SHARED, AFFINITY_SHARED_IPV4)
+        self._frontend_affinity6 = affinity == AFFINITY_SHARED
         self._affinity_size = affinity_size
         self._shards = affinity_shards(self._tokens, affinity_size) if self._shared_affinity else ()
         self._config = config
@@ -484,6 +486,7 @@ class NftablesBackend:
                 ),
                 shared_affinity=self._shared_affinity,
                 frontend_affinity=self._frontend_affinity,
+                frontend_affinity6=self._frontend_affinity6,
             )
         node_ports = snapshot.node_port_addresses
         if node_ports != self._node_ports:

@@ -39,7 +39,13 @@ from kubeproxy.backends.nftables.frontends import (
 from kubeproxy.backends.nftables.layout import SLOT_PROTOCOLS, GenNames, generation_of
 from kubeproxy.backends.nftables.objects import Family
 from kubeproxy.backends.nftables.reader import Item, RuleRefs
-from kubeproxy.backends.nftables.table import AFFINITY_FRONTEND_PREFIX, TABLE, Names
+from kubeproxy.backends.nftables.table import (
+    AFFINITY_FRONTEND_PREFIX,
+    AFFINITY_SHARD_PREFIX,
+    TABLE,
+    Names,
+    affinity_frontend6_pin,
+)
 from kubeproxy.objects import IPAddress, NamespacedName
 
 __all__ = [
@@ -496,6 +502,12 @@ class TableView:
                         if len(rule.offsets) == 2:
                             for m in rule.lookups:
                                 pins.setdefault(m, set()).add(tuple(map(str, rule.offsets)))
+                        elif not rule.offsets and entry_kind == KIND_IP and ":" in entry_key[0]:
+                            # IPv6 keyed by hashes of its cluster-IP frontend.
+                            hashed = affinity_frontend6_pin(entry_key)
+                            for m in rule.lookups:
+                                if m.startswith(AFFINITY_SHARD_PREFIX):
+                                    pins.setdefault(m, set()).add(hashed)
             record = self.get(names.affinity_record(kind), key)
             if record is not None and len(record.value) == 2 and record.value[1]:
                 for rule in self.rules(record.value[1]):

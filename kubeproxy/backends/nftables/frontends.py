@@ -24,15 +24,18 @@ this module only says *which* class and lists each frontend gets.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import hashlib
 import ipaddress
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
 from kubeproxy.backends.nftables.table import (
+    AFFINITY6_FRONTEND_SEEDS,
     AFFINITY6_MAP_TYPE,
     AFFINITY_MAP_PREFIX,
     MAX_AFFINITY_SECONDS,
@@ -40,6 +43,7 @@ from kubeproxy.backends.nftables.table import (
     InvalidPort,
     Key,
     RenderContext,
+    affinity_frontend6_pin,
     affinity_frontend_shard,
     affinity_map_name,
     affinity_pin,
@@ -217,8 +221,10 @@ def _frontend_affinity(
     packet is put back after (:func:`~.layout.affinity_dispatch_chains`,
     ``affinity-find``); the port's elements in those maps are data, no chain.
 
-    None for the ports that keep their pins: IPv6 (a frontend and a client do not fit
-    the 16 bytes of key nft 1.0.6 leaves before the value), ports whose addresses
+    IPv6: a frontend and a client do not fit the 16 bytes of key nft 1.0.6 leaves
+    before the value, so the key is hashes of both (:func:`_frontend_affinity6`).
+
+    None for the ports that keep their pins: ports whose addresses
     pick from different lists (a Local traffic policy: upstream's ``local-`` chain reads
     only the local endpoints' entries), and UDP ports with a NodePort: turning a
     NodePort into the Service port is a ``udp dport set``, and the kernel's payload
@@ -227,34 +233,150 @@ def _frontend_affinity(
     the port is put back; an address write keeps the 0 (the pseudo-header update
     exempts it), so their other addresses alone would be safe, but a port's entries
     are keyed one way for all its addresses."""
+    ipv6 = ctx.tokens.family is IPFamily.IPV6
     if (
         not (ctx.shared_affinity and ctx.frontend_affinity)
-        or ctx.tokens.family is IPFamily.IPV6
+        or (ipv6 and not ctx.frontend_affinity6)
         or port.internal_policy_local
         or port.external_policy_local
         or (port.node_port and port.protocol is Protocol.UDP)
     ):
         return None
+    if ipv6:
+        return _frontend_affinity6(port, frontend, endpoints)
     shard, _number = affinity_frontend_shard(port_identity(port.name))
     proto, seconds = port.protocol.lower, port.session_affinity_seconds
     lookup, record, chains, shared = _frontend_chains(shard, proto, seconds)
+    pin = AffinityPin(shard, frontend, endpoints)
+    return _with_other_addresses(
+        port, lookup, record, chains, AffinityPlan((), (), (), (pin,), shared), _RECORDS4
+    )
+
+
+def _with_other_addresses(
+    port: ServicePort,
+    lookup: str,
+    record: str,
+    chains: tuple[ChainSpec, ...],
+    plan: AffinityPlan,
+    records: tuple[Callable[[str, int], ChainSpec], Callable[[str, str, int], ChainSpec]],
+) -> _ByFrontend:
+    """A port's :class:`_ByFrontend`: ``chains`` and, for its external and load-balancer
+    IPs and its NodePort, the record chains ``records`` build (of its map and timeout,
+    and protocol), in ``plan`` (whose chains are replaced)."""
+    shard = plan.pins[0].shard
+    seconds = port.session_affinity_seconds
     record_other = record_nodeport = None
     if port.external_ips or port.load_balancer_vips:
-        other = _other_record_chain(shard, seconds)
+        other = records[0](shard, seconds)
         record_other = other.name
         chains = (*chains, other)
     if port.node_port:
-        nodeport = _nodeport_record_chain(shard, proto, seconds)
+        nodeport = records[1](shard, port.protocol.lower, seconds)
         record_nodeport = nodeport.name
         chains = (*chains, nodeport)
-    pin = AffinityPin(shard, frontend, endpoints)
     return _ByFrontend(
-        lookup,
-        record,
-        AffinityPlan((), chains, (), (pin,), shared),
-        record_other,
-        record_nodeport,
+        lookup, record, dataclasses.replace(plan, chains=chains), record_other, record_nodeport
     )
+
+
+def _frontend_affinity6(
+    port: ServicePort, frontend: Key, endpoints: tuple[str, ...]
+) -> _ByFrontend | None:
+    """:func:`_frontend_affinity` of an IPv6 port: its entries in the shared map its pins
+    would use (``affinity-clients-<n>``), keyed by two 32-bit hashes of the cluster-IP
+    frontend and one of the client (:data:`AFFINITY6_FRONTEND_KEY`; a key is 16 bytes at
+    most in an nft 1.0.6 update, see the package README), the value the endpoint's
+    address; the endpoint port is the lookup chain's constant, so one chain per map,
+    protocol and endpoint port. A port whose endpoints answer on several ports keeps its
+    pins (a pin per endpoint port). The pin numbers are what the kernel's ``jhash``
+    writes (:func:`~.table.affinity_frontend6_pin`, 14 us a port), for the cleaning of
+    entries of endpoints gone."""
+    ports = {key.rpartition(":")[2] for key in endpoints}
+    if len(ports) > 1:
+        return None
+    target = int(next(iter(ports))) if ports else 0
+    shard, _high, _low = affinity_pin(port_identity(port.name), _CLUSTER_LIST, 0)
+    proto, seconds = port.protocol.lower, port.session_affinity_seconds
+    lookup, record, chains, _maps = _frontend6_chains(shard, proto, target, seconds)
+    if not target:
+        # No endpoint: no frontend reads the lookup chain (nothing is dispatched).
+        chains = chains[1:]
+    pin = AffinityPin(shard, affinity_frontend6_pin(frontend), endpoints, target)
+    return _with_other_addresses(
+        port, lookup, record, chains, AffinityPlan((), (), (), (pin,), ()), _RECORDS6
+    )
+
+
+def _frontend6_hashes(frontend: str) -> str:
+    return " . ".join(
+        f"jhash {frontend} mod 4294967295 seed {seed:#x}" for seed in AFFINITY6_FRONTEND_SEEDS
+    )
+
+
+AFFINITY6_FRONTEND_KEY = f"{_frontend6_hashes('ip6 daddr . meta l4proto . th dport')} . {{client}}"
+"""The key of an IPv6 port's entries keyed by its cluster-IP frontend: two hashes of the
+frontend (:data:`~.table.AFFINITY6_FRONTEND_SEEDS`) and one of the client
+(:data:`AFFINITY6_CLIENT`), 12 bytes; after DNAT the frontend is the connection's
+original destination (``ct original ip6 daddr . meta l4proto . ct original proto-dst``:
+the same registers, so the same numbers), for another address the packet turned into the
+cluster IP's."""
+_FRONTEND6_RECORD_KEY = (
+    f"{_frontend6_hashes('ct original ip6 daddr . meta l4proto . ct original proto-dst')}"
+    f" . {AFFINITY6_CLIENT}"
+)
+_FRONTEND6_OTHER_KEY = (
+    f"{_frontend6_hashes('ip6 daddr . meta l4proto . ct original proto-dst')} . {AFFINITY6_CLIENT}"
+)
+_FRONTEND6_NODEPORT_KEY = (
+    f"{_frontend6_hashes('ip6 daddr . meta l4proto . {proto} dport')} . {AFFINITY6_CLIENT}"
+)
+
+
+@functools.lru_cache(maxsize=4096)
+def _frontend6_chains(
+    shard: str, proto: str, target: int, seconds: int
+) -> tuple[str, str, tuple[ChainSpec, ...], tuple[str, ...]]:
+    """:func:`_frontend_chains` of IPv6: the lookup chain of map ``shard`` for protocol
+    ``proto`` and endpoint port ``target``, and the record chain for ``seconds``."""
+    owner = _chain_owner(shard)
+    key = AFFINITY6_FRONTEND_KEY.format(client=AFFINITY6_CLIENT)
+    lookup = (f"meta l4proto {proto} dnat to {key} map @{shard} : {target}",)
+    record = (
+        f"meta l4proto {{ tcp, udp, sctp }} update @{shard} {{ {_FRONTEND6_RECORD_KEY} "
+        f"timeout {seconds}s : ip6 daddr }} accept",
+    )
+    specs = (
+        ChainSpec(chain_name("affinity-lookup", owner, lookup), lookup),
+        ChainSpec(chain_name("affinity-record", owner, record), record),
+    )
+    return specs[0].name, specs[1].name, specs, ()
+
+
+@functools.lru_cache(maxsize=4096)
+def _other_record_chain6(shard: str, seconds: int) -> ChainSpec:
+    """The record chain of map ``shard``'s IPv6 ports' external and load-balancer IPs."""
+    rules = (
+        f"meta l4proto {{ tcp, udp, sctp }} update @{shard} {{ {_FRONTEND6_OTHER_KEY} "
+        f"timeout {seconds}s : ct reply ip6 saddr }} ip6 daddr set ct reply ip6 saddr accept",
+        "ip6 daddr set ct reply ip6 saddr",
+    )
+    return ChainSpec(chain_name("affinity-record-other", _chain_owner(shard), rules), rules)
+
+
+@functools.lru_cache(maxsize=4096)
+def _nodeport_record_chain6(shard: str, proto: str, seconds: int) -> ChainSpec:
+    """The record chain of map ``shard``'s IPv6 ports' NodePorts of protocol ``proto``."""
+    key = _FRONTEND6_NODEPORT_KEY.format(proto=proto)
+    rules = (
+        f"update @{shard} {{ {key} timeout {seconds}s : ct reply ip6 saddr }} "
+        f"ip6 daddr set ct reply ip6 saddr {proto} dport set ct reply proto-src accept",
+        f"ip6 daddr set ct reply ip6 saddr {proto} dport set ct reply proto-src",
+    )
+    return ChainSpec(chain_name("affinity-record-nodeport", _chain_owner(shard), rules), rules)
+
+
+_RECORDS6 = (_other_record_chain6, _nodeport_record_chain6)
 
 
 # What the record chains of the other addresses write: the key from the packet turned
@@ -291,6 +413,9 @@ def _nodeport_record_chain(shard: str, proto: str, seconds: int) -> ChainSpec:
     """The record chain of map ``shard``'s ports' NodePorts of protocol ``proto``."""
     rules = tuple(r.format(shard=shard, proto=proto, seconds=seconds) for r in _NODEPORT_RECORD)
     return ChainSpec(chain_name("affinity-record-nodeport", _chain_owner(shard), rules), rules)
+
+
+_RECORDS4 = (_other_record_chain, _nodeport_record_chain)
 
 
 # Every port of a map (and protocol, or timeout) shares these chains: built once (a chain
@@ -428,7 +553,9 @@ class AffinityPin:
     (:func:`~.table.affinity_frontend_shard`), by the frontend ``pin`` (address, protocol,
     port) and the client. ``endpoints`` are the list's endpoint keys (the plan's own
     tuple) and ``port`` the endpoint port of an IPv6 pin (whose entries hold the address
-    alone; 0 where they hold address and port): what :attr:`allowed` is made of, only
+    alone; 0 where they hold address and port; an IPv6 port keyed by its cluster-IP
+    frontend has the two hashes of it as its ``pin``, see
+    :func:`~.table.affinity_frontend6_pin`): what :attr:`allowed` is made of, only
     when the cleaner needs it (a frozenset of values a port was 2.4 KB and 5 us, for
     every port at every full sync)."""
 

@@ -81,6 +81,7 @@ __all__ = [
     "AFFINITY_PROTOCOLS",
     "AFFINITY_SHARD_TYPES",
     "AFFINITY_SHARED",
+    "AFFINITY_SHARED_IPV4",
     "CLASS_NAME",
     "DISPATCH_RULES",
     "DISPATCH_TREE",
@@ -320,7 +321,7 @@ class GenNames:
 
     def affinity_canonical(self, kind: Kind) -> str:
         """The map turning ``kind`` frontends other than a cluster IP into their port's
-        cluster IP, for the affinity entries keyed by that frontend (IPv4 only, see
+        cluster IP, for the affinity entries keyed by that frontend (see
         :func:`affinity_dispatch_chains`)."""
         return f"affinity-canonical-{_PLURAL[kind]}{self.suffix}"
 
@@ -372,15 +373,11 @@ class GenNames:
                 self.affinity_record(kind),
             ):
                 specs.append(ContainerSpec(name, True, f"{key_type} : verdict"))
-            if ip == "ip":
-                specs.append(
-                    ContainerSpec(self.affinity_canonical(kind), True, f"{key_type} : {addr}")
-                )
-        if ip == "ip":
-            nodeport_key = _key_type(KIND_NODEPORT, tokens)
-            specs.append(
-                ContainerSpec(self.affinity_canonical_ports, True, f"{nodeport_key} : inet_service")
-            )
+            specs.append(ContainerSpec(self.affinity_canonical(kind), True, f"{key_type} : {addr}"))
+        nodeport_key = _key_type(KIND_NODEPORT, tokens)
+        specs.append(
+            ContainerSpec(self.affinity_canonical_ports, True, f"{nodeport_key} : inet_service")
+        )
         return tuple(specs)
 
     def class_set(self, spec: ClassSpec, tokens: FamilyTokens) -> ContainerSpec:
@@ -656,7 +653,7 @@ def affinity_dispatch_chains(names: GenNames, tokens: FamilyTokens) -> dict[str,
     map read by many rules is slow to fill (each element is checked per binding), so the
     pick chains jump here rather than read the maps themselves.
 
-    In IPv4 tables, the main lookups then turn a frontend the ``affinity-canonical-*``
+    The main lookups then turn a frontend the ``affinity-canonical-*``
     maps hold (an external or load-balancer IP, a NodePort, of a port whose affinity
     entries are keyed by its cluster-IP frontend, see :mod:`.frontends`) into its
     cluster IP (and Service port), and jump to a chain that reads the cluster IP's
@@ -665,49 +662,47 @@ def affinity_dispatch_chains(names: GenNames, tokens: FamilyTokens) -> dict[str,
     frontends those maps hold are turned: any other misses the map and the rule stops.
     The chains ordered so each is created before a rule jumps to it."""
     chains: dict[str, tuple[str, ...]] = {}
-    canonical = tokens.table_family == "ip"
-    if canonical:
-        ip_lookup = (
-            f"ip daddr . meta l4proto . th dport vmap @{names.affinity_lookup(KIND_IP, False)}"
-        )
-        chains[names.affinity_canonical_lookup(KIND_IP)] = (
-            ip_lookup,
-            "ip daddr set ct original ip daddr",
-        )
-        nodeport = "meta l4proto . th dport"
-        chains[names.affinity_canonical_lookup(KIND_NODEPORT)] = (
-            *(
-                f"{proto} dport set {nodeport} map @{names.affinity_canonical_ports}"
-                for proto in _PROTOCOLS
-            ),
-            ip_lookup,
-            *(
-                f"meta l4proto {proto} ip daddr set ct original ip daddr "
-                f"{proto} dport set ct original proto-dst"
-                for proto in _PROTOCOLS
-            ),
-        )
+    ip = tokens.table_family
+    ip_lookup = (
+        f"{ip} daddr . meta l4proto . th dport vmap @{names.affinity_lookup(KIND_IP, False)}"
+    )
+    chains[names.affinity_canonical_lookup(KIND_IP)] = (
+        ip_lookup,
+        f"{ip} daddr set ct original {ip} daddr",
+    )
+    nodeport = "meta l4proto . th dport"
+    chains[names.affinity_canonical_lookup(KIND_NODEPORT)] = (
+        *(
+            f"{proto} dport set {nodeport} map @{names.affinity_canonical_ports}"
+            for proto in _PROTOCOLS
+        ),
+        ip_lookup,
+        *(
+            f"meta l4proto {proto} {ip} daddr set ct original {ip} daddr "
+            f"{proto} dport set ct original proto-dst"
+            for proto in _PROTOCOLS
+        ),
+    )
     for kind in (KIND_IP, KIND_NODEPORT):
         for shortcut in (False, True):
             name = names.affinity_lookup(kind, shortcut)
             rules = [f"{_frontend(kind, tokens)} vmap @{name}"]
-            if canonical and not shortcut:
+            if not shortcut:
                 guard = "" if kind == KIND_IP else f"{_L4} "
                 rules.append(
-                    f"{guard}ip daddr set {_frontend(kind, tokens)} map "
+                    f"{guard}{ip} daddr set {_frontend(kind, tokens)} map "
                     f"@{names.affinity_canonical(kind)} "
                     f"jump {names.affinity_canonical_lookup(kind)}"
                 )
             chains[name] = tuple(rules)
-    if canonical:
-        chains.update(_canonical_record_chains(names))
+    chains.update(_canonical_record_chains(names, ip))
     return chains
 
 
 _PROTOCOLS = ("tcp", "udp", "sctp")
 
 
-def _canonical_record_chains(names: GenNames) -> dict[str, tuple[str, ...]]:
+def _canonical_record_chains(names: GenNames, ip: str) -> dict[str, tuple[str, ...]]:
     """The chains ``affinity-find`` goes to once it turned a new connection's packet to
     an address other than its port's cluster IP into the cluster IP's (``affinity-find``
     turned the address; a NodePort's Service port is turned here): each reads the
@@ -715,11 +710,11 @@ def _canonical_record_chains(names: GenNames) -> dict[str, tuple[str, ...]]:
     and puts the packet back when none is found (only when the canonical and record
     elements of a frontend disagree), accepting as ``affinity-find`` would."""
     original = "meta l4proto . ct original proto-dst"
-    frontend = f"ct original ip daddr . {original}"
+    frontend = f"ct original {ip} daddr . {original}"
     return {
         names.affinity_canonical_record(KIND_IP): (
             f"{_L4} {frontend} vmap @{names.affinity_record(KIND_IP)}",
-            "ip daddr set ct reply ip saddr accept",
+            f"{ip} daddr set ct reply {ip} saddr accept",
         ),
         names.affinity_canonical_record(KIND_NODEPORT): (
             *(
@@ -728,7 +723,7 @@ def _canonical_record_chains(names: GenNames) -> dict[str, tuple[str, ...]]:
             ),
             f"{_L4} {original} vmap @{names.affinity_record(KIND_NODEPORT)}",
             *(
-                f"meta l4proto {proto} ip daddr set ct reply ip saddr "
+                f"meta l4proto {proto} {ip} daddr set ct reply {ip} saddr "
                 f"{proto} dport set ct reply proto-src accept"
                 for proto in _PROTOCOLS
             ),
@@ -767,18 +762,18 @@ def _affinity_record_chains(
     not_ip = f"{frontend} != @{names.dispatch(KIND_IP)}"
     ips, nodeports = names.affinity_record(KIND_IP), names.affinity_record(KIND_NODEPORT)
     find = [f"{_L4} {frontend} vmap @{ips}", f"{guard} {_L4} {not_ip} {original} vmap @{nodeports}"]
-    if counted and ip == "ip":
+    if counted:
         # An address other than its port's cluster IP, whose entries are the cluster
         # IP's: its packet turned into the cluster IP's before its record element is
         # read (first: its element's record chain keys the entry by the packet).
         find.insert(
             0,
-            f"{_L4} ip daddr set {frontend} map @{names.affinity_canonical(KIND_IP)} "
+            f"{_L4} {ip} daddr set {frontend} map @{names.affinity_canonical(KIND_IP)} "
             f"goto {names.affinity_canonical_record(KIND_IP)}",
         )
         find.insert(
             2,
-            f"{guard} {_L4} {not_ip} ip daddr set {original} map "
+            f"{guard} {_L4} {not_ip} {ip} daddr set {original} map "
             f"@{names.affinity_canonical(KIND_NODEPORT)} "
             f"goto {names.affinity_canonical_record(KIND_NODEPORT)}",
         )
@@ -840,17 +835,21 @@ def public_containers(tokens: FamilyTokens) -> tuple[ContainerSpec, ...]:
 
 
 AFFINITY_SHARED = "shared"
-"""ClientIP affinity in the shared maps (:func:`affinity_shards`), the default: an IPv4 port
-whose every address picks from one endpoint list (both traffic policies Cluster) keys its
-entries by its cluster-IP frontend, whichever address a client came through (no chain of
-its own; its other addresses in the ``affinity-canonical-*`` maps); the others (IPv6, a
-Local traffic policy, UDP with a NodePort) by their pins."""
+"""ClientIP affinity in the shared maps (:func:`affinity_shards`), the default: a port whose
+every address picks from one endpoint list (both traffic policies Cluster) keys its
+entries by its cluster-IP frontend (IPv6: two hashes of it, in the ``affinity-clients-*``
+maps), whichever address a client came through (no chain of its own; its other addresses
+in the ``affinity-canonical-*`` maps); the others (a Local traffic policy, UDP with a
+NodePort, IPv6 with endpoints on several ports) by their pins."""
+AFFINITY_SHARED_IPV4 = "shared-ipv4"
+"""As :data:`AFFINITY_SHARED`, but IPv6 ports keep their pins (before the IPv6 frontend
+keys; benchmarks). The IPv6 tables hold the canonical chains all the same (unused)."""
 AFFINITY_PINNED = "pinned"
 """The shared maps with every port's entries keyed by its pins, each port with a lookup and
 a record chain of its own (before the frontend-keyed maps; benchmarks)."""
 AFFINITY_PER_PORT = "per-port"
 """ClientIP affinity in maps of each Service port's own (before issue 32; benchmarks)."""
-AFFINITY_MAPS = (AFFINITY_SHARED, AFFINITY_PINNED, AFFINITY_PER_PORT)
+AFFINITY_MAPS = (AFFINITY_SHARED, AFFINITY_SHARED_IPV4, AFFINITY_PINNED, AFFINITY_PER_PORT)
 
 AFFINITY_SHARD_TYPES = {
     "ip": "numgen random mod 1 . numgen random mod 1 . ip saddr : ip daddr . th dport",
@@ -864,7 +863,9 @@ AFFINITY_FRONTEND_TYPE = "ip daddr . meta l4proto . th dport . ip saddr : ip dad
 cluster IP, protocol and port, and the client : the endpoint. The key is 16 bytes, one
 register: nft 1.0.6 writes a dynamic map's value into the register after the first 16
 bytes of the key (see the IPv6 key of :data:`AFFINITY_SHARD_TYPES`), so a longer key
-would be overwritten; an IPv6 frontend does not fit, and IPv6 keeps the pins."""
+would be overwritten; an IPv6 frontend does not fit, and an IPv6 port's entries are
+keyed by hashes of it in the ``affinity-clients-*`` maps
+(:func:`~.table.affinity_frontend6_pin`)."""
 
 
 def affinity_shards(tokens: FamilyTokens, size: int | None = None) -> tuple[ContainerSpec, ...]:

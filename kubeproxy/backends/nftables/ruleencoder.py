@@ -17,14 +17,15 @@ this module compiles exactly that vocabulary, the way nft does:
   trailing ``*`` compares the prefix only), ``ct state``, ``ct status`` (flag tests),
   ``ct original`` addresses and ``proto-dst``, ``ct reply`` source address and
   ``proto-src``, ``fib saddr``/``daddr type``,
-  ``numgen random mod N [offset M]``, ``jhash ip6 saddr mod N seed S`` (in a DNAT map
-  lookup with a port, or a map update); concatenations of them; against a value, a named set
+  ``numgen random mod N [offset M]``, ``jhash K mod N seed S`` (``K`` a selector or a
+  concatenation; in a DNAT map lookup with a port, or a map update); concatenations of
+  them; against a value, a named set
   (``@s``, ``!= @s``), a verdict map (``vmap @m``) or an anonymous set (``{ a, b }``);
 * statements ``jump``/``goto`` X, ``accept``/``drop``/``return``, ``reject``,
   ``counter``, ``masquerade [fully-random]``, ``meta mark set meta mark or|xor V``,
   ``dnat to K map @m [: port]`` (the map's declaration says what its value holds, and
   its ``typeof`` which protocol match nft adds), ``update @m { K timeout Ns : V }``,
-  ``ip daddr set V`` and ``tcp``/``udp``/``sctp dport set V`` (payload writes with the
+  ``ip``/``ip6 daddr set V`` and ``tcp``/``udp``/``sctp dport set V`` (payload writes with the
   checksum fix-ups nft asks for; ``V`` one selector or ``K map @m``, a map's value).
 
 Registers are allocated as nft allocates them (``netlink_linearize.c``: a single
@@ -190,6 +191,8 @@ class _Field:
 # through its pseudo-header. TCP's checksum is at byte 16, UDP's at 6, SCTP's CRC32c at 8.
 _WRITABLE: dict[tuple[str, ...], _Field] = {
     ("ip", "daddr"): _Field(_PAYLOAD_NETWORK, 16, 4, _CSUM_INET, 10, _CSUM_L4_PSEUDOHDR),
+    # IPv6 has no header checksum: only the transport's, through the pseudo-header.
+    ("ip6", "daddr"): _Field(_PAYLOAD_NETWORK, 24, 16, 0, 0, _CSUM_L4_PSEUDOHDR),
     ("tcp", "dport"): _Field(_PAYLOAD_TRANSPORT, 2, 2, _CSUM_INET, 16, protocol="tcp"),
     ("udp", "dport"): _Field(_PAYLOAD_TRANSPORT, 2, 2, _CSUM_INET, 6, protocol="udp"),
     ("sctp", "dport"): _Field(_PAYLOAD_TRANSPORT, 2, 2, _CSUM_SCTP, 8, protocol="sctp"),
@@ -308,25 +311,35 @@ def _numgen(modulus: int, offset: int = 0) -> _Selector:
     )
 
 
-def _jhash(source: _Selector, modulus: int, seed: int, scratch: Callable[[], int]) -> _Selector:
-    """``jhash <source> mod M seed S``: nft loads the source into a scratch register of
-    the statement (``scratch``: where nft 1.0.6 puts it there) and hashes it into the
-    part's own."""
+def _jhash(
+    sources: list[_Selector], modulus: int, seed: int, scratch: Callable[[], int]
+) -> _Selector:
+    """``jhash <source> mod M seed S``: nft loads the source (one selector, or a
+    concatenation, each part in the 4-byte slots after the previous part's) into a
+    scratch register of the statement (``scratch``: where nft 1.0.6 puts it there) and
+    hashes it into the part's own: a concatenation's length is its slots'."""
+    length = sources[0].length if len(sources) == 1 else 4 * sum(s.slots for s in sources)
+    protocols = [s.protocol for s in sources if s.protocol is not None]
 
     def load(slot: int) -> bytes:
         at = scratch()
-        return source.load(at) + _expr(
+        loads = []
+        for source in sources:
+            loads.append(source.load(at))
+            at += source.slots
+        at = scratch()
+        return b"".join(loads) + _expr(
             "hash",
             nlmsg.attr(1, _u32(register(at))),
             nlmsg.attr(2, _u32(register(slot))),
-            nlmsg.attr(3, _u32(source.length)),
+            nlmsg.attr(3, _u32(length)),
             nlmsg.attr(4, _u32(modulus)),
             nlmsg.attr(5, _u32(seed)),
             nlmsg.attr(6, _u32(0)),
             nlmsg.attr(7, _u32(_HASH_JENKINS)),
         )
 
-    return _Selector(load, 4, "integer")
+    return _Selector(load, 4, "integer", protocols[0] if protocols else None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -513,12 +526,15 @@ class RuleEncoder:
             return _numgen(modulus, offset)
         if stream.peek() == "jhash":
             stream.take()
-            source = self._selector(stream)
+            sources = [self._selector(stream)]
+            while stream.peek() == ".":
+                stream.take()
+                sources.append(self._selector(stream))
             stream.expect("mod")
             modulus = _number(stream.take(), 1, 2**32 - 1)
             stream.expect("seed")
             seed = _number(stream.take(), 0, 2**32 - 1)
-            return _jhash(source, modulus, seed, self._hash_scratch)
+            return _jhash(sources, modulus, seed, self._hash_scratch)
         for length in (4, 3, 2, 1):
             words = tuple(stream.peek(i) or "" for i in range(length))
             found = _SELECTORS.get(words)

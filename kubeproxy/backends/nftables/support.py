@@ -328,6 +328,46 @@ PROBES: Final[tuple[FeatureProbe, ...]] = (
         " (tests/test_affinity_canonical_kernel.py)",
     ),
     FeatureProbe(
+        "frontcanonical6",
+        "IPv6 address writes from a map lookup, before DNAT",
+        "4.17",
+        "1.0.6",
+        "ClientIP session affinity of an IPv6 port's other addresses: a load-balancer or"
+        " external IP, or a NodePort, turned into the port's cluster IP",
+        ("nat", "prerouting"),
+        (
+            "ip6 daddr set ip6 daddr . meta l4proto . th dport map @frontcanonical6-ips",
+            "ip6 daddr set ct original ip6 daddr",
+        ),
+        ("map frontcanonical6-ips { typeof ip6 daddr . meta l4proto . th dport : ip6 daddr ; }",),
+        frozenset({Family.IP6}),
+        evidence="kernel history (conntrack IPv6 address keys: 4.17); tested on 6.18 and"
+        " Debian 12's 6.1 (tests/test_nft_affinity_exposed_kernel.py)",
+    ),
+    FeatureProbe(
+        "frontkey6",
+        "map updates keyed by hashes of a concatenation, valued from the reply direction",
+        "4.17",
+        "1.0.6",
+        "ClientIP session affinity of IPv6 ports keyed by their cluster-IP frontend: two"
+        " hashes of it and one of the client",
+        ("filter", "forward"),
+        (
+            "meta l4proto { tcp, udp, sctp } update @frontkey6-map { jhash ip6 daddr . meta"
+            " l4proto . ct original proto-dst mod 4294967295 seed 0x1 . jhash ct original ip6"
+            " daddr . meta l4proto . ct original proto-dst mod 4294967295 seed 0x2 . jhash ip6"
+            " saddr mod 4294967295 seed 0x0 timeout 10s : ct reply ip6 saddr } ip6 daddr set"
+            " ct reply ip6 saddr accept",
+        ),
+        (
+            "map frontkey6-map { typeof numgen random mod 1 . numgen random mod 1 . numgen"
+            " random mod 1 : ip6 daddr ; flags dynamic,timeout ; timeout 10800s ; }",
+        ),
+        frozenset({Family.IP6}),
+        evidence="kernel history (conntrack IPv6 address keys: 4.17); tested on 6.18 and"
+        " Debian 12's 6.1 (tests/test_nft_affinity_exposed_kernel.py)",
+    ),
+    FeatureProbe(
         "update6",
         "map updates with a timeout from the packet path",
         "5.10",

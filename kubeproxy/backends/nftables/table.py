@@ -31,10 +31,13 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import ipaddress
 import logging
 import re
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from kubeproxy.config import LocalDetectMode, LocalDetector
 from kubeproxy.objects import IPAddress, IPFamily, ServicePortName
@@ -61,6 +64,7 @@ __all__ = [
     "Key",
     "Names",
     "RenderContext",
+    "affinity_frontend6_pin",
     "affinity_frontend_shard",
     "affinity_map_name",
     "affinity_pin",
@@ -68,6 +72,7 @@ __all__ = [
     "chain_name",
     "check_port_name",
     "context_or_default",
+    "jhash",
     "port_identity",
     "tokens_for",
 ]
@@ -104,7 +109,8 @@ quadratic in the maps; 256 keeps both walks short at 100k ports. Measured with `
 AFFINITY_FRONTEND_PREFIX = "affinity-frontends-"
 """Prefix of the shared affinity maps keyed by the frontend itself
 (:func:`affinity_frontend_shard`): ``affinity-frontends-0`` to ``affinity-frontends-255``,
-IPv4 only."""
+IPv4 only (an IPv6 port keyed by its frontend keeps its entries in ``affinity-clients-<n>``,
+:func:`affinity_frontend6_pin`)."""
 AFFINITY_FIND = "affinity-find"
 """The chain that sends a new connection to its port's record chain (``goto``, by the
 ``affinity-record-*`` verdict maps): with the shared maps one that comes back to
@@ -300,6 +306,10 @@ class RenderContext:
     (but a UDP port with a NodePort, see :mod:`.frontends`) keys its entries by its
     cluster-IP frontend (:func:`affinity_frontend_shard`), or (False, the benchmarks'
     structure before) by its pins like every other port."""
+    frontend_affinity6: bool = True
+    """With :attr:`frontend_affinity`: IPv6 ports too (their key two hashes of the
+    cluster-IP frontend and one of the client, see :func:`affinity_frontend6_pin`), or
+    (False, the benchmarks' structure before) IPv6 ports by their pins."""
 
     @classmethod
     def build(
@@ -467,3 +477,85 @@ def affinity_pin(identity: str, which: str, port: int) -> tuple[str, int, int]:
     high = int.from_bytes(digest[:4], "big") or 1
     low = int.from_bytes(digest[4:8], "big") or 1
     return f"{AFFINITY_SHARD_PREFIX}{_shard_number(identity)}", high, low
+
+
+AFFINITY6_FRONTEND_SEEDS = (0x6B707831, 0x6B707832)
+"""The seeds of the two 32-bit hashes of an IPv6 cluster-IP frontend that start the key
+of its port's entries (:func:`affinity_frontend6_pin`)."""
+_MASK = 0xFFFFFFFF
+
+
+def _rol32(value: int, shift: int) -> int:
+    return ((value << shift) | (value >> (32 - shift))) & _MASK
+
+
+# __jhash_mix: each step (target, source, then added, rotation) on the words a, b, c:
+# target = (target - source) ^ rol(source), then source += added.
+_MIX = ((0, 2, 1, 4), (1, 0, 2, 6), (2, 1, 0, 8), (0, 2, 1, 16), (1, 0, 2, 19), (2, 1, 0, 4))
+
+
+def _mix(words: list[int]) -> None:
+    for target, source, added, shift in _MIX:
+        words[target] = ((words[target] - words[source]) & _MASK) ^ _rol32(words[source], shift)
+        words[source] = (words[source] + words[added]) & _MASK
+
+
+# __jhash_final: each step (target, source, rotation) on the words a, b, c.
+_FINAL = ((2, 1, 14), (0, 2, 11), (1, 0, 25), (2, 1, 16), (0, 2, 4), (1, 0, 14), (2, 1, 24))
+
+
+def _final(words: list[int]) -> int:
+    for target, source, shift in _FINAL:
+        words[target] = ((words[target] ^ words[source]) - _rol32(words[source], shift)) & _MASK
+    return words[2]
+
+
+def jhash(data: bytes, seed: int) -> int:
+    """The kernel's ``jhash()`` (``include/linux/jhash.h``) of ``data``: its 12-byte
+    blocks read as words in this machine's byte order (``__get_unaligned_cpu32``), the
+    tail byte by byte, little end first.
+
+    By hand: no library computes it, and the backend must know the numbers an nft
+    ``jhash`` writes into a key to find a port's entries (those of endpoints gone).
+    ``tests/test_nft_affinity_exposed_kernel.py`` checks it against the numbers of
+    entries real connections wrote."""
+    words = [(0xDEADBEEF + len(data) + seed) & _MASK] * 3
+    rest = data
+    while len(rest) > 12:
+        _add(words, rest, sys.byteorder)
+        _mix(words)
+        rest = rest[12:]
+    if not rest:
+        return words[2]
+    _add(words, rest.ljust(12, b"\0"), "little")
+    return _final(words)
+
+
+def _add(words: list[int], block: bytes, order: Literal["little", "big"]) -> None:
+    for i in range(3):
+        words[i] = (words[i] + int.from_bytes(block[4 * i : 4 * i + 4], order)) & _MASK
+
+
+_PROTOCOL_NUMBERS = {"tcp": 6, "udp": 17, "sctp": 132}
+
+
+def affinity_frontend6_pin(frontend: Key) -> tuple[str, str]:
+    """The two numbers (as nft lists them) that start the key of the ClientIP entries of
+    an IPv6 port keyed by its cluster-IP frontend (``address, protocol, port``): what
+    ``jhash ip6 daddr . meta l4proto . th dport mod 4294967295 seed S`` writes for each
+    of :data:`AFFINITY6_FRONTEND_SEEDS`. The hash reads the concatenation's registers:
+    the address's 16 bytes, the protocol's byte and the port's two (network order), each
+    padded with zeros to 4 bytes; ``mod 4294967295`` scales it (``reciprocal_scale``).
+    64 bits: at 100k ports two share numbers with a chance of about 1 in 10^9."""
+    address, protocol, port = frontend
+    data = (
+        ipaddress.IPv6Address(address).packed
+        + bytes((_PROTOCOL_NUMBERS[protocol], 0, 0, 0))
+        + int(port).to_bytes(2, "big")
+        + bytes(2)
+    )
+    first, second = AFFINITY6_FRONTEND_SEEDS
+    return (
+        str((jhash(data, first) * _MASK) >> 32),
+        str((jhash(data, second) * _MASK) >> 32),
+    )
