@@ -50,6 +50,7 @@ __all__ = [
     "LABEL_HEADLESS",
     "LABEL_SERVICE_NAME",
     "LABEL_SERVICE_PROXY_NAME",
+    "SPECIAL_FIRST_OCTETS",
     "InvalidObject",
     "ParsedEndpointSlice",
     "describe",
@@ -806,9 +807,10 @@ def parse_checked_endpoint_slice(
     return parsed, unclear
 
 
-# The first octets of the IPv4 ranges no endpoint address may be in (0.0.0.0,
-# 127.0.0.0/8, 169.254.0.0/16, 224.0.0.0/24): an address starting so is checked in full.
-_SPECIAL_FIRST_OCTETS: Final = frozenset({0, 127, 169, 224})
+SPECIAL_FIRST_OCTETS: Final = frozenset({0, 127, 169, 224})
+"""The first octets of the IPv4 ranges no endpoint address may be in (0.0.0.0,
+127.0.0.0/8, 169.254.0.0/16, 224.0.0.0/24): an address starting so is checked in full, by
+the parse's walk and by the API validation alike."""
 
 
 def _parse_slice(
@@ -856,7 +858,7 @@ def _parse_slice(
     # Never equal to a nodeName when this proxy has no node name.
     local_node: object = node_name if node_name else _NEVER
     known_node = bool(node_name)
-    pton, inet, special_octets = _inet_pton, _AF_INET, _SPECIAL_FIRST_OCTETS
+    pton, inet, special_octets = _inet_pton, _AF_INET, SPECIAL_FIRST_OCTETS
     # With a check (parse_checked_endpoint_slice): where the unusual endpoints go.
     unclear: list[int] | None = None
     node_ok: Callable[[str], bool] = _is_dns_subdomain

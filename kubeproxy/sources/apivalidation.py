@@ -80,7 +80,7 @@ from typing import Any, Final
 
 from kubeproxy.objects import IPAddress, IPFamily
 from kubeproxy.parse import (
-    _SPECIAL_FIRST_OCTETS,  # the first octets of the IPv4 ranges _special refuses
+    SPECIAL_FIRST_OCTETS,
     InvalidObject,
     ParsedEndpointSlice,
     parse_checked_endpoint_slice,
@@ -228,7 +228,7 @@ def _plain_ipv4(text: object) -> bool:
         first = _inet_pton(_AF_INET, text)[0]
     except (OSError, ValueError):
         return False
-    return first not in _SPECIAL_FIRST_OCTETS
+    return first not in SPECIAL_FIRST_OCTETS
 
 
 def _strict_ipv4(text: object) -> bool:
@@ -600,7 +600,7 @@ def _unclear_endpoints(endpoints: Sequence[Any], address_type: object) -> Iterat
     if address_type != "IPv4":
         yield from range(len(endpoints))
         return
-    node_name_ok, pton, special_octets = _node_name_ok, _inet_pton, _SPECIAL_FIRST_OCTETS
+    node_name_ok, pton, special_octets = _node_name_ok, _inet_pton, SPECIAL_FIRST_OCTETS
     for index, raw in enumerate(endpoints):
         if type(raw) is not dict:
             yield index
