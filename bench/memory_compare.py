@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from bench.memory import RESULTS_DIR, time_v
-from bench.netns import in_netns, namespace
+from bench.netns import clean_up_on_sigterm, in_netns, namespace
 from bench.report import write_document
 
 __all__ = [
@@ -233,6 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--traced", action="store_true")
     parser.add_argument("--source", choices=[*SOURCES, "both"], default="manifests")
     options = parser.parse_args(args)
+    clean_up_on_sigterm()
     load = os.getloadavg()[0]
     sources = SOURCES if options.source == "both" else (options.source,)
     runs = measure(

@@ -7,13 +7,16 @@ host namespace: links are created inside our namespaces and moved between them.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 __all__ = [
     "PREFIX",
+    "clean_up_on_sigterm",
     "delete_namespace",
     "in_netns",
     "ip",
@@ -25,6 +28,14 @@ __all__ = [
 
 PREFIX = "kpxb-"
 _NETNS_DIR = "/run/netns"
+
+
+def clean_up_on_sigterm() -> None:
+    """Make SIGTERM exit the bench through its clean-up: Python's default for the signal
+    ends the process at once, so ``finally`` blocks never ran and a stopped bench left its
+    namespaces and their processes behind; ``SystemExit`` runs them, and
+    :func:`subprocess.run` kills its child on the way out."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
 def ip(*args: str) -> None:

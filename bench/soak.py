@@ -66,7 +66,7 @@ from typing import Any
 
 from bench.daemonbench import HEALTHZ_PORT, METRICS_PORT, NodeProcess, stop_process
 from bench.harness import REPO, python_module
-from bench.netns import in_netns
+from bench.netns import clean_up_on_sigterm, in_netns
 from bench.report import machine_info
 from bench.soakcluster import (
     HUNG_NODE_PORT,
@@ -1054,8 +1054,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="with --heap-watch: tracemalloc on with this many frames (slow; more memory)",
     )
     args = parser.parse_args(argv)
-    # A stop by signal runs the clean-up too (namespaces, the daemon, the clients).
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    clean_up_on_sigterm()  # namespaces, the daemon, the clients
     unknown = [f for f in args.faults if f not in FAULTS]
     if unknown:
         parser.error(f"unknown faults {unknown}; known: {', '.join(FAULTS)}")
