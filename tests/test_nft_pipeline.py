@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 
 from kubeproxy.backend import SyncChanges, SyncError
 from kubeproxy.backends.nftables.backend import NftablesBackend
+from kubeproxy.backends.nftables.batchsocket import BatchSocket, Encoded
 from kubeproxy.backends.nftables.commits import PostsElements, SyncOps
 from kubeproxy.backends.nftables.elements import ElementBatch
 from kubeproxy.backends.nftables.fake import FakeNft
@@ -151,6 +153,75 @@ def test_another_thread_waits_for_the_posted_items_without_taking_their_failure(
     assert waited == [[1]]
     with pytest.raises(NftError, match="refused"):
         pipeline.settle()
+
+
+def _next_run_is_whole(pipeline: Pipeline[int], sent: list[int]) -> None:
+    """A run after the ended one sends both its items and settles (in a thread, so a
+    hang fails the test instead of stopping the suite)."""
+    before = len(sent)
+    done = threading.Event()
+
+    def run() -> None:
+        pipeline.post(100)
+        pipeline.post(101)
+        pipeline.settle()
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    assert done.wait(WAIT), "the next run hung: a stop marker of the run before reached it"
+    assert sent[before:] == [100, 101]
+
+
+def test_a_run_ended_twice_at_once_leaves_the_next_run_whole() -> None:
+    """A settle in the sync's thread and an abandon from another (a ``close``) end the
+    same run: its two stop markers must not reach the next run's thread."""
+    release = threading.Event()
+    started = threading.Event()
+    sent: list[int] = []
+
+    def send(item: int) -> None:
+        started.set()
+        assert release.wait(WAIT)
+        sent.append(item)
+
+    pipeline: Pipeline[int] = Pipeline(send, depth=1)
+    pipeline.post(1)
+    assert started.wait(WAIT)
+    settler = threading.Thread(target=pipeline.settle)
+    settler.start()
+    abandoner = threading.Thread(target=pipeline.abandon)
+    abandoner.start()
+    release.set()
+    settler.join(WAIT)
+    abandoner.join(WAIT)
+    assert not settler.is_alive() and not abandoner.is_alive()
+    assert not pipeline.busy
+    _next_run_is_whole(pipeline, sent)
+
+
+def test_an_end_interrupted_in_its_wait_then_abandoned_leaves_the_next_run_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What a signal handler that raises does to a settle waiting for the thread (the
+    backend then abandons the run, a second end)."""
+    sent: list[int] = []
+    pipeline: Pipeline[int] = Pipeline(sent.append, depth=1)
+    pipeline.post(1)
+    join = threading.Thread.join
+    interrupted: list[bool] = []
+
+    def interrupted_join(self: threading.Thread, timeout: float | None = None) -> None:
+        if not interrupted:
+            interrupted.append(True)
+            raise KeyboardInterrupt
+        join(self, timeout)
+
+    monkeypatch.setattr(threading.Thread, "join", interrupted_join)
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.settle()
+    pipeline.abandon()
+    monkeypatch.undo()
+    _next_run_is_whole(pipeline, sent)
 
 
 # SyncOps: nothing passes a posted batch ----------------------------------------------------
@@ -293,3 +364,36 @@ def _generation_names(executor: FakeNft) -> list[str]:
 def test_pipelined_elements_need_an_executor_that_posts() -> None:
     with pytest.raises(ValueError, match="posts element batches"):
         _backend(FakeNft(), pipelined=True)
+
+
+def test_a_batch_refused_while_its_run_is_abandoned_is_not_reported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The poster failed first (a batch it could not encode, kept for the failure dump)
+    and abandons the run: the batch in flight, refused meanwhile, must not take the
+    dump's place (the dump would show it under the poster's error)."""
+    channel = BatchSocket()
+    release, started = threading.Event(), threading.Event()
+
+    def exchange(payload: bytes, begin: int, sent: object, what: str) -> None:
+        started.set()
+        assert release.wait(WAIT)
+        raise NftError("refused", errno.EINVAL)
+
+    monkeypatch.setattr(channel, "exchange", exchange)
+    reported: list[NftError] = []
+    try:
+        channel.post(Encoded(b"", 1, {}, "element transaction", reported.append))
+        assert started.wait(WAIT)
+        abandoner = threading.Thread(target=channel.abandon)
+        abandoner.start()
+        deadline = time.monotonic() + WAIT
+        while not channel._pipeline.dropping and time.monotonic() < deadline:
+            time.sleep(0.001)
+        release.set()
+        abandoner.join(WAIT)
+        assert not abandoner.is_alive()
+        assert reported == []
+    finally:
+        release.set()
+        channel.close()

@@ -248,7 +248,9 @@ class BatchSocket:
         try:
             self.exchange(encoded.payload, encoded.begin, encoded.sent, encoded.what)
         except NftError as err:
-            if encoded.refused is not None:
+            # Not while the run is abandoned: the poster failed first, and its own
+            # failure is what the failure dump must show.
+            if encoded.refused is not None and not self._pipeline.dropping:
                 encoded.refused(err)
             raise
 

@@ -41,6 +41,21 @@ class _Stop:
 _STOP = _Stop()
 
 
+class _Run(Generic[T]):
+    """One run's queue and thread. A run's own queue: an end queued twice (an end
+    interrupted in its join, then abandoned; or a ``close`` from another thread during a
+    settle) leaves its second stop marker in that run's queue, never in the next run's,
+    whose thread it would end before its first item (found by a second read: the next
+    sync then waited for ever)."""
+
+    __slots__ = ("failure", "queue", "thread")
+
+    def __init__(self, depth: int) -> None:
+        self.queue: queue.Queue[T | _Stop] = queue.Queue(maxsize=depth)
+        self.thread: threading.Thread | None = None
+        self.failure: BaseException | None = None
+
+
 class Pipeline(Generic[T]):
     """Calls ``send`` on each posted item, in order, in a thread of its own (see the
     module). ``depth``: how many items may wait for the thread (at least one).
@@ -54,9 +69,9 @@ class Pipeline(Generic[T]):
             raise ValueError("a pipeline holds at least one item")
         self._send = send
         self._name = name
-        self._queue: queue.Queue[T | _Stop] = queue.Queue(maxsize=depth)
-        self._thread: threading.Thread | None = None
-        self._failure: BaseException | None = None
+        self._depth = depth
+        self._run: _Run[T] | None = None
+        self._ending = threading.Lock()
         self._dropping = False
         self.sent = 0
         """How many items were sent (for tests and benches)."""
@@ -68,36 +83,45 @@ class Pipeline(Generic[T]):
     @property
     def busy(self) -> bool:
         """Whether a run is under way (items posted and not yet settled)."""
-        return self._thread is not None
+        return self._run is not None
+
+    @property
+    def dropping(self) -> bool:
+        """Whether the run is being abandoned (what is in flight finishes, unreported)."""
+        return self._dropping
 
     def post(self, item: T) -> None:
         """Hand ``item`` over (blocks while ``depth`` items wait); raise the first
         failure of an earlier item instead, if there was one (the run is then over:
         :meth:`settle` or :meth:`abandon` it)."""
-        failure = self._failure
-        if failure is not None:
-            raise failure
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-            self._thread.start()
+        run = self._run
+        if run is None:
+            run = _Run[T](self._depth)
+            run.thread = threading.Thread(
+                target=self._serve, args=(run,), name=self._name, daemon=True
+            )
+            self._run = run
+            run.thread.start()
+        elif run.failure is not None:
+            raise run.failure
         start = time.perf_counter()
-        self._queue.put(item)
+        run.queue.put(item)
         self.waited_s += time.perf_counter() - start
 
     def idle(self) -> None:
         """Wait until every posted item was sent (or skipped after a failure); the
         failure stays for the poster's :meth:`settle`."""
-        if self._thread is not None:
-            self._queue.join()
+        run = self._run
+        if run is not None:
+            run.queue.join()
 
     def settle(self) -> None:
         """End the run: wait for every posted item, then raise the first failure."""
         start = time.perf_counter()
-        self._end()
+        run = self._end()
         self.waited_s += time.perf_counter() - start
-        failure, self._failure = self._failure, None
-        if failure is not None:
-            raise failure
+        if run is not None and run.failure is not None:
+            raise run.failure
 
     def abandon(self) -> None:
         """End the run without sending what still waits (the item in flight finishes);
@@ -107,26 +131,29 @@ class Pipeline(Generic[T]):
             self._end()
         finally:
             self._dropping = False
-            self._failure = None
 
-    def _end(self) -> None:
-        thread = self._thread
-        if thread is None:
-            return
-        self._queue.put(_STOP)
-        thread.join()
-        self._thread = None
+    def _end(self) -> _Run[T] | None:
+        """Queue the run's stop marker, let the run go, wait for its thread; the run."""
+        with self._ending:
+            run = self._run
+            if run is None:
+                return None
+            run.queue.put(_STOP)
+            self._run = None
+        assert run.thread is not None
+        run.thread.join()
+        return run
 
-    def _run(self) -> None:
+    def _serve(self, run: _Run[T]) -> None:
         while True:
-            item = self._queue.get()
+            item = run.queue.get()
             try:
                 if isinstance(item, _Stop):
                     return
-                if self._failure is None and not self._dropping:
+                if run.failure is None and not self._dropping:
                     self._send(item)
                     self.sent += 1
             except BaseException as err:  # handed to the poster's thread
-                self._failure = err
+                run.failure = err
             finally:
-                self._queue.task_done()
+                run.queue.task_done()
