@@ -53,19 +53,27 @@ def test_every_item_is_sent_once_in_the_order_posted(items: list[int], depth: in
     assert not pipeline.busy  # the thread ended with the run
 
 
+class _Held:
+    """A send that records each item once ``release`` is set; ``started`` when the first
+    one is in flight."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.started = threading.Event()
+        self.sent: list[int] = []
+
+    def __call__(self, item: int) -> None:
+        self.started.set()
+        assert self.release.wait(WAIT)
+        self.sent.append(item)
+
+
 def test_the_poster_waits_while_depth_items_wait() -> None:
-    release = threading.Event()
-    started = threading.Event()
-    sent: list[int] = []
-
-    def send(item: int) -> None:
-        started.set()
-        assert release.wait(WAIT)
-        sent.append(item)
-
+    send = _Held()
+    release, sent = send.release, send.sent
     pipeline: Pipeline[int] = Pipeline(send, depth=1)
     pipeline.post(1)  # in flight
-    assert started.wait(WAIT)
+    assert send.started.wait(WAIT)
     pipeline.post(2)  # waits in the queue
     returned = threading.Event()
 
@@ -175,18 +183,11 @@ def _next_run_is_whole(pipeline: Pipeline[int], sent: list[int]) -> None:
 def test_a_run_ended_twice_at_once_leaves_the_next_run_whole() -> None:
     """A settle in the sync's thread and an abandon from another (a ``close``) end the
     same run: its two stop markers must not reach the next run's thread."""
-    release = threading.Event()
-    started = threading.Event()
-    sent: list[int] = []
-
-    def send(item: int) -> None:
-        started.set()
-        assert release.wait(WAIT)
-        sent.append(item)
-
+    send = _Held()
+    release, sent = send.release, send.sent
     pipeline: Pipeline[int] = Pipeline(send, depth=1)
     pipeline.post(1)
-    assert started.wait(WAIT)
+    assert send.started.wait(WAIT)
     settler = threading.Thread(target=pipeline.settle)
     settler.start()
     abandoner = threading.Thread(target=pipeline.abandon)
