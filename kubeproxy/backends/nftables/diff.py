@@ -337,6 +337,14 @@ class FrontendWriter:
         found = self._slots[kind, shortcut, proto, count] = (container, packing)
         return found
 
+    def _queue_slots(
+        self, kind: Kind, shortcut: bool, proto: str, key: Key, endpoints: tuple[str, ...]
+    ) -> None:
+        """Queue one list of a frontend's slots into its slots map."""
+        found = self._slots.get((kind, shortcut, proto, len(endpoints)))
+        container, packing = found or self._slots_of(kind, shortcut, proto, len(endpoints))
+        _write_slots(self._sink, container, packing, key, endpoints)
+
     def write(self, fe: Frontend) -> Held:
         """Queue frontend ``fe``'s elements; what the kernel then holds of it."""
         sink, names = self._sink, self._names
@@ -347,16 +355,10 @@ class FrontendWriter:
             for member in members:
                 sink.add(member, key)
         proto = key[1] if kind == KIND_IP else key[0]
-        endpoints = fe.endpoints
-        if endpoints:
-            found = self._slots.get((kind, False, proto, len(endpoints)))
-            container, packing = found or self._slots_of(kind, False, proto, len(endpoints))
-            _write_slots(sink, container, packing, key, endpoints)
-        shortcut = fe.shortcut
-        if shortcut:
-            found = self._slots.get((kind, True, proto, len(shortcut)))
-            container, packing = found or self._slots_of(kind, True, proto, len(shortcut))
-            _write_slots(sink, container, packing, key, shortcut)
+        if fe.endpoints:
+            self._queue_slots(kind, False, proto, key, fe.endpoints)
+        if fe.shortcut:
+            self._queue_slots(kind, True, proto, key, fe.shortcut)
         if fe.no_endpoint is not None:
             sink.add(names.no_endpoint(kind, fe.no_endpoint), key, comment=name)
         if fe.lookup is not None:
