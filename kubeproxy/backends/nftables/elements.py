@@ -34,7 +34,12 @@ from typing import Any, TypeVar, overload
 
 import kubeproxy.nlmsg as nlmsg
 from kubeproxy.backends.nftables.batchsocket import BatchSocket, Frame
-from kubeproxy.backends.nftables.objects import Family, NftError, validate_name
+from kubeproxy.backends.nftables.objects import (
+    PROTOCOL_NUMBERS,
+    Family,
+    NftError,
+    validate_name,
+)
 
 __all__ = [
     "COMMENT_MAX",
@@ -61,7 +66,6 @@ __all__ = [
 Key = tuple[str, ...]
 
 _FAMILY_NUMBERS = {Family.IP: socket.AF_INET, Family.IP6: socket.AF_INET6, Family.INET: 1}
-_PROTOCOLS = {"tcp": 6, "udp": 17, "sctp": 132}
 SUPPORTED_TYPES = frozenset({"ipv4_addr", "ipv6_addr", "inet_proto", "inet_service", "integer"})
 
 # nf_tables constants (linux/netfilter/nf_tables.h); netlink's are in kubeproxy.nlmsg.
@@ -127,7 +131,7 @@ def encode_part(datatype: str, text: str) -> bytes:
         except OSError:
             raise ValueError(f"{text!r} is not an {datatype}") from None
     if datatype == "inet_proto":
-        number = _PROTOCOLS.get(text)
+        number = PROTOCOL_NUMBERS.get(text)
         if number is None:
             raise ValueError(f"{text!r} is not a protocol we send")
         return bytes((number, 0, 0, 0))
@@ -144,7 +148,7 @@ def encode_part(datatype: str, text: str) -> bytes:
     raise ValueError(f"data type {datatype!r} is not supported")
 
 
-_PROTOCOL_NAMES = {number: name for name, number in _PROTOCOLS.items()}
+_PROTOCOL_NAMES = {number: name for name, number in PROTOCOL_NUMBERS.items()}
 
 
 def decode_part(datatype: str, data: bytes) -> str:

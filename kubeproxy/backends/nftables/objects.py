@@ -21,6 +21,7 @@ __all__ = [
     "COMMENT_LENGTH_MAX",
     "ELEMENT_PART",
     "NAME_LENGTH_MAX",
+    "PROTOCOL_NUMBERS",
     "SET_FLAGS",
     "Chain",
     "Element",
@@ -46,6 +47,10 @@ NAME_LENGTH_MAX = 256
 
 COMMENT_LENGTH_MAX = 128
 """Longest comment the kernel stores (``NFT_USERDATA_MAXLEN`` for comments)."""
+
+PROTOCOL_NUMBERS = {"tcp": 6, "udp": 17, "sctp": 132}
+"""The transport protocols a Service port may have, by the IP protocol number the kernel
+reads (``meta l4proto``, ``ct original protocol``): what the encoders write for them."""
 
 SET_FLAGS = frozenset({"constant", "dynamic", "interval", "timeout"})
 """Set and map flags we allow."""

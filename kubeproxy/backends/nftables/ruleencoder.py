@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 
 import kubeproxy.nlmsg as nlmsg
 from kubeproxy.backends.nftables.declarations import Declaration, encode_verdict
-from kubeproxy.backends.nftables.objects import Family, NftError
+from kubeproxy.backends.nftables.objects import PROTOCOL_NUMBERS, Family, NftError
 
 __all__ = ["AnonymousSet", "EncodedRule", "RuleEncoder", "register"]
 
@@ -86,7 +86,6 @@ _CT_STATES = {"invalid": 1, "established": 2, "related": 4, "new": 8, "untracked
 _CT_STATUSES = {"expected": 1, "seen-reply": 2, "assured": 4, "confirmed": 8, "snat": 16}
 _CT_STATUSES["dnat"] = 32
 _FIB_TYPES = {"unicast": 1, "local": 2, "broadcast": 3, "anycast": 4, "multicast": 5}
-_PROTOCOLS = {"tcp": 6, "udp": 17, "sctp": 132}
 _IFNAMSIZ = 16
 _SLOTS_OF_REGISTER = 4
 _TOKEN = re.compile(r'"[^"]*"|[^\s,]+|,')
@@ -279,7 +278,7 @@ _SELECTORS: dict[tuple[str, ...], _Selector] = {
         lambda slot: _ct(_CT_PROTO_SRC, slot, _CT_REPLY), 2, "port"
     ),
 }
-for _proto in _PROTOCOLS:
+for _proto in PROTOCOL_NUMBERS:
     _SELECTORS[(_proto, "dport")] = _Selector(
         lambda slot: _payload(_PAYLOAD_TRANSPORT, 2, 2, slot), 2, "port", _proto
     )
@@ -563,7 +562,7 @@ class RuleEncoder:
         if protocol is None or state.protocol == protocol:
             return
         state.exprs.append(_meta(_META_L4PROTO, 0))
-        state.exprs.append(_cmp(0, _CMP_EQ, bytes((_PROTOCOLS[protocol],))))
+        state.exprs.append(_cmp(0, _CMP_EQ, bytes((PROTOCOL_NUMBERS[protocol],))))
         state.protocol = protocol
 
     def _match(self, stream: _Tokens, state: _State) -> None:
@@ -639,7 +638,7 @@ class RuleEncoder:
         if kind == "proto":
             data = bytes((_protocol(text),))
             if op == _CMP_EQ:
-                state.protocol = text if text in _PROTOCOLS else None
+                state.protocol = text if text in PROTOCOL_NUMBERS else None
         elif kind == "port":
             data = struct.pack(">H", _number(text, 0, 65535))
         elif kind == "fibtype":
@@ -759,7 +758,7 @@ class RuleEncoder:
             self._stateful += 1
             for value_field in declaration.value:
                 words = (value_field.expression or "").split()
-                if len(words) == 2 and words[1] == "dport" and words[0] in _PROTOCOLS:
+                if len(words) == 2 and words[1] == "dport" and words[0] in PROTOCOL_NUMBERS:
                     self._depend(words[0], state)
         addr_slots = 1 if self.family is Family.IP else _SLOTS_OF_REGISTER
         self._scratch = _HASH_SCRATCH_DNAT if port is not None else None
@@ -878,8 +877,8 @@ def _number(text: str, low: int, high: int) -> int:
 
 
 def _protocol(text: str) -> int:
-    if text in _PROTOCOLS:
-        return _PROTOCOLS[text]
+    if text in PROTOCOL_NUMBERS:
+        return PROTOCOL_NUMBERS[text]
     return _number(text, 0, 255)
 
 

@@ -39,6 +39,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from kubeproxy.backends.nftables.objects import PROTOCOL_NUMBERS
 from kubeproxy.config import LocalDetectMode, LocalDetector
 from kubeproxy.objects import IPAddress, IPFamily, ServicePortName
 
@@ -536,9 +537,6 @@ def _add(words: list[int], block: bytes, order: Literal["little", "big"]) -> Non
         words[i] = (words[i] + int.from_bytes(block[4 * i : 4 * i + 4], order)) & _MASK
 
 
-_PROTOCOL_NUMBERS = {"tcp": 6, "udp": 17, "sctp": 132}
-
-
 def affinity_frontend6_pin(frontend: Key) -> tuple[str, str]:
     """The two numbers (as nft lists them) that start the key of the ClientIP entries of
     an IPv6 port keyed by its cluster-IP frontend (``address, protocol, port``): what
@@ -550,7 +548,7 @@ def affinity_frontend6_pin(frontend: Key) -> tuple[str, str]:
     address, protocol, port = frontend
     data = (
         ipaddress.IPv6Address(address).packed
-        + bytes((_PROTOCOL_NUMBERS[protocol], 0, 0, 0))
+        + bytes((PROTOCOL_NUMBERS[protocol], 0, 0, 0))
         + int(port).to_bytes(2, "big")
         + bytes(2)
     )
