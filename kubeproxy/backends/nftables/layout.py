@@ -674,13 +674,13 @@ def affinity_dispatch_chains(names: GenNames, tokens: FamilyTokens) -> dict[str,
     chains[names.affinity_canonical_lookup(KIND_NODEPORT)] = (
         *(
             f"{proto} dport set {nodeport} map @{names.affinity_canonical_ports}"
-            for proto in _PROTOCOLS
+            for proto in AFFINITY_PROTOCOLS
         ),
         ip_lookup,
         *(
             f"meta l4proto {proto} {ip} daddr set ct original {ip} daddr "
             f"{proto} dport set ct original proto-dst"
-            for proto in _PROTOCOLS
+            for proto in AFFINITY_PROTOCOLS
         ),
     )
     for kind in (KIND_IP, KIND_NODEPORT):
@@ -697,9 +697,6 @@ def affinity_dispatch_chains(names: GenNames, tokens: FamilyTokens) -> dict[str,
             chains[name] = tuple(rules)
     chains.update(_canonical_record_chains(names, ip))
     return chains
-
-
-_PROTOCOLS = ("tcp", "udp", "sctp")
 
 
 def _canonical_record_chains(names: GenNames, ip: str) -> dict[str, tuple[str, ...]]:
@@ -719,13 +716,13 @@ def _canonical_record_chains(names: GenNames, ip: str) -> dict[str, tuple[str, .
         names.affinity_canonical_record(KIND_NODEPORT): (
             *(
                 f"{proto} dport set {original} map @{names.affinity_canonical_ports}"
-                for proto in _PROTOCOLS
+                for proto in AFFINITY_PROTOCOLS
             ),
             f"{_L4} {original} vmap @{names.affinity_record(KIND_NODEPORT)}",
             *(
                 f"meta l4proto {proto} {ip} daddr set ct reply {ip} saddr "
                 f"{proto} dport set ct reply proto-src accept"
-                for proto in _PROTOCOLS
+                for proto in AFFINITY_PROTOCOLS
             ),
         ),
     }
