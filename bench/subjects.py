@@ -23,7 +23,7 @@ from kubeproxy.backends.nftables.layout import (
     AFFINITY_PER_PORT,
     AFFINITY_PINNED,
     AFFINITY_SHARED_IPV4,
-    DISPATCH_RULES,
+    Dispatch,
 )
 from kubeproxy.backends.nftables.localhost import LocalhostNodePortsBackend
 from kubeproxy.config import ProxierConfig
@@ -200,7 +200,7 @@ def rules_dispatch_backend(
     """The map structure with the class dispatch before issue 19: one rule per class,
     walked in order by every new connection (the ``nftables-rules`` subject)."""
     return NftablesBackend(
-        family, config, executor=LibNftables(netns=netns), dispatch=DISPATCH_RULES
+        family, config, executor=LibNftables(netns=netns), dispatch=Dispatch.RULES
     )
 
 

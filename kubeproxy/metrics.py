@@ -45,7 +45,7 @@ from prometheus_client.registry import Collector
 
 from kubeproxy.httpserving import DEFAULT_MAX_HANDLERS, BackgroundServer, Response, Route
 from kubeproxy.objects import IPFamily, NamespacedName, ServicePort, ServicePortName
-from kubeproxy.selfheal import KINDS
+from kubeproxy.selfheal import ChangeKind
 from kubeproxy.zpages import flagz_page, statusz_page
 
 if TYPE_CHECKING:
@@ -544,7 +544,7 @@ class ProxyMetrics:
         counters start at 0 for every kind, so that rates and alerts see them.
         """
         self.track_trackers(proxier.service_changes, proxier.endpoint_changes)
-        for kind in KINDS:
+        for kind in ChangeKind:
             self.external_changes.labels(proxier.family.value, kind)
 
     def track_trackers(
@@ -624,7 +624,7 @@ class ProxyMetrics:
 
     def external_change(self, family: IPFamily, kind: str) -> None:
         """Someone else changed our rules in ``family``; ``kind`` says what was found
-        (:data:`kubeproxy.selfheal.KINDS`)."""
+        (:class:`kubeproxy.selfheal.ChangeKind`)."""
         self.external_changes.labels(family.value, kind).inc()
 
     # Backend-specific

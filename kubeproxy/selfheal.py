@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import enum
 import functools
 import logging
 import threading
@@ -62,18 +63,9 @@ __all__ = [
     "EVENT_INTERVAL",
     "FREE_REPAIRS",
     "KEPT_REPAIRS",
-    "KINDS",
-    "KIND_CANARY",
-    "KIND_CHAIN",
-    "KIND_ELEMENT",
-    "KIND_MISSED",
-    "KIND_OBJECT",
-    "KIND_OTHER",
-    "KIND_RULE",
-    "KIND_SET",
-    "KIND_TABLE",
     "MAX_REPAIR_DELAY",
     "STREAK_WINDOW",
+    "ChangeKind",
     "ExternalChange",
     "ExternalChangeCounter",
     "KernelStateReporter",
@@ -87,37 +79,33 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-KIND_TABLE: Final = "table"
-"""A table of ours was deleted (also what ``nft flush ruleset`` does)."""
-KIND_CHAIN: Final = "chain"
-"""A chain of ours was deleted."""
-KIND_SET: Final = "set"
-"""A set or map of ours was deleted."""
-KIND_RULE: Final = "rule"
-"""Rules of ours were deleted (``nft flush chain``, ``iptables -F``, ``iptables -D``)."""
-KIND_ELEMENT: Final = "element"
-"""Elements of our sets or maps were deleted."""
-KIND_OBJECT: Final = "object"
-"""Another object of our tables (a stateful object, a flowtable) was deleted."""
-KIND_OTHER: Final = "other"
-"""Something was added to our tables or chains (nothing of ours went missing)."""
-KIND_CANARY: Final = "canary"
-"""A canary chain was gone or flushed (iptables modes: someone flushed the tables)."""
-KIND_MISSED: Final = "missed-events"
-"""Change events were lost, or cannot be had: we compare with the kernel to be sure."""
 
-KINDS: Final = (
-    KIND_TABLE,
-    KIND_CHAIN,
-    KIND_SET,
-    KIND_RULE,
-    KIND_ELEMENT,
-    KIND_OBJECT,
-    KIND_OTHER,
-    KIND_CANARY,
-    KIND_MISSED,
-)
-"""Every ``kind`` label value, most serious first."""
+class ChangeKind(enum.StrEnum):
+    """What someone else changed in our rules: the ``kind`` label of
+    ``kubeproxy_sync_proxy_rules_external_changes_total`` and what ``/debug/repairs``
+    lists. A closed set (the metric's label values are created for every member, most
+    serious first); a member is the string it stands for, so labels and pages read the
+    values below."""
+
+    TABLE = "table"
+    """A table of ours was deleted (also what ``nft flush ruleset`` does)."""
+    CHAIN = "chain"
+    """A chain of ours was deleted."""
+    SET = "set"
+    """A set or map of ours was deleted."""
+    RULE = "rule"
+    """Rules of ours were deleted (``nft flush chain``, ``iptables -F``, ``iptables -D``)."""
+    ELEMENT = "element"
+    """Elements of our sets or maps were deleted."""
+    OBJECT = "object"
+    """Another object of our tables (a stateful object, a flowtable) was deleted."""
+    OTHER = "other"
+    """Something was added to our tables or chains (nothing of ours went missing)."""
+    CANARY = "canary"
+    """A canary chain was gone or flushed (iptables modes: someone flushed the tables)."""
+    MISSED = "missed-events"
+    """Change events were lost, or cannot be had: we compare with the kernel to be sure."""
+
 
 EVENT_INTERVAL: Final = 60.0
 """At most one Event a minute: a firewall reloading in a loop must not flood the API."""
@@ -180,11 +168,11 @@ def utc_text(seconds: float) -> str:
 
 @dataclass(frozen=True, slots=True)
 class ExternalChange:
-    """Someone else changed our rules: ``kind`` (one of :data:`KINDS`, for the metric),
+    """Someone else changed our rules: ``kind`` (for the metric),
     ``detail`` (what was found, for the log line and the Event) and the family it
     concerns (``None``: every family, or no telling which)."""
 
-    kind: str
+    kind: ChangeKind
     detail: str
     family: IPFamily | None = None
 

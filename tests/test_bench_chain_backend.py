@@ -2,15 +2,13 @@
 FakeNft.
 
 Full and incremental syncs, conflicts, failures, stale chains; the recorded ruleset the map
-structure's upgrade tests load is what it writes; its old names in the nftables package
-still work for one release, with a warning.
+structure's upgrade tests load is what it writes.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-import sys
 from dataclasses import replace
 
 import pytest
@@ -28,7 +26,6 @@ from kubeproxy.objects import (
     Protocol,
     ServicePort,
 )
-from kubeproxy.testing.runner import resolve_backend
 from tests import chain_ruleset
 from tests.nftmachine import NftWorldMachine, V6Machine
 from tests.snapshots import (
@@ -861,37 +858,3 @@ def test_the_recorded_ruleset_is_what_this_structure_writes() -> None:
     assert "add map ip kube-proxy service-ips" in recorded
     assert "kpxr/echo/tcp/tcp" in recorded  # the kernel test's echo Service
     assert recorded == chain_ruleset.record(), "re-record it: see tests/chain_ruleset.py"
-
-
-# The names the nftables package had ------------------------------------------------------
-
-
-def test_the_old_names_in_the_nftables_package_warn_and_lead_here() -> None:
-    import kubeproxy.backends.nftables as nftables
-
-    moved = {
-        "ChainNftablesBackend": ChainNftablesBackend,
-        "create_chain_backend": create_chain_backend,
-    }
-    for name, new in moved.items():
-        assert name not in nftables.__all__
-        with pytest.warns(DeprecationWarning, match=rf"moved to bench\.chain_structure\.{name};"):
-            assert getattr(nftables, name) is new
-    # A backend named as module:attribute (flow kit, bench children) still resolves.
-    with pytest.warns(DeprecationWarning):
-        spec = "kubeproxy.backends.nftables:create_chain_backend"
-        assert resolve_backend(spec) is create_chain_backend
-    typo = "create_chian_backend"
-    with pytest.raises(AttributeError, match=f"has no attribute '{typo}'"):
-        getattr(nftables, typo)
-
-
-def test_without_the_benchmarks_the_old_names_say_where_they_went(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    import kubeproxy.backends.nftables as nftables
-
-    monkeypatch.setitem(sys.modules, "bench.chain_structure", None)  # as in a wheel
-    for name in ("ChainNftablesBackend", "create_chain_backend"):
-        with pytest.raises(AttributeError, match=rf"moved to bench\.chain_structure\.{name},"):
-            getattr(nftables, name)

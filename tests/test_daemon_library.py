@@ -17,7 +17,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,6 @@ import kubeproxy
 import kubeproxy.daemon
 from kubeproxy import (
     BackendContext,
-    Daemon,
     DaemonOptions,
     IPFamily,
     ProxierConfig,
@@ -41,7 +39,7 @@ from kubeproxy import (
 )
 from kubeproxy.cmd.options import Options, parse_options
 from kubeproxy.conntrack import FakeConntrack
-from kubeproxy.daemon import DaemonPlugins, DaemonSeams, LoggingEventSink, StartupWarning
+from kubeproxy.daemon import DaemonPlugins, DaemonSeams, LoggingEventSink
 from kubeproxy.daemon.gctuning import GcOps
 from kubeproxy.events import FakeEventRecorder
 from kubeproxy.netlink import FakeHostAddresses
@@ -402,100 +400,3 @@ def test_healthz_is_503_all_the_way_to_the_first_sync(monkeypatch: pytest.Monkey
         wait_for(lambda: get(daemon.health_server.port, "/healthz")[0] == 200, "healthz 200")
     finally:
         daemon.stop()
-
-
-# --- the keywords of old ----------------------------------------------------------------
-
-
-def shape(daemon: Daemon) -> dict[str, Any]:
-    """What a daemon was built into, comparable between two builds."""
-    return {
-        "name": daemon.name,
-        "families": daemon.families,
-        "node": daemon.node,
-        "node_ips": daemon.node_ips,
-        "events": type(daemon.events),
-        "warnings": daemon.startup_warnings,
-        "configs": {f: p._config for f, p in daemon.proxiers.items()},
-        "backends": [type(p.backend) for p in daemon.proxiers.values()],
-        # The proxiers' hooks: the metrics', health's, the plugged, collector tuning.
-        "hooks": {f: len(p._after_sync) for f, p in daemon.proxiers.items()},
-        "watchers": len(daemon.watchers),
-        "address_watcher": daemon.address_watcher is None,
-        "metrics_mode": daemon.metrics.mode,
-    }
-
-
-def test_the_old_keywords_build_the_same_daemon_after_a_deprecation_warning() -> None:
-    warning = StartupWarning("Reason", "Action", "note")
-    made: list[tuple[Backends, Plugged, Daemon]] = []
-    for old in (False, True):
-        backends, plugged = Backends(), Plugged()
-        plugins = DaemonPlugins(
-            mode="iptables", name="my-proxy", backend_hooks=plugged, startup_warnings=(warning,)
-        )
-        seams = offline(privileged=False)
-        if old:
-            with pytest.warns(DeprecationWarning, match=r"build_daemon\(.*mode=.*0\.2") as seen:
-                daemon = build_daemon(
-                    cluster_options(once=True),
-                    backends,
-                    mode="iptables",
-                    name="my-proxy",
-                    backend_hooks=plugged,
-                    startup_warnings=(warning,),
-                    host_addresses=seams.host_addresses,
-                    conntrack=seams.conntrack,
-                    ipv6_supported=False,
-                    gc_ops=seams.gc_ops,
-                    privileged=False,
-                )
-            assert [w.filename for w in seen] == [__file__]  # points at the caller
-        else:
-            with warnings.catch_warnings():
-                warnings.simplefilter("error")
-                daemon = build_daemon(
-                    cluster_options(once=True), backends, plugins=plugins, seams=seams
-                )
-        made.append((backends, plugged, daemon))
-    try:
-        (new_backends, new_plugged, new), (old_backends, old_plugged, by_keywords) = made
-        assert shape(by_keywords) == shape(new)
-        assert shape(new)["name"] == "my-proxy" and shape(new)["metrics_mode"] == "iptables"
-        assert len(old_plugged.contexts) == len(new_plugged.contexts) == 1
-        assert by_keywords.sync_once() and new.sync_once()
-        assert old_backends.made[0].synced == new_backends.made[0].synced != []
-    finally:
-        for _, _, daemon in made:
-            daemon.stop()
-
-
-def test_run_daemon_takes_the_old_keywords_with_a_warning() -> None:
-    runs: list[Backends] = []
-    for old in (False, True):
-        backends = Backends()
-        seams = offline()
-        if old:
-            with pytest.warns(DeprecationWarning, match=r"run_daemon\(.*name=.*0\.2"):
-                code = run_daemon(
-                    cluster_options(once=True),
-                    backends,
-                    name="my-proxy",
-                    host_addresses=seams.host_addresses,
-                    conntrack=seams.conntrack,
-                    ipv6_supported=False,
-                    gc_ops=seams.gc_ops,
-                )
-        else:
-            plugins = DaemonPlugins(name="my-proxy")
-            code = run_daemon(cluster_options(once=True), backends, plugins=plugins, seams=seams)
-        assert code == 0
-        runs.append(backends)
-    assert runs[0].made[0].synced == runs[1].made[0].synced != []
-
-
-def test_the_old_and_new_forms_do_not_mix() -> None:
-    with pytest.raises(TypeError, match="not both"):
-        build_daemon(cluster_options(), Backends(), seams=offline(), name="my-proxy")
-    with pytest.raises(TypeError, match="unexpected keyword"):
-        build_daemon(cluster_options(), Backends(), colour="blue")  # type: ignore[call-arg]

@@ -23,7 +23,7 @@ from kubeproxy.debugpages import DebugState, core_pages
 from kubeproxy.httpserving import QueryRoute
 from kubeproxy.netlink import FakeHostAddresses
 from kubeproxy.objects import IPFamily, NamespacedName, Protocol, ServicePort, ServicePortName
-from kubeproxy.selfheal import ExternalChange
+from kubeproxy.selfheal import ChangeKind, ExternalChange
 from kubeproxy.testing.fakeapi import node, service
 from tests.snapshots import World, ep
 from tests.test_daemon import NODE, FakeBackends, get, options_for, running, slice_of, wait_for
@@ -195,7 +195,7 @@ def test_a_daemon_serves_the_pages_only_when_asked(tmp_path: Path) -> None:
         (plan,) = json.loads(get(port, "/debug/plan")[2]).values()
         assert plan["full"] and plan["service_ports"] == 1
         # The daemon's healer keeps the repairs the page shows.
-        on.healer.report(ExternalChange("table", "table deleted", IPFamily.IPV4))
+        on.healer.report(ExternalChange(ChangeKind.TABLE, "table deleted", IPFamily.IPV4))
         (repair,) = json.loads(get(port, "/debug/repairs")[2])
         assert repair["family"] == "IPv4" and repair["details"] == ["table deleted"]
         index = set(get(port, "/debug/")[2].decode().split())

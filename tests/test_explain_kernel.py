@@ -35,7 +35,7 @@ from kubeproxy.backends.nftables.explain import (
     services_named,
 )
 from kubeproxy.backends.nftables.fake import FakeNft
-from kubeproxy.backends.nftables.frontends import KIND_IP, SHAPE_LOCAL
+from kubeproxy.backends.nftables.frontends import Kind, Shape
 from kubeproxy.backends.nftables.objects import Family
 from kubeproxy.backends.nftables.reader import TableReader
 from kubeproxy.backends.nftables.trace import trace
@@ -116,7 +116,7 @@ def _check(flow: Flow, fe: FrontendView | None) -> str | None:
             fe is None
             or fe.no_endpoint == "drop"
             or fe.source_ranges
-            or (fe.cls is not None and fe.cls.shape == SHAPE_LOCAL and not fe.endpoints)
+            or (fe.cls is not None and fe.cls.shape == Shape.LOCAL and not fe.endpoints)
         )
     else:
         ok = fe is None or flow.dest_ip.is_loopback
@@ -403,7 +403,7 @@ def test_probing_elements_by_key_goes_on_past_the_keys_the_kernel_lacks() -> Non
                 return
             with TableReader(ns.name) as reader:
                 view = TableView(reader, Family.IP)
-                name = view.names.dispatch(KIND_IP)
+                name = view.names.dispatch(Kind.IP)
                 declaration = view.declarations[name]
                 held = reader.element_blobs(Family.IP, name, declaration)
                 keys = list(view.dump(name))

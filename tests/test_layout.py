@@ -14,8 +14,8 @@
   ``bench.plots`` <-> ``bench.report``).
 * ``cmd/`` holds the binaries only: no module there defines the daemon's pieces.
 * ``backends/nftables/`` holds the shipped structure only (the per-Service-chain structure
-  is a benchmark subject, ``bench/chain_structure/``), and no backend imports the
-  benchmarks but for the deprecated names of that structure (one release).
+  is a benchmark subject, ``bench/chain_structure/``; that the package never imports the
+  benchmarks is ``tests/test_layering.py``'s).
 """
 
 from __future__ import annotations
@@ -250,15 +250,6 @@ def test_the_nftables_package_holds_the_shipped_structure_only() -> None:
     ]
     chain_structure = {p.stem for p in (REPO / "bench" / "chain_structure").glob("*.py")}
     assert {"backend", "fixed", "naming", "render"} <= chain_structure
-
-
-def test_no_backend_imports_the_benchmarks_but_the_deprecated_names() -> None:
-    found: set[tuple[str, str]] = set()
-    for path in sorted((PACKAGE / "backends").rglob("*.py")):
-        name = module_name(path)
-        found.update((name, t) for t in imported(name, path) if t.split(".")[0] == "bench")
-    # kubeproxy.backends.nftables.__getattr__: ChainNftablesBackend, create_chain_backend.
-    assert found == {("kubeproxy.backends.nftables", "bench.chain_structure")}
 
 
 def test_one_netlink_codec() -> None:

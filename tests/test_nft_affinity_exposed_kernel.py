@@ -27,7 +27,7 @@ from kubeproxy.backend import NodePortAddresses, ProxySnapshot, SyncChanges
 from kubeproxy.backends.nftables import NftablesBackend
 from kubeproxy.backends.nftables.exec import LibNftables
 from kubeproxy.backends.nftables.explain import TableView, explain_service
-from kubeproxy.backends.nftables.frontends import KIND_IP
+from kubeproxy.backends.nftables.frontends import Kind
 from kubeproxy.backends.nftables.objects import Family
 from kubeproxy.backends.nftables.reader import TableReader
 from kubeproxy.backends.nftables.table import (
@@ -274,7 +274,7 @@ def test_ipv6_addresses_share_one_entry_keyed_by_the_cluster_ip(namespaces6: Nod
     with TableReader(node) as reader:
         view = TableView(reader, Family.IP6)
         for fe in explain_service(view, NAME6.service).frontends:
-            number = fe.key[-1] if fe.kind == KIND_IP else fe.key[1]
+            number = fe.key[-1] if fe.kind == Kind.IP else fe.key[1]
             mine = chosen[NAME6 if number in ("80", str(NODE_PORT)) else NAME6_UDP]
             host = mine[1:].partition("]")[0]  # an IPv6 entry holds the address alone
             assert [(a.client, a.endpoint) for a in fe.affinity] == [(ANY, host)], fe.key

@@ -14,10 +14,10 @@ import kubeproxy.nlmsg as nlmsg
 from kubeproxy.backends.nftables.batchencoder import deletion_messages, encode_transaction
 from kubeproxy.backends.nftables.declarations import Declaration, _udata
 from kubeproxy.backends.nftables.elements import element_encoder
-from kubeproxy.backends.nftables.frontends import AFFINITY4_MAP_TYPE, KIND_IP, KIND_NODEPORT
+from kubeproxy.backends.nftables.frontends import AFFINITY4_MAP_TYPE, Kind
 from kubeproxy.backends.nftables.generation import add_container
 from kubeproxy.backends.nftables.layout import (
-    DISPATCH_TREE,
+    Dispatch,
     GenNames,
     Pick,
     affinity_container,
@@ -83,9 +83,9 @@ def _containers() -> list[Set | Map]:
         tokens = tokens_for(family)
         names = GenNames(7)
         tx = Transaction(Family.IP, "t")
-        specs = [*names.containers(tokens, DISPATCH_TREE), *public_containers(tokens)]
-        specs += names.slot_maps(Pick(KIND_IP, False, 5, True), tokens)
-        specs += names.slot_maps(Pick(KIND_NODEPORT, True, 2, False), tokens)
+        specs = [*names.containers(tokens, Dispatch.TREE), *public_containers(tokens)]
+        specs += names.slot_maps(Pick(Kind.IP, False, 5, True), tokens)
+        specs += names.slot_maps(Pick(Kind.NODEPORT, True, 2, False), tokens)
         kind = AFFINITY4_MAP_TYPE if family is IPFamily.IPV4 else AFFINITY6_MAP_TYPE
         specs.append(affinity_container("affinity-X", kind))
         for spec in specs:

@@ -20,7 +20,7 @@ import pytest
 from kubeproxy.backends.nftables import support
 from kubeproxy.backends.nftables.exec import LibNftables
 from kubeproxy.backends.nftables.fake import FakeNft
-from kubeproxy.backends.nftables.layout import DISPATCH_TREE, GenNames, fixed_chains
+from kubeproxy.backends.nftables.layout import Dispatch, GenNames, fixed_chains
 from kubeproxy.backends.nftables.objects import Family, NftError
 from kubeproxy.backends.nftables.support import (
     MIN_KERNEL,
@@ -72,7 +72,7 @@ def test_the_interval_probe_is_what_the_firewall_check_uses(ip_family: IPFamily)
     tokens = tokens_for(ip_family)
     names = GenNames(1)
     (spec,) = [
-        c for c in names.containers(tokens, DISPATCH_TREE) if c.name == "firewall-allow-tcp.g1"
+        c for c in names.containers(tokens, Dispatch.TREE) if c.name == "firewall-allow-tcp.g1"
     ]
     chains = fixed_chains(
         names, tokens, masquerade_mark=0x4000, match_all_nodeports=True, service_cidrs=()

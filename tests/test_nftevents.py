@@ -44,7 +44,7 @@ from kubeproxy.nftevents import (
     summarize,
 )
 from kubeproxy.objects import IPFamily
-from kubeproxy.selfheal import ExternalChange
+from kubeproxy.selfheal import ChangeKind, ExternalChange
 from tests.nft_event_payloads import STEPS
 
 V4, V6 = IPFamily.IPV4, IPFamily.IPV6
@@ -351,7 +351,7 @@ def test_summarize_names_few_objects_and_counts_all() -> None:
     commit = Commit(7, 100, 1234, "nft", counts)
     (change,) = summarize(commit, {"ip": V4})
     assert change == ExternalChange(
-        "rule",
+        ChangeKind.RULE,
         "table ip kube-proxy: 10 rules deleted (in chain0, chain1, chain2 and 2 more); "
         "1 element added (to service-ips), by nft (pid 1234) (generation 7)",
         V4,

@@ -36,6 +36,7 @@ from kubeproxy.proxier import Proxier
 from kubeproxy.selfheal import (
     DETAILS_PER_REPAIR,
     KEPT_REPAIRS,
+    ChangeKind,
     ExternalChange,
     PeriodicCheck,
     SelfHealer,
@@ -109,7 +110,9 @@ def test_a_report_asks_for_a_full_sync_and_says_what_was_found(
     proxier, backend = pairs[V4]
     assert proxier.sync_now() and not backend.last.full  # nothing pending: partial
     with caplog.at_level(logging.INFO, logger="kubeproxy.selfheal"):
-        healer.report(ExternalChange("element", "1 element deleted (from service-ips)", V4))
+        healer.report(
+            ExternalChange(ChangeKind.ELEMENT, "1 element deleted (from service-ips)", V4)
+        )
     (line,) = caplog.records
     assert line.levelno == logging.WARNING
     assert line.getMessage() == (
@@ -133,9 +136,9 @@ def test_the_first_full_sync_begun_after_the_reports_ends_the_repair(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     healer, _, _, _, state, clock = healer_with(V4)
-    healer.report(ExternalChange("table", "table deleted", V4))
+    healer.report(ExternalChange(ChangeKind.TABLE, "table deleted", V4))
     clock.t += 0.5
-    healer.report(ExternalChange("rule", "rules deleted", V4))
+    healer.report(ExternalChange(ChangeKind.RULE, "rules deleted", V4))
     clock.t += 0.25
     healer.sync_finished(V4, False, 0.1, None, (1, 1))  # partial: repairs nothing
     healer.sync_finished(V4, True, 0.1, SyncError("refused"), (1, 1))  # failed
@@ -167,8 +170,8 @@ def test_recent_repairs_show_what_was_found_how_long_it_took_and_keep_a_bounded_
     healer.wall_clock = lambda: clock.t + 1_700_000_000.0
     assert healer.recent_repairs() == []
     for n in range(DETAILS_PER_REPAIR + 2):
-        healer.report(ExternalChange("element", f"element {n} deleted", V4))
-    healer.report(ExternalChange("table", "table deleted", V4))
+        healer.report(ExternalChange(ChangeKind.ELEMENT, f"element {n} deleted", V4))
+    healer.report(ExternalChange(ChangeKind.TABLE, "table deleted", V4))
     clock.t += 0.5
     healer.sync_finished(V4, True, 0.1, SyncError("refused"), (1, 1))
     (going,) = healer.recent_repairs()
@@ -185,10 +188,10 @@ def test_recent_repairs_show_what_was_found_how_long_it_took_and_keep_a_bounded_
     assert done["failed_syncs"] == 1 and done["kinds"] == ["element", "table"]
     # The ring keeps the newest KEPT_REPAIRS, newest first, and a repair under way before.
     for n in range(KEPT_REPAIRS + 3):
-        healer.report(ExternalChange("rule", f"repair {n}", V4))
+        healer.report(ExternalChange(ChangeKind.RULE, f"repair {n}", V4))
         clock.t += 20.0  # out of the streak: repaired at once
         healer.sync_finished(V4, True, 1.0, None, (1, 1))
-    healer.report(ExternalChange("chain", "chain deleted", V4))
+    healer.report(ExternalChange(ChangeKind.CHAIN, "chain deleted", V4))
     kept = healer.recent_repairs()
     assert len(kept) == KEPT_REPAIRS + 1
     assert kept[0]["outcome"] == "under way" and kept[0]["details"] == ["chain deleted"]
@@ -201,7 +204,7 @@ def test_recent_repairs_show_what_was_found_how_long_it_took_and_keep_a_bounded_
 
 def test_a_change_of_no_family_concerns_every_family() -> None:
     healer, pairs, counter, _, _, _ = healer_with(V4, V6)
-    healer.report(ExternalChange("missed-events", "events lost"))
+    healer.report(ExternalChange(ChangeKind.MISSED, "events lost"))
     assert counter.counted == [(V4, "missed-events"), (V6, "missed-events")]
     for proxier, backend in pairs.values():
         assert proxier.sync_now() and backend.last.full
@@ -209,17 +212,17 @@ def test_a_change_of_no_family_concerns_every_family() -> None:
 
 def test_a_change_of_a_family_we_do_not_proxy_is_ignored() -> None:
     healer, _, counter, events, _, _ = healer_with(V4)
-    healer.report(ExternalChange("table", "table ip6 kube-proxy deleted", V6))
+    healer.report(ExternalChange(ChangeKind.TABLE, "table ip6 kube-proxy deleted", V6))
     assert counter.counted == [] and events.events == [] and healer.repairing == frozenset()
 
 
 def test_events_are_posted_at_most_once_a_minute() -> None:
     healer, _, counter, events, _, clock = healer_with(V4)
     for _ in range(3):
-        healer.report(ExternalChange("table", "table deleted", V4))
+        healer.report(ExternalChange(ChangeKind.TABLE, "table deleted", V4))
         clock.t += 20
     clock.t += 10  # 70 s after the first
-    healer.report(ExternalChange("rule", "rules deleted", V4))
+    healer.report(ExternalChange(ChangeKind.RULE, "rules deleted", V4))
     assert len(counter.counted) == 4
     notes = [e.note for e in events.events]
     assert notes == [
@@ -260,7 +263,7 @@ def test_repairs_slow_down_when_someone_keeps_undoing_them(
             clock.t = when
             action()
             clock.t = start + t
-        healer.report(ExternalChange("rule", "rules deleted", V4))
+        healer.report(ExternalChange(ChangeKind.RULE, "rules deleted", V4))
 
     with caplog.at_level(logging.WARNING, logger="kubeproxy.selfheal"):
         # Another writer undoes our rules every second: five repairs at once, then
@@ -292,7 +295,7 @@ def test_a_failing_metric_or_event_never_stops_the_repair(
     broken: Any = Broken()
     healer = SelfHealer({V4: proxier}, counter=broken, events=broken)
     with caplog.at_level(logging.ERROR, logger="kubeproxy.selfheal"):
-        healer.report(ExternalChange("table", "gone", V4))
+        healer.report(ExternalChange(ChangeKind.TABLE, "gone", V4))
     assert len(caplog.records) == 2
     assert proxier.sync_now() and backend.last.full
 
@@ -359,7 +362,11 @@ def run_until(check: PeriodicCheck, host: WatchHost, done: Any) -> None:
 def test_a_periodic_check_reports_what_it_finds_while_syncs_are_held(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    outcomes: list[Any] = [[], RuntimeError("tool missing"), [ExternalChange("canary", "gone")]]
+    outcomes: list[Any] = [
+        [],
+        RuntimeError("tool missing"),
+        [ExternalChange(ChangeKind.CANARY, "gone")],
+    ]
     ready = iter([False, True, True, True])
 
     def check() -> list[ExternalChange]:
@@ -384,7 +391,7 @@ def test_a_periodic_check_waits_while_its_family_is_repaired() -> None:
 
     def check() -> list[ExternalChange]:
         calls.append(time.monotonic())
-        return [ExternalChange("canary", "gone", V4)]
+        return [ExternalChange(ChangeKind.CANARY, "gone", V4)]
 
     host = Host()
     host.repairing = frozenset({V4})  # another watcher reported it: being repaired
@@ -482,7 +489,7 @@ class ReportingWatcher:
     def run(self, stop: threading.Event, host: WatchHost) -> None:
         while self.after == 0 and not stop.wait(0.01):
             pass
-        host.report(ExternalChange("table", "table ip kube-proxy: 1 table deleted", V4))
+        host.report(ExternalChange(ChangeKind.TABLE, "table ip kube-proxy: 1 table deleted", V4))
         stop.wait()
 
     def after_sync(self, proxier: Proxier, snapshot: ProxySnapshot, changes: SyncChanges) -> None:
@@ -534,7 +541,7 @@ def test_healthz_fails_from_the_report_until_the_repair() -> None:
     health = ProxyHealth(60.0)
     healer = SelfHealer({V4: proxier}, kernel_state=health)
     assert health.health().serving
-    healer.report(ExternalChange("table", "table ip kube-proxy: 1 table deleted", V4))
+    healer.report(ExternalChange(ChangeKind.TABLE, "table ip kube-proxy: 1 table deleted", V4))
     status = health.health()
     assert not status.serving
     body = json.loads(status.to_json(last_updated=None, node_eligible=True, with_faults=True))

@@ -14,7 +14,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from types import FrameType
-from typing import Final, Unpack
+from typing import Final
 
 from kubeproxy.backend import BackendFactory
 from kubeproxy.conntrack import FakeConntrack
@@ -24,7 +24,7 @@ from kubeproxy.daemon.events import LoggingEventSink
 from kubeproxy.daemon.options import DaemonOptions
 from kubeproxy.daemon.privileged import privileged_setup
 from kubeproxy.daemon.startup import build_daemon
-from kubeproxy.daemon.wiring import DaemonPlugins, DaemonSeams, LegacyRunKeywords, from_keywords
+from kubeproxy.daemon.wiring import DaemonPlugins, DaemonSeams
 
 __all__ = ["SIGNAL_POLL_S", "run_daemon"]
 
@@ -61,7 +61,6 @@ def run_daemon(
     *,
     plugins: DaemonPlugins | None = None,
     seams: DaemonSeams | None = None,
-    **legacy: Unpack[LegacyRunKeywords],
 ) -> int:
     """Run the proxy as ``options`` say; returns the process exit code.
 
@@ -76,11 +75,9 @@ def run_daemon(
     1; a stop before the start completed is 0. ``plugins`` and ``seams`` go to
     :func:`~kubeproxy.daemon.build_daemon`; SIGTERM and SIGINT set ``seams.stop``
     (default: a new event), as setting it from another thread does.
-
-    The keywords of old (``mode=``, ``name=``, ``netns=``...: :class:`LegacyRunKeywords`)
-    still work until 0.2, with a :class:`DeprecationWarning`.
     """
-    plugins, seams, serve_early = from_keywords("run_daemon", legacy, plugins, seams)
+    plugins = plugins or DaemonPlugins()
+    seams = seams or DaemonSeams()
     if options.init_only:
         privileged_setup(options, seams.paths)
         logger.info("System initialized and --init-only specified; exiting")
@@ -99,7 +96,7 @@ def run_daemon(
         )
     # A daemon answers /livez from its first second (and /healthz 503 until it synced),
     # however long reading a big cluster takes.
-    early = not one_shot if serve_early is None else serve_early
+    early = not one_shot
     stop = seams.stop if seams.stop is not None else threading.Event()
     seams = dataclasses.replace(seams, stop=stop)
     with _stopping_on_signals(stop):

@@ -20,7 +20,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Unpack, cast
+from typing import cast
 
 from kubeproxy.backend import Backend, BackendFactory
 from kubeproxy.config import ProxierConfig
@@ -52,7 +52,7 @@ from kubeproxy.daemon.sources import (
     open_api,
     open_manifests,
 )
-from kubeproxy.daemon.wiring import DaemonPlugins, DaemonSeams, LegacyKeywords, from_keywords
+from kubeproxy.daemon.wiring import DaemonPlugins, DaemonSeams
 from kubeproxy.debugpages import DebugState, core_pages
 from kubeproxy.events import (
     ACTION_START,
@@ -78,7 +78,6 @@ def build_daemon(
     plugins: DaemonPlugins | None = None,
     seams: DaemonSeams | None = None,
     serve_early: bool = False,
-    **legacy: Unpack[LegacyKeywords],
 ) -> Daemon:
     """Build the proxy for ``options``, up to the point where :meth:`Daemon.start` runs it.
 
@@ -92,12 +91,10 @@ def build_daemon(
     taken from the host and the process (executors, probes, timing, exit, stop).
     ``serve_early`` starts the health and metrics servers first of all (see the module).
     Raises :class:`~kubeproxy.daemon.errors.StartupError`.
-
-    The keywords of old (``mode=``, ``conntrack=``...: :class:`LegacyKeywords`) still
-    work until 0.2, with a :class:`DeprecationWarning`.
     """
-    plugins, seams, early = from_keywords("build_daemon", legacy, plugins, seams)
-    return _build(options, backend_factory, plugins, seams, serve_early or bool(early))
+    return _build(
+        options, backend_factory, plugins or DaemonPlugins(), seams or DaemonSeams(), serve_early
+    )
 
 
 def _build(

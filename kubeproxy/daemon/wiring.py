@@ -16,20 +16,13 @@ who sets them:
 
 The backend factory stays the one positional argument beside the options: every caller
 has one, and nothing else is needed to run a proxy.
-
-The old keyword form (``build_daemon(options, factory, mode=..., conntrack=...)``) is
-still accepted for one release (:class:`LegacyKeywords`, :func:`from_keywords`), with a
-:class:`DeprecationWarning`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final, TypedDict
 
 from kubeproxy.conntrack import ConntrackExecutor
 from kubeproxy.daemon.events import StartupWarning
@@ -48,9 +41,6 @@ __all__ = [
     "AfterFirstSync",
     "DaemonPlugins",
     "DaemonSeams",
-    "LegacyKeywords",
-    "LegacyRunKeywords",
-    "from_keywords",
 ]
 
 AfterFirstSync = Callable[[Mapping[IPFamily, Proxier], threading.Event], object]
@@ -123,73 +113,3 @@ class DaemonSeams:
     node_timeout: float = NODE_WAIT_TIMEOUT
     exit: Callable[[int], object] | None = None
     stop: threading.Event | None = None
-
-
-class LegacyKeywords(TypedDict, total=False):
-    """The deprecated keywords of :func:`~kubeproxy.daemon.build_daemon` (until 0.2): the
-    fields of :class:`DaemonPlugins` and :class:`DaemonSeams`."""
-
-    mode: str
-    name: str
-    backend_hooks: BackendHooks | None
-    watchers: WatcherFactory | None
-    startup_warnings: Sequence[StartupWarning]
-    before_first_sync: Callable[[], object] | None
-    api: object | None
-    netns: str | None
-    host_addresses: HostAddressLister | None
-    conntrack: ConntrackExecutor | None
-    events: EventSink | None
-    privileged: bool
-    paths: HostPaths | None
-    sysctl_files: SysctlFiles | None
-    ipv6_supported: bool | None
-    gc_ops: GcOps | None
-    tuning: SourceTuning | None
-    node_timeout: float
-    exit: Callable[[int], object] | None
-    stop: threading.Event | None
-
-
-class LegacyRunKeywords(LegacyKeywords, total=False):
-    """The deprecated keywords of :func:`~kubeproxy.daemon.run_daemon` (until 0.2): those
-    of :class:`LegacyKeywords` and ``serve_early``."""
-
-    serve_early: bool
-
-
-_PLUGIN_FIELDS: Final = frozenset(f.name for f in dataclasses.fields(DaemonPlugins))
-_SEAM_FIELDS: Final = frozenset(f.name for f in dataclasses.fields(DaemonSeams))
-
-
-def from_keywords(
-    function: str,
-    keywords: Mapping[str, object],
-    plugins: DaemonPlugins | None,
-    seams: DaemonSeams | None,
-) -> tuple[DaemonPlugins, DaemonSeams, bool | None]:
-    """``function``'s plug-ins, seams and ``serve_early`` (None: not given) from its
-    deprecated ``keywords``, after a :class:`DeprecationWarning`; the objects as given
-    (or their defaults) when there are none. Mixing both forms is a :class:`TypeError`.
-    """
-    if not keywords:
-        return plugins or DaemonPlugins(), seams or DaemonSeams(), None
-    if plugins is not None or seams is not None:
-        raise TypeError(f"{function}(): pass plugins= and seams=, or the old keywords, not both")
-    unknown = set(keywords) - _PLUGIN_FIELDS - _SEAM_FIELDS - {"serve_early"}
-    if unknown:
-        raise TypeError(f"{function}() got unexpected keyword arguments: {sorted(unknown)}")
-    warnings.warn(
-        f"{function}(options, factory, {', '.join(f'{k}=...' for k in keywords)}) is "
-        f"deprecated and goes in 0.2: pass plugins=DaemonPlugins(...) (mode, name, hooks, "
-        f"watchers, startup warnings, before_first_sync) and seams=DaemonSeams(...) "
-        f"(API client, netns, executors, host probes, timing, exit, stop)",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    # The objects' constructors type-check each value at run time no more than the old
-    # keywords did; mypy checks them against LegacyKeywords at the call.
-    built_plugins = DaemonPlugins(**{k: v for k, v in keywords.items() if k in _PLUGIN_FIELDS})  # type: ignore[arg-type]
-    built_seams = DaemonSeams(**{k: v for k, v in keywords.items() if k in _SEAM_FIELDS})  # type: ignore[arg-type]
-    serve_early = keywords.get("serve_early")
-    return built_plugins, built_seams, None if serve_early is None else bool(serve_early)

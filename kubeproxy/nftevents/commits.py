@@ -8,16 +8,7 @@ from typing import Final, Protocol
 
 from kubeproxy.nftevents.messages import Generation, ObjectChange
 from kubeproxy.objects import IPFamily
-from kubeproxy.selfheal import (
-    KIND_CHAIN,
-    KIND_ELEMENT,
-    KIND_OBJECT,
-    KIND_OTHER,
-    KIND_RULE,
-    KIND_SET,
-    KIND_TABLE,
-    ExternalChange,
-)
+from kubeproxy.selfheal import ChangeKind, ExternalChange
 
 __all__ = ["Commit", "CommitAssembler", "Interest", "ObjectKey", "summarize"]
 
@@ -96,13 +87,13 @@ class Interest(Protocol):
 
 
 _KIND_OF_OP: Final = {
-    "DELTABLE": KIND_TABLE,
-    "DELCHAIN": KIND_CHAIN,
-    "DELSET": KIND_SET,
-    "DELRULE": KIND_RULE,
-    "DELSETELEM": KIND_ELEMENT,
-    "DELOBJ": KIND_OBJECT,
-    "DELFLOWTABLE": KIND_OBJECT,
+    "DELTABLE": ChangeKind.TABLE,
+    "DELCHAIN": ChangeKind.CHAIN,
+    "DELSET": ChangeKind.SET,
+    "DELRULE": ChangeKind.RULE,
+    "DELSETELEM": ChangeKind.ELEMENT,
+    "DELOBJ": ChangeKind.OBJECT,
+    "DELFLOWTABLE": ChangeKind.OBJECT,
 }
 # How a summary names what an op did, in the order it lists them (most serious first).
 _PHRASES: Final = (
@@ -149,7 +140,7 @@ def summarize(commit: Commit, families: Mapping[str, IPFamily]) -> list[External
         ops = by_family[family]
         kind = next(
             (_KIND_OF_OP[op] for op, *_ in _PHRASES if op in ops and op in _KIND_OF_OP),
-            KIND_OTHER,
+            ChangeKind.OTHER,
         )
         parts = []
         for op, noun, verb, preposition in _PHRASES:

@@ -14,7 +14,7 @@ from kubeproxy.nftevents.commits import CommitAssembler, Interest
 from kubeproxy.nftevents.eventsocket import EventsLost, EventSocket, KernelFilter, read_generation
 from kubeproxy.nftevents.messages import Generation, parse_datagram
 from kubeproxy.nftevents.ownership import OwnWriters
-from kubeproxy.selfheal import KIND_MISSED, ExternalChange, WatchHost
+from kubeproxy.selfheal import ChangeKind, ExternalChange, WatchHost
 
 if TYPE_CHECKING:
     from kubeproxy.backend import ProxySnapshot, SyncChanges
@@ -189,7 +189,9 @@ class NftablesEventWatcher:
             "" if self._lost_logged else "; later losses are logged at debug level",
         )
         self._lost_logged = True
-        report(ExternalChange(KIND_MISSED, f"nf_tables events about {self.interest.what} lost"))
+        report(
+            ExternalChange(ChangeKind.MISSED, f"nf_tables events about {self.interest.what} lost")
+        )
 
     def _poll_generation(self, stop: threading.Event, host: WatchHost) -> None:
         # Read under the sync locks, so that a sync of ours is never half done when
@@ -210,7 +212,7 @@ class NftablesEventWatcher:
             if expected is not None and current != expected:
                 host.report(
                     ExternalChange(
-                        KIND_MISSED,
+                        ChangeKind.MISSED,
                         f"the ruleset changed (generation {expected} -> {current}) and "
                         f"nf_tables events cannot be had to tell whether {self.interest.what} "
                         "were touched",

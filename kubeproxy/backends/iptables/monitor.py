@@ -36,7 +36,7 @@ from kubeproxy.nftevents import (
     summarize,
 )
 from kubeproxy.objects import IPFamily
-from kubeproxy.selfheal import KIND_CANARY, ExternalChange, PeriodicCheck, Watcher
+from kubeproxy.selfheal import ChangeKind, ExternalChange, PeriodicCheck, Watcher
 
 __all__ = ["CANARY_INTERVAL", "OurChains", "canary_watcher", "event_watcher", "watchers"]
 
@@ -112,7 +112,7 @@ def canary_watcher(backend: IptablesBackend, interval: float = CANARY_INTERVAL) 
             f"{family} canary chain {CANARY} gone from {', '.join(missing)} (or flushed, in"
             " mangle): someone flushed those tables"
         )
-        return [ExternalChange(KIND_CANARY, detail, family)]
+        return [ExternalChange(ChangeKind.CANARY, detail, family)]
 
     return PeriodicCheck(f"iptables-canary-{family.value}", check, interval, family=family)
 

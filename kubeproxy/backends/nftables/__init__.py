@@ -17,12 +17,6 @@ Public API:
   :mod:`kubeproxy.selfheal`; see :mod:`~kubeproxy.backends.nftables.monitor`).
 
 The rule structure and its reasons are in this package's README.
-
-Deprecated: ``create_chain_backend`` and ``ChainNftablesBackend``, the previous,
-per-Service-chain structure, moved to the benchmarks (``bench.chain_structure`` in a source
-checkout), which measure it next to this one. Until the next release they are still found
-here, with a :class:`DeprecationWarning`, where ``bench`` can be imported; elsewhere
-(an installed package has no ``bench``) the :class:`AttributeError` names the new place.
 """
 
 from __future__ import annotations
@@ -30,17 +24,12 @@ from __future__ import annotations
 import errno
 import logging
 import time
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from kubeproxy.backends.nftables.backend import NftablesBackend
 from kubeproxy.backends.nftables.layout import AFFINITY_SHARED
-from kubeproxy.backends.nftables.localhost import (  # noqa: F401 (OBJECT_NAMES: importable here before)
-    KEPT_OBJECTS,
-    OBJECT_NAMES,
-    LocalhostNodePortsBackend,
-)
+from kubeproxy.backends.nftables.localhost import KEPT_OBJECTS, LocalhostNodePortsBackend
 from kubeproxy.backends.nftables.objects import Family, NftError
 from kubeproxy.backends.nftables.table import TABLE
 from kubeproxy.backends.nftables.transaction import Transaction
@@ -200,29 +189,3 @@ def watchers(backends: Sequence[Backend], netns: str | None = None) -> list[Watc
     from kubeproxy.backends.nftables import monitor
 
     return monitor.watchers([b.family for b in backends], netns)
-
-
-_MOVED_TO_BENCH = frozenset({"ChainNftablesBackend", "create_chain_backend"})
-"""Names this package had until the per-Service-chain structure moved to the benchmarks
-(issue 22); found through :func:`__getattr__` for one release."""
-
-if not TYPE_CHECKING:  # type checkers see the package's own names only
-
-    def __getattr__(name: str) -> object:
-        """A deprecated name of :data:`_MOVED_TO_BENCH`, from ``bench.chain_structure``."""
-        if name not in _MOVED_TO_BENCH:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        where = f"bench.chain_structure.{name}"
-        try:
-            import bench.chain_structure as moved
-        except ImportError:
-            raise AttributeError(
-                f"{__name__}.{name} moved to {where}, the benchmarks of a source checkout"
-                " (not part of the installed package)"
-            ) from None
-        warnings.warn(
-            f"{__name__}.{name} moved to {where}; this name goes in the next release",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(moved, name)

@@ -77,7 +77,6 @@ from kubeproxy.backends.nftables.layout import (
     AFFINITY_PINNED,
     AFFINITY_SHARED,
     AFFINITY_SHARED_IPV4,
-    DISPATCH_TREE,
     Dispatch,
     affinity_container,
     affinity_frontend_map,
@@ -196,7 +195,7 @@ class NftablesBackend:
         clock: Callable[[], float] = time.monotonic,
         elements_per_transaction: int = 10_000,
         support_check: bool = True,
-        dispatch: str = DISPATCH_TREE,
+        dispatch: str = Dispatch.TREE,
         kept: Iterable[TableObject | str] = (),
         element_names: bool = True,
         failure_dir: Path | None = None,
@@ -216,7 +215,7 @@ class NftablesBackend:
             self._dispatch = Dispatch(dispatch)
         except ValueError:
             raise ValueError(f"unknown class dispatch {dispatch!r}") from None
-        if precreate_counts < 0 or (precreate_counts and self._dispatch != DISPATCH_TREE):
+        if precreate_counts < 0 or (precreate_counts and self._dispatch != Dispatch.TREE):
             raise ValueError("precreate_counts needs the tree dispatch and a count >= 0")
         self._precreated = precreated_classes(precreate_counts)
         if packed_elements is None:
@@ -562,7 +561,7 @@ class NftablesBackend:
         for name in claims.skipped:
             plans.pop(name, None)
         self._last_ports = len(plans)
-        if self._dispatch == DISPATCH_TREE:
+        if self._dispatch == Dispatch.TREE:
             model.number_classes(plans.values(), self._precreated)
         try:
             ops = self._write_generation(plans)

@@ -26,8 +26,6 @@ from kubeproxy.backends.nftables.elements import (
 )
 from kubeproxy.backends.nftables.frontends import (
     AFFINITY_LOCAL_ENDPOINTS,
-    KIND_IP,
-    KIND_NODEPORT,
     ClassSpec,
     Frontend,
     Kind,
@@ -184,7 +182,7 @@ def diff_frontend(
     renamed = before is not None and new is not None and before.name != name
     if old_cls != new_cls or renamed:
         diff_class(sink, names, numbers, kind, key, old_cls, new_cls, name, renamed)
-    proto = key[1] if kind == KIND_IP else key[0]
+    proto = key[1] if kind == Kind.IP else key[0]
     main = diff_slots(
         sink,
         names,
@@ -253,13 +251,13 @@ def _add_canonical(
     """A frontend's elements in the affinity-canonical maps: its cluster IP (and, for a
     NodePort, its Service port; see :attr:`Frontend.canonical`)."""
     sink.add(names.affinity_canonical(kind), key, canonical[:1])
-    if kind == KIND_NODEPORT:
+    if kind == Kind.NODEPORT:
         sink.add(names.affinity_canonical_ports, key, canonical[1:])
 
 
 def _delete_canonical(sink: ElementSink, names: GenNames, kind: Kind, key: Key) -> None:
     sink.delete(names.affinity_canonical(kind), key)
-    if kind == KIND_NODEPORT:
+    if kind == Kind.NODEPORT:
         sink.delete(names.affinity_canonical_ports, key)
 
 
@@ -354,7 +352,7 @@ class FrontendWriter:
             sink.add(dispatch, key, comment=name)
             for member in members:
                 sink.add(member, key)
-        proto = key[1] if kind == KIND_IP else key[0]
+        proto = key[1] if kind == Kind.IP else key[0]
         if fe.endpoints:
             self._queue_slots(kind, False, proto, key, fe.endpoints)
         if fe.shortcut:

@@ -26,14 +26,10 @@ from typing import Any, Protocol
 from kubeproxy.backends.nftables.fake import FakeNft
 from kubeproxy.backends.nftables.frontends import (
     COMMENT_LIMIT,
-    KIND_IP,
-    KIND_NODEPORT,
-    SHAPE_EXTERNAL,
-    SHAPE_INTERNAL,
-    SHAPE_LOCAL,
     ClassSpec,
     Kind,
     NoEndpoint,
+    Shape,
     comment_names,
 )
 from kubeproxy.backends.nftables.layout import SLOT_PROTOCOLS, GenNames, generation_of
@@ -76,15 +72,15 @@ def parse_class(chain: str) -> ClassSpec | None:
     if found is None:
         return None
     head = found["head"]
-    kind = KIND_NODEPORT if head == "nodeport" else KIND_IP
+    kind = Kind.NODEPORT if head == "nodeport" else Kind.IP
     if found["local"]:
         if found["shortcut"] is None:
             return None
-        shape = SHAPE_LOCAL
+        shape = Shape.LOCAL
     else:
         if found["shortcut"] is not None:
             return None
-        shape = SHAPE_INTERNAL if head == "internal" else SHAPE_EXTERNAL
+        shape = Shape.INTERNAL if head == "internal" else Shape.EXTERNAL
     return ClassSpec(
         kind, shape, int(found["count"]), int(found["shortcut"] or 0), bool(found["affinity"])
     )
@@ -92,13 +88,13 @@ def parse_class(chain: str) -> ClassSpec | None:
 
 def describe_class(spec: ClassSpec, timeout_s: int | None = None) -> str:
     """A class in words: who is masqueraded, which endpoints are picked, affinity."""
-    where = "NodePort" if spec.kind == KIND_NODEPORT else "address"
-    if spec.shape == SHAPE_INTERNAL:
+    where = "NodePort" if spec.kind == Kind.NODEPORT else "address"
+    if spec.shape == Shape.INTERNAL:
         words = (
             f"cluster IP: {spec.count} endpoint(s), picked at random; masqueraded when the"
             " client is not a pod (the local-traffic detector)"
         )
-    elif spec.shape == SHAPE_EXTERNAL:
+    elif spec.shape == Shape.EXTERNAL:
         words = (
             f"external {where}, externalTrafficPolicy Cluster: {spec.count} endpoint(s),"
             " picked at random; always masqueraded"
@@ -160,7 +156,7 @@ class FrontendView:
     def address(self) -> str:
         """The frontend as an operator writes it: ``IP:port/proto`` or
         ``NodePort port/proto``."""
-        if self.kind == KIND_NODEPORT:
+        if self.kind == Kind.NODEPORT:
             return f"NodePort {self.key[1]}/{self.key[0]}"
         ip, proto, port = self.key
         return f"[{ip}]:{port}/{proto}" if ":" in ip else f"{ip}:{port}/{proto}"
@@ -394,7 +390,7 @@ class TableView:
         """The containers whose elements name their Service: (kind, container,
         no-endpoint verdict or None for the dispatch set)."""
         out: list[tuple[Kind, str, str | None]] = []
-        for kind in (KIND_IP, KIND_NODEPORT):
+        for kind in (Kind.IP, Kind.NODEPORT):
             out.append((kind, self.names.dispatch(kind), None))
             for verdict in NoEndpoint:
                 out.append((kind, self.names.no_endpoint(kind, verdict), str(verdict)))
@@ -429,9 +425,9 @@ class TableView:
         element in the dispatch or no-endpoint sets, else, when ``nodeport_address``
         (``dest`` is an address NodePorts answer on), the NodePort's. (kind, key,
         comment), or None."""
-        candidates: list[tuple[Kind, Key]] = [(KIND_IP, (dest, proto, str(port)))]
+        candidates: list[tuple[Kind, Key]] = [(Kind.IP, (dest, proto, str(port)))]
         if nodeport_address:
-            candidates.append((KIND_NODEPORT, (proto, str(port))))
+            candidates.append((Kind.NODEPORT, (proto, str(port))))
         for kind, key in candidates:
             for k, container, _verdict in self.named_containers():
                 if k == kind and (item := self.get(container, key)) is not None:
@@ -463,12 +459,12 @@ class TableView:
         names = self.names
         chain = self.class_chain(kind, key)
         spec = parse_class(chain) if chain else None
-        proto = key[1] if kind == KIND_IP else key[0]
+        proto = key[1] if kind == Kind.IP else key[0]
         main: tuple[str | None, ...] = ()
         shortcut: tuple[str | None, ...] = ()
         if spec is not None and proto in SLOT_PROTOCOLS:
             main = self._slots(names.slots(kind, False, proto, spec.count), key, spec.count)
-            if spec.shape == SHAPE_LOCAL and spec.shortcut:
+            if spec.shape == Shape.LOCAL and spec.shortcut:
                 shortcut = self._slots(
                     names.slots(kind, True, proto, spec.shortcut), key, spec.shortcut
                 )
@@ -488,12 +484,12 @@ class TableView:
             entry_kind, entry_key = kind, key
             cluster = self.get(names.affinity_canonical(kind), key)
             if cluster is not None and cluster.value:
-                port = key[2] if kind == KIND_IP else None
-                if kind == KIND_NODEPORT:
+                port = key[2] if kind == Kind.IP else None
+                if kind == Kind.NODEPORT:
                     service_port = self.get(names.affinity_canonical_ports, key)
                     port = service_port.value[0] if service_port and service_port.value else None
                 if port is not None:
-                    entry_kind, entry_key = KIND_IP, (cluster.value[0], proto, port)
+                    entry_kind, entry_key = Kind.IP, (cluster.value[0], proto, port)
             for shortcut_pick in (False, True):
                 held = self.get(names.affinity_lookup(entry_kind, shortcut_pick), entry_key)
                 if held is not None and len(held.value) == 2 and held.value[1]:
@@ -502,7 +498,7 @@ class TableView:
                         if len(rule.offsets) == 2:
                             for m in rule.lookups:
                                 pins.setdefault(m, set()).add(tuple(map(str, rule.offsets)))
-                        elif not rule.offsets and entry_kind == KIND_IP and ":" in entry_key[0]:
+                        elif not rule.offsets and entry_kind == Kind.IP and ":" in entry_key[0]:
                             # IPv6 keyed by hashes of its cluster-IP frontend.
                             hashed = affinity_frontend6_pin(entry_key)
                             for m in rule.lookups:
@@ -529,9 +525,9 @@ class TableView:
                     expires = None if item.expires_ms is None else item.expires_ms / 1000
                     endpoint = _endpoint(item.value) if len(item.value) == 2 else item.value[0]
                     entries.append(Affinity(client, endpoint, expires))
-        cluster_ip = kind == KIND_IP and self.get(Names.CLUSTER_IPS, key[:1]) is not None
+        cluster_ip = kind == Kind.IP and self.get(Names.CLUSTER_IPS, key[:1]) is not None
         addresses: tuple[str, ...] = ()
-        if kind == KIND_NODEPORT:
+        if kind == Kind.NODEPORT:
             addresses = self.nodeport_addresses()
         return FrontendView(
             kind=str(kind),
@@ -542,7 +538,7 @@ class TableView:
             endpoints=main,
             shortcut=shortcut,
             no_endpoint=no_endpoint,
-            source_ranges=kind == KIND_IP and self.get(names.firewall_ips, key) is not None,
+            source_ranges=kind == Kind.IP and self.get(names.firewall_ips, key) is not None,
             cluster_ip=cluster_ip,
             affinity_maps=tuple(maps),
             affinity_timeout_s=timeout,
@@ -554,7 +550,7 @@ class TableView:
         """The addresses NodePorts answer on: ``nodeport-ips`` when the ``services``
         chain's NodePort rule reads it, else :data:`EVERY_LOCAL_ADDRESS`
         (nodePortAddresses unset: ``fib daddr type local``)."""
-        dispatch = self.names.dispatch(KIND_NODEPORT)
+        dispatch = self.names.dispatch(Kind.NODEPORT)
         for rule in self.rules(Names.SERVICES):
             if dispatch in rule.lookups and Names.NODEPORT_IPS not in rule.lookups:
                 return (EVERY_LOCAL_ADDRESS,)

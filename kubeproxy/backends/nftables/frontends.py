@@ -69,13 +69,6 @@ from kubeproxy.objects import (
 __all__ = [
     "AFFINITY_LOCAL_ENDPOINTS",
     "AFFINITY_MAP_SIZE",
-    "DROP",
-    "KIND_IP",
-    "KIND_NODEPORT",
-    "REJECT",
-    "SHAPE_EXTERNAL",
-    "SHAPE_INTERNAL",
-    "SHAPE_LOCAL",
     "AffinityMap",
     "AffinityPin",
     "AffinityPlan",
@@ -137,23 +130,6 @@ class NoEndpoint(enum.StrEnum):
     # The string's own hash, in C, not Enum's Python call (as objects.Protocol): see Kind.
     __hash__ = str.__hash__
 
-
-# The names before the enums, kept for importers (the same values: a StrEnum member is
-# the string it stands for, so names and rules written to the kernel do not change).
-KIND_IP: Final = Kind.IP
-"""A frontend keyed by ``address . protocol . port`` (:attr:`Kind.IP`)."""
-KIND_NODEPORT: Final = Kind.NODEPORT
-"""A frontend keyed by ``protocol . port`` (:attr:`Kind.NODEPORT`)."""
-SHAPE_INTERNAL: Final = Shape.INTERNAL
-"""Cluster-IP traffic (:attr:`Shape.INTERNAL`)."""
-SHAPE_EXTERNAL: Final = Shape.EXTERNAL
-"""External traffic, externalTrafficPolicy Cluster (:attr:`Shape.EXTERNAL`)."""
-SHAPE_LOCAL: Final = Shape.LOCAL
-"""External traffic, externalTrafficPolicy Local (:attr:`Shape.LOCAL`)."""
-REJECT: Final = NoEndpoint.REJECT
-"""No endpoint anywhere (:attr:`NoEndpoint.REJECT`)."""
-DROP: Final = NoEndpoint.DROP
-"""Endpoints elsewhere only (:attr:`NoEndpoint.DROP`)."""
 
 AFFINITY_MAP_SIZE = 65535
 """Clients one affinity map holds (the kernel's bound for a set that rules update, see
@@ -764,7 +740,7 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
     cluster = _keys(eps.cluster) if port.uses_cluster_endpoints else ()
     local = _keys(eps.local) if port.uses_local_endpoints else ()
     internal = local if port.internal_policy_local else cluster
-    no_endpoint = DROP if eps.has_any else REJECT
+    no_endpoint = NoEndpoint.DROP if eps.has_any else NoEndpoint.REJECT
     cluster_key: Key = (cip, proto, port_text)
     affinity = None
     record = internal_lookup = by_frontend = None
@@ -783,9 +759,9 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
     if internal:
         frontends.append(
             Frontend(
-                KIND_IP,
+                Kind.IP,
                 cluster_key,
-                _class(KIND_IP, SHAPE_INTERNAL, len(internal), 0, sticky),
+                _class(Kind.IP, Shape.INTERNAL, len(internal), 0, sticky),
                 internal,
                 lookup=affinity.lookup(internal_list) if affinity else internal_lookup,
                 record=record,
@@ -793,31 +769,31 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
             )
         )
     else:
-        frontends.append(Frontend(KIND_IP, cluster_key, None, no_endpoint=no_endpoint, name=name))
+        frontends.append(Frontend(Kind.IP, cluster_key, None, no_endpoint=no_endpoint, name=name))
 
     external_keys: list[tuple[Kind, Key]] = []
     for ext in (*port.external_ips, *port.load_balancer_vips):
         key: Key = (str(ext), proto, port_text)
         if key not in claims:
             claims.append(key)
-            external_keys.append((KIND_IP, key))
+            external_keys.append((Kind.IP, key))
     if port.node_port:
         node_key: Key = (proto, _port_text(port.node_port))
         claims.append(node_key)
-        external_keys.append((KIND_NODEPORT, node_key))
+        external_keys.append((Kind.NODEPORT, node_key))
 
     if external_keys:
         if port.external_policy_local:
             main, shortcut = local, cluster
-            shape = SHAPE_LOCAL
+            shape = Shape.LOCAL
             served = eps.has_any and bool(local or cluster)
         else:
             main, shortcut = cluster, ()
-            shape = SHAPE_EXTERNAL
+            shape = Shape.EXTERNAL
             served = bool(cluster)
         lookup = shortcut_lookup = None
         if affinity is not None and served:
-            main_list = _LOCAL_LIST if shape == SHAPE_LOCAL else _CLUSTER_LIST
+            main_list = _LOCAL_LIST if shape == Shape.LOCAL else _CLUSTER_LIST
             lookup = affinity.lookup(main_list) if main else None
             shortcut_lookup = affinity.lookup(_CLUSTER_LIST) if shortcut else None
         for kind, key in external_keys:
@@ -828,7 +804,7 @@ def plan_port(ctx: RenderContext, port: ServicePort, eps: CategorizedEndpoints) 
                 if by_frontend is not None:
                     # The cluster IP's entry, read through the canonical maps (no lookup
                     # element of its own) and written by the address kind's record chain.
-                    if kind == KIND_IP:
+                    if kind == Kind.IP:
                         canonical, fe_record = (cip,), by_frontend.record_other
                     else:
                         canonical, fe_record = (cip, port_text), by_frontend.record_nodeport

@@ -29,8 +29,6 @@ from typing import Any
 
 from kubeproxy.backends.nftables.frontends import (
     AFFINITY_LOCAL_ENDPOINTS,
-    KIND_IP,
-    KIND_NODEPORT,
     AffinityPlan,
     ClassSpec,
     Frontend,
@@ -38,7 +36,6 @@ from kubeproxy.backends.nftables.frontends import (
     PortPlan,
 )
 from kubeproxy.backends.nftables.layout import (
-    DISPATCH_TREE,
     NODEPORT_FRONTENDS,
     SERVICE_FRONTENDS,
     Dispatch,
@@ -86,7 +83,7 @@ __all__ = [
     "count_out",
 ]
 
-KINDS: tuple[Kind, ...] = (KIND_IP, KIND_NODEPORT)
+KINDS: tuple[Kind, ...] = (Kind.IP, Kind.NODEPORT)
 """Every frontend kind, in the order their containers and chains are written."""
 
 ElementTypes = dict[str, tuple[tuple[str, ...], tuple[str, ...]]]
@@ -274,7 +271,7 @@ class Generation:
     @property
     def numbered(self) -> dict[ClassSpec, int] | None:
         """The class numbers (tree dispatch), None with one rule per class."""
-        return self.numbers if self.dispatch == DISPATCH_TREE else None
+        return self.numbers if self.dispatch == Dispatch.TREE else None
 
     # Containers and chains ----------------------------------------------------------------
 
@@ -373,7 +370,7 @@ class Generation:
         """Queue one class the generation lacks: its picks and their slot maps, its chain,
         and its number (tree dispatch) or its rule (see :meth:`add_structure`)."""
         names, tokens = self.names, self.tokens
-        tree = self.dispatch == DISPATCH_TREE
+        tree = self.dispatch == Dispatch.TREE
         for pick in picks_of(cls):
             if pick not in self.picks:
                 for spec in names.slot_maps(pick, tokens):
@@ -393,7 +390,7 @@ class Generation:
                 self._new_number(tx, cls)
             return
         self.declare(tx, names.class_set(cls, tokens))
-        frontends = SERVICE_FRONTENDS if cls.kind == KIND_IP else NODEPORT_FRONTENDS
+        frontends = SERVICE_FRONTENDS if cls.kind == Kind.IP else NODEPORT_FRONTENDS
         if live:
             tx.add_rule(frontends, class_rule(names, cls, tokens))
         self.classes.append(cls)
@@ -423,7 +420,7 @@ class Generation:
         """Queue the dispatch-tree chains that are new or changed: new chains first
         (a parent's rules go to them), then their rules. Only the chains on the paths of
         numbers handed out since the last call can change (:func:`tree_chains`)."""
-        if self.dispatch != DISPATCH_TREE:
+        if self.dispatch != Dispatch.TREE:
             return
         wanted: dict[str, tuple[str, ...]] = {}
         for kind in KINDS:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 from kubeproxy.backends.nftables.exec import NftExecutor
-from kubeproxy.backends.nftables.frontends import KIND_IP, KIND_NODEPORT
+from kubeproxy.backends.nftables.frontends import Kind
 from kubeproxy.backends.nftables.layout import (
     CLASS_NAME,
     SLOT_PROTOCOLS,
@@ -66,8 +66,8 @@ def slots_of(executor: NftExecutor, family: Family, key: Key) -> list[tuple[str,
     gen = current_generation(executor, family)
     if gen is None:
         return []
-    kind = KIND_IP if len(key) == 3 else KIND_NODEPORT
-    proto = key[1] if kind == KIND_IP else key[0]
+    kind = Kind.IP if len(key) == 3 else Kind.NODEPORT
+    proto = key[1] if kind == Kind.IP else key[0]
     if proto not in SLOT_PROTOCOLS:
         return []
     # The frontend's slots are in the map of its count's bucket: look in each.

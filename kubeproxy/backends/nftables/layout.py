@@ -27,7 +27,7 @@ start, :func:`precreated_classes`). The tree's gotos count towards the kernel's
 order of fewer set bits, never more than :data:`MAX_CLASS_BITS` of them.
 The previous dispatch (one rule per class in ``service-frontends``, every rule a lookup
 for a connection to the last class or to no Service) stays selectable for the
-benchmarks as :data:`DISPATCH_RULES`.
+benchmarks as :attr:`Dispatch.RULES`.
 
 A full sync builds a new generation beside the current one, then switches the fixed
 chains to it in one transaction (see :mod:`~kubeproxy.backends.nftables.backend`); an
@@ -43,20 +43,14 @@ import itertools
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Final
 
 from kubeproxy.backends.nftables.elements import supports
 from kubeproxy.backends.nftables.frontends import (
     AFFINITY_LOCAL_ENDPOINTS,
-    KIND_IP,
-    KIND_NODEPORT,
-    REJECT,
-    SHAPE_EXTERNAL,
-    SHAPE_INTERNAL,
-    SHAPE_LOCAL,
     ClassSpec,
     Kind,
     NoEndpoint,
+    Shape,
 )
 from kubeproxy.backends.nftables.table import (
     AFFINITY_FIND,
@@ -83,8 +77,6 @@ __all__ = [
     "AFFINITY_SHARED",
     "AFFINITY_SHARED_IPV4",
     "CLASS_NAME",
-    "DISPATCH_RULES",
-    "DISPATCH_TREE",
     "FIREWALL_PROTOCOLS",
     "MAX_CLASS_BITS",
     "Dispatch",
@@ -123,10 +115,6 @@ class Dispatch(enum.StrEnum):
     """One rule per class (the structure before issue 19, for benchmarks)."""
 
 
-DISPATCH_TREE: Final = Dispatch.TREE
-"""Class dispatch by a decision tree over class-number bit sets (the default)."""
-DISPATCH_RULES: Final = Dispatch.RULES
-"""Class dispatch by one rule per class (the structure before issue 19, for benchmarks)."""
 MAX_CLASS_BITS = 8
 """Most set bits a class number may have: each is one goto deeper in the tree, and the
 kernel refuses paths of 16 levels (base chain, ``services``, the tree, the class, its pick,
@@ -196,7 +184,7 @@ def picks_of(cls: ClassSpec) -> tuple[Pick, ...]:
     picks = []
     if cls.count:
         picks.append(Pick(cls.kind, False, cls.count, cls.affinity))
-    if cls.shape == SHAPE_LOCAL and cls.shortcut:
+    if cls.shape == Shape.LOCAL and cls.shortcut:
         picks.append(Pick(cls.kind, True, cls.shortcut, cls.affinity))
     return tuple(picks)
 
@@ -234,7 +222,7 @@ class GenNames:
         found = self._memo.get(memo)
         if found is not None:
             return found
-        head = "endpoints" if kind == KIND_IP else "nodeport-endpoints"
+        head = "endpoints" if kind == Kind.IP else "nodeport-endpoints"
         if shortcut:
             head = f"shortcut-{head}"
         name = self._memo[memo] = f"{head}-{proto}-b{bucket}{self.suffix}"
@@ -258,9 +246,11 @@ class GenNames:
 
     def no_endpoint(self, kind: Kind, verdict: NoEndpoint) -> str:
         """The set of ``kind`` frontends without endpoints whose packets get ``verdict``."""
-        if kind == KIND_IP:
-            return self.no_endpoint_reject if verdict == REJECT else self.no_endpoint_drop
-        if verdict == REJECT:
+        if kind == Kind.IP:
+            return (
+                self.no_endpoint_reject if verdict == NoEndpoint.REJECT else self.no_endpoint_drop
+            )
+        if verdict == NoEndpoint.REJECT:
             return self.no_endpoint_nodeports_reject
         return self.no_endpoint_nodeports_drop
 
@@ -270,12 +260,12 @@ class GenNames:
         found = self._memo.get(memo)
         if found is not None:
             return found
-        if spec.kind == KIND_IP:
-            head = "internal" if spec.shape == SHAPE_INTERNAL else "external"
+        if spec.kind == Kind.IP:
+            head = "internal" if spec.shape == Shape.INTERNAL else "external"
         else:
             head = "nodeport"
         name = f"{head}-{spec.count}"
-        if spec.shape == SHAPE_LOCAL:
+        if spec.shape == Shape.LOCAL:
             name = f"{head}-local-{spec.count}-{spec.shortcut}"
         if spec.affinity:
             name += "-affinity"
@@ -284,7 +274,7 @@ class GenNames:
 
     def pick(self, pick: Pick) -> str:
         """The chain of one pick."""
-        head = "pick" if pick.kind == KIND_IP else "pick-nodeport"
+        head = "pick" if pick.kind == Kind.IP else "pick-nodeport"
         if pick.shortcut:
             head += "-shortcut"
         name = f"{head}-{pick.count}"
@@ -363,7 +353,7 @@ class GenNames:
             ),
             ContainerSpec(self.hairpin, False, f"{addr} . {addr}"),
         ]
-        for kind in (KIND_IP, KIND_NODEPORT):
+        for kind in (Kind.IP, Kind.NODEPORT):
             key_type = _key_type(kind, tokens)
             # Both dispatches keep it: affinity-record reads it too.
             specs.append(ContainerSpec(self.dispatch(kind), False, key_type))
@@ -374,7 +364,7 @@ class GenNames:
             ):
                 specs.append(ContainerSpec(name, True, f"{key_type} : verdict"))
             specs.append(ContainerSpec(self.affinity_canonical(kind), True, f"{key_type} : {addr}"))
-        nodeport_key = _key_type(KIND_NODEPORT, tokens)
+        nodeport_key = _key_type(Kind.NODEPORT, tokens)
         specs.append(
             ContainerSpec(self.affinity_canonical_ports, True, f"{nodeport_key} : inet_service")
         )
@@ -389,7 +379,7 @@ class GenNames:
         return ContainerSpec(self.class_bit(kind, bit), False, _key_type(kind, tokens))
 
 
-_PLURAL = {KIND_IP: "ips", KIND_NODEPORT: "nodeports"}
+_PLURAL = {Kind.IP: "ips", Kind.NODEPORT: "nodeports"}
 
 
 def slot_bucket(count: int) -> int:
@@ -420,9 +410,9 @@ def precreated_classes(bound: int) -> tuple[ClassSpec, ...]:
         ClassSpec(kind, shape, count)
         for count in range(1, bound + 1)
         for kind, shape in (
-            (KIND_IP, SHAPE_INTERNAL),
-            (KIND_IP, SHAPE_EXTERNAL),
-            (KIND_NODEPORT, SHAPE_EXTERNAL),
+            (Kind.IP, Shape.INTERNAL),
+            (Kind.IP, Shape.EXTERNAL),
+            (Kind.NODEPORT, Shape.EXTERNAL),
         )
     )
 
@@ -543,13 +533,13 @@ def _tree_rules(
 
 
 def _key_type(kind: Kind, tokens: FamilyTokens) -> str:
-    if kind == KIND_IP:
+    if kind == Kind.IP:
         return f"{tokens.addr_type} . inet_proto . inet_service"
     return "inet_proto . inet_service"
 
 
 def _frontend(kind: Kind, tokens: FamilyTokens) -> str:
-    if kind == KIND_IP:
+    if kind == Kind.IP:
         return f"{tokens.table_family} daddr . meta l4proto . th dport"
     return "meta l4proto . th dport"
 
@@ -623,11 +613,11 @@ def class_chain(names: GenNames, spec: ClassSpec, ctx: RenderContext) -> FixedCh
     masq = f"jump {Names.MARK_FOR_MASQUERADE}"
     main = Pick(spec.kind, False, spec.count, spec.affinity)
     rules: list[str] = []
-    if spec.shape == SHAPE_INTERNAL:
+    if spec.shape == Shape.INTERNAL:
         if ctx.masquerade_match is not None:
             rules.append(f"{ctx.masquerade_match} {masq}".strip())
         rules.append(f"goto {names.pick(main)}")
-    elif spec.shape == SHAPE_LOCAL:
+    elif spec.shape == Shape.LOCAL:
         if spec.shortcut:
             short = names.pick(Pick(spec.kind, True, spec.shortcut, spec.affinity))
             if ctx.local_match is not None:
@@ -664,14 +654,14 @@ def affinity_dispatch_chains(names: GenNames, tokens: FamilyTokens) -> dict[str,
     chains: dict[str, tuple[str, ...]] = {}
     ip = tokens.table_family
     ip_lookup = (
-        f"{ip} daddr . meta l4proto . th dport vmap @{names.affinity_lookup(KIND_IP, False)}"
+        f"{ip} daddr . meta l4proto . th dport vmap @{names.affinity_lookup(Kind.IP, False)}"
     )
-    chains[names.affinity_canonical_lookup(KIND_IP)] = (
+    chains[names.affinity_canonical_lookup(Kind.IP)] = (
         ip_lookup,
         f"{ip} daddr set ct original {ip} daddr",
     )
     nodeport = "meta l4proto . th dport"
-    chains[names.affinity_canonical_lookup(KIND_NODEPORT)] = (
+    chains[names.affinity_canonical_lookup(Kind.NODEPORT)] = (
         *(
             f"{proto} dport set {nodeport} map @{names.affinity_canonical_ports}"
             for proto in AFFINITY_PROTOCOLS
@@ -683,12 +673,12 @@ def affinity_dispatch_chains(names: GenNames, tokens: FamilyTokens) -> dict[str,
             for proto in AFFINITY_PROTOCOLS
         ),
     )
-    for kind in (KIND_IP, KIND_NODEPORT):
+    for kind in (Kind.IP, Kind.NODEPORT):
         for shortcut in (False, True):
             name = names.affinity_lookup(kind, shortcut)
             rules = [f"{_frontend(kind, tokens)} vmap @{name}"]
             if not shortcut:
-                guard = "" if kind == KIND_IP else f"{_L4} "
+                guard = "" if kind == Kind.IP else f"{_L4} "
                 rules.append(
                     f"{guard}{ip} daddr set {_frontend(kind, tokens)} map "
                     f"@{names.affinity_canonical(kind)} "
@@ -709,16 +699,16 @@ def _canonical_record_chains(names: GenNames, ip: str) -> dict[str, tuple[str, .
     original = "meta l4proto . ct original proto-dst"
     frontend = f"ct original {ip} daddr . {original}"
     return {
-        names.affinity_canonical_record(KIND_IP): (
-            f"{_L4} {frontend} vmap @{names.affinity_record(KIND_IP)}",
+        names.affinity_canonical_record(Kind.IP): (
+            f"{_L4} {frontend} vmap @{names.affinity_record(Kind.IP)}",
             f"{ip} daddr set ct reply {ip} saddr accept",
         ),
-        names.affinity_canonical_record(KIND_NODEPORT): (
+        names.affinity_canonical_record(Kind.NODEPORT): (
             *(
                 f"{proto} dport set {original} map @{names.affinity_canonical_ports}"
                 for proto in AFFINITY_PROTOCOLS
             ),
-            f"{_L4} {original} vmap @{names.affinity_record(KIND_NODEPORT)}",
+            f"{_L4} {original} vmap @{names.affinity_record(Kind.NODEPORT)}",
             *(
                 f"meta l4proto {proto} {ip} daddr set ct reply {ip} saddr "
                 f"{proto} dport set ct reply proto-src accept"
@@ -756,8 +746,8 @@ def _affinity_record_chains(
         guard = f"ct original {ip} daddr @{Names.NODEPORT_IPS}"
     # A connection to a Service IP with no affinity may have the port of a NodePort with
     # one: only a destination no Service IP dispatches went through the NodePorts.
-    not_ip = f"{frontend} != @{names.dispatch(KIND_IP)}"
-    ips, nodeports = names.affinity_record(KIND_IP), names.affinity_record(KIND_NODEPORT)
+    not_ip = f"{frontend} != @{names.dispatch(Kind.IP)}"
+    ips, nodeports = names.affinity_record(Kind.IP), names.affinity_record(Kind.NODEPORT)
     find = [f"{_L4} {frontend} vmap @{ips}", f"{guard} {_L4} {not_ip} {original} vmap @{nodeports}"]
     if counted:
         # An address other than its port's cluster IP, whose entries are the cluster
@@ -765,14 +755,14 @@ def _affinity_record_chains(
         # read (first: its element's record chain keys the entry by the packet).
         find.insert(
             0,
-            f"{_L4} {ip} daddr set {frontend} map @{names.affinity_canonical(KIND_IP)} "
-            f"goto {names.affinity_canonical_record(KIND_IP)}",
+            f"{_L4} {ip} daddr set {frontend} map @{names.affinity_canonical(Kind.IP)} "
+            f"goto {names.affinity_canonical_record(Kind.IP)}",
         )
         find.insert(
             2,
             f"{guard} {_L4} {not_ip} {ip} daddr set {original} map "
-            f"@{names.affinity_canonical(KIND_NODEPORT)} "
-            f"goto {names.affinity_canonical_record(KIND_NODEPORT)}",
+            f"@{names.affinity_canonical(Kind.NODEPORT)} "
+            f"goto {names.affinity_canonical_record(Kind.NODEPORT)}",
         )
     record = [f"jump {AFFINITY_FIND}"]
     if counted:
@@ -815,7 +805,7 @@ AFFINITY_FULL_COMMENT = "not recorded"
 
 def fixed_chain_names(dispatch: Dispatch) -> tuple[str, ...]:
     """The chains outside generations for a dispatch, in creation order."""
-    if dispatch == DISPATCH_TREE:
+    if dispatch == Dispatch.TREE:
         return tuple(n for n in FIXED_CHAINS if n not in (SERVICE_FRONTENDS, NODEPORT_FRONTENDS))
     return FIXED_CHAINS
 
@@ -919,7 +909,7 @@ def fixed_chains(
     masquerade_mark: int,
     match_all_nodeports: bool,
     service_cidrs: Iterable[str],
-    dispatch: Dispatch = DISPATCH_TREE,
+    dispatch: Dispatch = Dispatch.TREE,
     classes: Iterable[ClassSpec] = (),
     shared_affinity: bool = True,
 ) -> tuple[FixedChain, ...]:
@@ -942,18 +932,18 @@ def fixed_chains(
 
     record = (f"ct state new ct status dnat jump {AFFINITY_RECORD}",)
     frontend_chains: tuple[FixedChain, ...] = ()
-    if dispatch == DISPATCH_TREE:
+    if dispatch == Dispatch.TREE:
         services = [
-            f"{lookup} @{names.dispatch(KIND_IP)} goto {names.tree(KIND_IP, 0)}",
-            f"{guard} meta l4proto . th dport @{names.dispatch(KIND_NODEPORT)} "
-            f"goto {names.tree(KIND_NODEPORT, 0)}",
+            f"{lookup} @{names.dispatch(Kind.IP)} goto {names.tree(Kind.IP, 0)}",
+            f"{guard} meta l4proto . th dport @{names.dispatch(Kind.NODEPORT)} "
+            f"goto {names.tree(Kind.NODEPORT, 0)}",
         ]
     else:
         services = [f"jump {SERVICE_FRONTENDS}", f"{guard} jump {NODEPORT_FRONTENDS}"]
         ip_classes: list[str] = []
         nodeports: list[str] = []
         for spec in classes:
-            target = ip_classes if spec.kind == KIND_IP else nodeports
+            target = ip_classes if spec.kind == Kind.IP else nodeports
             target.append(class_rule(names, spec, tokens))
         frontend_chains = (
             FixedChain(SERVICE_FRONTENDS, tuple(ip_classes)),

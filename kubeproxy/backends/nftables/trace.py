@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import kubeproxy.nlmsg as nlmsg
 from kubeproxy.backends.nftables.explain import FrontendView, TableView
-from kubeproxy.backends.nftables.frontends import KIND_IP, KIND_NODEPORT, Kind, NoEndpoint
+from kubeproxy.backends.nftables.frontends import Kind, NoEndpoint
 from kubeproxy.backends.nftables.reader import RuleRefs
 from kubeproxy.backends.nftables.table import Names
 from kubeproxy.objects import IPAddress
@@ -152,12 +152,12 @@ def _dispatched(
     view: TableView, dest: IPAddress, port: int, proto: str, local: Sequence[IPAddress]
 ) -> tuple[Kind, tuple[str, ...]] | None:
     ip_key = (str(dest), proto, str(port))
-    if view.get(view.names.dispatch(KIND_IP), ip_key) is not None:
-        return KIND_IP, ip_key
+    if view.get(view.names.dispatch(Kind.IP), ip_key) is not None:
+        return Kind.IP, ip_key
     np_key = (proto, str(port))
-    dispatched = view.get(view.names.dispatch(KIND_NODEPORT), np_key) is not None
+    dispatched = view.get(view.names.dispatch(Kind.NODEPORT), np_key) is not None
     if dispatched and view.answers_nodeports(dest, local):
-        return KIND_NODEPORT, np_key
+        return Kind.NODEPORT, np_key
     return None
 
 
@@ -243,9 +243,9 @@ def _not_dispatched(
     steps: list[str],
 ) -> Trace:
     names = view.names
-    keys: list[tuple[Kind, tuple[str, ...]]] = [(KIND_IP, (str(dest), proto, str(port)))]
+    keys: list[tuple[Kind, tuple[str, ...]]] = [(Kind.IP, (str(dest), proto, str(port)))]
     if view.answers_nodeports(dest, local):
-        keys.append((KIND_NODEPORT, (proto, str(port))))
+        keys.append((Kind.NODEPORT, (proto, str(port))))
     for kind, fkey in keys:
         for verdict in (NoEndpoint.REJECT, NoEndpoint.DROP):
             held = view.get(names.no_endpoint(kind, verdict), fkey)

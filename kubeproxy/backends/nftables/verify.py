@@ -49,7 +49,7 @@ from kubeproxy.backends.nftables.explain import (
     parse_class,
 )
 from kubeproxy.backends.nftables.fake import FakeNft
-from kubeproxy.backends.nftables.frontends import KIND_IP, KIND_NODEPORT, Kind
+from kubeproxy.backends.nftables.frontends import Kind
 from kubeproxy.backends.nftables.layout import SLOT_PROTOCOLS, generation_of
 from kubeproxy.backends.nftables.objects import Family, NftError
 from kubeproxy.backends.nftables.reader import Item, RuleRefs, TableReader
@@ -218,7 +218,7 @@ _SHOWN: Final = 5
 """Elements named in one line about a set outside the frontends (the rest counted)."""
 _TREE: Final = re.compile(r"dispatch-(ips|nodeports)-([0-9]+)\.g[0-9]+")
 _BIT: Final = re.compile(r"class-bit-(ips|nodeports)-([0-9]+)\.g[0-9]+")
-_KINDS: Final = {"ips": KIND_IP, "nodeports": KIND_NODEPORT}
+_KINDS: Final = {"ips": Kind.IP, "nodeports": Kind.NODEPORT}
 _OUTSIDE_FRONTENDS: Final = ("hairpin-endpoints.g",)
 """Containers of a generation whose elements are not keyed by a frontend."""
 _NOT_COMPARED: Final = ("firewall-allow-",)
@@ -314,8 +314,8 @@ def _stem(name: str) -> str:
 def _frontend_of(key: Key) -> Frontend:
     """The frontend an element of a frontend-keyed container belongs to."""
     if key[0] in SLOT_PROTOCOLS:
-        return KIND_NODEPORT, key[:2]
-    return KIND_IP, key[:3]
+        return Kind.NODEPORT, key[:2]
+    return Kind.IP, key[:3]
 
 
 def _item_text(item: Item) -> str:
@@ -531,7 +531,7 @@ def compare_written(
             out.append(Difference(table, f"set {have_name}: missing {_listed_items(missing)}"))
         if extra:
             out.append(Difference(table, f"set {have_name}: extra {_listed_items(extra)}"))
-    for kind in (KIND_IP, KIND_NODEPORT):
+    for kind in (Kind.IP, Kind.NODEPORT):
         for name in _class_bits(want, have, kind, dirty, rename):
             out.append(Difference(table, f"set {name}: missing"))
     out.extend(Difference(table, what) for what in _chain_differences(want, have, rename))
