@@ -20,7 +20,7 @@ from typing import Any
 
 from kubeproxy.testing.fakeapi.faults import OpenWatches, cut
 
-__all__ = ["Dispatch", "Listener", "send"]
+__all__ = ["Listener", "send"]
 
 # The whole fake logs under one name, as it did when it was one module.
 logger = logging.getLogger("kubeproxy.testing.fakeapi")
@@ -79,15 +79,16 @@ class _Handler(BaseHTTPRequestHandler):
     do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _dispatch
 
 
-Dispatch = Callable[[BaseHTTPRequestHandler, str], None]
-"""Answers one request (the handler, the HTTP method)."""
-
-
 class Listener:
     """The socket and serving thread of one fake server; the state stays outside, so a
     stop and a start serve the same cluster on the same port."""
 
-    def __init__(self, dispatch: Dispatch, watches: OpenWatches, lock: threading.Condition):
+    def __init__(
+        self,
+        dispatch: Callable[[BaseHTTPRequestHandler, str], None],
+        watches: OpenWatches,
+        lock: threading.Condition,
+    ) -> None:
         self.dispatch = dispatch
         self.server: _Server | None = None
         """The serving socket's server while running."""

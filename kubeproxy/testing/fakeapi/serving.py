@@ -152,7 +152,9 @@ class Front:
             if not prefix:
                 raise BadRequest("name or generateName is required")
             metadata["name"] = prefix + uuid.uuid4().hex[:5]
-        stored = self.fake.create(obj, info, found.namespace)
+        with self.fake.lock:
+            exists = self.fake.get(info.kind, found.namespace, metadata["name"], copy=False)
+            stored = None if exists else self.fake.apply(obj)
         if stored is None:
             send(request, 409, status(409, f'"{metadata["name"]}" already exists'))
         else:

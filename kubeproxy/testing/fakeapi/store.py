@@ -99,14 +99,6 @@ class ClusterState:
             self._record(info.resource, "ADDED" if old is None else "MODIFIED", stored, old)
             return _copy.deepcopy(stored) if copy else stored
 
-    def create(self, obj: JSONObject, info: ResourceInfo, namespace: str) -> JSONObject | None:
-        """:meth:`apply` for a new object only (None when one of its name exists): what a
-        client's POST does."""
-        with self.lock:
-            if (namespace, obj["metadata"]["name"]) in self._objects[info.resource]:
-                return None
-            return self.apply(obj)
-
     def delete(self, kind: str, namespace: str, name: str) -> bool:
         """Delete an object; records a ``DELETED`` event. False if there was none."""
         info = _info_of({"kind": kind})
