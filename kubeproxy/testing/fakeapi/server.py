@@ -67,7 +67,7 @@ class FakeAPIServer(ClusterState):
         self._failures = Failures()
         self._watches = OpenWatches(self.lock)
         self._requests: list[APIRequest] = []
-        front = Front(self, self._failures, self._watches, self._requests)
+        front = Front(self, self, self._failures, self._watches, self._requests)
         self._listener = Listener(front.serve, self._watches, self.lock)
 
     # Life cycle

@@ -3,8 +3,8 @@
 :class:`Front` records a request, checks its bearer token, routes it, answers an injected
 failure instead when one is queued, and otherwise serves discovery, a get, a create
 (Events), a list or a watch (:mod:`~kubeproxy.testing.fakeapi.listwatch`). The knobs it
-reads (``delay``, ``token``, ``on_request``...) are the server's attributes, read at each
-request, so a test may change them at any time.
+reads (:class:`Settings`: ``delay``, ``token``, ``on_request``...) are the server's
+attributes, read at each request, so a test may change them at any time.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler
-from typing import TYPE_CHECKING
+from typing import Protocol
 from urllib.parse import parse_qs, urlsplit
 
 from kubeproxy.testing.fakeapi.discovery import discovery_document
@@ -23,22 +24,41 @@ from kubeproxy.testing.fakeapi.listwatch import serve_list, serve_watch
 from kubeproxy.testing.fakeapi.requestinfo import APIRequest, Route, route
 from kubeproxy.testing.fakeapi.selectors import BadRequest
 from kubeproxy.testing.fakeapi.status import failure_status, status
+from kubeproxy.testing.fakeapi.store import ClusterState
 
-if TYPE_CHECKING:
-    from kubeproxy.testing.fakeapi.server import FakeAPIServer
-
-__all__ = ["Front"]
+__all__ = ["Front", "Settings"]
 
 _NOT_FOUND = "the server could not find the requested resource"
 
 
+class Settings(Protocol):
+    """The server's settings a request reads (:class:`~kubeproxy.testing.fakeapi.FakeAPIServer`'s
+    attributes, read at each request: a test may change them at any time)."""
+
+    host: str
+    port: int
+    service_cidrs: bool
+    bookmark_interval: float
+    default_watch_timeout: float
+    token: str | None
+    git_version: str
+    delay: float
+    on_request: Callable[[APIRequest], None] | None
+
+
 class Front:
-    """Answers the requests of one fake server from its state, faults and settings."""
+    """Answers the requests of one fake server from its settings, state and faults."""
 
     def __init__(
-        self, fake: FakeAPIServer, failures: Failures, watches: OpenWatches, log: list[APIRequest]
+        self,
+        settings: Settings,
+        state: ClusterState,
+        failures: Failures,
+        watches: OpenWatches,
+        log: list[APIRequest],
     ) -> None:
-        self.fake = fake
+        self.settings = settings
+        self.state = state
         self.failures = failures
         self.watches = watches
         self.log = log
@@ -46,14 +66,14 @@ class Front:
 
     def serve(self, request: BaseHTTPRequestHandler, method: str) -> None:
         """Answer one request (in its connection's thread)."""
-        fake = self.fake
-        if fake.delay:
-            time.sleep(fake.delay)
+        settings, state = self.settings, self.state
+        if settings.delay:
+            time.sleep(settings.delay)
         parts = urlsplit(request.path)
         query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
         length = int(request.headers.get("Content-Length") or 0)
         body = request.rfile.read(length) if length else b""
-        found = route(method, parts.path, query, service_cidrs=fake.service_cidrs)
+        found = route(method, parts.path, query, service_cidrs=settings.service_cidrs)
         recorded = APIRequest(
             found.verb,
             found.resource,
@@ -63,12 +83,14 @@ class Front:
             found.name,
             parts.path,
         )
-        with fake.lock:
+        with state.lock:
             self.log.append(recorded)
-        hook = fake.on_request
+        hook = settings.on_request
         if hook is not None:
             hook(recorded)
-        if fake.token is not None and not _bearer(request.headers.get("Authorization"), fake.token):
+        if settings.token is not None and not _bearer(
+            request.headers.get("Authorization"), settings.token
+        ):
             send(request, 401, status(401, "Unauthorized"))
             return
         if not found.resource:
@@ -87,16 +109,16 @@ class Front:
             return
         try:
             if found.verb == "list":
-                serve_list(request, fake, found, query)
+                serve_list(request, state, found, query)
             elif found.verb == "watch":
                 serve_watch(
                     request,
-                    fake,
+                    state,
                     self.watches,
                     found,
                     query,
-                    bookmark_interval=fake.bookmark_interval,
-                    default_timeout=fake.default_watch_timeout,
+                    bookmark_interval=settings.bookmark_interval,
+                    default_timeout=settings.default_watch_timeout,
                 )
             elif found.verb == "get":
                 self._get(request, found)
@@ -106,13 +128,13 @@ class Front:
             send(request, 400, status(400, str(err)))
 
     def _discovery(self, request: BaseHTTPRequestHandler, method: str, path: str) -> None:
-        fake = self.fake
+        settings = self.settings
         document = (
             discovery_document(
                 path.rstrip("/") or "/",
-                git_version=fake.git_version,
-                address=f"{fake.host}:{fake.port}",
-                service_cidrs=fake.service_cidrs,
+                git_version=settings.git_version,
+                address=f"{settings.host}:{settings.port}",
+                service_cidrs=settings.service_cidrs,
             )
             if method == "GET"
             else None
@@ -124,7 +146,7 @@ class Front:
 
     def _get(self, request: BaseHTTPRequestHandler, found: Route) -> None:
         assert found.info is not None
-        obj = self.fake.get(found.info.kind, found.namespace, found.name)
+        obj = self.state.get(found.info.kind, found.namespace, found.name)
         if obj is None:
             send(request, 404, status(404, f'{found.info.resource} "{found.name}" not found'))
         else:
@@ -152,9 +174,9 @@ class Front:
             if not prefix:
                 raise BadRequest("name or generateName is required")
             metadata["name"] = prefix + uuid.uuid4().hex[:5]
-        with self.fake.lock:
-            exists = self.fake.get(info.kind, found.namespace, metadata["name"], copy=False)
-            stored = None if exists else self.fake.apply(obj)
+        with self.state.lock:
+            exists = self.state.get(info.kind, found.namespace, metadata["name"], copy=False)
+            stored = None if exists else self.state.apply(obj)
         if stored is None:
             send(request, 409, status(409, f'"{metadata["name"]}" already exists'))
         else:
