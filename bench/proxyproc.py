@@ -86,7 +86,7 @@ from kubeproxy.backend import Backend, BackendFactory, ProxySnapshot, SyncChange
 from kubeproxy.config import LocalDetectMode, LocalDetector, ProxierConfig
 from kubeproxy.entrypoints import load_backend
 from kubeproxy.objects import IPAddress, IPFamily, NodeInfo
-from kubeproxy.proxier import DualStackProxier, NullObserver, Proxier
+from kubeproxy.proxier import DualStackProxier, FinishedSync, NullObserver, Proxier
 from kubeproxy.proxyconfig import KubeProxyNFTablesConfiguration
 
 __all__ = [
@@ -186,16 +186,11 @@ class SyncLog(NullObserver):
         self.syncs: list[SyncRecord] = []
         self.changed: list[int] = []
 
-    def sync_finished(
-        self,
-        family: IPFamily,
-        full: bool,
-        duration: float,
-        error: BaseException | None,
-        snapshot_sizes: tuple[int, int],
-    ) -> None:
+    def sync_finished(self, sync: FinishedSync) -> None:
         """Record the sync."""
-        self.syncs.append(SyncRecord(time.perf_counter(), full, duration, error is None))
+        self.syncs.append(
+            SyncRecord(time.perf_counter(), sync.full, sync.duration, sync.error is None)
+        )
 
     def __call__(self, proxier: Proxier, snapshot: ProxySnapshot, changes: SyncChanges) -> None:
         """After a successful sync: the number of Services it changed."""

@@ -8,6 +8,7 @@ holds validated values.
 from __future__ import annotations
 
 import ipaddress
+import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -19,6 +20,7 @@ __all__ = [
     "IPVSSettings",
     "LocalDetectMode",
     "LocalDetector",
+    "LocalTraffic",
     "ProxierConfig",
 ]
 
@@ -31,6 +33,20 @@ class LocalDetectMode(StrEnum):
     NODE_CIDR = "NodeCIDR"
     BRIDGE_INTERFACE = "BridgeInterface"
     INTERFACE_NAME_PREFIX = "InterfaceNamePrefix"
+
+
+_CIDR_MODES = (LocalDetectMode.CLUSTER_CIDR, LocalDetectMode.NODE_CIDR)
+_INTERFACE_MODES = (LocalDetectMode.BRIDGE_INTERFACE, LocalDetectMode.INTERFACE_NAME_PREFIX)
+
+
+@dataclass(frozen=True, slots=True)
+class LocalTraffic:
+    """What tells traffic from local pods, for a backend to write in its own syntax: the
+    source CIDR, or (``by_interface``) the input interface's name (a prefix already ends
+    in the backend's wildcard)."""
+
+    by_interface: bool
+    value: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +67,7 @@ class LocalDetector:
         A CIDR mode without a CIDR of this family detects nothing (upstream logs this and
         runs without detection for that family).
         """
-        if self.mode in (LocalDetectMode.CLUSTER_CIDR, LocalDetectMode.NODE_CIDR):
+        if self.mode in _CIDR_MODES:
             mine = tuple(c for c in self.cidrs if c.version == family.version)
             if not mine:
                 return LocalDetector()
@@ -61,11 +77,32 @@ class LocalDetector:
     @property
     def implemented(self) -> bool:
         """Whether this detector can tell local traffic at all."""
-        if self.mode in (LocalDetectMode.CLUSTER_CIDR, LocalDetectMode.NODE_CIDR):
+        if self.mode in _CIDR_MODES:
             return bool(self.cidrs)
-        if self.mode in (LocalDetectMode.BRIDGE_INTERFACE, LocalDetectMode.INTERFACE_NAME_PREFIX):
+        if self.mode in _INTERFACE_MODES:
             return bool(self.interface)
         return False
+
+    def local_traffic(
+        self, family: IPFamily, valid_interface: re.Pattern[str], wildcard: str
+    ) -> LocalTraffic | None:
+        """The match of this detector (already for ``family``), None when it cannot tell:
+        the mode is dispatched here once, each backend only spells the result.
+
+        Raises :class:`ValueError` for a CIDR of another family or an interface name the
+        backend's ``valid_interface`` refuses (each kernel tool reads names its own way).
+        """
+        if self.mode in _CIDR_MODES and self.cidrs:
+            cidr = self.cidrs[0]
+            if cidr.version != family.version:
+                raise ValueError(f"local detector CIDR {cidr} is not {family}")
+            return LocalTraffic(False, str(cidr))
+        if self.mode in _INTERFACE_MODES and self.interface:
+            if valid_interface.fullmatch(self.interface) is None:
+                raise ValueError(f"local detector interface {self.interface!r} is not valid")
+            prefix = self.mode is LocalDetectMode.INTERFACE_NAME_PREFIX
+            return LocalTraffic(True, self.interface + (wildcard if prefix else ""))
+        return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,6 +58,7 @@ from kubeproxy.objects import (
     ServicePort,
     ServicePortName,
 )
+from kubeproxy.proxier import FinishedSync
 from kubeproxy.selfheal import utc_text
 
 __all__ = [
@@ -205,26 +206,20 @@ class DebugState:
     def sync_queued(self, family: IPFamily) -> None:
         """Nothing to record."""
 
-    def sync_finished(
-        self,
-        family: IPFamily,
-        full: bool,
-        duration: float,
-        error: BaseException | None,
-        snapshot_sizes: tuple[int, int],
-    ) -> None:
+    def sync_finished(self, sync: FinishedSync) -> None:
         """Record the sync."""
+        error = sync.error
         record = SyncRecord(
-            str(family),
+            str(sync.family),
             self.clock(),
-            full,
-            round(duration, 6),
-            snapshot_sizes[0],
-            snapshot_sizes[1],
+            sync.full,
+            round(sync.duration, 6),
+            sync.service_ports,
+            sync.ports_with_endpoints,
             None if error is None else f"{type(error).__name__}: {error}",
         )
         with self._lock:
-            kept = self._syncs.setdefault(family, collections.deque(maxlen=KEPT_SYNCS))
+            kept = self._syncs.setdefault(sync.family, collections.deque(maxlen=KEPT_SYNCS))
             kept.appendleft(record)
 
     def endpoints_trigger_times(self, family: IPFamily, times: list[float]) -> None:

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from kubeproxy.backend import ProxySnapshot, SyncChanges
     from kubeproxy.endpointchanges import EndpointsChangeTracker
     from kubeproxy.objects import CategorizedEndpoints
-    from kubeproxy.proxier import Proxier
+    from kubeproxy.proxier import FinishedSync, Proxier
     from kubeproxy.servicechanges import ServiceChangeTracker
 
 __all__ = [
@@ -561,21 +561,14 @@ class ProxyMetrics:
         """A sync was requested: stamp the last-queued time."""
         self._child(self.last_queued, family.value).set(self.clock())
 
-    def sync_finished(
-        self,
-        family: IPFamily,
-        full: bool,
-        duration: float,
-        error: BaseException | None,
-        snapshot_sizes: tuple[int, int],
-    ) -> None:
+    def sync_finished(self, sync: FinishedSync) -> None:
         """Observe the duration (every sync); stamp success or count the failure."""
-        label, child = family.value, self._child
+        label, child, duration = sync.family.value, self._child, sync.duration
         child(self.sync_duration, label).observe(duration)
-        child(self.sync_full_duration if full else self.sync_partial_duration, label).observe(
+        child(self.sync_full_duration if sync.full else self.sync_partial_duration, label).observe(
             duration
         )
-        if error is None:
+        if sync.error is None:
             child(self.last_sync, label).set(self.clock())
         elif self.sync_failures is not None and not self._failures_from_backend:
             self.sync_failures.labels(label).inc()

@@ -33,6 +33,7 @@ import time
 import typing
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -62,6 +63,7 @@ from kubeproxy.topology import categorize_endpoints
 __all__ = [
     "FULL_SYNC_PERIOD",
     "DualStackProxier",
+    "FinishedSync",
     "NullObserver",
     "ObserverGroup",
     "Proxier",
@@ -80,6 +82,22 @@ _PortsAt: typing.TypeAlias = Mapping[_K, AbstractSet[ServicePortName]]
 _NO_CATEGORIES = CategorizedEndpoints()
 
 
+@dataclass(frozen=True, slots=True)
+class FinishedSync:
+    """One finished sync as a :class:`SyncObserver` hears of it: one value read by field
+    name, so that the observers do not each repeat a list of positional arguments (and a
+    field can be added without touching every one)."""
+
+    family: IPFamily
+    full: bool
+    duration: float
+    """Seconds, on the proxier's clock."""
+    error: BaseException | None
+    """None on success."""
+    service_ports: int
+    ports_with_endpoints: int
+
+
 class SyncObserver(typing.Protocol):
     """Hears about syncs (metrics and health plug in here)."""
 
@@ -87,18 +105,8 @@ class SyncObserver(typing.Protocol):
         """A sync was requested."""
         ...
 
-    def sync_finished(
-        self,
-        family: IPFamily,
-        full: bool,
-        duration: float,
-        error: BaseException | None,
-        snapshot_sizes: tuple[int, int],
-    ) -> None:
-        """A sync ended (``error`` is None on success).
-
-        ``snapshot_sizes`` is (Service ports, Service ports with endpoints).
-        """
+    def sync_finished(self, sync: FinishedSync) -> None:
+        """A sync ended (``sync.error`` is None on success)."""
         ...
 
     def endpoints_trigger_times(self, family: IPFamily, times: list[float]) -> None:
@@ -112,14 +120,7 @@ class NullObserver:
     def sync_queued(self, family: IPFamily) -> None:
         """Ignore."""
 
-    def sync_finished(
-        self,
-        family: IPFamily,
-        full: bool,
-        duration: float,
-        error: BaseException | None,
-        snapshot_sizes: tuple[int, int],
-    ) -> None:
+    def sync_finished(self, sync: FinishedSync) -> None:
         """Ignore."""
 
     def endpoints_trigger_times(self, family: IPFamily, times: list[float]) -> None:
@@ -147,17 +148,10 @@ class ObserverGroup:
         for method in self._queued:
             _notify(method, family)
 
-    def sync_finished(
-        self,
-        family: IPFamily,
-        full: bool,
-        duration: float,
-        error: BaseException | None,
-        snapshot_sizes: tuple[int, int],
-    ) -> None:
+    def sync_finished(self, sync: FinishedSync) -> None:
         """Tell every observer."""
         for method in self._finished:
-            _notify(method, family, full, duration, error, snapshot_sizes)
+            _notify(method, sync)
 
     def endpoints_trigger_times(self, family: IPFamily, times: list[float]) -> None:
         """Tell every observer."""
@@ -562,8 +556,9 @@ class Proxier:
         if error is not None:
             self._needs_full = True
         duration = self._clock() - start
-        sizes = (len(self._services), len(self._endpoints))
-        self._notify(self._observer.sync_finished, self._family, full, duration, error, sizes)
+        sizes = len(self._services), len(self._endpoints)
+        finished = FinishedSync(self._family, full, duration, error, *sizes)
+        self._notify(self._observer.sync_finished, finished)
         if error is None and self._pending_trigger_times:
             times, self._pending_trigger_times = self._pending_trigger_times, []
             self._notify(self._observer.endpoints_trigger_times, self._family, times)

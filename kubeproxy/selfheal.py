@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 from kubeproxy.events import ACTION_REPAIR, REASON_RULES_CHANGED_EXTERNALLY
 from kubeproxy.health import FAULT_RULES_REMOVED
 from kubeproxy.objects import IPFamily
-from kubeproxy.proxier import NullObserver
+from kubeproxy.proxier import FinishedSync, NullObserver
 
 if TYPE_CHECKING:
     from kubeproxy.backend import ProxySnapshot, SyncChanges
@@ -426,16 +426,10 @@ class SelfHealer(NullObserver):
 
     # SyncObserver (the other events are NullObserver's no-ops) --------------------------------
 
-    def sync_finished(
-        self,
-        family: IPFamily,
-        full: bool,
-        duration: float,
-        error: BaseException | None,
-        snapshot_sizes: tuple[int, int],
-    ) -> None:
+    def sync_finished(self, sync: FinishedSync) -> None:
         """A successful full sync begun after the family's latest report ends its repair
         (a failed sync meanwhile is counted in it)."""
+        family, error = sync.family, sync.error
         if error is not None:
             with self._lock:
                 failing = self._repairs.get(family)
@@ -443,12 +437,12 @@ class SelfHealer(NullObserver):
                     failing.failed += 1
                     failing.error = f"{type(error).__name__}: {error}"
             return
-        if not full:
+        if not sync.full:
             return
         now = self.clock()
         with self._lock:
             repair = self._repairs.get(family)
-            if repair is None or now - duration < repair.latest:
+            if repair is None or now - sync.duration < repair.latest:
                 return
             del self._repairs[family]
             took = now - repair.since

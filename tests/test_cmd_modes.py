@@ -58,6 +58,7 @@ from kubeproxy.daemon.sources import SourceTuning
 from kubeproxy.metrics import ProxyMetrics
 from kubeproxy.netlink import FakeHostAddresses
 from kubeproxy.objects import IPFamily
+from kubeproxy.proxier import FinishedSync
 from kubeproxy.testing.fakeapi import FakeAPIServer, endpoint_slice, node, service
 from tests.gcops import UNTOUCHED
 
@@ -545,14 +546,14 @@ def test_backend_counters_feed_the_iptables_metrics() -> None:
     backend.partial_restore_failures += 1
     backend.rules_total = {"filter": 7, "nat": 40}
     backend.rules_last = {"filter": 7, "nat": 12}
-    counters.sync_finished(V4, False, 0.01, None, (3, 3))
+    counters.sync_finished(FinishedSync(V4, False, 0.01, None, 3, 3))
     # The next sync failed outright (the metrics do not count it a second time).
     backend.restore_failures += 1
-    metrics.sync_finished(V4, True, 0.01, SyncError("refused"), (3, 3))
-    counters.sync_finished(V4, True, 0.01, SyncError("refused"), (3, 3))
+    metrics.sync_finished(FinishedSync(V4, True, 0.01, SyncError("refused"), 3, 3))
+    counters.sync_finished(FinishedSync(V4, True, 0.01, SyncError("refused"), 3, 3))
     # Another family's sync is not this backend's.
     backend.restore_failures += 1
-    counters.sync_finished(IPFamily.IPV6, True, 0.01, None, (0, 0))
+    counters.sync_finished(FinishedSync(IPFamily.IPV6, True, 0.01, None, 0, 0))
     prefix = "kubeproxy_sync_proxy_rules_iptables"
     v4 = {"ip_family": "IPv4"}
     assert sample(metrics, f"{prefix}_restore_failures_total", **v4) == 2
@@ -574,7 +575,7 @@ def test_ipvs_counts_restore_failures_only() -> None:
     (counters,) = iptables_hooks(backend, metrics)  # type: ignore[arg-type]
     backend.restore_failures = 3
     assert isinstance(counters, BackendCounters)
-    counters.sync_finished(V4, True, 0.01, None, (0, 0))
+    counters.sync_finished(FinishedSync(V4, True, 0.01, None, 0, 0))
     name = "kubeproxy_sync_proxy_rules_iptables_restore_failures_total"
     assert sample(metrics, name, ip_family="IPv4") == 3
 
@@ -678,9 +679,9 @@ def test_backend_counters_count_each_failure_once_per_family(
         backend.partial_restore_failures += min(partial_failed, failed)
         error = SyncError("refused") if sync_failed else None
         # Every observer hears every family's syncs, as in the daemon.
-        metrics.sync_finished(family, True, 0.01, error, (0, 0))
+        metrics.sync_finished(FinishedSync(family, True, 0.01, error, 0, 0))
         for observer in counters.values():
-            observer.sync_finished(family, True, 0.01, error, (0, 0))
+            observer.sync_finished(FinishedSync(family, True, 0.01, error, 0, 0))
     for family, backend in backends.items():
         labels = {"ip_family": family.value}
         prefix = "kubeproxy_sync_proxy_rules_iptables"

@@ -23,6 +23,7 @@ from kubeproxy.debugpages import DebugState, core_pages
 from kubeproxy.httpserving import QueryRoute
 from kubeproxy.netlink import FakeHostAddresses
 from kubeproxy.objects import IPFamily, NamespacedName, Protocol, ServicePort, ServicePortName
+from kubeproxy.proxier import FinishedSync
 from kubeproxy.selfheal import ChangeKind, ExternalChange
 from kubeproxy.testing.fakeapi import node, service
 from tests.snapshots import World, ep
@@ -97,8 +98,8 @@ def test_core_pages_show_the_view_and_the_syncs() -> None:
     world.add(_port("web", "http", 10), ep("10.180.0.1"), ep("10.180.0.2"))
     state = DebugState(ProxierConfig(node_name="n"), clock=lambda: 0.0)
     state(None, world.snapshot(), SyncChanges(full=True))
-    state.sync_finished(IPFamily.IPV4, True, 0.25, None, (1, 1))
-    state.sync_finished(IPFamily.IPV4, False, 0.01, RuntimeError("refused"), (1, 1))
+    state.sync_finished(FinishedSync(IPFamily.IPV4, True, 0.25, None, 1, 1))
+    state.sync_finished(FinishedSync(IPFamily.IPV4, False, 0.01, RuntimeError("refused"), 1, 1))
     pages = core_pages(state, {"/debug/mode": lambda: (200, {}, b"")})
     assert pages["/debug/"]()[2].decode().splitlines() == [
         "/debug/mode",

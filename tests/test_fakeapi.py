@@ -408,7 +408,7 @@ def test_a_connection_accepted_while_stopping_is_cut(fake: FakeAPIServer) -> Non
     # The listener accepts until its shutdown returns; a client reconnecting in that
     # window must meet a dead server, not a watch that sees the changes made "while away".
     fake.apply(service("a"))
-    server = fake._server
+    server = fake._listener.server
     assert server is not None
     real_shutdown = server.shutdown
     refused: list[BaseException] = []

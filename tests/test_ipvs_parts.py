@@ -145,16 +145,16 @@ def test_support_check_probes_the_scheduler_and_cleans_up() -> None:
 
 
 def test_local_detector_matches() -> None:
-    assert local_detector_not_local(LocalDetector()) == ""
+    assert local_detector_not_local(LocalDetector(), V4) == ""
     cidr = LocalDetector(LocalDetectMode.CLUSTER_CIDR, (net("10.0.0.0/8"),))
-    assert local_detector_not_local(cidr) == "! -s 10.0.0.0/8"
+    assert local_detector_not_local(cidr, V4) == "! -s 10.0.0.0/8"
     bridge = LocalDetector(LocalDetectMode.BRIDGE_INTERFACE, interface="cbr0")
-    assert local_detector_not_local(bridge) == "! -i cbr0"
+    assert local_detector_not_local(bridge, V4) == "! -i cbr0"
     prefix = LocalDetector(LocalDetectMode.INTERFACE_NAME_PREFIX, interface="veth")
-    assert local_detector_not_local(prefix) == "! -i veth+"
+    assert local_detector_not_local(prefix, V4) == "! -i veth+"
     with pytest.raises(ValueError):
         local_detector_not_local(
-            LocalDetector(LocalDetectMode.BRIDGE_INTERFACE, interface="a b -j ACCEPT")
+            LocalDetector(LocalDetectMode.BRIDGE_INTERFACE, interface="a b -j ACCEPT"), V4
         )
 
 

@@ -27,7 +27,7 @@ from kubeproxy.metrics import (
     go_float,
 )
 from kubeproxy.objects import IPFamily
-from kubeproxy.proxier import Proxier
+from kubeproxy.proxier import FinishedSync, Proxier
 
 V4 = IPFamily.IPV4
 V6 = IPFamily.IPV6
@@ -288,8 +288,8 @@ def exercise(metrics: ProxyMetrics) -> None:
     """Touch every metric once so that each labelled series exists."""
     for family in (V4, V6):
         metrics.sync_queued(family)
-        metrics.sync_finished(family, True, 0.003, None, (0, 0))
-        metrics.sync_finished(family, False, 0.5, SyncError("refused"), (0, 0))
+        metrics.sync_finished(FinishedSync(family, True, 0.003, None, 0, 0))
+        metrics.sync_finished(FinishedSync(family, False, 0.5, SyncError("refused"), 0, 0))
         metrics.endpoints_trigger_times(family, [metrics.clock() - 2.0])
         metrics.conntrack_reconciled(family, 0.01, 3)
         metrics.nftables_cleanup_failed(family)
@@ -484,9 +484,9 @@ def test_sync_observer_semantics() -> None:
     )
 
     clock.now += 10
-    metrics.sync_finished(V4, True, 0.003, None, (5, 4))
+    metrics.sync_finished(FinishedSync(V4, True, 0.003, None, 5, 4))
     clock.now += 10
-    metrics.sync_finished(V4, False, 0.3, SyncError("kernel said no"), (5, 4))
+    metrics.sync_finished(FinishedSync(V4, False, 0.3, SyncError("kernel said no"), 5, 4))
     text = metrics.expose().decode()
     name = "kubeproxy_sync_proxy_rules_duration_seconds"
     assert value(text, name + "_count", ip_family="IPv4") == 2
@@ -512,7 +512,9 @@ def test_sync_observer_semantics() -> None:
 
 def test_iptables_mode_counts_restore_failures() -> None:
     metrics = ProxyMetrics(mode="iptables", process_metrics=False)
-    metrics.sync_finished(V6, True, 0.1, SyncError("iptables-restore: line 3 failed"), (0, 0))
+    metrics.sync_finished(
+        FinishedSync(V6, True, 0.1, SyncError("iptables-restore: line 3 failed"), 0, 0)
+    )
     metrics.iptables_rules(V6, "filter", 12, 3)
     text = metrics.expose().decode()
     assert (
@@ -541,12 +543,12 @@ def test_only_the_deprecated_mode_says_so() -> None:
 def test_restore_failures_counted_by_the_backend_are_not_counted_twice(mode: str) -> None:
     metrics = ProxyMetrics(mode=mode, process_metrics=False)
     name = "kubeproxy_sync_proxy_rules_iptables_restore_failures_total"
-    metrics.sync_finished(V4, True, 0.1, SyncError("refused"), (0, 0))
+    metrics.sync_finished(FinishedSync(V4, True, 0.1, SyncError("refused"), 0, 0))
     assert value(metrics.expose().decode(), name, ip_family="IPv4") == 1
     metrics.count_failures_from_backend()
     # The failed sync is now counted from the backend's own count only: two failed
     # restores (a partial one, then the full one) in one sync.
-    metrics.sync_finished(V4, True, 0.1, SyncError("refused"), (0, 0))
+    metrics.sync_finished(FinishedSync(V4, True, 0.1, SyncError("refused"), 0, 0))
     metrics.restore_failed(V4, 2)
     metrics.restore_failed(V4, 0)
     assert value(metrics.expose().decode(), name, ip_family="IPv4") == 3
@@ -772,7 +774,7 @@ def get(port: int, path: str) -> tuple[int, dict[str, str], bytes]:
 
 def test_metrics_server_serves_metrics_healthz_and_mode() -> None:
     metrics = ProxyMetrics(mode="iptables")
-    metrics.sync_finished(V4, True, 0.01, None, (0, 0))
+    metrics.sync_finished(FinishedSync(V4, True, 0.01, None, 0, 0))
     server = MetricsServer("127.0.0.1:0", metrics)
     server.start()
     try:

@@ -33,7 +33,7 @@ from kubeproxy.objects import (
     ServicePort,
     ServicePortName,
 )
-from kubeproxy.proxier import DualStackProxier, NullObserver, Proxier
+from kubeproxy.proxier import DualStackProxier, FinishedSync, NullObserver, Proxier
 from kubeproxy.sources.manifests import ManifestSource
 from kubeproxy.topology import categorize_endpoints
 from tests.test_runner import FakeClock as RunnerClock
@@ -210,23 +210,14 @@ class FakeClock:
 @dataclass
 class RecordingObserver:
     queued: list[IPFamily] = field(default_factory=list)
-    finished: list[tuple[IPFamily, bool, float, BaseException | None, tuple[int, int]]] = field(
-        default_factory=list
-    )
+    finished: list[FinishedSync] = field(default_factory=list)
     trigger_times: list[list[float]] = field(default_factory=list)
 
     def sync_queued(self, family: IPFamily) -> None:
         self.queued.append(family)
 
-    def sync_finished(
-        self,
-        family: IPFamily,
-        full: bool,
-        duration: float,
-        error: BaseException | None,
-        snapshot_sizes: tuple[int, int],
-    ) -> None:
-        self.finished.append((family, full, duration, error, snapshot_sizes))
+    def sync_finished(self, sync: FinishedSync) -> None:
+        self.finished.append(sync)
 
     def endpoints_trigger_times(self, family: IPFamily, times: list[float]) -> None:
         self.trigger_times.append(times)
@@ -427,8 +418,8 @@ def test_failure_makes_next_sync_full_and_keeps_changes(
     assert bool(record.exc_info) == (not isinstance(failure, SyncError))
     failed = backend.last
     assert not failed.full
-    assert observer.finished[-1][3] is failure
-    assert observer.finished[-1][1] is False
+    assert observer.finished[-1].error is failure
+    assert observer.finished[-1].full is False
 
     proxier.on_service_delete(service("db", "172.30.0.11", ports=[("sql", 5432, "TCP")]))
     assert proxier.sync_now()
@@ -495,9 +486,9 @@ def test_observer_sees_queue_finish_and_trigger_times() -> None:
     proxier, backend = make_proxier(observer=observer)
     two_services(proxier)
     initialized(proxier)
-    assert observer.finished[-1][:2] == (V4, True)
-    assert observer.finished[-1][3] is None
-    assert observer.finished[-1][4] == (2, 2)
+    assert observer.finished[-1] == FinishedSync(
+        V4, True, observer.finished[-1].duration, None, 2, 2
+    )
     updated = endpoint_slice("web-1", "web", [ep("10.244.0.12")])
     updated["metadata"]["annotations"] = {
         "endpoints.kubernetes.io/last-change-trigger-time": "2026-01-02T03:04:05Z"

@@ -12,7 +12,7 @@ import pytest
 from kubeproxy.backend import ProxySnapshot, SyncChanges, SyncError
 from kubeproxy.config import ProxierConfig
 from kubeproxy.objects import IPFamily, NamespacedName, Protocol, ServicePortName
-from kubeproxy.proxier import NullObserver, ObserverGroup, Proxier
+from kubeproxy.proxier import FinishedSync, NullObserver, ObserverGroup, Proxier
 
 V4 = IPFamily.IPV4
 NODE = "node-a"
@@ -164,15 +164,8 @@ class Recorder(NullObserver):
     def sync_queued(self, family: IPFamily) -> None:
         self.log.append(f"{self.name} queued {family}")
 
-    def sync_finished(
-        self,
-        family: IPFamily,
-        full: bool,
-        duration: float,
-        error: BaseException | None,
-        snapshot_sizes: tuple[int, int],
-    ) -> None:
-        self.log.append(f"{self.name} finished {family} {full} {error}")
+    def sync_finished(self, sync: FinishedSync) -> None:
+        self.log.append(f"{self.name} finished {sync.family} {sync.full} {sync.error}")
 
     def endpoints_trigger_times(self, family: IPFamily, times: list[float]) -> None:
         self.log.append(f"{self.name} times {times}")
@@ -193,7 +186,7 @@ def test_observer_group_fans_out_in_order_and_isolates_failures(
     group = ObserverGroup([Recorder("a", log), Broken(), Recorder("b", log)])
     with caplog.at_level(logging.ERROR):
         group.sync_queued(V4)
-        group.sync_finished(V4, True, 0.1, None, (1, 1))
+        group.sync_finished(FinishedSync(V4, True, 0.1, None, 1, 1))
         group.endpoints_trigger_times(V4, [1.0])
     assert log == [
         "a queued IPv4",
@@ -243,6 +236,6 @@ def test_the_group_calls_only_the_methods_an_observer_does_not_ignore() -> None:
     assert len(group._queued) == 1 and len(group._finished) == 1
     assert group._trigger_times == ()
     group.sync_queued(IPFamily.IPV4)
-    group.sync_finished(IPFamily.IPV4, False, 0.001, None, (1, 1))
+    group.sync_finished(FinishedSync(IPFamily.IPV4, False, 0.001, None, 1, 1))
     group.endpoints_trigger_times(IPFamily.IPV4, [1.0])
     assert calls == ["queued IPv4", "finished"]

@@ -32,7 +32,7 @@ from kubeproxy.health import FAULT_RULES_REMOVED, ProxyHealth
 from kubeproxy.metrics import ProxyMetrics
 from kubeproxy.nftevents import NftablesEventWatcher
 from kubeproxy.objects import IPFamily, Protocol, ServicePort
-from kubeproxy.proxier import Proxier
+from kubeproxy.proxier import FinishedSync, Proxier
 from kubeproxy.selfheal import (
     DETAILS_PER_REPAIR,
     KEPT_REPAIRS,
@@ -140,16 +140,16 @@ def test_the_first_full_sync_begun_after_the_reports_ends_the_repair(
     clock.t += 0.5
     healer.report(ExternalChange(ChangeKind.RULE, "rules deleted", V4))
     clock.t += 0.25
-    healer.sync_finished(V4, False, 0.1, None, (1, 1))  # partial: repairs nothing
-    healer.sync_finished(V4, True, 0.1, SyncError("refused"), (1, 1))  # failed
+    healer.sync_finished(FinishedSync(V4, False, 0.1, None, 1, 1))  # partial: repairs nothing
+    healer.sync_finished(FinishedSync(V4, True, 0.1, SyncError("refused"), 1, 1))  # failed
     # A full sync already running at the second report may have listed the kernel
     # before that damage: it does not count.
-    healer.sync_finished(V4, True, 0.3, None, (1, 1))
+    healer.sync_finished(FinishedSync(V4, True, 0.3, None, 1, 1))
     assert healer.repairing == {V4}
     caplog.set_level(logging.INFO, logger="kubeproxy.selfheal")
     caplog.clear()
     clock.t += 0.5
-    healer.sync_finished(V4, True, 0.4, None, (1, 1))
+    healer.sync_finished(FinishedSync(V4, True, 0.4, None, 1, 1))
     assert healer.repairing == frozenset()
     assert healer.repaired == [(V4, 1.25)]
     assert state.calls == [("diverged", V4), ("diverged", V4), ("restored", V4)]
@@ -158,7 +158,7 @@ def test_the_first_full_sync_begun_after_the_reports_ends_the_repair(
         "IPv4 rules repaired 1.25s after someone else changed them (table, rule)"
     )
     # A later full sync with nothing reported is no repair.
-    healer.sync_finished(V4, True, 0.1, None, (1, 1))
+    healer.sync_finished(FinishedSync(V4, True, 0.1, None, 1, 1))
     assert healer.repaired == [(V4, 1.25)]
     # The other observer events mean nothing here.
     healer.sync_queued(V4)
@@ -173,7 +173,7 @@ def test_recent_repairs_show_what_was_found_how_long_it_took_and_keep_a_bounded_
         healer.report(ExternalChange(ChangeKind.ELEMENT, f"element {n} deleted", V4))
     healer.report(ExternalChange(ChangeKind.TABLE, "table deleted", V4))
     clock.t += 0.5
-    healer.sync_finished(V4, True, 0.1, SyncError("refused"), (1, 1))
+    healer.sync_finished(FinishedSync(V4, True, 0.1, SyncError("refused"), 1, 1))
     (going,) = healer.recent_repairs()
     assert going["outcome"] == "under way" and going["ended"] is None
     assert going["took_s"] == 0.5 and going["failed_syncs"] == 1
@@ -181,7 +181,7 @@ def test_recent_repairs_show_what_was_found_how_long_it_took_and_keep_a_bounded_
     assert going["reports"] == DETAILS_PER_REPAIR + 3 and going["kinds"] == ["element", "table"]
     assert going["details"] == [f"element {n} deleted" for n in range(DETAILS_PER_REPAIR)]
     clock.t += 0.25
-    healer.sync_finished(V4, True, 0.1, None, (1, 1))
+    healer.sync_finished(FinishedSync(V4, True, 0.1, None, 1, 1))
     (done,) = healer.recent_repairs()
     assert done["outcome"] == "repaired" and done["took_s"] == 0.75
     assert done["started"] == "2023-11-14T22:15:00Z" and done["ended"] == "2023-11-14T22:15:00Z"
@@ -190,7 +190,7 @@ def test_recent_repairs_show_what_was_found_how_long_it_took_and_keep_a_bounded_
     for n in range(KEPT_REPAIRS + 3):
         healer.report(ExternalChange(ChangeKind.RULE, f"repair {n}", V4))
         clock.t += 20.0  # out of the streak: repaired at once
-        healer.sync_finished(V4, True, 1.0, None, (1, 1))
+        healer.sync_finished(FinishedSync(V4, True, 1.0, None, 1, 1))
     healer.report(ExternalChange(ChangeKind.CHAIN, "chain deleted", V4))
     kept = healer.recent_repairs()
     assert len(kept) == KEPT_REPAIRS + 1
@@ -549,7 +549,7 @@ def test_healthz_fails_from_the_report_until_the_repair() -> None:
     assert body["reason"] == (
         "IPv4: rules changed by someone else, repairing: table ip kube-proxy: 1 table deleted"
     )
-    healer.sync_finished(V4, False, 0.0, None, (1, 1))
+    healer.sync_finished(FinishedSync(V4, False, 0.0, None, 1, 1))
     assert not health.health().serving  # a partial sync repairs nothing
-    healer.sync_finished(V4, True, 0.0, None, (1, 1))
+    healer.sync_finished(FinishedSync(V4, True, 0.0, None, 1, 1))
     assert health.health().serving

@@ -30,7 +30,7 @@ from kubeproxy.entrypoints import BackendNotFound, backend_entry_point, load_bac
 from kubeproxy.httpserving import Route
 from kubeproxy.metrics import ProxyMetrics
 from kubeproxy.objects import IPFamily
-from kubeproxy.proxier import NullObserver, Proxier, SyncHook, SyncObserver
+from kubeproxy.proxier import FinishedSync, NullObserver, Proxier, SyncHook, SyncObserver
 
 if TYPE_CHECKING:
     from kubeproxy.backend import ProxySnapshot, SyncChanges
@@ -127,15 +127,9 @@ class BackendCounters(NullObserver):
         self._partial: int = getattr(backend, "partial_restore_failures", 0)
         metrics.count_failures_from_backend()
 
-    def sync_finished(
-        self,
-        family: IPFamily,
-        full: bool,
-        duration: float,
-        error: BaseException | None,
-        snapshot_sizes: tuple[int, int],
-    ) -> None:
+    def sync_finished(self, sync: FinishedSync) -> None:
         """Read the backend's counters (only for a sync of this backend's family)."""
+        family = sync.family
         if family is not self.family:
             return
         restore = self.backend.restore_failures

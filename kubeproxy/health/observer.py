@@ -16,7 +16,7 @@ from kubeproxy.objects import IPFamily
 
 if TYPE_CHECKING:
     from kubeproxy.backend import ProxySnapshot, SyncChanges
-    from kubeproxy.proxier import Proxier
+    from kubeproxy.proxier import FinishedSync, Proxier
 
 __all__ = ["SYNC_FAILURE_THRESHOLD", "HealthObserver"]
 
@@ -60,15 +60,9 @@ class HealthObserver:
         """A change waits for ``family``."""
         self.health.queued_update(family)
 
-    def sync_finished(
-        self,
-        family: IPFamily,
-        full: bool,
-        duration: float,
-        error: BaseException | None,
-        snapshot_sizes: tuple[int, int],
-    ) -> None:
+    def sync_finished(self, sync: FinishedSync) -> None:
         """A successful sync makes ``family`` up to date; failures in a row are a fault."""
+        family, error = sync.family, sync.error
         if error is None:
             self._failures_in_a_row.pop(family, None)
             self.health.updated(family)
@@ -77,7 +71,7 @@ class HealthObserver:
         count = self._failures_in_a_row.get(family, 0) + 1
         self._failures_in_a_row[family] = count
         if count >= self.sync_failure_threshold:
-            kind = "full" if full else "partial"
+            kind = "full" if sync.full else "partial"
             self.health.report_data_plane_broken(
                 family,
                 FAULT_SYNC_FAILURES,

@@ -31,7 +31,7 @@ from kubeproxy.backends.iptables.naming import (
     service_chains,
     service_port_string,
 )
-from kubeproxy.config import LocalDetectMode, LocalDetector
+from kubeproxy.config import LocalDetector
 from kubeproxy.objects import (
     CategorizedEndpoints,
     Endpoint,
@@ -149,26 +149,12 @@ class RenderContext:
         Raises :class:`ValueError` for a detector CIDR of the wrong family or an
         interface name iptables could misread.
         """
-        mode = detector.mode
-        local: str | None
-        masq: str | None
-        if mode in (LocalDetectMode.CLUSTER_CIDR, LocalDetectMode.NODE_CIDR) and detector.cidrs:
-            cidr = detector.cidrs[0]
-            if cidr.version != family.version:
-                raise ValueError(f"local detector CIDR {cidr} is not {family}")
-            local, masq = f"-s {cidr}", f"! -s {cidr}"
-        elif (
-            mode in (LocalDetectMode.BRIDGE_INTERFACE, LocalDetectMode.INTERFACE_NAME_PREFIX)
-            and detector.interface
-        ):
-            if _INTERFACE.fullmatch(detector.interface) is None:
-                raise ValueError(f"local detector interface {detector.interface!r} is not valid")
-            name = detector.interface
-            if mode is LocalDetectMode.INTERFACE_NAME_PREFIX:
-                name += "+"
-            local, masq = f"-i {name}", f"! -i {name}"
-        else:
-            local, masq = None, None
+        local: str | None = None
+        masq: str | None = None
+        found = detector.local_traffic(family, _INTERFACE, "+")
+        if found is not None:
+            option = "-i" if found.by_interface else "-s"
+            local, masq = f"{option} {found.value}", f"! {option} {found.value}"
         if masquerade_all:
             masq = ""
         addresses = tuple(a for a in node_addresses if a.version == family.version)

@@ -21,7 +21,7 @@ from typing import Final
 
 from kubeproxy.backends.iptables.restore import FILTER, NAT, RestoreInput, comment
 from kubeproxy.backends.ipvs.ipset import SetName, SetSpec, SetType
-from kubeproxy.config import LocalDetectMode, LocalDetector
+from kubeproxy.config import LocalDetector
 from kubeproxy.objects import IPAddress, IPFamily
 from kubeproxy.objects import Protocol as L4Protocol
 
@@ -148,17 +148,12 @@ class RuleInputs:
     no_node_access: tuple[tuple[IPAddress, L4Protocol, int], ...] = ()
 
 
-def local_detector_not_local(detector: LocalDetector) -> str:
+def local_detector_not_local(detector: LocalDetector, family: IPFamily) -> str:
     """The match for "not from a local pod" (empty when the detector cannot tell)."""
-    if not detector.implemented:
+    found = detector.local_traffic(family, _INTERFACE, "+")
+    if found is None:
         return ""
-    if detector.mode in (LocalDetectMode.CLUSTER_CIDR, LocalDetectMode.NODE_CIDR):
-        return f"! -s {detector.cidrs[0]}"
-    if _INTERFACE.fullmatch(detector.interface) is None:
-        raise ValueError(f"invalid interface name {detector.interface!r} for the local detector")
-    if detector.mode is LocalDetectMode.BRIDGE_INTERFACE:
-        return f"! -i {detector.interface}"
-    return f"! -i {detector.interface}+"
+    return f"! {'-i' if found.by_interface else '-s'} {found.value}"
 
 
 def render_rules(inputs: RuleInputs) -> RestoreInput:
@@ -188,7 +183,7 @@ def render_rules(inputs: RuleInputs) -> RestoreInput:
 
     if SetName.CLUSTER_IP in inputs.non_empty:
         key = SetName.CLUSTER_IP
-        not_local = local_detector_not_local(inputs.local_detector)
+        not_local = local_detector_not_local(inputs.local_detector, inputs.family)
         if inputs.masquerade_all:
             match = f"{set_match(key, 'dst,dst')} -j"
         elif not_local:

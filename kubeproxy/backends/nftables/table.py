@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kubeproxy.backends.nftables.objects import PROTOCOL_NUMBERS
-from kubeproxy.config import LocalDetectMode, LocalDetector
+from kubeproxy.config import LocalDetector
 from kubeproxy.objects import IPAddress, IPFamily, ServicePortName
 
 __all__ = [
@@ -325,27 +325,13 @@ class RenderContext:
 
         Raises :class:`ValueError` for an interface name nft could not take literally.
         """
-        ip = tokens.table_family
-        masq: str | None
-        local: str | None
-        mode = detector.mode
-        if mode in (LocalDetectMode.CLUSTER_CIDR, LocalDetectMode.NODE_CIDR) and detector.cidrs:
-            cidr = detector.cidrs[0]
-            if cidr.version != tokens.family.version:
-                raise ValueError(f"local detector CIDR {cidr} is not {tokens.family}")
-            masq, local = f"{ip} saddr != {cidr}", f"{ip} saddr {cidr}"
-        elif (
-            mode in (LocalDetectMode.BRIDGE_INTERFACE, LocalDetectMode.INTERFACE_NAME_PREFIX)
-            and detector.interface
-        ):
-            if _INTERFACE.fullmatch(detector.interface) is None:
-                raise ValueError(f"local detector interface {detector.interface!r} is not valid")
-            pattern = detector.interface
-            if mode is LocalDetectMode.INTERFACE_NAME_PREFIX:
-                pattern += "*"
-            masq, local = f'iifname != "{pattern}"', f'iifname "{pattern}"'
-        else:
-            masq, local = None, None
+        local: str | None = None
+        masq: str | None = None
+        found = detector.local_traffic(tokens.family, _INTERFACE, "*")
+        if found is not None:
+            what = "iifname" if found.by_interface else f"{tokens.table_family} saddr"
+            value = f'"{found.value}"' if found.by_interface else found.value
+            local, masq = f"{what} {value}", f"{what} != {value}"
         if masquerade_all:
             masq = ""
         addresses = tuple(a for a in node_addresses if a.version == tokens.family.version)

@@ -22,8 +22,15 @@ carry them, and an EndpointSlice without endpoints or ports has them as ``null``
 
 One concept per module, all re-exported here (the names this package had as one module):
 
-* :mod:`~kubeproxy.testing.fakeapi.server`: :class:`FakeAPIServer`, its state and how it
-  serves requests from it;
+* :mod:`~kubeproxy.testing.fakeapi.server`: :class:`FakeAPIServer`, the tests' controls;
+* :mod:`~kubeproxy.testing.fakeapi.store`: the cluster's state (objects, resource
+  versions, history) that lists and watches read;
+* :mod:`~kubeproxy.testing.fakeapi.faults`: the injected failures and the open watches
+  that drops and expiries act on;
+* :mod:`~kubeproxy.testing.fakeapi.listener`: the socket, threads and connections (start,
+  stop as a killed server);
+* :mod:`~kubeproxy.testing.fakeapi.serving`: what each request gets;
+  :mod:`~kubeproxy.testing.fakeapi.listwatch`: a list's pages and a watch's stream;
 * :mod:`~kubeproxy.testing.fakeapi.resources`: the resources served, by name and kind;
 * :mod:`~kubeproxy.testing.fakeapi.requestinfo`: a request as RBAC sees it
   (:class:`APIRequest`, :func:`allowed_by`) and as the server routes it;
