@@ -1,13 +1,20 @@
-"""What the READMEs and the packaging claim, checked against the code and the results.
+"""What the documents and the packaging claim, checked against the code and the results.
 
-* the benchmark figures (README) and the sizing table (images/README.md) are what
-  ``python -m bench.readme`` generates from the newest ``make bench`` results, and the
-  generator shows whatever subjects a run holds;
+* the generated figures (the README's headline, every figure in ``docs/benchmarks.md``,
+  the sizing table of images/README.md) are what ``python -m bench.readme`` generates
+  from the newest results, the headline and the full tables from the same run; the
+  generator shows whatever subjects a run holds; prose after generated figures that talks
+  of "this run" names the run the figures are from;
 * the DaemonSet's memory request is the sizing table's for the size its comment names;
-* the library example runs and prints what the README shows, the same lines as
-  ``examples/print_backend.py``; the README shows the example daemon
-  (``examples/nft_clusterip``) as it is, docstrings aside; every public name is in the
-  README's table;
+* the README's library example runs and prints what it shows, the same lines as
+  ``examples/print_backend.py``; docs/library.md shows the example daemon
+  (``examples/nft_clusterip``) as it is, docstrings aside, and every public name in its
+  table;
+* the README is a front door: at most 300 lines, linking every page of ``docs/``;
+* every relative link of every Markdown file reaches a tracked file through real paths
+  (no symlinked directory such as the top-level ``backends``), and its anchor a heading
+  there; every citation of a document's section (``docs/operators.md, "Surviving firewall
+  reloads"``) names a heading of that document;
 * nothing refers to a document the repository does not hold, and the mypy overrides name
   modules the code imports;
 * the build requirements can read the project's metadata.
@@ -36,6 +43,12 @@ from bench.targets import IPT_NFT, OURS
 REPO = Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text()
 IMAGES_README = (REPO / "images" / "README.md").read_text()
+DOCS = REPO / "docs"
+DOCS_PAGES = ("operators", "library", "kernels-and-images", "benchmarks", "design")
+"""The pages the README's content moved to (issue 33); each must exist and be linked."""
+LIBRARY = (DOCS / "library.md").read_text()
+BENCHMARKS = (DOCS / "benchmarks.md").read_text()
+README_MAX_LINES = 300
 
 
 def section(text: str, title: str) -> str:
@@ -49,16 +62,19 @@ def section(text: str, title: str) -> str:
 # --- generated figures --------------------------------------------------------------------
 
 
-def test_the_readmes_figures_are_the_newest_full_runs() -> None:
+def test_the_generated_figures_are_the_newest_full_runs() -> None:
     assert readme.stale() == [], "run: .venv/bin/python -m bench.readme"
     path, run = readme.newest_run()
-    for generated in (README, IMAGES_README):
+    # The README's headline and the benchmarks page's tables: one run, the newest.
+    for generated in (README, BENCHMARKS, IMAGES_README):
         assert f"at commit {run['machine']['commit']} on {run['machine']['date'][:10]}" in (
             generated
         )
         assert str(path.relative_to(REPO)) in generated
-    # One set of figures: the section is the only place the README quotes a run.
+    # One set of figures: the generated section is the only place each quotes a run.
     assert README.count("Measured by `make bench`") == 1
+    assert BENCHMARKS.count("Measured by `make bench`") == 1
+    assert "<!-- headline:begin" in README and "<!-- bench:begin" in BENCHMARKS
 
 
 def test_a_selection_of_make_bench_is_not_recorded_as_a_full_run() -> None:
@@ -73,10 +89,55 @@ def test_a_selection_of_make_bench_is_not_recorded_as_a_full_run() -> None:
 
 
 def test_a_stale_section_is_found(tmp_path: Path) -> None:
-    copied = tmp_path / "README.md"
-    copied.write_text(README.replace("| cold sync, 10k |", "| cold sync, 10k (edited) |"))
-    sections = [readme.Section(copied, "bench", readme_summary)]
+    copied = tmp_path / "benchmarks.md"
+    copied.write_text(BENCHMARKS.replace("| cold sync, 10k |", "| cold sync, 10k (edited) |"))
+    sections = [readme.Section(copied, "bench", readme.benchmarks_summary)]
     assert readme.stale(sections) == [copied]
+    headline = tmp_path / "README.md"
+    headline.write_text(README.replace("| 10k |", "| 10k (edited) |", 1))
+    assert readme.stale([readme.Section(headline, "headline", readme.headline)]) == [headline]
+
+
+def generated_sources() -> dict[str, str]:
+    """Each generated section of the benchmarks page: the results file it is from."""
+    sources = {}
+    for section_ in readme.SECTIONS:
+        if section_.path == DOCS / "benchmarks.md":
+            path, _ = (section_.newest or readme.newest_run)(readme.RESULTS)
+            sources[section_.name] = str(path.relative_to(REPO))
+    return sources
+
+
+def prose_naming_another_run(text: str, sources: dict[str, str]) -> list[str]:
+    """The hand-written text after a generated section (up to the next heading) when it
+    speaks of "this run" or "the run above" without naming the results file the section
+    is from: prose that outlived the figures it explained."""
+    found = []
+    for name, source in sources.items():
+        after = text.split(f"<!-- {name}:end -->\n", 1)[1]
+        heading = re.search(r"^#{1,6} ", after, re.MULTILINE)
+        prose = after[: heading.start() if heading else None]
+        speaks = re.search(r"\b(this run|the run above)\b", prose, re.IGNORECASE)
+        if speaks and source not in prose:
+            found.append(f"{name}: {prose[speaks.start() : speaks.start() + 80]!r}")
+    return found
+
+
+def test_prose_after_the_generated_figures_names_their_run() -> None:
+    sources = generated_sources()
+    assert set(sources) == {"bench", "programming"}
+    assert prose_naming_another_run(BENCHMARKS, sources) == []
+
+
+def test_prose_explaining_an_older_run_is_found() -> None:
+    # What the README had: a paragraph on the two targets "this run missed", written for
+    # an older run, under a table of a newer one where both hold.
+    stale = BENCHMARKS.replace(
+        "<!-- bench:end -->\n",
+        "<!-- bench:end -->\n\nThe two targets this run missed: the whole process at 5k "
+        "(`bench/results/20261126T001802Z-vm.json`).\n",
+    )
+    assert prose_naming_another_run(stale, generated_sources()) != []
 
 
 def run_with_extra_subject() -> dict[str, Any]:
@@ -128,11 +189,11 @@ def test_the_daemonsets_memory_request_is_the_sizing_tables() -> None:
         assert int(limit.removesuffix("Mi")) >= float(peak)
 
 
-# --- the library and the README -----------------------------------------------------------
+# --- the library: the README and docs/library.md --------------------------------------------
 
 
 def test_the_readmes_library_example_prints_what_it_shows_as_print_backend_does() -> None:
-    library = section(README, "The core as a library")
+    library = section(README, "The library in brief")
     code = re.search(r"```python\n(.*?)```", library, re.DOTALL)
     shown = re.search(r"```\n\$ [^\n]*\n(.*?)```", library, re.DOTALL)
     assert code is not None and shown is not None
@@ -166,8 +227,8 @@ def without_docstrings(source: str) -> str:
     return ast.dump(tree)
 
 
-def test_the_readme_shows_the_example_daemon_as_it_is() -> None:
-    text = section(README, "The core as a library").split("### A whole proxy", 1)[1]
+def test_the_library_page_shows_the_example_daemon_as_it_is() -> None:
+    text = section(LIBRARY, "A whole proxy: the library daemon")
     code = re.search(r"```python\n(.*?)```", text, re.DOTALL)
     assert code is not None
     example = (REPO / "examples" / "nft_clusterip" / "nft_clusterip.py").read_text()
@@ -175,8 +236,8 @@ def test_the_readme_shows_the_example_daemon_as_it_is() -> None:
     assert "run_daemon(options, ClusterIPBackend" in code.group(1)
 
 
-def test_every_public_name_is_in_the_readmes_table() -> None:
-    table = section(README, "The core as a library").split("Public names", 1)[1]
+def test_every_public_name_is_in_the_library_pages_table() -> None:
+    table = section(LIBRARY, "Public names")
     listed = {
         name
         for line in table.splitlines()
@@ -187,7 +248,7 @@ def test_every_public_name_is_in_the_readmes_table() -> None:
 
 
 def test_the_flow_case_section_shows_a_backend_of_ones_own() -> None:
-    text = section(README, "Proving a backend with real packets")
+    text = section(LIBRARY, "Proving a backend with real packets")
     assert "`module:attribute`" in text
     assert re.search(r"--backend [\w.]+:\w+ ", text)
     help_text = subprocess.run(
