@@ -25,6 +25,7 @@ from __future__ import annotations
 import ast
 import copy
 import json
+import posixpath
 import re
 import shlex
 import subprocess
@@ -330,3 +331,124 @@ def test_every_benchmark_run_says_where_it_was_measured() -> None:
         commit = machine.get("commit") or run.get("commit")
         date = machine.get("date") or run.get("when")
         assert commit and date and run["command"]
+
+
+# --- the front door and its links ---------------------------------------------------------
+
+
+def test_the_readme_is_a_front_door() -> None:
+    lines = README.count("\n")
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move prose to docs/"
+
+
+def markdown_links(text: str) -> list[str]:
+    """The targets of the Markdown links and images in ``text``, outside code."""
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.MULTILINE | re.DOTALL)
+    prose = re.sub(r"`[^`\n]*`", "", prose)
+    return re.findall(r"!?\[[^\]]*\]\(([^)\s]+)\)", prose)
+
+
+def test_every_docs_page_exists_and_is_linked_from_the_readme() -> None:
+    linked = {target.split("#", 1)[0] for target in markdown_links(README)}
+    tracked = {p.relative_to(REPO).as_posix() for p in tracked_text_files()}
+    for page in DOCS_PAGES:
+        assert f"docs/{page}.md" in tracked, f"docs/{page}.md is not in the repository"
+        assert f"docs/{page}.md" in linked, f"README.md does not link docs/{page}.md"
+    # And no page of docs/ is left out of the front door.
+    pages = {p for p in tracked if p.startswith("docs/") and p.endswith(".md")}
+    assert pages <= linked, pages - linked
+
+
+def heading_anchors(text: str) -> set[str]:
+    """The anchors a code host gives the headings of a Markdown text: lower case, what is
+    not a letter, digit, space, ``-`` or ``_`` dropped, spaces as ``-``; a repeated one
+    numbered (``-1``, ``-2``)."""
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.MULTILINE | re.DOTALL)
+    anchors: set[str] = set()
+    for title in re.findall(r"^#{1,6} +(.+?)\s*#*$", prose, re.MULTILINE):
+        anchor = re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+        numbered, n = anchor, 0
+        while numbered in anchors:
+            n += 1
+            numbered = f"{anchor}-{n}"
+        anchors.add(numbered)
+    return anchors
+
+
+def broken_links(markdown: Path, root: Path, tracked: set[str]) -> list[str]:
+    """The relative links of ``markdown`` that do not reach a tracked file (or a folder
+    of tracked files) through real paths: each path segment is looked at as written and
+    none may be a symlink (code hosts do not follow them), and an anchor must be a
+    heading of the Markdown file it points into."""
+    broken = []
+    here = markdown.parent.relative_to(root).as_posix()
+    for target in markdown_links(markdown.read_text()):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):
+            continue  # https:, mailto:
+        path, _, anchor = target.partition("#")
+        where = posixpath.normpath(posixpath.join(here, path)) if path else None
+        if where is None:
+            where = markdown.relative_to(root).as_posix()
+        elif where == ".." or where.startswith("../"):
+            broken.append(f"{target}: outside the repository")
+            continue
+        segments = where.split("/") if where != "." else []
+        symlinked = [
+            "/".join(segments[: i + 1])
+            for i in range(len(segments))
+            if (root.joinpath(*segments[: i + 1])).is_symlink()
+        ]
+        if symlinked:
+            broken.append(f"{target}: through the symlink {symlinked[0]}")
+            continue
+        if where not in tracked and not any(t.startswith(f"{where}/") for t in tracked):
+            broken.append(f"{target}: no such tracked file")
+            continue
+        checked = anchor and where.endswith(".md") and not re.fullmatch(r"L\d+(-L\d+)?", anchor)
+        if checked and anchor not in heading_anchors((root / where).read_text()):
+            broken.append(f"{target}: no heading #{anchor} in {where}")
+    return broken
+
+
+def tracked_files() -> set[str]:
+    return set(
+        subprocess.run(
+            ["git", "-C", str(REPO), "ls-files"], capture_output=True, text=True, check=True
+        ).stdout.split()
+    )
+
+
+def test_every_relative_link_reaches_a_tracked_file_through_real_paths() -> None:
+    tracked = tracked_files()
+    broken = [
+        f"{name}: {problem}"
+        for name in sorted(tracked)
+        if name.endswith(".md") and (REPO / name).is_file()
+        for problem in broken_links(REPO / name, REPO, tracked)
+    ]
+    assert broken == []
+
+
+def test_a_link_through_a_symlink_or_to_a_missing_heading_is_found(tmp_path: Path) -> None:
+    package = tmp_path / "kubeproxy" / "backends" / "nftables"
+    package.mkdir(parents=True)
+    (package / "README.md").write_text("# nftables backend\n\n## The owned table\n")
+    (tmp_path / "backends").symlink_to("kubeproxy/backends")
+    (tmp_path / "docs").mkdir()
+    page = tmp_path / "docs" / "page.md"
+    good = "../kubeproxy/backends/nftables/README.md#the-owned-table"
+    page.write_text(
+        f"# Page\n\n[ok]({good}), [here](#page), `[code](nowhere.md)`\n\n"
+        "[via the symlink](../backends/nftables/README.md)\n"
+        "[no heading](../kubeproxy/backends/nftables/README.md#structure)\n"
+        "[no file](operators.md) [out](../../x.md) [no anchor](#nothing)\n"
+    )
+    tracked = {"kubeproxy/backends/nftables/README.md", "docs/page.md"}
+    assert broken_links(page, tmp_path, tracked) == [
+        "../backends/nftables/README.md: through the symlink backends",
+        "../kubeproxy/backends/nftables/README.md#structure: no heading #structure in "
+        "kubeproxy/backends/nftables/README.md",
+        "operators.md: no such tracked file",
+        "../../x.md: outside the repository",
+        "#nothing: no heading #nothing in docs/page.md",
+    ]
