@@ -452,3 +452,114 @@ def test_a_link_through_a_symlink_or_to_a_missing_heading_is_found(tmp_path: Pat
         "../../x.md: outside the repository",
         "#nothing: no heading #nothing in docs/page.md",
     ]
+
+
+# --- citations of a document's section ----------------------------------------------------
+
+QUALIFIED = {
+    "top-level": "README.md",
+    "main": "README.md",
+    "nftables": "kubeproxy/backends/nftables/README.md",
+    "iptables": "kubeproxy/backends/iptables/README.md",
+    "ipvs": "kubeproxy/backends/ipvs/README.md",
+    "bench": "bench/README.md",
+    "images": "images/README.md",
+}
+"""``the nftables README``: the README a qualifier names."""
+
+CITATION = re.compile(
+    r"""(?:\b(?P<qualifier>top-level|main|nftables|iptables|ipvs|bench|images)\s+)?"""
+    r"""(?<![\w/.-])(?P<doc>(?:[\w.-]+/)*(?:README(?:\.md)?|[\w-]+\.md))`?"""
+    r"""(?:'s)?(?:\ssection)?(?:[:,]\s*|\s+)(?:\#\s*)?\(?"""
+    r"""(?P<titles>"[^"]{1,100}"(?:,\s*"[^"]{1,100}")*)"""
+)
+"""A document named, then the section quoted: ``README: "Kernels tested"``, ``the README
+section "Network programming latency"``, ``docs/operators.md, "Surviving firewall
+reloads"``, ``package README ("Service names", "Reading the table back")``."""
+
+
+def cited_document(citing: Path, doc: str, root: Path, qualifier: str | None) -> Path | None:
+    """The file a citation names: a path from the repository's top or the citing file's
+    folder; ``the nftables README`` the one :data:`QUALIFIED` says; a bare ``README`` the
+    nearest one above the citing file."""
+    if qualifier and doc.startswith("README"):
+        return root / QUALIFIED[qualifier]
+    if "/" in doc:
+        for base in (root, citing.parent):
+            if (base / doc).is_file():
+                return base / doc
+        return None
+    folder = citing.parent
+    while True:
+        found = folder / ("README.md" if doc.startswith("README") else doc)
+        if found.is_file():
+            return found
+        if folder == root:
+            return None
+        folder = folder.parent
+
+
+def section_titles(text: str) -> list[str]:
+    """What a citation may name: the headings, and the bold leads of a paragraph or a list
+    item (``* **Reading the table back** (...)``), which the package READMEs use as
+    sections."""
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.MULTILINE | re.DOTALL)
+    titles = re.findall(r"^#{1,6} +(.+?)\s*#*$", prose, re.MULTILINE)
+    titles += re.findall(r"^(?:[*-] +)?\*\*([^*\n]+?)\.?\*\*", prose, re.MULTILINE)
+    return [t.strip() for t in titles]
+
+
+def dangling_citations(citing: Path, root: Path) -> list[str]:
+    """The sections ``citing`` quotes of a document that has no heading starting so."""
+    dangling = []
+    for match in CITATION.finditer(citing.read_text(errors="replace")):
+        document = cited_document(citing, match["doc"], root, match["qualifier"])
+        if document is None or document.suffix != ".md":
+            continue  # a document the references test finds, or not a Markdown one
+        headings = [h.replace("`", "") for h in section_titles(document.read_text())]
+        for quoted in re.findall(r'"([^"]+)"', match["titles"]):
+            title = " ".join(quoted.replace("#", " ").split()).replace("`", "")
+            if not any(h == title or h.startswith((f"{title} ", f"{title}:")) for h in headings):
+                where = document.relative_to(root)
+                dangling.append(f"{citing.relative_to(root)}: {where} has no {title!r}")
+    return dangling
+
+
+def test_every_cited_section_is_a_heading_of_the_document_named() -> None:
+    dangling = [
+        problem
+        for path in tracked_text_files()
+        if path != Path(__file__).resolve()
+        for problem in dangling_citations(path, REPO)
+    ]
+    assert dangling == []
+
+
+def test_a_citation_of_a_section_that_moved_is_found(tmp_path: Path) -> None:
+    (tmp_path / "README.md").write_text("# project\n\n## The two commands\n")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "operators.md").write_text(
+        "# Operators\n\n## Surviving firewall reloads\n"
+    )
+    package = tmp_path / "kubeproxy" / "backends" / "nftables"
+    package.mkdir(parents=True)
+    (package / "README.md").write_text("# nftables\n\n* **Reading the table back** (reader.py)\n")
+    makefile = tmp_path / "Makefile"
+    makefile.write_text(
+        '# Not part of bench (README:\n# "Surviving firewall reloads"); README: "The two\n'
+        '# commands"; docs/operators.md: "Surviving firewall reloads".\n'
+    )
+    module = package / "verify.py"
+    module.write_text(
+        '"""Read back (package README, "Reading the table back"; the top-level README,\n'
+        '"Reading the table back"; the nftables README ("Structure", "Reading the\n'
+        'table back"))."""\n'
+    )
+    assert dangling_citations(makefile, tmp_path) == [
+        "Makefile: README.md has no 'Surviving firewall reloads'"
+    ]
+    assert dangling_citations(module, tmp_path) == [
+        f"{module.relative_to(tmp_path)}: README.md has no 'Reading the table back'",
+        f"{module.relative_to(tmp_path)}: {package.relative_to(tmp_path)}/README.md has no "
+        "'Structure'",
+    ]
