@@ -25,6 +25,7 @@ from typing import Any
 
 from bench.floor_report import newest_document as newest_floor
 from bench.floor_report import render as render_floor
+from bench.programming_report import headline as programming_headline
 from bench.programming_report import newest_document
 from bench.programming_report import render as render_programming
 from bench.report import readme_headline, readme_summary, sizing_table
@@ -35,6 +36,7 @@ __all__ = [
     "Section",
     "benchmarks_summary",
     "headline",
+    "latency_headline",
     "main",
     "newest_run",
     "render",
@@ -83,8 +85,16 @@ def benchmarks_summary(run: dict[str, Any], source: str) -> str:
     return readme_summary(run, source, root="../")
 
 
+def latency_headline(document: dict[str, Any], source: str) -> str:
+    """The README's line on network programming, linking the page with the run's table."""
+    return programming_headline(
+        document, source, full=f"{BENCHMARKS_PAGE}#network-programming-latency"
+    )
+
+
 SECTIONS = (
     Section(REPO / "README.md", "headline", headline),
+    Section(REPO / "README.md", "latency", latency_headline, newest_document),
     Section(REPO / BENCHMARKS_PAGE, "bench", benchmarks_summary),
     Section(REPO / "images" / "README.md", "sizing", sizing_table),
     Section(REPO / BENCHMARKS_PAGE, "programming", render_programming, newest_document),

@@ -964,7 +964,7 @@ class Results:
         return [json_path, *plots, md_path]
 
 
-# --- the summaries the READMEs carry (bench/readme.py writes them) ------------------------
+# --- the summaries the documents carry (bench/readme.py writes them) ----------------------
 
 
 def _run_line(run: dict[str, Any], source: str) -> str:

@@ -38,6 +38,7 @@ import yaml
 
 import kubeproxy
 from bench import readme
+from bench.programming_report import newest_document as newest_programming
 from bench.report import readme_summary, recorded_command, sizing_table
 from bench.targets import IPT_NFT, OURS
 
@@ -76,6 +77,11 @@ def test_the_generated_figures_are_the_newest_full_runs() -> None:
     assert README.count("Measured by `make bench`") == 1
     assert BENCHMARKS.count("Measured by `make bench`") == 1
     assert "<!-- headline:begin" in README and "<!-- bench:begin" in BENCHMARKS
+    # The latency line and the latency table: the newest programming run, both.
+    latency, document = newest_programming(readme.RESULTS)
+    for generated in (README, BENCHMARKS):
+        assert f"at commit {document['commit']} on {document['when'][:10]}" in generated
+        assert str(latency.relative_to(REPO)) in generated
 
 
 def test_a_selection_of_make_bench_is_not_recorded_as_a_full_run() -> None:
@@ -97,6 +103,10 @@ def test_a_stale_section_is_found(tmp_path: Path) -> None:
     headline = tmp_path / "README.md"
     headline.write_text(README.replace("| 10k |", "| 10k (edited) |", 1))
     assert readme.stale([readme.Section(headline, "headline", readme.headline)]) == [headline]
+    latency = tmp_path / "README-latency.md"
+    latency.write_text(README.replace("Network programming, measured", "Network (edited)", 1))
+    section_ = readme.Section(latency, "latency", readme.latency_headline, newest_programming)
+    assert readme.stale([section_]) == [latency]
 
 
 def generated_sources() -> dict[str, str]:
