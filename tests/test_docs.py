@@ -519,6 +519,13 @@ def section_titles(text: str) -> list[str]:
     return [t.strip() for t in titles]
 
 
+def is_lead(title: str, heading: str) -> bool:
+    """``title`` is how ``heading`` starts, up to a word's end ("The owned table" of "The
+    owned table (`NFTablesOwnedTable`, ...)", "Switching modes" of "Switching modes, and
+    ...")."""
+    return heading.startswith(title) and not heading[len(title)].isalnum()
+
+
 def dangling_citations(citing: Path, root: Path) -> list[str]:
     """The sections ``citing`` quotes of a document that has no heading starting so."""
     dangling = []
@@ -529,7 +536,7 @@ def dangling_citations(citing: Path, root: Path) -> list[str]:
         headings = [h.replace("`", "") for h in section_titles(document.read_text())]
         for quoted in re.findall(r'"([^"]+)"', match["titles"]):
             title = " ".join(quoted.replace("#", " ").split()).replace("`", "")
-            if not any(h == title or h.startswith((f"{title} ", f"{title}:")) for h in headings):
+            if not any(h == title or is_lead(title, h) for h in headings):
                 where = document.relative_to(root)
                 dangling.append(f"{citing.relative_to(root)}: {where} has no {title!r}")
     return dangling
@@ -557,7 +564,8 @@ def test_a_citation_of_a_section_that_moved_is_found(tmp_path: Path) -> None:
     makefile = tmp_path / "Makefile"
     makefile.write_text(
         '# Not part of bench (README:\n# "Surviving firewall reloads"); README: "The two\n'
-        '# commands"; docs/operators.md: "Surviving firewall reloads".\n'
+        '# commands"; docs/operators.md: "Surviving firewall reloads", "Surviving\n'
+        '# firewall"; docs/operators.md: "Surviving fire".\n'
     )
     module = package / "verify.py"
     module.write_text(
@@ -566,7 +574,8 @@ def test_a_citation_of_a_section_that_moved_is_found(tmp_path: Path) -> None:
         'table back"))."""\n'
     )
     assert dangling_citations(makefile, tmp_path) == [
-        "Makefile: README.md has no 'Surviving firewall reloads'"
+        "Makefile: README.md has no 'Surviving firewall reloads'",
+        "Makefile: docs/operators.md has no 'Surviving fire'",
     ]
     assert dangling_citations(module, tmp_path) == [
         f"{module.relative_to(tmp_path)}: README.md has no 'Reading the table back'",
