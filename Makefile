@@ -43,8 +43,8 @@ test-image: setup
 
 # Every kernel test and flow case on Debian's kernels (tests/vm/kernels.txt), each booted
 # in QEMU under emulation with virtme-ng; setup-kernels installs QEMU and fetches the
-# kernels from Debian's packages into .cache/kernels. Not part of `make test` (README:
-# "Kernels tested" says what it costs). KERNELS_ARGS: `--only debian12-6.1`, or pytest
+# kernels from Debian's packages into .cache/kernels. Not part of `make test`
+# (docs/kernels-and-images.md: "Kernels tested" says what it costs). KERNELS_ARGS: `--only debian12-6.1`, or pytest
 # arguments after `--`.
 .PHONY: setup-kernels test-kernels test-kernels-ci
 setup-kernels:
@@ -65,7 +65,7 @@ test-kernels-ci:
 # machine's kernel at native speed, side by side with this machine's own (host): each
 # root filesystem built with mmdebstrap into .cache/userspace/<suite>/ (kept until its
 # inputs change) with its own venv, run in mount and PID namespaces of its own. Not part
-# of `make test` (README: "Userspaces tested" says what it costs). One userspace:
+# of `make test` (docs/kernels-and-images.md: "Userspaces tested" says what it costs). One userspace:
 # `make test-userspace USERSPACES=trixie`; pytest arguments: USERSPACE_ARGS='-- -k x'.
 USERSPACES ?= host trixie sid
 .PHONY: setup-userspace test-userspace
@@ -78,7 +78,7 @@ test-userspace: setup-userspace
 # Benchmarks: our nftables and iptables backends and upstream's nftables rule structure,
 # side by side (bench/README.md). bench-quick: a few minutes; bench: everything (long).
 # Results: bench/results/latest.md, PNG plots and one JSON file per run; then
-# `python -m bench.readme` puts the figures into the READMEs. Never part of `make test`.
+# `python -m bench.readme` puts the figures into README.md and docs/benchmarks.md. Never part of `make test`.
 # bench-micro: the core and the renderers in memory (bench/test_micro.py, about a
 # minute), compared with the committed baseline; fails when a minimum is 20 % slower.
 .PHONY: bench bench-quick bench-micro bench-micro-baseline
@@ -101,13 +101,13 @@ bench: setup
 		--benchmark-sort=name $(BENCH_ARGS)
 
 # Repair times after someone else removes our rules, 10k Services by default
-# (bench/selfheal.py; README: "Surviving firewall reloads"). Not part of bench.
+# (bench/selfheal.py; docs/operators.md: "Surviving firewall reloads"). Not part of bench.
 .PHONY: bench-selfheal
 bench-selfheal: setup
 	$(PY) -m bench.selfheal $(SELFHEAL_ARGS)
 
 # Taking a node over from upstream's kube-proxy (and between our modes) at scale:
-# bench/takeover.py, README "Replacing kube-proxy". Not part of bench.
+# bench/takeover.py, images/README.md: "Replacing kube-proxy". Not part of bench.
 .PHONY: bench-takeover
 bench-takeover: setup
 	$(PY) -m bench.takeover $(TAKEOVER_ARGS)
@@ -123,8 +123,8 @@ soak: setup
 	$(PY) -m bench.soak $(SOAK_ARGS)
 
 # Connections to Services while others flush, delete and reload, with the owned table and
-# with today's unowned one side by side, 10k Services by default (bench/owned.py; README:
-# "Surviving firewall reloads"). Not part of bench.
+# with today's unowned one side by side, 10k Services by default (bench/owned.py;
+# docs/operators.md: "Surviving firewall reloads"). Not part of bench.
 .PHONY: bench-owned
 bench-owned: setup
 	$(PY) -m bench.owned $(OWNED_ARGS)

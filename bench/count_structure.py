@@ -10,11 +10,12 @@ owned table writes them), and times the same changes against each, the structure
 order alternating every round; then real TCP connects through the deepest count:
 
 ``shipped``
-    the structure of ``kubeproxy/backends/nftables`` (README "Structure"), approximated:
-    one class chain per (kind, shape, count), one pick chain per (kind, count) whose three
-    rules (tcp, udp, sctp) read the slot map of the count's bucket (its bit length), the
-    class tree of ``class-bit-*`` sets (numbers by popularity, fewest bits first, never
-    more than 8 set). A never-seen count adds its chains and rewrites its tree parent.
+    the structure of ``kubeproxy/backends/nftables`` (the nftables README, "Structure"),
+    approximated: one class chain per (kind, shape, count), one pick chain per (kind,
+    count) whose three rules (tcp, udp, sctp) read the slot map of the count's bucket (its
+    bit length), the class tree of ``class-bit-*`` sets (numbers by popularity, fewest
+    bits first, never more than 8 set). A never-seen count adds its chains and rewrites its
+    tree parent.
 ``data``
     the README's sketch: the class is its shape only (3 shape chains); each pick family
     (kind, protocol) is 32 chains, one per ``count-hi`` value ((N - 1) >> 5), reached by a

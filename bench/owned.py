@@ -23,7 +23,7 @@ For each mode and disruption: how often the command was refused (the owned table
 command's return to its last failed connection), and the proxy's own repair time
 (``repaired X s after someone else changed them``, self-healing's line), with the
 repairs counted. Prints a table and writes JSON (``--json``). Not part of ``make test``
-nor of ``make bench``: the figures go to the README's "Surviving firewall reloads".
+nor of ``make bench``: the figures go to docs/operators.md, "Surviving firewall reloads".
 """
 
 from __future__ import annotations

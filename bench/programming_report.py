@@ -2,9 +2,10 @@
 
 :mod:`bench.test_programming` writes one JSON document per run
 (``bench/results/<date>-programming-<host>.json``) and ``bench/results/programming.md``;
-``python -m bench.readme`` renders the newest document into the top-level README's
-``programming`` section (:func:`readme_section`). Both come from :func:`render`, so the
-README and the Markdown file say the same thing.
+``python -m bench.readme`` renders the newest document into the ``programming`` section
+of ``docs/benchmarks.md`` (:func:`readme_section`) and its :func:`headline` into the
+top-level README's ``latency`` section. The tables come from :func:`render`, so the page
+and the Markdown file say the same thing.
 
 Targets (issue 29, item 3), judged on the shipped runner (``paced``):
 
@@ -32,6 +33,7 @@ __all__ = [
     "QUEUE_SLACK_MS",
     "TARGET_CPU_SHARE",
     "TARGET_P99_MS",
+    "headline",
     "newest_document",
     "queue_tolerance_ms",
     "queued",
@@ -254,8 +256,53 @@ def render(document: dict[str, Any], source: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def headline(document: dict[str, Any], source: str, *, full: str = "") -> str:
+    """The top-level README's line on network programming: the shipped runner at the
+    target size and rate, paced against upstream's fixed second, and which targets hold.
+    ``full`` links the page with the run's whole table."""
+    records: list[dict[str, Any]] = document["records"]
+    paced = _find(records, TARGET_SIZE, BASE_RATE, False)
+    fixed = next(
+        (
+            r
+            for r in records
+            if (r["services"], r["rate"]) == (TARGET_SIZE, BASE_RATE)
+            and r["before"]
+            and "minSyncPeriod" in r["runner"]
+        ),
+        None,
+    )
+    checks = targets(records)
+    missed = [target for target, _, held in checks if held is False]
+    lines = [
+        f"Network programming, measured by `{_command(document)}` at commit "
+        f"{document['commit']} on {document['when'][:10]} (`{source}`): from the API server "
+        "accepting an EndpointSlice update to the kernel committing it"
+        + (f" ([{full.split('#', 1)[0]}]({full}))" if full else "")
+        + "."
+    ]
+    if paced is not None:
+        text = (
+            f"At {_size(TARGET_SIZE)} Services and {BASE_RATE:g} updates a second: p50 "
+            f"{_number(paced['p50_ms'])} ms, p99 {_number(paced['p99_ms'])} ms, the daemon's "
+            f"CPU {paced['cpu_share']:.1%} of a core"
+        )
+        if fixed is not None:
+            text += (
+                f" (with upstream's fixed `minSyncPeriod` of 1 s: p50 "
+                f"{_number(fixed['p50_ms'])} ms, p99 {_number(fixed['p99_ms'])} ms)"
+            )
+        lines.append(text + ".")
+    held = sum(1 for _, _, h in checks if h)
+    lines.append(
+        f"Targets: {held} of {len(checks)} hold"
+        + ("; missed: " + "; ".join(f"*{m}*" for m in missed) + "." if missed else ".")
+    )
+    return "\n".join(lines) + "\n"
+
+
 def readme_section(results: Path, repo: Path) -> str:
-    """The README's generated section, from the newest document in ``results``."""
+    """The benchmarks page's generated section, from the newest document in ``results``."""
     path, document = newest_document(results)
     source = path.relative_to(repo) if path.is_relative_to(repo) else path
     return render(document, str(source))

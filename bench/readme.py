@@ -1,12 +1,15 @@
-"""Write the benchmark figures the READMEs show, from the newest full run's results.
+"""Write the benchmark figures the documents show, from the newest runs' results.
 
-The top-level README's benchmark section and the sizing table of ``images/README.md``
-sit between marker comments and are generated, never edited by hand, from the newest
-``bench/results/*.json`` of a ``make bench`` run (:func:`newest_run`), so the figures
-shown are one current set with its commit and date. ``tests/test_docs.py`` fails when
-they differ from what this module generates from the committed results.
+The top-level README's headline figures, the full tables of ``docs/benchmarks.md`` and
+the sizing table of ``images/README.md`` sit between marker comments and are generated,
+never edited by hand, from the newest ``bench/results/*.json`` of a ``make bench`` run
+(:func:`newest_run`; the headline and the full tables from the same run), so the figures
+shown are one current set with its commit and date; the network-programming and
+kernel-floor tables likewise from their own benchmarks' newest documents.
+``tests/test_docs.py`` fails when they differ from what this module generates from the
+committed results.
 
-    python -m bench.readme           # rewrite both sections
+    python -m bench.readme           # rewrite every section
     python -m bench.readme --check   # exit 1, naming the file, if one is stale
 """
 
@@ -22,11 +25,23 @@ from typing import Any
 
 from bench.floor_report import newest_document as newest_floor
 from bench.floor_report import render as render_floor
+from bench.programming_report import headline as programming_headline
 from bench.programming_report import newest_document
 from bench.programming_report import render as render_programming
-from bench.report import readme_summary, sizing_table
+from bench.report import readme_headline, readme_summary, sizing_table
 
-__all__ = ["SECTIONS", "Section", "main", "newest_run", "render", "stale"]
+__all__ = [
+    "BENCHMARKS_PAGE",
+    "SECTIONS",
+    "Section",
+    "benchmarks_summary",
+    "headline",
+    "latency_headline",
+    "main",
+    "newest_run",
+    "render",
+    "stale",
+]
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -56,10 +71,33 @@ class Section:
         return f"<!-- {self.name}:end -->"
 
 
+BENCHMARKS_PAGE = "docs/benchmarks.md"
+"""The page with every generated figure of the newest full run (the README has a few)."""
+
+
+def headline(run: dict[str, Any], source: str) -> str:
+    """The README's headline figures, linking the page with the run's full tables."""
+    return readme_headline(run, source, full=f"{BENCHMARKS_PAGE}#how-fast-side-by-side")
+
+
+def benchmarks_summary(run: dict[str, Any], source: str) -> str:
+    """The full tables of ``docs/benchmarks.md``, its links made from ``docs/``."""
+    return readme_summary(run, source, root="../")
+
+
+def latency_headline(document: dict[str, Any], source: str) -> str:
+    """The README's line on network programming, linking the page with the run's table."""
+    return programming_headline(
+        document, source, full=f"{BENCHMARKS_PAGE}#network-programming-latency"
+    )
+
+
 SECTIONS = (
-    Section(REPO / "README.md", "bench", readme_summary),
+    Section(REPO / "README.md", "headline", headline),
+    Section(REPO / "README.md", "latency", latency_headline, newest_document),
+    Section(REPO / BENCHMARKS_PAGE, "bench", benchmarks_summary),
     Section(REPO / "images" / "README.md", "sizing", sizing_table),
-    Section(REPO / "README.md", "programming", render_programming, newest_document),
+    Section(REPO / BENCHMARKS_PAGE, "programming", render_programming, newest_document),
     Section(REPO / "bench" / "README.md", "floor", render_floor, newest_floor),
 )
 

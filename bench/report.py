@@ -74,6 +74,7 @@ from typing import Any
 
 from bench.targets import (
     CHAINS,
+    IPT_NFT,
     NO_RULES,
     OURS,
     SUBJECT_ORDER,
@@ -94,6 +95,7 @@ __all__ = [
     "Results",
     "machine_info",
     "newest_document",
+    "readme_headline",
     "readme_summary",
     "render_markdown",
     "sizing_table",
@@ -962,7 +964,7 @@ class Results:
         return [json_path, *plots, md_path]
 
 
-# --- the summaries the READMEs carry (bench/readme.py writes them) ------------------------
+# --- the summaries the documents carry (bench/readme.py writes them) ----------------------
 
 
 def _run_line(run: dict[str, Any], source: str) -> str:
@@ -993,10 +995,12 @@ def _sync_summary_cell(r: Record | None, base: Record | None) -> str:
     return _compared(r["seconds"], reference, f"{_seconds(r['seconds'])} s")
 
 
-def readme_summary(run: dict[str, Any], source: str) -> str:
-    """The README's benchmark section for one run (``source``: its results file):
-    where it was measured, one row per measurement and size, a column per subject the
-    run holds (ratios to nftables in parentheses), the targets, the plots."""
+def readme_summary(run: dict[str, Any], source: str, *, root: str = "") -> str:
+    """The benchmark section of ``docs/benchmarks.md`` for one run (``source``: its
+    results file): where it was measured, one row per measurement and size, a column per
+    subject the run holds (ratios to nftables in parentheses), the targets, the plots.
+    ``root`` is the way from the page to the repository's top (``"../"`` from ``docs/``),
+    for its links."""
     records = run["records"]
     titles = subject_titles(run)
     subjects = [s for s in SUBJECT_ORDER if any(r["subject"] == s for r in records)]
@@ -1044,7 +1048,7 @@ def readme_summary(run: dict[str, Any], source: str) -> str:
         _run_line(run, source),
         "Seconds end to end (Kubernetes objects in memory to rules committed), "
         "N Services x 10 endpoints; in parentheses, the ratio to nftables. Every figure of "
-        "the run: [`bench/results/latest.md`](bench/results/latest.md).",
+        f"the run: [`bench/results/latest.md`]({root}bench/results/latest.md).",
         "",
         *_table(["", *(titles.get(s, s) for s in subjects)], rows),
         "",
@@ -1058,7 +1062,66 @@ def readme_summary(run: dict[str, Any], source: str) -> str:
         ((c.target, c.measured, _verdict(c.holds)) for c in checks),
     )
     for plot in run.get("plots") or []:
-        lines += ["", f"![{Path(plot).stem}](bench/results/{Path(plot).name})"]
+        lines += ["", f"![{Path(plot).stem}]({root}bench/results/{Path(plot).name})"]
+    return "\n".join(lines) + "\n"
+
+
+def readme_headline(run: dict[str, Any], source: str, *, full: str = "") -> str:
+    """The top-level README's headline figures for one run: the shipped nftables backend
+    by size (cold sync, endpoint change, first connection, peak memory), the cold sync of
+    iptables-nft and of upstream's nftables structure beside it, and which targets hold.
+    ``full`` links the page with every figure of the same run."""
+    records = run["records"]
+    titles = subject_titles(run)
+    others = [s for s in (IPT_NFT, UPSTREAM) if any(r["subject"] == s for r in records)]
+    colds = [r for r in records if r["kind"] == "cold" and plain(r) and r["subject"] == OURS]
+    incremental = find(records, kind="incremental", op="endpoint", subject=OURS)
+    first = find(records, kind="dataplane", case="service-10", subject=OURS)
+    rows = []
+    for n in sorted({r["services"] for r in colds}):
+        base = full_sync(records, n, OURS, kind="cold")
+        change = one(incremental, services=n)
+        connection = one(first, services=n)
+        rows.append(
+            [
+                size_label(n),
+                _sync_summary_cell(base, None),
+                "-" if change is None else f"{change['median_ms']:.1f} ms",
+                "-" if connection is None else f"{connection['p50_us']:.0f} us",
+                "-" if base is None else f"{_mb_cell(base.get('proxy_peak_mb'))} MB",
+                *(_sync_summary_cell(full_sync(records, n, s, kind="cold"), base) for s in others),
+            ]
+        )
+    targets = run.get("targets")
+    checks = (
+        [TargetCheck(**t) for t in targets] if targets is not None else evaluate_targets(records)
+    )
+    missed = [c.target for c in checks if c.holds is False]
+    held = sum(1 for c in checks if c.holds)
+    verdicts = f"Targets: {held} of {len(checks)} hold" + (
+        "; missed: " + "; ".join(f"*{m}*" for m in missed) + "." if missed else "."
+    )
+    page = full.split("#", 1)[0]
+    where = f" (every figure, the targets and the plots: [{page}]({full}))" if full else ""
+    lines = [
+        _run_line(run, source),
+        f"Seconds end to end, N Services x 10 endpoints{where}; in parentheses, the ratio "
+        "to nftables.",
+        "",
+        *_table(
+            [
+                "Services",
+                f"cold sync, {titles.get(OURS, OURS)}",
+                "endpoint change (median)",
+                "first connection p50",
+                "peak memory (cold)",
+                *(f"cold sync, {titles.get(s, s)}" for s in others),
+            ],
+            rows,
+        ),
+        "",
+        verdicts,
+    ]
     return "\n".join(lines) + "\n"
 
 

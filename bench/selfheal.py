@@ -25,7 +25,7 @@ the report to the end of the repairing full sync), the outage the prober saw (fr
 damage command's return to its last failed connection), the failed connections, and the
 target: back within (cold full-sync time + 1 s). Prints a table and writes JSON
 (``--json``). Not part of ``make test`` nor of ``make bench``'s default run: the numbers
-go to the README's "Surviving firewall reloads".
+go to docs/operators.md, "Surviving firewall reloads".
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ Reported per case, from the proxy's process start (its log's timestamps): our ru
 (the takeover's "Took the node over" line: our table swept, the other modes' leftovers
 removed), checked afterwards (nothing of the previous proxy in ``nft`` or
 ``iptables-save``), and the failed connections from the start to a second after that.
-Not part of ``make test`` nor of ``make bench``: the figures go to the README's "Replacing
+Not part of ``make test`` nor of ``make bench``: the figures go to `images/README.md`'s "Replacing
 kube-proxy".
 """
 

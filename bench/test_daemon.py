@@ -46,7 +46,7 @@ def cluster(services: int) -> list[SyntheticService]:
 
 # (source, Services, partial syncs timed, memory split). The first sync and start-up are
 # measured in every case; the YAML directory only at 10k and 30k (its parsing alone is
-# most of a start there, see the README), the split at 100k.
+# most of a start there, see docs/operators.md), the split at 100k.
 DAEMON_CASES = [
     pytest.param("api", 1 * K, 5, False, marks=quick, id="api-1k"),
     pytest.param("manifests", 1 * K, 5, False, marks=quick, id="manifests-1k"),

@@ -10,7 +10,8 @@ in a fresh namespace with a fresh fake API server over the same cluster, take 50
 EndpointSlice updates a second for :data:`BASE_SECONDS`, then ten times that for
 :data:`FAST_SECONDS` (:mod:`bench.programming` says what is measured and how). Results go
 to ``bench/results/<date>-programming-<host>.json`` and ``bench/results/programming.md``,
-apart from ``latest.md``; ``python -m bench.readme`` carries them into the README.
+apart from ``latest.md``; ``python -m bench.readme`` carries them into docs/benchmarks.md
+(and a line into the README).
 ``KPXB_PROGRAMMING_BASELINE=main`` (any git revision) adds the daemon as it was there
 (:func:`bench.programming.baseline_runner`).
 """

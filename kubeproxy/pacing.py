@@ -34,7 +34,7 @@ Under overload the loop is then bounded by its real capacity only: each sync car
 arrived during the previous rest and sync, the rest stays near the floor, and a change
 waits about ``floor + 2 x`` a sync's wall time, however long the overload lasts.
 
-Measured reasons for the defaults: ``bench/test_programming.py`` and the README section
+Measured reasons for the defaults: ``bench/test_programming.py`` and docs/benchmarks.md,
 "Network programming latency".
 """
 

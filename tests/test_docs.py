@@ -1,13 +1,20 @@
-"""What the READMEs and the packaging claim, checked against the code and the results.
+"""What the documents and the packaging claim, checked against the code and the results.
 
-* the benchmark figures (README) and the sizing table (images/README.md) are what
-  ``python -m bench.readme`` generates from the newest ``make bench`` results, and the
-  generator shows whatever subjects a run holds;
+* the generated figures (the README's headline, every figure in ``docs/benchmarks.md``,
+  the sizing table of images/README.md) are what ``python -m bench.readme`` generates
+  from the newest results, the headline and the full tables from the same run; the
+  generator shows whatever subjects a run holds; prose after generated figures that talks
+  of "this run" names the run the figures are from;
 * the DaemonSet's memory request is the sizing table's for the size its comment names;
-* the library example runs and prints what the README shows, the same lines as
-  ``examples/print_backend.py``; the README shows the example daemon
-  (``examples/nft_clusterip``) as it is, docstrings aside; every public name is in the
-  README's table;
+* the README's library example runs and prints what it shows, the same lines as
+  ``examples/print_backend.py``; docs/library.md shows the example daemon
+  (``examples/nft_clusterip``) as it is, docstrings aside, and every public name in its
+  table;
+* the README is a front door: at most 300 lines, linking every page of ``docs/``;
+* every relative link of every Markdown file reaches a tracked file through real paths
+  (no symlinked directory such as the top-level ``backends``), and its anchor a heading
+  there; every citation of a document's section (``docs/operators.md, "Surviving firewall
+  reloads"``) names a heading of that document;
 * nothing refers to a document the repository does not hold, and the mypy overrides name
   modules the code imports;
 * the build requirements can read the project's metadata.
@@ -18,6 +25,7 @@ from __future__ import annotations
 import ast
 import copy
 import json
+import posixpath
 import re
 import shlex
 import subprocess
@@ -30,12 +38,19 @@ import yaml
 
 import kubeproxy
 from bench import readme
+from bench.programming_report import newest_document as newest_programming
 from bench.report import readme_summary, recorded_command, sizing_table
 from bench.targets import IPT_NFT, OURS
 
 REPO = Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text()
 IMAGES_README = (REPO / "images" / "README.md").read_text()
+DOCS = REPO / "docs"
+DOCS_PAGES = ("operators", "library", "kernels-and-images", "benchmarks", "design")
+"""The pages the README's content moved to (issue 33); each must exist and be linked."""
+LIBRARY = (DOCS / "library.md").read_text()
+BENCHMARKS = (DOCS / "benchmarks.md").read_text()
+README_MAX_LINES = 300
 
 
 def section(text: str, title: str) -> str:
@@ -49,16 +64,24 @@ def section(text: str, title: str) -> str:
 # --- generated figures --------------------------------------------------------------------
 
 
-def test_the_readmes_figures_are_the_newest_full_runs() -> None:
+def test_the_generated_figures_are_the_newest_full_runs() -> None:
     assert readme.stale() == [], "run: .venv/bin/python -m bench.readme"
     path, run = readme.newest_run()
-    for generated in (README, IMAGES_README):
+    # The README's headline and the benchmarks page's tables: one run, the newest.
+    for generated in (README, BENCHMARKS, IMAGES_README):
         assert f"at commit {run['machine']['commit']} on {run['machine']['date'][:10]}" in (
             generated
         )
         assert str(path.relative_to(REPO)) in generated
-    # One set of figures: the section is the only place the README quotes a run.
+    # One set of figures: the generated section is the only place each quotes a run.
     assert README.count("Measured by `make bench`") == 1
+    assert BENCHMARKS.count("Measured by `make bench`") == 1
+    assert "<!-- headline:begin" in README and "<!-- bench:begin" in BENCHMARKS
+    # The latency line and the latency table: the newest programming run, both.
+    latency, document = newest_programming(readme.RESULTS)
+    for generated in (README, BENCHMARKS):
+        assert f"at commit {document['commit']} on {document['when'][:10]}" in generated
+        assert str(latency.relative_to(REPO)) in generated
 
 
 def test_a_selection_of_make_bench_is_not_recorded_as_a_full_run() -> None:
@@ -73,10 +96,59 @@ def test_a_selection_of_make_bench_is_not_recorded_as_a_full_run() -> None:
 
 
 def test_a_stale_section_is_found(tmp_path: Path) -> None:
-    copied = tmp_path / "README.md"
-    copied.write_text(README.replace("| cold sync, 10k |", "| cold sync, 10k (edited) |"))
-    sections = [readme.Section(copied, "bench", readme_summary)]
+    copied = tmp_path / "benchmarks.md"
+    copied.write_text(BENCHMARKS.replace("| cold sync, 10k |", "| cold sync, 10k (edited) |"))
+    sections = [readme.Section(copied, "bench", readme.benchmarks_summary)]
     assert readme.stale(sections) == [copied]
+    headline = tmp_path / "README.md"
+    headline.write_text(README.replace("| 10k |", "| 10k (edited) |", 1))
+    assert readme.stale([readme.Section(headline, "headline", readme.headline)]) == [headline]
+    latency = tmp_path / "README-latency.md"
+    latency.write_text(README.replace("Network programming, measured", "Network (edited)", 1))
+    section_ = readme.Section(latency, "latency", readme.latency_headline, newest_programming)
+    assert readme.stale([section_]) == [latency]
+
+
+def generated_sources() -> dict[str, str]:
+    """Each generated section of the benchmarks page: the results file it is from."""
+    sources = {}
+    for section_ in readme.SECTIONS:
+        if section_.path == DOCS / "benchmarks.md":
+            path, _ = (section_.newest or readme.newest_run)(readme.RESULTS)
+            sources[section_.name] = str(path.relative_to(REPO))
+    return sources
+
+
+def prose_naming_another_run(text: str, sources: dict[str, str]) -> list[str]:
+    """The hand-written text after a generated section (up to the next heading) when it
+    speaks of "this run" or "the run above" without naming the results file the section
+    is from: prose that outlived the figures it explained."""
+    found = []
+    for name, source in sources.items():
+        after = text.split(f"<!-- {name}:end -->\n", 1)[1]
+        heading = re.search(r"^#{1,6} ", after, re.MULTILINE)
+        prose = after[: heading.start() if heading else None]
+        speaks = re.search(r"\b(this run|the run above)\b", prose, re.IGNORECASE)
+        if speaks and source not in prose:
+            found.append(f"{name}: {prose[speaks.start() : speaks.start() + 80]!r}")
+    return found
+
+
+def test_prose_after_the_generated_figures_names_their_run() -> None:
+    sources = generated_sources()
+    assert set(sources) == {"bench", "programming"}
+    assert prose_naming_another_run(BENCHMARKS, sources) == []
+
+
+def test_prose_explaining_an_older_run_is_found() -> None:
+    # What the README had: a paragraph on the two targets "this run missed", written for
+    # an older run, under a table of a newer one where both hold.
+    stale = BENCHMARKS.replace(
+        "<!-- bench:end -->\n",
+        "<!-- bench:end -->\n\nThe two targets this run missed: the whole process at 5k "
+        "(`bench/results/20261126T001802Z-vm.json`).\n",
+    )
+    assert prose_naming_another_run(stale, generated_sources()) != []
 
 
 def run_with_extra_subject() -> dict[str, Any]:
@@ -128,11 +200,11 @@ def test_the_daemonsets_memory_request_is_the_sizing_tables() -> None:
         assert int(limit.removesuffix("Mi")) >= float(peak)
 
 
-# --- the library and the README -----------------------------------------------------------
+# --- the library: the README and docs/library.md --------------------------------------------
 
 
 def test_the_readmes_library_example_prints_what_it_shows_as_print_backend_does() -> None:
-    library = section(README, "The core as a library")
+    library = section(README, "The library in brief")
     code = re.search(r"```python\n(.*?)```", library, re.DOTALL)
     shown = re.search(r"```\n\$ [^\n]*\n(.*?)```", library, re.DOTALL)
     assert code is not None and shown is not None
@@ -166,8 +238,8 @@ def without_docstrings(source: str) -> str:
     return ast.dump(tree)
 
 
-def test_the_readme_shows_the_example_daemon_as_it_is() -> None:
-    text = section(README, "The core as a library").split("### A whole proxy", 1)[1]
+def test_the_library_page_shows_the_example_daemon_as_it_is() -> None:
+    text = section(LIBRARY, "A whole proxy: the library daemon")
     code = re.search(r"```python\n(.*?)```", text, re.DOTALL)
     assert code is not None
     example = (REPO / "examples" / "nft_clusterip" / "nft_clusterip.py").read_text()
@@ -175,8 +247,8 @@ def test_the_readme_shows_the_example_daemon_as_it_is() -> None:
     assert "run_daemon(options, ClusterIPBackend" in code.group(1)
 
 
-def test_every_public_name_is_in_the_readmes_table() -> None:
-    table = section(README, "The core as a library").split("Public names", 1)[1]
+def test_every_public_name_is_in_the_library_pages_table() -> None:
+    table = section(LIBRARY, "Public names")
     listed = {
         name
         for line in table.splitlines()
@@ -187,7 +259,7 @@ def test_every_public_name_is_in_the_readmes_table() -> None:
 
 
 def test_the_flow_case_section_shows_a_backend_of_ones_own() -> None:
-    text = section(README, "Proving a backend with real packets")
+    text = section(LIBRARY, "Proving a backend with real packets")
     assert "`module:attribute`" in text
     assert re.search(r"--backend [\w.]+:\w+ ", text)
     help_text = subprocess.run(
@@ -269,3 +341,244 @@ def test_every_benchmark_run_says_where_it_was_measured() -> None:
         commit = machine.get("commit") or run.get("commit")
         date = machine.get("date") or run.get("when")
         assert commit and date and run["command"]
+
+
+# --- the front door and its links ---------------------------------------------------------
+
+
+def test_the_readme_is_a_front_door() -> None:
+    lines = README.count("\n")
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move prose to docs/"
+
+
+def markdown_links(text: str) -> list[str]:
+    """The targets of the Markdown links and images in ``text``, outside code."""
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.MULTILINE | re.DOTALL)
+    prose = re.sub(r"`[^`\n]*`", "", prose)
+    return re.findall(r"!?\[[^\]]*\]\(([^)\s]+)\)", prose)
+
+
+def test_every_docs_page_exists_and_is_linked_from_the_readme() -> None:
+    linked = {target.split("#", 1)[0] for target in markdown_links(README)}
+    tracked = {p.relative_to(REPO).as_posix() for p in tracked_text_files()}
+    for page in DOCS_PAGES:
+        assert f"docs/{page}.md" in tracked, f"docs/{page}.md is not in the repository"
+        assert f"docs/{page}.md" in linked, f"README.md does not link docs/{page}.md"
+    # And no page of docs/ is left out of the front door.
+    pages = {p for p in tracked if p.startswith("docs/") and p.endswith(".md")}
+    assert pages <= linked, pages - linked
+
+
+def heading_anchors(text: str) -> set[str]:
+    """The anchors a code host gives the headings of a Markdown text: lower case, what is
+    not a letter, digit, space, ``-`` or ``_`` dropped, spaces as ``-``; a repeated one
+    numbered (``-1``, ``-2``)."""
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.MULTILINE | re.DOTALL)
+    anchors: set[str] = set()
+    for title in re.findall(r"^#{1,6} +(.+?)\s*#*$", prose, re.MULTILINE):
+        anchor = re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+        numbered, n = anchor, 0
+        while numbered in anchors:
+            n += 1
+            numbered = f"{anchor}-{n}"
+        anchors.add(numbered)
+    return anchors
+
+
+def broken_links(markdown: Path, root: Path, tracked: set[str]) -> list[str]:
+    """The relative links of ``markdown`` that do not reach a tracked file (or a folder
+    of tracked files) through real paths: each path segment is looked at as written and
+    none may be a symlink (code hosts do not follow them), and an anchor must be a
+    heading of the Markdown file it points into."""
+    broken = []
+    here = markdown.parent.relative_to(root).as_posix()
+    for target in markdown_links(markdown.read_text()):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):
+            continue  # https:, mailto:
+        path, _, anchor = target.partition("#")
+        where = posixpath.normpath(posixpath.join(here, path)) if path else None
+        if where is None:
+            where = markdown.relative_to(root).as_posix()
+        elif where == ".." or where.startswith("../"):
+            broken.append(f"{target}: outside the repository")
+            continue
+        segments = where.split("/") if where != "." else []
+        symlinked = [
+            "/".join(segments[: i + 1])
+            for i in range(len(segments))
+            if (root.joinpath(*segments[: i + 1])).is_symlink()
+        ]
+        if symlinked:
+            broken.append(f"{target}: through the symlink {symlinked[0]}")
+            continue
+        if where not in tracked and not any(t.startswith(f"{where}/") for t in tracked):
+            broken.append(f"{target}: no such tracked file")
+            continue
+        checked = anchor and where.endswith(".md") and not re.fullmatch(r"L\d+(-L\d+)?", anchor)
+        if checked and anchor not in heading_anchors((root / where).read_text()):
+            broken.append(f"{target}: no heading #{anchor} in {where}")
+    return broken
+
+
+def tracked_files() -> set[str]:
+    return set(
+        subprocess.run(
+            ["git", "-C", str(REPO), "ls-files"], capture_output=True, text=True, check=True
+        ).stdout.split()
+    )
+
+
+def test_every_relative_link_reaches_a_tracked_file_through_real_paths() -> None:
+    tracked = tracked_files()
+    broken = [
+        f"{name}: {problem}"
+        for name in sorted(tracked)
+        if name.endswith(".md") and (REPO / name).is_file()
+        for problem in broken_links(REPO / name, REPO, tracked)
+    ]
+    assert broken == []
+
+
+def test_a_link_through_a_symlink_or_to_a_missing_heading_is_found(tmp_path: Path) -> None:
+    package = tmp_path / "kubeproxy" / "backends" / "nftables"
+    package.mkdir(parents=True)
+    (package / "README.md").write_text("# nftables backend\n\n## The owned table\n")
+    (tmp_path / "backends").symlink_to("kubeproxy/backends")
+    (tmp_path / "docs").mkdir()
+    page = tmp_path / "docs" / "page.md"
+    good = "../kubeproxy/backends/nftables/README.md#the-owned-table"
+    page.write_text(
+        f"# Page\n\n[ok]({good}), [here](#page), `[code](nowhere.md)`\n\n"
+        "[via the symlink](../backends/nftables/README.md)\n"
+        "[no heading](../kubeproxy/backends/nftables/README.md#structure)\n"
+        "[no file](operators.md) [out](../../x.md) [no anchor](#nothing)\n"
+    )
+    tracked = {"kubeproxy/backends/nftables/README.md", "docs/page.md"}
+    assert broken_links(page, tmp_path, tracked) == [
+        "../backends/nftables/README.md: through the symlink backends",
+        "../kubeproxy/backends/nftables/README.md#structure: no heading #structure in "
+        "kubeproxy/backends/nftables/README.md",
+        "operators.md: no such tracked file",
+        "../../x.md: outside the repository",
+        "#nothing: no heading #nothing in docs/page.md",
+    ]
+
+
+# --- citations of a document's section ----------------------------------------------------
+
+QUALIFIED = {
+    "top-level": "README.md",
+    "main": "README.md",
+    "nftables": "kubeproxy/backends/nftables/README.md",
+    "iptables": "kubeproxy/backends/iptables/README.md",
+    "ipvs": "kubeproxy/backends/ipvs/README.md",
+    "bench": "bench/README.md",
+    "images": "images/README.md",
+}
+"""``the nftables README``: the README a qualifier names."""
+
+CITATION = re.compile(
+    r"""(?:\b(?P<qualifier>top-level|main|nftables|iptables|ipvs|bench|images)\s+)?"""
+    r"""(?<![\w/.-])(?P<doc>(?:[\w.-]+/)*(?:README(?:\.md)?|[\w-]+\.md))`?"""
+    r"""(?:'s)?(?:\ssection)?(?:[:,]\s*|\s+)(?:\#\s*)?\(?"""
+    r"""(?P<titles>"[^"]{1,100}"(?:,\s*"[^"]{1,100}")*)"""
+)
+"""A document named, then the section quoted: ``README: "Kernels tested"``, ``the README
+section "Network programming latency"``, ``docs/operators.md, "Surviving firewall
+reloads"``, ``package README ("Service names", "Reading the table back")``."""
+
+
+def cited_document(citing: Path, doc: str, root: Path, qualifier: str | None) -> Path | None:
+    """The file a citation names: a path from the repository's top or the citing file's
+    folder; ``the nftables README`` the one :data:`QUALIFIED` says; a bare ``README`` the
+    nearest one above the citing file."""
+    if qualifier and doc.startswith("README"):
+        return root / QUALIFIED[qualifier]
+    if "/" in doc:
+        for base in (root, citing.parent):
+            if (base / doc).is_file():
+                return base / doc
+        return None
+    folder = citing.parent
+    while True:
+        found = folder / ("README.md" if doc.startswith("README") else doc)
+        if found.is_file():
+            return found
+        if folder == root:
+            return None
+        folder = folder.parent
+
+
+def section_titles(text: str) -> list[str]:
+    """What a citation may name: the headings, and the bold leads of a paragraph or a list
+    item (``* **Reading the table back** (...)``), which the package READMEs use as
+    sections."""
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.MULTILINE | re.DOTALL)
+    titles = re.findall(r"^#{1,6} +(.+?)\s*#*$", prose, re.MULTILINE)
+    titles += re.findall(r"^(?:[*-] +)?\*\*([^*\n]+?)\.?\*\*", prose, re.MULTILINE)
+    return [t.strip() for t in titles]
+
+
+def is_lead(title: str, heading: str) -> bool:
+    """``title`` is how ``heading`` starts, up to a word's end ("The owned table" of "The
+    owned table (`NFTablesOwnedTable`, ...)", "Switching modes" of "Switching modes, and
+    ...")."""
+    return heading.startswith(title) and not heading[len(title)].isalnum()
+
+
+def dangling_citations(citing: Path, root: Path) -> list[str]:
+    """The sections ``citing`` quotes of a document that has no heading starting so."""
+    dangling = []
+    for match in CITATION.finditer(citing.read_text(errors="replace")):
+        document = cited_document(citing, match["doc"], root, match["qualifier"])
+        if document is None or document.suffix != ".md":
+            continue  # a document the references test finds, or not a Markdown one
+        headings = [h.replace("`", "") for h in section_titles(document.read_text())]
+        for quoted in re.findall(r'"([^"]+)"', match["titles"]):
+            title = " ".join(quoted.replace("#", " ").split()).replace("`", "")
+            if not any(h == title or is_lead(title, h) for h in headings):
+                where = document.relative_to(root)
+                dangling.append(f"{citing.relative_to(root)}: {where} has no {title!r}")
+    return dangling
+
+
+def test_every_cited_section_is_a_heading_of_the_document_named() -> None:
+    dangling = [
+        problem
+        for path in tracked_text_files()
+        if path != Path(__file__).resolve()
+        for problem in dangling_citations(path, REPO)
+    ]
+    assert dangling == []
+
+
+def test_a_citation_of_a_section_that_moved_is_found(tmp_path: Path) -> None:
+    (tmp_path / "README.md").write_text("# project\n\n## The two commands\n")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "operators.md").write_text(
+        "# Operators\n\n## Surviving firewall reloads\n"
+    )
+    package = tmp_path / "kubeproxy" / "backends" / "nftables"
+    package.mkdir(parents=True)
+    (package / "README.md").write_text("# nftables\n\n* **Reading the table back** (reader.py)\n")
+    makefile = tmp_path / "Makefile"
+    makefile.write_text(
+        '# Not part of bench (README:\n# "Surviving firewall reloads"); README: "The two\n'
+        '# commands"; docs/operators.md: "Surviving firewall reloads", "Surviving\n'
+        '# firewall"; docs/operators.md: "Surviving fire".\n'
+    )
+    module = package / "verify.py"
+    module.write_text(
+        '"""Read back (package README, "Reading the table back"; the top-level README,\n'
+        '"Reading the table back"; the nftables README ("Structure", "Reading the\n'
+        'table back"))."""\n'
+    )
+    assert dangling_citations(makefile, tmp_path) == [
+        "Makefile: README.md has no 'Surviving firewall reloads'",
+        "Makefile: docs/operators.md has no 'Surviving fire'",
+    ]
+    assert dangling_citations(module, tmp_path) == [
+        f"{module.relative_to(tmp_path)}: README.md has no 'Reading the table back'",
+        f"{module.relative_to(tmp_path)}: {package.relative_to(tmp_path)}/README.md has no "
+        "'Structure'",
+    ]

@@ -2,7 +2,7 @@
 
 Starting logs upstream's deprecation warning, posts the ``IPVSDeprecation`` event and
 sets ``kubeproxy_deprecated_proxy_mode{mode="ipvs"}``; migrate to ``kube-proxy-nftables``
-(see the README). Everything else is shared with the other binaries: see
+(docs/operators.md, "Switching modes"). Everything else is shared with the other binaries: see
 :mod:`kubeproxy.cmd.binary`. The mode needs a kernel with IP_VS.
 """
 

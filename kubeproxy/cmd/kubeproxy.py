@@ -396,8 +396,8 @@ def _collector_off() -> Iterator[None]:
     """Python's cyclic garbage collector off for a verify: the command lives for one
     answer and makes little cyclic garbage, while each of the collector's full passes
     walks every object alive (millions at 100k Services: the dry run's and the dumps'
-    elements); rendering 10k Services took a quarter less without it (README "Reading
-    the table back")."""
+    elements); rendering 10k Services took a quarter less without it (the nftables
+    README, "Reading the table back")."""
     was = gc.isenabled()
     gc.disable()
     try:

@@ -76,7 +76,7 @@ def default_timeout() -> float:
 
     An answer takes well under a millisecond in a namespace on real hardware; under CPU
     emulation (QEMU without KVM) a step's hundreds of parallel connections took more than
-    1 s to be answered (``make test-kernels``: the README's "Kernels tested").
+    1 s to be answered (``make test-kernels``: docs/kernels-and-images.md, "Kernels tested").
     """
     text = os.environ.get(TIMEOUT_SCALE_VARIABLE, "").strip()
     if not text:

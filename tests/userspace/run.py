@@ -18,7 +18,7 @@ every test whose outcome differs from the host's, and (with two userspaces or mo
 each one's nft and proxy read the table another one's proxy wrote
 (:mod:`tests.userspace.cross`, ``cross.json``). The exit status is 1 when a userspace
 could not run or its results hold a failure; a crash across userspaces is reported, not
-failed on (its cause is the readers' nft: see the README's "Userspaces tested").
+failed on (its cause is the readers' nft: see docs/kernels-and-images.md, "Userspaces tested").
 """
 
 from __future__ import annotations

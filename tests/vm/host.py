@@ -16,7 +16,7 @@ kernel's results hold a failure.
 The flow kit's timeouts are scaled (``KUBEPROXY_FLOW_TIMEOUT_SCALE``, default 5 here):
 under emulation an answer that takes well under a millisecond in a namespace on real
 hardware can take longer than the kit's 1 s while 128 connections are in flight (the
-README's "Kernels tested" has the measurements).
+docs/kernels-and-images.md, "Kernels tested", has the measurements).
 """
 
 from __future__ import annotations

@@ -748,7 +748,8 @@ def _canonical(datatype: str, part: str, interval: bool) -> str | None:
     Cached (a pure function): every element is checked twice, at evaluation and at
     commit, and the same addresses, ports and protocols recur in many sets; a dry-run
     render (``kubeproxy verify``, ``/debug/verify``) of 10k Services spent most of its
-    time here, parsing addresses (``python -m bench.verify``; README, "verify")."""
+    time here, parsing addresses (``python -m bench.verify``; docs/operators.md, "On a
+    node, when something is wrong")."""
     if interval and "-" in part and datatype != "ifname":
         low, _, high = part.partition("-")
         low_c, high_c = _canonical(datatype, low, False), _canonical(datatype, high, False)

@@ -21,7 +21,7 @@ missing, in one line::
 
 Upstream refuses nftables mode below Linux 5.13 by version number; we test the features
 instead (distribution kernels backport features, or lack them). Which kernels were tested
-and how each probe fared there is in the README ("Kernels tested").
+and how each probe fared there is in docs/kernels-and-images.md ("Kernels tested").
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ log = logging.getLogger(__name__)
 
 TESTED_NFT: Final = ("1.0.6", "1.1.3", "1.1.7")
 """The nft (libnftables) versions every kernel test ran with: Debian 12's, Debian 13's
-and Debian unstable's (``make test-userspace``; the README's "Userspaces tested")."""
+and Debian unstable's (``make test-userspace``; docs/kernels-and-images.md, "Userspaces tested")."""
 
 PROBE_TABLE: Final = "kubeproxy-support-check"
 """The throw-away table the probes are committed to (and deleted from at once)."""
