@@ -32,7 +32,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-import kubeproxy.nlmsg as nlmsg
+import kubeproxy.host.nlmsg as nlmsg
 from kubeproxy.nftevents import EventsLost, EventSocket, Generation, ObjectChange, parse_datagram
 
 __all__ = ["Commit", "CommitStamper", "Match", "element_addresses", "match_updates"]

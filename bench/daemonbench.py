@@ -60,7 +60,7 @@ from bench.synthetic import (
 )
 from bench.wholeproc import binary_path, node_manifest, settings_flags
 from kubeproxy.endpointchanges import ANNOTATION_LAST_CHANGE_TRIGGER_TIME
-from kubeproxy.netns import run_in_netns
+from kubeproxy.host.netns import run_in_netns
 
 __all__ = [
     "HEALTHZ_PORT",

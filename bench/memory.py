@@ -76,7 +76,7 @@ HOLDERS: Final[dict[str, tuple[str, ...]]] = {
         _NFT + "ruleencoder",
         _NFT + "declarations",
         _NFT + "elements",
-        "kubeproxy.nlmsg",
+        "kubeproxy.host.nlmsg",
     ),
     "socket (answer buffers)": (_NFT + "batchsocket", _NFT + "owner"),
     "transactions": (_NFT + "transaction", _NFT + "objects", _NFT + "commits"),

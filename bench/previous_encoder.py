@@ -13,7 +13,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Callable
 
-import kubeproxy.nlmsg as nlmsg
+import kubeproxy.host.nlmsg as nlmsg
 from kubeproxy.backends.nftables.elements import encode_part
 
 __all__ = ["exec_element_encoder"]

@@ -39,7 +39,7 @@ CATEGORIES: Final[dict[str, frozenset[str]]] = {
             _NFT + "elements",
             _NFT + "batchsocket",
             _NFT + "owner",
-            "kubeproxy.nlmsg",
+            "kubeproxy.host.nlmsg",
         }
     ),
     "libnftables": frozenset({_NFT + "exec"}),

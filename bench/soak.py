@@ -97,7 +97,7 @@ from bench.wholeproc import binary_path, settings_flags
 from kubeproxy.backends.nftables.exec import LibNftables
 from kubeproxy.backends.nftables.layout import generation_of
 from kubeproxy.backends.nftables.objects import Family, NftError
-from kubeproxy.netns import run_in_netns
+from kubeproxy.host.netns import run_in_netns
 from kubeproxy.testing.fakeapi import FakeAPIServer
 
 __all__ = ["FAULTS", "RESTARTS", "SHORT_FAULTS", "affinity_verdict", "main", "slopes"]

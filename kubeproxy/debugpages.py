@@ -48,7 +48,7 @@ from typing import Any, Final, Protocol, runtime_checkable
 
 from kubeproxy.backend import ProxySnapshot, SyncChanges
 from kubeproxy.config import ProxierConfig
-from kubeproxy.httpserving import QueryRoute, Response, Route
+from kubeproxy.host.httpserving import QueryRoute, Response, Route
 from kubeproxy.objects import (
     CategorizedEndpoints,
     Endpoint,

@@ -64,9 +64,9 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Final
 
+from kubeproxy.host.netns import open_netns, setns
 from kubeproxy.localnodeports import NodePortTarget, loopback_address
 from kubeproxy.logs import verbosity_level
-from kubeproxy.netns import open_netns, setns
 from kubeproxy.objects import IPFamily
 
 __all__ = [

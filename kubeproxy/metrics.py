@@ -43,7 +43,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-from kubeproxy.httpserving import DEFAULT_MAX_HANDLERS, BackgroundServer, Response, Route
+from kubeproxy.host.httpserving import DEFAULT_MAX_HANDLERS, BackgroundServer, Response, Route
 from kubeproxy.objects import IPFamily, NamespacedName, ServicePort, ServicePortName
 from kubeproxy.selfheal import ChangeKind
 from kubeproxy.zpages import flagz_page, statusz_page
@@ -685,8 +685,8 @@ class MetricsServer:
     writes, the form an operator can read back). ``statusz`` adds ``/statusz`` and
     ``flagz`` (flag name -> value) ``/flagz``, upstream's z-pages (:mod:`kubeproxy.zpages`).
     An empty ``address`` disables the server; binding follows
-    :class:`~kubeproxy.httpserving.BackgroundServer` (retry every 5 s, or raise
-    :class:`~kubeproxy.httpserving.ServerBindError` at :meth:`start` with ``hard_fail``), and
+    :class:`~kubeproxy.host.httpserving.BackgroundServer` (retry every 5 s, or raise
+    :class:`~kubeproxy.host.httpserving.ServerBindError` at :meth:`start` with ``hard_fail``), and
     so do ``backlog`` and ``max_handlers``.
     """
 

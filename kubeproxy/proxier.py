@@ -482,7 +482,7 @@ class Proxier:
 
     def host_addresses_changed(self) -> None:
         """An address was added to or removed from the host (an
-        :class:`~kubeproxy.netlink.AddressWatcher` says so): read them again and sync
+        :class:`~kubeproxy.host.netlink.AddressWatcher` says so): read them again and sync
         soon; the sync is a full one if ``nodePortAddresses`` resolve differently."""
         with self._state_lock:
             self._addresses_changed = True

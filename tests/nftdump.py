@@ -14,8 +14,8 @@ import errno
 import socket
 from collections.abc import Iterator
 
-import kubeproxy.nlmsg as nlmsg
-from kubeproxy.netns import run_in_netns
+import kubeproxy.host.nlmsg as nlmsg
+from kubeproxy.host.netns import run_in_netns
 
 __all__ = ["dump", "dump_text"]
 

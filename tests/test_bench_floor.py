@@ -104,7 +104,7 @@ def test_module_names_and_categories() -> None:
     assert module_name("/w/.venv/lib/python3.11/site-packages/kubeproxy/x.py") == ("site-packages")
     assert category("kubeproxy.backends.nftables.frontends") == "model (backend)"
     assert category("kubeproxy.servicechanges") == "model (core)"
-    assert category("kubeproxy.nlmsg") == "encoding"
+    assert category("kubeproxy.host.nlmsg") == "encoding"
     assert category("stdlib") == "other (interpreter, stdlib, bench)"
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-import kubeproxy.nlmsg as nlmsg
+import kubeproxy.host.nlmsg as nlmsg
 from bench.commitstamps import Commit, CommitStamper, element_addresses, match_updates
 from bench.programming import thirds
 from bench.programming_report import queue_tolerance_ms, queued, render, targets

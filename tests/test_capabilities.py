@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kubeproxy.capabilities import (
+from kubeproxy.host.capabilities import (
     CAP_NET_ADMIN,
     CAP_NET_RAW,
     CAP_SYS_RESOURCE,

@@ -30,11 +30,11 @@ from kubeproxy.backends.nftables.elements import ElementBatch
 from kubeproxy.backends.nftables.fake import FakeNft
 from kubeproxy.backends.nftables.transaction import Transaction
 from kubeproxy.config import ProxierConfig
+from kubeproxy.configfile.settings import defaults
 from kubeproxy.conntrack import FakeConntrack, Flow
 from kubeproxy.daemon import Daemon, DaemonOptions, DaemonSeams, LoggingEventSink, build_daemon
-from kubeproxy.netlink import FakeHostAddresses
+from kubeproxy.host.netlink import FakeHostAddresses
 from kubeproxy.objects import IPFamily
-from kubeproxy.proxyconfig import defaults
 from kubeproxy.sources.kubernetes import KubernetesSource
 from kubeproxy.sources.manifests import ManifestSource
 from kubeproxy.testing.fakeapi import FakeAPIServer, endpoint_slice, node, service

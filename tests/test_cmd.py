@@ -27,8 +27,9 @@ from kubeproxy.backends import nftables
 from kubeproxy.backends.nftables.fake import FakeNft
 from kubeproxy.cmd import nftables as nft_binary
 from kubeproxy.cmd.binary import run as binary_run
-from kubeproxy.cmd.options import parse_options
+from kubeproxy.cmd.commandline import parse_options
 from kubeproxy.config import ProxierConfig
+from kubeproxy.configfile.settings import parse_config
 from kubeproxy.daemon import DaemonSeams, LoggingEventSink
 from kubeproxy.daemon.gate import HandlerGate
 from kubeproxy.daemon.gctuning import ONE_SHOT_GC_OPS, GcTuner
@@ -44,12 +45,11 @@ from kubeproxy.daemon.nodeips import (
 )
 from kubeproxy.daemon.privileged import apply_oom_score_adj, conntrack_sysctls, privileged_setup
 from kubeproxy.events import ObjectReference
+from kubeproxy.host.netlink import FakeHostAddresses
+from kubeproxy.host.sysctl import ConntrackSysctls
 from kubeproxy.metrics import ProxyMetrics
-from kubeproxy.netlink import FakeHostAddresses
 from kubeproxy.objects import IPAddress, IPFamily
-from kubeproxy.proxyconfig import parse_config
 from kubeproxy.sources.kubernetes import IN_CLUSTER_MESSAGE
-from kubeproxy.sysctl import ConntrackSysctls
 from kubeproxy.testing.runner import default_timeout
 from tests.gcops import UNTOUCHED, recording_gc
 from tests.kernelkit import without_owner

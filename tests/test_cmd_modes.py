@@ -31,7 +31,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kubeproxy import capabilities
 from kubeproxy.backend import Backend, BackendFactory, SyncError
 from kubeproxy.backends import nftables
 from kubeproxy.backends.nftables.fake import FakeNft
@@ -40,6 +39,7 @@ from kubeproxy.cmd import ipvs as ipvs_binary
 from kubeproxy.cmd import multimode
 from kubeproxy.cmd import nftables as nftables_binary
 from kubeproxy.cmd.binary import IPVS_DEPRECATION_MESSAGE, Binary, run
+from kubeproxy.cmd.commandline import MODE_DEFAULTED_MESSAGE
 from kubeproxy.cmd.modes import (
     MODES,
     BackendCounters,
@@ -50,13 +50,13 @@ from kubeproxy.cmd.modes import (
     nftables_hooks,
     platform_cleanup,
 )
-from kubeproxy.cmd.options import MODE_DEFAULTED_MESSAGE
 from kubeproxy.config import ProxierConfig
 from kubeproxy.conntrack import FakeConntrack
 from kubeproxy.daemon import DaemonPlugins, DaemonSeams
 from kubeproxy.daemon.sources import SourceTuning
+from kubeproxy.host import capabilities
+from kubeproxy.host.netlink import FakeHostAddresses
 from kubeproxy.metrics import ProxyMetrics
-from kubeproxy.netlink import FakeHostAddresses
 from kubeproxy.objects import IPFamily
 from kubeproxy.proxier import FinishedSync
 from kubeproxy.testing.fakeapi import FakeAPIServer, endpoint_slice, node, service
@@ -605,7 +605,7 @@ def test_dry_run_prints_the_restore_inputs_in_iptables_mode() -> None:
 def test_the_iptables_backends_counts_reach_the_daemons_metrics() -> None:
     from kubeproxy.backends.iptables import IptablesBackend
     from kubeproxy.backends.iptables.fake import FakeIptables
-    from kubeproxy.cmd.options import parse_options
+    from kubeproxy.cmd.commandline import parse_options
     from kubeproxy.daemon import build_daemon
 
     examples = Path(__file__).resolve().parent.parent / "examples" / "cluster"

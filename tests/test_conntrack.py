@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kubeproxy.nlmsg as nlmsg
+import kubeproxy.host.nlmsg as nlmsg
 from kubeproxy.backend import ProxySnapshot, SyncChanges
 from kubeproxy.config import ProxierConfig
 from kubeproxy.conntrack import (
@@ -30,8 +30,8 @@ from kubeproxy.conntrack import (
     find_stale_flows,
 )
 from kubeproxy.conntrack.messages import dump_flow
+from kubeproxy.host.netns import in_netns as entered
 from kubeproxy.metrics import ProxyMetrics
-from kubeproxy.netns import in_netns as entered
 from kubeproxy.objects import (
     Endpoint,
     IPAddress,

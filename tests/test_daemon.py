@@ -33,7 +33,7 @@ from kubeproxy.backends.nftables.exec import LibNftables
 from kubeproxy.backends.nftables.fake import FakeNft
 from kubeproxy.backends.nftables.inspect import served_frontends
 from kubeproxy.backends.nftables.objects import Family
-from kubeproxy.cmd.options import Options, parse_options
+from kubeproxy.cmd.commandline import Options, parse_options
 from kubeproxy.config import ProxierConfig
 from kubeproxy.conntrack import FakeConntrack, NetlinkConntrack
 from kubeproxy.daemon import (
@@ -47,11 +47,11 @@ from kubeproxy.daemon import (
 )
 from kubeproxy.daemon.privileged import HostPaths, conntrack_sysctls
 from kubeproxy.daemon.sources import SourceTuning
-from kubeproxy.netlink import FakeHostAddresses, HostAddresses
+from kubeproxy.host.netlink import FakeHostAddresses, HostAddresses
+from kubeproxy.host.sysctl import conntrack_max, detect_cpus
 from kubeproxy.objects import IPFamily, Protocol
 from kubeproxy.proxier import DualStackProxier, Proxier
 from kubeproxy.sources import KubernetesSource
-from kubeproxy.sysctl import conntrack_max, detect_cpus
 from kubeproxy.testing.fakeapi import FakeAPIServer, endpoint_slice, node, service
 from kubeproxy.testing.traffic import ListenerServer, make_listener
 from tests.gcops import recording_gc

@@ -37,14 +37,14 @@ from kubeproxy import (
     build_daemon,
     run_daemon,
 )
-from kubeproxy.cmd.options import Options, parse_options
+from kubeproxy.cmd.commandline import Options, parse_options
+from kubeproxy.configfile.settings import ConfigError, defaults, parse_config
 from kubeproxy.conntrack import FakeConntrack
 from kubeproxy.daemon import DaemonPlugins, DaemonSeams, LoggingEventSink
 from kubeproxy.daemon.gctuning import GcOps
 from kubeproxy.events import FakeEventRecorder
-from kubeproxy.netlink import FakeHostAddresses
+from kubeproxy.host.netlink import FakeHostAddresses
 from kubeproxy.proxier import Proxier, SyncHook, SyncObserver
-from kubeproxy.proxyconfig import ConfigError, defaults, parse_config
 from tests.gcops import UNTOUCHED, recording_gc
 
 CLUSTER = Path(__file__).resolve().parent.parent / "examples" / "cluster"

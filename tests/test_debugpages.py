@@ -20,8 +20,8 @@ from kubeproxy.config import ProxierConfig
 from kubeproxy.conntrack import FakeConntrack
 from kubeproxy.daemon import Daemon, DaemonPlugins, DaemonSeams, build_daemon
 from kubeproxy.debugpages import DebugState, core_pages
-from kubeproxy.httpserving import QueryRoute
-from kubeproxy.netlink import FakeHostAddresses
+from kubeproxy.host.httpserving import QueryRoute
+from kubeproxy.host.netlink import FakeHostAddresses
 from kubeproxy.objects import IPFamily, NamespacedName, Protocol, ServicePort, ServicePortName
 from kubeproxy.proxier import FinishedSync
 from kubeproxy.selfheal import ChangeKind, ExternalChange

@@ -25,11 +25,11 @@ import pytest
 import yaml
 
 from kubeproxy.backends.nftables import create_backend
+from kubeproxy.configfile.settings import defaults
 from kubeproxy.conntrack import FakeConntrack
 from kubeproxy.daemon import Daemon, DaemonOptions, DaemonSeams, StartupError, build_daemon
 from kubeproxy.daemon.gctuning import GcOps
 from kubeproxy.objects import IPFamily, Protocol
-from kubeproxy.proxyconfig import defaults
 from kubeproxy.testing.fakeapi import endpoint_slice, node, service
 from kubeproxy.testing.netns import entered
 from kubeproxy.testing.traffic import ListenerServer, make_listener

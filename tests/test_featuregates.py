@@ -23,8 +23,15 @@ from kubeproxy.cmd import ipvs as ipvs_binary
 from kubeproxy.cmd import multimode
 from kubeproxy.cmd import nftables as nftables_binary
 from kubeproxy.cmd.binary import run
+from kubeproxy.cmd.commandline import OptionsError, parse_options
 from kubeproxy.cmd.flags import usage
-from kubeproxy.cmd.options import OptionsError, parse_options
+from kubeproxy.configfile.settings import (
+    ConfigError,
+    defaults,
+    parse_config,
+    to_proxier_config,
+    validate,
+)
 from kubeproxy.featuregates import (
     ALL_ALPHA,
     ALL_BETA,
@@ -38,7 +45,6 @@ from kubeproxy.featuregates import (
 )
 from kubeproxy.featurelist import GATES_137, OWN_GATES
 from kubeproxy.metrics import expose
-from kubeproxy.proxyconfig import ConfigError, defaults, parse_config, to_proxier_config, validate
 
 HEADER = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n"
 

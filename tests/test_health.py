@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-import kubeproxy.httpserving as httpserving_module
+import kubeproxy.host.httpserving as httpserving_module
 from kubeproxy.backend import ProxySnapshot, SyncChanges, SyncError
 from kubeproxy.config import ProxierConfig
 from kubeproxy.health import (
@@ -32,8 +32,8 @@ from kubeproxy.health import (
     ServiceHealthServer,
     format_time,
 )
+from kubeproxy.host.netns import in_netns as entered
 from kubeproxy.metrics import ProxyMetrics
-from kubeproxy.netns import in_netns as entered
 from kubeproxy.objects import IPAddress, IPFamily, NamespacedName, NodeInfo
 from kubeproxy.proxier import ObserverGroup, Proxier
 

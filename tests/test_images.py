@@ -37,17 +37,17 @@ from kubeproxy.backend import Backend
 from kubeproxy.backends import nftables
 from kubeproxy.backends.iptables.exec import IptablesVariant, needed_capabilities
 from kubeproxy.backends.nftables.fake import FakeNft
-from kubeproxy.capabilities import CAP_SYS_RESOURCE
+from kubeproxy.cmd.commandline import Options, parse_options
 from kubeproxy.cmd.modes import MODES
-from kubeproxy.cmd.options import Options, parse_options
 from kubeproxy.config import ProxierConfig
+from kubeproxy.configfile.settings import parse_config, validate
 from kubeproxy.conntrack import FakeConntrack
 from kubeproxy.daemon import DaemonSeams, build_daemon
 from kubeproxy.daemon.sources import SourceTuning
 from kubeproxy.health import ProxyHealth, ProxyHealthServer
-from kubeproxy.netlink import FakeHostAddresses
+from kubeproxy.host.capabilities import CAP_SYS_RESOURCE
+from kubeproxy.host.netlink import FakeHostAddresses
 from kubeproxy.objects import IPFamily
-from kubeproxy.proxyconfig import parse_config, validate
 from kubeproxy.sources.kubernetes import make_api_client
 from kubeproxy.testing.fakeapi import (
     APIRequest,

@@ -50,7 +50,7 @@ from kubeproxy.backends.ipvs.netlink import (
     ipvs_in_kernel,
 )
 from kubeproxy.config import ProxierConfig
-from kubeproxy.netns import run_in_netns
+from kubeproxy.host.netns import run_in_netns
 from kubeproxy.objects import IPFamily, Protocol
 from kubeproxy.testing.cases import load_case_file
 from kubeproxy.testing.pytest import KnownFailure, flow_test

@@ -36,7 +36,7 @@ from kubeproxy.backends.ipvs.netlink import (
     ipvs_in_kernel,
 )
 from kubeproxy.config import IPVSSettings, ProxierConfig
-from kubeproxy.netns import run_in_netns
+from kubeproxy.host.netns import run_in_netns
 from kubeproxy.objects import IPFamily, Protocol
 from tests.snapshots import NODE, ep
 from tests.test_ipvs_kernel import netns  # noqa: F401 (the fixture ipvs_netns uses)

@@ -186,6 +186,7 @@ def test_cmd_holds_the_binaries_only() -> None:
     names = sorted(p.stem for p in (PACKAGE / "cmd").glob("*.py"))
     assert names == [
         "binary",
+        "commandline",
         "demo",
         "flags",
         "iptables",
@@ -194,7 +195,6 @@ def test_cmd_holds_the_binaries_only() -> None:
         "modes",
         "multimode",
         "nftables",
-        "options",
         "takeover",  # what every binary does after its first sync (with the mode table)
     ]
     for path in (PACKAGE / "cmd").glob("*.py"):
@@ -253,7 +253,7 @@ def test_the_nftables_package_holds_the_shipped_structure_only() -> None:
 
 
 def test_one_netlink_codec() -> None:
-    # kubeproxy/nlmsg.py is the one place that packs netlink headers and attributes.
+    # kubeproxy/host/nlmsg.py is the one place that packs netlink headers and attributes.
     copies = [
         str(path.relative_to(REPO))
         for path in sorted(PACKAGE.rglob("*.py"))

@@ -35,8 +35,8 @@ from kubeproxy.health import (
     ServiceHealthServer,
     listen_backlog,
 )
+from kubeproxy.host.netns import in_netns
 from kubeproxy.metrics import MetricsServer, ProxyMetrics
-from kubeproxy.netns import in_netns
 from kubeproxy.objects import IPFamily, NamespacedName, NodeInfo
 from kubeproxy.testing.runner import default_timeout
 from tests.test_health import lb_service, lb_slice

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-import kubeproxy.nlmsg as nlmsg
+import kubeproxy.host.nlmsg as nlmsg
 from kubeproxy.backends.nftables.livetrace import (
     Hop,
     describe_hop,

@@ -11,17 +11,17 @@ from collections.abc import Iterator
 
 import pytest
 
+from kubeproxy.configfile.settings import (
+    FormatOptions,
+    LoggingConfiguration,
+    OutputRoutingOptions,
+    VModuleItem,
+)
 from kubeproxy.logs import (
     configure_logging,
     level_for_verbosity,
     verbosity_level,
     verbosity_of,
-)
-from kubeproxy.proxyconfig import (
-    FormatOptions,
-    LoggingConfiguration,
-    OutputRoutingOptions,
-    VModuleItem,
 )
 
 

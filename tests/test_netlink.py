@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kubeproxy.netlink import (
+from kubeproxy.host.netlink import (
     AddressWatcher,
     FakeHostAddresses,
     HostAddresses,

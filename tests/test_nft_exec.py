@@ -36,7 +36,7 @@ from kubeproxy.backends.nftables.objects import (
     is_not_found,
 )
 from kubeproxy.backends.nftables.transaction import Transaction
-from kubeproxy.netns import in_netns, netns_path, run_in_netns
+from kubeproxy.host.netns import in_netns, netns_path, run_in_netns
 
 # Unit tests of the helpers ---------------------------------------------------------------
 

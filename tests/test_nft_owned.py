@@ -10,7 +10,7 @@ import struct
 
 import pytest
 
-import kubeproxy.nlmsg as nlmsg
+import kubeproxy.host.nlmsg as nlmsg
 from kubeproxy.backends.nftables.batchencoder import deletion_messages, encode_transaction
 from kubeproxy.backends.nftables.declarations import Declaration, _udata
 from kubeproxy.backends.nftables.elements import element_encoder

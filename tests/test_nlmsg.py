@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import kubeproxy.nlmsg as nlmsg
+import kubeproxy.host.nlmsg as nlmsg
 
 
 def test_attributes_are_padded_nested_and_read_back() -> None:

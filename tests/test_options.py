@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kubeproxy.cmd.options import (
+from kubeproxy.cmd.commandline import (
     MODE_DEFAULTED_MESSAGE,
     Options,
     OptionsError,
@@ -16,8 +16,14 @@ from kubeproxy.cmd.options import (
     usage,
 )
 from kubeproxy.config import LocalDetectMode
+from kubeproxy.configfile.settings import (
+    Duration,
+    VModuleItem,
+    defaults,
+    parse_config,
+    write_config,
+)
 from kubeproxy.pacing import DEFAULT_PACING
-from kubeproxy.proxyconfig import Duration, VModuleItem, defaults, parse_config, write_config
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples" / "cluster"

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kubeproxy.config import LocalDetectMode, LocalDetector
-from kubeproxy.proxyconfig import (
+from kubeproxy.configfile.settings import (
     ConfigError,
     Duration,
     KubeProxyConfiguration,

@@ -42,11 +42,11 @@ from kubeproxy.backends.iptables import monitor as iptables_monitor
 from kubeproxy.backends.iptables.proxier import owns_chain
 from kubeproxy.backends.nftables.exec import LibNftables
 from kubeproxy.backends.nftables.objects import Family
+from kubeproxy.cmd.commandline import parse_options
 from kubeproxy.cmd.modes import MODES
-from kubeproxy.cmd.options import parse_options
 from kubeproxy.conntrack import NetlinkConntrack
 from kubeproxy.daemon import Daemon, DaemonPlugins, DaemonSeams, WatcherFactory, build_daemon
-from kubeproxy.netlink import HostAddresses
+from kubeproxy.host.netlink import HostAddresses
 from kubeproxy.objects import IPFamily
 from kubeproxy.proxier import Proxier
 from kubeproxy.testing.fakeapi import endpoint_slice, node, service

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kubeproxy.netns import in_netns as entered
-from kubeproxy.sysctl import (
+from kubeproxy.host.netns import in_netns as entered
+from kubeproxy.host.sysctl import (
     ConntrackSysctls,
     FileSysctls,
     SysctlResult,
@@ -145,7 +145,7 @@ def test_a_refused_write_is_logged_once_and_the_rest_applied(
     proc, hashsize = roots
     files = Recording(refuse="nf_conntrack_max")
     settings = ConntrackSysctls(udp_timeout=60)
-    with caplog.at_level(logging.INFO, logger="kubeproxy.sysctl"):
+    with caplog.at_level(logging.INFO, logger="kubeproxy.host.sysctl"):
         result = apply_conntrack_sysctls(
             settings, cpus=8, proc_root=proc, hashsize_path=hashsize, files=files
         )

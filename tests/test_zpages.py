@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from kubeproxy.cmd.options import parse_options
+from kubeproxy.cmd.commandline import parse_options
 from kubeproxy.daemon.serving import servers
 from kubeproxy.metrics import MetricsServer, ProxyMetrics
 from kubeproxy.objects import NodeInfo

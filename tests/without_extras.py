@@ -71,11 +71,11 @@ def main() -> None:
     from kubeproxy.cmd import nftables as nftables_binary
     from kubeproxy.cmd.binary import run
     from kubeproxy.config import ProxierConfig
+    from kubeproxy.configfile.settings import defaults
     from kubeproxy.daemon import DaemonOptions, DaemonSeams
     from kubeproxy.daemon.sources import api_client
-    from kubeproxy.netlink import FakeHostAddresses
+    from kubeproxy.host.netlink import FakeHostAddresses
     from kubeproxy.objects import IPFamily
-    from kubeproxy.proxyconfig import defaults
     from kubeproxy.testing.fakeapi import FakeAPIServer
 
     names = {

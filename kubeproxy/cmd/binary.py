@@ -8,7 +8,7 @@ runs in iptables mode as upstream does, after a warning (logged, and posted as a
 deprecation warning, posts the ``IPVSDeprecation`` event and sets
 ``kubeproxy_deprecated_proxy_mode{mode="ipvs"}`` to 1.
 
-Upstream's flags and ``--config`` (see :mod:`kubeproxy.cmd.options`), plus ours:
+Upstream's flags and ``--config`` (see :mod:`kubeproxy.cmd.commandline`), plus ours:
 ``--manifests DIR`` reads objects from a directory instead of an API server, ``--once``
 syncs once and exits, ``--dry-run`` prints what a sync would send to the kernel and
 touches nothing (nftables and iptables modes). ``--cleanup`` removes what every one of our
@@ -33,16 +33,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, TextIO
 
-from kubeproxy.capabilities import missing_capabilities
-from kubeproxy.cmd.modes import MODES, Mode, cleanup_all, cleanup_leftovers
-from kubeproxy.cmd.options import (
+from kubeproxy.cmd.commandline import (
     MODE_DEFAULTED_MESSAGE,
     Options,
     OptionsError,
     parse_options,
     usage,
 )
+from kubeproxy.cmd.modes import MODES, Mode, cleanup_all, cleanup_leftovers
 from kubeproxy.cmd.takeover import Takeover
+from kubeproxy.configfile.settings import write_config
 from kubeproxy.daemon import DaemonPlugins, DaemonSeams, StartupWarning, run_daemon
 from kubeproxy.daemon.gctuning import ONE_SHOT_GC_OPS
 from kubeproxy.events import (
@@ -50,8 +50,8 @@ from kubeproxy.events import (
     REASON_IPVS_DEPRECATION,
     REASON_PROXY_MODE_DEFAULTED,
 )
+from kubeproxy.host.capabilities import missing_capabilities
 from kubeproxy.logs import configure_logging
-from kubeproxy.proxyconfig import write_config
 from kubeproxy.zpages import package_version
 
 __all__ = [

@@ -3,7 +3,7 @@
 Every upstream Linux flag with its name, syntax (Go durations, ``--flag=false``,
 comma-separated lists), help text and the configuration field it sets; our own
 (``--manifests``, ``--once``, ``--dry-run``, ``--cleanup-leftovers``) beside them. How
-flags and ``--config`` combine is :mod:`kubeproxy.cmd.options`' business.
+flags and ``--config`` combine is :mod:`kubeproxy.cmd.commandline`' business.
 
 Longer than most modules (about 680 lines) because :data:`FLAGS` is a table of some
 seventy entries with upstream's help texts: one entry per flag, in one place, is what
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from kubeproxy.configfile.settings import LOG_FORMATS, Duration, VModuleItem
 from kubeproxy.featuregates import known_features
-from kubeproxy.proxyconfig import LOG_FORMATS, Duration, VModuleItem
 
 __all__ = [
     "BY_DEST",

@@ -60,7 +60,7 @@ from kubeproxy.backends.nftables.table import TABLE
 from kubeproxy.backends.nftables.trace import trace
 from kubeproxy.backends.nftables.verify import Difference, verify_tables
 from kubeproxy.backends.nftables.written import WrittenTable
-from kubeproxy.netlink import HostAddresses
+from kubeproxy.host.netlink import HostAddresses
 from kubeproxy.objects import IPAddress, IPFamily, NamespacedName
 from kubeproxy.parse import parse_frontend, parse_host
 
@@ -303,8 +303,8 @@ def expected_tables(
     ``--kubeconfig FILE``) with its ``proxy_flags``: one dry run of
     ``kube-proxy-<mode_name>``, whose in-memory fakes are returned."""
     from kubeproxy.cmd.binary import mode_warnings
+    from kubeproxy.cmd.commandline import parse_options
     from kubeproxy.cmd.modes import MODES
-    from kubeproxy.cmd.options import parse_options
     from kubeproxy.daemon import DaemonPlugins, DaemonSeams, run_daemon
 
     flags = [*source, *[f for f in proxy_flags if f != "--"], "--dry-run"]

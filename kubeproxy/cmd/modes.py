@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Protocol, TextIO, runtime_checkable
 
 from kubeproxy.backend import Backend, BackendFactory
-from kubeproxy.capabilities import CAP_NET_ADMIN
 from kubeproxy.config import ProxierConfig
 from kubeproxy.daemon import BackendContext, BackendHooks, WatcherFactory
 from kubeproxy.debugpages import DebugState, ModePages
 from kubeproxy.entrypoints import BackendNotFound, backend_entry_point, load_backend
-from kubeproxy.httpserving import Route
+from kubeproxy.host.capabilities import CAP_NET_ADMIN
+from kubeproxy.host.httpserving import Route
 from kubeproxy.metrics import ProxyMetrics
 from kubeproxy.objects import IPFamily
 from kubeproxy.proxier import FinishedSync, NullObserver, Proxier, SyncHook, SyncObserver

@@ -27,7 +27,7 @@ One concept per module, all re-exported here (the names this package had as one 
 * :mod:`~kubeproxy.conntrack.reconciler`: which flows are stale
   (:func:`find_stale_flows`, :func:`udp_frontends`) and :class:`ConntrackReconciler`;
 * :mod:`~kubeproxy.conntrack.messages`: the ctnetlink requests and answers, by hand over
-  :mod:`kubeproxy.nlmsg`;
+  :mod:`kubeproxy.host.nlmsg`;
 * :mod:`~kubeproxy.conntrack.ctnetlink`: :class:`NetlinkConntrack`, the socket, its
   namespace and batches;
 * :mod:`~kubeproxy.conntrack.fake`: :class:`FakeConntrack`.

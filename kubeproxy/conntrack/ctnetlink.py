@@ -36,10 +36,10 @@ import socket
 import threading
 from collections.abc import Iterator, Sequence
 
-import kubeproxy.nlmsg as nlmsg
+import kubeproxy.host.nlmsg as nlmsg
 from kubeproxy.conntrack.flows import ConntrackError, Flow
 from kubeproxy.conntrack.messages import RawFlow, delete_request, dump_flow, dump_request
-from kubeproxy.netns import entered, open_netns
+from kubeproxy.host.netns import entered, open_netns
 from kubeproxy.objects import IPAddress, IPFamily
 
 __all__ = ["NetlinkConntrack"]

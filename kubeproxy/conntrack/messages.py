@@ -2,7 +2,7 @@
 UDP flows of a family, a delete request by original tuple, and the flow in each answer
 to the dump.
 
-They are written and read by hand over the shared codec (:mod:`kubeproxy.nlmsg`): pyroute2
+They are written and read by hand over the shared codec (:mod:`kubeproxy.host.nlmsg`): pyroute2
 spends over 1 ms parsing each dumped entry (the measurements are in
 :mod:`kubeproxy.conntrack.ctnetlink`), and a listing reads thousands. Reading one answer
 tries the layout the kernel writes a UDP tuple in first (one ``struct`` unpack per
@@ -16,7 +16,7 @@ import socket
 import struct
 from typing import Final
 
-import kubeproxy.nlmsg as nlmsg
+import kubeproxy.host.nlmsg as nlmsg
 from kubeproxy.conntrack.flows import Flow
 from kubeproxy.objects import IPFamily
 

@@ -30,7 +30,7 @@ from kubeproxy.events import (
     EventSink,
 )
 from kubeproxy.health import HealthObserver, ServerBindError
-from kubeproxy.netlink import AddressWatcher
+from kubeproxy.host.netlink import AddressWatcher
 from kubeproxy.objects import IPFamily, NodeInfo
 from kubeproxy.proxier import DualStackProxier, Proxier
 from kubeproxy.selfheal import SelfHealer, Watcher

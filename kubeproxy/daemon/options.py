@@ -1,7 +1,7 @@
 """What the daemon is told to do: :class:`DaemonOptions`.
 
 The binaries build theirs from upstream's flags and ``--config`` file
-(:mod:`kubeproxy.cmd.options` subclasses it with the binary-only switches); an
+(:mod:`kubeproxy.cmd.commandline` subclasses it with the binary-only switches); an
 out-of-tree proxy builds its own from a ``KubeProxyConfiguration``
 (:meth:`DaemonOptions.from_configuration`, or :meth:`DaemonOptions.from_file` for a
 config file), so both get upstream's validation, node name and per-mode settings.
@@ -17,9 +17,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from kubeproxy.config import ProxierConfig
-from kubeproxy.featuregates import FeatureGates
-from kubeproxy.objects import IPNetwork
-from kubeproxy.proxyconfig import (
+from kubeproxy.configfile.settings import (
     ConfigError,
     KubeProxyConfiguration,
     KubeProxyConntrackConfiguration,
@@ -29,6 +27,8 @@ from kubeproxy.proxyconfig import (
     to_proxier_config,
     validate,
 )
+from kubeproxy.featuregates import FeatureGates
+from kubeproxy.objects import IPNetwork
 
 __all__ = ["DaemonOptions", "node_name_of"]
 
@@ -37,7 +37,7 @@ def node_name_of(
     configuration: KubeProxyConfiguration, get_hostname: Callable[[], str] = socket.gethostname
 ) -> str:
     """The node this proxy runs as: ``hostnameOverride``, else the host's name, lower-cased
-    (upstream's rule); raises :class:`~kubeproxy.proxyconfig.ConfigError` when empty."""
+    (upstream's rule); raises :class:`~kubeproxy.configfile.settings.ConfigError` when empty."""
     name = (configuration.hostname_override or get_hostname()).strip().lower()
     if not name:
         raise ConfigError("hostnameOverride", "empty hostname is invalid")
@@ -85,7 +85,7 @@ class DaemonOptions:
         and the mode-specific metrics, so an out-of-tree renderer names the mode its
         rules resemble. Upstream's platform defaults are applied, then its validation;
         ``fields`` are the other attributes (``master``, ``manifests``, ``once``...).
-        Raises :class:`~kubeproxy.proxyconfig.ConfigError` naming the field at fault,
+        Raises :class:`~kubeproxy.configfile.settings.ConfigError` naming the field at fault,
         or ``ValueError``.
         """
         if mode is not None:

@@ -10,9 +10,9 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from kubeproxy.configfile.settings import KubeProxyConntrackConfiguration
 from kubeproxy.daemon.options import DaemonOptions
-from kubeproxy.proxyconfig import KubeProxyConntrackConfiguration
-from kubeproxy.sysctl import (
+from kubeproxy.host.sysctl import (
     DEFAULT_HASHSIZE_PATH,
     ConntrackSysctls,
     SysctlFiles,

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kubeproxy.configfile.settings import config_document
 from kubeproxy.daemon.options import DaemonOptions
 from kubeproxy.events import (
     ACTION_LISTEN,
@@ -27,7 +28,6 @@ from kubeproxy.featuregates import COMPONENT_FLAGZ, COMPONENT_STATUSZ, FeatureEn
 from kubeproxy.health import HealthObserver, ProxyHealth, ProxyHealthServer, ServiceHealthServer
 from kubeproxy.metrics import MetricsServer, ProxyMetrics
 from kubeproxy.objects import IPFamily, NamespacedName, NodeInfo
-from kubeproxy.proxyconfig import config_document
 
 __all__ = ["Servers", "health_checks", "listen_error_reporter", "servers"]
 

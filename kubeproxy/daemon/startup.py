@@ -61,7 +61,7 @@ from kubeproxy.events import (
     EventSink,
 )
 from kubeproxy.health import ServerBindError
-from kubeproxy.netlink import AddressWatcher, HostAddresses
+from kubeproxy.host.netlink import AddressWatcher, HostAddresses
 from kubeproxy.objects import IPAddress, IPFamily
 from kubeproxy.proxier import ObserverGroup, Proxier, SyncHook, SyncObserver
 from kubeproxy.selfheal import SelfHealer

@@ -32,10 +32,10 @@ from kubeproxy.daemon.privileged import HostPaths
 from kubeproxy.daemon.sources import NODE_WAIT_TIMEOUT, SourceTuning
 from kubeproxy.debugpages import ModePages
 from kubeproxy.events import EventSink
-from kubeproxy.netlink import HostAddressLister
+from kubeproxy.host.netlink import HostAddressLister
+from kubeproxy.host.sysctl import SysctlFiles
 from kubeproxy.objects import IPFamily
 from kubeproxy.proxier import Proxier
-from kubeproxy.sysctl import SysctlFiles
 
 __all__ = [
     "AfterFirstSync",
@@ -87,7 +87,7 @@ class DaemonSeams:
     ``api``: the API client (default: one made from the options; unused with manifests).
     ``netns``: the network namespace the executors act in (default: the current one).
     ``host_addresses`` (netlink), ``conntrack`` (ctnetlink): the executors; with the real
-    ``host_addresses`` lister an :class:`~kubeproxy.netlink.AddressWatcher` has the
+    ``host_addresses`` lister an :class:`~kubeproxy.host.netlink.AddressWatcher` has the
     proxiers read the host's addresses again when one comes or goes. ``events``: default
     an :class:`~kubeproxy.events.EventRecorder` with the API, a
     :class:`~kubeproxy.daemon.events.LoggingEventSink` with manifests. ``privileged``

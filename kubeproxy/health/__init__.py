@@ -27,7 +27,7 @@ Semantics follow upstream kube-proxy (``pkg/proxy/healthcheck``, 1.33+):
   syncs become a data-plane fault) and its :meth:`HealthObserver.after_sync` is a
   :class:`~kubeproxy.proxier.SyncHook`.
 
-Every listener here is :mod:`kubeproxy.httpserving`'s (long accept queues, at most
+Every listener here is :mod:`kubeproxy.host.httpserving`'s (long accept queues, at most
 :data:`DEFAULT_MAX_HANDLERS` handlers at once, binding and retrying as upstream); its
 names are still importable from here.
 
@@ -39,7 +39,7 @@ One concept per module, all re-exported here (the names this package had as one 
   HealthCheckNodePorts), on the one accept thread of :mod:`~kubeproxy.health.acceptloop`;
 * :mod:`~kubeproxy.health.observer`: :class:`HealthObserver`, the wiring to the proxier.
 
-The listener machinery, a concept of its own, lives in :mod:`kubeproxy.httpserving`.
+The listener machinery, a concept of its own, lives in :mod:`kubeproxy.host.httpserving`.
 """
 
 from kubeproxy.health.observer import SYNC_FAILURE_THRESHOLD, HealthObserver
@@ -55,7 +55,7 @@ from kubeproxy.health.state import (
     ProxyHealth,
     format_time,
 )
-from kubeproxy.httpserving import (
+from kubeproxy.host.httpserving import (
     DEFAULT_MAX_HANDLERS,
     BackgroundServer,
     HandlerSlots,

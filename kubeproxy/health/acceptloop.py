@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from kubeproxy.httpserving import HandlerSlots
+from kubeproxy.host.httpserving import HandlerSlots
 
 __all__ = ["AcceptLoop"]
 

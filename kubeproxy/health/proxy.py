@@ -1,7 +1,7 @@
 """The proxy's health server: ``/healthz`` and ``/livez`` on the healthz address.
 
 Apart from the per-Service servers (:mod:`kubeproxy.health.services`): one fixed address,
-two routes on :mod:`kubeproxy.httpserving`'s :class:`~kubeproxy.httpserving.
+two routes on :mod:`kubeproxy.host.httpserving`'s :class:`~kubeproxy.host.httpserving.
 BackgroundServer`, each answer counted in :class:`HealthMetrics`.
 """
 
@@ -10,7 +10,12 @@ from __future__ import annotations
 from typing import Final, Protocol
 
 from kubeproxy.health.state import JSON_HEADERS, ProxyHealth
-from kubeproxy.httpserving import DEFAULT_MAX_HANDLERS, RETRY_INTERVAL, BackgroundServer, Response
+from kubeproxy.host.httpserving import (
+    DEFAULT_MAX_HANDLERS,
+    RETRY_INTERVAL,
+    BackgroundServer,
+    Response,
+)
 
 __all__ = ["DEFAULT_HEALTHZ_ADDRESS", "HealthMetrics", "ProxyHealthServer"]
 

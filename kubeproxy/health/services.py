@@ -24,7 +24,7 @@ from typing import Any
 
 from kubeproxy.health.acceptloop import AcceptLoop
 from kubeproxy.health.state import JSON_HEADERS, ProxyHealth
-from kubeproxy.httpserving import (
+from kubeproxy.host.httpserving import (
     DEFAULT_MAX_HANDLERS,
     HandlerSlots,
     Response,

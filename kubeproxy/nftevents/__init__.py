@@ -41,12 +41,12 @@ every few seconds (:data:`FALLBACK_INTERVAL`) and says so once in the log.
 One module per concept: :mod:`~kubeproxy.nftevents.messages` (the wire),
 :mod:`~kubeproxy.nftevents.commits` (grouping and summaries),
 :mod:`~kubeproxy.nftevents.ownership` (who we are; the children of our executors are
-tracked in :mod:`kubeproxy.children`), :mod:`~kubeproxy.nftevents.eventsocket` (the socket
+tracked in :mod:`kubeproxy.host.children`), :mod:`~kubeproxy.nftevents.eventsocket` (the socket
 and its kernel filter) and :mod:`~kubeproxy.nftevents.watcher`. Every public name is
 importable from here.
 """
 
-from kubeproxy.children import ChildProcesses
+from kubeproxy.host.children import ChildProcesses
 from kubeproxy.nftevents.commits import Commit, CommitAssembler, Interest, ObjectKey, summarize
 from kubeproxy.nftevents.eventsocket import (
     NFNLGRP_NFTABLES,

@@ -13,9 +13,9 @@ import threading
 from collections.abc import Iterable
 from typing import Final
 
-import kubeproxy.nlmsg as nlmsg
-from kubeproxy.children import ChildProcesses
-from kubeproxy.netns import run_in_netns
+import kubeproxy.host.nlmsg as nlmsg
+from kubeproxy.host.children import ChildProcesses
+from kubeproxy.host.netns import run_in_netns
 from kubeproxy.nftevents.messages import NETLINK_NETFILTER, Generation, parse_datagram
 from kubeproxy.nftevents.ownership import socket_netns_cookie
 

@@ -3,7 +3,7 @@
 Decoding 100k messages with pyroute2's nfnetlink classes took 2.34 s (23.4 us a message),
 with :func:`parse_datagram` 0.087 s (0.87 us): the listener shares the interpreter with
 the sync it watches (see :mod:`kubeproxy.nftevents`). The messages are walked by the
-shared codec's generator (:func:`kubeproxy.nlmsg.messages`): over the recorded payloads
+shared codec's generator (:func:`kubeproxy.host.nlmsg.messages`): over the recorded payloads
 that measured 6-10 % slower than the loop written here before (2.46 against 2.33 us a
 message, this machine shared with other work), a price paid for one walk, with one
 judgement of malformed input, in every netlink client; our own commits, the bulk of
@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Final
 
-import kubeproxy.nlmsg as nlmsg
+import kubeproxy.host.nlmsg as nlmsg
 
 __all__ = ["NETLINK_NETFILTER", "Generation", "ObjectChange", "parse_datagram"]
 

@@ -12,7 +12,7 @@ import socket
 from collections.abc import Callable, Sequence
 from typing import Final
 
-from kubeproxy.children import ChildProcesses
+from kubeproxy.host.children import ChildProcesses
 from kubeproxy.nftevents.messages import NETLINK_NETFILTER
 
 __all__ = ["OwnWriters", "own_netlink_portids", "socket_netns_cookie"]

@@ -17,7 +17,7 @@ import subprocess
 from collections.abc import Sequence
 from typing import Protocol
 
-from kubeproxy.netns import CLONE_NEWNET, entered, open_netns
+from kubeproxy.host.netns import CLONE_NEWNET, entered, open_netns
 
 __all__ = [
     "CLONE_NEWNET",

@@ -48,7 +48,7 @@ from kubeproxy.backends.iptables.proxier import (
 )
 from kubeproxy.backends.iptables.restore import FILTER, MANGLE, NAT
 from kubeproxy.config import ProxierConfig
-from kubeproxy.netns import run_in_netns
+from kubeproxy.host.netns import run_in_netns
 from kubeproxy.objects import IPFamily
 
 if TYPE_CHECKING:

@@ -45,9 +45,9 @@ from kubeproxy.backends.iptables.restore import (
     check_chain_name,
     check_table,
 )
-from kubeproxy.capabilities import CAP_NET_ADMIN, CAP_NET_RAW, missing_capabilities
-from kubeproxy.children import ChildProcesses
-from kubeproxy.netns import netns_path, run_in_netns
+from kubeproxy.host.capabilities import CAP_NET_ADMIN, CAP_NET_RAW, missing_capabilities
+from kubeproxy.host.children import ChildProcesses
+from kubeproxy.host.netns import netns_path, run_in_netns
 from kubeproxy.objects import IPFamily
 
 __all__ = [

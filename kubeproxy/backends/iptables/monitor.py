@@ -11,7 +11,7 @@ Two watchers (:func:`watchers`):
   tables, changes one of our chains (:class:`OurChains`), or adds or deletes a rule
   jumping to one of them (our jumps from the built-in chains) is reported within
   milliseconds. Our own commits come from the iptables tools the executor spawned; it
-  tells the watcher their pids (:class:`~kubeproxy.children.ChildProcesses`).
+  tells the watcher their pids (:class:`~kubeproxy.host.children.ChildProcesses`).
 
 iptables-legacy has no change events: there the canary is all there is. A chain of ours
 flushed by name (``iptables -t nat -F KUBE-SERVICES``) is found only by the events.
@@ -27,7 +27,7 @@ from kubeproxy.backends.iptables.exec import IptablesVariant
 from kubeproxy.backends.iptables.naming import CANARY
 from kubeproxy.backends.iptables.proxier import IptablesBackend, owns_chain
 from kubeproxy.backends.iptables.restore import TABLES
-from kubeproxy.children import ChildProcesses
+from kubeproxy.host.children import ChildProcesses
 from kubeproxy.nftevents import (
     Commit,
     NftablesEventWatcher,

@@ -24,9 +24,9 @@ import logging
 from typing import Any, Final, Protocol
 
 from kubeproxy.extras import missing_extra
-from kubeproxy.netlink import check_netns
-from kubeproxy.netns import run_in_netns
-from kubeproxy.nlmsg import NLM_F_ACK, NLM_F_CREATE, NLM_F_REQUEST
+from kubeproxy.host.netlink import check_netns
+from kubeproxy.host.netns import run_in_netns
+from kubeproxy.host.nlmsg import NLM_F_ACK, NLM_F_CREATE, NLM_F_REQUEST
 
 __all__ = [
     "COUNTERS",
@@ -54,7 +54,7 @@ _MAX_NAME: Final = 31  # NFACCT_NAME_MAX (32) less the terminating NUL
 # nfnetlink_acct message types (linux/netfilter/nfnetlink_acct.h).
 _NFNL_MSG_ACCT_NEW: Final = 0
 _NFNL_MSG_ACCT_GET: Final = 1
-_NLM_F_EXCL: Final = 0x200  # linux/netlink.h, for NEW requests (kubeproxy.nlmsg has the rest)
+_NLM_F_EXCL: Final = 0x200  # linux/netlink.h, for NEW requests (kubeproxy.host.nlmsg has the rest)
 
 
 class NFAcctError(OSError):
@@ -186,7 +186,7 @@ class NetlinkNFAcct:
     Each call opens a socket and closes it again: counters are made once at start-up and
     read once per scrape, so nothing is gained by holding one open. In a named namespace
     the whole request runs in a helper thread that entered it
-    (:func:`~kubeproxy.netns.run_in_netns`), not through pyroute2's own ``netns=``, which
+    (:func:`~kubeproxy.host.netns.run_in_netns`), not through pyroute2's own ``netns=``, which
     forks the process to open the socket.
     """
 

@@ -32,9 +32,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Final
 
-import kubeproxy.nlmsg as nlmsg
+import kubeproxy.host.nlmsg as nlmsg
 from kubeproxy.backends.iptables.restore import BUILTIN_CHAINS
-from kubeproxy.netns import run_in_netns
+from kubeproxy.host.netns import run_in_netns
 from kubeproxy.objects import IPFamily
 
 __all__ = ["OneBatchRefused", "jump_targets", "remove_ours"]

@@ -47,8 +47,8 @@ from kubeproxy.backends.ipvs.proxier import IPVSBackend
 from kubeproxy.backends.ipvs.sysctls import FileSysctlApplier
 from kubeproxy.config import ProxierConfig
 from kubeproxy.extras import require_extra
-from kubeproxy.netlink import check_netns
-from kubeproxy.netns import run_in_netns
+from kubeproxy.host.netlink import check_netns
+from kubeproxy.host.netns import run_in_netns
 from kubeproxy.objects import IPAddress, IPFamily
 
 if TYPE_CHECKING:
@@ -215,7 +215,7 @@ def watchers(backends: Sequence[IPVSBackend], netns: str | None = None) -> list[
     from kubeproxy.backends.iptables.exec import IptablesVariant
     from kubeproxy.backends.iptables.monitor import event_watcher
     from kubeproxy.backends.ipvs.rules import CHAINS
-    from kubeproxy.children import ChildProcesses
+    from kubeproxy.host.children import ChildProcesses
 
     nft = [b for b in backends if b.iptables.variant is IptablesVariant.NFT]
     if not nft:

@@ -47,10 +47,10 @@ from kubeproxy.backends.ipvs.netlink import (
     VirtualServer,
 )
 from kubeproxy.backends.ipvs.proxier import cleanup_family
-from kubeproxy.netns import run_in_netns
+from kubeproxy.host.netns import run_in_netns
+from kubeproxy.host.sysctl import FileSysctls, SysctlFiles
 from kubeproxy.objects import IPFamily
 from kubeproxy.objects import Protocol as L4Protocol
-from kubeproxy.sysctl import FileSysctls, SysctlFiles
 
 __all__ = [
     "DRAIN_LIMIT",

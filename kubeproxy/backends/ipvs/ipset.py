@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Final, Protocol
 
-from kubeproxy.netns import netns_path
+from kubeproxy.host.netns import netns_path
 from kubeproxy.objects import IPAddress, IPFamily, IPNetwork
 from kubeproxy.objects import Protocol as L4Protocol
 

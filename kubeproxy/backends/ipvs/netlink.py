@@ -4,7 +4,7 @@
 :class:`PyrouteIPVS` and :class:`PyrouteLinks` implement them with pyroute2 (``IPVS``,
 ``IPVSService``, ``IPVSDest``; ``IPRoute``); :mod:`kubeproxy.backends.ipvs.fake` holds the
 in-memory fakes. With ``netns`` every call runs with the calling thread inside that
-namespace (:func:`kubeproxy.netns.in_netns`), so sockets are opened there.
+namespace (:func:`kubeproxy.host.netns.in_netns`), so sockets are opened there.
 
 On a kernel without ``CONFIG_IP_VS`` the IPVS generic netlink family does not exist and
 every IPVS request fails with ENOENT: :func:`check_ipvs_support` turns that into
@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Protocol, TypeVar
 
-from kubeproxy.netns import in_netns
+from kubeproxy.host.netns import in_netns
 from kubeproxy.objects import IPAddress
 from kubeproxy.objects import Protocol as L4Protocol
 

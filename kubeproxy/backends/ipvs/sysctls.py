@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Protocol
 
 from kubeproxy.config import IPVSSettings
-from kubeproxy.netns import run_in_netns
+from kubeproxy.host.netns import run_in_netns
+from kubeproxy.host.sysctl import FileSysctls, SysctlFiles, SysctlResult
 from kubeproxy.objects import IPFamily
-from kubeproxy.sysctl import FileSysctls, SysctlFiles, SysctlResult
 
 __all__ = ["FileSysctlApplier", "SysctlApplier", "ipvs_sysctls"]
 

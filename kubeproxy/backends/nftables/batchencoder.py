@@ -27,7 +27,7 @@ import struct
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-import kubeproxy.nlmsg as nlmsg
+import kubeproxy.host.nlmsg as nlmsg
 from kubeproxy.backends.nftables.batchsocket import Frame
 from kubeproxy.backends.nftables.declarations import Declaration
 from kubeproxy.backends.nftables.elements import element_encoder, supports, with_comment
@@ -278,7 +278,7 @@ class _Encoder:
 
     def elements(self, verb: str, container: str, elements: Iterable[ElementParts]) -> None:
         """Encode ``elements`` (key, value, comment, timeout) into messages of at most
-        :data:`~kubeproxy.nlmsg.MESSAGE_BYTES` each (one element may be alone and over),
+        :data:`~kubeproxy.host.nlmsg.MESSAGE_BYTES` each (one element may be alone and over),
         each message made as soon as it is full: what is held at once is one message's
         elements, not every element of the run encoded first."""
         declaration = self.declaration(container)

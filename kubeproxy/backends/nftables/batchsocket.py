@@ -44,10 +44,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import kubeproxy.nlmsg as nlmsg
+import kubeproxy.host.nlmsg as nlmsg
 from kubeproxy.backends.nftables.objects import NftError
 from kubeproxy.backends.nftables.pipeline import Pipeline
-from kubeproxy.netns import run_in_netns
+from kubeproxy.host.netns import run_in_netns
 
 __all__ = ["BatchSocket", "Encoded", "Frame", "Refusable", "answers", "batch_refusal"]
 

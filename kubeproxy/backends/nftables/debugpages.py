@@ -37,8 +37,8 @@ from kubeproxy.backends.nftables.trace import trace
 from kubeproxy.backends.nftables.verify import verify_tables
 from kubeproxy.backends.nftables.written import WrittenTable
 from kubeproxy.debugpages import DebugState, json_page, parse_service, text_page
-from kubeproxy.httpserving import QueryRoute, Response, Route
-from kubeproxy.netlink import HostAddresses
+from kubeproxy.host.httpserving import QueryRoute, Response, Route
+from kubeproxy.host.netlink import HostAddresses
 from kubeproxy.objects import IPFamily
 from kubeproxy.parse import parse_frontend, parse_host
 

@@ -25,7 +25,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import kubeproxy.nlmsg as nlmsg
+import kubeproxy.host.nlmsg as nlmsg
 from kubeproxy.backends.nftables.elements import encode_part
 from kubeproxy.backends.nftables.objects import Map, NftError, Set
 

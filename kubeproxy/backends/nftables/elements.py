@@ -8,7 +8,7 @@ pyroute2's nfnetlink messages took 47 us per element to encode, and each of its 
 waits on an asyncio loop (0.5 ms for one element). Packing the few data types our
 containers use ourselves costs well under 1 us per element (0.5-0.6 us for the slots
 map: :class:`_Codec`) and sends a batch of any size as one transaction (the netlink
-framing is :mod:`kubeproxy.nlmsg`'s). Only *elements* go this way: they carry no
+framing is :mod:`kubeproxy.host.nlmsg`'s). Only *elements* go this way: they carry no
 bytecode, so ``nft list`` shows them exactly as if nft had added them; chains, rules and
 sets stay nft text.
 
@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, overload
 
-import kubeproxy.nlmsg as nlmsg
+import kubeproxy.host.nlmsg as nlmsg
 from kubeproxy.backends.nftables.batchsocket import BatchSocket, Frame
 from kubeproxy.backends.nftables.objects import (
     PROTOCOL_NUMBERS,
@@ -68,7 +68,7 @@ Key = tuple[str, ...]
 _FAMILY_NUMBERS = {Family.IP: socket.AF_INET, Family.IP6: socket.AF_INET6, Family.INET: 1}
 SUPPORTED_TYPES = frozenset({"ipv4_addr", "ipv6_addr", "inet_proto", "inet_service", "integer"})
 
-# nf_tables constants (linux/netfilter/nf_tables.h); netlink's are in kubeproxy.nlmsg.
+# nf_tables constants (linux/netfilter/nf_tables.h); netlink's are in kubeproxy.host.nlmsg.
 _NFT_MSG_NEWSETELEM = 12
 _NFT_MSG_GETSETELEM = 13
 _NFT_MSG_DELSETELEM = 14

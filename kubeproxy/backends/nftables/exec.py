@@ -39,7 +39,7 @@ from kubeproxy.backends.nftables.objects import (
     validate_name,
 )
 from kubeproxy.backends.nftables.transaction import Transaction
-from kubeproxy.netns import run_in_netns
+from kubeproxy.host.netns import run_in_netns
 
 __all__ = [
     "LIBNFTABLES",

@@ -38,14 +38,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Final, Protocol, TextIO
 
-import kubeproxy.nlmsg as nlmsg
+import kubeproxy.host.nlmsg as nlmsg
 from kubeproxy.backends.nftables.declarations import Declaration
 from kubeproxy.backends.nftables.exec import LibNftables
 from kubeproxy.backends.nftables.explain import describe_class, parse_class
 from kubeproxy.backends.nftables.objects import Family, NftError
 from kubeproxy.backends.nftables.reader import RuleRefs, TableReader, verdict_of
 from kubeproxy.backends.nftables.table import TABLE
-from kubeproxy.netns import run_in_netns
+from kubeproxy.host.netns import run_in_netns
 from kubeproxy.objects import IPAddress
 
 __all__ = [

@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import kubeproxy.nlmsg as nlmsg
+import kubeproxy.host.nlmsg as nlmsg
 from kubeproxy.backends.nftables.batchencoder import (
     FAMILY_NUMBERS,
     NFT_TABLE_F_OWNER,
@@ -67,7 +67,7 @@ from kubeproxy.backends.nftables.exec import LibNftables, NftExecutor
 from kubeproxy.backends.nftables.objects import Element, Family, NftError
 from kubeproxy.backends.nftables.table import TABLE, TABLE_COMMENT
 from kubeproxy.backends.nftables.transaction import Transaction
-from kubeproxy.netns import run_in_netns
+from kubeproxy.host.netns import run_in_netns
 
 __all__ = [
     "OWNER_FLAGS",

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Final
 
-import kubeproxy.nlmsg as nlmsg
+import kubeproxy.host.nlmsg as nlmsg
 from kubeproxy.backends.nftables.batchsocket import BatchSocket
 from kubeproxy.backends.nftables.declarations import Declaration
 from kubeproxy.backends.nftables.elements import SUPPORTED_TYPES, decode_parts, element_encoder

@@ -18,9 +18,9 @@ import socket
 import struct
 from typing import Final
 
-import kubeproxy.nlmsg as nlmsg
+import kubeproxy.host.nlmsg as nlmsg
 from kubeproxy.backends.nftables.objects import Family, NftError
-from kubeproxy.netns import run_in_netns
+from kubeproxy.host.netns import run_in_netns
 
 __all__ = ["parse_rule", "rule_counters"]
 

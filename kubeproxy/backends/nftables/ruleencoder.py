@@ -46,7 +46,7 @@ import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-import kubeproxy.nlmsg as nlmsg
+import kubeproxy.host.nlmsg as nlmsg
 from kubeproxy.backends.nftables.declarations import Declaration, encode_verdict
 from kubeproxy.backends.nftables.objects import PROTOCOL_NUMBERS, Family, NftError
 

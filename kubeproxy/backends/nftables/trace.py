@@ -18,7 +18,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import kubeproxy.nlmsg as nlmsg
+import kubeproxy.host.nlmsg as nlmsg
 from kubeproxy.backends.nftables.explain import FrontendView, TableView
 from kubeproxy.backends.nftables.frontends import Kind, NoEndpoint
 from kubeproxy.backends.nftables.reader import RuleRefs

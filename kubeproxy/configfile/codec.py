@@ -1,7 +1,7 @@
 """Reading and writing ``KubeProxyConfiguration`` files, strictly, as upstream does.
 
 Decoding is strict: an unknown or duplicated field, a value of the wrong type, or a
-missing/wrong ``apiVersion``/``kind`` is a :class:`~kubeproxy.configmodel.ConfigError`
+missing/wrong ``apiVersion``/``kind`` is a :class:`~kubeproxy.configfile.model.ConfigError`
 naming the field's full path (``conntrack.maxPerCore``). Defaulting follows upstream's
 v1alpha1 defaulting exactly, quirks included: for the fields Go declares as plain values
 (not pointers) an explicit zero means "unset" and gets the default, while pointer fields
@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from kubeproxy.configmodel import (
+from kubeproxy.configfile.model import (
     API_VERSION,
     DEFAULT_HEALTHZ_PORT,
     DEFAULT_METRICS_PORT,
@@ -476,7 +476,7 @@ def parse_config(text: str) -> KubeProxyConfiguration:
     """Decode a configuration (YAML or JSON text), strictly, and apply upstream's defaults.
 
     Raises :class:`ConfigError` naming the field for anything upstream's strict decoder
-    rejects. The result is not validated: see :func:`~kubeproxy.proxyconfig.validate`.
+    rejects. The result is not validated: see :func:`~kubeproxy.configfile.settings.validate`.
     """
     if text.lstrip().startswith("{"):
         try:

@@ -21,8 +21,8 @@ active mode as upstream's internal conversion does. ``winkernel`` and
 ``windowsRunAsService`` are accepted and ignored on Linux, as upstream does.
 
 Where each part lives: the model, its constants and :class:`ConfigError` in
-:mod:`kubeproxy.configmodel`; decoding and encoding the file in
-:mod:`kubeproxy.configfile`; start-up defaults, validation and the conversion here. Every
+:mod:`kubeproxy.configfile.model`; decoding and encoding the file in
+:mod:`kubeproxy.configfile.codec`; start-up defaults, validation and the conversion here. Every
 public name of the three is importable from this module.
 """
 
@@ -35,14 +35,14 @@ from collections.abc import Sequence
 from typing import Final
 
 from kubeproxy.config import IPVSSettings, LocalDetectMode, LocalDetector, ProxierConfig
-from kubeproxy.configfile import (
+from kubeproxy.configfile.codec import (
     append_port_if_needed,
     config_document,
     load_config_file,
     parse_config,
     write_config,
 )
-from kubeproxy.configmodel import (
+from kubeproxy.configfile.model import (
     API_VERSION,
     CONTENT_TYPE_JSON,
     CONTENT_TYPE_PROTOBUF,

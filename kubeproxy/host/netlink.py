@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
-import kubeproxy.nlmsg as nlmsg
-from kubeproxy.netns import run_in_netns
+import kubeproxy.host.nlmsg as nlmsg
+from kubeproxy.host.netns import run_in_netns
 from kubeproxy.objects import IPAddress
 
 __all__ = [
@@ -72,7 +72,7 @@ class HostAddresses:
     pyroute2 took 120 ms for the first dump of a process (its import and event loop) and
     28 ms for each later one, this about 1 ms; and pyroute2's ``netns=`` forks the
     process, where this opens its socket from a helper thread inside the namespace
-    (:func:`kubeproxy.netns.run_in_netns`).
+    (:func:`kubeproxy.host.netns.run_in_netns`).
     """
 
     def __init__(self, netns_dir: Path = NETNS_DIR) -> None:
@@ -99,7 +99,7 @@ _IFADDRMSG = struct.Struct("=BBBBI")
 
 netlink_dump = nlmsg.dump
 """Send a dump request and yield each answer's type and payload
-(:func:`kubeproxy.nlmsg.dump`; the name stays here for code that imported it from here)."""
+(:func:`kubeproxy.host.nlmsg.dump`; the name stays here for code that imported it from here)."""
 
 
 def _dump_addresses() -> list[IPAddress]:

@@ -38,9 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from kubeproxy.cmd.flags import BY_DEST, FLAGS, OVERRIDE_CONFIG, OptionsError, build_parser, usage
-from kubeproxy.daemon import DaemonOptions
-from kubeproxy.objects import IPNetwork
-from kubeproxy.proxyconfig import (
+from kubeproxy.configfile.settings import (
     DEFAULT_HEALTHZ_PORT,
     DEFAULT_METRICS_PORT,
     PROXY_MODES,
@@ -55,6 +53,8 @@ from kubeproxy.proxyconfig import (
     load_config_file,
     to_proxier_config,
 )
+from kubeproxy.daemon import DaemonOptions
+from kubeproxy.objects import IPNetwork
 
 __all__ = [
     "MODE_DEFAULTED_MESSAGE",

@@ -4,7 +4,7 @@ Message headers (``nlmsghdr``), attributes (``nlattr``, nested too), acknowledge
 errors (extended acks: the kernel's message and the offset of the refused attribute),
 nfnetlink batches and the dump loop. The clients built on it say next to their code why
 they talk netlink by hand rather than through pyroute2 or libnftables (measured costs):
-host addresses (:mod:`kubeproxy.netlink`), conntrack (:mod:`kubeproxy.conntrack`),
+host addresses (:mod:`kubeproxy.host.netlink`), conntrack (:mod:`kubeproxy.conntrack`),
 nf_tables events (:mod:`kubeproxy.nftevents`), nf_tables elements and rule counters
 (``kubeproxy.backends.nftables.elements``, ``.rulecounters``).
 

@@ -2,8 +2,8 @@
 
 Plain frozen dataclasses (snake_case here, camelCase in the file), Go durations
 (:class:`Duration`), the constants of the format and :class:`ConfigError`. Reading and
-writing the file is :mod:`kubeproxy.configfile`'s; defaulting at start-up, validation and
-the mapping to a proxier's settings are :mod:`kubeproxy.proxyconfig`'s, which also
+writing the file is :mod:`kubeproxy.configfile.codec`'s; defaulting at start-up, validation and
+the mapping to a proxier's settings are :mod:`kubeproxy.configfile.settings`'s, which also
 re-exports everything here.
 """
 
@@ -333,7 +333,7 @@ class KubeProxyConfiguration:
     """The whole v1alpha1 configuration, defaulted as upstream does.
 
     ``mode`` and ``detect_local_mode`` may be ``""`` (decided at start-up, see
-    :func:`~kubeproxy.proxyconfig.apply_platform_defaults`); ``node_port_addresses``
+    :func:`~kubeproxy.configfile.settings.apply_platform_defaults`); ``node_port_addresses``
     empty means unset.
     ``healthz_bind_address``/``metrics_bind_address`` are ``IP:port`` or ``""``
     (disabled, reachable only through flags as upstream).

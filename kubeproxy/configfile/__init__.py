@@ -1,0 +1,1 @@
+"""Upstream's configuration file: ``KubeProxyConfiguration``."""

@@ -1,0 +1,1 @@
+"""Host plumbing: Linux and HTTP machinery with no Service semantics."""
