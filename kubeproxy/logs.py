@@ -30,7 +30,7 @@ import time
 from collections.abc import Sequence
 from typing import Final, TextIO
 
-from kubeproxy.configfile.settings import LoggingConfiguration, VModuleItem
+from kubeproxy.configfile.model import LoggingConfiguration, VModuleItem
 
 __all__ = [
     "OURS",
