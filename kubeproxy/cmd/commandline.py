@@ -24,6 +24,12 @@ and ``--iptables-masquerade-bit`` does not affect nftables mode (which uses
 The single-mode binaries pass ``fixed_mode``; a different ``mode`` in the file or
 ``--proxy-mode`` is an error. The multi-mode ``kube-proxy`` runs in iptables mode when no
 mode is given, like upstream, and says so through :attr:`Options.mode_defaulted`.
+
+Three modules, three roles: :mod:`kubeproxy.cmd.flags` is the table of flags, this module
+reads a command line (the flags and the file they name) into :class:`Options`, and
+:mod:`kubeproxy.daemon.options` is what the daemon is told
+(:class:`~kubeproxy.daemon.DaemonOptions`, which an out-of-tree proxy builds without any
+command line).
 """
 
 from __future__ import annotations

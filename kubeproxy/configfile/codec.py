@@ -7,6 +7,10 @@ v1alpha1 defaulting exactly, quirks included: for the fields Go declares as plai
 (not pointers) an explicit zero means "unset" and gets the default, while pointer fields
 keep an explicit zero. One table (``_SCHEMAS``) says, per struct, each field's file name,
 decoder, encoder and default-on-zero rule, for both directions.
+
+It reads and writes :mod:`kubeproxy.configfile.model`'s dataclasses and nothing else of
+``kubeproxy``: what a decoded file means for the proxy (start-up defaults, validation, the
+proxier's settings) is :mod:`kubeproxy.configfile.settings`'.
 """
 
 from __future__ import annotations

@@ -2,9 +2,13 @@
 
 Plain frozen dataclasses (snake_case here, camelCase in the file), Go durations
 (:class:`Duration`), the constants of the format and :class:`ConfigError`. Reading and
-writing the file is :mod:`kubeproxy.configfile.codec`'s; defaulting at start-up, validation and
-the mapping to a proxier's settings are :mod:`kubeproxy.configfile.settings`'s, which also
-re-exports everything here.
+writing the file is :mod:`kubeproxy.configfile.codec`'s; defaulting at start-up,
+validation and the mapping to a proxier's settings are
+:mod:`kubeproxy.configfile.settings`'s, which also re-exports everything here.
+
+The bottom of :mod:`kubeproxy.configfile`: it imports nothing of ``kubeproxy``, so the
+logging setup (:mod:`kubeproxy.logs`) reads its section of the file from here without
+loading the codec or the conversion.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Upstream's configuration file: ``KubeProxyConfiguration`` (``kubeproxy.config.k8s.io/v1alpha1``).
+"""A ``KubeProxyConfiguration`` made into our settings: start-up defaults, validation, conversion.
 
 The model mirrors every v1alpha1 field with upstream's names (snake_case here, camelCase in
 the file) and defaults. Decoding is strict, as upstream's: an unknown or duplicated field, a
@@ -22,8 +22,11 @@ active mode as upstream's internal conversion does. ``winkernel`` and
 
 Where each part lives: the model, its constants and :class:`ConfigError` in
 :mod:`kubeproxy.configfile.model`; decoding and encoding the file in
-:mod:`kubeproxy.configfile.codec`; start-up defaults, validation and the conversion here. Every
-public name of the three is importable from this module.
+:mod:`kubeproxy.configfile.codec`; start-up defaults, validation and the conversion here.
+Every public name of the three is importable from this module, the one the daemon and the
+binaries use. It is the package's only way down into the core: it imports
+:mod:`kubeproxy.config`, :mod:`kubeproxy.featuregates` and :mod:`kubeproxy.objects`, the
+settings it produces, and they never import it.
 """
 
 from __future__ import annotations
