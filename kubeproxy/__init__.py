@@ -7,6 +7,18 @@ implement :class:`Backend`. The whole node daemon (upstream's start-up, the API 
 with its wait for the Node, health and metrics servers, Events, the run loop) is
 :mod:`kubeproxy.daemon`: :func:`run_daemon` runs a backend of yours as a node's proxy.
 The public names are listed in ``__all__``; everything else is internal and may change.
+
+Where things are. The core stands at the top of this package: the objects and their
+parsing (``objects``, ``parse``, ``handlers``), the change trackers (``servicechanges``,
+``endpointchanges``, ``portindex``), ``topology``, the sync loop (``runner``, ``pacing``,
+``proxier``), the backend contract (``backend``) and the settings a proxier runs with
+(``config``, ``featuregates``). Beside it, one concern each: ``sources`` (the API,
+manifests), ``health``, ``metrics``, ``conntrack``, ``nftevents``, ``selfheal``,
+``events``, ``logs``. Under them, ``host``: Linux and HTTP plumbing that knows no Service
+(of the core it uses ``objects`` only). Above the core: ``configfile`` (upstream's
+configuration file, made into ``config``'s settings), ``daemon`` (the node daemon),
+``backends`` (the renderers) and ``cmd`` (the binaries); nothing else here imports the
+last two. ``testing`` is the flow-case kit.
 """
 
 from typing import TYPE_CHECKING, Any
