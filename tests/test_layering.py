@@ -9,7 +9,6 @@
   dataclasses that import nothing of ``kubeproxy``), whose logging section ``logs`` reads.
 * The top-level parts of ``kubeproxy`` (each module at the top, each package taken whole)
   import one another without a circle, counting the imports run when a module is loaded.
-
 * Nothing in ``kubeproxy/`` imports ``bench``: the package is what a node installs and
   what out-of-tree proxies import, and ``bench/`` is a source checkout's benchmarks (not in
   the wheel), so such an import would fail on every installed node, and only there. The last
