@@ -27,14 +27,8 @@ from typing import Any
 import pytest
 import yaml
 
-from kubeproxy.health import (
-    DEFAULT_MAX_HANDLERS,
-    HandlerSlots,
-    ProxyHealth,
-    ProxyHealthServer,
-    ServiceHealthServer,
-    listen_backlog,
-)
+from kubeproxy.health import ProxyHealth, ProxyHealthServer, ServiceHealthServer
+from kubeproxy.host.httpserving import DEFAULT_MAX_HANDLERS, HandlerSlots, listen_backlog
 from kubeproxy.host.netns import in_netns
 from kubeproxy.metrics import MetricsServer, ProxyMetrics
 from kubeproxy.objects import IPFamily, NamespacedName, NodeInfo

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from kubeproxy.backend import ProxySnapshot, SyncChanges, SyncError
 from kubeproxy.config import ProxierConfig
-from kubeproxy.health import ServerBindError
+from kubeproxy.host.httpserving import ServerBindError
 from kubeproxy.metrics import (
     CONTENT_TYPE,
     NETWORK_PROGRAMMING_BUCKETS,

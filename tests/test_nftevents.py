@@ -27,8 +27,8 @@ from kubeproxy.backends.iptables.proxier import owns_chain
 from kubeproxy.backends.ipvs.rules import CHAINS as IPVS_CHAINS
 from kubeproxy.backends.nftables.exec import LibNftables
 from kubeproxy.backends.nftables.monitor import OurTables
+from kubeproxy.host.children import ChildProcesses
 from kubeproxy.nftevents import (
-    ChildProcesses,
     Commit,
     CommitAssembler,
     EventsLost,

@@ -1,6 +1,6 @@
-"""Five modules became packages of one concept per module (issue 22); their users see no
-change: every public name the old module had is importable from the old path, each new
-module says what it is, and the log records keep the old logger name."""
+"""Five modules became packages of one concept per module (issue 22): each package exports
+its modules' public names (its ``__all__``, nothing kept only for an old path: issue 33),
+each module says what it is, and the log records keep the package's logger name."""
 
 from __future__ import annotations
 
@@ -10,45 +10,32 @@ import pkgutil
 
 import pytest
 
-OLD_NAMES = {
+PUBLIC_NAMES = {
     "kubeproxy.sources.kubernetes": {
         "IN_CLUSTER_MESSAGE",
-        "Key",
         "KubernetesSource",
-        "LABEL_HEADLESS",
-        "LABEL_SERVICE_PROXY_NAME",
         "NodeWatcher",
-        "PROXY_LABEL_SELECTOR",
         "RateLimitedApiClient",
-        "SERVICE_FIELD_SELECTOR",
         "TokenBucket",
         "exit_process",
         "make_api_client",
     },
     "kubeproxy.health": {
         "DEFAULT_HEALTHZ_ADDRESS",
-        "DEFAULT_MAX_HANDLERS",
         "FAULT_FIRST_SYNC",
         "FAULT_RULES_REMOVED",
         "FAULT_SYNC_FAILURES",
         "SYNC_FAILURE_THRESHOLD",
-        "BackgroundServer",
         "DataPlaneFault",
         "FamilyHealth",
-        "HandlerSlots",
         "HealthMetrics",
         "HealthObserver",
         "HealthStatus",
         "ListenErrorCallback",
         "ProxyHealth",
         "ProxyHealthServer",
-        "Response",
-        "Route",
-        "ServerBindError",
         "ServiceHealthServer",
         "format_time",
-        "listen_backlog",
-        "parse_bind_address",
     },
     "kubeproxy.conntrack": {
         "ConntrackError",
@@ -65,7 +52,6 @@ OLD_NAMES = {
         "FALLBACK_INTERVAL",
         "NETLINK_NETFILTER",
         "NFNLGRP_NFTABLES",
-        "ChildProcesses",
         "Commit",
         "CommitAssembler",
         "EventSocket",
@@ -83,12 +69,13 @@ OLD_NAMES = {
     },
     "kubeproxy.testing.fakeapi": {
         "APIRequest",
+        "Certificates",
         "FakeAPIServer",
-        "JSONObject",
         "RESOURCES",
         "ResourceInfo",
         "allowed_by",
         "endpoint_slice",
+        "make_certificates",
         "node",
         "service",
         "service_cidr",
@@ -96,14 +83,15 @@ OLD_NAMES = {
 }
 
 
-@pytest.mark.parametrize("package", sorted(OLD_NAMES))
-def test_the_old_names_stay_importable_from_the_old_path(package: str) -> None:
+@pytest.mark.parametrize("package", sorted(PUBLIC_NAMES))
+def test_each_package_exports_its_public_names(package: str) -> None:
     module = importlib.import_module(package)
-    assert {name for name in OLD_NAMES[package] if not hasattr(module, name)} == set()
+    assert {name for name in PUBLIC_NAMES[package] if not hasattr(module, name)} == set()
     assert set(module.__all__) <= set(dir(module))
+    assert set(module.__all__) == PUBLIC_NAMES[package]
 
 
-@pytest.mark.parametrize("package", sorted(OLD_NAMES))
+@pytest.mark.parametrize("package", sorted(PUBLIC_NAMES))
 def test_every_module_of_the_packages_says_what_it_is(package: str) -> None:
     root = importlib.import_module(package)
     names = [info.name for info in pkgutil.iter_modules(root.__path__, f"{package}.")]

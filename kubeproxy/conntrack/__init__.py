@@ -20,7 +20,7 @@ Executors (:class:`ConntrackExecutor`) list and delete flows:
   in :mod:`~kubeproxy.conntrack.ctnetlink`).
 * :class:`FakeConntrack` keeps flows in memory for unit tests.
 
-One concept per module, all re-exported here (the names this package had as one module):
+One concept per module, the public names re-exported here (``__all__``):
 
 * :mod:`~kubeproxy.conntrack.flows`: :class:`Flow`, the executor interface
   (:class:`ConntrackExecutor`) and :class:`ConntrackError`;

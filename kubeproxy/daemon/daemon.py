@@ -29,7 +29,8 @@ from kubeproxy.events import (
     REASON_FAILED_METRICS,
     EventSink,
 )
-from kubeproxy.health import HealthObserver, ServerBindError
+from kubeproxy.health import HealthObserver
+from kubeproxy.host.httpserving import ServerBindError
 from kubeproxy.host.netlink import AddressWatcher
 from kubeproxy.objects import IPFamily, NodeInfo
 from kubeproxy.proxier import DualStackProxier, Proxier

@@ -60,7 +60,7 @@ from kubeproxy.events import (
     REASON_FAILED_METRICS,
     EventSink,
 )
-from kubeproxy.health import ServerBindError
+from kubeproxy.host.httpserving import ServerBindError
 from kubeproxy.host.netlink import AddressWatcher, HostAddresses
 from kubeproxy.objects import IPAddress, IPFamily
 from kubeproxy.proxier import ObserverGroup, Proxier, SyncHook, SyncObserver

@@ -27,11 +27,11 @@ Semantics follow upstream kube-proxy (``pkg/proxy/healthcheck``, 1.33+):
   syncs become a data-plane fault) and its :meth:`HealthObserver.after_sync` is a
   :class:`~kubeproxy.proxier.SyncHook`.
 
-Every listener here is :mod:`kubeproxy.host.httpserving`'s (long accept queues, at most
-:data:`DEFAULT_MAX_HANDLERS` handlers at once, binding and retrying as upstream); its
-names are still importable from here.
+Every listener here is :mod:`kubeproxy.host.httpserving`'s (long accept queues, a bound on
+the handlers at once, binding and retrying as upstream); its names are imported from
+there.
 
-One concept per module, all re-exported here (the names this package had as one module):
+One concept per module, the public names re-exported here (``__all__``):
 
 * :mod:`~kubeproxy.health.state`: :class:`ProxyHealth`, the faults, the JSON body;
 * :mod:`~kubeproxy.health.proxy`: :class:`ProxyHealthServer` (``/healthz``, ``/livez``);
@@ -55,39 +55,21 @@ from kubeproxy.health.state import (
     ProxyHealth,
     format_time,
 )
-from kubeproxy.host.httpserving import (
-    DEFAULT_MAX_HANDLERS,
-    BackgroundServer,
-    HandlerSlots,
-    Response,
-    Route,
-    ServerBindError,
-    listen_backlog,
-    parse_bind_address,
-)
 
 __all__ = [
     "DEFAULT_HEALTHZ_ADDRESS",
-    "DEFAULT_MAX_HANDLERS",
     "FAULT_FIRST_SYNC",
     "FAULT_RULES_REMOVED",
     "FAULT_SYNC_FAILURES",
     "SYNC_FAILURE_THRESHOLD",
-    "BackgroundServer",
     "DataPlaneFault",
     "FamilyHealth",
-    "HandlerSlots",
     "HealthMetrics",
     "HealthObserver",
     "HealthStatus",
     "ListenErrorCallback",
     "ProxyHealth",
     "ProxyHealthServer",
-    "Response",
-    "Route",
-    "ServerBindError",
     "ServiceHealthServer",
     "format_time",
-    "listen_backlog",
-    "parse_bind_address",
 ]

@@ -46,7 +46,6 @@ and its kernel filter) and :mod:`~kubeproxy.nftevents.watcher`. Every public nam
 importable from here.
 """
 
-from kubeproxy.host.children import ChildProcesses
 from kubeproxy.nftevents.commits import Commit, CommitAssembler, Interest, ObjectKey, summarize
 from kubeproxy.nftevents.eventsocket import (
     NFNLGRP_NFTABLES,
@@ -62,7 +61,6 @@ __all__ = [
     "FALLBACK_INTERVAL",
     "NETLINK_NETFILTER",
     "NFNLGRP_NFTABLES",
-    "ChildProcesses",
     "Commit",
     "CommitAssembler",
     "EventSocket",

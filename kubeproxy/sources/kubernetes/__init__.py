@@ -26,7 +26,7 @@ CIDRs changed while local traffic is detected by node CIDR, or it was deleted.
 
 Handler calls come from the reflector threads, one at a time (a lock serialises them).
 
-One concept per module, all re-exported here (the names this package had as one module):
+One concept per module, the public names re-exported here (``__all__``):
 
 * :mod:`~kubeproxy.sources.kubernetes.apiclient`: building the client, the GET it makes,
   its errors as log lines;
@@ -49,19 +49,6 @@ from kubeproxy.sources.kubernetes.apiclient import (
 )
 from kubeproxy.sources.kubernetes.nodewatch import NodeWatcher, exit_process
 from kubeproxy.sources.kubernetes.ratelimit import TokenBucket
-from kubeproxy.sources.kubernetes.reflector import Key as Key
-from kubeproxy.sources.kubernetes.source import (
-    LABEL_HEADLESS as LABEL_HEADLESS,
-)
-from kubeproxy.sources.kubernetes.source import (
-    LABEL_SERVICE_PROXY_NAME as LABEL_SERVICE_PROXY_NAME,
-)
-from kubeproxy.sources.kubernetes.source import (
-    PROXY_LABEL_SELECTOR as PROXY_LABEL_SELECTOR,
-)
-from kubeproxy.sources.kubernetes.source import (
-    SERVICE_FIELD_SELECTOR as SERVICE_FIELD_SELECTOR,
-)
 from kubeproxy.sources.kubernetes.source import KubernetesSource
 
 __all__ = [

@@ -20,7 +20,7 @@ a client did with what a ClusterRole allows (:func:`allowed_by`).
 Like the real server, lists leave ``kind``/``apiVersion`` out of their items, watch events
 carry them, and an EndpointSlice without endpoints or ports has them as ``null``.
 
-One concept per module, all re-exported here (the names this package had as one module):
+One concept per module, the public names re-exported here (``__all__``):
 
 * :mod:`~kubeproxy.testing.fakeapi.server`: :class:`FakeAPIServer`, the tests' controls;
 * :mod:`~kubeproxy.testing.fakeapi.store`: the cluster's state (objects, resource
@@ -46,7 +46,6 @@ One concept per module, all re-exported here (the names this package had as one 
 from kubeproxy.testing.fakeapi.builders import endpoint_slice, node, service, service_cidr
 from kubeproxy.testing.fakeapi.requestinfo import APIRequest, allowed_by
 from kubeproxy.testing.fakeapi.resources import RESOURCES, ResourceInfo
-from kubeproxy.testing.fakeapi.resources import JSONObject as JSONObject
 from kubeproxy.testing.fakeapi.server import FakeAPIServer
 from kubeproxy.testing.fakeapi.tls import Certificates, make_certificates
 
