@@ -84,7 +84,7 @@ from bench.synthetic import (
 )
 from kubeproxy.backend import Backend, BackendFactory, ProxySnapshot, SyncChanges
 from kubeproxy.config import LocalDetectMode, LocalDetector, ProxierConfig
-from kubeproxy.configfile.settings import KubeProxyNFTablesConfiguration
+from kubeproxy.configfile.model import KubeProxyNFTablesConfiguration
 from kubeproxy.entrypoints import load_backend
 from kubeproxy.objects import IPAddress, IPFamily, NodeInfo
 from kubeproxy.proxier import DualStackProxier, FinishedSync, NullObserver, Proxier

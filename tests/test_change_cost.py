@@ -30,7 +30,7 @@ from kubeproxy.backends.nftables.elements import ElementBatch
 from kubeproxy.backends.nftables.fake import FakeNft
 from kubeproxy.backends.nftables.transaction import Transaction
 from kubeproxy.config import ProxierConfig
-from kubeproxy.configfile.settings import defaults
+from kubeproxy.configfile.model import defaults
 from kubeproxy.conntrack import FakeConntrack, Flow
 from kubeproxy.daemon import Daemon, DaemonOptions, DaemonSeams, LoggingEventSink, build_daemon
 from kubeproxy.host.netlink import FakeHostAddresses

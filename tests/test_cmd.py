@@ -29,7 +29,7 @@ from kubeproxy.cmd import nftables as nft_binary
 from kubeproxy.cmd.binary import run as binary_run
 from kubeproxy.cmd.commandline import parse_options
 from kubeproxy.config import ProxierConfig
-from kubeproxy.configfile.settings import parse_config
+from kubeproxy.configfile.codec import parse_config
 from kubeproxy.daemon import DaemonSeams, LoggingEventSink
 from kubeproxy.daemon.gate import HandlerGate
 from kubeproxy.daemon.gctuning import ONE_SHOT_GC_OPS, GcTuner

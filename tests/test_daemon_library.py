@@ -38,7 +38,8 @@ from kubeproxy import (
     run_daemon,
 )
 from kubeproxy.cmd.commandline import Options, parse_options
-from kubeproxy.configfile.settings import ConfigError, defaults, parse_config
+from kubeproxy.configfile.codec import parse_config
+from kubeproxy.configfile.model import ConfigError, defaults
 from kubeproxy.conntrack import FakeConntrack
 from kubeproxy.daemon import DaemonPlugins, DaemonSeams, LoggingEventSink
 from kubeproxy.daemon.gctuning import GcOps

@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from kubeproxy.backends.nftables import create_backend
-from kubeproxy.configfile.settings import defaults
+from kubeproxy.configfile.model import defaults
 from kubeproxy.conntrack import FakeConntrack
 from kubeproxy.daemon import Daemon, DaemonOptions, DaemonSeams, StartupError, build_daemon
 from kubeproxy.daemon.gctuning import GcOps

@@ -25,13 +25,9 @@ from kubeproxy.cmd import nftables as nftables_binary
 from kubeproxy.cmd.binary import run
 from kubeproxy.cmd.commandline import OptionsError, parse_options
 from kubeproxy.cmd.flags import usage
-from kubeproxy.configfile.settings import (
-    ConfigError,
-    defaults,
-    parse_config,
-    to_proxier_config,
-    validate,
-)
+from kubeproxy.configfile.codec import parse_config
+from kubeproxy.configfile.model import ConfigError, defaults
+from kubeproxy.configfile.settings import to_proxier_config, validate
 from kubeproxy.featuregates import (
     ALL_ALPHA,
     ALL_BETA,

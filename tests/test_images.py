@@ -40,7 +40,8 @@ from kubeproxy.backends.nftables.fake import FakeNft
 from kubeproxy.cmd.commandline import Options, parse_options
 from kubeproxy.cmd.modes import MODES
 from kubeproxy.config import ProxierConfig
-from kubeproxy.configfile.settings import parse_config, validate
+from kubeproxy.configfile.codec import parse_config
+from kubeproxy.configfile.settings import validate
 from kubeproxy.conntrack import FakeConntrack
 from kubeproxy.daemon import DaemonSeams, build_daemon
 from kubeproxy.daemon.sources import SourceTuning

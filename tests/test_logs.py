@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kubeproxy.configfile.settings import (
+from kubeproxy.configfile.model import (
     FormatOptions,
     LoggingConfiguration,
     OutputRoutingOptions,

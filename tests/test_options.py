@@ -16,13 +16,8 @@ from kubeproxy.cmd.commandline import (
     usage,
 )
 from kubeproxy.config import LocalDetectMode
-from kubeproxy.configfile.settings import (
-    Duration,
-    VModuleItem,
-    defaults,
-    parse_config,
-    write_config,
-)
+from kubeproxy.configfile.codec import parse_config, write_config
+from kubeproxy.configfile.model import Duration, VModuleItem, defaults
 from kubeproxy.pacing import DEFAULT_PACING
 
 REPO = Path(__file__).resolve().parent.parent

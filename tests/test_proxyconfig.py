@@ -14,18 +14,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kubeproxy.config import LocalDetectMode, LocalDetector
-from kubeproxy.configfile.settings import (
-    ConfigError,
-    Duration,
-    KubeProxyConfiguration,
-    apply_platform_defaults,
-    defaults,
-    load_config_file,
-    parse_config,
-    to_proxier_config,
-    validate,
-    write_config,
-)
+from kubeproxy.configfile.codec import load_config_file, parse_config, write_config
+from kubeproxy.configfile.model import ConfigError, Duration, KubeProxyConfiguration, defaults
+from kubeproxy.configfile.settings import apply_platform_defaults, to_proxier_config, validate
 
 HEADER = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n"
 

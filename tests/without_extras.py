@@ -71,7 +71,7 @@ def main() -> None:
     from kubeproxy.cmd import nftables as nftables_binary
     from kubeproxy.cmd.binary import run
     from kubeproxy.config import ProxierConfig
-    from kubeproxy.configfile.settings import defaults
+    from kubeproxy.configfile.model import defaults
     from kubeproxy.daemon import DaemonOptions, DaemonSeams
     from kubeproxy.daemon.sources import api_client
     from kubeproxy.host.netlink import FakeHostAddresses

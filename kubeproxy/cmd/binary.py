@@ -42,7 +42,7 @@ from kubeproxy.cmd.commandline import (
 )
 from kubeproxy.cmd.modes import MODES, Mode, cleanup_all, cleanup_leftovers
 from kubeproxy.cmd.takeover import Takeover
-from kubeproxy.configfile.settings import write_config
+from kubeproxy.configfile.codec import write_config
 from kubeproxy.daemon import DaemonPlugins, DaemonSeams, StartupWarning, run_daemon
 from kubeproxy.daemon.gctuning import ONE_SHOT_GC_OPS
 from kubeproxy.events import (

@@ -44,7 +44,8 @@ from pathlib import Path
 from typing import Any
 
 from kubeproxy.cmd.flags import BY_DEST, FLAGS, OVERRIDE_CONFIG, OptionsError, build_parser, usage
-from kubeproxy.configfile.settings import (
+from kubeproxy.configfile.codec import append_port_if_needed, load_config_file
+from kubeproxy.configfile.model import (
     DEFAULT_HEALTHZ_PORT,
     DEFAULT_METRICS_PORT,
     PROXY_MODES,
@@ -53,12 +54,9 @@ from kubeproxy.configfile.settings import (
     KubeProxyConfiguration,
     LoggingConfiguration,
     VModuleItem,
-    append_port_if_needed,
-    apply_platform_defaults,
     defaults,
-    load_config_file,
-    to_proxier_config,
 )
+from kubeproxy.configfile.settings import apply_platform_defaults, to_proxier_config
 from kubeproxy.daemon import DaemonOptions
 from kubeproxy.objects import IPNetwork
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from kubeproxy.configfile.settings import LOG_FORMATS, Duration, VModuleItem
+from kubeproxy.configfile.model import LOG_FORMATS, Duration, VModuleItem
 from kubeproxy.featuregates import known_features
 
 __all__ = [

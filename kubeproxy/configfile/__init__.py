@@ -9,8 +9,8 @@ Three modules, in the order a file goes through them:
   upstream's defaulting;
 * :mod:`~kubeproxy.configfile.settings`: upstream's start-up defaults and validation, and
   the conversion to the settings a proxier runs with
-  (:class:`~kubeproxy.config.ProxierConfig`). Every public name of the three can be
-  imported from it: it is the module the daemon and the binaries use.
+  (:class:`~kubeproxy.config.ProxierConfig`). Each name is imported from the module
+  that defines it.
 
 Why apart from the core: the core takes its settings as :mod:`kubeproxy.config` values,
 whoever made them (this file, the flags, a test, an out-of-tree proxy's own code), and

@@ -22,11 +22,10 @@ active mode as upstream's internal conversion does. ``winkernel`` and
 
 Where each part lives: the model, its constants and :class:`ConfigError` in
 :mod:`kubeproxy.configfile.model`; decoding and encoding the file in
-:mod:`kubeproxy.configfile.codec`; start-up defaults, validation and the conversion here.
-Every public name of the three is importable from this module, the one the daemon and the
-binaries use. It is the package's only way down into the core: it imports
-:mod:`kubeproxy.config`, :mod:`kubeproxy.featuregates` and :mod:`kubeproxy.objects`, the
-settings it produces, and they never import it.
+:mod:`kubeproxy.configfile.codec`; start-up defaults, validation and the conversion here
+(each name is imported from the module that defines it). This module is the package's only
+way down into the core: it imports :mod:`kubeproxy.config`, :mod:`kubeproxy.featuregates`
+and :mod:`kubeproxy.objects`, the settings it produces, and they never import it.
 """
 
 from __future__ import annotations
@@ -38,38 +37,17 @@ from collections.abc import Sequence
 from typing import Final
 
 from kubeproxy.config import IPVSSettings, LocalDetectMode, LocalDetector, ProxierConfig
-from kubeproxy.configfile.codec import (
-    append_port_if_needed,
-    config_document,
-    load_config_file,
-    parse_config,
-    write_config,
-)
 from kubeproxy.configfile.model import (
-    API_VERSION,
     CONTENT_TYPE_JSON,
     CONTENT_TYPE_PROTOBUF,
-    DEFAULT_HEALTHZ_PORT,
-    DEFAULT_METRICS_PORT,
     DETECT_LOCAL_MODES,
-    KIND,
     LOG_FORMATS,
     PROXY_MODES,
     ClientConnectionConfiguration,
     ConfigError,
-    DetectLocalConfiguration,
     Duration,
-    FormatOptions,
     KubeProxyConfiguration,
-    KubeProxyConntrackConfiguration,
-    KubeProxyIPTablesConfiguration,
-    KubeProxyIPVSConfiguration,
-    KubeProxyNFTablesConfiguration,
-    KubeProxyWinkernelConfiguration,
     LoggingConfiguration,
-    OutputRoutingOptions,
-    VModuleItem,
-    defaults,
 )
 from kubeproxy.featuregates import (
     KUBE_PROXY_IPVS,
@@ -82,42 +60,13 @@ from kubeproxy.featuregates import (
 from kubeproxy.objects import IPNetwork
 
 __all__ = [
-    "API_VERSION",
-    "CONTENT_TYPE_JSON",
-    "CONTENT_TYPE_PROTOBUF",
-    "DEFAULT_HEALTHZ_PORT",
-    "DEFAULT_METRICS_PORT",
-    "DETECT_LOCAL_MODES",
     "IPVS_DISABLED_MESSAGE",
-    "KIND",
-    "LOG_FORMATS",
-    "PROXY_MODES",
-    "ClientConnectionConfiguration",
-    "ConfigError",
-    "DetectLocalConfiguration",
-    "Duration",
-    "FormatOptions",
-    "KubeProxyConfiguration",
-    "KubeProxyConntrackConfiguration",
-    "KubeProxyIPTablesConfiguration",
-    "KubeProxyIPVSConfiguration",
-    "KubeProxyNFTablesConfiguration",
-    "KubeProxyWinkernelConfiguration",
-    "LoggingConfiguration",
-    "OutputRoutingOptions",
-    "VModuleItem",
-    "append_port_if_needed",
     "apply_platform_defaults",
     "cluster_cidrs",
-    "config_document",
-    "defaults",
     "effective_mode",
     "feature_gates",
-    "load_config_file",
-    "parse_config",
     "to_proxier_config",
     "validate",
-    "write_config",
 ]
 
 _NODE_PORT_KEYWORDS = ("primary", "localhost", "all")

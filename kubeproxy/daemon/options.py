@@ -17,16 +17,14 @@ from pathlib import Path
 from typing import Any, Self
 
 from kubeproxy.config import ProxierConfig
-from kubeproxy.configfile.settings import (
+from kubeproxy.configfile.codec import load_config_file
+from kubeproxy.configfile.model import (
     ConfigError,
     KubeProxyConfiguration,
     KubeProxyConntrackConfiguration,
     LoggingConfiguration,
-    apply_platform_defaults,
-    load_config_file,
-    to_proxier_config,
-    validate,
 )
+from kubeproxy.configfile.settings import apply_platform_defaults, to_proxier_config, validate
 from kubeproxy.featuregates import FeatureGates
 from kubeproxy.objects import IPNetwork
 
@@ -37,7 +35,7 @@ def node_name_of(
     configuration: KubeProxyConfiguration, get_hostname: Callable[[], str] = socket.gethostname
 ) -> str:
     """The node this proxy runs as: ``hostnameOverride``, else the host's name, lower-cased
-    (upstream's rule); raises :class:`~kubeproxy.configfile.settings.ConfigError` when empty."""
+    (upstream's rule); raises :class:`~kubeproxy.configfile.model.ConfigError` when empty."""
     name = (configuration.hostname_override or get_hostname()).strip().lower()
     if not name:
         raise ConfigError("hostnameOverride", "empty hostname is invalid")
@@ -85,7 +83,7 @@ class DaemonOptions:
         and the mode-specific metrics, so an out-of-tree renderer names the mode its
         rules resemble. Upstream's platform defaults are applied, then its validation;
         ``fields`` are the other attributes (``master``, ``manifests``, ``once``...).
-        Raises :class:`~kubeproxy.configfile.settings.ConfigError` naming the field at fault,
+        Raises :class:`~kubeproxy.configfile.model.ConfigError` naming the field at fault,
         or ``ValueError``.
         """
         if mode is not None:

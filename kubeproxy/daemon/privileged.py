@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from kubeproxy.configfile.settings import KubeProxyConntrackConfiguration
+from kubeproxy.configfile.model import KubeProxyConntrackConfiguration
 from kubeproxy.daemon.options import DaemonOptions
 from kubeproxy.host.sysctl import (
     DEFAULT_HASHSIZE_PATH,

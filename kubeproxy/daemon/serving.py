@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kubeproxy.configfile.settings import config_document
+from kubeproxy.configfile.codec import config_document
 from kubeproxy.daemon.options import DaemonOptions
 from kubeproxy.events import (
     ACTION_LISTEN,
