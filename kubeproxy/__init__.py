@@ -49,7 +49,7 @@ from kubeproxy.objects import (
 )
 from kubeproxy.pacing import SyncPacing
 from kubeproxy.parse import InvalidObject
-from kubeproxy.proxier import DualStackProxier, Proxier, SyncObserver
+from kubeproxy.proxier import DualStackProxier, FinishedSync, Proxier, SyncObserver
 from kubeproxy.runner import BoundedFrequencyRunner
 from kubeproxy.servicechanges import ServiceChangeTracker, ServicePortMap
 from kubeproxy.sources.manifests import ManifestSource
@@ -117,6 +117,7 @@ __all__ = [
     "Endpoints",
     "EndpointsChangeTracker",
     "EndpointsMap",
+    "FinishedSync",
     "IPFamily",
     "IPVSSettings",
     "InvalidObject",

@@ -1,7 +1,7 @@
 """The binaries and their wiring: flags, --help/--version/--write-config-to, --dry-run,
 --once, --cleanup, the `make run` demo, and the pieces of the library daemon (kubeproxy.daemon).
 
-The option parsing itself is tested in test_options.py; the daemon end to end in
+The option parsing itself is tested in test_commandline.py; the daemon end to end in
 test_daemon.py.
 """
 

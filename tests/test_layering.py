@@ -5,8 +5,9 @@
   layer shares, so everything above can stand on it.
 * The modules at the top of ``kubeproxy/`` (the core and its one-concern neighbours)
   import nothing from the layers above them: ``kubeproxy.daemon``, ``kubeproxy.cmd``,
-  ``kubeproxy.backends``, ``kubeproxy.configfile``, but for ``configfile.model`` (plain
-  dataclasses that import nothing of ``kubeproxy``), whose logging section ``logs`` reads.
+  ``kubeproxy.backends``, ``kubeproxy.testing``, ``kubeproxy.configfile``, but for
+  ``configfile.model`` (plain dataclasses that import nothing of ``kubeproxy``), whose
+  logging section ``logs`` reads.
 * The top-level parts of ``kubeproxy`` (each module at the top, each package taken whole)
   import one another without a circle, counting the imports run when a module is loaded.
 * Nothing in ``kubeproxy/`` imports ``bench``: the package is what a node installs and
@@ -15,8 +16,9 @@
   one, the nftables package's deprecated names of the per-Service-chain structure, went in
   issue 33.
 
-Imports inside functions count for the first two rules (a lazy import still ties the
-layers together) but not for the third (a lazy import cannot make loading circular).
+Imports inside functions and ``if TYPE_CHECKING:`` blocks count for the first two rules (a
+lazy import still ties the layers together) but not for the third (neither runs when a
+module is loaded, so neither can make loading circular).
 """
 
 from __future__ import annotations
@@ -100,7 +102,13 @@ def test_the_package_does_not_import_the_benchmarks() -> None:
     assert found == set()
 
 
-ABOVE_THE_TOP = ("kubeproxy.daemon", "kubeproxy.cmd", "kubeproxy.backends", "kubeproxy.configfile")
+ABOVE_THE_TOP = (
+    "kubeproxy.daemon",
+    "kubeproxy.cmd",
+    "kubeproxy.backends",
+    "kubeproxy.configfile",
+    "kubeproxy.testing",
+)
 # The one module of a package above that the top may read: it imports nothing of kubeproxy.
 READABLE_FROM_THE_TOP = ("kubeproxy.configfile.model",)
 
@@ -114,11 +122,14 @@ def module_name(path: Path, root: Path = REPO) -> str:
 
 
 def _within_function(tree: ast.Module) -> set[int]:
-    """The ids of the import statements inside a function body (run on call, not on load)."""
+    """The ids of the nodes that loading the module does not run: function bodies (run on
+    call) and ``if TYPE_CHECKING:`` blocks (read by type checkers only)."""
     inside: set[int] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
             inside.update(id(sub) for sub in ast.walk(node) if sub is not node)
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            inside.update(id(sub) for stmt in node.body for sub in ast.walk(stmt))
     return inside
 
 

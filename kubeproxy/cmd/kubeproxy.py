@@ -80,7 +80,7 @@ PROG: Final = "kubeproxy"
 
 _FAMILIES: Final = {"ipv4": (Family.IP,), "ipv6": (Family.IP6,), "both": (Family.IP, Family.IP6)}
 _IP_FAMILIES: Final = {Family.IP: IPFamily.IPV4, Family.IP6: IPFamily.IPV6}
-_MODE_HELP: Final = "the node's proxy mode (ipvs: not read; see the README)"
+_MODE_HELP: Final = "the node's proxy mode (ipvs: not read; see docs/operators.md)"
 
 
 def _service(text: str) -> NamespacedName:
