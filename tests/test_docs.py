@@ -355,7 +355,12 @@ def markdown_links(text: str) -> list[str]:
     """The targets of the Markdown links and images in ``text``, outside code."""
     prose = re.sub(r"^```.*?^```", "", text, flags=re.MULTILINE | re.DOTALL)
     prose = re.sub(r"`[^`\n]*`", "", prose)
-    return re.findall(r"!?\[[^\]]*\]\(([^)\s]+)\)", prose)
+    inline = re.findall(r"!?\[[^\]]*\]\(<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\)", prose)
+    # Reference definitions (``[name]: target "title"``; not footnotes, ``[^name]:``) and
+    # HTML links and images.
+    defined = re.findall(r"^ {0,3}\[[^\]^][^\]]*\]:\s*<?([^\s>]+)>?", prose, re.MULTILINE)
+    html = re.findall(r"<(?:a|img)\b[^>]*?\b(?:href|src)=\"([^\"]+)\"", prose)
+    return inline + defined + html
 
 
 def test_every_docs_page_exists_and_is_linked_from_the_readme() -> None:
@@ -461,6 +466,18 @@ def test_a_link_through_a_symlink_or_to_a_missing_heading_is_found(tmp_path: Pat
         "operators.md: no such tracked file",
         "../../x.md: outside the repository",
         "#nothing: no heading #nothing in docs/page.md",
+    ]
+    # Every way Markdown writes a link is read: a title, a reference definition (not a
+    # footnote), HTML.
+    page.write_text(
+        '# Page\n\n[titled](../t.md "a title") [r][r]\n\n[r]: ../r.md "t"\n[^note]: text\n'
+        '<a href="../a.md">a</a> <img src="../i.png">\n'
+    )
+    assert [b.split(":")[0] for b in broken_links(page, tmp_path, tracked)] == [
+        "../t.md",
+        "../r.md",
+        "../a.md",
+        "../i.png",
     ]
 
 
