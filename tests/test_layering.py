@@ -297,3 +297,27 @@ def test_the_checks_catch_what_they_are_for(tmp_path: Path) -> None:
     assert part_of("kubeproxy.host.netns") == "kubeproxy.host"
     assert _under("kubeproxy.configfile.model", READABLE_FROM_THE_TOP)
     assert not _under("kubeproxy.configfile.modelx", READABLE_FROM_THE_TOP)
+
+
+def redundant_aliases(source: str) -> list[tuple[int, str]]:
+    """The ``import X as X`` / ``from m import X as X`` in ``source``: the idiom that tells
+    type checkers and linters a name is re-exported, which kept old paths alive before
+    issue 33 (a package's public names are its ``__all__``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            found += [
+                (node.lineno, alias.name) for alias in node.names if alias.asname == alias.name
+            ]
+    return found
+
+
+def test_no_name_is_re_exported_under_its_own_alias() -> None:
+    planted = "from a import b as b\nimport c as c\nimport c.d as d\nfrom e import f as g\n"
+    assert redundant_aliases(planted) == [(1, "b"), (2, "c")]
+    found = {
+        f"{path.relative_to(REPO)}:{line}: {name}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for line, name in redundant_aliases(path.read_text())
+    }
+    assert found == set()
