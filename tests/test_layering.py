@@ -37,8 +37,7 @@ _IMPORTING_CALLS = frozenset({"import_module", "__import__"})
 
 def _names_bench(text: str) -> bool:
     """Whether a module name (or a ``module:attribute`` spec) is ``bench`` or under it."""
-    module = text.partition(":")[0]
-    return module == "bench" or module.startswith("bench.")
+    return _under(text.partition(":")[0], ("bench",))
 
 
 def _leading_text(node: ast.expr) -> str | None:
@@ -121,7 +120,7 @@ def module_name(path: Path, root: Path = REPO) -> str:
     return ".".join(parts)
 
 
-def _within_function(tree: ast.Module) -> set[int]:
+def _not_run_on_load(tree: ast.Module) -> set[int]:
     """The ids of the nodes that loading the module does not run: function bodies (run on
     call) and ``if TYPE_CHECKING:`` blocks (read by type checkers only)."""
     inside: set[int] = set()
@@ -137,12 +136,13 @@ def imports(path: Path, root: Path = REPO, *, on_load_only: bool = False) -> Ite
     """The ``kubeproxy`` modules ``path`` imports, relative imports resolved.
 
     ``from a import b`` gives ``a.b`` when that is a module of the tree at ``root``, else
-    ``a``. ``on_load_only`` leaves out the imports inside functions.
+    ``a``. ``on_load_only`` leaves out the imports inside functions and ``if
+    TYPE_CHECKING:`` blocks.
     """
     name = module_name(path, root)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     tree = ast.parse(path.read_text(), filename=str(path))
-    skipped = _within_function(tree) if on_load_only else set()
+    skipped = _not_run_on_load(tree) if on_load_only else set()
     for node in ast.walk(tree):
         if id(node) in skipped:
             continue
