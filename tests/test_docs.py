@@ -279,12 +279,20 @@ OUTSIDE = ("DESIGN.md", "upstream-core", "upstream-backends", "nftables-kernel-c
            "anchors-perf-users", "ecosystem.md")  # fmt: skip
 
 
+def tracked_files() -> set[str]:
+    """Every file git tracks, as paths relative to the repository."""
+    return set(
+        subprocess.run(
+            ["git", "-C", str(REPO), "ls-files"], capture_output=True, text=True, check=True
+        ).stdout.split()
+    )
+
+
 def tracked_text_files() -> list[Path]:
-    names = subprocess.run(
-        ["git", "-C", str(REPO), "ls-files"], capture_output=True, text=True, check=True
-    ).stdout.split()
     wanted = (".py", ".md", ".toml", ".yaml", ".yml", ".sh", "Makefile", "Dockerfile")
-    return [REPO / n for n in names if n.endswith(wanted) and (REPO / n).is_file()]
+    return [
+        REPO / n for n in sorted(tracked_files()) if n.endswith(wanted) and (REPO / n).is_file()
+    ]
 
 
 def test_nothing_refers_to_a_document_the_repository_lacks() -> None:
@@ -351,9 +359,19 @@ def test_the_readme_is_a_front_door() -> None:
     assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move prose to docs/"
 
 
+def outside_code_blocks(text: str) -> str:
+    """``text`` without its fenced code blocks (what a Markdown renderer shows as prose)."""
+    return re.sub(r"^```.*?^```", "", text, flags=re.MULTILINE | re.DOTALL)
+
+
+def headings(text: str) -> list[str]:
+    """The titles of the Markdown headings of ``text`` (``#`` to ``######``), outside code."""
+    return re.findall(r"^#{1,6} +(.+?)\s*#*$", outside_code_blocks(text), re.MULTILINE)
+
+
 def markdown_links(text: str) -> list[str]:
     """The targets of the Markdown links and images in ``text``, outside code."""
-    prose = re.sub(r"^```.*?^```", "", text, flags=re.MULTILINE | re.DOTALL)
+    prose = outside_code_blocks(text)
     prose = re.sub(r"`[^`\n]*`", "", prose)
     inline = re.findall(r"!?\[[^\]]*\]\(<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\)", prose)
     # Reference definitions (``[name]: target "title"``; not footnotes, ``[^name]:``) and
@@ -378,9 +396,8 @@ def heading_anchors(text: str) -> set[str]:
     """The anchors a code host gives the headings of a Markdown text: lower case, what is
     not a letter, digit, space, ``-`` or ``_`` dropped, spaces as ``-``; a repeated one
     numbered (``-1``, ``-2``)."""
-    prose = re.sub(r"^```.*?^```", "", text, flags=re.MULTILINE | re.DOTALL)
     anchors: set[str] = set()
-    for title in re.findall(r"^#{1,6} +(.+?)\s*#*$", prose, re.MULTILINE):
+    for title in headings(text):
         anchor = re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
         numbered, n = anchor, 0
         while numbered in anchors:
@@ -423,14 +440,6 @@ def broken_links(markdown: Path, root: Path, tracked: set[str]) -> list[str]:
         if checked and anchor not in heading_anchors((root / where).read_text()):
             broken.append(f"{target}: no heading #{anchor} in {where}")
     return broken
-
-
-def tracked_files() -> set[str]:
-    return set(
-        subprocess.run(
-            ["git", "-C", str(REPO), "ls-files"], capture_output=True, text=True, check=True
-        ).stdout.split()
-    )
 
 
 def test_every_relative_link_reaches_a_tracked_file_through_real_paths() -> None:
@@ -530,9 +539,10 @@ def section_titles(text: str) -> list[str]:
     """What a citation may name: the headings, and the bold leads of a paragraph or a list
     item (``* **Reading the table back** (...)``), which the package READMEs use as
     sections."""
-    prose = re.sub(r"^```.*?^```", "", text, flags=re.MULTILINE | re.DOTALL)
-    titles = re.findall(r"^#{1,6} +(.+?)\s*#*$", prose, re.MULTILINE)
-    titles += re.findall(r"^(?:[*-] +)?\*\*([^*\n]+?)\.?\*\*", prose, re.MULTILINE)
+    titles = headings(text)
+    titles += re.findall(
+        r"^(?:[*-] +)?\*\*([^*\n]+?)\.?\*\*", outside_code_blocks(text), re.MULTILINE
+    )
     return [t.strip() for t in titles]
 
 
