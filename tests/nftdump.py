@@ -11,10 +11,12 @@ Two writers that hold the same :func:`dump` wrote the same bytecode.
 from __future__ import annotations
 
 import errno
+import functools
 import socket
 from collections.abc import Iterator
 
 import kubeproxy.host.nlmsg as nlmsg
+from kubeproxy.backends.nftables.elements import read_whole
 from kubeproxy.host.netns import run_in_netns
 
 __all__ = ["dump", "dump_text"]
@@ -86,6 +88,17 @@ def _name(body: bytes, attribute: int) -> str:
     return ""
 
 
+def _elements(sock: socket.socket, family: int, seq: int, body: bytes, name: str) -> list[str]:
+    """One dump of a set's elements (asked again by :func:`read_whole` when the kernel's
+    resize of the set made it repeat some: an element appears once in a set)."""
+    elements: list[str] = []
+    for answer in _read(sock, _request(_GETSETELEM, family, seq, body), seq, name):
+        for kind, value in nlmsg.attribute_values(answer):
+            if kind == _ELEM_LIST_ELEMENTS:
+                elements.extend(_element_lines(value))
+    return elements
+
+
 def _dump(family: str, table: str) -> list[str]:
     fam = _FAMILIES[family]
     out: list[str] = []
@@ -118,13 +131,12 @@ def _dump(family: str, table: str) -> list[str]:
         for name in sorted(names):
             seq += 1
             body = table_attr + nlmsg.attr(2, nlmsg.string(name))
-            elements: list[str] = []
-            for answer in _read(sock, _request(_GETSETELEM, fam, seq, body), seq, name):
-                for kind, value in nlmsg.attribute_values(answer):
-                    if kind == _ELEM_LIST_ELEMENTS:
-                        elements.extend(_element_lines(value))
             out.append(f"elements of {name}")
-            out.extend(sorted(elements))
+            out.extend(
+                sorted(
+                    read_whole(functools.partial(_elements, sock, fam, seq, body, name), str, name)
+                )
+            )
         seq += 1
         by_chain: dict[str, list[list[str]]] = {}
         for body in _read(sock, _request(_GETRULE, fam, seq, table_attr), seq, "rules"):

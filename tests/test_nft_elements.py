@@ -14,7 +14,7 @@ import secrets
 import struct
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -30,12 +30,14 @@ from kubeproxy.backends.nftables.elements import (
     element_frames,
     encode_part,
     pair_elements,
+    read_whole,
     slot_elements,
     with_comment,
 )
 from kubeproxy.backends.nftables.exec import LibNftables
 from kubeproxy.backends.nftables.fake import FakeNft
 from kubeproxy.backends.nftables.objects import Family, NftError
+from kubeproxy.backends.nftables.reader import _blob_key
 
 SLOTS4 = (("ipv4_addr", "inet_proto", "inet_service", "integer"), ("ipv4_addr", "inet_service"))
 SLOTS6 = (("ipv6_addr", "inet_proto", "inet_service", "integer"), ("ipv6_addr", "inet_service"))
@@ -87,6 +89,61 @@ def test_a_comment_is_the_user_data_nft_writes() -> None:
     for bad in ('say "hi"', "x" * 129, "tab\there"):
         with pytest.raises(ValueError):
             comment_userdata(bad)
+
+
+Dumped = list[tuple[str, str]] | None
+
+
+def _scripted(*dumps: Dumped) -> tuple[list[int], Callable[[], Dumped]]:
+    """A dump that gives ``dumps`` in turn, and the count of dumps asked."""
+    asked: list[int] = []
+
+    def dump() -> Dumped:
+        asked.append(1)
+        return dumps[len(asked) - 1]
+
+    return asked, dump
+
+
+@pytest.mark.parametrize(
+    "first",
+    [None, [("10.0.0.1", "a"), ("10.0.0.2", "b"), ("10.0.0.1", "a")]],
+    ids=["interrupted", "a key repeated"],
+)
+def test_a_disturbed_dump_is_asked_again(
+    first: list[tuple[str, str]] | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pauses: list[float] = []
+    monkeypatch.setattr("kubeproxy.backends.nftables.elements.time.sleep", pauses.append)
+    whole = [("10.0.0.1", "a"), ("10.0.0.2", "b")]
+    asked, dump = _scripted(first, whole)
+    assert read_whole(dump, lambda e: e[0], "listing x") == whole
+    assert len(asked) == 2
+    assert len(pauses) == 1 and 0 < pauses[0] < 0.1
+
+
+def test_a_dump_disturbed_every_time_is_an_eintr_and_repeats_count_only_for_elements(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pauses: list[float] = []
+    monkeypatch.setattr("kubeproxy.backends.nftables.elements.time.sleep", pauses.append)
+    repeated = [("10.0.0.1", "a"), ("10.0.0.1", "a")]
+    asked, dump = _scripted(*[repeated] * 10)
+    with pytest.raises(NftError) as caught:
+        read_whole(dump, lambda e: e[0], "listing x")
+    assert caught.value.errno == errno.EINTR and "listing x" in str(caught.value)
+    assert len(asked) == 5 and pauses == sorted(pauses) and sum(pauses) < 0.1
+    # Rules and sets are lists: the same object twice is not a disturbed dump.
+    asked, dump = _scripted(repeated)
+    assert read_whole(dump, None, "rules of c") == repeated
+
+
+def test_an_elements_key_is_cut_from_its_dumped_bytes_without_its_value() -> None:
+    encode = element_encoder(("ipv4_addr", "inet_service"), ("ipv4_addr",), dumped=True)
+    one = encode(("10.0.0.1", "80"), ("10.1.0.1",))
+    assert _blob_key(one) == _blob_key(encode(("10.0.0.1", "80"), ("10.1.0.2",)))
+    assert _blob_key(one) != _blob_key(encode(("10.0.0.1", "81"), ("10.1.0.1",)))
+    assert bytes([10, 0, 0, 1]) in _blob_key(one) and bytes([10, 1, 0, 1]) not in _blob_key(one)
 
 
 def test_the_fake_applies_a_batch_as_its_commands() -> None:

@@ -17,6 +17,7 @@ read-only: nothing is ever written.
 from __future__ import annotations
 
 import errno
+import operator
 import os
 import struct
 from collections.abc import Sequence
@@ -26,7 +27,12 @@ from typing import Final
 import kubeproxy.host.nlmsg as nlmsg
 from kubeproxy.backends.nftables.batchsocket import BatchSocket
 from kubeproxy.backends.nftables.declarations import Declaration
-from kubeproxy.backends.nftables.elements import SUPPORTED_TYPES, decode_parts, element_encoder
+from kubeproxy.backends.nftables.elements import (
+    SUPPORTED_TYPES,
+    decode_parts,
+    element_encoder,
+    read_whole,
+)
 from kubeproxy.backends.nftables.objects import Family, NftError, validate_name
 from kubeproxy.backends.nftables.table import TABLE
 
@@ -125,22 +131,24 @@ class TableReader:
     def _dump(self, family: Family, kind: int, body: bytes, what: str) -> list[bytes]:
         """The payloads (after ``nfgenmsg``) of a dump, asked again when a commit
         interrupted it."""
-        head = nlmsg.NFGEN.pack(_FAMILY_NUMBERS[family], 0, 0)
-        for _attempt in range(3):
-            seq = self.channel.next_seq()
-            request = nlmsg.message(
-                nlmsg.nfnl_type(nlmsg.NFNL_SUBSYS_NFTABLES, kind),
-                nlmsg.NLM_F_REQUEST | nlmsg.NLM_F_DUMP,
-                seq,
-                head + body,
+        return read_whole(lambda: self._dump_once(family, kind, body, what), None, what)
+
+    def _dump_once(self, family: Family, kind: int, body: bytes, what: str) -> list[bytes] | None:
+        """The payloads of one dump; None when a commit interrupted it."""
+        seq = self.channel.next_seq()
+        request = nlmsg.message(
+            nlmsg.nfnl_type(nlmsg.NFNL_SUBSYS_NFTABLES, kind),
+            nlmsg.NLM_F_REQUEST | nlmsg.NLM_F_DUMP,
+            seq,
+            nlmsg.NFGEN.pack(_FAMILY_NUMBERS[family], 0, 0) + body,
+        )
+        with self.channel.lock:
+            answers, interrupted = self.channel.request(
+                request, seq, what, dump=True, bufsize=1 << 20
             )
-            with self.channel.lock:
-                answers, interrupted = self.channel.request(
-                    request, seq, what, dump=True, bufsize=1 << 20
-                )
-            if not interrupted:
-                return [payload[nlmsg.NFGEN.size :] for _kind, payload in answers]
-        raise NftError(f"{what}: interrupted by other changes", errno.EINTR)
+        if interrupted:
+            return None
+        return [payload[nlmsg.NFGEN.size :] for _kind, payload in answers]
 
     def exists(self, family: Family) -> bool:
         """Whether the table exists in ``family``."""
@@ -185,13 +193,22 @@ class TableReader:
         body = nlmsg.attr(_LIST_TABLE, nlmsg.string(self.table))
         body += nlmsg.attr(_LIST_SET, nlmsg.string(name))
         needle = containing.encode() if containing is not None else None
-        items: list[Item] = []
-        for payload in self._dump(family, _GETSETELEM, body, f"listing {name}"):
-            if needle is not None and needle not in payload:
-                continue
-            for kind, value in nlmsg.attribute_values(payload):
-                if kind == _LIST_ELEMENTS:
-                    items.extend(_items(value, key_types, value_types))
+        what = f"listing {name}"
+
+        def dump() -> list[Item] | None:
+            payloads = self._dump_once(family, _GETSETELEM, body, what)
+            if payloads is None:
+                return None
+            items: list[Item] = []
+            for payload in payloads:
+                if needle is not None and needle not in payload:
+                    continue
+                for kind, value in nlmsg.attribute_values(payload):
+                    if kind == _LIST_ELEMENTS:
+                        items.extend(_items(value, key_types, value_types))
+            return items
+
+        items = read_whole(dump, operator.attrgetter("key"), what)
         if containing is not None:
             items = [i for i in items if i.comment is not None and containing in i.comment]
         return items
@@ -209,12 +226,20 @@ class TableReader:
         validate_name("set", name)
         body = nlmsg.attr(_LIST_TABLE, nlmsg.string(self.table))
         body += nlmsg.attr(_LIST_SET, nlmsg.string(name))
-        out: list[bytes] = []
-        for payload in self._dump(family, _GETSETELEM, body, f"listing {name}"):
-            for kind, start, end in nlmsg.attributes(payload, 0, len(payload)):
-                if kind == _LIST_ELEMENTS:
-                    out.extend(_blobs(payload, start, end))
-        return out
+        what = f"listing {name}"
+
+        def dump() -> list[bytes] | None:
+            payloads = self._dump_once(family, _GETSETELEM, body, what)
+            if payloads is None:
+                return None
+            out: list[bytes] = []
+            for payload in payloads:
+                for kind, start, end in nlmsg.attributes(payload, 0, len(payload)):
+                    if kind == _LIST_ELEMENTS:
+                        out.extend(_blobs(payload, start, end))
+            return out
+
+        return read_whole(dump, _blob_key, what)
 
     def probe_blobs(
         self, family: Family, name: str, declaration: Declaration, elements: Sequence[bytes]
@@ -376,6 +401,13 @@ def _blobs(payload: bytes, start: int, end: int) -> list[bytes]:
     for _kind, first, last in nlmsg.attributes(payload, start, end):
         out.append(payload[first - 4 : last])
     return out
+
+
+def _blob_key(blob: bytes) -> bytes:
+    """The key attribute of an element as :func:`_blobs` cuts it: the kernel dumps an
+    element's key first (so two dumps of one element with different expirations share
+    it)."""
+    return blob[4 : 4 + int.from_bytes(blob[4:6], "little")]
 
 
 def _nested(data: bytes, wanted: int) -> bytes:
