@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 from kubeproxy.backends.nftables.affinity_cleanup import AffinityCleaner, Every
 from kubeproxy.backends.nftables.elements import ElementBatch
 from kubeproxy.backends.nftables.frontends import AffinityMap, AffinityPin, AffinityPlan
@@ -21,6 +23,8 @@ class Maps:
         self.entries = entries
         self.reads: list[str] = []
         self.fail_write = False
+        self.repeat = 1
+        """Times a listing gives each entry (a dump the kernel's resize disturbed)."""
 
     def read_elements(
         self, family: Family, table: str, container: str, types: object
@@ -28,11 +32,15 @@ class Maps:
         self.reads.append(container)
         if container not in self.entries:
             raise NftError(f"No such file or directory: {container}")
-        return list(self.entries[container].items())
+        return list(self.entries[container].items()) * self.repeat
 
     def write_elements(self, batch: ElementBatch) -> None:
-        if self.fail_write:
-            raise NftError("No such file or directory")
+        """Deletes the batch's entries, all or none: the kernel refuses a batch that
+        deletes an entry it does not hold, or one entry twice."""
+        if self.fail_write or len(set(batch.deletes)) != len(batch.deletes):
+            raise NftError("No such file or directory", errno.ENOENT)
+        if any(key not in self.entries[container] for container, key in batch.deletes):
+            raise NftError("No such file or directory", errno.ENOENT)
         for container, key in batch.deletes:
             del self.entries[container][key]
 
@@ -179,3 +187,15 @@ def test_a_pins_allowed_values_come_from_its_lists_endpoints() -> None:
     assert AffinityPin("m", P1, (KA, KB)).allowed == frozenset({A, B})
     six = AffinityPin("m", P1, ("[fd00::1]:8080", "[fd00::2]:9090", "[fd00::3]:8080"), 8080)
     assert six.allowed == frozenset({("fd00::1",), ("fd00::3",)})
+
+
+def test_an_entry_listed_twice_is_deleted_once() -> None:
+    """A dump of a map being resized may repeat entries; the deletion batch must not."""
+    maps = Maps({"affinity-a": {("192.0.2.1",): A, ("192.0.2.2",): B}})
+    maps.repeat = 2
+    clean = cleaner(maps)
+    before = plan(AffinityMap("affinity-a", MAP_TYPE, frozenset({A, B})))
+    clean.follow(before, before)
+    clean.follow(before, plan(AffinityMap("affinity-a", MAP_TYPE, frozenset({A}))))
+    assert clean.clean(lambda name: True) == 0
+    assert maps.entries["affinity-a"] == {("192.0.2.1",): A}

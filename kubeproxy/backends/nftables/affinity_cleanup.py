@@ -121,7 +121,10 @@ class AffinityCleaner:
                 if pin.shard in pin_losses:
                     pin_losses[pin.shard][pin.pin] = pin
         failures = 0
-        deletes: list[tuple[str, Key]] = []
+        # A dict: a dump of a map the kernel is resizing can repeat an entry (our
+        # netlink reads ask again, :func:`~.elements.read_whole`; libnftables' listing
+        # does not), and a batch deleting one entry twice is refused whole (ENOENT).
+        deletes: dict[tuple[str, Key], None] = {}
         types: dict[str, ContainerTypes] = {}
         for name, kinds, test in (
             *((n, self._types, _per_port(a)) for n, a in losses.items()),
@@ -136,12 +139,12 @@ class AffinityCleaner:
                 failures += 1
                 log.warning("listing session affinity map %s failed: %s", name, err)
                 continue
-            deletes.extend((name, key) for key, value in entries if test(key, value))
+            deletes.update(((name, key), None) for key, value in entries if test(key, value))
         if not deletes:
             return failures
         try:
             self._executor.write_elements(
-                ElementBatch(self._nft_family, TABLE, types, deletes=deletes)
+                ElementBatch(self._nft_family, TABLE, types, deletes=list(deletes))
             )
         except NftError as err:
             # An entry may have timed out meanwhile: the next sync tries these maps again.
