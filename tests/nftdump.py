@@ -16,7 +16,7 @@ import socket
 from collections.abc import Iterator
 
 import kubeproxy.host.nlmsg as nlmsg
-from kubeproxy.backends.nftables.elements import read_whole
+from kubeproxy.backends.nftables.elements import each_once, one_generation, read_whole
 from kubeproxy.host.netns import run_in_netns
 
 __all__ = ["dump", "dump_text"]
@@ -88,12 +88,19 @@ def _name(body: bytes, attribute: int) -> str:
     return ""
 
 
-def _elements(sock: socket.socket, family: int, seq: int, body: bytes, name: str) -> list[str]:
-    """One dump of a set's elements (asked again by :func:`read_whole` when the kernel's
-    resize of the set made it repeat some: an element appears once in a set)."""
+def _elements(
+    sock: socket.socket, family: int, seq: int, body: bytes, name: str
+) -> list[str] | None:
+    """One dump of a set's elements; None when a commit came between two of its messages
+    (:func:`read_whole` asks again then, and when the kernel's resize of the set made
+    the dump repeat an element: an element appears once in a set)."""
+    request = _request(_GETSETELEM, family, seq, body)
+    answers = [payload for _kind, payload in nlmsg.dump(sock, request, seq, name)]
+    if not one_generation(answers):
+        return None
     elements: list[str] = []
-    for answer in _read(sock, _request(_GETSETELEM, family, seq, body), seq, name):
-        for kind, value in nlmsg.attribute_values(answer):
+    for answer in answers:
+        for kind, value in nlmsg.attribute_values(answer[nlmsg.NFGEN.size :]):
             if kind == _ELEM_LIST_ELEMENTS:
                 elements.extend(_element_lines(value))
     return elements
@@ -132,11 +139,8 @@ def _dump(family: str, table: str) -> list[str]:
             seq += 1
             body = table_attr + nlmsg.attr(2, nlmsg.string(name))
             out.append(f"elements of {name}")
-            out.extend(
-                sorted(
-                    read_whole(functools.partial(_elements, sock, fam, seq, body, name), str, name)
-                )
-            )
+            dumped = functools.partial(_elements, sock, fam, seq, body, name)
+            out.extend(sorted(read_whole(dumped, each_once, name)))
         seq += 1
         by_chain: dict[str, list[list[str]]] = {}
         for body in _read(sock, _request(_GETRULE, fam, seq, table_attr), seq, "rules"):

@@ -23,6 +23,7 @@ class Maps:
         self.entries = entries
         self.reads: list[str] = []
         self.fail_write = False
+        self.fail_read: set[str] = set()
         self.repeat = 1
         """Times a listing gives each entry (a dump the kernel's resize disturbed)."""
 
@@ -30,7 +31,7 @@ class Maps:
         self, family: Family, table: str, container: str, types: object
     ) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
         self.reads.append(container)
-        if container not in self.entries:
+        if container not in self.entries or container in self.fail_read:
             raise NftError(f"No such file or directory: {container}")
         return list(self.entries[container].items()) * self.repeat
 
@@ -198,4 +199,19 @@ def test_an_entry_listed_twice_is_deleted_once() -> None:
     clean.follow(before, before)
     clean.follow(before, plan(AffinityMap("affinity-a", MAP_TYPE, frozenset({A}))))
     assert clean.clean(lambda name: True) == 0
+    assert maps.entries["affinity-a"] == {("192.0.2.1",): A}
+
+
+def test_a_map_whose_listing_failed_is_read_again_at_the_next_cleaning() -> None:
+    """A listing can fail for a moment (a dump disturbed five times is EINTR)."""
+    maps = Maps({"affinity-a": {("192.0.2.1",): A, ("192.0.2.2",): B}})
+    clean = cleaner(maps)
+    before = plan(AffinityMap("affinity-a", MAP_TYPE, frozenset({A, B})))
+    clean.follow(before, before)
+    clean.follow(before, plan(AffinityMap("affinity-a", MAP_TYPE, frozenset({A}))))
+    maps.fail_read = {"affinity-a"}
+    assert clean.clean(lambda name: True) == 1
+    maps.fail_read = set()
+    assert clean.clean(lambda name: True) == 0
+    assert maps.reads == ["affinity-a", "affinity-a"]
     assert maps.entries["affinity-a"] == {("192.0.2.1",): A}

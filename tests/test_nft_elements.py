@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import json
+import operator
 import os
 import secrets
 import struct
@@ -26,9 +27,12 @@ from kubeproxy.backends.nftables.elements import (
     GroupedDeletes,
     _Message,
     comment_userdata,
+    each_key_once,
+    each_once,
     element_encoder,
     element_frames,
     encode_part,
+    one_generation,
     pair_elements,
     read_whole,
     slot_elements,
@@ -92,6 +96,7 @@ def test_a_comment_is_the_user_data_nft_writes() -> None:
 
 
 Dumped = list[tuple[str, str]] | None
+BY_ADDRESS: Callable[[list[tuple[str, str]]], bool] = each_key_once(operator.itemgetter(0))
 
 
 def _scripted(*dumps: Dumped) -> tuple[list[int], Callable[[], Dumped]]:
@@ -117,7 +122,7 @@ def test_a_disturbed_dump_is_asked_again(
     monkeypatch.setattr("kubeproxy.backends.nftables.elements.time.sleep", pauses.append)
     whole = [("10.0.0.1", "a"), ("10.0.0.2", "b")]
     asked, dump = _scripted(first, whole)
-    assert read_whole(dump, lambda e: e[0], "listing x") == whole
+    assert read_whole(dump, BY_ADDRESS, "listing x") == whole
     assert len(asked) == 2
     assert len(pauses) == 1 and 0 < pauses[0] < 0.1
 
@@ -130,12 +135,21 @@ def test_a_dump_disturbed_every_time_is_an_eintr_and_repeats_count_only_for_elem
     repeated = [("10.0.0.1", "a"), ("10.0.0.1", "a")]
     asked, dump = _scripted(*[repeated] * 10)
     with pytest.raises(NftError) as caught:
-        read_whole(dump, lambda e: e[0], "listing x")
+        read_whole(dump, BY_ADDRESS, "listing x")
     assert caught.value.errno == errno.EINTR and "listing x" in str(caught.value)
     assert len(asked) == 5 and pauses == sorted(pauses) and sum(pauses) < 0.1
     # Rules and sets are lists: the same object twice is not a disturbed dump.
     asked, dump = _scripted(repeated)
     assert read_whole(dump, None, "rules of c") == repeated
+
+
+def test_a_dump_whose_messages_carry_two_generations_was_interrupted() -> None:
+    """``res_id``, the generation's low 16 bits, in each message's ``nfgenmsg``."""
+    message = struct.Struct("=BBH")
+    quiet = [message.pack(2, 0, 0x0400) + b"elements", message.pack(2, 0, 0x0400)]
+    assert one_generation(quiet) and one_generation([]) and one_generation(quiet[:1])
+    assert not one_generation([*quiet, message.pack(2, 0, 0x0500) + b"elements"])
+    assert each_once([b"a", b"b"]) and not each_once([b"a", b"b", b"a"])
 
 
 def test_an_elements_key_is_cut_from_its_dumped_bytes_without_its_value() -> None:

@@ -138,6 +138,7 @@ class AffinityCleaner:
             except NftError as err:
                 failures += 1
                 log.warning("listing session affinity map %s failed: %s", name, err)
+                self._again(name, losses, pin_losses)
                 continue
             deletes.update(((name, key), None) for key, value in entries if test(key, value))
         if not deletes:
@@ -151,11 +152,21 @@ class AffinityCleaner:
             failures += 1
             log.warning("deleting %d stale session affinity entries failed: %s", len(deletes), err)
             for name in types:
-                if name in losses:
-                    self.losses.setdefault(name, losses[name])
-                else:
-                    self.pin_losses.setdefault(name, {}).update(pin_losses[name])
+                self._again(name, losses, pin_losses)
         return failures
+
+    def _again(
+        self,
+        name: str,
+        losses: dict[str, frozenset[Key]],
+        pin_losses: dict[str, dict[Key, AffinityPin]],
+    ) -> None:
+        """Note map ``name``'s losses again, for the next cleaning (its listing or the
+        deletion failed)."""
+        if name in losses:
+            self.losses.setdefault(name, losses[name])
+        else:
+            self.pin_losses.setdefault(name, {}).update(pin_losses[name])
 
 
 def _per_port(allowed: frozenset[Key]) -> Callable[[Key, Key], bool]:

@@ -20,7 +20,7 @@ import errno
 import operator
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Final
 
@@ -30,7 +30,10 @@ from kubeproxy.backends.nftables.declarations import Declaration
 from kubeproxy.backends.nftables.elements import (
     SUPPORTED_TYPES,
     decode_parts,
+    each_key_once,
+    each_once,
     element_encoder,
+    one_generation,
     read_whole,
 )
 from kubeproxy.backends.nftables.objects import Family, NftError, validate_name
@@ -134,7 +137,8 @@ class TableReader:
         return read_whole(lambda: self._dump_once(family, kind, body, what), None, what)
 
     def _dump_once(self, family: Family, kind: int, body: bytes, what: str) -> list[bytes] | None:
-        """The payloads of one dump; None when a commit interrupted it."""
+        """The payloads of one dump; None when a commit interrupted it (the kernel's
+        flag, or :func:`~.elements.one_generation`)."""
         seq = self.channel.next_seq()
         request = nlmsg.message(
             nlmsg.nfnl_type(nlmsg.NFNL_SUBSYS_NFTABLES, kind),
@@ -146,7 +150,7 @@ class TableReader:
             answers, interrupted = self.channel.request(
                 request, seq, what, dump=True, bufsize=1 << 20
             )
-        if interrupted:
+        if interrupted or not one_generation(payload for _kind, payload in answers):
             return None
         return [payload[nlmsg.NFGEN.size :] for _kind, payload in answers]
 
@@ -208,7 +212,8 @@ class TableReader:
                         items.extend(_items(value, key_types, value_types))
             return items
 
-        items = read_whole(dump, operator.attrgetter("key"), what)
+        once = None if declaration.interval else each_key_once(operator.attrgetter("key"))
+        items = read_whole(dump, once, what)
         if containing is not None:
             items = [i for i in items if i.comment is not None and containing in i.comment]
         return items
@@ -239,7 +244,15 @@ class TableReader:
                         out.extend(_blobs(payload, start, end))
             return out
 
-        return read_whole(dump, _blob_key, what)
+        # A range's end is an element of its own, keyed as the next range's start: the
+        # kernel walks ranges in order (no resize), so they are not checked. A dumped
+        # element's bytes differ between two dumps only by its expiration.
+        once: Callable[[list[bytes]], bool] | None = each_once
+        if declaration.interval:
+            once = None
+        elif declaration.timeout is not None or "timeout" in declaration.flags:
+            once = each_key_once(_blob_key)
+        return read_whole(dump, once, what)
 
     def probe_blobs(
         self, family: Family, name: str, declaration: Declaration, elements: Sequence[bytes]
