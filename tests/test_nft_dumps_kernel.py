@@ -21,8 +21,9 @@ Namespaces are named ``kpxrz-...`` and deleted whatever happens.
 
 from __future__ import annotations
 
+import contextlib
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -43,7 +44,9 @@ ADDRESSES = 800
 NAMES = ("socket", "decoded", "bytes")
 
 
-def test_every_reader_gives_each_element_once_while_the_set_is_resized() -> None:
+@contextlib.contextmanager
+def _one_set() -> Iterator[tuple[OwnedNftables, TableReader]]:
+    """A namespace whose table holds set ``addresses``; our socket and a table reader's."""
     with lone_namespace(PREFIX) as ns:
         # owner_flags 0: ownership is not what is tested here, and any kernel has this.
         executor = OwnedNftables(ns.name, owner_flags=0)
@@ -53,44 +56,49 @@ def test_every_reader_gives_each_element_once_while_the_set_is_resized() -> None
             tx.add(Table())
             tx.add(Set("addresses", "ipv4_addr"))
             executor.run(tx)
-            declaration = reader.sets(Family.IP)["addresses"]
-            readers: dict[str, Callable[[], list[Key]]] = {
-                "socket": lambda: [
-                    key
-                    for key, _value in executor.read_elements(
-                        Family.IP, TABLE, "addresses", TYPES["addresses"]
-                    )
-                ],
-                "decoded": lambda: [
-                    item.key for item in reader.elements(Family.IP, "addresses", declaration)
-                ],
-                "bytes": lambda: [
-                    item.key
-                    for item in reader.decode_blobs(
-                        declaration, reader.element_blobs(Family.IP, "addresses", declaration)
-                    )
-                ],
-            }
-            for cycle in range(CYCLES):
-                addresses = [f"10.{cycle}.{i // 256}.{i % 256}" for i in range(ADDRESSES)]
-                wanted = sorted((a,) for a in addresses)
-                for start in range(0, ADDRESSES, 100):
-                    adds = [("addresses", (a,), ()) for a in addresses[start : start + 100]]
-                    executor.post_elements(ElementBatch(Family.IP, TABLE, TYPES, adds=adds))
-                executor.settle_elements()  # the table reader's socket does not wait
-                # Each reader reads first in a third of the cycles (the first read is
-                # the one that meets the resize).
-                for name in NAMES[cycle % 3 :] + NAMES[: cycle % 3]:
-                    read = readers[name]()
-                    assert sorted(read) == wanted, (
-                        f"cycle {cycle}, the {name} reader: {len(read)} elements, "
-                        f"{len(set(read))} distinct, of {ADDRESSES}"
-                    )
-                deletes = [("addresses", (a,)) for a in addresses]
-                executor.write_elements(ElementBatch(Family.IP, TABLE, TYPES, deletes=deletes))
+            yield executor, reader
         finally:
             reader.close()
             executor.close()
+
+
+def test_every_reader_gives_each_element_once_while_the_set_is_resized() -> None:
+    with _one_set() as (executor, reader):
+        declaration = reader.sets(Family.IP)["addresses"]
+        readers: dict[str, Callable[[], list[Key]]] = {
+            "socket": lambda: [
+                key
+                for key, _value in executor.read_elements(
+                    Family.IP, TABLE, "addresses", TYPES["addresses"]
+                )
+            ],
+            "decoded": lambda: [
+                item.key for item in reader.elements(Family.IP, "addresses", declaration)
+            ],
+            "bytes": lambda: [
+                item.key
+                for item in reader.decode_blobs(
+                    declaration, reader.element_blobs(Family.IP, "addresses", declaration)
+                )
+            ],
+        }
+        for cycle in range(CYCLES):
+            addresses = [f"10.{cycle}.{i // 256}.{i % 256}" for i in range(ADDRESSES)]
+            wanted = sorted((a,) for a in addresses)
+            for start in range(0, ADDRESSES, 100):
+                adds = [("addresses", (a,), ()) for a in addresses[start : start + 100]]
+                executor.post_elements(ElementBatch(Family.IP, TABLE, TYPES, adds=adds))
+            executor.settle_elements()  # the table reader's socket does not wait
+            # Each reader reads first in a third of the cycles (the first read is
+            # the one that meets the resize).
+            for name in NAMES[cycle % 3 :] + NAMES[: cycle % 3]:
+                read = readers[name]()
+                assert sorted(read) == wanted, (
+                    f"cycle {cycle}, the {name} reader: {len(read)} elements, "
+                    f"{len(set(read))} distinct, of {ADDRESSES}"
+                )
+            deletes = [("addresses", (a,)) for a in addresses]
+            executor.write_elements(ElementBatch(Family.IP, TABLE, TYPES, deletes=deletes))
 
 
 class _CommitAfterFirstMessage:
@@ -123,39 +131,27 @@ def test_a_commit_between_two_messages_of_a_dump_is_not_missed(reading: str) -> 
     """The kernel flags no element dump ``NLM_F_DUMP_INTR``; deleting elements the walk
     already passed makes the next messages skip as many live ones. Each message's
     generation (``res_id``) says a commit came between them."""
-    with lone_namespace(PREFIX) as ns:
-        executor = OwnedNftables(ns.name, owner_flags=0)
-        reader = TableReader(ns.name)
-        try:
-            tx = Transaction(Family.IP, TABLE)
-            tx.add(Table())
-            tx.add(Set("addresses", "ipv4_addr"))
-            executor.run(tx)
-            addresses = [f"10.{i // 65536}.{(i // 256) % 256}.{i % 256}" for i in range(20_000)]
-            for start in range(0, len(addresses), 5000):
-                adds = [("addresses", (a,), ()) for a in addresses[start : start + 5000]]
-                executor.write_elements(ElementBatch(Family.IP, TABLE, TYPES, adds=adds))
-            gone = addresses[::10]
-            declaration = reader.sets(Family.IP)["addresses"]
-            sock = _CommitAfterFirstMessage(
-                reader.channel.sock,
-                lambda: executor.write_elements(
-                    ElementBatch(
-                        Family.IP, TABLE, TYPES, deletes=[("addresses", (a,)) for a in gone]
-                    )
-                ),
-            )
-            reader.channel.sock = sock  # type: ignore[assignment]
-            if reading == "decoded":
-                read = [i.key for i in reader.elements(Family.IP, "addresses", declaration)]
-            else:
-                blobs = reader.element_blobs(Family.IP, "addresses", declaration)
-                read = [i.key for i in reader.decode_blobs(declaration, blobs)]
-            assert sock.committed
-            assert sorted(read) == sorted((a,) for a in set(addresses) - set(gone)), (
-                f"{len(read)} elements read, {len(addresses) - len(gone)} held"
-            )
-            assert sock.requests == 2  # the interrupted dump, and the whole one
-        finally:
-            reader.close()
-            executor.close()
+    with _one_set() as (executor, reader):
+        addresses = [f"10.{i // 65536}.{(i // 256) % 256}.{i % 256}" for i in range(20_000)]
+        for start in range(0, len(addresses), 5000):
+            adds = [("addresses", (a,), ()) for a in addresses[start : start + 5000]]
+            executor.write_elements(ElementBatch(Family.IP, TABLE, TYPES, adds=adds))
+        gone = addresses[::10]
+        declaration = reader.sets(Family.IP)["addresses"]
+        sock = _CommitAfterFirstMessage(
+            reader.channel.sock,
+            lambda: executor.write_elements(
+                ElementBatch(Family.IP, TABLE, TYPES, deletes=[("addresses", (a,)) for a in gone])
+            ),
+        )
+        reader.channel.sock = sock  # type: ignore[assignment]
+        if reading == "decoded":
+            read = [i.key for i in reader.elements(Family.IP, "addresses", declaration)]
+        else:
+            blobs = reader.element_blobs(Family.IP, "addresses", declaration)
+            read = [i.key for i in reader.decode_blobs(declaration, blobs)]
+        assert sock.committed
+        assert sorted(read) == sorted((a,) for a in set(addresses) - set(gone)), (
+            f"{len(read)} elements read, {len(addresses) - len(gone)} held"
+        )
+        assert sock.requests == 2  # the interrupted dump, and the whole one
