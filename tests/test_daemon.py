@@ -47,6 +47,7 @@ from kubeproxy.daemon import (
 )
 from kubeproxy.daemon.privileged import HostPaths, conntrack_sysctls
 from kubeproxy.daemon.sources import SourceTuning
+from kubeproxy.events import EventRecorder
 from kubeproxy.host.netlink import FakeHostAddresses, HostAddresses
 from kubeproxy.host.sysctl import conntrack_max, detect_cpus
 from kubeproxy.objects import IPFamily, Protocol
@@ -376,7 +377,10 @@ def test_daemon_end_to_end(namespaces: NodeAndPod, fake: FakeAPIServer, tmp_path
         assert values.get(f"kubeproxy_sync_proxy_rules_nftables_sync_failures_total{v4}", 0) == 0
         assert get(daemon.metrics_server.port, "/proxyMode")[2] == b"nftables"
 
-        # The birth cry reached the API server.
+        # The birth cry reached the API server: posted by the recorder's thread, so
+        # waited for (an event thread 0.2 s late failed this once in 5 without it).
+        assert isinstance(daemon.events, EventRecorder)
+        assert daemon.events.flush(10), "events still queued"
         starting = events_by_reason(fake)["Starting"]
         assert len(starting) == 1
         assert starting[0]["action"] == "StartKubeProxy" and starting[0]["type"] == "Normal"
