@@ -47,6 +47,7 @@ from kubeproxy.daemon import (
 )
 from kubeproxy.daemon.privileged import HostPaths, conntrack_sysctls
 from kubeproxy.daemon.sources import SourceTuning
+from kubeproxy.events import EventRecorder
 from kubeproxy.host.netlink import FakeHostAddresses, HostAddresses
 from kubeproxy.host.sysctl import conntrack_max, detect_cpus
 from kubeproxy.objects import IPFamily, Protocol
@@ -328,11 +329,34 @@ def test_daemon_end_to_end(namespaces: NodeAndPod, fake: FakeAPIServer, tmp_path
         # it: the packets follow that switch, a moment later.
         wait_for(lambda: answered_by(namespaces.node_fd, "172.30.0.10") == f"{EP1}:8080", "EP1")
         assert answered_by(namespaces.node_fd, "172.30.0.20") == f"{EP2}:8080"
+        # The collector is tuned by a hook that runs after the sync returns, a moment
+        # after its switch reached the kernel (a 20 ms stall of the sync thread there
+        # failed this 5 times in 20): wait for the hook, then check what it did.
+        wait_for(lambda: len(gc_calls) >= 4, "the collector tuned", state=lambda: gc_calls)
         assert gc_calls == ["disable", "freeze", "threshold 20000 10 10", "enable"]
 
         # A change on the server reaches the kernel, and packets follow it.
         fake.apply(slice_of("web-a", "web", EP2))
         wait_for(lambda: answered_by(namespaces.node_fd, "172.30.0.10") == f"{EP2}:8080", "EP2")
+
+        # The sync that wrote EP2 is counted when it returns, and its latency after that,
+        # a moment after its packets follow it (a 20 ms stall of the sync thread there
+        # failed the count below once in 10; test_example_proxy waits the same way).
+        v4 = '{ip_family="IPv4"}'
+
+        def scraped() -> dict[str, float]:
+            code, _, text = get(daemon.metrics_server.port, "/metrics")
+            assert code == 200
+            return metric_values(text.decode())
+
+        def second_sync_counted() -> bool:
+            values = scraped()
+            return (
+                values.get(f"kubeproxy_sync_proxy_rules_duration_seconds_count{v4}", 0) >= 2
+                and values.get(f"kubeproxy_network_programming_duration_seconds_count{v4}", 0) >= 1
+            )
+
+        wait_for(second_sync_counted, "the second sync counted")
 
         # /healthz, /livez, /metrics and /proxyMode on 127.0.0.1.
         code, headers, body = get(daemon.health_server.port, "/healthz")
@@ -342,10 +366,7 @@ def test_daemon_end_to_end(namespaces: NodeAndPod, fake: FakeAPIServer, tmp_path
         assert health["status"]["IPv4"]["healthy"] is True
         assert set(health) == {"lastUpdated", "currentTime", "nodeEligible", "healthy", "status"}
         assert get(daemon.health_server.port, "/livez")[0] == 200
-        code, _, text = get(daemon.metrics_server.port, "/metrics")
-        assert code == 200
-        values = metric_values(text.decode())
-        v4 = '{ip_family="IPv4"}'
+        values = scraped()
         assert values[f"kubeproxy_sync_proxy_rules_last_timestamp_seconds{v4}"] > 1e9
         assert values[f"kubeproxy_sync_proxy_rules_duration_seconds_count{v4}"] >= 2
         assert values[f"kubeproxy_sync_full_proxy_rules_duration_seconds_count{v4}"] >= 1
@@ -356,7 +377,10 @@ def test_daemon_end_to_end(namespaces: NodeAndPod, fake: FakeAPIServer, tmp_path
         assert values.get(f"kubeproxy_sync_proxy_rules_nftables_sync_failures_total{v4}", 0) == 0
         assert get(daemon.metrics_server.port, "/proxyMode")[2] == b"nftables"
 
-        # The birth cry reached the API server.
+        # The birth cry reached the API server: posted by the recorder's thread, so
+        # waited for (an event thread 0.2 s late failed this once in 5 without it).
+        assert isinstance(daemon.events, EventRecorder)
+        assert daemon.events.flush(10), "events still queued"
         starting = events_by_reason(fake)["Starting"]
         assert len(starting) == 1
         assert starting[0]["action"] == "StartKubeProxy" and starting[0]["type"] == "Normal"

@@ -116,11 +116,13 @@ def test_address_watcher_hears_addresses_come_and_go(netns: str) -> None:
     thread.start()
     scale = default_timeout()  # waits grow under emulation (make test-kernels)
     try:
-        # Subscribed once a quiet spell passes with nothing heard. The fixture's own
-        # changes can still be announced late on a busy machine (an IPv6 address on a
-        # link that just came up is announced again from the kernel's work queue), so
-        # wait them out rather than fail on them; every later step makes or checks its
-        # own change.
+        # Subscribed: a change made before would never be heard (a quiet spell of 0.2 s
+        # stood for this; a thread subscribing 0.25 s late failed the test 5 runs in 5).
+        assert watcher.listening.wait(5 * scale), "the watcher never subscribed"
+        # The fixture's own changes can still be announced late on a busy machine (an
+        # IPv6 address on a link that just came up is announced again from the kernel's
+        # work queue), so wait them out rather than fail on them; every later step makes
+        # or checks its own change.
         for _ in range(10):
             heard.clear()
             time.sleep(0.2 * scale)
@@ -142,6 +144,7 @@ def test_address_watcher_hears_addresses_come_and_go(netns: str) -> None:
         watcher.close()
         thread.join(5 * scale)
     assert not thread.is_alive()
+    assert not watcher.listening.is_set()  # ended: it hears nothing more
 
 
 def test_address_watcher_gives_up_with_one_line_without_its_namespace(
@@ -150,3 +153,4 @@ def test_address_watcher_gives_up_with_one_line_without_its_namespace(
     watcher = AddressWatcher(lambda: None, "kpxp-missing", netns_dir=tmp_path)
     watcher.run(threading.Event())
     assert "Cannot watch the host's addresses" in caplog.text
+    assert not watcher.listening.is_set()  # nobody waiting for it may think it hears

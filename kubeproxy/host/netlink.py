@@ -174,7 +174,8 @@ class AddressWatcher:
     changes, and a new address is followed at once instead of at the next unrelated
     sync. A lost event (the socket's buffer overflowed) counts as a change. The thread
     sleeps until an event comes, :meth:`close` is called, or ``poll_interval`` passes
-    (then it looks at ``stop``).
+    (then it looks at ``stop``). :attr:`listening` is set once the thread is subscribed:
+    a change made before that is not heard (only the next full sync follows it).
     """
 
     def __init__(
@@ -192,6 +193,10 @@ class AddressWatcher:
         self._lock = threading.Lock()
         self._wake: socket.socket | None = None
         self._closed = False
+        self.listening = threading.Event()
+        """Set once :meth:`run` is subscribed to the address events (never if it cannot
+        be): a caller that must hear a change it makes next waits for it, since the
+        thread that subscribes may start late on a busy machine."""
 
     def close(self) -> None:
         """Have :meth:`run` return now (or as soon as it starts)."""
@@ -230,6 +235,7 @@ class AddressWatcher:
         woken, wake = socket.socketpair()
         with self._lock:
             self._wake = wake
+        self.listening.set()  # bound: every event from here on is queued on ``sock``
         with sock, woken, wake, selectors.DefaultSelector() as selector:
             sock.setblocking(False)
             selector.register(sock, selectors.EVENT_READ)
@@ -251,6 +257,7 @@ class AddressWatcher:
                     self._notify()
         with self._lock:
             self._wake = None
+        self.listening.clear()
 
     def _notify(self) -> None:
         try:
