@@ -16,7 +16,8 @@ import socket
 from collections.abc import Iterator
 
 import kubeproxy.host.nlmsg as nlmsg
-from kubeproxy.backends.nftables.elements import each_once, one_generation, read_whole
+from kubeproxy.backends.nftables.batchsocket import one_generation
+from kubeproxy.backends.nftables.elements import each_once, read_whole
 from kubeproxy.host.netns import run_in_netns
 
 __all__ = ["dump", "dump_text"]

@@ -19,7 +19,12 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kubeproxy.backends.nftables.batchsocket import BatchSocket, answers, batch_refusal
+from kubeproxy.backends.nftables.batchsocket import (
+    BatchSocket,
+    answers,
+    batch_refusal,
+    one_generation,
+)
 from kubeproxy.backends.nftables.elements import (
     ElementBatch,
     ElementWriter,
@@ -32,7 +37,6 @@ from kubeproxy.backends.nftables.elements import (
     element_encoder,
     element_frames,
     encode_part,
-    one_generation,
     pair_elements,
     read_whole,
     slot_elements,

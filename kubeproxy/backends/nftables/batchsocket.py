@@ -40,7 +40,7 @@ import socket
 import struct
 import sys
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -49,7 +49,15 @@ from kubeproxy.backends.nftables.objects import NftError
 from kubeproxy.backends.nftables.pipeline import Pipeline
 from kubeproxy.host.netns import run_in_netns
 
-__all__ = ["BatchSocket", "Encoded", "Frame", "Refusable", "answers", "batch_refusal"]
+__all__ = [
+    "BatchSocket",
+    "Encoded",
+    "Frame",
+    "Refusable",
+    "answers",
+    "batch_refusal",
+    "one_generation",
+]
 
 _SO_SNDBUFFORCE = 32
 _SO_RCVBUFFORCE = 33
@@ -355,11 +363,12 @@ class BatchSocket:
         self, message: bytes, seq: int, what: str, *, dump: bool = False, bufsize: int = 1 << 16
     ) -> tuple[list[tuple[int, bytes]], bool]:
         """Send one request that is not part of a batch (a ``GET`` of one object, or with
-        ``dump`` a dump) and return the type and payload of each answer, and whether the
-        kernel said a commit interrupted the dump (``NLM_F_DUMP_INTR``: it may miss
-        objects). A refusal raises :class:`NftError` with the kernel's errno (``ENOENT``
-        for a missing object); socket errors replace the socket and raise one too.
-        Sent after any posted batches."""
+        ``dump`` a dump) and return the type and payload of each answer, and whether a
+        commit interrupted the dump (it may miss objects): the kernel's
+        ``NLM_F_DUMP_INTR``, or answers of two generations (:func:`one_generation`). A
+        refusal raises :class:`NftError` with the kernel's errno (``ENOENT`` for a
+        missing object); socket errors replace the socket and raise one too. Sent after
+        any posted batches."""
         self._pipeline.idle()
         with self._io:
             return self._request(message, seq, what, dump=dump, bufsize=bufsize)
@@ -376,7 +385,8 @@ class BatchSocket:
                 answers.append((kind, bytes(data[start:end])))
                 if not dump:
                     break  # one answer, and no end of a dump to wait for
-            return answers, reader.interrupted
+            interrupted = reader.interrupted or not one_generation(p for _k, p in answers)
+            return answers, interrupted
         except nlmsg.NetlinkError as err:  # refused: the socket is fine
             code = err.errno or _errno.EIO
             raise NftError(f"{what}: {os.strerror(code)}", code) from None
@@ -424,6 +434,28 @@ class BatchSocket:
             self.replace()
             code = err.errno if isinstance(err, OSError) and err.errno else _errno.EIO
             raise NftError(f"{what}: {err}", code) from err
+
+
+def one_generation(payloads: Iterable[bytes]) -> bool:
+    """Whether every message of an nf_tables dump (each payload from its ``nfgenmsg``
+    on) was filled in one generation of the ruleset: its ``res_id`` is the low 16 bits
+    of the generation when the kernel filled it.
+
+    Why not ``NLM_F_DUMP_INTR``: the kernel sets it for dumps of rules, chains and sets
+    but not for a set's elements (``nf_tables_dump_set`` never checks the dump's
+    consistency), and a commit that removes elements between two messages makes the
+    next message skip as many live ones. Measured (a reviewer, Linux 6.18): 50 of 5000
+    elements deleted between the first and second message left out 30-46 live elements
+    in each of 10 dumps, with no repeat and no flag; the messages' ``res_id`` went
+    4, 4, 5, 5."""
+    first: bytes | None = None
+    for payload in payloads:
+        generation = payload[2:4]
+        if first is None:
+            first = generation
+        elif generation != first:
+            return False
+    return True
 
 
 def batch_refusal(what: str, code: int, message: str) -> NftError:

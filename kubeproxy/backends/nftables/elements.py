@@ -29,7 +29,7 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar, overload
 
@@ -59,7 +59,6 @@ __all__ = [
     "element_encoder",
     "element_frames",
     "encode_part",
-    "one_generation",
     "pair_elements",
     "read_whole",
     "slot_elements",
@@ -780,8 +779,8 @@ class ElementWriter:
     def _read_once(
         self, body: bytes, container: str, types: tuple[tuple[str, ...], tuple[str, ...]]
     ) -> list[tuple[Key, Key]] | None:
-        """One dump; None when a commit interrupted it (:func:`one_generation`: what it
-        returned may miss elements)."""
+        """One dump; None when a commit interrupted it (:meth:`.BatchSocket.request`:
+        what it returned may miss elements)."""
         channel = self.channel
         seq = channel.next_seq()
         message_type = nlmsg.nfnl_type(nlmsg.NFNL_SUBSYS_NFTABLES, _NFT_MSG_GETSETELEM)
@@ -789,13 +788,13 @@ class ElementWriter:
         answers, interrupted = channel.request(
             request, seq, f"listing {container}", dump=True, bufsize=1 << 20
         )
-        elements = [payload for kind, payload in answers if kind & 0xFF == _NFT_MSG_NEWSETELEM]
-        if interrupted or not one_generation(elements):
+        if interrupted:
             return None
         out: list[tuple[Key, Key]] = []
-        for payload in elements:
-            data = payload[nlmsg.NFGEN.size :]
-            out.extend(_elements(data, 0, len(data), types))
+        for kind, payload in answers:
+            if kind & 0xFF == _NFT_MSG_NEWSETELEM:
+                data = payload[nlmsg.NFGEN.size :]
+                out.extend(_elements(data, 0, len(data), types))
         return out
 
 
@@ -807,10 +806,11 @@ def read_whole(
     once: Callable[[list[_Read]], bool] | None,
     what: str,
 ) -> list[_Read]:
-    """What ``dump`` (one dump; None when it was interrupted: see :func:`one_generation`)
-    gives, asked again until it is whole: not interrupted and, for the elements of a
-    hash set or map, each given ``once`` (:func:`each_once`, :func:`each_key_once`;
-    None: a dump of rules, sets or ranges, which the kernel walks in a stable order).
+    """What ``dump`` (one dump; None when a commit interrupted it:
+    :meth:`.BatchSocket.request`) gives, asked again until it is whole: not interrupted
+    and, for the elements of a hash set or map, each given ``once`` (:func:`each_once`,
+    :func:`each_key_once`; None: a dump of rules, sets or ranges, which the kernel walks
+    in a stable order).
 
     Why a repeat means asking again: a set of ours is a hash table that the kernel
     resizes, in a worker, after the insertions that filled it (or the deletions that
@@ -824,8 +824,8 @@ def read_whole(
     disturbed; and with no element removed between two messages the last message's walk
     goes on to the table's end, so a dump gives at least as many elements as the set
     holds: one left out means another was repeated. Removals are what is not caught
-    this way: a commit's (:func:`one_generation` catches those) and the kernel's
-    collector's, removing expired elements of a map with timeouts (the affinity maps)
+    this way: a commit's (:func:`.batchsocket.one_generation` catches those) and the
+    kernel's collector's, removing expired elements of a map with timeouts (the affinity maps)
     between two messages: every later message skips as many live elements, unseen.
     Raises :class:`NftError` (``EINTR``) after :data:`_DUMP_ATTEMPTS` disturbed dumps."""
     for attempt in range(_DUMP_ATTEMPTS):
@@ -846,28 +846,6 @@ def each_once(items: Sequence[Hashable]) -> bool:
 def each_key_once(key: Callable[[_Read], Hashable]) -> Callable[[Sequence[_Read]], bool]:
     """A check that no two items have one ``key``."""
     return lambda items: len({key(item) for item in items}) == len(items)
-
-
-def one_generation(payloads: Iterable[bytes]) -> bool:
-    """Whether every message of an nf_tables dump (each payload from its ``nfgenmsg``
-    on) was filled in one generation of the ruleset: its ``res_id`` is the low 16 bits
-    of the generation when the kernel filled it.
-
-    Why not ``NLM_F_DUMP_INTR``: the kernel sets it for dumps of rules, chains and sets
-    but not for a set's elements (``nf_tables_dump_set`` never checks the dump's
-    consistency), and a commit that removes elements between two messages makes the
-    next message skip as many live ones. Measured (a reviewer, Linux 6.18): 50 of 5000
-    elements deleted between the first and second message left out 30-46 live elements
-    in each of 10 dumps, with no repeat and no flag; the messages' ``res_id`` went
-    4, 4, 5, 5."""
-    first: bytes | None = None
-    for payload in payloads:
-        generation = payload[2:4]
-        if first is None:
-            first = generation
-        elif generation != first:
-            return False
-    return True
 
 
 def element_frames(batch: ElementBatch) -> list[Frame]:

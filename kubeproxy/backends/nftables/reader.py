@@ -33,7 +33,6 @@ from kubeproxy.backends.nftables.elements import (
     each_key_once,
     each_once,
     element_encoder,
-    one_generation,
     read_whole,
 )
 from kubeproxy.backends.nftables.objects import Family, NftError, validate_name
@@ -137,8 +136,8 @@ class TableReader:
         return read_whole(lambda: self._dump_once(family, kind, body, what), None, what)
 
     def _dump_once(self, family: Family, kind: int, body: bytes, what: str) -> list[bytes] | None:
-        """The payloads of one dump; None when a commit interrupted it (the kernel's
-        flag, or :func:`~.elements.one_generation`)."""
+        """The payloads of one dump; None when a commit interrupted it
+        (:meth:`.BatchSocket.request`)."""
         seq = self.channel.next_seq()
         request = nlmsg.message(
             nlmsg.nfnl_type(nlmsg.NFNL_SUBSYS_NFTABLES, kind),
@@ -150,7 +149,7 @@ class TableReader:
             answers, interrupted = self.channel.request(
                 request, seq, what, dump=True, bufsize=1 << 20
             )
-        if interrupted or not one_generation(payload for _kind, payload in answers):
+        if interrupted:
             return None
         return [payload[nlmsg.NFGEN.size :] for _kind, payload in answers]
 
