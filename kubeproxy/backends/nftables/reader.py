@@ -22,7 +22,7 @@ import os
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Final
+from typing import Final, TypeVar
 
 import kubeproxy.host.nlmsg as nlmsg
 from kubeproxy.backends.nftables.batchsocket import BatchSocket
@@ -42,6 +42,8 @@ __all__ = ["PROBE_BATCH", "VERDICTS", "Item", "RuleRefs", "TableReader", "verdic
 
 Key = tuple[str, ...]
 
+_Element = TypeVar("_Element")
+"""What one dump of a set gives per element: an :class:`Item`, or its bytes."""
 _FAMILY_NUMBERS: Final = {Family.IP: 2, Family.IP6: 10}
 _NEWRULE, _GETRULE, _NEWSET, _GETSET, _NEWSETELEM, _GETSETELEM = 6, 7, 9, 10, 12, 13
 _LIST_TABLE, _LIST_SET, _LIST_ELEMENTS = 1, 2, 3
@@ -193,26 +195,19 @@ class TableReader:
         value_types = tuple(f.datatype.name for f in declaration.value or ())
         if not set(key_types + value_types) <= SUPPORTED_TYPES:
             raise NftError(f"set {name}: data types not read here", errno.EINVAL)
-        body = nlmsg.attr(_LIST_TABLE, nlmsg.string(self.table))
-        body += nlmsg.attr(_LIST_SET, nlmsg.string(name))
         needle = containing.encode() if containing is not None else None
-        what = f"listing {name}"
 
-        def dump() -> list[Item] | None:
-            payloads = self._dump_once(family, _GETSETELEM, body, what)
-            if payloads is None:
-                return None
+        def decode(payload: bytes) -> list[Item]:
+            if needle is not None and needle not in payload:
+                return []
             items: list[Item] = []
-            for payload in payloads:
-                if needle is not None and needle not in payload:
-                    continue
-                for kind, value in nlmsg.attribute_values(payload):
-                    if kind == _LIST_ELEMENTS:
-                        items.extend(_items(value, key_types, value_types))
+            for kind, value in nlmsg.attribute_values(payload):
+                if kind == _LIST_ELEMENTS:
+                    items.extend(_items(value, key_types, value_types))
             return items
 
         once = None if declaration.interval else each_key_once(operator.attrgetter("key"))
-        items = read_whole(dump, once, what)
+        items = self._element_dump(family, name, decode, once)
         if containing is not None:
             items = [i for i in items if i.comment is not None and containing in i.comment]
         return items
@@ -228,20 +223,13 @@ class TableReader:
         (:meth:`decode_blobs`). A message whose elements all have one length (every
         container without comments) is cut by slicing."""
         validate_name("set", name)
-        body = nlmsg.attr(_LIST_TABLE, nlmsg.string(self.table))
-        body += nlmsg.attr(_LIST_SET, nlmsg.string(name))
-        what = f"listing {name}"
 
-        def dump() -> list[bytes] | None:
-            payloads = self._dump_once(family, _GETSETELEM, body, what)
-            if payloads is None:
-                return None
-            out: list[bytes] = []
-            for payload in payloads:
-                for kind, start, end in nlmsg.attributes(payload, 0, len(payload)):
-                    if kind == _LIST_ELEMENTS:
-                        out.extend(_blobs(payload, start, end))
-            return out
+        def decode(payload: bytes) -> list[bytes]:
+            blobs: list[bytes] = []
+            for kind, start, end in nlmsg.attributes(payload, 0, len(payload)):
+                if kind == _LIST_ELEMENTS:
+                    blobs.extend(_blobs(payload, start, end))
+            return blobs
 
         # A range's end is an element of its own, keyed as the next range's start: the
         # kernel walks ranges in order (no resize), so they are not checked. A dumped
@@ -251,6 +239,27 @@ class TableReader:
             once = None
         elif declaration.timeout is not None or "timeout" in declaration.flags:
             once = each_key_once(_blob_key)
+        return self._element_dump(family, name, decode, once)
+
+    def _element_dump(
+        self,
+        family: Family,
+        name: str,
+        decode: Callable[[bytes], list[_Element]],
+        once: Callable[[list[_Element]], bool] | None,
+    ) -> list[_Element]:
+        """What ``decode`` makes of each answer of a dump of set ``name``'s elements,
+        the dump asked again until it is whole (:func:`~.elements.read_whole`)."""
+        body = nlmsg.attr(_LIST_TABLE, nlmsg.string(self.table))
+        body += nlmsg.attr(_LIST_SET, nlmsg.string(name))
+        what = f"listing {name}"
+
+        def dump() -> list[_Element] | None:
+            payloads = self._dump_once(family, _GETSETELEM, body, what)
+            if payloads is None:
+                return None
+            return [element for payload in payloads for element in decode(payload)]
+
         return read_whole(dump, once, what)
 
     def probe_blobs(
